@@ -1,0 +1,222 @@
+/*
+ * ferry: Mixture-of-Experts token dispatch and combine across ranks.
+ *
+ * Public C99 API. Everything else in the tree is private.
+ *
+ *   ferry_comm_t  a communicator: who the ranks are and how they met.
+ *   ferry_ep_t    an expert-parallel context: buffers, peers, paths.
+ *
+ * A round is one dispatch and the combine that answers it:
+ *
+ *   ferry_dispatch_send(ep, &din, &round);   pack and start transfers
+ *   ferry_dispatch_recv(ep, round, &dout);   wait, lay out per local expert
+ *   ... run the local experts on dout.expert_x, producing expert_y ...
+ *   ferry_combine_send(ep, round, &cin);     send expert outputs back
+ *   ferry_combine_recv(ep, round, &cout);    wait, weighted sum per token
+ *
+ * Two rounds may be in flight at once (two micro-batches); starting a third
+ * before the first finished its combine_recv is FERRY_ERR_STATE.
+ */
+#ifndef FERRY_H
+#define FERRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FERRY_VERSION_MAJOR 0
+#define FERRY_VERSION_MINOR 1
+#define FERRY_VERSION_PATCH 0
+#define FERRY_VERSION_CODE                                                     \
+    (FERRY_VERSION_MAJOR * 10000 + FERRY_VERSION_MINOR * 100 +                 \
+     FERRY_VERSION_PATCH)
+
+/* Status codes: 0 is success, errors are negative. */
+typedef enum ferry_status {
+    FERRY_OK = 0,
+    FERRY_ERR_INVALID = -1,     /* a bad argument; the message names it */
+    FERRY_ERR_UNSUPPORTED = -2, /* valid, but not supported (e.g. fp8, H%128) */
+    FERRY_ERR_NOMEM = -3,       /* allocation or mapping failed */
+    FERRY_ERR_SYSTEM = -4,      /* an OS call failed (errno in the message) */
+    FERRY_ERR_FABRIC = -5,      /* libfabric reported an error */
+    FERRY_ERR_TIMEOUT = -6,     /* peers did not arrive within FERRY_TIMEOUT_MS */
+    FERRY_ERR_PEER = -7,        /* a peer died or left; the message names it */
+    FERRY_ERR_PROTOCOL = -8,    /* malformed or out-of-order data from a peer */
+    FERRY_ERR_STATE = -9,       /* call out of sequence for this round */
+    FERRY_ERR_BOOTSTRAP = -10,  /* rendezvous failed */
+    FERRY_ERR_INTERNAL = -11
+} ferry_status_t;
+
+/* Short fixed description of a status code. Never NULL. */
+const char *ferry_strerror(int status);
+
+typedef struct ferry_comm *ferry_comm_t;
+typedef struct ferry_ep *ferry_ep_t;
+
+/* ---------------------------------------------------------------------- */
+/* Communicators                                                          */
+/* ---------------------------------------------------------------------- */
+
+/*
+ * Create a communicator from the environment. Rank and size are read from,
+ * in order: FERRY_RANK/FERRY_WORLD_SIZE, Open MPI (OMPI_COMM_WORLD_RANK/
+ * SIZE), torchrun (RANK/WORLD_SIZE), Slurm (SLURM_PROCID/SLURM_NTASKS).
+ * The rendezvous address is FERRY_ROOT ("host:port"), else torchrun's
+ * MASTER_ADDR/MASTER_PORT plus one, else, when every rank is on this host,
+ * 127.0.0.1 and a port derived from the launcher's job id.
+ * Collective: every rank must call it. On failure *comm is NULL and, when
+ * errbuf is not NULL, a message is written there.
+ */
+int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen);
+
+/*
+ * Caller-supplied allgather: gather `len` bytes from every rank into `out`
+ * (rank-major, nranks * len bytes). Return 0 on success.
+ */
+typedef int (*ferry_allgather_fn)(const void *in, void *out, size_t len,
+                                  void *ctx);
+
+/* Create a communicator over an existing runtime (MPI, torch.distributed). */
+int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
+                              void *ctx, ferry_comm_t *comm, char *errbuf,
+                              size_t errlen);
+
+int ferry_comm_rank(ferry_comm_t comm);
+int ferry_comm_size(ferry_comm_t comm);
+/* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup). */
+int ferry_comm_destroy(ferry_comm_t comm);
+
+/* ---------------------------------------------------------------------- */
+/* Expert-parallel context                                                */
+/* ---------------------------------------------------------------------- */
+
+typedef enum ferry_dtype {
+    FERRY_DTYPE_BF16 = 0,    /* 2 bytes per element */
+    FERRY_DTYPE_FP8_E4M3 = 1 /* 1 byte, one fp32 scale per 128 channels */
+} ferry_dtype_t;
+
+typedef enum ferry_device {
+    FERRY_DEVICE_CPU = 0,
+    FERRY_DEVICE_CUDA = 1
+} ferry_device_t;
+
+#define FERRY_EP_CONFIG_MAGIC 0x46455031u /* "FEP1" */
+
+typedef struct ferry_ep_config {
+    size_t size;       /* sizeof(ferry_ep_config_t) */
+    uint32_t magic;    /* FERRY_EP_CONFIG_MAGIC */
+    uint32_t version;  /* FERRY_VERSION_CODE of the header used */
+    int num_experts;   /* E: global experts, divisible by the world size */
+    int topk;          /* K: experts per token, 1..16 */
+    int hidden;        /* H: channels per token */
+    int max_tokens;    /* T: most tokens any rank passes per round */
+    ferry_dtype_t dispatch_dtype; /* bf16, or fp8 with block scales */
+    ferry_device_t device;
+    int reserved[8];
+} ferry_ep_config_t;
+
+#define FERRY_EP_CONFIG_INIT                                                   \
+    {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
+     0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, {0}}
+
+/* Collective over the communicator; every rank passes the same config. */
+int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
+                    ferry_ep_t *ep);
+/* Collective; waits for this rank's transfers to finish first. */
+int ferry_ep_destroy(ferry_ep_t ep);
+
+/* Detailed message for the last error on this handle ("" if none). */
+const char *ferry_ep_last_error(ferry_ep_t ep);
+
+/* Sizes of the caller's buffers, filled from the config and world size. */
+typedef struct ferry_ep_layout {
+    size_t size;             /* set by the caller to sizeof(ferry_ep_layout_t) */
+    int num_ranks;
+    int rank;
+    int num_local_experts;   /* E / N */
+    int expert_capacity;     /* rows per local expert: N * T */
+    size_t token_bytes;      /* bytes of one dispatched row (H or 2H) */
+    int num_scales;          /* fp32 scales per row (H/128 for fp8, else 0) */
+    size_t expert_x_bytes;   /* E_local * capacity * token_bytes */
+    size_t expert_scales_bytes; /* E_local * capacity * num_scales * 4 */
+    size_t expert_y_bytes;   /* E_local * capacity * H * 2 (bf16) */
+    size_t shm_bytes;        /* this rank's shared receive segment */
+    size_t host_bytes;       /* other buffers this rank holds */
+} ferry_ep_layout_t;
+
+int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
+
+/* ---------------------------------------------------------------------- */
+/* Rounds                                                                 */
+/* ---------------------------------------------------------------------- */
+
+/* bf16 values are passed as raw uint16_t bit patterns. */
+
+typedef struct ferry_dispatch_in {
+    size_t size;               /* sizeof(ferry_dispatch_in_t) */
+    int num_tokens;            /* T_r, 0..max_tokens */
+    const void *x;             /* [T][H] bf16, or fp8 when x_scales != NULL */
+    const float *x_scales;     /* [T][H/128] when x is already fp8, else NULL */
+    const int64_t *topk_idx;   /* [T][K], -1 = no expert */
+} ferry_dispatch_in_t;
+
+typedef struct ferry_dispatch_out {
+    size_t size;               /* sizeof(ferry_dispatch_out_t) */
+    void *expert_x;            /* [E_local][capacity][token_bytes] */
+    float *expert_x_scales;    /* [E_local][capacity][H/128]; fp8 only */
+    int32_t *expert_num_tokens;/* [E_local] */
+    /* Optional (may be NULL): which token each row is, [E_local][capacity]. */
+    int32_t *expert_src_rank;
+    int32_t *expert_src_token;
+} ferry_dispatch_out_t;
+
+typedef struct ferry_combine_in {
+    size_t size;               /* sizeof(ferry_combine_in_t) */
+    const void *expert_y;      /* [E_local][capacity][H] bf16 */
+} ferry_combine_in_t;
+
+typedef struct ferry_combine_out {
+    size_t size;               /* sizeof(ferry_combine_out_t) */
+    const float *topk_weights; /* [T][K] as passed at dispatch's T */
+    void *out;                 /* [T][H] bf16: sum_k w[t][k] * y_k[t] */
+} ferry_combine_out_t;
+
+int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+                        uint64_t *round);
+int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
+                        const ferry_dispatch_out_t *out);
+int ferry_combine_send(ferry_ep_t ep, uint64_t round,
+                       const ferry_combine_in_t *in);
+int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
+                       const ferry_combine_out_t *out);
+
+/* One-shot forms: send then receive. */
+int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+                   const ferry_dispatch_out_t *out, uint64_t *round);
+int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
+                  const ferry_combine_out_t *out);
+
+/* ---------------------------------------------------------------------- */
+/* Settings                                                               */
+/* ---------------------------------------------------------------------- */
+
+typedef struct ferry_setting {
+    const char *name;   /* e.g. "FERRY_TIMEOUT_MS" */
+    const char *defval; /* default as text */
+    const char *value;  /* current value as text (default if unset) */
+    const char *help;
+} ferry_setting_t;
+
+/* Number of settings; fills `out` with up to `max` of them. */
+int ferry_settings(ferry_setting_t *out, int max);
+
+const char *ferry_version_string(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FERRY_H */

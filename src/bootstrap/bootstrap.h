@@ -1,0 +1,68 @@
+/*
+ * Bootstrap: how ranks find each other and exchange setup data.
+ *
+ * Two flavours behind one handle:
+ *  - tcp: a star of TCP connections to the root (rank 0), like NCCL's
+ *    bootstrap. A watcher thread keeps the sockets after start-up so that a
+ *    rank that dies (its socket closes without a goodbye) is reported to
+ *    every other rank within ~100 ms: fr_boot_dead_rank() then names it.
+ *  - callback: the caller's allgather (MPI, torch.distributed). No watcher;
+ *    dead peers are found by timeouts only.
+ */
+#ifndef FR_BOOTSTRAP_H
+#define FR_BOOTSTRAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ferry.h"
+#include "../core/err.h"
+
+typedef struct fr_boot fr_boot_t;
+
+/* Where rank/size/root come from (FERRY_*, Open MPI, torchrun, Slurm). */
+typedef struct fr_boot_env {
+    int rank;
+    int size;
+    char root_host[256];
+    int root_port;
+    const char *source; /* "FERRY", "OMPI", "torchrun", "slurm" */
+} fr_boot_env_t;
+
+/* Read the environment; FERRY_ERR_INVALID naming the variable when absent
+ * or malformed. */
+int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err);
+
+/* TCP rendezvous at root. Collective. Fails with FERRY_ERR_BOOTSTRAP naming
+ * the ranks that did not arrive within FERRY_BOOTSTRAP_TIMEOUT_MS. */
+int fr_boot_init_tcp(const fr_boot_env_t *env, fr_boot_t **boot, fr_err_t *err);
+
+int fr_boot_init_callback(int rank, int size, ferry_allgather_fn fn, void *ctx,
+                          fr_boot_t **boot, fr_err_t *err);
+
+int fr_boot_rank(const fr_boot_t *b);
+int fr_boot_size(const fr_boot_t *b);
+
+/* Gather len bytes from every rank into out[size][len]. Collective. Fails
+ * with FERRY_ERR_PEER naming a dead rank, or FERRY_ERR_TIMEOUT. */
+int fr_boot_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
+                      fr_err_t *err);
+int fr_boot_barrier(fr_boot_t *b, fr_err_t *err);
+
+/* Rank known to have died (socket closed without goodbye), else -1.
+ * Cheap: one atomic load; safe from any thread. */
+int fr_boot_dead_rank(const fr_boot_t *b);
+
+/* Orderly close: goodbye to the root, which waits (bounded) for everyone's
+ * goodbye before closing, so no rank is reported dead at shutdown. */
+int fr_boot_close(fr_boot_t *b, fr_err_t *err);
+
+/* Local launcher: fork `n` ranks of this program with FERRY_RANK,
+ * FERRY_WORLD_SIZE and FERRY_ROOT (a free loopback port) set; the children
+ * return 0 from this call with *is_child = 1. The parent waits for all of
+ * them; when one fails or dies, the others get FERRY_TIMEOUT_MS plus 2 s to
+ * finish before being killed. The parent returns the first non-zero exit
+ * status (128+signal for a signal), or 0. */
+int fr_launch_local(int n, int *is_child, fr_err_t *err);
+
+#endif

@@ -1,0 +1,93 @@
+#include "config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ferry.h"
+#include "log.h"
+
+typedef struct fr_cfg_entry {
+    const char *name;
+    const char *defval;
+    const char *help;
+} fr_cfg_entry_t;
+
+static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
+    [FR_CFG_RANK] = {"FERRY_RANK", "",
+                     "This process's rank (else OMPI_COMM_WORLD_RANK, RANK, "
+                     "SLURM_PROCID)."},
+    [FR_CFG_WORLD_SIZE] = {"FERRY_WORLD_SIZE", "",
+                           "Number of ranks (else OMPI_COMM_WORLD_SIZE, "
+                           "WORLD_SIZE, SLURM_NTASKS)."},
+    [FR_CFG_ROOT] = {"FERRY_ROOT", "",
+                     "host:port of the rendezvous at rank 0 (else "
+                     "MASTER_ADDR:MASTER_PORT+1, else 127.0.0.1 and a port "
+                     "from the job id when all ranks are local)."},
+    [FR_CFG_NODE_ID] = {"FERRY_NODE_ID", "",
+                        "Node identity; ranks with equal ids share memory. "
+                        "Default: the host name."},
+    [FR_CFG_TRANSPORT] = {"FERRY_TRANSPORT", "auto",
+                          "auto: shared memory inside a node, fabric between "
+                          "nodes; fabric: every peer through the proxy and "
+                          "libfabric (FI_PROVIDER picks the provider)."},
+    [FR_CFG_TIMEOUT_MS] = {"FERRY_TIMEOUT_MS", "30000",
+                           "Deadline of every wait for peers, in ms."},
+    [FR_CFG_BOOTSTRAP_TIMEOUT_MS] = {"FERRY_BOOTSTRAP_TIMEOUT_MS", "60000",
+                                     "Deadline for all ranks to meet at "
+                                     "start-up, in ms."},
+    [FR_CFG_SPIN] = {"FERRY_SPIN", "2000",
+                     "Polls of a flag before a waiting thread starts to "
+                     "yield the core."},
+    [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
+                              "Longest sleep of an idle proxy thread, in us "
+                              "(it yields first)."},
+    [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
+                    "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
+    [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",
+                           "Comma-separated subsystems to log: INIT, BOOT, "
+                           "NET, PROXY, SHM, EP, ALL."},
+};
+
+const char *fr_cfg_name(fr_cfg_id_t id) { return fr_cfg_table[id].name; }
+
+const char *fr_cfg_str(fr_cfg_id_t id)
+{
+    const char *v = getenv(fr_cfg_table[id].name);
+    if (v && *v)
+        return v;
+    return fr_cfg_table[id].defval;
+}
+
+long fr_cfg_int(fr_cfg_id_t id)
+{
+    const char *v = fr_cfg_str(id);
+    char *end = NULL;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || end == v || *end != '\0') {
+        x = strtol(fr_cfg_table[id].defval, NULL, 10);
+        FR_LOG_WARN(FR_SUB_INIT, "%s=%s is not an integer; using %ld",
+                    fr_cfg_table[id].name, v, x);
+    }
+    return x;
+}
+
+int ferry_settings(ferry_setting_t *out, int max)
+{
+    for (int i = 0; i < FR_CFG_COUNT && out && i < max; i++) {
+        out[i].name = fr_cfg_table[i].name;
+        out[i].defval = fr_cfg_table[i].defval;
+        out[i].value = fr_cfg_str((fr_cfg_id_t)i);
+        out[i].help = fr_cfg_table[i].help;
+    }
+    return FR_CFG_COUNT;
+}
+
+const char *ferry_version_string(void)
+{
+#define FR_STR2(x) #x
+#define FR_STR(x) FR_STR2(x)
+    return FR_STR(FERRY_VERSION_MAJOR) "." FR_STR(
+        FERRY_VERSION_MINOR) "." FR_STR(FERRY_VERSION_PATCH);
+}

@@ -1,0 +1,28 @@
+/* Settings: one table {name, default, help}, read from the environment. */
+#ifndef FR_CONFIG_H
+#define FR_CONFIG_H
+
+#include <stdint.h>
+
+typedef enum fr_cfg_id {
+    FR_CFG_RANK,
+    FR_CFG_WORLD_SIZE,
+    FR_CFG_ROOT,
+    FR_CFG_NODE_ID,
+    FR_CFG_TRANSPORT,
+    FR_CFG_TIMEOUT_MS,
+    FR_CFG_BOOTSTRAP_TIMEOUT_MS,
+    FR_CFG_SPIN,
+    FR_CFG_PROXY_IDLE_US,
+    FR_CFG_LOG,
+    FR_CFG_LOG_SUBSYS,
+    FR_CFG_COUNT
+} fr_cfg_id_t;
+
+/* Current value as text: the environment's, else the default ("" if none). */
+const char *fr_cfg_str(fr_cfg_id_t id);
+/* Integer value; a malformed value falls back to the default with a warning. */
+long fr_cfg_int(fr_cfg_id_t id);
+const char *fr_cfg_name(fr_cfg_id_t id);
+
+#endif

@@ -1,0 +1,72 @@
+#include "log.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "config.h"
+
+int fr_log_level_cur = -1;
+static int fr_log_subsys = ~0;
+static int fr_log_rank = -1;
+static char fr_log_host[64];
+static pthread_once_t fr_log_once = PTHREAD_ONCE_INIT;
+
+static void fr_log_setup(void)
+{
+    static const char *names[] = {"NONE", "ERROR", "WARN",
+                                  "INFO", "DEBUG", "TRACE"};
+    const char *lv = fr_cfg_str(FR_CFG_LOG);
+    int level = FR_LOG_WARNL;
+    for (int i = 0; i < 6; i++)
+        if (strcasecmp(lv, names[i]) == 0)
+            level = i;
+    const char *ss = fr_cfg_str(FR_CFG_LOG_SUBSYS);
+    static const struct { const char *n; int bit; } subs[] = {
+        {"INIT", FR_SUB_INIT}, {"BOOT", FR_SUB_BOOT}, {"NET", FR_SUB_NET},
+        {"PROXY", FR_SUB_PROXY}, {"SHM", FR_SUB_SHM}, {"EP", FR_SUB_EP},
+        {"ALL", ~0}};
+    int mask = 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", ss);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save))
+        for (size_t i = 0; i < sizeof(subs) / sizeof(subs[0]); i++)
+            if (strcasecmp(tok, subs[i].n) == 0)
+                mask |= subs[i].bit;
+    fr_log_subsys = mask ? mask : ~0;
+    if (gethostname(fr_log_host, sizeof(fr_log_host) - 1) != 0)
+        snprintf(fr_log_host, sizeof(fr_log_host), "?");
+    __atomic_store_n(&fr_log_level_cur, level, __ATOMIC_RELEASE);
+}
+
+void fr_log_init(void) { pthread_once(&fr_log_once, fr_log_setup); }
+
+void fr_log_set_rank(int rank) { fr_log_rank = rank; }
+
+int fr_log_enabled(int level, int subsys)
+{
+    if (__atomic_load_n(&fr_log_level_cur, __ATOMIC_ACQUIRE) < 0)
+        fr_log_init();
+    return level <= fr_log_level_cur && (subsys & fr_log_subsys);
+}
+
+void fr_log_emit(int level, int subsys, const char *fmt, ...)
+{
+    static const char *names[] = {"", "ERROR", "WARN", "INFO", "DEBUG",
+                                  "TRACE"};
+    (void)subsys;
+    char line[1024];
+    int n = snprintf(line, sizeof(line), "%s:%d:%d ferry %s ", fr_log_host,
+                     (int)getpid(), fr_log_rank, names[level]);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof(line))
+        vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s\n", line);
+}

@@ -1,0 +1,33 @@
+#include <stdio.h>
+
+#include "err.h"
+
+const char *ferry_strerror(int status)
+{
+    switch (status) {
+    case FERRY_OK: return "success";
+    case FERRY_ERR_INVALID: return "invalid argument";
+    case FERRY_ERR_UNSUPPORTED: return "unsupported";
+    case FERRY_ERR_NOMEM: return "out of memory";
+    case FERRY_ERR_SYSTEM: return "system call failed";
+    case FERRY_ERR_FABRIC: return "fabric error";
+    case FERRY_ERR_TIMEOUT: return "timed out waiting for peers";
+    case FERRY_ERR_PEER: return "peer failed";
+    case FERRY_ERR_PROTOCOL: return "protocol error";
+    case FERRY_ERR_STATE: return "call out of sequence";
+    case FERRY_ERR_BOOTSTRAP: return "bootstrap failed";
+    case FERRY_ERR_INTERNAL: return "internal error";
+    default: return "unknown status";
+    }
+}
+
+int fr_err_set(fr_err_t *e, int code, const char *fmt, ...)
+{
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}

@@ -1,0 +1,96 @@
+/*
+ * Transport ops table: the proxy's TransferEngine.
+ *
+ * Operations (DESIGN section 4): scatter one registered source region to a
+ * registered peer group (one slice and one immediate per peer), barrier over
+ * a group, and a single write with immediate. Groups hold per-peer request
+ * templates (address, remote key, descriptors) prepared once at setup; a call
+ * only patches offsets and lengths.
+ *
+ * Completions are counted by the caller; the transport never orders them.
+ * Immediate data is 32 bits (what EFA carries).
+ */
+#ifndef FR_TRANSPORT_H
+#define FR_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../bootstrap/bootstrap.h"
+#include "../core/err.h"
+
+typedef struct fr_transport fr_transport_t;
+typedef struct fr_mr fr_mr_t;
+typedef struct fr_group fr_group_t;
+
+/* What a peer needs to write into a registered region (exchanged at setup). */
+typedef struct fr_mr_desc {
+    uint64_t base; /* address to add offsets to (0 when the provider uses
+                      offsets, i.e. mr_mode without FI_MR_VIRT_ADDR) */
+    uint64_t key;
+    uint64_t len;
+} fr_mr_desc_t;
+
+typedef struct fr_slice {
+    uint64_t src_off; /* offset in the group's source region */
+    uint64_t dst_off; /* offset in the peer's destination region */
+    uint64_t len;     /* bytes; 0 still sends the immediate */
+    uint32_t imm;     /* remote completion data */
+} fr_slice_t;
+
+enum fr_cqe_kind {
+    FR_CQE_TX = 1,  /* a write this rank posted completed locally */
+    FR_CQE_RX = 2,  /* a peer's write with immediate landed here */
+    FR_CQE_ERR = 3  /* an operation failed; status/peer say which */
+};
+
+typedef struct fr_cqe {
+    int kind;
+    uint32_t imm;  /* RX: the immediate */
+    int peer;      /* TX/ERR: the destination rank when known, else -1 */
+    int status;    /* ERR: a FERRY_ERR_* code */
+    uint64_t ctx;  /* TX/ERR: the ctx passed when posting */
+} fr_cqe_t;
+
+typedef struct fr_transport_ops {
+    size_t size; /* sizeof(fr_transport_ops_t): new ops go at the end */
+    const char *name;
+    /* Open an endpoint and exchange addresses with all ranks (collective
+     * over boot). Provider from FI_PROVIDER when set. */
+    int (*open)(fr_boot_t *boot, fr_transport_t **t, fr_err_t *err);
+    /* Register memory; remote_write: peers may write into it. */
+    int (*reg)(fr_transport_t *t, void *ptr, size_t len, int remote_write,
+               fr_mr_t **mr, fr_mr_desc_t *desc, fr_err_t *err);
+    void (*dereg)(fr_transport_t *t, fr_mr_t *mr);
+    /* A peer group: peers[i] with the remote region remote[i]; src is the
+     * local region slices are taken from. */
+    int (*group_create)(fr_transport_t *t, const int *peers, int npeers,
+                        fr_mr_t *src, const fr_mr_desc_t *remote,
+                        fr_group_t **g, fr_err_t *err);
+    void (*group_destroy)(fr_transport_t *t, fr_group_t *g);
+    /* Post one write per peer (slices[i] for peers[i]); ctx comes back in
+     * each TX completion. Never blocks: when the provider is busy, posts
+     * are queued inside the transport and retried from poll(). Bounds are
+     * checked against the registered lengths (FERRY_ERR_INVALID). */
+    int (*scatter)(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
+                   uint64_t ctx, fr_err_t *err);
+    /* A zero-byte write with immediate to every peer of the group. */
+    int (*barrier)(fr_transport_t *t, fr_group_t *g, uint32_t imm,
+                   uint64_t ctx, fr_err_t *err);
+    /* One write with immediate to group member `index`. */
+    int (*write_imm)(fr_transport_t *t, fr_group_t *g, int index,
+                     const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
+    /* Drive progress (manual-progress providers need it on both sides) and
+     * return up to max completions. Returns the count, or a negative
+     * status. */
+    int (*poll)(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err);
+    /* Operations posted or queued and not yet completed. */
+    int (*pending)(fr_transport_t *t);
+    void (*close)(fr_transport_t *t);
+    /* Provider name actually in use (e.g. "tcp;ofi_rxm", "shm"). */
+    const char *(*provider)(fr_transport_t *t);
+} fr_transport_ops_t;
+
+extern const fr_transport_ops_t fr_transport_fabric;
+
+#endif
