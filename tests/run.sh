@@ -1,0 +1,39 @@
+#!/bin/bash
+# Run every test case listed in tests/cases/*.txt against the build folder
+# given as $1 (default: build). A case line is:   name | command
+# The command runs from the repository root with $B set to the build folder.
+# Each case gets a hard time limit; a case that exceeds it fails.
+# Prints one line per case and closes with "N passed, N failed".
+set -u
+B=${1:-build}
+export B
+cd "$(dirname "$0")/.."
+LIMIT=${FERRY_TEST_LIMIT_S:-240}
+FILTER=${FERRY_TEST_FILTER:-}
+pass=0; fail=0; failed=()
+logdir=$B/test-logs; mkdir -p "$logdir"
+while IFS= read -r line; do
+  case "$line" in ''|'#'*) continue;; esac
+  name=$(echo "${line%%|*}" | xargs)
+  cmd=${line#*|}
+  if [ -n "$FILTER" ] && ! echo "$name" | grep -qE "$FILTER"; then continue; fi
+  start=$(date +%s%N)
+  timeout -k 5 "$LIMIT" bash -c "$cmd" > "$logdir/$name.log" 2>&1
+  rc=$?
+  ms=$(( ($(date +%s%N) - start) / 1000000 )); t="$((ms/1000)).$(( (ms%1000)/100 ))"
+  if [ $rc -eq 0 ]; then
+    pass=$((pass+1)); echo "PASS  $name  (${t}s)"
+  else
+    fail=$((fail+1)); failed+=("$name"); echo "FAIL  $name  (rc=$rc, ${t}s)"
+    tail -n 30 "$logdir/$name.log" | sed 's/^/    | /'
+  fi
+  # no ranks may be left behind by any case
+  left=$(pgrep -f "$B/(tests|bin)/" | grep -v "^$$\$" || true)
+  if [ -n "$left" ]; then
+    echo "    left-over processes after $name: $left"; pkill -9 -f "$B/(tests|bin)/" || true
+    fail=$((fail+1)); failed+=("$name(leftover)")
+  fi
+done < <(cat tests/cases/*.txt)
+[ ${#failed[@]} -gt 0 ] && echo "failed: ${failed[*]}"
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
