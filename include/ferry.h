@@ -85,7 +85,15 @@ int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
                               size_t errlen);
 
 int ferry_comm_rank(ferry_comm_t comm);
+/* Detailed message of the last failure on this communicator, including a
+ * failed ferry_ep_create (which leaves no EP handle to ask). */
+const char *ferry_comm_last_error(ferry_comm_t comm);
 int ferry_comm_size(ferry_comm_t comm);
+/* Collective helpers over the communicator's bootstrap (setup-time speed;
+ * not for the data path). */
+int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
+                         size_t len);
+int ferry_comm_barrier(ferry_comm_t comm);
 /* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup). */
 int ferry_comm_destroy(ferry_comm_t comm);
 

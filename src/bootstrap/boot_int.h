@@ -1,0 +1,89 @@
+/* Bootstrap internals shared by boot.c, tcp.c and launch.c. Private. */
+#ifndef FR_BOOT_INT_H
+#define FR_BOOT_INT_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bootstrap.h"
+
+enum fr_boot_kind { FR_BOOT_SINGLE = 1, FR_BOOT_TCP = 2, FR_BOOT_CALLBACK = 3 };
+
+/* State of one TCP connection (root: one per rank; others: one to root). */
+enum fr_conn_state {
+    FR_CONN_NONE = 0,   /* never connected (root's slot 0, failed init) */
+    FR_CONN_LIVE = 1,
+    FR_CONN_DEAD = 2,   /* closed without goodbye */
+    FR_CONN_BYE = 3,    /* said goodbye (BYE, or BYE_ACK from the root) */
+    FR_CONN_DESYNC = 4  /* a frame was cut by a deadline: stream unusable */
+};
+
+typedef struct fr_conn {
+    int fd;
+    int state;
+    int pid;
+} fr_conn_t;
+
+/* Wire frames: {u32 type, u32 len} then len bytes of payload. */
+enum fr_frame_type {
+    FR_MSG_HELLO = 0x101,   /* rank -> root: fr_hello_t */
+    FR_MSG_READY = 0x102,   /* root -> rank: everyone arrived */
+    FR_MSG_ABORT = 0x103,   /* root -> rank: i32 status, then text */
+    FR_MSG_DATA = 0x104,    /* rank -> root: u64 seq, block */
+    FR_MSG_ALL = 0x105,     /* root -> rank: u64 seq, [size][len] */
+    FR_MSG_DEAD = 0x106,    /* root -> rank: i32 rank that died */
+    FR_MSG_BYE = 0x107,     /* rank -> root: goodbye */
+    FR_MSG_BYE_ACK = 0x108  /* root -> rank: i32 dead rank or -1 */
+};
+
+#define FR_BOOT_MAGIC 0x46524259u /* "FRBY" */
+#define FR_BOOT_WIRE_VERSION 1u
+
+typedef struct fr_frame_hdr {
+    uint32_t type;
+    uint32_t len;
+} fr_frame_hdr_t;
+
+typedef struct fr_hello {
+    uint32_t magic;
+    uint32_t version;
+    int32_t rank;
+    int32_t size;
+    int32_t pid;
+    uint32_t lib_version;
+} fr_hello_t;
+
+struct fr_boot {
+    int kind;
+    int rank;
+    int size;
+
+    /* callback */
+    ferry_allgather_fn fn;
+    void *ctx;
+
+    /* tcp */
+    fr_conn_t *conns;        /* root: [size] by rank; others: [1], the root */
+    int nconns;
+    char root_addr[300];     /* "host:port" as dialled / bound */
+    uint64_t seq;            /* collectives so far */
+    int dead;                /* first rank known dead, -1; atomic */
+    int broken_rc;           /* FERRY_OK, or why collectives now fail */
+    char broken_msg[FR_ERRMSG_LEN];
+    pthread_mutex_t mu;      /* sockets: collectives, watcher, close */
+    pthread_t watcher;
+    int watcher_on;
+    int stop;                /* atomic: watcher should exit */
+};
+
+/* tcp.c */
+int fr_boot_tcp_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
+                          fr_err_t *err);
+int fr_boot_tcp_close(fr_boot_t *b, fr_err_t *err);
+
+/* Deadline helpers (tcp.c). */
+int64_t fr_boot_now_ms(void);
+void fr_boot_sleep_ms(int ms);
+
+#endif

@@ -1,0 +1,228 @@
+/* fr_boot_env_read: rank, size and rendezvous address from the environment
+ * (FERRY_*, Open MPI, torchrun, Slurm). */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/config.h"
+#include "../core/log.h"
+#include "bootstrap.h"
+
+/* getenv, with an empty value counted as unset. */
+static const char *fr_env(const char *name)
+{
+    const char *v = getenv(name);
+    return (v && *v) ? v : NULL;
+}
+
+/* Strict decimal integer: the whole string, within int range. */
+static int fr_parse_int(const char *s, long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long x = strtol(s, &end, 10);
+    if (errno || end == s || *end != '\0' || x < INT_MIN || x > INT_MAX)
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int fr_env_int(const char *name, const char *val, long *out,
+                      fr_err_t *err)
+{
+    if (fr_parse_int(val, out) != 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "%s='%s' is not an integer",
+                      name, val);
+    return FERRY_OK;
+}
+
+/* "host:port", "[v6]:port". */
+static int fr_parse_root(const char *name, const char *val, fr_boot_env_t *env,
+                         fr_err_t *err)
+{
+    const char *host = val, *colon;
+    size_t hlen;
+    if (val[0] == '[') {
+        const char *close = strchr(val, ']');
+        if (!close || close[1] != ':')
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "%s='%s' is not host:port (e.g. 10.0.0.1:29500)",
+                          name, val);
+        host = val + 1;
+        hlen = (size_t)(close - host);
+        colon = close + 1;
+    } else {
+        colon = strrchr(val, ':');
+        if (!colon)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "%s='%s' is not host:port (e.g. 10.0.0.1:29500)",
+                          name, val);
+        hlen = (size_t)(colon - val);
+    }
+    if (hlen == 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "%s='%s' has an empty host",
+                      name, val);
+    if (hlen >= sizeof(env->root_host))
+        return FR_ERR(err, FERRY_ERR_INVALID, "%s='%s': host name too long",
+                      name, val);
+    long port;
+    if (fr_parse_int(colon + 1, &port) != 0 || port < 1 || port > 65535)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "%s='%s': port '%s' is not in 1..65535", name, val,
+                      colon + 1);
+    memcpy(env->root_host, host, hlen);
+    env->root_host[hlen] = '\0';
+    env->root_port = (int)port;
+    return FERRY_OK;
+}
+
+/* FNV-1a, folded into 20000..59999. */
+static int fr_port_from_id(const char *id)
+{
+    uint32_t h = 2166136261u;
+    for (const unsigned char *p = (const unsigned char *)id; *p; p++) {
+        h ^= *p;
+        h *= 16777619u;
+    }
+    h ^= h >> 16;
+    return 20000 + (int)(h % 40000u);
+}
+
+/* An integer environment variable equal to want (unset or malformed: no). */
+static int fr_env_equals(const char *name, long want)
+{
+    const char *v = fr_env(name);
+    long x;
+    return v && fr_parse_int(v, &x) == 0 && x == want;
+}
+
+int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
+{
+    if (!env)
+        return FR_ERR(err, FERRY_ERR_INVALID, "fr_boot_env_read: env is NULL");
+    memset(env, 0, sizeof(*env));
+    env->rank = -1;
+
+    static const struct {
+        const char *rank, *size, *source;
+    } srcs[] = {
+        {NULL, NULL, "FERRY"}, /* through fr_cfg_str */
+        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI"},
+        {"RANK", "WORLD_SIZE", "torchrun"},
+        {"SLURM_PROCID", "SLURM_NTASKS", "slurm"},
+    };
+    const char *rname = NULL, *sname = NULL, *rval = NULL, *sval = NULL;
+    int rc;
+    for (size_t i = 0; i < sizeof(srcs) / sizeof(srcs[0]); i++) {
+        const char *rn, *sn, *rv, *sv;
+        if (i == 0) {
+            rn = fr_cfg_name(FR_CFG_RANK);
+            sn = fr_cfg_name(FR_CFG_WORLD_SIZE);
+            rv = fr_cfg_str(FR_CFG_RANK);
+            sv = fr_cfg_str(FR_CFG_WORLD_SIZE);
+            rv = (rv && *rv) ? rv : NULL;
+            sv = (sv && *sv) ? sv : NULL;
+        } else {
+            rn = srcs[i].rank;
+            sn = srcs[i].size;
+            rv = fr_env(rn);
+            sv = fr_env(sn);
+        }
+        if (!rv && !sv)
+            continue;
+        if (!rv || !sv)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "%s is set (%s) but %s is not; set both",
+                          rv ? rn : sn, rv ? rv : sv, rv ? sn : rn);
+        rname = rn;
+        sname = sn;
+        rval = rv;
+        sval = sv;
+        env->source = srcs[i].source;
+        break;
+    }
+    if (!env->source)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "no rank in the environment: set FERRY_RANK and "
+                      "FERRY_WORLD_SIZE (or launch with mpirun, torchrun or "
+                      "srun)");
+
+    long rank, size;
+    if ((rc = fr_env_int(rname, rval, &rank, err)) != FERRY_OK)
+        return rc;
+    if ((rc = fr_env_int(sname, sval, &size, err)) != FERRY_OK)
+        return rc;
+    if (size < 1)
+        return FR_ERR(err, FERRY_ERR_INVALID, "%s=%ld: must be at least 1",
+                      sname, size);
+    if (rank < 0 || rank >= size)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "%s=%ld is out of range for %s=%ld (want 0..%ld)", rname,
+                      rank, sname, size, size - 1);
+    env->rank = (int)rank;
+    env->size = (int)size;
+
+    /* Rendezvous address. */
+    const char *root = fr_cfg_str(FR_CFG_ROOT);
+    const char *maddr = fr_env("MASTER_ADDR");
+    if (root && *root) {
+        if ((rc = fr_parse_root(fr_cfg_name(FR_CFG_ROOT), root, env, err)) !=
+            FERRY_OK)
+            return rc;
+    } else if (maddr) {
+        const char *mport = fr_env("MASTER_PORT");
+        long port;
+        if (!mport)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_ADDR is set (%s) but MASTER_PORT is not",
+                          maddr);
+        if ((rc = fr_env_int("MASTER_PORT", mport, &port, err)) != FERRY_OK)
+            return rc;
+        /* torchrun's own store holds MASTER_PORT; ferry uses the next one. */
+        if (port < 1 || port + 1 > 65535)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_PORT=%ld: ferry listens on MASTER_PORT+1, "
+                          "which must be in 1..65535; set FERRY_ROOT",
+                          port);
+        if (strlen(maddr) >= sizeof(env->root_host))
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_ADDR='%s': host name too long", maddr);
+        snprintf(env->root_host, sizeof(env->root_host), "%s", maddr);
+        env->root_port = (int)port + 1;
+    } else {
+        int local = size == 1 ||
+                    fr_env_equals("OMPI_COMM_WORLD_LOCAL_SIZE", size) ||
+                    fr_env_equals("LOCAL_WORLD_SIZE", size) ||
+                    fr_env_equals("SLURM_STEP_NUM_NODES", 1) ||
+                    fr_env_equals("SLURM_NTASKS_PER_NODE", size);
+        if (!local)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "no rendezvous address: set FERRY_ROOT=host:port "
+                          "(reachable address of rank 0 and a free port; "
+                          "ranks are not all on one host, so 127.0.0.1 "
+                          "cannot be used)");
+        char id[512] = "";
+        const char *v;
+        if ((v = fr_env("PMIX_NAMESPACE")))
+            snprintf(id, sizeof(id), "pmix:%s", v);
+        else if ((v = fr_env("OMPI_MCA_ess_base_jobid")))
+            snprintf(id, sizeof(id), "ompi:%s", v);
+        else if ((v = fr_env("SLURM_JOB_ID"))) {
+            const char *step = fr_env("SLURM_STEP_ID");
+            snprintf(id, sizeof(id), "slurm:%s.%s", v, step ? step : "");
+        }
+        if (!id[0] && size > 1)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "no rendezvous address: set FERRY_ROOT=host:port "
+                          "(no launcher job id to derive a port from)");
+        snprintf(env->root_host, sizeof(env->root_host), "127.0.0.1");
+        env->root_port = fr_port_from_id(id[0] ? id : "ferry");
+    }
+
+    FR_LOG_INFO(FR_SUB_BOOT, "bootstrap env (%s): rank %d of %d, root %s:%d",
+                env->source, env->rank, env->size, env->root_host,
+                env->root_port);
+    return FERRY_OK;
+}

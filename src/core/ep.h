@@ -1,0 +1,165 @@
+/* Internal state of communicators and EP contexts. */
+#ifndef FR_EP_H
+#define FR_EP_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ferry.h"
+#include "bootstrap/bootstrap.h"
+#include "core/err.h"
+#include "core/layout.h"
+#include "transport/transport.h"
+
+#define FR_NODE_ID_LEN 64
+
+typedef struct fr_peer_info {
+    char node[FR_NODE_ID_LEN];
+    int32_t pid;
+    int32_t rank;
+} fr_peer_info_t;
+
+struct ferry_comm {
+    fr_boot_t *boot;
+    int rank, size;
+    fr_peer_info_t *peers; /* [size], exchanged at init */
+    int nnodes;            /* distinct node ids */
+    fr_err_t err;
+};
+
+enum fr_path { FR_PATH_SELF = 0, FR_PATH_SHM = 1, FR_PATH_FABRIC = 2 };
+
+enum fr_round_state {
+    FR_ROUND_FREE = 0,
+    FR_ROUND_SENT,     /* dispatch_send done */
+    FR_ROUND_RECVD,    /* dispatch_recv done */
+    FR_ROUND_COMBINED  /* combine_send done */
+};
+
+/* Per buffer set: what one round needs from send to combine_recv. */
+typedef struct fr_round {
+    uint64_t epoch;
+    int state;
+    int T;               /* tokens this rank sent */
+    int32_t *comb_pos;   /* [T][K]: row of my combine region, or -1 */
+    /* expert side (filled by dispatch_recv) */
+    int32_t *pair_row;   /* [N*T*kmax]: le*cap + slot, by sender, record, k */
+    uint32_t *pair_off;  /* [N+1]: first pair of each sender */
+    uint32_t *comb_off;  /* [N]: where each sender wants its replies */
+} fr_round_t;
+
+/* Request from the rank thread to its proxy (single producer/consumer). */
+typedef struct fr_proxy_req {
+    int phase, set;
+    uint64_t epoch;
+} fr_proxy_req_t;
+
+#define FR_PROXY_RING 16
+
+typedef struct fr_proxy {
+    pthread_t thread;
+    int running;
+    int stop;                              /* atomic */
+    fr_proxy_req_t ring[FR_PROXY_RING];
+    uint64_t head, tail;                   /* atomic: producer tail, consumer head */
+    int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
+    uint64_t posted, completed_rx;         /* statistics */
+} fr_proxy_t;
+
+struct ferry_ep {
+    ferry_comm_t comm;
+    ferry_ep_config_t cfg;
+    fr_layout_t L;
+    fr_err_t err;
+    int failed;          /* sticky status after a failure (0 = healthy) */
+    int N, rank;
+    long timeout_ms;
+    long spin;
+
+    int *path;           /* [N] enum fr_path */
+    int nfabric;         /* peers on the fabric path */
+    int nshm;            /* peers on the shared-memory path */
+
+    uint8_t *seg;        /* own receive segment */
+    char seg_name[96];
+    uint8_t **peer_seg;  /* [N] mapped receive segments (self and shm peers) */
+
+    /* fabric */
+    const fr_transport_ops_t *tp_ops;
+    fr_transport_t *tp;
+    fr_mr_t *mr_seg, *mr_send;
+    uint8_t *send;       /* send region */
+    fr_group_t *group;   /* all fabric peers; remote region: their segment */
+    int *group_peers;    /* [nfabric] */
+    int *group_index;    /* [N] index in group or -1 */
+    fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */
+    uint64_t *flag_last; /* [phase 2][set 2][N] last epoch seen (proxy) */
+    fr_proxy_t proxy;
+    /* error raised asynchronously by the proxy */
+    int async_status;    /* atomic */
+    int async_peer;
+    char async_msg[FR_ERRMSG_LEN];
+
+    fr_round_t rounds[FR_NSETS];
+    uint64_t next_epoch;
+
+    /* scratch */
+    uint8_t *qbuf;       /* [T][tok_bytes] quantised tokens */
+    float *qscales;      /* [T][nscales] */
+    int32_t *cnt_rank;   /* [N] */
+    int32_t *pairs_rank; /* [N] */
+    int32_t *fill;       /* [N] */
+    int32_t *rec_next;   /* [N] */
+    int32_t *expert_fill;/* [El] */
+    float *acc;          /* [H] */
+};
+
+/* Flag word of (phase, set, sender) in a segment. */
+static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
+                                    int phase, int set, int sender)
+{
+    return (uint64_t *)(seg + fr_off_flag(L, phase, set, sender));
+}
+
+/* Set the EP's error message and sticky status; returns code. */
+int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Wait until flag(phase, set, s) == epoch for every sender s; deadline,
+ * dead peers and proxy errors turn into statuses naming the ranks. */
+int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                  const char *what);
+
+/* Spin/yield/sleep backoff shared by every waiting loop. */
+void fr_backoff(uint64_t *iter, long spin);
+uint64_t fr_now_ns(void);
+
+/* Shared-memory segments (src/transport/shm.c). */
+int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
+int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
+void fr_shm_unmap(uint8_t *p, size_t bytes);
+void fr_shm_unlink(const char *name);
+
+/* Proxy (src/proxy/proxy.c). */
+int fr_proxy_start(ferry_ep_t ep);
+void fr_proxy_stop(ferry_ep_t ep);
+int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch);
+/* Wait until the proxy has no writes in flight from `set` (bounded). */
+int fr_proxy_wait_set(ferry_ep_t ep, int set);
+
+/* CPU kernels (src/kernels/cpu/). */
+int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_in_t *in);
+int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_out_t *out);
+int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_in_t *in);
+int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_out_t *out);
+
+/* Record decoding, shared with the fuzzer: validate one received slice. */
+int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
+                   uint64_t epoch, fr_err_t *err);
+
+#endif

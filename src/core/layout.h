@@ -1,0 +1,160 @@
+/*
+ * The record layout and every offset of ferry's buffers, written once and
+ * shared by the CPU and CUDA kernels and the proxy.
+ *
+ * Receive segment of one rank (shared memory; registered with the fabric):
+ *
+ *   [header 4 KB]
+ *   [flags]      u64 flag[phase 2][set 2][sender N], one per 64 B line;
+ *                a flag holds the epoch of the last slice that landed.
+ *   [dispatch]   [set 2][sender N][dslice]
+ *                dslice = slice header (64 B) + T records
+ *                record = header (8 + 2*kmax B, padded to 16)
+ *                         + token (H B fp8 | 2H B bf16) + scales (H/128 fp32)
+ *   [combine]    [set 2][T*K rows][2H B]   one bf16 row per (token, k);
+ *                each expert rank writes one contiguous run of rows at the
+ *                offset this rank named in its dispatch slice header.
+ *
+ * Send region (only with fabric peers; registered, never shared):
+ *   [dispatch]   [set 2][dest N][dslice]
+ *   [combine]    [set 2][N*T*kmax rows][2H B]
+ *
+ * Immediate data (32 bits, EFA's size): phase 2 | epoch low 12 | sender 18.
+ */
+#ifndef FR_LAYOUT_H
+#define FR_LAYOUT_H
+
+#include <stdint.h>
+
+#include "hd.h"
+
+#define FR_PH_DISPATCH 0
+#define FR_PH_COMBINE 1
+#define FR_NSETS 2
+#define FR_SEG_HDR 4096u
+#define FR_FLAG_STRIDE 64u
+#define FR_SLICE_HDR 64u
+#define FR_SLICE_MAGIC 0x46525331u /* "FRS1" */
+#define FR_MAX_TOPK 16
+#define FR_IMM_SENDER_BITS 18
+#define FR_IMM_EPOCH_BITS 12
+#define FR_MAX_RANKS (1 << FR_IMM_SENDER_BITS)
+
+typedef struct fr_layout {
+    int N, rank;     /* world size, this rank */
+    int E, El, K, H; /* experts, local experts, top-k, hidden */
+    int T;           /* max tokens per rank */
+    int fp8;         /* dispatch dtype is fp8 e4m3 */
+    int kmax;        /* most experts of one rank one token can pick */
+    uint32_t tok_bytes, nscales, rec_hdr, rec_bytes;
+    uint64_t dslice;  /* bytes of one dispatch slice */
+    uint64_t crow;    /* bytes of one combine row (2H) */
+    uint64_t crows;   /* combine rows per set in the receive segment (T*K) */
+    uint64_t cap;     /* rows per local expert in expert_x (N*T) */
+    uint64_t off_flags, off_drecv, off_crecv, seg_bytes;
+    uint64_t send_crows; /* combine rows per set in the send region */
+    uint64_t off_dsend, off_csend, send_bytes;
+} fr_layout_t;
+
+/* 64-byte header at the start of every dispatch slice. */
+typedef struct fr_slice_hdr {
+    uint32_t magic;
+    uint32_t sender;
+    uint64_t epoch;
+    uint32_t count;    /* records that follow */
+    uint32_t npairs;   /* (token, expert) pairs among them */
+    uint32_t comb_off; /* first row of the sender's combine region for replies */
+    uint32_t reserved[9];
+} fr_slice_hdr_t;
+
+/* Start of every record; le[nexp] lists the local experts, in k order. */
+typedef struct fr_rec_hdr {
+    uint32_t token;
+    uint16_t nexp;
+    uint16_t reserved;
+    uint16_t le[];
+} fr_rec_hdr_t;
+
+FR_HD uint64_t fr_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Fill every derived size; the caller validated the config. */
+FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
+                          int T, int fp8)
+{
+    L->N = N;
+    L->rank = rank;
+    L->E = E;
+    L->El = E / N;
+    L->K = K;
+    L->H = H;
+    L->T = T;
+    L->fp8 = fp8;
+    L->kmax = K < L->El ? K : L->El;
+    L->tok_bytes = (uint32_t)(fp8 ? H : 2 * H);
+    L->nscales = (uint32_t)(fp8 ? H / 128 : 0);
+    L->rec_hdr = (uint32_t)fr_align(8 + 2 * (uint64_t)L->kmax, 16);
+    L->rec_bytes = (uint32_t)fr_align(
+        L->rec_hdr + L->tok_bytes + 4ull * L->nscales, 16);
+    L->dslice = FR_SLICE_HDR + (uint64_t)T * L->rec_bytes;
+    L->crow = 2ull * H;
+    L->crows = (uint64_t)T * K;
+    L->cap = (uint64_t)N * T;
+    L->off_flags = FR_SEG_HDR;
+    L->off_drecv = fr_align(L->off_flags +
+                                2ull * FR_NSETS * N * FR_FLAG_STRIDE, 4096);
+    L->off_crecv = fr_align(L->off_drecv + (uint64_t)FR_NSETS * N * L->dslice,
+                            4096);
+    L->seg_bytes = fr_align(L->off_crecv + FR_NSETS * L->crows * L->crow,
+                            4096);
+    L->send_crows = (uint64_t)N * T * L->kmax;
+    L->off_dsend = 0;
+    L->off_csend = fr_align((uint64_t)FR_NSETS * N * L->dslice, 4096);
+    L->send_bytes = fr_align(L->off_csend +
+                                 FR_NSETS * L->send_crows * L->crow, 4096);
+}
+
+FR_HD uint64_t fr_off_flag(const fr_layout_t *L, int phase, int set, int sender)
+{
+    return L->off_flags +
+           (((uint64_t)phase * FR_NSETS + set) * L->N + sender) * FR_FLAG_STRIDE;
+}
+/* Slice `sender` writes into this rank's dispatch receive area. */
+FR_HD uint64_t fr_off_drecv(const fr_layout_t *L, int set, int sender)
+{
+    return L->off_drecv + ((uint64_t)set * L->N + sender) * L->dslice;
+}
+FR_HD uint64_t fr_off_crecv(const fr_layout_t *L, int set, uint64_t row)
+{
+    return L->off_crecv + ((uint64_t)set * L->crows + row) * L->crow;
+}
+FR_HD uint64_t fr_off_dsend(const fr_layout_t *L, int set, int dest)
+{
+    return L->off_dsend + ((uint64_t)set * L->N + dest) * L->dslice;
+}
+FR_HD uint64_t fr_off_csend(const fr_layout_t *L, int set, uint64_t row)
+{
+    return L->off_csend + ((uint64_t)set * L->send_crows + row) * L->crow;
+}
+FR_HD uint64_t fr_off_record(const fr_layout_t *L, uint32_t i)
+{
+    return FR_SLICE_HDR + (uint64_t)i * L->rec_bytes;
+}
+
+FR_HD uint32_t fr_imm_make(int phase, uint64_t epoch, int sender)
+{
+    return ((uint32_t)phase << 30) |
+           ((uint32_t)(epoch & ((1u << FR_IMM_EPOCH_BITS) - 1))
+            << FR_IMM_SENDER_BITS) |
+           ((uint32_t)sender & ((1u << FR_IMM_SENDER_BITS) - 1));
+}
+FR_HD int fr_imm_phase(uint32_t imm) { return (int)(imm >> 30); }
+FR_HD uint32_t fr_imm_epoch(uint32_t imm)
+{
+    return (imm >> FR_IMM_SENDER_BITS) & ((1u << FR_IMM_EPOCH_BITS) - 1);
+}
+FR_HD int fr_imm_sender(uint32_t imm)
+{
+    return (int)(imm & ((1u << FR_IMM_SENDER_BITS) - 1));
+}
+
+#endif

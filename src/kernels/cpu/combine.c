@@ -1,0 +1,85 @@
+/*
+ * CPU twins of the combine kernels.
+ *
+ * combine_send: for every source rank s, the rows of expert_y holding s's
+ * (token, expert) pairs, in the order s sent them, go as one contiguous run
+ * to rows [comb_off_s, comb_off_s + pairs_s) of s's combine region: stored
+ * directly (self, shared memory) or packed for one fabric write. Then the
+ * flag is published (release), or the proxy is asked to write.
+ *
+ * combine_recv: wait for every rank's flag; out[t] = sum_k w[t][k] * y,
+ * accumulated in fp32 in k order, rounded once to bf16.
+ */
+#include <string.h>
+
+#include "core/ep.h"
+#include "core/quant.h"
+
+int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_in_t *in)
+{
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N, set = (int)(r->epoch % FR_NSETS);
+    const uint8_t *y = (const uint8_t *)in->expert_y;
+    uint64_t packed = 0; /* rows packed so far in the send region */
+    int gi = 0;
+    for (int s = 0; s < N; s++) {
+        uint32_t p0 = r->pair_off[s], np = r->pair_off[s + 1] - p0;
+        const int32_t *rows = r->pair_row + p0;
+        if (ep->path[s] == FR_PATH_FABRIC) {
+            uint8_t *dst = ep->send + fr_off_csend(L, set, packed);
+            for (uint32_t p = 0; p < np; p++)
+                memcpy(dst + (size_t)p * L->crow,
+                       y + (size_t)rows[p] * L->crow, L->crow);
+            fr_slice_t *sl = ep->slices +
+                             ((size_t)FR_PH_COMBINE * FR_NSETS + set) *
+                                 ep->nfabric + gi++;
+            sl->src_off = fr_off_csend(L, set, packed);
+            sl->dst_off = fr_off_crecv(L, set, r->comb_off[s]);
+            sl->len = (uint64_t)np * L->crow;
+            sl->imm = fr_imm_make(FR_PH_COMBINE, r->epoch, ep->rank);
+            packed += np;
+        } else {
+            uint8_t *dst = ep->peer_seg[s] + fr_off_crecv(L, set, r->comb_off[s]);
+            for (uint32_t p = 0; p < np; p++)
+                memcpy(dst + (size_t)p * L->crow,
+                       y + (size_t)rows[p] * L->crow, L->crow);
+            __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[s], FR_PH_COMBINE,
+                                         set, ep->rank),
+                             r->epoch, __ATOMIC_RELEASE);
+        }
+    }
+    if (ep->nfabric)
+        return fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch);
+    return FERRY_OK;
+}
+
+int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_out_t *out)
+{
+    const fr_layout_t *L = &ep->L;
+    int set = (int)(r->epoch % FR_NSETS), H = L->H, K = L->K;
+    int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine");
+    if (rc)
+        return rc;
+    float *acc = ep->acc;
+    uint16_t *o = (uint16_t *)out->out;
+    for (int t = 0; t < r->T; t++) {
+        memset(acc, 0, sizeof(float) * (size_t)H);
+        const int32_t *cp = r->comb_pos + (size_t)t * K;
+        const float *w = out->topk_weights + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            if (cp[k] < 0)
+                continue;
+            const uint16_t *yr =
+                (const uint16_t *)(ep->seg + fr_off_crecv(L, set, (uint64_t)cp[k]));
+            float wk = w[k];
+            for (int h = 0; h < H; h++)
+                acc[h] += wk * fr_bf16_to_f32(yr[h]);
+        }
+        uint16_t *orow = o + (size_t)t * H;
+        for (int h = 0; h < H; h++)
+            orow[h] = fr_f32_to_bf16(acc[h]);
+    }
+    return FERRY_OK;
+}

@@ -1,0 +1,261 @@
+/*
+ * CPU twins of the dispatch kernels.
+ *
+ * dispatch_send: route every token to each rank holding one of its experts,
+ * once per rank (deduplicated), quantising bf16 -> fp8 first when asked.
+ * Records go straight into the peer's receive slice (self, shared memory:
+ * the twin of NVLink stores) or into the send region for the proxy
+ * (fabric). The slice header (count, pairs, where replies go) is written
+ * last, then the flag is published with a release store.
+ *
+ * dispatch_recv: wait for every sender's flag, validate each slice, lay the
+ * tokens out per local expert in (sender, record, k) order.
+ */
+#include <string.h>
+
+#include "core/ep.h"
+#include "core/quant.h"
+
+/* Quantise T tokens of bf16 into fp8 e4m3 with one scale per 128 channels. */
+static void fr_quantize_fp8(const fr_layout_t *L, int T, const uint16_t *x,
+                            uint8_t *q, float *scales)
+{
+    int H = L->H, nb = H / FR_FP8_BLOCK;
+    for (int t = 0; t < T; t++) {
+        const uint16_t *xr = x + (size_t)t * H;
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *xb = xr + b * FR_FP8_BLOCK;
+            float amax = 0.f;
+            for (int i = 0; i < FR_FP8_BLOCK; i++) {
+                float v = fr_bf16_to_f32(xb[i]);
+                v = v < 0 ? -v : v;
+                amax = v > amax ? v : amax;
+            }
+            float inv = fr_fp8_inv_scale(amax);
+            uint8_t *qb = q + (size_t)t * H + b * FR_FP8_BLOCK;
+            for (int i = 0; i < FR_FP8_BLOCK; i++)
+                qb[i] = fr_f32_to_e4m3(fr_bf16_to_f32(xb[i]) * inv);
+            scales[(size_t)t * nb + b] = fr_fp8_scale(amax);
+        }
+    }
+}
+
+static inline uint8_t *fr_dslice_dst(ferry_ep_t ep, int set, int d)
+{
+    const fr_layout_t *L = &ep->L;
+    if (ep->path[d] == FR_PATH_FABRIC)
+        return ep->send + fr_off_dsend(L, set, d);
+    return ep->peer_seg[d] + fr_off_drecv(L, set, ep->rank);
+}
+
+int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_in_t *in)
+{
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N, K = L->K, El = L->El, T = in->num_tokens;
+    int set = (int)(r->epoch % FR_NSETS);
+    const int64_t *idx = in->topk_idx;
+
+    /* Token bytes and scales: as given, or quantised here. */
+    const uint8_t *tok = (const uint8_t *)in->x;
+    const float *scales = in->x_scales;
+    if (L->fp8 && !in->x_scales && T > 0) {
+        fr_quantize_fp8(L, T, (const uint16_t *)in->x, ep->qbuf, ep->qscales);
+        tok = ep->qbuf;
+        scales = ep->qscales;
+    }
+
+    /* Count records and (token, expert) pairs per destination rank. */
+    int32_t *cnt = ep->cnt_rank, *pairs = ep->pairs_rank, *fill = ep->fill;
+    memset(cnt, 0, sizeof(int32_t) * (size_t)N);
+    memset(pairs, 0, sizeof(int32_t) * (size_t)N);
+    for (int t = 0; t < T; t++) {
+        const int64_t *row = idx + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            if (row[k] < 0)
+                continue;
+            int d = (int)(row[k] / El);
+            int first = 1;
+            for (int j = 0; j < k && first; j++)
+                first = !(row[j] >= 0 && row[j] / El == d);
+            cnt[d] += first;
+            pairs[d]++;
+        }
+    }
+    /* Replies for rank d land in rows [comb_off_d, comb_off_d + pairs_d) of
+     * this rank's combine region; fill[] counts pairs handed out so far. */
+    uint32_t off = 0;
+    int32_t *rec_next = ep->rec_next;
+    for (int d = 0; d < N; d++) {
+        fill[d] = (int32_t)off;
+        off += (uint32_t)pairs[d];
+        rec_next[d] = 0;
+    }
+
+    /* Pack records: token-major, so each destination's records are in
+     * token order; a record lists the token's local experts in k order. */
+    size_t scale_bytes = 4ull * L->nscales;
+    for (int t = 0; t < T; t++) {
+        const int64_t *row = idx + (size_t)t * K;
+        int32_t *cp = r->comb_pos + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            cp[k] = -1;
+            if (row[k] < 0)
+                continue;
+            int d = (int)(row[k] / El);
+            int first = 1;
+            for (int j = 0; j < k && first; j++)
+                first = !(row[j] >= 0 && row[j] / El == d);
+            if (!first)
+                continue;
+            /* First expert of token t on rank d: emit the record. */
+            uint8_t *rec = fr_dslice_dst(ep, set, d) +
+                           fr_off_record(L, (uint32_t)rec_next[d]++);
+            fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
+            uint16_t n = 0;
+            for (int j = k; j < K; j++) {
+                if (row[j] < 0 || row[j] / El != d)
+                    continue;
+                h->le[n++] = (uint16_t)(row[j] % El);
+                cp[j] = fill[d]++;
+            }
+            h->token = (uint32_t)t;
+            h->nexp = n;
+            h->reserved = 0;
+            memcpy(rec + L->rec_hdr, tok + (size_t)t * L->tok_bytes,
+                   L->tok_bytes);
+            if (scale_bytes)
+                memcpy(rec + L->rec_hdr + L->tok_bytes,
+                       scales + (size_t)t * L->nscales, scale_bytes);
+        }
+    }
+
+    /* Headers, then publish. */
+    uint32_t comb = 0;
+    int gi = 0;
+    for (int d = 0; d < N; d++) {
+        uint8_t *dst = fr_dslice_dst(ep, set, d);
+        fr_slice_hdr_t *h = (fr_slice_hdr_t *)dst;
+        memset(h, 0, sizeof(*h));
+        h->magic = FR_SLICE_MAGIC;
+        h->sender = (uint32_t)ep->rank;
+        h->epoch = r->epoch;
+        h->count = (uint32_t)cnt[d];
+        h->npairs = (uint32_t)pairs[d];
+        h->comb_off = comb;
+        comb += (uint32_t)pairs[d];
+        if (ep->path[d] == FR_PATH_FABRIC) {
+            fr_slice_t *s = ep->slices +
+                            ((size_t)FR_PH_DISPATCH * FR_NSETS + set) *
+                                ep->nfabric + gi++;
+            s->src_off = fr_off_dsend(L, set, d);
+            s->dst_off = fr_off_drecv(L, set, ep->rank);
+            s->len = fr_off_record(L, (uint32_t)cnt[d]);
+            s->imm = fr_imm_make(FR_PH_DISPATCH, r->epoch, ep->rank);
+        } else {
+            __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH,
+                                         set, ep->rank),
+                             r->epoch, __ATOMIC_RELEASE);
+        }
+    }
+    if (ep->nfabric)
+        return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch);
+    return FERRY_OK;
+}
+
+int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
+                   uint64_t epoch, fr_err_t *err)
+{
+    const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
+    if (h->magic != FR_SLICE_MAGIC)
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "slice from rank %d: bad magic 0x%08x", sender, h->magic);
+    if (h->sender != (uint32_t)sender || h->epoch != epoch)
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "slice from rank %d: header says rank %u round %llu, "
+                      "expected round %llu", sender, h->sender,
+                      (unsigned long long)h->epoch, (unsigned long long)epoch);
+    if (h->count > (uint32_t)L->T)
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "slice from rank %d: %u records, at most %d", sender,
+                      h->count, L->T);
+    if ((uint64_t)h->comb_off + h->npairs > L->crows)
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "slice from rank %d: reply rows %u+%u exceed %llu",
+                      sender, h->comb_off, h->npairs,
+                      (unsigned long long)L->crows);
+    uint32_t pairs = 0, last_token = 0;
+    for (uint32_t i = 0; i < h->count; i++) {
+        const fr_rec_hdr_t *rh =
+            (const fr_rec_hdr_t *)(slice + fr_off_record(L, i));
+        if (rh->token >= (uint32_t)L->T || (i > 0 && rh->token <= last_token))
+            return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                          "slice from rank %d: record %u has token %u "
+                          "(out of range or out of order)", sender, i,
+                          rh->token);
+        last_token = rh->token;
+        if (rh->nexp < 1 || rh->nexp > L->kmax)
+            return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                          "slice from rank %d: record %u lists %u experts "
+                          "(1..%d)", sender, i, rh->nexp, L->kmax);
+        for (int j = 0; j < rh->nexp; j++)
+            if (rh->le[j] >= (uint32_t)L->El)
+                return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                              "slice from rank %d: record %u names local "
+                              "expert %u of %d", sender, i, rh->le[j], L->El);
+        pairs += rh->nexp;
+    }
+    if (pairs != h->npairs)
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "slice from rank %d: records hold %u pairs, header "
+                      "says %u", sender, pairs, h->npairs);
+    return FERRY_OK;
+}
+
+int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_out_t *out)
+{
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N, set = (int)(r->epoch % FR_NSETS);
+    int rc = fr_wait_flags(ep, FR_PH_DISPATCH, set, r->epoch, "dispatch");
+    if (rc)
+        return rc;
+    int32_t *efill = ep->expert_fill;
+    memset(efill, 0, sizeof(int32_t) * (size_t)L->El);
+    uint8_t *ex = (uint8_t *)out->expert_x;
+    size_t scale_bytes = 4ull * L->nscales;
+    uint32_t np = 0;
+    for (int s = 0; s < N; s++) {
+        const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
+        fr_err_t err;
+        rc = fr_slice_check(L, slice, s, r->epoch, &err);
+        if (rc)
+            return fr_ep_fail(ep, rc, "dispatch round %llu: %s",
+                              (unsigned long long)r->epoch, err.msg);
+        const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
+        r->pair_off[s] = np;
+        r->comb_off[s] = h->comb_off;
+        for (uint32_t i = 0; i < h->count; i++) {
+            const uint8_t *rec = slice + fr_off_record(L, i);
+            const fr_rec_hdr_t *rh = (const fr_rec_hdr_t *)rec;
+            for (int j = 0; j < rh->nexp; j++) {
+                int le = rh->le[j];
+                int32_t slot = efill[le]++;
+                size_t row = (size_t)le * L->cap + (size_t)slot;
+                memcpy(ex + row * L->tok_bytes, rec + L->rec_hdr,
+                       L->tok_bytes);
+                if (scale_bytes)
+                    memcpy(out->expert_x_scales + row * L->nscales,
+                           rec + L->rec_hdr + L->tok_bytes, scale_bytes);
+                if (out->expert_src_rank)
+                    out->expert_src_rank[row] = s;
+                if (out->expert_src_token)
+                    out->expert_src_token[row] = (int32_t)rh->token;
+                r->pair_row[np++] = (int32_t)row;
+            }
+        }
+    }
+    r->pair_off[N] = np;
+    memcpy(out->expert_num_tokens, efill, sizeof(int32_t) * (size_t)L->El);
+    return FERRY_OK;
+}

@@ -1,0 +1,221 @@
+/*
+ * The proxy: one thread per rank that owns the fabric transport.
+ *
+ * The rank thread (later: the GPU send kernel) packs a phase's slices into
+ * the send region, fills one fr_slice_t per fabric peer and rings the
+ * doorbell by pushing {phase, set, epoch} into a single-producer ring. The
+ * proxy posts the scatter, then polls completions:
+ *   RX  immediate (phase, epoch low bits, sender): the write, header
+ *       included, has landed; the proxy publishes it by storing the full
+ *       epoch into the same flag word a shared-memory peer would have
+ *       written (release order), so receivers wait the same way on every
+ *       path. Completions are counted per (phase, set, sender), order-free.
+ *   TX  a local write finished: the set's send slices may be reused.
+ *   ERR a failed write: recorded as the EP's asynchronous error.
+ * Idle, it yields, then sleeps up to FERRY_PROXY_IDLE_US.
+ */
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/config.h"
+#include "core/ep.h"
+#include "core/log.h"
+
+static void fr_proxy_async_fail(ferry_ep_t ep, int code, int peer,
+                                const char *msg)
+{
+    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
+        return;
+    ep->async_peer = peer;
+    snprintf(ep->async_msg, sizeof(ep->async_msg), "%s", msg);
+    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
+    FR_LOG_WARN(FR_SUB_PROXY, "%s", msg);
+}
+
+static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
+{
+    const fr_layout_t *L = &ep->L;
+    int phase = fr_imm_phase(imm), sender = fr_imm_sender(imm);
+    uint32_t e12 = fr_imm_epoch(imm);
+    char msg[200];
+    if (phase > FR_PH_COMBINE || sender >= ep->N ||
+        ep->path[sender] != FR_PATH_FABRIC) {
+        snprintf(msg, sizeof(msg),
+                 "unexpected immediate 0x%08x (phase %d, sender %d)", imm,
+                 phase, sender);
+        fr_proxy_async_fail(ep, FERRY_ERR_PROTOCOL, sender, msg);
+        return;
+    }
+    /* Both sets see epochs advance by two; reconstruct the full epoch. */
+    int set = (int)(e12 & 1);
+    uint64_t *last = &ep->flag_last[((size_t)phase * FR_NSETS + set) * ep->N +
+                                    sender];
+    uint64_t want = *last ? *last + 2 : (set ? 1 : 2);
+    if ((want & ((1u << FR_IMM_EPOCH_BITS) - 1)) != e12) {
+        snprintf(msg, sizeof(msg),
+                 "rank %d sent %s for round ...%u, expected round %llu",
+                 sender, phase ? "combine" : "dispatch", e12,
+                 (unsigned long long)want);
+        fr_proxy_async_fail(ep, FERRY_ERR_PROTOCOL, sender, msg);
+        return;
+    }
+    *last = want;
+    __atomic_store_n(fr_flag_ptr(L, ep->seg, phase, set, sender), want,
+                     __ATOMIC_RELEASE);
+    ep->proxy.completed_rx++;
+}
+
+static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
+{
+    fr_err_t err = {{0}};
+    const fr_slice_t *sl =
+        ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
+    __atomic_add_fetch(&ep->proxy.tx_pending[q->set], ep->nfabric,
+                       __ATOMIC_ACQ_REL);
+    int rc = ep->tp_ops->scatter(ep->tp, ep->group, sl, (uint64_t)q->set, &err);
+    if (rc != FERRY_OK) {
+        __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], ep->nfabric,
+                           __ATOMIC_ACQ_REL);
+        fr_proxy_async_fail(ep, rc, -1, err.msg);
+        return rc;
+    }
+    ep->proxy.posted += (uint64_t)ep->nfabric;
+    return FERRY_OK;
+}
+
+static void *fr_proxy_main(void *arg)
+{
+    ferry_ep_t ep = arg;
+    fr_proxy_t *p = &ep->proxy;
+    fr_log_set_rank(ep->rank);
+    long idle_us = fr_cfg_int(FR_CFG_PROXY_IDLE_US);
+    fr_cqe_t cqe[64];
+    uint64_t idle = 0;
+    while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
+        int work = 0;
+        uint64_t tail = __atomic_load_n(&p->tail, __ATOMIC_ACQUIRE);
+        while (p->head < tail) {
+            fr_proxy_req_t q = p->ring[p->head % FR_PROXY_RING];
+            __atomic_store_n(&p->head, p->head + 1, __ATOMIC_RELEASE);
+            fr_proxy_post(ep, &q);
+            work = 1;
+        }
+        fr_err_t err = {{0}};
+        int n = ep->tp_ops->poll(ep->tp, cqe, 64, &err);
+        if (n < 0) {
+            fr_proxy_async_fail(ep, n, -1, err.msg);
+            n = 0;
+        }
+        for (int i = 0; i < n; i++) {
+            switch (cqe[i].kind) {
+            case FR_CQE_RX:
+                fr_proxy_rx(ep, cqe[i].imm);
+                break;
+            case FR_CQE_TX:
+                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
+                                   __ATOMIC_ACQ_REL);
+                break;
+            default: {
+                char msg[FR_ERRMSG_LEN];
+                snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
+                         cqe[i].peer, err.msg[0] ? err.msg : "fabric error");
+                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
+                                   __ATOMIC_ACQ_REL);
+                fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
+                                                      : FERRY_ERR_FABRIC,
+                                    cqe[i].peer, msg);
+            }
+            }
+        }
+        if (work || n > 0) {
+            idle = 0;
+            continue;
+        }
+        /* Nothing to do: spin a little, yield, then sleep in short naps
+         * (manual-progress providers still need us to come back). */
+        idle++;
+        if (idle < 64)
+            continue;
+        if (idle < 2000 || idle_us <= 0) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, idle_us * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    return NULL;
+}
+
+int fr_proxy_start(ferry_ep_t ep)
+{
+    fr_proxy_t *p = &ep->proxy;
+    memset(p, 0, sizeof(*p));
+    int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
+    if (e != 0)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
+                          strerror(e));
+    p->running = 1;
+    return FERRY_OK;
+}
+
+void fr_proxy_stop(ferry_ep_t ep)
+{
+    fr_proxy_t *p = &ep->proxy;
+    if (!p->running)
+        return;
+    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+    pthread_join(p->thread, NULL);
+    p->running = 0;
+}
+
+int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
+{
+    fr_proxy_t *p = &ep->proxy;
+    uint64_t iter = 0;
+    uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
+    while (p->tail - __atomic_load_n(&p->head, __ATOMIC_ACQUIRE) >=
+           FR_PROXY_RING) {
+        fr_backoff(&iter, ep->spin);
+        if (fr_now_ns() > deadline)
+            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
+                              "the proxy thread did not take requests for "
+                              "%ld ms", ep->timeout_ms);
+    }
+    fr_proxy_req_t *q = &p->ring[p->tail % FR_PROXY_RING];
+    q->phase = phase;
+    q->set = set;
+    q->epoch = epoch;
+    __atomic_store_n(&p->tail, p->tail + 1, __ATOMIC_RELEASE);
+    return FERRY_OK;
+}
+
+int fr_proxy_wait_set(ferry_ep_t ep, int set)
+{
+    fr_proxy_t *p = &ep->proxy;
+    uint64_t iter = 0;
+    uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
+    while (__atomic_load_n(&p->head, __ATOMIC_ACQUIRE) !=
+               __atomic_load_n(&p->tail, __ATOMIC_ACQUIRE) ||
+           __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
+        int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+        if (st != FERRY_OK)
+            return fr_ep_fail(ep, st, "%s", ep->async_msg);
+        fr_backoff(&iter, ep->spin);
+        if (fr_now_ns() > deadline) {
+            int dead = fr_boot_dead_rank(ep->comm->boot);
+            if (dead >= 0)
+                return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                  "writes still in flight when rank %d died",
+                                  dead);
+            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
+                              "%lld writes of buffer set %d not completed "
+                              "after %ld ms",
+                              (long long)__atomic_load_n(&p->tx_pending[set],
+                                                         __ATOMIC_ACQUIRE),
+                              set, ep->timeout_ms);
+        }
+    }
+    return FERRY_OK;
+}

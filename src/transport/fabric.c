@@ -1,0 +1,813 @@
+/*
+ * libfabric transport: FI_EP_RDM, RMA writes with 32-bit remote CQ data.
+ *
+ * Facts this relies on (see shared/FABRIC.md):
+ *  - mr_mode is read back from fi_getinfo and honoured (tcp answers 0:
+ *    offsets and requested keys; shm may answer FI_MR_VIRT_ADDR).
+ *  - Bad writes fail silently on tcp and shm, so every slice is checked
+ *    against the registered lengths before anything is posted.
+ *  - Progress is manual: poll() must be called on both sides.
+ *
+ * Posting: scatter/barrier/write_imm never block. A post that meets
+ * -FI_EAGAIN, and every post behind it, waits in a FIFO inside the transport
+ * and is retried in order from poll(). A post that fails for any other
+ * reason is not reported by the posting call (other slices of the same call
+ * may already be on the wire); it comes back from poll() as one FR_CQE_ERR
+ * with its peer and ctx. So every slice of a call that returned FERRY_OK
+ * yields exactly one completion: FR_CQE_TX or FR_CQE_ERR. A call that
+ * returns an error (FERRY_ERR_INVALID for bad bounds or index) posted
+ * nothing.
+ *
+ * Zero-byte writes: tcp;ofi_rxm and shm both accept fi_writedata with len 0
+ * and deliver the remote CQ data, to other ranks and to self (checked by
+ * tests/mp/test_fabric). They are posted as real zero-byte writes.
+ *
+ * Per-post state lives in fr_fab_op_t taken from a pool that grows in chunks
+ * (no allocation per post once warm).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "../core/log.h"
+#include "transport.h"
+
+#define FR_FAB_NAME_MAX 448 /* endpoint name bytes in the exchange block */
+#define FR_FAB_PROV_MAX 56  /* provider name bytes in the exchange block */
+#define FR_FAB_POOL_CHUNK 256
+#define FR_FAB_CQ_BATCH 64
+
+typedef struct fr_fab_op {
+    struct fi_context2 fictx; /* first: for providers with FI_CONTEXT(2) */
+    struct fr_fab_op *next;   /* freelist, FIFO or error list */
+    uint64_t ctx;
+    const void *buf;
+    size_t len;
+    void *desc;
+    uint64_t raddr;
+    uint64_t key;
+    fi_addr_t addr;
+    uint32_t imm;
+    int peer;
+    int err; /* libfabric status of a failed post (error list) */
+} fr_fab_op_t;
+
+typedef struct fr_fab_chunk {
+    struct fr_fab_chunk *next;
+    fr_fab_op_t ops[FR_FAB_POOL_CHUNK];
+} fr_fab_chunk_t;
+
+struct fr_mr {
+    struct fr_mr *prev, *next; /* live list, freed at close */
+    struct fid_mr *mr;
+    void *buf;
+    size_t len;
+    void *desc;
+    uint64_t key;
+};
+
+typedef struct fr_fab_peer {
+    fi_addr_t addr;
+    int rank;
+    uint64_t rbase; /* remote base (VA or 0) */
+    uint64_t rkey;
+    uint64_t rlen;
+} fr_fab_peer_t;
+
+struct fr_group {
+    struct fr_group *prev, *next; /* live list, freed at close */
+    int npeers;
+    char *sbuf; /* local source region */
+    uint64_t slen;
+    void *sdesc;
+    fr_fab_peer_t *peers;
+};
+
+/* One rank's contribution to the address exchange (fixed size). */
+typedef struct fr_fab_block {
+    uint32_t namelen;
+    uint32_t pad;
+    char prov[FR_FAB_PROV_MAX];
+    char name[FR_FAB_NAME_MAX];
+} fr_fab_block_t;
+
+struct fr_transport {
+    int rank, size;
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_ep *ep;
+    struct fid_cq *cq;
+    struct fid_av *av;
+    fi_addr_t *addrs; /* by rank */
+    uint64_t mr_mode;
+    uint64_t next_key; /* requested keys when not FI_MR_PROV_KEY */
+    char prov[FR_FAB_PROV_MAX];
+
+    fr_fab_chunk_t *chunks;
+    fr_fab_op_t *free_ops;
+    long nfree;
+    fr_fab_op_t *q_head, *q_tail; /* posts waiting after -FI_EAGAIN */
+    fr_fab_op_t *e_head, *e_tail; /* posts that failed, to report */
+    long inflight;                /* posted, not yet completed */
+    long nqueued;
+    long nerrors;
+    long nwaited; /* posts that met -FI_EAGAIN (statistics) */
+
+    struct fr_mr *mrs;
+    struct fr_group *groups;
+};
+
+/* ------------------------------------------------------------------ */
+/* op pool and lists                                                   */
+/* ------------------------------------------------------------------ */
+
+static int fab_pool_grow(fr_transport_t *t)
+{
+    fr_fab_chunk_t *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -1;
+    c->next = t->chunks;
+    t->chunks = c;
+    for (int i = FR_FAB_POOL_CHUNK - 1; i >= 0; i--) {
+        c->ops[i].next = t->free_ops;
+        t->free_ops = &c->ops[i];
+    }
+    t->nfree += FR_FAB_POOL_CHUNK;
+    return 0;
+}
+
+static fr_fab_op_t *fab_op_get(fr_transport_t *t)
+{
+    if (!t->free_ops && fab_pool_grow(t) != 0)
+        return NULL;
+    fr_fab_op_t *op = t->free_ops;
+    t->free_ops = op->next;
+    t->nfree--;
+    op->next = NULL;
+    return op;
+}
+
+static void fab_op_put(fr_transport_t *t, fr_fab_op_t *op)
+{
+    op->next = t->free_ops;
+    t->free_ops = op;
+    t->nfree++;
+}
+
+static void fab_list_push(fr_fab_op_t **head, fr_fab_op_t **tail,
+                          fr_fab_op_t *op)
+{
+    op->next = NULL;
+    if (*tail)
+        (*tail)->next = op;
+    else
+        *head = op;
+    *tail = op;
+}
+
+static fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
+{
+    fr_fab_op_t *op = *head;
+    if (op) {
+        *head = op->next;
+        if (!*head)
+            *tail = NULL;
+        op->next = NULL;
+    }
+    return op;
+}
+
+/* ------------------------------------------------------------------ */
+/* posting                                                             */
+/* ------------------------------------------------------------------ */
+
+static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
+{
+    return fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
+                        op->raddr, op->key, op);
+}
+
+/* Post op, or queue it behind earlier queued posts, or (hard failure) put
+ * it on the error list for poll() to report. */
+static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
+{
+    if (!t->q_head) {
+        ssize_t rc = fab_post(t, op);
+        if (rc == 0) {
+            t->inflight++;
+            return;
+        }
+        if (rc != -FI_EAGAIN) {
+            op->err = (int)rc;
+            fab_list_push(&t->e_head, &t->e_tail, op);
+            t->nerrors++;
+            return;
+        }
+    }
+    fab_list_push(&t->q_head, &t->q_tail, op);
+    t->nqueued++;
+    t->nwaited++;
+}
+
+/* Retry queued posts in order; stop at the first -FI_EAGAIN. */
+static void fab_drain_queue(fr_transport_t *t)
+{
+    while (t->q_head) {
+        fr_fab_op_t *op = t->q_head;
+        ssize_t rc = fab_post(t, op);
+        if (rc == -FI_EAGAIN)
+            return;
+        fab_list_pop(&t->q_head, &t->q_tail);
+        t->nqueued--;
+        if (rc == 0) {
+            t->inflight++;
+        } else {
+            op->err = (int)rc;
+            fab_list_push(&t->e_head, &t->e_tail, op);
+            t->nerrors++;
+        }
+    }
+}
+
+static int fab_check_slice(const fr_group_t *g, int i, const fr_slice_t *s,
+                           fr_err_t *err)
+{
+    const fr_fab_peer_t *p = &g->peers[i];
+    if (s->src_off > g->slen || s->len > g->slen - s->src_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: slice %d (rank %d): source [%llu, +%llu) "
+                      "outside the registered %llu bytes",
+                      i, p->rank, (unsigned long long)s->src_off,
+                      (unsigned long long)s->len,
+                      (unsigned long long)g->slen);
+    if (s->dst_off > p->rlen || s->len > p->rlen - s->dst_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: slice %d (rank %d): destination [%llu, +%llu) "
+                      "outside the peer's registered %llu bytes",
+                      i, p->rank, (unsigned long long)s->dst_off,
+                      (unsigned long long)s->len,
+                      (unsigned long long)p->rlen);
+    return FERRY_OK;
+}
+
+static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
+                   const fr_slice_t *s, uint64_t ctx, fr_err_t *err)
+{
+    fr_fab_op_t *op = fab_op_get(t);
+    if (!op)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for a post");
+    const fr_fab_peer_t *p = &g->peers[i];
+    op->ctx = ctx;
+    op->buf = g->sbuf + s->src_off;
+    op->len = (size_t)s->len;
+    op->desc = g->sdesc;
+    op->raddr = p->rbase + s->dst_off;
+    op->key = p->rkey;
+    op->addr = p->addr;
+    op->imm = s->imm;
+    op->peer = p->rank;
+    op->err = 0;
+    fab_submit(t, op);
+    return FERRY_OK;
+}
+
+/* Reserve n ops up front so that a call posts all of its slices or none. */
+static int fab_reserve(fr_transport_t *t, int n, fr_err_t *err)
+{
+    while (t->nfree < n)
+        if (fab_pool_grow(t) != 0)
+            return FR_ERR(err, FERRY_ERR_NOMEM,
+                          "fabric: out of memory for %d posts", n);
+    return FERRY_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* ops                                                                 */
+/* ------------------------------------------------------------------ */
+
+static void fab_close(fr_transport_t *t);
+
+static int fab_fail(fr_err_t *err, const char *call, int rc)
+{
+    return FR_ERR(err, FERRY_ERR_FABRIC, "fabric: %s failed: %s (%d)", call,
+                  fi_strerror(rc < 0 ? -rc : rc), rc);
+}
+
+static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
+{
+    int rc = FERRY_OK, frc;
+    struct fi_info *hints = NULL;
+    fr_fab_block_t *blocks = NULL;
+    *tp = NULL;
+
+    fr_transport_t *t = calloc(1, sizeof(*t));
+    if (!t)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+    t->rank = fr_boot_rank(boot);
+    t->size = fr_boot_size(boot);
+    t->next_key = 1;
+
+    hints = fi_allocinfo();
+    if (!hints) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: fi_allocinfo failed");
+        goto fail;
+    }
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
+                                  FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                                  FI_MR_ENDPOINT;
+    const char *envprov = getenv("FI_PROVIDER");
+    /* A plain name is passed as a hint too; lists ("a,b") and exclusions
+     * ("^a") are left to libfabric's own reading of FI_PROVIDER. */
+    if (envprov && *envprov && !strpbrk(envprov, ",^")) {
+        hints->fabric_attr->prov_name = strdup(envprov);
+        if (!hints->fabric_attr->prov_name) {
+            rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+            goto fail;
+        }
+    }
+
+    struct fi_info *list = NULL;
+    frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
+    if (frc) {
+        rc = FR_ERR(err, FERRY_ERR_FABRIC,
+                    "fabric: fi_getinfo (FI_EP_RDM, FI_RMA, FI_PROVIDER=%s) "
+                    "failed: %s (%d)",
+                    envprov ? envprov : "(unset)", fi_strerror(-frc), frc);
+        goto fail;
+    }
+    /* First offer that carries at least 32 bits of remote CQ data. */
+    for (struct fi_info *i = list; i; i = i->next) {
+        if (i->domain_attr->cq_data_size >= 4) {
+            t->info = fi_dupinfo(i);
+            break;
+        }
+    }
+    if (!t->info) {
+        rc = FR_ERR(err, FERRY_ERR_FABRIC,
+                    "fabric: no provider offers >= 4 bytes of remote CQ data "
+                    "(first: %s, cq_data_size %zu)",
+                    list->fabric_attr->prov_name,
+                    list->domain_attr->cq_data_size);
+        fi_freeinfo(list);
+        goto fail;
+    }
+    fi_freeinfo(list);
+    fi_freeinfo(hints);
+    hints = NULL;
+
+    struct fi_info *info = t->info;
+    t->mr_mode = info->domain_attr->mr_mode;
+    snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
+    FR_LOG_INFO(FR_SUB_NET,
+                "fabric: provider %s (fabric %s, domain %s), mr_mode 0x%llx"
+                "%s%s%s%s%s, cq_data_size %zu, inject_size %zu, "
+                "max_msg_size %zu, tx size %zu",
+                t->prov, info->fabric_attr->name, info->domain_attr->name,
+                (unsigned long long)t->mr_mode,
+                (t->mr_mode & FI_MR_LOCAL) ? " LOCAL" : "",
+                (t->mr_mode & FI_MR_VIRT_ADDR) ? " VIRT_ADDR" : "",
+                (t->mr_mode & FI_MR_ALLOCATED) ? " ALLOCATED" : "",
+                (t->mr_mode & FI_MR_PROV_KEY) ? " PROV_KEY" : "",
+                (t->mr_mode & FI_MR_ENDPOINT) ? " ENDPOINT" : "",
+                info->domain_attr->cq_data_size, info->tx_attr->inject_size,
+                info->ep_attr->max_msg_size, info->tx_attr->size);
+
+    if ((frc = fi_fabric(info->fabric_attr, &t->fabric, NULL))) {
+        rc = fab_fail(err, "fi_fabric", frc);
+        goto fail;
+    }
+    if ((frc = fi_domain(t->fabric, info, &t->domain, NULL))) {
+        rc = fab_fail(err, "fi_domain", frc);
+        goto fail;
+    }
+    struct fi_cq_attr cqa;
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    cqa.wait_obj = FI_WAIT_NONE;
+    if ((frc = fi_cq_open(t->domain, &cqa, &t->cq, NULL))) {
+        rc = fab_fail(err, "fi_cq_open", frc);
+        goto fail;
+    }
+    struct fi_av_attr ava;
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    ava.count = (size_t)t->size;
+    if ((frc = fi_av_open(t->domain, &ava, &t->av, NULL))) {
+        rc = fab_fail(err, "fi_av_open", frc);
+        goto fail;
+    }
+    if ((frc = fi_endpoint(t->domain, info, &t->ep, NULL))) {
+        rc = fab_fail(err, "fi_endpoint", frc);
+        goto fail;
+    }
+    if ((frc = fi_ep_bind(t->ep, &t->cq->fid, FI_TRANSMIT | FI_RECV))) {
+        rc = fab_fail(err, "fi_ep_bind(cq)", frc);
+        goto fail;
+    }
+    if ((frc = fi_ep_bind(t->ep, &t->av->fid, 0))) {
+        rc = fab_fail(err, "fi_ep_bind(av)", frc);
+        goto fail;
+    }
+    if ((frc = fi_enable(t->ep))) {
+        rc = fab_fail(err, "fi_enable", frc);
+        goto fail;
+    }
+
+    /* Exchange names (and provider names, which must agree). */
+    fr_fab_block_t mine;
+    memset(&mine, 0, sizeof(mine));
+    size_t namelen = sizeof(mine.name);
+    if ((frc = fi_getname(&t->ep->fid, mine.name, &namelen))) {
+        rc = FR_ERR(err, FERRY_ERR_FABRIC,
+                    "fabric: fi_getname failed: %s (%d) (name needs %zu "
+                    "bytes, room for %zu)",
+                    fi_strerror(-frc), frc, namelen, sizeof(mine.name));
+        goto fail;
+    }
+    mine.namelen = (uint32_t)namelen;
+    snprintf(mine.prov, sizeof(mine.prov), "%s", t->prov);
+    blocks = calloc((size_t)t->size, sizeof(*blocks));
+    t->addrs = calloc((size_t)t->size, sizeof(*t->addrs));
+    if (!blocks || !t->addrs) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+        goto fail;
+    }
+    FR_CHECK_GOTO(fr_boot_allgather(boot, &mine, blocks, sizeof(mine), err),
+                  rc, fail);
+    for (int r = 0; r < t->size; r++) {
+        fr_fab_block_t *b = &blocks[r];
+        b->prov[sizeof(b->prov) - 1] = '\0';
+        if (strcmp(b->prov, t->prov) != 0) {
+            rc = FR_ERR(err, FERRY_ERR_FABRIC,
+                        "fabric: rank %d uses provider %s but rank %d uses "
+                        "%s (set FI_PROVIDER alike on all ranks)",
+                        r, b->prov, t->rank, t->prov);
+            goto fail;
+        }
+        if (b->namelen == 0 || b->namelen > sizeof(b->name)) {
+            rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
+                        "fabric: rank %d sent an address of %u bytes", r,
+                        b->namelen);
+            goto fail;
+        }
+        /* One at a time: some providers (shm) step through a packed array
+         * by string length, not by addrlen. */
+        frc = fi_av_insert(t->av, b->name, 1, &t->addrs[r], 0, NULL);
+        if (frc != 1) {
+            rc = FR_ERR(err, FERRY_ERR_FABRIC,
+                        "fabric: fi_av_insert of rank %d failed: %s (%d)", r,
+                        fi_strerror(frc < 0 ? -frc : FI_EINVAL), frc);
+            goto fail;
+        }
+    }
+    free(blocks);
+    *tp = t;
+    return FERRY_OK;
+
+fail:
+    free(blocks);
+    if (hints)
+        fi_freeinfo(hints);
+    fab_close(t);
+    return rc;
+}
+
+static int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
+                   fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err)
+{
+    *mrp = NULL;
+    if (!ptr || len == 0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: registering %p, %zu bytes: need memory", ptr,
+                      len);
+    fr_mr_t *m = calloc(1, sizeof(*m));
+    if (!m)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+    /* A remotely writable region may also serve as a source. */
+    uint64_t access = remote_write ? (FI_REMOTE_WRITE | FI_WRITE) : FI_WRITE;
+    uint64_t req_key = (t->mr_mode & FI_MR_PROV_KEY) ? 0 : t->next_key++;
+    int frc = fi_mr_reg(t->domain, ptr, len, access, 0, req_key, 0, &m->mr,
+                        NULL);
+    if (frc) {
+        free(m);
+        return FR_ERR(err, FERRY_ERR_FABRIC,
+                      "fabric: fi_mr_reg(%p, %zu bytes) failed: %s (%d)", ptr,
+                      len, fi_strerror(-frc), frc);
+    }
+    if (t->mr_mode & FI_MR_ENDPOINT) {
+        if ((frc = fi_mr_bind(m->mr, &t->ep->fid, 0)) ||
+            (frc = fi_mr_enable(m->mr))) {
+            fi_close(&m->mr->fid);
+            free(m);
+            return fab_fail(err, "fi_mr_bind/fi_mr_enable", frc);
+        }
+    }
+    m->buf = ptr;
+    m->len = len;
+    m->desc = fi_mr_desc(m->mr);
+    m->key = fi_mr_key(m->mr);
+    if (m->key == FI_KEY_NOTAVAIL) {
+        fi_close(&m->mr->fid);
+        free(m);
+        return FR_ERR(err, FERRY_ERR_FABRIC,
+                      "fabric: fi_mr_key: key not available");
+    }
+    m->next = t->mrs;
+    if (t->mrs)
+        t->mrs->prev = m;
+    t->mrs = m;
+    if (desc) {
+        desc->base = (t->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)ptr
+                                                    : 0;
+        desc->key = m->key;
+        desc->len = len;
+    }
+    *mrp = m;
+    return FERRY_OK;
+}
+
+static void fab_dereg(fr_transport_t *t, fr_mr_t *m)
+{
+    if (!m)
+        return;
+    if (m->prev)
+        m->prev->next = m->next;
+    else
+        t->mrs = m->next;
+    if (m->next)
+        m->next->prev = m->prev;
+    int frc = fi_close(&m->mr->fid);
+    if (frc)
+        FR_LOG_WARN(FR_SUB_NET, "fabric: fi_close(mr) failed: %s (%d)",
+                    fi_strerror(-frc), frc);
+    free(m);
+}
+
+static int fab_group_create(fr_transport_t *t, const int *peers, int npeers,
+                            fr_mr_t *src, const fr_mr_desc_t *remote,
+                            fr_group_t **gp, fr_err_t *err)
+{
+    *gp = NULL;
+    if (npeers < 0 || (npeers > 0 && (!peers || !remote)) || !src)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: group_create: %d peers, peers %p, remote %p, "
+                      "src %p",
+                      npeers, (const void *)peers, (const void *)remote,
+                      (void *)src);
+    for (int i = 0; i < npeers; i++)
+        if (peers[i] < 0 || peers[i] >= t->size)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "fabric: group_create: peer %d is rank %d, not in "
+                          "[0, %d)",
+                          i, peers[i], t->size);
+    fr_group_t *g = calloc(1, sizeof(*g));
+    fr_fab_peer_t *p = calloc(npeers > 0 ? (size_t)npeers : 1, sizeof(*p));
+    if (!g || !p) {
+        free(g);
+        free(p);
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+    }
+    g->npeers = npeers;
+    g->sbuf = src->buf;
+    g->slen = src->len;
+    g->sdesc = src->desc;
+    g->peers = p;
+    for (int i = 0; i < npeers; i++) {
+        p[i].rank = peers[i];
+        p[i].addr = t->addrs[peers[i]];
+        p[i].rbase = remote[i].base;
+        p[i].rkey = remote[i].key;
+        p[i].rlen = remote[i].len;
+    }
+    g->next = t->groups;
+    if (t->groups)
+        t->groups->prev = g;
+    t->groups = g;
+    *gp = g;
+    return FERRY_OK;
+}
+
+static void fab_group_destroy(fr_transport_t *t, fr_group_t *g)
+{
+    if (!g)
+        return;
+    if (g->prev)
+        g->prev->next = g->next;
+    else
+        t->groups = g->next;
+    if (g->next)
+        g->next->prev = g->prev;
+    free(g->peers);
+    free(g);
+}
+
+static int fab_scatter(fr_transport_t *t, fr_group_t *g,
+                       const fr_slice_t *slices, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g || (g->npeers > 0 && !slices))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: scatter: group %p, slices %p", (void *)g,
+                      (const void *)slices);
+    for (int i = 0; i < g->npeers; i++)
+        if ((rc = fab_check_slice(g, i, &slices[i], err)) != FERRY_OK)
+            return rc;
+    if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
+        return rc;
+    for (int i = 0; i < g->npeers; i++)
+        fab_add(t, g, i, &slices[i], ctx, err);
+    return FERRY_OK;
+}
+
+static int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm,
+                       uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g)
+        return FR_ERR(err, FERRY_ERR_INVALID, "fabric: barrier: no group");
+    if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
+        return rc;
+    fr_slice_t s = {0, 0, 0, imm};
+    for (int i = 0; i < g->npeers; i++)
+        fab_add(t, g, i, &s, ctx, err);
+    return FERRY_OK;
+}
+
+static int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
+                         const fr_slice_t *slice, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g || !slice || index < 0 || index >= g->npeers)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: write_imm: index %d of a group of %d", index,
+                      g ? g->npeers : 0);
+    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+        return rc;
+    return fab_add(t, g, index, slice, ctx, err);
+}
+
+static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
+{
+    int n = 0;
+    /* Posts that failed outright, in order. */
+    while (n < max && t->e_head) {
+        fr_fab_op_t *op = fab_list_pop(&t->e_head, &t->e_tail);
+        t->nerrors--;
+        out[n].kind = FR_CQE_ERR;
+        out[n].imm = op->imm;
+        out[n].peer = op->peer;
+        out[n].status = FERRY_ERR_FABRIC;
+        out[n].ctx = op->ctx;
+        n++;
+        FR_ERR(err, FERRY_ERR_FABRIC,
+               "fabric: fi_writedata of %zu bytes to rank %d failed: %s (%d)",
+               op->len, op->peer, fi_strerror(-op->err), op->err);
+        fab_op_put(t, op);
+    }
+    fab_drain_queue(t);
+
+    struct fi_cq_data_entry ent[FR_FAB_CQ_BATCH];
+    while (n < max) {
+        int want = max - n < FR_FAB_CQ_BATCH ? max - n : FR_FAB_CQ_BATCH;
+        ssize_t got = fi_cq_read(t->cq, ent, (size_t)want);
+        if (got == -FI_EAGAIN)
+            break;
+        if (got == -FI_EAVAIL) {
+            struct fi_cq_err_entry ee;
+            memset(&ee, 0, sizeof(ee));
+            ssize_t r = fi_cq_readerr(t->cq, &ee, 0);
+            if (r == -FI_EAGAIN)
+                continue;
+            if (r < 0)
+                return fab_fail(err, "fi_cq_readerr", (int)r);
+            char buf[256];
+            const char *s = fi_cq_strerror(t->cq, ee.prov_errno, ee.err_data,
+                                           buf, sizeof(buf));
+            fr_cqe_t *c = &out[n++];
+            c->kind = FR_CQE_ERR;
+            c->imm = 0;
+            c->status = FERRY_ERR_FABRIC;
+            c->peer = -1;
+            c->ctx = 0;
+            if (ee.op_context && !(ee.flags & FI_REMOTE_WRITE)) {
+                fr_fab_op_t *op = ee.op_context;
+                c->peer = op->peer;
+                c->ctx = op->ctx;
+                c->imm = op->imm;
+                t->inflight--;
+                fab_op_put(t, op);
+            }
+            FR_ERR(err, FERRY_ERR_FABRIC,
+                   "fabric: completion error (rank %d%s): %s (%d), "
+                   "provider: %s (%d)",
+                   c->peer, (ee.flags & FI_REMOTE_WRITE) ? ", remote write" : "",
+                   fi_strerror(ee.err), ee.err, s ? s : "?", ee.prov_errno);
+            continue;
+        }
+        if (got < 0)
+            return fab_fail(err, "fi_cq_read", (int)got);
+        for (ssize_t i = 0; i < got; i++) {
+            fr_cqe_t *c = &out[n++];
+            if (ent[i].flags & FI_REMOTE_CQ_DATA) {
+                c->kind = FR_CQE_RX;
+                c->imm = (uint32_t)ent[i].data;
+                c->peer = -1;
+                c->status = FERRY_OK;
+                c->ctx = 0;
+            } else {
+                fr_fab_op_t *op = ent[i].op_context;
+                c->kind = FR_CQE_TX;
+                c->imm = op->imm;
+                c->peer = op->peer;
+                c->status = FERRY_OK;
+                c->ctx = op->ctx;
+                t->inflight--;
+                fab_op_put(t, op);
+            }
+        }
+        if (got < want)
+            break;
+    }
+    /* Completions may have made room for queued posts. */
+    if (t->q_head)
+        fab_drain_queue(t);
+    return n;
+}
+
+static int fab_pending(fr_transport_t *t)
+{
+    long p = t->inflight + t->nqueued + t->nerrors;
+    return p > 0x7fffffff ? 0x7fffffff : (int)p;
+}
+
+static void fab_close_fid(struct fid *f, const char *what)
+{
+    int frc = fi_close(f);
+    if (frc)
+        FR_LOG_WARN(FR_SUB_NET, "fabric: fi_close(%s) failed: %s (%d)", what,
+                    fi_strerror(-frc), frc);
+}
+
+static void fab_close(fr_transport_t *t)
+{
+    if (!t)
+        return;
+    FR_LOG_DEBUG(FR_SUB_NET,
+                 "fabric: closing with %ld posted and %ld queued writes; "
+                 "%ld posts waited for -FI_EAGAIN",
+                 t->inflight, t->nqueued, t->nwaited);
+    while (t->groups)
+        fab_group_destroy(t, t->groups);
+    while (t->mrs)
+        fab_dereg(t, t->mrs);
+    if (t->ep)
+        fab_close_fid(&t->ep->fid, "ep");
+    if (t->av)
+        fab_close_fid(&t->av->fid, "av");
+    if (t->cq)
+        fab_close_fid(&t->cq->fid, "cq");
+    if (t->domain)
+        fab_close_fid(&t->domain->fid, "domain");
+    if (t->fabric)
+        fab_close_fid(&t->fabric->fid, "fabric");
+    if (t->info)
+        fi_freeinfo(t->info);
+    while (t->chunks) {
+        fr_fab_chunk_t *c = t->chunks;
+        t->chunks = c->next;
+        free(c);
+    }
+    free(t->addrs);
+    free(t);
+}
+
+static const char *fab_provider(fr_transport_t *t) { return t->prov; }
+
+const fr_transport_ops_t fr_transport_fabric = {
+    .size = sizeof(fr_transport_ops_t),
+    .name = "fabric",
+    .open = fab_open,
+    .reg = fab_reg,
+    .dereg = fab_dereg,
+    .group_create = fab_group_create,
+    .group_destroy = fab_group_destroy,
+    .scatter = fab_scatter,
+    .barrier = fab_barrier,
+    .write_imm = fab_write_imm,
+    .poll = fab_poll,
+    .pending = fab_pending,
+    .close = fab_close,
+    .provider = fab_provider,
+};
