@@ -65,4 +65,10 @@ int fr_boot_close(fr_boot_t *b, fr_err_t *err);
  * status (128+signal for a signal), or 0. */
 int fr_launch_local(int n, int *is_child, fr_err_t *err);
 
+/* As fr_launch_local; a negative return is a ferry status (the launch itself
+ * failed: bad n, fork). When status is not NULL (n entries), the parent also
+ * gets every rank's exit status there (128+signal for a signal, -1 for a
+ * rank never started). Lets a caller tell an intended death from others. */
+int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err);
+
 #endif

@@ -21,6 +21,11 @@
  * with no polling in between drives the provider into -FI_EAGAIN so that
  * the transport's queue is used.
  *
+ * -F: FI_PROVIDER names no usable provider: open() must fail with
+ * FERRY_ERR_FABRIC naming fi_getinfo (and clean up, for the sanitizers).
+ * -M: even ranks use tcp and odd ranks shm (the test sets FI_PROVIDER per
+ * rank): open() must fail on every rank with FERRY_ERR_FABRIC naming the
+ * provider mismatch.
  * -L: ranks 0 and 1 also measure one-way latency (half round trip) of
  * write_imm ping-pong at a few sizes.
  */
@@ -472,17 +477,21 @@ static void latency(ctx_t *c)
 int main(int argc, char **argv)
 {
     int n = 2, rounds = 200, burst_n = 2000, lat = 0;
+    const char *expect_fail = NULL;
+    int mixed = 0;
     int opt;
-    while ((opt = getopt(argc, argv, "n:r:m:b:L")) != -1) {
+    while ((opt = getopt(argc, argv, "n:r:m:b:LFM")) != -1) {
         switch (opt) {
         case 'n': n = atoi(optarg); break;
         case 'r': rounds = atoi(optarg); break;
         case 'm': g_max = (size_t)strtoull(optarg, NULL, 0); break;
         case 'b': burst_n = atoi(optarg); break;
         case 'L': lat = 1; break;
+        case 'F': expect_fail = "fi_getinfo"; break;
+        case 'M': expect_fail = "provider"; mixed = 1; break;
         default:
             fprintf(stderr, "usage: %s [-n ranks] [-r rounds] [-m max_bytes] "
-                            "[-b burst] [-L]\n", argv[0]);
+                            "[-b burst] [-L] [-F] [-M]\n", argv[0]);
             return 2;
         }
     }
@@ -519,7 +528,23 @@ int main(int argc, char **argv)
     fr_log_set_rank(c.rank);
     CHECK(c.ops->size == sizeof(fr_transport_ops_t), "ops size");
 
+    if (mixed) /* the test, not the library, picks per-rank providers */
+        setenv("FI_PROVIDER", c.rank % 2 ? "shm" : "tcp", 1);
     rc = c.ops->open(boot, &c.t, &err);
+    if (expect_fail) {
+        CHECK_RC(rc, FERRY_ERR_FABRIC);
+        CHECK(strstr(err.msg, expect_fail) != NULL,
+              "rank %d: message without \"%s\": %s", c.rank, expect_fail,
+              err.msg);
+        CHECK(c.t == NULL, "transport handle set on failure");
+        if (c.rank == 0)
+            printf("open failed as expected: %s\n", err.msg);
+        if (rc == FERRY_OK)
+            c.ops->close(c.t);
+        CHECK_RC(fr_boot_barrier(boot, &err), FERRY_OK);
+        CHECK_RC(fr_boot_close(boot, &err), FERRY_OK);
+        return fr_test_result();
+    }
     CHECK_RC(rc, FERRY_OK);
     if (rc != FERRY_OK) {
         fprintf(stderr, "rank %d: open: %s\n", c.rank, err.msg);

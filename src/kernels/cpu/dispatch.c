@@ -98,8 +98,9 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     for (int t = 0; t < T; t++) {
         const int64_t *row = idx + (size_t)t * K;
         int32_t *cp = r->comb_pos + (size_t)t * K;
-        for (int k = 0; k < K; k++) {
+        for (int k = 0; k < K; k++)
             cp[k] = -1;
+        for (int k = 0; k < K; k++) {
             if (row[k] < 0)
                 continue;
             int d = (int)(row[k] / El);

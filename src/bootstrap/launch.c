@@ -1,0 +1,226 @@
+/* fr_launch_local: fork n ranks of this program on this host. */
+#include <errno.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../core/config.h"
+#include "../core/log.h"
+#include "boot_int.h"
+
+#define FR_LAUNCH_MAX 4096
+#define FR_LAUNCH_POLL_MS 20
+
+/* Children still running, for the signal handler (0: reaped). */
+static volatile pid_t *fr_launch_pids;
+static volatile int fr_launch_n;
+
+static void fr_launch_forward(int sig)
+{
+    int saved = errno;
+    volatile pid_t *p = fr_launch_pids;
+    for (int i = 0; p && i < fr_launch_n; i++)
+        if (p[i] > 0)
+            kill(p[i], sig);
+    errno = saved;
+}
+
+/* A free loopback port: bind port 0, read it back, close. */
+static int fr_free_port(fr_err_t *err, int *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "launch: socket: %s",
+                      strerror(errno));
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = 0;
+    socklen_t sl = sizeof(sa);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
+        int e = errno;
+        close(fd);
+        return FR_ERR(err, FERRY_ERR_SYSTEM,
+                      "launch: cannot find a free loopback port: %s",
+                      strerror(e));
+    }
+    close(fd);
+    *port = ntohs(sa.sin_port);
+    return FERRY_OK;
+}
+
+static int fr_decode_status(int st)
+{
+    if (WIFEXITED(st))
+        return WEXITSTATUS(st);
+    if (WIFSIGNALED(st))
+        return 128 + WTERMSIG(st);
+    return 255;
+}
+
+static void fr_report(int rank, int st)
+{
+    if (WIFSIGNALED(st))
+        fprintf(stderr, "ferry: rank %d killed by signal %d (%s)\n", rank,
+                WTERMSIG(st), strsignal(WTERMSIG(st)));
+    else if (WIFEXITED(st))
+        fprintf(stderr, "ferry: rank %d exited with status %d\n", rank,
+                WEXITSTATUS(st));
+}
+
+int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
+{
+    if (!is_child)
+        return FR_ERR(err, FERRY_ERR_INVALID, "launch: is_child is NULL");
+    *is_child = 0;
+    if (n < 1 || n > FR_LAUNCH_MAX)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "launch: n=%d ranks; want 1..%d", n, FR_LAUNCH_MAX);
+    if (fr_launch_pids)
+        return FR_ERR(err, FERRY_ERR_STATE, "launch: already launching");
+    int port = 0, rc;
+    if ((rc = fr_free_port(err, &port)) != FERRY_OK)
+        return rc;
+    pid_t *pids = calloc((size_t)n, sizeof(pid_t));
+    if (!pids)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "launch: out of memory");
+    if (status)
+        for (int i = 0; i < n; i++)
+            status[i] = -1;
+
+    /* Signals that arrive while forking wait until the pids are known. */
+    sigset_t block, oldmask;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigaddset(&block, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &block, &oldmask);
+    struct sigaction sa, old_int, old_term;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = fr_launch_forward;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    fr_launch_pids = pids;
+    fr_launch_n = n;
+
+    fflush(stdout);
+    fflush(stderr);
+    pid_t parent = getpid();
+    char root[64], v[32];
+    snprintf(root, sizeof(root), "127.0.0.1:%d", port);
+    int started = 0, fork_errno = 0;
+    for (int i = 0; i < n; i++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            /* Child: becomes rank i. */
+            fr_launch_pids = NULL;
+            fr_launch_n = 0;
+            free(pids);
+            sigaction(SIGINT, &old_int, NULL);
+            sigaction(SIGTERM, &old_term, NULL);
+            pthread_sigmask(SIG_SETMASK, &oldmask, NULL);
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            if (getppid() != parent) /* the launcher is already gone */
+                _exit(127);
+            snprintf(v, sizeof(v), "%d", i);
+            setenv(fr_cfg_name(FR_CFG_RANK), v, 1);
+            snprintf(v, sizeof(v), "%d", n);
+            setenv(fr_cfg_name(FR_CFG_WORLD_SIZE), v, 1);
+            setenv(fr_cfg_name(FR_CFG_ROOT), root, 1);
+            *is_child = 1;
+            return FERRY_OK;
+        }
+        if (pid < 0) {
+            fork_errno = errno;
+            break;
+        }
+        pids[i] = pid;
+        started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &oldmask, NULL);
+    if (fork_errno) {
+        for (int i = 0; i < started; i++)
+            kill(pids[i], SIGKILL);
+    } else {
+        FR_LOG_INFO(FR_SUB_BOOT, "launched %d ranks, root %s", n, root);
+    }
+
+    long grace = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    if (grace < 0)
+        grace = 0;
+    grace += 2000;
+    int left = started, first = 0, first_rank = -1, killed = 0;
+    int64_t kill_at = -1;
+    while (left > 0) {
+        for (int i = 0; i < started; i++) {
+            if (pids[i] <= 0)
+                continue;
+            int st = 0;
+            pid_t w = waitpid(pids[i], &st, WNOHANG);
+            if (w == 0 || (w < 0 && errno == EINTR))
+                continue;
+            int code = w < 0 ? 255 : fr_decode_status(st);
+            pids[i] = 0;
+            left--;
+            if (status)
+                status[i] = code;
+            if (code == 0)
+                continue;
+            if (w > 0)
+                fr_report(i, st);
+            else
+                fprintf(stderr, "ferry: rank %d vanished (waitpid: %s)\n", i,
+                        strerror(errno));
+            if (first == 0) {
+                first = code;
+                first_rank = i;
+                kill_at = fr_boot_now_ms() + grace;
+                if (left > 0)
+                    fprintf(stderr,
+                            "ferry: giving the other %d rank%s %ld ms to "
+                            "finish\n",
+                            left, left == 1 ? "" : "s", grace);
+            }
+        }
+        if (left == 0)
+            break;
+        if (kill_at >= 0 && !killed && fr_boot_now_ms() >= kill_at) {
+            killed = 1;
+            for (int i = 0; i < started; i++)
+                if (pids[i] > 0) {
+                    fprintf(stderr,
+                            "ferry: killing rank %d: still running %ld ms "
+                            "after rank %d failed\n",
+                            i, grace, first_rank);
+                    kill(pids[i], SIGKILL);
+                }
+        }
+        fr_boot_sleep_ms(FR_LAUNCH_POLL_MS);
+    }
+
+    fr_launch_pids = NULL;
+    fr_launch_n = 0;
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    free(pids);
+    if (fork_errno)
+        return FR_ERR(err, FERRY_ERR_SYSTEM,
+                      "launch: fork of rank %d of %d failed: %s", started, n,
+                      strerror(fork_errno));
+    return first;
+}
+
+int fr_launch_local(int n, int *is_child, fr_err_t *err)
+{
+    return fr_launch_local_ex(n, is_child, NULL, err);
+}

@@ -1,0 +1,360 @@
+#include "workload.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/quant.h"
+
+static uint64_t fw_mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t fw_hash(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
+{
+    return fw_mix(fw_mix(fw_mix(fw_mix(a) ^ b) ^ c) ^ d);
+}
+
+/* Uniform double in [0, 1). */
+static double fw_unit(uint64_t h) { return (double)(h >> 11) * (1.0 / 9007199254740992.0); }
+
+typedef struct fw_rng {
+    uint64_t s;
+} fw_rng_t;
+
+static uint64_t fw_next(fw_rng_t *r) { return fw_mix(r->s++); }
+
+int fw_input_alloc(const fw_spec_t *s, fw_input_t *in)
+{
+    size_t T = (size_t)(s->T > 0 ? s->T : 1);
+    in->T = 0;
+    in->x = calloc(T * (size_t)s->H, sizeof(uint16_t));
+    in->idx = calloc(T * (size_t)s->K, sizeof(int64_t));
+    in->w = calloc(T * (size_t)s->K, sizeof(float));
+    return (in->x && in->idx && in->w) ? 0 : -1;
+}
+
+void fw_input_free(fw_input_t *in)
+{
+    free(in->x);
+    free(in->idx);
+    free(in->w);
+    memset(in, 0, sizeof(*in));
+}
+
+int fw_num_tokens(const fw_spec_t *s, uint64_t round, int rank)
+{
+    if (!s->vary_tokens)
+        return s->T;
+    uint64_t h = fw_hash(s->seed, round, (uint64_t)rank, 0x7070);
+    if (fw_unit(h) < s->empty_p)
+        return 0;
+    return (int)(fw_mix(h) % (uint64_t)(s->T + 1));
+}
+
+/* Zipf-skewed experts: expert popularity order is a per-round permutation;
+ * P(i-th most popular) ~ 1/(i+1)^s. Sampling by inverse CDF. */
+static int fw_pick(const fw_spec_t *s, const double *cdf, const int *perm,
+                   fw_rng_t *rng)
+{
+    if (s->zipf_s <= 0)
+        return (int)(fw_next(rng) % (uint64_t)s->E);
+    double u = fw_unit(fw_next(rng));
+    int lo = 0, hi = s->E - 1;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (cdf[mid] < u)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return perm[lo];
+}
+
+void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
+                     int64_t *idx)
+{
+    double *cdf = NULL;
+    int *perm = NULL;
+    if (s->zipf_s > 0) {
+        cdf = malloc(sizeof(double) * (size_t)s->E);
+        perm = malloc(sizeof(int) * (size_t)s->E);
+        double tot = 0;
+        for (int i = 0; i < s->E; i++) {
+            tot += 1.0 / pow(i + 1.0, s->zipf_s);
+            cdf[i] = tot;
+            perm[i] = i;
+        }
+        for (int i = 0; i < s->E; i++)
+            cdf[i] /= tot;
+        fw_rng_t pr = {fw_hash(s->seed, round, 0xbeef, 0)}; /* same on all ranks */
+        for (int i = s->E - 1; i > 0; i--) {
+            int j = (int)(fw_next(&pr) % (uint64_t)(i + 1));
+            int t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+    }
+    fw_rng_t rng = {fw_hash(s->seed, round, (uint64_t)rank, 0x1d1d)};
+    for (int t = 0; t < T; t++) {
+        int64_t *row = idx + (size_t)t * s->K;
+        for (int k = 0; k < s->K; k++) {
+            int e, dup;
+            int tries = 0;
+            do {
+                e = fw_pick(s, cdf, perm, &rng);
+                dup = 0;
+                for (int j = 0; j < k; j++)
+                    dup |= row[j] == e;
+                /* heavy skew: fall back to uniform after many collisions */
+                if (++tries > 64 && dup)
+                    e = (int)(fw_next(&rng) % (uint64_t)s->E);
+            } while (dup && tries < 4096);
+            row[k] = e;
+        }
+        for (int k = 0; k < s->K; k++)
+            if (s->mask_p > 0 && fw_unit(fw_next(&rng)) < s->mask_p)
+                row[k] = -1;
+    }
+    free(cdf);
+    free(perm);
+}
+
+void fw_generate(const fw_spec_t *s, uint64_t round, int rank, fw_input_t *in)
+{
+    int T = fw_num_tokens(s, round, rank);
+    in->T = T;
+    fw_generate_idx(s, round, rank, T, in->idx);
+    for (int t = 0; t < T; t++) {
+        for (int b = 0; b < s->H; b += 128) {
+            /* a different magnitude per 128-block exercises fp8 scales */
+            uint64_t hb = fw_hash(s->seed ^ 0x55, round, (uint64_t)rank,
+                                  (uint64_t)t * 1000003u + (uint64_t)b);
+            double mag = ldexp(1.0, (int)(hb % 9) - 4);
+            int end = b + 128 < s->H ? b + 128 : s->H;
+            for (int h = b; h < end; h++) {
+                uint64_t hv = fw_mix(hb + (uint64_t)h);
+                double v = (fw_unit(hv) * 2.0 - 1.0) * mag;
+                in->x[(size_t)t * s->H + h] = fr_f32_to_bf16((float)v);
+            }
+        }
+        for (int k = 0; k < s->K; k++) {
+            uint64_t hw = fw_hash(s->seed ^ 0x77, round, (uint64_t)rank,
+                                  (uint64_t)t * 64u + (uint64_t)k);
+            in->w[(size_t)t * s->K + k] = (float)(0.1 + 0.9 * fw_unit(hw));
+        }
+    }
+}
+
+/* Expert e: y = a_e * x + c_e, a different map for every expert. */
+static void fw_expert_coef(int e, float *a, float *c)
+{
+    *a = 0.5f + (float)(e % 13) * 0.125f;
+    *c = (float)((e * 7) % 11 - 5) * 0.0625f;
+}
+
+void fw_expert_row(const fw_spec_t *s, int e, const float *x, uint16_t *y)
+{
+    float a, c;
+    fw_expert_coef(e, &a, &c);
+    for (int h = 0; h < s->H; h++)
+        y[h] = fr_f32_to_bf16(a * x[h] + c);
+}
+
+size_t fw_token_bytes(const fw_spec_t *s)
+{
+    return s->fp8 ? (size_t)s->H : 2 * (size_t)s->H;
+}
+
+void fw_row_to_f32(const fw_spec_t *s, const void *row, const float *scales,
+                   float *out)
+{
+    if (s->fp8) {
+        const uint8_t *q = row;
+        for (int h = 0; h < s->H; h++)
+            out[h] = fr_e4m3_to_f32(q[h]) * scales[h / 128];
+    } else {
+        const uint16_t *b = row;
+        for (int h = 0; h < s->H; h++)
+            out[h] = fr_bf16_to_f32(b[h]);
+    }
+}
+
+void fw_run_experts(const fw_spec_t *s, int rank, const void *expert_x,
+                    const float *expert_scales, const int32_t *counts,
+                    size_t cap, uint16_t *expert_y)
+{
+    int El = s->E / s->N;
+    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    float *tmp = malloc(sizeof(float) * (size_t)s->H);
+    for (int le = 0; le < El; le++) {
+        for (int i = 0; i < counts[le]; i++) {
+            size_t row = (size_t)le * cap + (size_t)i;
+            fw_row_to_f32(s, (const uint8_t *)expert_x + row * tb,
+                          expert_scales ? expert_scales + row * ns : NULL, tmp);
+            fw_expert_row(s, rank * El + le, tmp, expert_y + row * (size_t)s->H);
+        }
+    }
+    free(tmp);
+}
+
+/* Reference quantisation of one bf16 row (same formula as the library). */
+static void fw_quant_row(const fw_spec_t *s, const uint16_t *x, uint8_t *q,
+                         float *scales)
+{
+    for (int b = 0; b < s->H / 128; b++) {
+        float amax = 0;
+        for (int i = 0; i < 128; i++) {
+            float v = fabsf(fr_bf16_to_f32(x[b * 128 + i]));
+            amax = v > amax ? v : amax;
+        }
+        float inv = fr_fp8_inv_scale(amax);
+        for (int i = 0; i < 128; i++)
+            q[b * 128 + i] = fr_f32_to_e4m3(fr_bf16_to_f32(x[b * 128 + i]) * inv);
+        scales[b] = fr_fp8_scale(amax);
+    }
+}
+
+long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
+                       const void *expert_x, const float *expert_scales,
+                       const int32_t *counts, const int32_t *src_rank,
+                       const int32_t *src_token, size_t cap, int verbose)
+{
+    int El = s->E / s->N, lo = rank * El;
+    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    long wrong = 0;
+    int32_t *fill = calloc((size_t)El, sizeof(int32_t));
+    fw_input_t in;
+    fw_input_alloc(s, &in);
+    uint8_t *q = malloc(tb);
+    float *sc = malloc(sizeof(float) * (ns + 1));
+    for (int src = 0; src < s->N; src++) {
+        fw_generate(s, round, src, &in);
+        for (int t = 0; t < in.T; t++) {
+            for (int k = 0; k < s->K; k++) {
+                int64_t e = in.idx[(size_t)t * s->K + k];
+                if (e < lo || e >= lo + El)
+                    continue;
+                int le = (int)(e - lo);
+                int32_t slot = fill[le]++;
+                if (slot >= counts[le]) {
+                    wrong++;
+                    continue;
+                }
+                size_t row = (size_t)le * cap + (size_t)slot;
+                const uint16_t *xs = in.x + (size_t)t * s->H;
+                int bad = 0;
+                if (src_rank && src_rank[row] != src)
+                    bad = 1;
+                if (src_token && src_token[row] != t)
+                    bad = 2;
+                const uint8_t *got = (const uint8_t *)expert_x + row * tb;
+                if (!bad && s->fp8) {
+                    fw_quant_row(s, xs, q, sc);
+                    if (memcmp(got, q, tb) != 0)
+                        bad = 3;
+                    else if (memcmp(expert_scales + row * ns, sc,
+                                    ns * sizeof(float)) != 0)
+                        bad = 4;
+                } else if (!bad && memcmp(got, xs, tb) != 0) {
+                    bad = 3;
+                }
+                if (bad) {
+                    wrong++;
+                    if (verbose-- > 0)
+                        fprintf(stderr,
+                                "rank %d round %llu: expert %d slot %d should "
+                                "hold token %d of rank %d; %s differ "
+                                "(got rank %d token %d)\n",
+                                rank, (unsigned long long)round, le, slot, t,
+                                src,
+                                bad == 1 ? "source ranks"
+                                : bad == 2 ? "source tokens"
+                                : bad == 3 ? "bytes" : "scales",
+                                src_rank ? src_rank[row] : -1,
+                                src_token ? src_token[row] : -1);
+                }
+            }
+        }
+    }
+    for (int le = 0; le < El; le++) {
+        if (fill[le] != counts[le]) {
+            long d = labs((long)fill[le] - (long)counts[le]);
+            wrong += fill[le] < counts[le] ? d : 0;
+            if (verbose-- > 0)
+                fprintf(stderr,
+                        "rank %d round %llu: expert %d received %d tokens, "
+                        "expected %d\n",
+                        rank, (unsigned long long)round, le, counts[le],
+                        fill[le]);
+        }
+    }
+    free(q);
+    free(sc);
+    free(fill);
+    fw_input_free(&in);
+    return wrong;
+}
+
+long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
+                      const fw_input_t *in, const uint16_t *out, int verbose)
+{
+    long wrong = 0;
+    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    float *xf = malloc(sizeof(float) * (size_t)s->H);
+    uint16_t *y = malloc(sizeof(uint16_t) * (size_t)s->H);
+    double *ref = malloc(sizeof(double) * (size_t)s->H);
+    double *mag = malloc(sizeof(double) * (size_t)s->H);
+    uint8_t *q = malloc(tb);
+    float *sc = malloc(sizeof(float) * (ns + 1));
+    (void)round;
+    for (int t = 0; t < in->T; t++) {
+        const uint16_t *xs = in->x + (size_t)t * s->H;
+        if (s->fp8) {
+            fw_quant_row(s, xs, q, sc);
+            fw_row_to_f32(s, q, sc, xf);
+        } else {
+            fw_row_to_f32(s, xs, NULL, xf);
+        }
+        for (int h = 0; h < s->H; h++)
+            ref[h] = mag[h] = 0;
+        for (int k = 0; k < s->K; k++) {
+            int64_t e = in->idx[(size_t)t * s->K + k];
+            if (e < 0)
+                continue;
+            fw_expert_row(s, (int)e, xf, y);
+            double w = in->w[(size_t)t * s->K + k];
+            for (int h = 0; h < s->H; h++) {
+                double term = w * fr_bf16_to_f32(y[h]);
+                ref[h] += term;
+                mag[h] += fabs(term);
+            }
+        }
+        for (int h = 0; h < s->H; h++) {
+            double got = fr_bf16_to_f32(out[(size_t)t * s->H + h]);
+            double tol = fabs(ref[h]) * (1.0 / 256.0) + 1e-5 * mag[h] + 1e-30;
+            if (!(fabs(got - ref[h]) <= tol)) {
+                wrong++;
+                if (verbose-- > 0)
+                    fprintf(stderr,
+                            "rank %d round %llu: combine token %d channel %d: "
+                            "got %g, expected %g (tolerance %g)\n",
+                            rank, (unsigned long long)round, t, h, got, ref[h],
+                            tol);
+                break;
+            }
+        }
+    }
+    free(xf);
+    free(y);
+    free(ref);
+    free(mag);
+    free(q);
+    free(sc);
+    return wrong;
+}

@@ -1,0 +1,77 @@
+/*
+ * Deterministic workloads and their verification, shared by ferry-bench and
+ * the tests. Every rank can regenerate every rank's inputs for any round
+ * from the seed, so each receiver checks exactly what it got:
+ *  - which tokens reached each local expert, in which order, byte for byte
+ *    (fp8: the bytes and scales the reference quantiser gives);
+ *  - combine against an fp64 reference of sum_k w * f_e(x), where f_e is a
+ *    different affine map per expert and the weights do not sum to 1.
+ * Routing changes every round (uniform or Zipf-skewed), slots may be
+ * masked (-1), and token counts may vary per rank and round, 0 included.
+ */
+#ifndef FW_WORKLOAD_H
+#define FW_WORKLOAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ferry.h"
+
+typedef struct fw_spec {
+    int N, E, K, H, T;
+    int fp8;
+    double zipf_s;   /* 0: uniform routing; > 0: Zipf exponent */
+    double mask_p;   /* probability a (token, k) slot is -1 */
+    int vary_tokens; /* token count per (rank, round) random in 0..T */
+    double empty_p;  /* with vary_tokens: probability of zero tokens */
+    uint64_t seed;
+} fw_spec_t;
+
+/* Everything one rank passes in one round (owned buffers). */
+typedef struct fw_input {
+    int T;
+    uint16_t *x;     /* [T][H] bf16 */
+    int64_t *idx;    /* [T][K] */
+    float *w;        /* [T][K] */
+} fw_input_t;
+
+int fw_input_alloc(const fw_spec_t *s, fw_input_t *in);
+void fw_input_free(fw_input_t *in);
+
+int fw_num_tokens(const fw_spec_t *s, uint64_t round, int rank);
+/* Fill in for (round, rank); in->T is set. */
+void fw_generate(const fw_spec_t *s, uint64_t round, int rank, fw_input_t *in);
+/* Routing only (cheap), for counting. */
+void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
+                     int64_t *idx);
+
+/* The expert transform of global expert e applied to one row. */
+void fw_expert_row(const fw_spec_t *s, int e, const float *x, uint16_t *y);
+
+/* Dequantised row as the expert sees it (bf16 or fp8 * scale). */
+void fw_row_to_f32(const fw_spec_t *s, const void *row, const float *scales,
+                   float *out);
+
+/* Run every local expert of `rank` on its received rows. */
+void fw_run_experts(const fw_spec_t *s, int rank, const void *expert_x,
+                    const float *expert_scales, const int32_t *counts,
+                    size_t cap, uint16_t *expert_y);
+
+/* Check one rank's dispatch output; returns the number of wrong rows
+ * (counts that differ count as one wrong row per missing/extra token).
+ * Prints up to `verbose` diagnostics to stderr. */
+long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
+                       const void *expert_x, const float *expert_scales,
+                       const int32_t *counts, const int32_t *src_rank,
+                       const int32_t *src_token, size_t cap, int verbose);
+
+/* Check one rank's combine output against the fp64 reference; returns the
+ * number of wrong tokens. Tolerance: |out - ref| <= 2^-8 |ref| (one bf16
+ * rounding) + 1e-5 * sum_k |w_k y_k| (fp32 accumulation). */
+long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
+                      const fw_input_t *in, const uint16_t *out, int verbose);
+
+/* Bytes of one dispatched row / scales (what ferry moves per record). */
+size_t fw_token_bytes(const fw_spec_t *s);
+
+#endif
