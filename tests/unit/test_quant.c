@@ -1,0 +1,115 @@
+/* bf16 and fp8 e4m3 encoding against brute-force references. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core/quant.h"
+#include "harness.h"
+
+/* Reference: the finite e4m3 value nearest to f, ties to the even code
+ * (even mantissa), saturating at +-448; NaN -> NaN. */
+static uint8_t ref_e4m3(float f)
+{
+    if (isnan(f))
+        return 0x7f;
+    double a = fabs((double)f);
+    uint8_t sign = signbit(f) ? 0x80 : 0;
+    if (a >= 448.0)
+        return sign | 0x7e;
+    int best = 0;
+    double bd = INFINITY;
+    for (int c = 0; c <= 0x7e; c++) {
+        double v = fr_e4m3_to_f32((uint8_t)c);
+        double d = fabs(v - a);
+        if (d < bd || (d == bd && (c & 1) == 0 && (best & 1))) {
+            bd = d;
+            best = c;
+        }
+    }
+    return (uint8_t)(sign | best);
+}
+
+static uint16_t ref_bf16(float f)
+{
+    /* nearest bf16 by comparing the two neighbours in double */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u;
+    float flo, fhi;
+    memcpy(&flo, &lo, 4);
+    memcpy(&fhi, &hi, 4);
+    double dl = fabs((double)f - flo), dh = fabs((double)fhi - f);
+    if (dl < dh || (dl == dh && ((lo >> 16) & 1) == 0))
+        return (uint16_t)(lo >> 16);
+    return (uint16_t)(hi >> 16);
+}
+
+int main(void)
+{
+    /* decode: known codes */
+    CHECK(fr_e4m3_to_f32(0x38) == 1.0f, "0x38 -> %g", fr_e4m3_to_f32(0x38));
+    CHECK(fr_e4m3_to_f32(0x7e) == 448.0f, "0x7e -> %g", fr_e4m3_to_f32(0x7e));
+    CHECK(fr_e4m3_to_f32(0x01) == 1.0f / 512, "0x01 -> %g", fr_e4m3_to_f32(0x01));
+    CHECK(fr_e4m3_to_f32(0x08) == 1.0f / 64, "0x08 -> %g", fr_e4m3_to_f32(0x08));
+    CHECK(fr_e4m3_to_f32(0xb8) == -1.0f, "0xb8 -> %g", fr_e4m3_to_f32(0xb8));
+    CHECK(isnan(fr_e4m3_to_f32(0x7f)), "0x7f is NaN");
+    /* every code round-trips */
+    for (int c = 0; c < 256; c++) {
+        if ((c & 0x7f) == 0x7f)
+            continue;
+        float v = fr_e4m3_to_f32((uint8_t)c);
+        uint8_t back = fr_f32_to_e4m3(v);
+        CHECK(back == c || (v == 0 && (back & 0x7f) == 0), "code 0x%02x -> %g -> 0x%02x", c, v, back);
+    }
+    /* midpoints between neighbours: ties go to the even code */
+    for (int c = 0; c < 0x7e; c++) {
+        float a = fr_e4m3_to_f32((uint8_t)c), b = fr_e4m3_to_f32((uint8_t)(c + 1));
+        float mid = (a + b) / 2;
+        CHECK(fr_f32_to_e4m3(mid) == ref_e4m3(mid), "midpoint %g: got 0x%02x want 0x%02x",
+              mid, fr_f32_to_e4m3(mid), ref_e4m3(mid));
+        CHECK(fr_f32_to_e4m3(-mid) == ref_e4m3(-mid), "midpoint %g", -mid);
+    }
+    /* random values over the whole range, saturation, specials */
+    uint64_t x = 12345;
+    for (int i = 0; i < 200000; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        float f = (float)ldexp((double)(x >> 11) / 9007199254740992.0 * 2 - 1,
+                               (int)((x >> 3) % 24) - 14);
+        CHECK(fr_f32_to_e4m3(f) == ref_e4m3(f), "%.9g: got 0x%02x want 0x%02x", f,
+              fr_f32_to_e4m3(f), ref_e4m3(f));
+        if (fr_test_failures > 10)
+            break;
+    }
+    CHECK(fr_f32_to_e4m3(1e9f) == 0x7e, "saturate +");
+    CHECK(fr_f32_to_e4m3(-1e9f) == 0xfe, "saturate -");
+    CHECK(fr_f32_to_e4m3(INFINITY) == 0x7e, "inf saturates");
+    CHECK((fr_f32_to_e4m3(NAN) & 0x7f) == 0x7f, "nan");
+    CHECK(fr_f32_to_e4m3(1e-6f) == 0, "underflow to 0");
+    /* block scale formula: scale = amax/448; the block's max maps to 448 */
+    float amax = 3.5f;
+    CHECK(fr_fp8_scale(amax) == amax / 448.0f, "scale");
+    CHECK(fr_f32_to_e4m3(amax * fr_fp8_inv_scale(amax)) == 0x7e, "amax -> 448");
+    CHECK(fr_fp8_scale(0) == 1.0f, "zero block scale 1");
+    /* bf16 */
+    x = 99;
+    for (int i = 0; i < 200000; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t u = (uint32_t)(x >> 32);
+        float f;
+        memcpy(&f, &u, 4);
+        if (isnan(f) || isinf(f))
+            continue;
+        if (fabsf(f) > 3.3e38f)
+            continue;
+        uint16_t got = fr_f32_to_bf16(f), want = ref_bf16(f);
+        if (fabsf(f) > 3.3e38f)
+            continue; /* next to the largest bf16: IEEE rounds to inf */
+        CHECK(got == want, "bf16(%g): got 0x%04x want 0x%04x", f, got, want);
+        if (fr_test_failures > 10)
+            break;
+        CHECK(fr_bf16_to_f32(got) == fr_bf16_to_f32(got), "bf16 decode");
+    }
+    CHECK(isnan(fr_bf16_to_f32(fr_f32_to_bf16(NAN))), "bf16 NaN");
+    printf("test_quant: %d failures\n", fr_test_failures);
+    return fr_test_result();
+}
