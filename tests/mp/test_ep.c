@@ -1,0 +1,315 @@
+/*
+ * EP API tests across processes (self-launching).
+ *   test_ep -n N args        bad arguments and call sequences
+ *   test_ep -n N kill R P    rank R dies in phase P (dispatch|combine) of
+ *                            round 5; every other rank must fail naming R
+ *                            within FERRY_TIMEOUT_MS + 1 s
+ * Each rank writes its verdict to $DIR/rank.<r>; the parent reads them.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bootstrap/bootstrap.h"
+#include "ferry.h"
+#include "harness.h"
+#include "workload.h"
+
+static char g_dir[256];
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static void verdict(int rank, const char *what)
+{
+    char p[300];
+    snprintf(p, sizeof(p), "%s/rank.%d", g_dir, rank);
+    FILE *f = fopen(p, "w");
+    if (f) {
+        fprintf(f, "%s\n", what);
+        fclose(f);
+    }
+}
+
+#define CHECK_MSG(ep, needle)                                                  \
+    CHECK(strstr(ferry_ep_last_error(ep), needle) != NULL,                     \
+          "message '%s' does not name '%s'", ferry_ep_last_error(ep), needle)
+
+static ferry_ep_t make_ep(ferry_comm_t comm, int E, int K, int H, int T,
+                          ferry_dtype_t dt, int *rc)
+{
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = E;
+    cfg.topk = K;
+    cfg.hidden = H;
+    cfg.max_tokens = T;
+    cfg.dispatch_dtype = dt;
+    ferry_ep_t ep = NULL;
+    *rc = ferry_ep_create(comm, &cfg, &ep);
+    return ep;
+}
+
+static int run_args(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    /* config errors: every rank fails the same way, nobody hangs */
+    ferry_ep_t ep = make_ep(comm, 4 * N + 1, 2, 128, 8, FERRY_DTYPE_BF16, &rc);
+    if (N > 1) {
+        CHECK(rc == FERRY_ERR_INVALID && ep == NULL, "E not divisible: rc %d", rc);
+        CHECK(strstr(ferry_comm_last_error(comm), "num_experts") != NULL,
+              "message: %s", ferry_comm_last_error(comm));
+    } else if (ep) {
+        ferry_ep_destroy(ep);
+    }
+    ep = make_ep(comm, 4 * N, 17, 128, 8, FERRY_DTYPE_BF16, &rc);
+    CHECK(rc == FERRY_ERR_INVALID && !ep, "topk 17: rc %d", rc);
+    CHECK(strstr(ferry_comm_last_error(comm), "topk") != NULL, "msg %s", ferry_comm_last_error(comm));
+    ep = make_ep(comm, 4 * N, 2, 100, 8, FERRY_DTYPE_FP8_E4M3, &rc);
+    CHECK(rc == FERRY_ERR_UNSUPPORTED && !ep, "fp8 H=100: rc %d", rc);
+    CHECK(strstr(ferry_comm_last_error(comm), "hidden") != NULL, "msg %s", ferry_comm_last_error(comm));
+    ep = make_ep(comm, 4 * N, 2, 100, 0, FERRY_DTYPE_BF16, &rc);
+    CHECK(rc == FERRY_ERR_INVALID && !ep, "max_tokens 0: rc %d", rc);
+    CHECK_RC(ferry_ep_create(comm, NULL, &ep), FERRY_ERR_INVALID);
+
+    /* a good context */
+    int E = 4 * N, K = 2, H = 256, T = 8;
+    ep = make_ep(comm, E, K, H, T, FERRY_DTYPE_FP8_E4M3, &rc);
+    CHECK(rc == FERRY_OK && ep, "create: %s", ferry_comm_last_error(comm));
+    if (!ep)
+        return 1;
+    fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = 1, .seed = 5};
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    fw_generate(&s, 1, me, &in);
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    CHECK_RC(ferry_ep_get_layout(ep, &lay), FERRY_OK);
+    uint8_t *ex = calloc(lay.expert_x_bytes, 1);
+    float *exs = calloc(lay.expert_scales_bytes, 1);
+    int32_t *cnt = calloc((size_t)lay.num_local_experts, 4);
+    uint16_t *ey = calloc(lay.expert_y_bytes, 1);
+    uint16_t *out = calloc((size_t)T * H, 2);
+    uint64_t round = 0;
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = T, .x = in.x,
+                               .topk_idx = in.idx};
+    ferry_dispatch_in_t bad = din;
+
+    bad.num_tokens = T + 1;
+    CHECK_RC(ferry_dispatch_send(ep, &bad, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "num_tokens");
+    bad = din;
+    bad.num_tokens = -1;
+    CHECK_RC(ferry_dispatch_send(ep, &bad, &round), FERRY_ERR_INVALID);
+    bad = din;
+    bad.x = NULL;
+    CHECK_RC(ferry_dispatch_send(ep, &bad, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "x: NULL");
+    bad = din;
+    bad.topk_idx = NULL;
+    CHECK_RC(ferry_dispatch_send(ep, &bad, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "topk_idx");
+    CHECK_RC(ferry_dispatch_send(ep, NULL, &round), FERRY_ERR_INVALID);
+    CHECK_RC(ferry_dispatch_send(ep, &din, NULL), FERRY_ERR_INVALID);
+    int64_t saved = in.idx[3];
+    in.idx[3] = E; /* out of range */
+    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "topk_idx[1][1]");
+    in.idx[3] = -2;
+    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
+    in.idx[3] = in.idx[2] >= 0 ? in.idx[2] : 0; /* repeated expert */
+    in.idx[2] = in.idx[3];
+    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "repeats");
+    in.idx[3] = saved;
+    fw_generate(&s, 1, me, &in); /* restore */
+    /* out of sequence before any round */
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = ey};
+    CHECK_RC(ferry_combine_send(ep, 1, &cin), FERRY_ERR_INVALID);
+    CHECK_RC(ferry_dispatch_recv(ep, 0, NULL), FERRY_ERR_INVALID);
+
+    /* nothing above consumed a round: a real round still works */
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = ex,
+                                 .expert_x_scales = exs, .expert_num_tokens = cnt};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = in.w, .out = out};
+    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_OK);
+    CHECK_RC(ferry_combine_send(ep, round, &cin), FERRY_ERR_STATE); /* before recv */
+    CHECK_MSG(ep, "dispatch_send");
+    ferry_dispatch_out_t dbad = dout;
+    dbad.expert_x_scales = NULL;
+    CHECK_RC(ferry_dispatch_recv(ep, round, &dbad), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "expert_x_scales");
+    CHECK_RC(ferry_dispatch_recv(ep, round, &dout), FERRY_OK);
+    CHECK(fw_check_dispatch(&s, 1, me, ex, exs, cnt, NULL, NULL,
+                            (size_t)lay.expert_capacity, 3) == 0, "dispatch wrong");
+    fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+    CHECK_RC(ferry_combine_send(ep, round, &cin), FERRY_OK);
+    ferry_combine_out_t cbad = cout;
+    cbad.topk_weights = NULL;
+    CHECK_RC(ferry_combine_recv(ep, round, &cbad), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "topk_weights");
+    CHECK_RC(ferry_combine_recv(ep, round, &cout), FERRY_OK);
+    CHECK(fw_check_combine(&s, 1, me, &in, out, 3) == 0, "combine wrong");
+    CHECK_RC(ferry_combine_recv(ep, round, &cout), FERRY_ERR_STATE); /* twice */
+
+    /* two rounds in flight are fine; a third is refused */
+    uint64_t r2 = 0, r3 = 0, r4 = 0;
+    fw_generate(&s, 2, me, &in);
+    CHECK_RC(ferry_dispatch_send(ep, &din, &r2), FERRY_OK);
+    CHECK_RC(ferry_dispatch_send(ep, &din, &r3), FERRY_OK);
+    CHECK_RC(ferry_dispatch_send(ep, &din, &r4), FERRY_ERR_STATE);
+    CHECK_MSG(ep, "in flight");
+    /* finish both, second one first for the receive side */
+    CHECK_RC(ferry_dispatch_recv(ep, r2, &dout), FERRY_OK);
+    fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+    CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
+    CHECK_RC(ferry_combine_recv(ep, r2, &cout), FERRY_OK);
+    CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
+    CHECK_RC(ferry_dispatch_recv(ep, r3, &dout), FERRY_OK);
+    fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+    CHECK_RC(ferry_combine_send(ep, r3, &cin), FERRY_OK);
+    CHECK_RC(ferry_combine_recv(ep, r3, &cout), FERRY_OK);
+    CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r3 wrong");
+
+    CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
+    free(ex);
+    free(exs);
+    free(cnt);
+    free(ey);
+    free(out);
+    fw_input_free(&in);
+    return fr_test_result();
+}
+
+static int run_kill(ferry_comm_t comm, int victim, int in_combine)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    int E = 2 * N, K = 2, H = 128, T = 16;
+    ferry_ep_t ep = make_ep(comm, E, K, H, T, FERRY_DTYPE_BF16, &rc);
+    if (!ep) {
+        fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
+        return 1;
+    }
+    fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .seed = 9};
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    uint8_t *ex = calloc(lay.expert_x_bytes, 1);
+    int32_t *cnt = calloc((size_t)lay.num_local_experts, 4);
+    uint16_t *ey = calloc(lay.expert_y_bytes, 1);
+    uint16_t *out = calloc((size_t)T * H, 2);
+    long timeout = strtol(getenv("FERRY_TIMEOUT_MS") ? getenv("FERRY_TIMEOUT_MS") : "30000", NULL, 10);
+    for (int round_i = 1; round_i <= 8; round_i++) {
+        fw_generate(&s, (uint64_t)round_i, me, &in);
+        ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T,
+                                   .x = in.x, .topk_idx = in.idx};
+        ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = ex,
+                                     .expert_num_tokens = cnt};
+        ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = ey};
+        ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = in.w,
+                                    .out = out};
+        uint64_t r = 0;
+        if (round_i == 5 && me == victim && !in_combine)
+            raise(SIGKILL);
+        double t0 = now_ms();
+        rc = ferry_dispatch_send(ep, &din, &r);
+        if (rc == FERRY_OK)
+            rc = ferry_dispatch_recv(ep, r, &dout);
+        if (rc == FERRY_OK) {
+            fw_run_experts(&s, me, ex, NULL, cnt, (size_t)lay.expert_capacity, ey);
+            if (round_i == 5 && me == victim)
+                raise(SIGKILL);
+            rc = ferry_combine_send(ep, r, &cin);
+            if (rc == FERRY_OK)
+                rc = ferry_combine_recv(ep, r, &cout);
+        }
+        double dt = now_ms() - t0;
+        if (rc != FERRY_OK) {
+            const char *msg = ferry_ep_last_error(ep);
+            char want[32];
+            snprintf(want, sizeof(want), "rank %d", victim);
+            fprintf(stderr, "rank %d: round %d failed after %.0f ms: %s: %s\n",
+                    me, round_i, dt, ferry_strerror(rc), msg);
+            CHECK(round_i == 5, "failed in round %d, victim dies in round 5", round_i);
+            CHECK(rc == FERRY_ERR_PEER || rc == FERRY_ERR_TIMEOUT, "status %d", rc);
+            CHECK(strstr(msg, want) != NULL, "message does not name %s", want);
+            CHECK(dt <= (double)timeout + 1000.0, "took %.0f ms > timeout + 1 s", dt);
+            /* the context stays failed */
+            CHECK(ferry_dispatch_send(ep, &din, &r) == rc, "sticky failure");
+            ferry_ep_destroy(ep);
+            ferry_comm_destroy(comm);
+            verdict(me, fr_test_failures ? "bad" : "ok");
+            free(ex); free(cnt); free(ey); free(out);
+            fw_input_free(&in);
+            return fr_test_result();
+        }
+    }
+    fprintf(stderr, "rank %d: no error although rank %d died\n", me, victim);
+    verdict(me, "no-error");
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    int n = 2;
+    if (argc >= 3 && strcmp(argv[1], "-n") == 0)
+        n = atoi(argv[2]);
+    const char *mode = argc >= 4 ? argv[3] : "args";
+    int victim = argc >= 5 ? atoi(argv[4]) : -1;
+    int in_combine = argc >= 6 && strcmp(argv[5], "combine") == 0;
+    snprintf(g_dir, sizeof(g_dir), "/tmp/ferry-test-ep-%d", (int)getpid());
+    mkdir(g_dir, 0700);
+    int is_child = 0;
+    fr_err_t err = {{0}};
+    int rc = fr_launch_local(n, &is_child, &err);
+    if (!is_child) {
+        /* parent: read the verdicts */
+        int bad = 0;
+        for (int r = 0; r < n; r++) {
+            char p[300], v[32] = "missing";
+            snprintf(p, sizeof(p), "%s/rank.%d", g_dir, r);
+            FILE *f = fopen(p, "r");
+            if (f) {
+                if (!fgets(v, sizeof(v), f))
+                    snprintf(v, sizeof(v), "empty");
+                fclose(f);
+                unlink(p);
+            }
+            v[strcspn(v, "\n")] = 0;
+            int expect_dead = strcmp(mode, "kill") == 0 && r == victim;
+            if (expect_dead ? strcmp(v, "missing") != 0 : strcmp(v, "ok") != 0) {
+                fprintf(stderr, "rank %d: verdict %s\n", r, v);
+                bad = 1;
+            }
+        }
+        rmdir(g_dir);
+        if (strcmp(mode, "kill") == 0)
+            bad |= rc != 128 + SIGKILL; /* the victim, and only it, died */
+        else
+            bad |= rc != 0;
+        printf("test_ep %s: launcher status %d, %s\n", mode, rc, bad ? "FAILED" : "passed");
+        return bad;
+    }
+    char ebuf[512];
+    ferry_comm_t comm = NULL;
+    rc = ferry_comm_init_env(&comm, ebuf, sizeof(ebuf));
+    if (rc != FERRY_OK) {
+        fprintf(stderr, "comm: %s\n", ebuf);
+        return 1;
+    }
+    int me = ferry_comm_rank(comm);
+    if (strcmp(mode, "kill") == 0)
+        return run_kill(comm, victim, in_combine);
+    rc = run_args(comm);
+    ferry_comm_destroy(comm);
+    verdict(me, rc ? "bad" : "ok");
+    return rc;
+}
