@@ -39,7 +39,7 @@ LIBA := $(BUILD)/libferry.a
 LIBSO := $(BUILD)/libferry.so
 BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info
 
-.PHONY: all lib tools tests test cuda clean
+.PHONY: all lib tools tests test check cuda clean
 all: lib tools tests
 
 lib: $(LIBA) $(LIBSO)
@@ -81,6 +81,10 @@ $(BUILD)/obj/%.o: %.cu
 
 test: all
 	tests/run.sh $(BUILD)
+
+# The whole suite: release build, then sanitizers (what CI runs).
+check:
+	tests/check.sh
 
 clean:
 	rm -rf build build-san

@@ -1,0 +1,30 @@
+#!/bin/bash
+# The whole test suite: build and run every case, then build again with
+# AddressSanitizer + UndefinedBehaviorSanitizer and run every case again.
+# Closes with one line "N passed, N failed" over both runs.
+set -u
+cd "$(dirname "$0")/.."
+J=${JOBS:-2}
+total_pass=0; total_fail=0
+for variant in "build:" "build-san:SAN=1"; do
+  B=${variant%%:*}; FLAGS=${variant#*:}
+  echo "== building $B ${FLAGS:-(release)}"
+  if ! make -j"$J" BUILD="$B" $FLAGS all > "/tmp/ferry-make-$B.log" 2>&1; then
+    tail -n 40 "/tmp/ferry-make-$B.log"; echo "build of $B failed"
+    total_fail=$((total_fail+1)); continue
+  fi
+  # CUDA sources must compile wherever nvcc exists, GPU or not.
+  if command -v nvcc >/dev/null 2>&1 && [ -z "$FLAGS" ]; then
+    if ls src/kernels/cuda/*.cu >/dev/null 2>&1; then
+      if make BUILD="$B" cuda > "/tmp/ferry-nvcc.log" 2>&1; then echo "nvcc: CUDA kernels compiled"
+      else tail -n 30 /tmp/ferry-nvcc.log; total_fail=$((total_fail+1)); fi
+    fi
+  fi
+  echo "== running tests against $B"
+  out=$(tests/run.sh "$B" 2>&1 | tee /dev/stderr | tail -n 1)
+  p=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
+  f=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
+  total_pass=$((total_pass+${p:-0})); total_fail=$((total_fail+${f:-1}))
+done
+echo "$total_pass passed, $total_fail failed"
+[ "$total_fail" -eq 0 ] && [ "$total_pass" -gt 0 ]
