@@ -14,7 +14,7 @@ MPI_CFLAGS := $(shell $(MPICC) -showme:compile 2>/dev/null)
 MPI_LIBS := $(shell $(MPICC) -showme:link 2>/dev/null)
 
 WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes
-CFLAGS ?= -O2 -g
+CFLAGS ?= -O3 -g
 CFLAGS += -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) -Iinclude -Isrc \
           $(FABRIC_CFLAGS)
 LDLIBS := $(FABRIC_LIBS) -lrt -lm -pthread

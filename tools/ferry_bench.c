@@ -253,21 +253,12 @@ static void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scl = NULL;
     if (s->fp8) {
-        for (int t = 0; t < T; t++) {
-            const uint16_t *x = in->x + (size_t)t * s->H;
-            for (int bl = 0; bl < s->H / 128; bl++) {
-                float amax = 0;
-                for (int i = 0; i < 128; i++) {
-                    float v = fabsf(fr_bf16_to_f32(x[bl * 128 + i]));
-                    amax = v > amax ? v : amax;
-                }
-                float inv = fr_fp8_inv_scale(amax);
-                for (int i = 0; i < 128; i++)
-                    b->q[(size_t)t * s->H + bl * 128 + i] =
-                        fr_f32_to_e4m3(fr_bf16_to_f32(x[bl * 128 + i]) * inv);
-                b->qs[(size_t)t * ns + bl] = fr_fp8_scale(amax);
-            }
-        }
+        /* the same quantiser ferry uses */
+        for (int t = 0; t < T; t++)
+            for (int bl = 0; bl < s->H / 128; bl++)
+                fr_quant_block(in->x + (size_t)t * s->H + bl * 128,
+                               b->q + (size_t)t * s->H + bl * 128,
+                               &b->qs[(size_t)t * ns + bl]);
         tok = b->q;
         scl = b->qs;
     }
@@ -350,12 +341,9 @@ static void base_combine(base_t *b, const fw_spec_t *s, const fw_input_t *in,
             if (p < 0)
                 continue;
             const uint16_t *y = (const uint16_t *)(b->ybuf_r + (size_t)p * rowb);
-            float w = in->w[(size_t)t * K + k];
-            for (int h = 0; h < H; h++)
-                acc[h] += w * fr_bf16_to_f32(y[h]);
+            fr_axpy_bf16(acc, in->w[(size_t)t * K + k], y, H);
         }
-        for (int h = 0; h < H; h++)
-            out[(size_t)t * H + h] = fr_f32_to_bf16(acc[h]);
+        fr_row_to_bf16(acc, out + (size_t)t * H, H);
     }
 }
 

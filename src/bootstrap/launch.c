@@ -108,8 +108,23 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
     sa.sa_handler = fr_launch_forward;
     sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
+    /* Forward, unless the signal is ignored (nohup, background jobs). */
+    sigaction(SIGINT, NULL, &old_int);
+    sigaction(SIGTERM, NULL, &old_term);
+    if (old_int.sa_handler != SIG_IGN)
+        sigaction(SIGINT, &sa, NULL);
+    if (old_term.sa_handler != SIG_IGN)
+        sigaction(SIGTERM, &sa, NULL);
+    /* Ignored SIGCHLD would reap the ranks before waitpid sees them. */
+    struct sigaction old_chld, dfl;
+    memset(&dfl, 0, sizeof(dfl));
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(SIGCHLD, NULL, &old_chld);
+    int chld_ign = old_chld.sa_handler == SIG_IGN ||
+                   (old_chld.sa_flags & SA_NOCLDWAIT);
+    if (chld_ign)
+        sigaction(SIGCHLD, &dfl, NULL);
     fr_launch_pids = pids;
     fr_launch_n = n;
 
@@ -128,6 +143,8 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             free(pids);
             sigaction(SIGINT, &old_int, NULL);
             sigaction(SIGTERM, &old_term, NULL);
+            if (chld_ign)
+                sigaction(SIGCHLD, &old_chld, NULL);
             pthread_sigmask(SIG_SETMASK, &oldmask, NULL);
             prctl(PR_SET_PDEATHSIG, SIGKILL);
             if (getppid() != parent) /* the launcher is already gone */
@@ -212,6 +229,8 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
     fr_launch_n = 0;
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
+    if (chld_ign)
+        sigaction(SIGCHLD, &old_chld, NULL);
     free(pids);
     if (fork_errno)
         return FR_ERR(err, FERRY_ERR_SYSTEM,

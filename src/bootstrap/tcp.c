@@ -610,7 +610,14 @@ static int fr_root_init(fr_boot_t *b, const fr_boot_env_t *env,
                     "%s %s of %d did not connect to %s within %ld ms%s",
                     nm == 1 ? "rank" : "ranks", list, b->size, b->root_addr,
                     timeout_ms, notes);
-        fr_root_abort_all(b, FERRY_ERR_BOOTSTRAP, err ? err->msg : "timeout");
+        const char *m = err ? err->msg : "timeout";
+        fr_root_abort_all(b, FERRY_ERR_BOOTSTRAP, m);
+        /* Late arrivals whose hello is not read yet hear it too. */
+        int32_t c32 = FERRY_ERR_BOOTSTRAP;
+        size_t ml = strlen(m);
+        for (int i = 0; i < npend; i++)
+            (void)fr_send_frame(pend[i], FR_MSG_ABORT, &c32, 4, m, ml,
+                                fr_boot_now_ms() + 100, NULL);
         goto out;
     }
     for (int r = 1; r < b->size; r++) {
@@ -1061,15 +1068,20 @@ static int fr_leaf_allgather(fr_boot_t *b, const void *in, void *out,
         fr_leaf_mark_root_dead(b);
         return fr_err_dead(b, err);
     }
+    /* The root, whose deadline may start a little after ours, names the
+     * late ranks in an ABORT: give it a short grace to say so. */
+    int64_t grace = tmo / 2 < 1000 ? tmo / 2 : 1000;
     for (;;) {
         fr_frame_hdr_t h;
         moved = 0;
-        io = fr_recv_all(c->fd, &h, sizeof(h), deadline, &moved);
+        io = fr_recv_all(c->fd, &h, sizeof(h), deadline + grace, &moved);
         if (io == IO_TIMEOUT && moved == 0)
             return FR_ERR(err, FERRY_ERR_TIMEOUT,
                           "allgather #%llu: rank %d got no answer from root "
                           "%s within %ld ms (a rank has not called it?)",
                           (unsigned long long)seq, b->rank, b->root_addr, tmo);
+        deadline += grace;
+        grace = 0;
         if (io != IO_OK)
             goto broken;
         switch (h.type) {
@@ -1164,7 +1176,7 @@ int fr_boot_tcp_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
     if (tmo < 1)
         tmo = 1;
     pthread_mutex_lock(&b->mu);
-    int rc;
+    int rc, fresh = 0;
     b->seq++;
     if (__atomic_load_n(&b->dead, __ATOMIC_ACQUIRE) >= 0) {
         rc = fr_err_dead(b, err);
@@ -1179,13 +1191,14 @@ int fr_boot_tcp_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
         rc = b->rank == 0
                  ? fr_root_allgather(b, in, out, len, tmo, deadline, e)
                  : fr_leaf_allgather(b, in, out, len, tmo, deadline, e);
+        fresh = 1;
         if (rc != FERRY_OK && rc != FERRY_ERR_PEER) {
             b->broken_rc = rc;
             snprintf(b->broken_msg, sizeof(b->broken_msg), "%s", e->msg);
         }
     }
     pthread_mutex_unlock(&b->mu);
-    if (rc != FERRY_OK)
+    if (rc != FERRY_OK && fresh) /* not again for each later call */
         FR_LOG_WARN(FR_SUB_BOOT, "allgather failed: %s",
                     err ? err->msg : ferry_strerror(rc));
     return rc;

@@ -36,9 +36,9 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_BOOTSTRAP_TIMEOUT_MS] = {"FERRY_BOOTSTRAP_TIMEOUT_MS", "60000",
                                      "Deadline for all ranks to meet at "
                                      "start-up, in ms."},
-    [FR_CFG_SPIN] = {"FERRY_SPIN", "2000",
-                     "Polls of a flag before a waiting thread starts to "
-                     "yield the core."},
+    [FR_CFG_SPIN] = {"FERRY_SPIN", "1000",
+                     "Polls of a flag before a waiting CPU rank sleeps on "
+                     "its doorbell (a futex the senders ring)."},
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
                               "(it yields first)."},

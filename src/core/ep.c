@@ -2,6 +2,9 @@
 #include "core/ep.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -44,6 +47,30 @@ void fr_backoff(uint64_t *iter, long spin)
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
     }
+}
+
+static inline uint32_t *fr_bell(uint8_t *seg)
+{
+    return (uint32_t *)(seg + FR_SEG_OFF_BELL);
+}
+static inline uint32_t *fr_sleepers(uint8_t *seg)
+{
+    return (uint32_t *)(seg + FR_SEG_OFF_SLEEPERS);
+}
+
+void fr_doorbell_ring(uint8_t *seg)
+{
+    __atomic_add_fetch(fr_bell(seg), 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(fr_sleepers(seg), __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, fr_bell(seg), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Sleep until the doorbell moves from `seen`, or `ns` pass. */
+static void fr_doorbell_sleep(uint8_t *seg, uint32_t seen, uint64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000ull),
+                          (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, fr_bell(seg), FUTEX_WAIT, seen, &ts, NULL, 0);
 }
 
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
@@ -597,6 +624,34 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
 /* ---------------------------------------------------------------------- */
 /* waiting                                                                */
 
+/* Senders below *next that have arrived are skipped; returns 1 when all
+ * have, -1 on a protocol violation (message set), else 0. */
+static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                         int *next, const char *what)
+{
+    const fr_layout_t *L = &ep->L;
+    while (*next < ep->N) {
+        uint64_t v = __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, *next),
+                                     __ATOMIC_ACQUIRE);
+        if (v == epoch) {
+            (*next)++;
+            continue;
+        }
+        if (v > epoch) {
+            fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                       "%s round %llu: rank %d is at round %llu (two rounds "
+                       "ahead is impossible)", what, (unsigned long long)epoch,
+                       *next, (unsigned long long)v);
+            return -1;
+        }
+        return 0;
+    }
+    return 1;
+}
+
+/* Spin briefly; then sleep on the doorbell (a futex in this rank's
+ * segment) so ranks sharing cores do not starve each other; every 2 ms
+ * check for dead peers, proxy errors and the deadline. */
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                   const char *what)
 {
@@ -605,34 +660,32 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
     uint64_t start = fr_now_ns(), last_check = start;
     uint64_t deadline = start + (uint64_t)ep->timeout_ms * 1000000ull;
     uint64_t iter = 0;
-    int next = 0; /* senders below next have arrived */
+    int next = 0;
     for (;;) {
-        while (next < N) {
-            uint64_t v = __atomic_load_n(
-                fr_flag_ptr(L, ep->seg, phase, set, next), __ATOMIC_ACQUIRE);
-            if (v == epoch) {
-                next++;
-                iter = 0;
-                continue;
-            }
-            if (v > epoch)
-                return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
-                                  "%s round %llu: rank %d is at round %llu "
-                                  "(two rounds ahead is impossible)",
-                                  what, (unsigned long long)epoch, next,
-                                  (unsigned long long)v);
-            break;
-        }
-        if (next == N)
+        int st = fr_scan_flags(ep, phase, set, epoch, &next, what);
+        if (st > 0)
             return FERRY_OK;
-        fr_backoff(&iter, ep->spin);
-        if ((iter & 63) != 0 && iter > (uint64_t)ep->spin)
+        if (st < 0)
+            return FERRY_ERR_PROTOCOL;
+        if (iter < (uint64_t)ep->spin) {
+            iter++;
+            fr_cpu_relax();
             continue;
+        }
         uint64_t now = fr_now_ns();
-        if (now - last_check < 2000000ull && now < deadline)
+        if (now - last_check < 2000000ull && now < deadline) {
+            uint32_t seen = __atomic_load_n(fr_bell(ep->seg), __ATOMIC_SEQ_CST);
+            __atomic_add_fetch(fr_sleepers(ep->seg), 1, __ATOMIC_SEQ_CST);
+            st = fr_scan_flags(ep, phase, set, epoch, &next, what);
+            if (st == 0) {
+                uint64_t left = deadline - now, nap = 2000000ull;
+                fr_doorbell_sleep(ep->seg, seen, left < nap ? left : nap);
+            }
+            __atomic_sub_fetch(fr_sleepers(ep->seg), 1, __ATOMIC_SEQ_CST);
             continue;
+        }
         last_check = now;
-        int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+        st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
         if (st != FERRY_OK)
             return fr_ep_fail(ep, st, "%s round %llu: %s", what,
                               (unsigned long long)epoch, ep->async_msg);

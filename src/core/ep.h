@@ -122,6 +122,9 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
     return (uint64_t *)(seg + fr_off_flag(L, phase, set, sender));
 }
 
+/* Wake whoever sleeps on the segment's doorbell (after publishing flags). */
+void fr_doorbell_ring(uint8_t *seg);
+
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

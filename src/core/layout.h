@@ -33,6 +33,11 @@
 #define FR_NSETS 2
 #define FR_SEG_HDR 4096u
 #define FR_FLAG_STRIDE 64u
+/* In the segment header: a doorbell sequence word senders bump after
+ * publishing flags, and the number of threads sleeping on it (CPU ranks
+ * sleep in futex waits instead of spinning when cores are shared). */
+#define FR_SEG_OFF_BELL 64u
+#define FR_SEG_OFF_SLEEPERS 128u
 #define FR_SLICE_HDR 64u
 #define FR_SLICE_MAGIC 0x46525331u /* "FRS1" */
 #define FR_MAX_TOPK 16

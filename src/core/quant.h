@@ -29,10 +29,9 @@ FR_HD uint16_t fr_f32_to_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t nan = (uint32_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
 }
 
 FR_HD float fr_e4m3_to_f32(uint8_t b)
@@ -54,36 +53,68 @@ FR_HD float fr_e4m3_to_f32(uint8_t b)
     return sign ? -v : v;
 }
 
+/* Branch-free so that loops over rows vectorise. */
 FR_HD uint8_t fr_f32_to_e4m3(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
-    u &= 0x7fffffffu;
-    if (u > 0x7f800000u)
-        return (uint8_t)(sign | 0x7f); /* NaN */
-    if (u >= 0x43e00000u)
-        return (uint8_t)(sign | 0x7e); /* >= 448 (and inf): saturate */
-    if (u < 0x3c800000u) {             /* below 2^-6: subnormal, step 2^-9 */
-        float a;
-        memcpy(&a, &u, 4);
-        a *= 512.0f; /* exact */
-        uint32_t m = (uint32_t)a;
-        float frac = a - (float)m;
-        if (frac > 0.5f || (frac == 0.5f && (m & 1)))
-            m++;
-        return (uint8_t)(sign | m); /* m == 8 is 2^-6, the first normal */
-    }
-    uint32_t r = (((u >> 23) - 127 + 7) << 23) | (u & 0x7fffffu);
-    r += 0x7ffffu + ((r >> 20) & 1u);
-    r >>= 20;
-    if (r > 0x7e)
-        r = 0x7e;
-    return (uint8_t)(sign | r);
+    uint32_t sign = (u >> 24) & 0x80u;
+    uint32_t a = u & 0x7fffffffu;
+    uint32_t isnan_ = a > 0x7f800000u;
+    /* normal range: round the mantissa to 3 bits (ties to even), rebias */
+    uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+    uint32_t nrm = (r >> 20) - ((127u - 7u) << 3);
+    /* below 2^-6: multiples of 2^-9, rounded to nearest even integer by the
+     * 1.5 * 2^23 trick (exact: |f| * 512 < 8) */
+    float af;
+    memcpy(&af, &a, 4);
+    float m = (af * 512.0f + 12582912.0f) - 12582912.0f;
+    uint32_t sub = (uint32_t)m;
+    uint32_t v = a < 0x3c800000u ? sub : nrm;
+    v = a >= 0x43e00000u ? 0x7eu : v; /* >= 448 and inf saturate */
+    v = v > 0x7eu ? 0x7eu : v;
+    v = isnan_ ? 0x7fu : v;
+    return (uint8_t)(sign | v);
 }
 
 /* Scale and its inverse for a block whose largest magnitude is amax. */
 FR_HD float fr_fp8_scale(float amax) { return amax > 0.f ? amax / FR_FP8_MAX : 1.f; }
 FR_HD float fr_fp8_inv_scale(float amax) { return amax > 0.f ? FR_FP8_MAX / amax : 1.f; }
+
+
+/* Largest magnitude of n bf16 values (integer compare: bf16 magnitudes
+ * order like their bit patterns). */
+FR_HD float fr_bf16_amax(const uint16_t *x, int n)
+{
+    uint16_t m = 0;
+    for (int i = 0; i < n; i++) {
+        uint16_t v = (uint16_t)(x[i] & 0x7fffu);
+        m = v > m ? v : m;
+    }
+    return fr_bf16_to_f32(m);
+}
+
+/* One 128-channel block: bf16 -> fp8 e4m3 codes and the block's scale. */
+FR_HD void fr_quant_block(const uint16_t *x, uint8_t *q, float *scale)
+{
+    float amax = fr_bf16_amax(x, FR_FP8_BLOCK);
+    float inv = fr_fp8_inv_scale(amax);
+    for (int i = 0; i < FR_FP8_BLOCK; i++)
+        q[i] = fr_f32_to_e4m3(fr_bf16_to_f32(x[i]) * inv);
+    *scale = fr_fp8_scale(amax);
+}
+
+/* acc[i] += w * y[i] for a bf16 row. */
+FR_HD void fr_axpy_bf16(float *acc, float w, const uint16_t *y, int n)
+{
+    for (int i = 0; i < n; i++)
+        acc[i] += w * fr_bf16_to_f32(y[i]);
+}
+
+FR_HD void fr_row_to_bf16(const float *acc, uint16_t *out, int n)
+{
+    for (int i = 0; i < n; i++)
+        out[i] = fr_f32_to_bf16(acc[i]);
+}
 
 #endif

@@ -64,6 +64,7 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
     *last = want;
     __atomic_store_n(fr_flag_ptr(L, ep->seg, phase, set, sender), want,
                      __ATOMIC_RELEASE);
+    fr_doorbell_ring(ep->seg);
     ep->proxy.completed_rx++;
 }
 

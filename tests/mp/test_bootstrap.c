@@ -10,6 +10,12 @@
  *   test_bootstrap -n N --absent R           rank R never starts: the root
  *                                            fails with FERRY_ERR_BOOTSTRAP
  *                                            naming R, the others fail too
+ *   test_bootstrap -n N --stall R            rank R is late for the second
+ *                                            allgather: FERRY_ERR_TIMEOUT
+ *                                            naming R everywhere, then a
+ *                                            clean close
+ *
+ * The parent also checks the callback flavour with a fake allgather.
  *
  * Each rank exits 0 when everything it saw was as expected. The parent
  * passes when every rank exited 0, except the killed one (signal 9).
@@ -73,7 +79,8 @@ static int gather_check(fr_boot_t *b, size_t len, int iter, int in_place,
     return rc;
 }
 
-static int run_rank(int kill_rank, int watch, int absent_rank)
+static int run_rank(int kill_rank, int watch, int absent_rank,
+                    int stall_rank)
 {
     fr_err_t err = {{0}};
     fr_boot_env_t env;
@@ -174,6 +181,33 @@ static int run_rank(int kill_rank, int watch, int absent_rank)
                     (long long)took3, err.msg);
             return fr_test_result();
         }
+        if (stall_rank >= 0 && it == 1) {
+            /* Rank stall_rank comes FERRY_TIMEOUT_MS + 500 ms late. */
+            char want[64];
+            snprintf(want, sizeof(want), "rank %d of %d had not sent",
+                     stall_rank, env.size);
+            if (env.rank == stall_rank)
+                usleep((useconds_t)(tmo + 500) * 1000);
+            int64_t s0 = now_ms();
+            rc = gather_check(b, lens[it], it, 0, &err);
+            int64_t took2 = now_ms() - s0;
+            CHECK(rc == FERRY_ERR_TIMEOUT && strstr(err.msg, want),
+                  "rank %d: late allgather returned %d (%s), want TIMEOUT "
+                  "with '%s'", env.rank, rc, err.msg, want);
+            if (env.rank != stall_rank)
+                CHECK(took2 >= tmo - 50 && took2 <= tmo + 1000,
+                      "rank %d: timed out after %lld ms, deadline %ld",
+                      env.rank, (long long)took2, tmo);
+            fprintf(stderr, "rank %d: allgather failed after %lld ms: %s\n",
+                    env.rank, (long long)took2, err.msg);
+            CHECK(fr_boot_dead_rank(b) == -1, "dead rank %d",
+                  fr_boot_dead_rank(b));
+            CHECK_RC(fr_boot_barrier(b, &err), FERRY_ERR_TIMEOUT);
+            rc = fr_boot_close(b, &err);
+            CHECK(rc == FERRY_OK, "rank %d: close after a timeout: %d %s",
+                  env.rank, rc, err.msg);
+            return fr_test_result();
+        }
         rc = gather_check(b, lens[it], it, it == 4, &err);
         CHECK(rc == FERRY_OK, "rank %d: allgather %d (%zu bytes): %s",
               env.rank, it, lens[it], err.msg);
@@ -193,9 +227,50 @@ static int run_rank(int kill_rank, int watch, int absent_rank)
     return fr_test_result();
 }
 
+/* Callback flavour: a fake "world" of cb_size ranks where every rank
+ * contributes the same block. */
+static int cb_fail;
+static int fake_allgather(const void *in, void *out, size_t len, void *ctx)
+{
+    int size = *(int *)ctx;
+    if (cb_fail)
+        return 42;
+    for (int r = 0; r < size; r++)
+        memcpy((char *)out + (size_t)r * len, in, len);
+    return 0;
+}
+
+static void check_callback(void)
+{
+    int size = 3;
+    fr_err_t err = {{0}};
+    fr_boot_t *b = NULL;
+    CHECK_RC(fr_boot_init_callback(1, size, NULL, &size, &b, &err),
+             FERRY_ERR_INVALID);
+    CHECK_RC(fr_boot_init_callback(3, size, fake_allgather, &size, &b, &err),
+             FERRY_ERR_INVALID);
+    CHECK(strstr(err.msg, "rank=3"), "message: %s", err.msg);
+    CHECK_RC(fr_boot_init_callback(1, size, fake_allgather, &size, &b, &err),
+             FERRY_OK);
+    if (!b)
+        return;
+    CHECK(fr_boot_rank(b) == 1 && fr_boot_size(b) == 3, "rank/size");
+    uint32_t in = 0xabcd1234u, out[3] = {0};
+    CHECK_RC(fr_boot_allgather(b, &in, out, 4, &err), FERRY_OK);
+    CHECK(out[0] == in && out[1] == in && out[2] == in, "callback data");
+    CHECK_RC(fr_boot_barrier(b, &err), FERRY_OK);
+    CHECK(fr_boot_dead_rank(b) == -1, "callback dead rank");
+    cb_fail = 1;
+    CHECK_RC(fr_boot_allgather(b, &in, out, 4, &err), FERRY_ERR_PEER);
+    CHECK(strstr(err.msg, "42"), "message: %s", err.msg);
+    CHECK_RC(fr_boot_barrier(b, &err), FERRY_ERR_PEER);
+    CHECK_RC(fr_boot_close(b, &err), FERRY_OK);
+    CHECK_RC(fr_boot_close(NULL, &err), FERRY_OK);
+}
+
 int main(int argc, char **argv)
 {
-    int n = 0, kill_rank = -1, absent = -1, watch = 0;
+    int n = 0, kill_rank = -1, absent = -1, watch = 0, stall = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-n") && i + 1 < argc)
             n = atoi(argv[++i]);
@@ -203,20 +278,24 @@ int main(int argc, char **argv)
             kill_rank = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--absent") && i + 1 < argc)
             absent = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--stall") && i + 1 < argc)
+            stall = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--watch"))
             watch = 1;
         else {
             fprintf(stderr, "usage: %s -n N [--kill R [--watch]] "
-                            "[--absent R]\n", argv[0]);
+                            "[--absent R] [--stall R]\n", argv[0]);
             return 2;
         }
     }
-    if (n < 1 || kill_rank >= n || absent >= n) {
+    if (n < 1 || kill_rank >= n || absent >= n || stall >= n) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
     /* Short deadlines so failures show quickly (unless set by the caller). */
-    setenv("FERRY_TIMEOUT_MS", kill_rank >= 0 ? "5000" : "20000", 0);
+    setenv("FERRY_TIMEOUT_MS",
+           stall >= 0 ? "2000" : kill_rank >= 0 ? "5000" : "20000", 0);
+    check_callback();
     setenv("FERRY_BOOTSTRAP_TIMEOUT_MS", absent >= 0 ? "2000" : "30000", 0);
 
     int *st = calloc((size_t)n, sizeof(int));
@@ -226,7 +305,7 @@ int main(int argc, char **argv)
     int rc = fr_launch_local_ex(n, &is_child, st, &err);
     if (is_child) {
         free(st);
-        return run_rank(kill_rank, watch, absent);
+        return run_rank(kill_rank, watch, absent, stall);
     }
     CHECK(rc >= 0, "launch failed: %d %s", rc, err.msg);
     for (int i = 0; i < n; i++) {
@@ -237,8 +316,9 @@ int main(int argc, char **argv)
     CHECK(rc == (kill_rank >= 0 ? 128 + SIGKILL : 0),
           "launcher returned %d", rc);
     free(st);
-    printf("test_bootstrap -n %d%s%s: %s in %lld ms\n", n,
+    printf("test_bootstrap -n %d%s%s%s: %s in %lld ms\n", n,
            kill_rank >= 0 ? " --kill" : "", absent >= 0 ? " --absent" : "",
+           stall >= 0 ? " --stall" : "",
            fr_test_result() ? "FAIL" : "pass", (long long)(now_ms() - t0));
     return fr_test_result();
 }

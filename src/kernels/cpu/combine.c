@@ -47,6 +47,7 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
             __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[s], FR_PH_COMBINE,
                                          set, ep->rank),
                              r->epoch, __ATOMIC_RELEASE);
+            fr_doorbell_ring(ep->peer_seg[s]);
         }
     }
     if (ep->nfabric)
@@ -73,13 +74,9 @@ int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
                 continue;
             const uint16_t *yr =
                 (const uint16_t *)(ep->seg + fr_off_crecv(L, set, (uint64_t)cp[k]));
-            float wk = w[k];
-            for (int h = 0; h < H; h++)
-                acc[h] += wk * fr_bf16_to_f32(yr[h]);
+            fr_axpy_bf16(acc, w[k], yr, H);
         }
-        uint16_t *orow = o + (size_t)t * H;
-        for (int h = 0; h < H; h++)
-            orow[h] = fr_f32_to_bf16(acc[h]);
+        fr_row_to_bf16(acc, o + (size_t)t * H, H);
     }
     return FERRY_OK;
 }

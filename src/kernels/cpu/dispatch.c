@@ -21,23 +21,11 @@ static void fr_quantize_fp8(const fr_layout_t *L, int T, const uint16_t *x,
                             uint8_t *q, float *scales)
 {
     int H = L->H, nb = H / FR_FP8_BLOCK;
-    for (int t = 0; t < T; t++) {
-        const uint16_t *xr = x + (size_t)t * H;
-        for (int b = 0; b < nb; b++) {
-            const uint16_t *xb = xr + b * FR_FP8_BLOCK;
-            float amax = 0.f;
-            for (int i = 0; i < FR_FP8_BLOCK; i++) {
-                float v = fr_bf16_to_f32(xb[i]);
-                v = v < 0 ? -v : v;
-                amax = v > amax ? v : amax;
-            }
-            float inv = fr_fp8_inv_scale(amax);
-            uint8_t *qb = q + (size_t)t * H + b * FR_FP8_BLOCK;
-            for (int i = 0; i < FR_FP8_BLOCK; i++)
-                qb[i] = fr_f32_to_e4m3(fr_bf16_to_f32(xb[i]) * inv);
-            scales[(size_t)t * nb + b] = fr_fp8_scale(amax);
-        }
-    }
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < nb; b++)
+            fr_quant_block(x + (size_t)t * H + b * FR_FP8_BLOCK,
+                           q + (size_t)t * H + b * FR_FP8_BLOCK,
+                           &scales[(size_t)t * nb + b]);
 }
 
 static inline uint8_t *fr_dslice_dst(ferry_ep_t ep, int set, int d)
@@ -157,6 +145,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH,
                                          set, ep->rank),
                              r->epoch, __ATOMIC_RELEASE);
+            fr_doorbell_ring(ep->peer_seg[d]);
         }
     }
     if (ep->nfabric)
