@@ -18,8 +18,14 @@ while IFS= read -r line; do
   cmd=${line#*|}
   if [ -n "$FILTER" ] && ! echo "$name" | grep -qE "$FILTER"; then continue; fi
   start=$(date +%s%N)
-  timeout -k 5 "$LIMIT" bash -c "$cmd" > "$logdir/$name.log" 2>&1
+  # Each case runs in its own session, so whatever it leaves behind can be
+  # found (and killed) without touching anything else on the machine.
+  sidfile=$(mktemp)
+  CMD="$cmd" LIMIT="$LIMIT" SIDFILE="$sidfile" setsid -w bash -c \
+    'echo $$ > "$SIDFILE"; exec timeout -k 5 "$LIMIT" bash -c "$CMD"' \
+    > "$logdir/$name.log" 2>&1
   rc=$?
+  sid=$(cat "$sidfile"); rm -f "$sidfile"
   ms=$(( ($(date +%s%N) - start) / 1000000 )); t="$((ms/1000)).$(( (ms%1000)/100 ))"
   if [ $rc -eq 0 ]; then
     pass=$((pass+1)); echo "PASS  $name  (${t}s)"
@@ -28,9 +34,10 @@ while IFS= read -r line; do
     tail -n 30 "$logdir/$name.log" | sed 's/^/    | /'
   fi
   # no ranks may be left behind by any case
-  left=$(pgrep -f "$B/(tests|bin)/" | grep -v "^$$\$" || true)
-  if [ -n "$left" ]; then
-    echo "    left-over processes after $name: $left"; pkill -9 -f "$B/(tests|bin)/" || true
+  left=$(pgrep -s "$sid" || true)
+  if [ -n "$sid" ] && [ -n "$left" ]; then
+    echo "    left-over processes after $name: $(ps -o pid=,args= -p $(echo $left | tr ' ' ,) | head -5)"
+    pkill -9 -s "$sid" || true
     fail=$((fail+1)); failed+=("$name(leftover)")
   fi
 done < <(cat tests/cases/*.txt)

@@ -50,7 +50,7 @@ int fr_boot_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
                       "allgather: %s is NULL with len=%zu", in ? "out" : "in",
                       len);
     /* Frames carry a u32 length: [size][len] plus a sequence number. */
-    if (len > (UINT32_MAX - 64) / (size_t)b->size)
+    if (b->kind == FR_BOOT_TCP && len > (UINT32_MAX - 64) / (size_t)b->size)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "allgather: len=%zu times %d ranks is too large", len,
                       b->size);

@@ -845,7 +845,7 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_ep_usable(ep);
     if (rc)
         return rc;
-    fr_round_t *r;
+    fr_round_t *r = NULL;
     if ((rc = fr_round_get(ep, round, FR_ROUND_SENT, "dispatch_recv", &r)))
         return rc;
     if (!out)
@@ -877,7 +877,7 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
     int rc = fr_ep_usable(ep);
     if (rc)
         return rc;
-    fr_round_t *r;
+    fr_round_t *r = NULL;
     if ((rc = fr_round_get(ep, round, FR_ROUND_RECVD, "combine_send", &r)))
         return rc;
     if (!in)
@@ -903,7 +903,7 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_ep_usable(ep);
     if (rc)
         return rc;
-    fr_round_t *r;
+    fr_round_t *r = NULL;
     if ((rc = fr_round_get(ep, round, FR_ROUND_COMBINED, "combine_recv", &r)))
         return rc;
     if (!out)
