@@ -1,0 +1,10 @@
+#!/bin/bash
+# Install what ferry needs to build and test (Debian/Ubuntu packages).
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-bin \
+    libopenmpi-dev openmpi-bin iproute2 procps util-linux > /dev/null
+echo "ferry: build dependencies installed"
