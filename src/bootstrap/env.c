@@ -149,7 +149,7 @@ int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
                       "FERRY_WORLD_SIZE (or launch with mpirun, torchrun or "
                       "srun)");
 
-    long rank, size;
+    long rank = 0, size = 0;
     if ((rc = fr_env_int(rname, rval, &rank, err)) != FERRY_OK)
         return rc;
     if ((rc = fr_env_int(sname, sval, &size, err)) != FERRY_OK)
@@ -173,7 +173,7 @@ int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
             return rc;
     } else if (maddr) {
         const char *mport = fr_env("MASTER_PORT");
-        long port;
+        long port = 0;
         if (!mport)
             return FR_ERR(err, FERRY_ERR_INVALID,
                           "MASTER_ADDR is set (%s) but MASTER_PORT is not",

@@ -22,6 +22,9 @@
  * and deliver the remote CQ data, to other ranks and to self (checked by
  * tests/mp/test_fabric). They are posted as real zero-byte writes.
  *
+ * Threading: one thread at a time per transport (the proxy's); nothing here
+ * takes a lock.
+ *
  * Per-post state lives in fr_fab_op_t taken from a pool that grows in chunks
  * (no allocation per post once warm).
  */
@@ -689,7 +692,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
             memset(&ee, 0, sizeof(ee));
             ssize_t r = fi_cq_readerr(t->cq, &ee, 0);
             if (r == -FI_EAGAIN)
-                continue;
+                break;
             if (r < 0)
                 return fab_fail(err, "fi_cq_readerr", (int)r);
             char buf[256];

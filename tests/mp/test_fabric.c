@@ -1,7 +1,8 @@
 /*
  * Multi-process test of the libfabric transport (src/transport/fabric.c).
  *
- *   test_fabric [-n ranks] [-r rounds] [-m max_bytes] [-b burst] [-L]
+ *   test_fabric [-n ranks] [-r rounds] [-m max_bytes] [-b burst] [-s seed]
+ *               [-L] [-F] [-M]
  *
  * Launches `ranks` copies of itself (fr_launch_local). Every rank registers
  * two receive regions and two send regions (sets A/B, alternating by round)
@@ -65,9 +66,11 @@ static uint64_t mix(uint64_t x)
     return x ^ (x >> 31);
 }
 
+static uint64_t g_seed; /* -s: varies lengths, shifts and patterns */
+
 static uint64_t key3(int round, int sender, int receiver, uint64_t salt)
 {
-    return mix(((uint64_t)(uint32_t)round << 40) ^
+    return mix(g_seed ^ ((uint64_t)(uint32_t)round << 40) ^
                ((uint64_t)(uint32_t)sender << 20) ^ (uint64_t)receiver ^
                (salt << 60));
 }
@@ -423,6 +426,27 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+typedef struct lat_state {
+    long rx, tx;
+} lat_state_t;
+
+static void lat_poll(ctx_t *c, lat_state_t *ls)
+{
+    fr_cqe_t cq[16];
+    fr_err_t err = {{0}};
+    int got = c->ops->poll(c->t, cq, 16, &err);
+    for (int i = 0; i < got; i++) {
+        if (cq[i].kind == FR_CQE_RX)
+            ls->rx++;
+        else if (cq[i].kind == FR_CQE_TX)
+            ls->tx++;
+        else
+            CHECK(0, "latency: completion %d: %s", cq[i].kind, err.msg);
+    }
+    if (got <= 0)
+        sched_yield();
+}
+
 /* Ranks 0 and 1 ping-pong through write_imm into set 0. */
 static void latency(ctx_t *c)
 {
@@ -431,44 +455,34 @@ static void latency(ctx_t *c)
     static const size_t sizes[] = {0, 64, 4096, 65536, 1u << 20};
     int peer = 1 - c->rank;
     fr_err_t err = {{0}};
-    fr_cqe_t cq[16];
     const int iters = 500, warm = 50;
     double *lat = calloc((size_t)iters, sizeof(double));
+    lat_state_t ls = {0, 0};
+    long sent = 0, round = 0;
     for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
         size_t len = sizes[si] <= g_max ? sizes[si] : g_max;
-        for (int it = 0; it < iters + warm; it++) {
+        fr_slice_t s = {(size_t)peer * c->slot, (size_t)c->rank * c->slot,
+                        len, imm_make(K_BURST, 0, c->rank)};
+        for (int it = 0; it < iters + warm; it++, round++) {
             double t0 = now_s();
-            int must_send = c->rank == 0;
-            int got_rx = 0, got_tx = 0, need_rx = 1;
-            while (need_rx || got_tx < 1 || must_send) {
-                if (must_send && (c->rank == 0 || got_rx)) {
-                    fr_slice_t s = {(size_t)peer * c->slot,
-                                    (size_t)c->rank * c->slot, len,
-                                    imm_make(K_BURST, 0, c->rank)};
-                    c->ops->write_imm(c->t, c->g[0], peer, &s, K_BURST, &err);
-                    must_send = 0;
-                }
-                int got = c->ops->poll(c->t, cq, 16, &err);
-                for (int i = 0; i < got; i++) {
-                    if (cq[i].kind == FR_CQE_RX) {
-                        got_rx = 1;
-                        need_rx = 0;
-                        if (c->rank == 1)
-                            must_send = 1;
-                    } else if (cq[i].kind == FR_CQE_TX)
-                        got_tx++;
-                }
-                if (got <= 0)
-                    sched_yield();
-            }
+            if (c->rank == 1)
+                while (ls.rx < round + 1)
+                    lat_poll(c, &ls);
+            CHECK_RC(c->ops->write_imm(c->t, c->g[0], peer, &s, K_BURST, &err),
+                     FERRY_OK);
+            sent++;
+            while (ls.tx < sent || (c->rank == 0 && ls.rx < round + 1))
+                lat_poll(c, &ls);
             if (it >= warm)
                 lat[it - warm] = (now_s() - t0) / 2;
         }
         if (c->rank == 0) {
             qsort(lat, (size_t)iters, sizeof(double), cmp_d);
-            printf("latency %s %7zu B: one-way p50 %.1f us, p90 %.1f us\n",
+            printf("latency %s %7zu B: one-way p50 %.1f us, p90 %.1f us "
+                   "(%.0f MB/s at p50)\n",
                    c->ops->provider(c->t), len, lat[iters / 2] * 1e6,
-                   lat[iters * 9 / 10] * 1e6);
+                   lat[iters * 9 / 10] * 1e6,
+                   (double)len / lat[iters / 2] / 1e6);
         }
     }
     free(lat);
@@ -480,18 +494,19 @@ int main(int argc, char **argv)
     const char *expect_fail = NULL;
     int mixed = 0;
     int opt;
-    while ((opt = getopt(argc, argv, "n:r:m:b:LFM")) != -1) {
+    while ((opt = getopt(argc, argv, "n:r:m:b:s:LFM")) != -1) {
         switch (opt) {
         case 'n': n = atoi(optarg); break;
         case 'r': rounds = atoi(optarg); break;
         case 'm': g_max = (size_t)strtoull(optarg, NULL, 0); break;
         case 'b': burst_n = atoi(optarg); break;
+        case 's': g_seed = mix(strtoull(optarg, NULL, 0)); break;
         case 'L': lat = 1; break;
         case 'F': expect_fail = "fi_getinfo"; break;
         case 'M': expect_fail = "provider"; mixed = 1; break;
         default:
             fprintf(stderr, "usage: %s [-n ranks] [-r rounds] [-m max_bytes] "
-                            "[-b burst] [-L] [-F] [-M]\n", argv[0]);
+                            "[-b burst] [-s seed] [-L] [-F] [-M]\n", argv[0]);
             return 2;
         }
     }
