@@ -345,6 +345,7 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->pairs_rank);
     free(ep->fill);
     free(ep->rec_next);
+    free(ep->comb_base);
     free(ep->expert_fill);
     free(ep->acc);
     free(ep);
@@ -529,10 +530,11 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->pairs_rank = fr_zalloc(sizeof(int32_t) * (size_t)N);
     ep->fill = fr_zalloc(sizeof(int32_t) * (size_t)N);
     ep->rec_next = fr_zalloc(sizeof(int32_t) * (size_t)N);
+    ep->comb_base = fr_zalloc(sizeof(uint32_t) * (size_t)N);
     ep->expert_fill = fr_zalloc(sizeof(int32_t) * (size_t)L->El);
     ep->acc = fr_zalloc(sizeof(float) * (size_t)L->H);
     if (!ep->qbuf || !ep->qscales || !ep->cnt_rank || !ep->pairs_rank ||
-        !ep->fill || !ep->rec_next || !ep->expert_fill || !ep->acc) {
+        !ep->fill || !ep->rec_next || !ep->comb_base || !ep->expert_fill || !ep->acc) {
         rc = FR_ERR(&err, FERRY_ERR_NOMEM, "scratch buffers");
         goto fail;
     }

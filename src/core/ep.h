@@ -111,6 +111,7 @@ struct ferry_ep {
     int32_t *pairs_rank; /* [N] */
     int32_t *fill;       /* [N] */
     int32_t *rec_next;   /* [N] */
+    uint32_t *comb_base; /* [N] */
     int32_t *expert_fill;/* [El] */
     float *acc;          /* [H] */
 };

@@ -9,7 +9,7 @@
  *                a flag holds the epoch of the last slice that landed.
  *   [dispatch]   [set 2][sender N][dslice]
  *                dslice = slice header (64 B) + T records
- *                record = header (8 + 2*kmax B, padded to 16)
+ *                record = header (12 + 2*kmax B, padded to 16)
  *                         + token (H B fp8 | 2H B bf16) + scales (H/128 fp32)
  *   [combine]    [set 2][T*K rows][2H B]   one bf16 row per (token, k);
  *                each expert rank writes one contiguous run of rows at the
@@ -72,13 +72,17 @@ typedef struct fr_slice_hdr {
     uint32_t reserved[9];
 } fr_slice_hdr_t;
 
-/* Start of every record; le[nexp] lists the local experts, in k order. */
+/* Start of every record; le[nexp] lists the local experts, in k order.
+ * pair: how many (token, expert) pairs of this slice precede the record,
+ * so a receiver can place records in parallel without a scan. */
 typedef struct fr_rec_hdr {
     uint32_t token;
+    uint32_t pair;
     uint16_t nexp;
     uint16_t reserved;
     uint16_t le[];
 } fr_rec_hdr_t;
+#define FR_REC_HDR_FIXED 12u
 
 FR_HD uint64_t fr_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -97,7 +101,7 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
     L->kmax = K < L->El ? K : L->El;
     L->tok_bytes = (uint32_t)(fp8 ? H : 2 * H);
     L->nscales = (uint32_t)(fp8 ? H / 128 : 0);
-    L->rec_hdr = (uint32_t)fr_align(8 + 2 * (uint64_t)L->kmax, 16);
+    L->rec_hdr = (uint32_t)fr_align(FR_REC_HDR_FIXED + 2 * (uint64_t)L->kmax, 16);
     L->rec_bytes = (uint32_t)fr_align(
         L->rec_hdr + L->tok_bytes + 4ull * L->nscales, 16);
     L->dslice = FR_SLICE_HDR + (uint64_t)T * L->rec_bytes;

@@ -33,7 +33,7 @@ int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_NOMEM, "ftruncate(%s, %zu): %s", name,
                       bytes, strerror(e));
     }
-    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (m == MAP_FAILED) {
         shm_unlink(name);
@@ -57,7 +57,7 @@ int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_PROTOCOL,
                       "peer segment %s is smaller than %zu bytes", name, bytes);
     }
-    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
         return FR_ERR(err, FERRY_ERR_NOMEM, "mmap(%s): %s", name,

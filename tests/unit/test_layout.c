@@ -12,7 +12,7 @@ static void check_shape(int N, int E, int K, int H, int T, int fp8)
     fr_layout_init(&L, N, 0, E, K, H, T, fp8);
     CHECK(L.El == E / N, "El");
     CHECK(L.kmax == (K < E / N ? K : E / N), "kmax %d", L.kmax);
-    CHECK(L.rec_hdr % 16 == 0 && L.rec_hdr >= 8 + 2 * (uint32_t)L.kmax, "rec_hdr %u", L.rec_hdr);
+    CHECK(L.rec_hdr % 16 == 0 && L.rec_hdr >= FR_REC_HDR_FIXED + 2 * (uint32_t)L.kmax, "rec_hdr %u", L.rec_hdr);
     CHECK(L.rec_bytes % 16 == 0, "rec_bytes %u", L.rec_bytes);
     CHECK(L.rec_bytes >= L.rec_hdr + L.tok_bytes + 4 * L.nscales, "record too small");
     CHECK(L.tok_bytes == (uint32_t)(fp8 ? H : 2 * H), "tok_bytes");
@@ -61,6 +61,7 @@ static void check_slice(void)
     for (int i = 0; i < 3; i++) {
         fr_rec_hdr_t *r = (fr_rec_hdr_t *)(buf + fr_off_record(&L, (uint32_t)i));
         r->token = toks[i];
+        r->pair = pairs;
         r->nexp = (uint16_t)nexp[i];
         for (int j = 0; j < nexp[i]; j++)
             r->le[j] = (uint16_t)j;
@@ -92,6 +93,7 @@ static void check_slice(void)
     MUTATE(r1->nexp = 0);
     MUTATE(r1->nexp = 5);
     MUTATE(r1->le[1] = 4);
+    MUTATE(r1->pair = 0);
 #undef MUTATE
     free(c);
     free(buf);

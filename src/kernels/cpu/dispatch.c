@@ -74,7 +74,9 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
      * this rank's combine region; fill[] counts pairs handed out so far. */
     uint32_t off = 0;
     int32_t *rec_next = ep->rec_next;
+    uint32_t *h_comb_base = (uint32_t *)ep->comb_base;
     for (int d = 0; d < N; d++) {
+        h_comb_base[d] = off;
         fill[d] = (int32_t)off;
         off += (uint32_t)pairs[d];
         rec_next[d] = 0;
@@ -102,6 +104,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                            fr_off_record(L, (uint32_t)rec_next[d]++);
             fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
             uint16_t n = 0;
+            h->pair = (uint32_t)(fill[d] - (int32_t)h_comb_base[d]);
             for (int j = k; j < K; j++) {
                 if (row[j] < 0 || row[j] / El != d)
                     continue;
@@ -184,6 +187,10 @@ int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
                           "(out of range or out of order)", sender, i,
                           rh->token);
         last_token = rh->token;
+        if (rh->pair != pairs)
+            return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                          "slice from rank %d: record %u starts at pair %u, "
+                          "expected %u", sender, i, rh->pair, pairs);
         if (rh->nexp < 1 || rh->nexp > L->kmax)
             return FR_ERR(err, FERRY_ERR_PROTOCOL,
                           "slice from rank %d: record %u lists %u experts "
