@@ -123,12 +123,13 @@ typedef struct ferry_ep_config {
     int max_tokens;    /* T: most tokens any rank passes per round */
     ferry_dtype_t dispatch_dtype; /* bf16, or fp8 with block scales */
     ferry_device_t device;
-    int reserved[8];
+    int num_sms;       /* CUDA: blocks the copy kernels use (0: 16) */
+    int reserved[7];
 } ferry_ep_config_t;
 
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
-     0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, {0}}
+     0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
@@ -161,7 +162,13 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
 /* Rounds                                                                 */
 /* ---------------------------------------------------------------------- */
 
-/* bf16 values are passed as raw uint16_t bit patterns. */
+/* bf16 values are passed as raw uint16_t bit patterns. With
+ * FERRY_DEVICE_CUDA every pointer is device memory, work is enqueued on
+ * `stream` (a cudaStream_t; NULL: the legacy default stream) and the calls
+ * return before it ran; errors found on the GPU (a peer that did not arrive
+ * in time, a bad expert index) are returned by the next call on the
+ * context, or by ferry_ep_sync. Every call can be captured in a CUDA graph:
+ * the epoch lives on the device and the token count may too. */
 
 typedef struct ferry_dispatch_in {
     size_t size;               /* sizeof(ferry_dispatch_in_t) */
@@ -169,6 +176,8 @@ typedef struct ferry_dispatch_in {
     const void *x;             /* [T][H] bf16, or fp8 when x_scales != NULL */
     const float *x_scales;     /* [T][H/128] when x is already fp8, else NULL */
     const int64_t *topk_idx;   /* [T][K], -1 = no expert */
+    void *stream;              /* CUDA: cudaStream_t */
+    const int32_t *num_tokens_dev; /* CUDA: if set, T is read from here */
 } ferry_dispatch_in_t;
 
 typedef struct ferry_dispatch_out {
@@ -179,17 +188,20 @@ typedef struct ferry_dispatch_out {
     /* Optional (may be NULL): which token each row is, [E_local][capacity]. */
     int32_t *expert_src_rank;
     int32_t *expert_src_token;
+    void *stream;              /* CUDA: cudaStream_t */
 } ferry_dispatch_out_t;
 
 typedef struct ferry_combine_in {
     size_t size;               /* sizeof(ferry_combine_in_t) */
     const void *expert_y;      /* [E_local][capacity][H] bf16 */
+    void *stream;              /* CUDA: cudaStream_t */
 } ferry_combine_in_t;
 
 typedef struct ferry_combine_out {
     size_t size;               /* sizeof(ferry_combine_out_t) */
     const float *topk_weights; /* [T][K] as passed at dispatch's T */
     void *out;                 /* [T][H] bf16: sum_k w[t][k] * y_k[t] */
+    void *stream;              /* CUDA: cudaStream_t */
 } ferry_combine_out_t;
 
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
@@ -200,6 +212,14 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
                        const ferry_combine_in_t *in);
 int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
                        const ferry_combine_out_t *out);
+
+/* Wait for `stream` (CUDA; ignored on CPU) and return the context's status:
+ * FERRY_OK, or the error a kernel reported (naming the rank). */
+int ferry_ep_sync(ferry_ep_t ep, void *stream);
+
+/* 1 when this build has CUDA kernels and a GPU is visible, else 0 (and a
+ * reason in why). */
+int ferry_cuda_available(char *why, size_t len);
 
 /* One-shot forms: send then receive. */
 int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,

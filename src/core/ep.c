@@ -339,6 +339,7 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->group_index);
     free(ep->slices);
     free(ep->flag_last);
+    free(ep->ring_mem);
     free(ep->qbuf);
     free(ep->qscales);
     free(ep->cnt_rank);
@@ -508,6 +509,14 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         if (!ep->slices || !ep->flag_last) {
             rc = FR_ERR(&err, FERRY_ERR_NOMEM, "proxy tables");
             goto fail;
+        }
+        if (!ep->proxy.ring) {
+            ep->ring_mem = fr_zalloc(sizeof(fr_proxy_ring_t));
+            if (!ep->ring_mem) {
+                rc = FR_ERR(&err, FERRY_ERR_NOMEM, "proxy ring");
+                goto fail;
+            }
+            ep->proxy.ring = ep->ring_mem;
         }
         FR_CHECK_GOTO(fr_proxy_start(ep), rc, fail_ep);
     }

@@ -57,12 +57,19 @@ typedef struct fr_proxy_req {
 
 #define FR_PROXY_RING 16
 
+/* The doorbell ring: in host memory, mapped into the GPU for CUDA ranks
+ * (the send kernel is the producer there). */
+typedef struct fr_proxy_ring {
+    fr_proxy_req_t req[FR_PROXY_RING];
+    uint64_t head;                         /* consumer (proxy) */
+    uint64_t tail;                         /* producer */
+} fr_proxy_ring_t;
+
 typedef struct fr_proxy {
     pthread_t thread;
     int running;
     int stop;                              /* atomic */
-    fr_proxy_req_t ring[FR_PROXY_RING];
-    uint64_t head, tail;                   /* atomic: producer tail, consumer head */
+    fr_proxy_ring_t *ring;
     int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
     uint64_t posted, completed_rx;         /* statistics */
 } fr_proxy_t;
@@ -94,6 +101,8 @@ struct ferry_ep {
     int *group_peers;    /* [nfabric] */
     int *group_index;    /* [N] index in group or -1 */
     fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */
+    fr_proxy_ring_t *ring_mem; /* owned ring (CPU ranks) */
+    struct fr_cuda_ep *cuda;   /* CUDA state, NULL for CPU ranks */
     uint64_t *flag_last; /* [phase 2][set 2][N] last epoch seen (proxy) */
     fr_proxy_t proxy;
     /* error raised asynchronously by the proxy */

@@ -96,10 +96,11 @@ static void *fr_proxy_main(void *arg)
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
         int work = 0;
-        uint64_t tail = __atomic_load_n(&p->tail, __ATOMIC_ACQUIRE);
-        while (p->head < tail) {
-            fr_proxy_req_t q = p->ring[p->head % FR_PROXY_RING];
-            __atomic_store_n(&p->head, p->head + 1, __ATOMIC_RELEASE);
+        fr_proxy_ring_t *rg = p->ring;
+        uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
+        while (rg->head < tail) {
+            fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
+            __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
             fr_proxy_post(ep, &q);
             work = 1;
         }
@@ -152,7 +153,9 @@ static void *fr_proxy_main(void *arg)
 int fr_proxy_start(ferry_ep_t ep)
 {
     fr_proxy_t *p = &ep->proxy;
+    fr_proxy_ring_t *ring = p->ring;
     memset(p, 0, sizeof(*p));
+    p->ring = ring;
     int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
     if (e != 0)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
@@ -176,7 +179,8 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
     fr_proxy_t *p = &ep->proxy;
     uint64_t iter = 0;
     uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    while (p->tail - __atomic_load_n(&p->head, __ATOMIC_ACQUIRE) >=
+    fr_proxy_ring_t *rg = p->ring;
+    while (rg->tail - __atomic_load_n(&rg->head, __ATOMIC_ACQUIRE) >=
            FR_PROXY_RING) {
         fr_backoff(&iter, ep->spin);
         if (fr_now_ns() > deadline)
@@ -184,11 +188,11 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
                               "the proxy thread did not take requests for "
                               "%ld ms", ep->timeout_ms);
     }
-    fr_proxy_req_t *q = &p->ring[p->tail % FR_PROXY_RING];
+    fr_proxy_req_t *q = &rg->req[rg->tail % FR_PROXY_RING];
     q->phase = phase;
     q->set = set;
     q->epoch = epoch;
-    __atomic_store_n(&p->tail, p->tail + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&rg->tail, rg->tail + 1, __ATOMIC_RELEASE);
     return FERRY_OK;
 }
 
@@ -197,19 +201,18 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set)
     fr_proxy_t *p = &ep->proxy;
     uint64_t iter = 0;
     uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    while (__atomic_load_n(&p->head, __ATOMIC_ACQUIRE) !=
-               __atomic_load_n(&p->tail, __ATOMIC_ACQUIRE) ||
+    while (__atomic_load_n(&p->ring->head, __ATOMIC_ACQUIRE) !=
+               __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE) ||
            __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
         int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
         if (st != FERRY_OK)
             return fr_ep_fail(ep, st, "%s", ep->async_msg);
         fr_backoff(&iter, ep->spin);
+        int dead = fr_boot_dead_rank(ep->comm->boot);
+        if (dead >= 0)
+            return fr_ep_fail(ep, FERRY_ERR_PEER,
+                              "writes still in flight when rank %d died", dead);
         if (fr_now_ns() > deadline) {
-            int dead = fr_boot_dead_rank(ep->comm->boot);
-            if (dead >= 0)
-                return fr_ep_fail(ep, FERRY_ERR_PEER,
-                                  "writes still in flight when rank %d died",
-                                  dead);
             return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
                               "%lld writes of buffer set %d not completed "
                               "after %ld ms",
