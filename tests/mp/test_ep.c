@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "bootstrap/bootstrap.h"
+#include "core/ep.h"
 #include "ferry.h"
 #include "harness.h"
 #include "workload.h"
@@ -149,6 +150,33 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_dispatch_recv(ep, round, &dout), FERRY_OK);
     CHECK(fw_check_dispatch(&s, 1, me, ex, exs, cnt, NULL, NULL,
                             (size_t)lay.expert_capacity, 3) == 0, "dispatch wrong");
+    /* Deduplication: sender r's slice to this rank holds one record per
+     * token with any expert here, and one pair per such (token, expert). */
+    {
+        int El = E / N;
+        int64_t *idx2 = calloc((size_t)T * K, sizeof(int64_t));
+        for (int src = 0; src < N; src++) {
+            int Ts = fw_num_tokens(&s, 1, src);
+            fw_generate_idx(&s, 1, src, Ts, idx2);
+            uint32_t want_rec = 0, want_pairs = 0;
+            for (int t = 0; t < Ts; t++) {
+                int any = 0;
+                for (int k = 0; k < K; k++)
+                    if (idx2[t * K + k] >= 0 && idx2[t * K + k] / El == me) {
+                        any = 1;
+                        want_pairs++;
+                    }
+                want_rec += (uint32_t)any;
+            }
+            const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(
+                ep->seg + fr_off_drecv(&ep->L, (int)(round % FR_NSETS), src));
+            CHECK(h->count == want_rec, "rank %d from %d: %u records, want %u",
+                  me, src, h->count, want_rec);
+            CHECK(h->npairs == want_pairs, "rank %d from %d: %u pairs, want %u",
+                  me, src, h->npairs, want_pairs);
+        }
+        free(idx2);
+    }
     fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
     CHECK_RC(ferry_combine_send(ep, round, &cin), FERRY_OK);
     ferry_combine_out_t cbad = cout;
