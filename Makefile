@@ -10,8 +10,8 @@ SAN ?= 0
 
 FABRIC_CFLAGS := $(shell pkg-config --cflags libfabric 2>/dev/null)
 FABRIC_LIBS := $(shell pkg-config --libs libfabric 2>/dev/null || echo -lfabric)
-MPI_CFLAGS := $(shell $(MPICC) -showme:compile 2>/dev/null)
-MPI_LIBS := $(shell $(MPICC) -showme:link 2>/dev/null)
+MPI_CFLAGS = $(if $(filter 1,$(MPI)),$(shell $(MPICC) -showme:compile 2>/dev/null))
+MPI_LIBS = $(if $(filter 1,$(MPI)),$(shell $(MPICC) -showme:link 2>/dev/null))
 
 WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes
 CFLAGS ?= -O3 -g
@@ -24,9 +24,31 @@ CFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer \
 LDFLAGS += -fsanitize=address,undefined
 endif
 
+# CUDA: on when nvcc is found (CUDA=0 turns it off; sanitizer builds do).
+CUDA_HOME ?= /usr/local/cuda
+NVCC_FOUND := $(shell command -v $(NVCC) 2>/dev/null || test -x $(CUDA_HOME)/bin/nvcc && echo $(CUDA_HOME)/bin/nvcc)
+ifeq ($(SAN),1)
+CUDA ?= 0
+endif
+ifneq ($(NVCC_FOUND),)
+CUDA ?= 1
+else
+CUDA ?= 0
+endif
+ifeq ($(CUDA),1)
+NVCC := $(if $(shell command -v $(NVCC) 2>/dev/null),$(NVCC),$(CUDA_HOME)/bin/nvcc)
+CFLAGS += -DFERRY_HAVE_CUDA -I$(CUDA_HOME)/include
+LDLIBS += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl
+endif
+# MPI for the benchmark's baseline (MPI=0 builds it without).
+MPI ?= 1
+
 LIB_SRCS := $(wildcard src/core/*.c src/bootstrap/*.c src/transport/*.c \
-                       src/proxy/*.c src/kernels/cpu/*.c)
+                       src/proxy/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o)
+ifeq ($(CUDA),1)
+LIB_OBJS += $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard src/kernels/cuda/*.cu))
+endif
 TOOL_COMMON := $(wildcard tools/common/*.c)
 TOOL_COMMON_OBJS := $(TOOL_COMMON:%.c=$(BUILD)/obj/%.o)
 CUDA_SRCS := $(wildcard src/kernels/cuda/*.cu)
@@ -55,7 +77,7 @@ $(LIBA): $(LIB_OBJS)
 	rm -f $@ && ar rcs $@ $^
 
 $(LIBSO): $(LIB_OBJS)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 # Tools link MPI for the baseline (built without it when mpicc is missing).
 ifneq ($(MPI_LIBS),)
@@ -63,21 +85,21 @@ BENCH_MPI := -DFERRY_HAVE_MPI $(MPI_CFLAGS)
 endif
 $(BUILD)/bin/ferry-bench: tools/ferry_bench.c $(TOOL_COMMON_OBJS) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS)
+	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 $(BUILD)/bin/ferry-info: tools/ferry_info.c $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 $(BUILD)/tests/%: tests/%.c $(TOOL_COMMON_OBJS) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itools/common -Itests $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(CFLAGS) -Itools/common -Itests $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 # CUDA kernels: compiled whenever nvcc exists (CI has no GPU but has nvcc).
 cuda: $(CUDA_OBJS)
-$(BUILD)/obj/%.o: %.cu
+$(BUILD)/obj/%.o: %.cu src/core/layout.h src/core/quant.h src/core/ep.h src/kernels/cuda/api.h
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc -c $< -o $@
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
 
 test: all
 	tests/run.sh $(BUILD)

@@ -18,6 +18,10 @@
 #include "ferry.h"
 #include "../core/err.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct fr_boot fr_boot_t;
 
 /* Where rank/size/root come from (FERRY_*, Open MPI, torchrun, Slurm). */
@@ -70,5 +74,9 @@ int fr_launch_local(int n, int *is_child, fr_err_t *err);
  * gets every rank's exit status there (128+signal for a signal, -1 for a
  * rank never started). Lets a caller tell an intended death from others. */
 int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

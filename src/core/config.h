@@ -4,6 +4,10 @@
 
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum fr_cfg_id {
     FR_CFG_RANK,
     FR_CFG_WORLD_SIZE,
@@ -24,5 +28,9 @@ const char *fr_cfg_str(fr_cfg_id_t id);
 /* Integer value; a malformed value falls back to the default with a warning. */
 long fr_cfg_int(fr_cfg_id_t id);
 const char *fr_cfg_name(fr_cfg_id_t id);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -16,6 +16,7 @@
 
 #include "core/config.h"
 #include "core/log.h"
+#include "kernels/cuda/api.h"
 
 /* ---------------------------------------------------------------------- */
 /* small helpers                                                          */
@@ -275,9 +276,11 @@ static int fr_check_config(ferry_comm_t comm, const ferry_ep_config_t *c,
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "hidden = %d: a bf16 row must be a multiple of 16 bytes "
                       "(hidden a multiple of 8)", c->hidden);
-    if (c->device == FERRY_DEVICE_CUDA)
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "device = cuda: this build has no CUDA kernels");
+    if (c->device == FERRY_DEVICE_CUDA) {
+        char why[200];
+        if (!ferry_cuda_available(why, sizeof(why)))
+            return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: %s", why);
+    }
     if (c->device != FERRY_DEVICE_CPU)
         return FR_ERR(err, FERRY_ERR_INVALID, "device = %d: unknown",
                       (int)c->device);
@@ -317,6 +320,8 @@ static void fr_ep_free(ferry_ep_t ep)
             ep->tp_ops->dereg(ep->tp, ep->mr_send);
         ep->tp_ops->close(ep->tp);
     }
+    if (ep->cuda)
+        fr_cuda_free(ep); /* frees and clears seg, send, slices, ring */
     if (ep->peer_seg) {
         for (int i = 0; i < ep->N; i++)
             if (ep->peer_seg[i] && ep->peer_seg[i] != ep->seg)
@@ -324,7 +329,8 @@ static void fr_ep_free(ferry_ep_t ep)
     }
     if (ep->seg) {
         fr_shm_unmap(ep->seg, ep->L.seg_bytes);
-        fr_shm_unlink(ep->seg_name);
+        if (ep->seg_name[0])
+            fr_shm_unlink(ep->seg_name);
     }
     free(ep->send);
     for (int s = 0; s < FR_NSETS; s++) {
@@ -388,11 +394,13 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         msg.device = config->device;
         fr_layout_init(&ep->L, N, me, msg.E, msg.K, msg.H, msg.T,
                        msg.dtype == FERRY_DTYPE_FP8_E4M3);
-        snprintf(msg.seg_name, sizeof(msg.seg_name), "/ferry-%d-r%d-%llx",
-                 (int)getpid(), me, (unsigned long long)fr_now_ns());
-        snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", msg.seg_name);
-        msg.status = fr_shm_create(ep->seg_name, ep->L.seg_bytes, &ep->seg,
-                                   &err);
+        if (config->device == FERRY_DEVICE_CPU) {
+            snprintf(msg.seg_name, sizeof(msg.seg_name), "/ferry-%d-r%d-%llx",
+                     (int)getpid(), me, (unsigned long long)fr_now_ns());
+            snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", msg.seg_name);
+            msg.status = fr_shm_create(ep->seg_name, ep->L.seg_bytes,
+                                       &ep->seg, &err);
+        }
     }
     /* Exchange statuses and configs first, so a rank that failed its own
      * checks fails everyone at once instead of leaving them waiting. */
@@ -455,8 +463,12 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
             ep->nshm++;
         }
     }
+    if (ep->cfg.device == FERRY_DEVICE_CUDA) {
+        /* device segment, CUDA IPC mappings, device tables (collective) */
+        FR_CHECK_GOTO(fr_cuda_setup(ep, &err), rc, fail);
+    }
     ep->peer_seg[me] = ep->seg;
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < N && !ep->cuda; i++) {
         if (ep->path[i] != FR_PATH_SHM)
             continue;
         FR_CHECK_GOTO(fr_shm_map(all[i].seg_name, L->seg_bytes,
@@ -474,13 +486,15 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         FR_CHECK_GOTO(ep->tp_ops->reg(ep->tp, ep->seg, L->seg_bytes, 1,
                                       &ep->mr_seg, &mine, &err),
                       rc, fail);
-        if (posix_memalign((void **)&ep->send, 4096, L->send_bytes) != 0) {
-            ep->send = NULL;
-            rc = FR_ERR(&err, FERRY_ERR_NOMEM, "send region of %llu bytes",
-                        (unsigned long long)L->send_bytes);
-            goto fail;
+        if (!ep->send) {
+            if (posix_memalign((void **)&ep->send, 4096, L->send_bytes) != 0) {
+                ep->send = NULL;
+                rc = FR_ERR(&err, FERRY_ERR_NOMEM, "send region of %llu bytes",
+                            (unsigned long long)L->send_bytes);
+                goto fail;
+            }
+            memset(ep->send, 0, L->send_bytes);
         }
-        memset(ep->send, 0, L->send_bytes);
         fr_mr_desc_t send_desc;
         FR_CHECK_GOTO(ep->tp_ops->reg(ep->tp, ep->send, L->send_bytes, 0,
                                       &ep->mr_send, &send_desc, &err),
@@ -503,8 +517,9 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         free(remote);
         if (rc != FERRY_OK)
             goto fail;
-        ep->slices = fr_zalloc(sizeof(fr_slice_t) * 2 * FR_NSETS *
-                               (size_t)(ep->nfabric ? ep->nfabric : 1));
+        if (!ep->slices)
+            ep->slices = fr_zalloc(sizeof(fr_slice_t) * 2 * FR_NSETS *
+                                   (size_t)(ep->nfabric ? ep->nfabric : 1));
         ep->flag_last = fr_zalloc(sizeof(uint64_t) * 2 * FR_NSETS * (size_t)N);
         if (!ep->slices || !ep->flag_last) {
             rc = FR_ERR(&err, FERRY_ERR_NOMEM, "proxy tables");
@@ -550,7 +565,8 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     /* Everyone has mapped everyone: the names can go (nothing is left in
      * /dev/shm if a rank dies later). */
     FR_CHECK_GOTO(fr_boot_barrier(comm->boot, &err), rc, fail);
-    fr_shm_unlink(ep->seg_name);
+    if (ep->seg_name[0])
+        fr_shm_unlink(ep->seg_name);
     ep->seg_name[0] = 0;
     if (fr_log_enabled(FR_LOG_INFO, FR_SUB_INIT)) {
         for (int i = 0; i < N; i++)
@@ -586,7 +602,12 @@ int ferry_ep_destroy(ferry_ep_t ep)
         return FERRY_ERR_INVALID;
     int rc = FERRY_OK;
     fr_err_t err = {{0}};
-    if (ep->proxy.running && !ep->failed) {
+    if (ep->cuda && !ep->failed) {
+        int c = fr_cuda_sync(ep, NULL);
+        if (c != FERRY_OK)
+            rc = c;
+    }
+    if (ep->proxy.running && !ep->failed && !ep->cuda) {
         for (int s = 0; s < FR_NSETS; s++)
             if (fr_proxy_wait_set(ep, s) != FERRY_OK)
                 rc = ep->failed ? ep->failed : FERRY_ERR_TIMEOUT;
@@ -745,6 +766,8 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 
 static int fr_ep_usable(ferry_ep_t ep)
 {
+    if (ep->cuda && !ep->failed && fr_cuda_check(ep) != FERRY_OK)
+        return ep->failed ? ep->failed : FERRY_ERR_INVALID;
     if (ep->failed)
         return fr_ep_fail(ep, ep->failed,
                           "the EP context failed earlier and cannot be used: "
@@ -796,6 +819,9 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                           "in->size = %zu: set it to sizeof(ferry_dispatch_in_t)",
                           in->size);
     int T = in->num_tokens;
+    int on_gpu = ep->cuda != NULL;
+    if (on_gpu && in->num_tokens_dev)
+        T = L->T; /* read on the device; checked there */
     if (T < 0 || T > L->T)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "num_tokens = %d: must be 0..max_tokens (%d)", T,
@@ -807,7 +833,7 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     if (in->x_scales && !L->fp8)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "x_scales given but the dispatch dtype is bf16");
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; t < T && !on_gpu; t++) {
         const int64_t *row = in->topk_idx + (size_t)t * L->K;
         for (int k = 0; k < L->K; k++) {
             int64_t e = row[k];
@@ -832,7 +858,7 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                           (unsigned long long)r->epoch,
                           (unsigned long long)(epoch - 1),
                           (unsigned long long)r->epoch);
-    if (ep->proxy.running) {
+    if (ep->proxy.running && !on_gpu) {
         rc = fr_proxy_wait_set(ep, (int)(epoch % FR_NSETS));
         if (rc)
             return rc;
@@ -840,7 +866,8 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     ep->next_epoch = epoch;
     r->epoch = epoch;
     r->T = T;
-    rc = fr_cpu_dispatch_send(ep, r, in);
+    rc = on_gpu ? fr_cuda_dispatch_send(ep, r, in)
+                : fr_cpu_dispatch_send(ep, r, in);
     if (rc)
         return rc;
     r->state = FR_ROUND_SENT;
@@ -873,7 +900,8 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     if (ep->L.fp8 && !out->expert_x_scales)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "expert_x_scales: NULL pointer (fp8 dispatch)");
-    rc = fr_cpu_dispatch_recv(ep, r, out);
+    rc = ep->cuda ? fr_cuda_dispatch_recv(ep, r, out)
+                  : fr_cpu_dispatch_recv(ep, r, out);
     if (rc)
         return rc;
     r->state = FR_ROUND_RECVD;
@@ -899,7 +927,8 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
                           in->size);
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
-    rc = fr_cpu_combine_send(ep, r, in);
+    rc = ep->cuda ? fr_cuda_combine_send(ep, r, in)
+                  : fr_cpu_combine_send(ep, r, in);
     if (rc)
         return rc;
     r->state = FR_ROUND_COMBINED;
@@ -927,10 +956,22 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     if (r->T > 0 && !out->topk_weights)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
-    rc = fr_cpu_combine_recv(ep, r, out);
+    rc = ep->cuda ? fr_cuda_combine_recv(ep, r, out)
+                  : fr_cpu_combine_recv(ep, r, out);
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
+    return FERRY_OK;
+}
+
+int ferry_ep_sync(ferry_ep_t ep, void *stream)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    if (ep->failed)
+        return ep->failed;
+    if (ep->cuda)
+        return fr_cuda_sync(ep, stream);
     return FERRY_OK;
 }
 

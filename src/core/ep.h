@@ -12,6 +12,10 @@
 #include "core/layout.h"
 #include "transport/transport.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define FR_NODE_ID_LEN 64
 
 typedef struct fr_peer_info {
@@ -174,5 +178,9 @@ int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
 /* Record decoding, shared with the fuzzer: validate one received slice. */
 int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
                    uint64_t epoch, fr_err_t *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

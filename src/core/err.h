@@ -7,6 +7,10 @@
 
 #include "ferry.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define FR_ERRMSG_LEN 512
 
 typedef struct fr_err {
@@ -26,5 +30,9 @@ int fr_err_set(fr_err_t *e, int code, const char *fmt, ...)
         if ((rc) != FERRY_OK)                                                  \
             goto label;                                                        \
     } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

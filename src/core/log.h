@@ -2,6 +2,10 @@
 #ifndef FR_LOG_H
 #define FR_LOG_H
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum fr_log_level {
     FR_LOG_NONE = 0,
     FR_LOG_ERROR,
@@ -37,5 +41,9 @@ void fr_log_emit(int level, int subsys, const char *fmt, ...)
 #define FR_LOG_INFO(sub, ...) FR_LOG_AT(FR_LOG_INFO, sub, __VA_ARGS__)
 #define FR_LOG_DEBUG(sub, ...) FR_LOG_AT(FR_LOG_DEBUG, sub, __VA_ARGS__)
 #define FR_LOG_TRACE(sub, ...) FR_LOG_AT(FR_LOG_TRACE, sub, __VA_ARGS__)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

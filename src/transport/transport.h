@@ -19,6 +19,10 @@
 #include "../bootstrap/bootstrap.h"
 #include "../core/err.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct fr_transport fr_transport_t;
 typedef struct fr_mr fr_mr_t;
 typedef struct fr_group fr_group_t;
@@ -92,5 +96,9 @@ typedef struct fr_transport_ops {
 } fr_transport_ops_t;
 
 extern const fr_transport_ops_t fr_transport_fabric;
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,0 +1,38 @@
+/*
+ * The CUDA path: launchers of the dispatch/combine kernels and the device
+ * state behind them. Built only when nvcc is present (FERRY_HAVE_CUDA);
+ * otherwise stub.c answers FERRY_ERR_UNSUPPORTED.
+ */
+#ifndef FR_CUDA_API_H
+#define FR_CUDA_API_H
+
+#include "core/ep.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Allocate the receive segment (device memory for self/IPC peers, pinned
+ * host memory mapped into the GPU when peers are on the fabric), map the
+ * peers' segments (CUDA IPC) and the device tables. Collective. */
+int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err);
+void fr_cuda_free(ferry_ep_t ep);
+
+int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                          const ferry_dispatch_in_t *in);
+int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                          const ferry_dispatch_out_t *out);
+int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_combine_in_t *in);
+int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_combine_out_t *out);
+
+/* Error a kernel reported (host-mapped word), turned into the EP's error. */
+int fr_cuda_check(ferry_ep_t ep);
+int fr_cuda_sync(ferry_ep_t ep, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,957 @@
+/*
+ * CUDA kernels of dispatch and combine: twins of src/kernels/cpu/, sharing
+ * the record layout (core/layout.h) and number formats (core/quant.h).
+ *
+ *   dispatch_send = route (1 block: count, deduplicate, scan per rank)
+ *                 + pack (quantise, store records into the peer's slice or
+ *                   the fabric send region; the last block to finish writes
+ *                   the slice headers and publishes)
+ *   dispatch_recv = count (one block per sender: wait for its flag, place
+ *                   records per local expert with warp ballots)
+ *                 + place (copy tokens to expert_x)
+ *   combine_send  = rows of each source rank, one contiguous run, then
+ *                   publish (last block)
+ *   combine_recv  = wait for all flags, fp32 weighted sum, bf16 out
+ *
+ * Ordering: data stores, then __threadfence_system() in every block, then
+ * an atomic count of finished blocks; the last block writes headers, fences
+ * and publishes the epoch with st.release.sys. Receivers poll with
+ * ld.acquire.sys. Waits are bounded by %globaltimer: on expiry the kernel
+ * writes an error word in host-mapped memory and returns (never traps);
+ * every later kernel sees the word and returns at once.
+ *
+ * Epochs live on the device (per buffer set, advanced by route), so the
+ * calls can be captured in a CUDA graph and replayed.
+ */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/config.h"
+#include "core/log.h"
+#include "core/quant.h"
+#include "kernels/cuda/api.h"
+
+#define FR_CU_THREADS 256
+#define FR_CU_ROUTE_THREADS 1024
+
+/* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
+enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
+       FR_CU_WHAT_RECORD = 4 };
+
+typedef struct fr_cu_args {
+    fr_layout_t L;
+    int rank, N;
+    uint8_t *seg;            /* own segment (device pointer) */
+    uint8_t **peer;          /* [N] where to store for peer d (self/IPC) */
+    uint8_t *send;           /* fabric send region (device pointer) or NULL */
+    const int *path;         /* [N] */
+    const int *gidx;         /* [N] index among fabric peers */
+    int nfabric;
+    fr_slice_t *slices;      /* host-mapped [2][2][nfabric] */
+    fr_proxy_ring_t *ring;   /* host-mapped */
+    unsigned long long *epoch; /* [2] per set */
+    int32_t *ntok;           /* [2] */
+    int32_t *rec_idx;        /* [2][T][N] */
+    int32_t *pair_base;      /* [2][T][N] */
+    int32_t *comb_pos;       /* [2][T][K] */
+    int32_t *cnt, *npairs, *comb_off; /* [2][N] */
+    int32_t *cnt_se;         /* [2][N][El] */
+    int32_t *local_slot;     /* [2][N][T*kmax] */
+    int32_t *pair_row;       /* [2][N*T*kmax] */
+    int32_t *pair_off;       /* [2][N+1] */
+    int32_t *scomb_off;      /* [2][N] */
+    unsigned int *done;      /* [2 phase][2 set] finished-block counters */
+    volatile int *err;       /* host-mapped [4] */
+    unsigned long long timeout_ns;
+} fr_cu_args_t;
+
+struct fr_cuda_ep {
+    fr_cu_args_t a;
+    int device, nblocks;
+    int host_seg;            /* segment is pinned host memory (fabric) */
+    void *dmem;              /* one device allocation for the tables */
+    uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
+    int *err_host;
+    void *err_dev;
+    int last_err_seen;
+};
+
+/* ---------------------------------------------------------------------- */
+/* device helpers                                                         */
+
+__device__ __forceinline__ unsigned long long fr_ld_acquire(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void fr_st_release(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long fr_globaltimer(void)
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ void fr_cu_fail(const fr_cu_args_t &A, int status, int rank, int what,
+                           int detail)
+{
+    if (atomicCAS((int *)&A.err[0], 0, status) == 0) {
+        A.err[1] = rank;
+        A.err[2] = what;
+        A.err[3] = detail;
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ bool fr_cu_failed(const fr_cu_args_t &A)
+{
+    return *(volatile int *)&A.err[0] != 0;
+}
+
+/* Wait until flag == epoch; false (error word set) on timeout. */
+__device__ bool fr_cu_wait_flag(const fr_cu_args_t &A, const unsigned long long *flag,
+                                unsigned long long epoch, int sender, int what)
+{
+    unsigned long long t0 = fr_globaltimer();
+    unsigned int n = 0;
+    for (;;) {
+        unsigned long long v = fr_ld_acquire(flag);
+        if (v == epoch)
+            return true;
+        if (v > epoch) {
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, sender, what, (int)v);
+            return false;
+        }
+        if ((++n & 255) == 0) {
+            if (fr_cu_failed(A))
+                return false;
+            if (fr_globaltimer() - t0 > A.timeout_ns) {
+                fr_cu_fail(A, FERRY_ERR_TIMEOUT, sender, what, 0);
+                return false;
+            }
+        }
+    }
+}
+
+/* Exclusive block scan of one int per thread (blockDim <= 1024). */
+__device__ int fr_block_scan(int v, int *total)
+{
+    __shared__ int warp_sum[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o)
+            x += y;
+    }
+    if (lane == 31)
+        warp_sum[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        int s = lane < nw ? warp_sum[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o)
+                s += y;
+        }
+        if (lane < nw)
+            warp_sum[lane] = s; /* inclusive */
+    }
+    __syncthreads();
+    int before = (w > 0 ? warp_sum[w - 1] : 0) + x - v;
+    *total = warp_sum[((blockDim.x + 31) >> 5) - 1];
+    __syncthreads();
+    return before;
+}
+
+__device__ __forceinline__ void fr_copy16(uint8_t *dst, const uint8_t *src, size_t bytes)
+{
+    const int4 *s = (const int4 *)src;
+    int4 *d = (int4 *)dst;
+    for (size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+        d[i] = s[i];
+}
+
+/* Publish (phase, set) to peer d: flag for self/IPC, a slice for the proxy
+ * otherwise (the ring push happens once, after all peers). */
+__device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, int d,
+                              unsigned long long epoch, uint64_t src_off,
+                              uint64_t dst_off, uint64_t len)
+{
+    if (A.path[d] == FR_PATH_FABRIC) {
+        fr_slice_t *s = A.slices + ((size_t)phase * FR_NSETS + set) * A.nfabric + A.gidx[d];
+        s->src_off = src_off;
+        s->dst_off = dst_off;
+        s->len = len;
+        s->imm = fr_imm_make(phase, epoch, A.rank);
+    } else {
+        fr_st_release((unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank)),
+                      epoch);
+    }
+}
+
+__device__ void fr_cu_ring(const fr_cu_args_t &A, int phase, int set,
+                           unsigned long long epoch)
+{
+    fr_proxy_ring_t *rg = A.ring;
+    volatile unsigned long long *head = (volatile unsigned long long *)&rg->head;
+    unsigned long long tail = *(volatile unsigned long long *)&rg->tail;
+    unsigned long long t0 = fr_globaltimer();
+    while (tail - *head >= FR_PROXY_RING) {
+        if (fr_globaltimer() - t0 > A.timeout_ns) {
+            fr_cu_fail(A, FERRY_ERR_TIMEOUT, A.rank, phase + 1, -1);
+            return;
+        }
+    }
+    fr_proxy_req_t *q = &rg->req[tail % FR_PROXY_RING];
+    q->phase = phase;
+    q->set = set;
+    q->epoch = epoch;
+    __threadfence_system();
+    fr_st_release((unsigned long long *)&rg->tail, tail + 1);
+}
+
+/* ---------------------------------------------------------------------- */
+/* dispatch_send                                                          */
+
+__global__ void __launch_bounds__(FR_CU_ROUTE_THREADS)
+fr_cu_route(fr_cu_args_t A, int set, const int64_t *idx, int T_host,
+            const int32_t *T_dev)
+{
+    const fr_layout_t &L = A.L;
+    __shared__ int s_T, s_bad;
+    int N = A.N, K = L.K, El = L.El;
+    if (threadIdx.x == 0) {
+        int T = T_dev ? *T_dev : T_host;
+        s_bad = 0;
+        if (T < 0 || T > L.T) {
+            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, T);
+            s_bad = 1;
+        }
+        s_T = T;
+        A.ntok[set] = T;
+        A.epoch[set] += 2; /* set 1: 1, 3, 5...; set 0: 2, 4, 6... */
+    }
+    __syncthreads();
+    if (s_bad)
+        return;
+    int T = s_T;
+    int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+    int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
+    int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
+    /* validate: -1 or 0..E-1, no repeats */
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        const int64_t *row = idx + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            int64_t e = row[k];
+            bool bad = e < -1 || e >= L.E;
+            for (int j = 0; j < k && !bad && e >= 0; j++)
+                bad = row[j] == e;
+            if (bad) {
+                fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
+                s_bad = 1;
+            }
+        }
+    }
+    __syncthreads();
+    if (s_bad)
+        return;
+    /* per destination: exclusive scans of "token goes there" and of its
+     * pair count, in token order */
+    int running_rec = 0, running_pairs = 0; /* thread 0 keeps the totals */
+    for (int d = 0; d < N; d++) {
+        int carry_rec = 0, carry_pairs = 0;
+        for (int base = 0; base < T; base += blockDim.x) {
+            int t = base + threadIdx.x;
+            int has = 0, np = 0;
+            if (t < T) {
+                const int64_t *row = idx + (size_t)t * K;
+                for (int k = 0; k < K; k++)
+                    if (row[k] >= 0 && row[k] / El == d)
+                        np++;
+                has = np > 0;
+            }
+            int tot_h, tot_p;
+            int ph = fr_block_scan(has, &tot_h);
+            int pp = fr_block_scan(np, &tot_p);
+            if (t < T) {
+                rec_idx[(size_t)t * N + d] = has ? carry_rec + ph : -1;
+                pbase[(size_t)t * N + d] = carry_pairs + pp;
+            }
+            carry_rec += tot_h;
+            carry_pairs += tot_p;
+        }
+        if (threadIdx.x == 0) {
+            A.cnt[set * N + d] = carry_rec;
+            A.npairs[set * N + d] = carry_pairs;
+            A.comb_off[set * N + d] = running_pairs;
+            running_rec += carry_rec;
+            running_pairs += carry_pairs;
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        const int64_t *row = idx + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            int64_t e = row[k];
+            if (e < 0) {
+                cpos[(size_t)t * K + k] = -1;
+                continue;
+            }
+            int d = (int)(e / El), before = 0;
+            for (int j = 0; j < k; j++)
+                before += row[j] >= 0 && row[j] / El == d;
+            cpos[(size_t)t * K + k] = A.comb_off[set * N + d] +
+                                      pbase[(size_t)t * N + d] + before;
+        }
+    }
+}
+
+__device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set, int d)
+{
+    if (A.path[d] == FR_PATH_FABRIC)
+        return A.send + fr_off_dsend(&A.L, set, d);
+    return A.peer[d] + fr_off_drecv(&A.L, set, A.rank);
+}
+
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+           const int64_t *idx)
+{
+    extern __shared__ __align__(16) uint8_t smem[];
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, El = L.El, H = L.H;
+    unsigned int *done = A.done + FR_PH_DISPATCH * FR_NSETS + set;
+    bool quant = L.fp8 && !x_scales;
+    if (!fr_cu_failed(A)) {
+        int T = A.ntok[set];
+        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+        const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
+        uint8_t *q = smem;                                /* H bytes */
+        float *qs = (float *)(smem + ((H + 15) & ~15));   /* H/128 */
+        for (int t = blockIdx.x; t < T; t += gridDim.x) {
+            const uint8_t *tok;
+            const float *scl = NULL;
+            if (quant) {
+                /* one warp per 128-channel block */
+                int lane = threadIdx.x & 31;
+                for (int b = threadIdx.x >> 5; b < H / 128; b += blockDim.x >> 5) {
+                    const uint16_t *xb = x + (size_t)t * H + b * 128;
+                    uint16_t v[4];
+                    uint16_t m = 0;
+                    for (int i = 0; i < 4; i++) {
+                        v[i] = xb[lane + 32 * i];
+                        uint16_t a = v[i] & 0x7fff;
+                        m = a > m ? a : m;
+                    }
+                    for (int o = 16; o; o >>= 1) {
+                        uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o);
+                        m = y > m ? y : m;
+                    }
+                    float amax = fr_bf16_to_f32(m);
+                    float inv = fr_fp8_inv_scale(amax);
+                    for (int i = 0; i < 4; i++)
+                        q[b * 128 + lane + 32 * i] = fr_f32_to_e4m3(fr_bf16_to_f32(v[i]) * inv);
+                    if (lane == 0)
+                        qs[b] = fr_fp8_scale(amax);
+                }
+                __syncthreads();
+                tok = q;
+                scl = qs;
+            } else {
+                tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
+                scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
+            }
+            const int64_t *row = idx + (size_t)t * K;
+            for (int d = 0; d < N; d++) {
+                int ri = rec_idx[(size_t)t * N + d];
+                if (ri < 0)
+                    continue;
+                uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                if (threadIdx.x == 0) {
+                    fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
+                    uint16_t n = 0;
+                    for (int k = 0; k < K; k++)
+                        if (row[k] >= 0 && row[k] / El == d)
+                            h->le[n++] = (uint16_t)(row[k] % El);
+                    h->token = (uint32_t)t;
+                    h->pair = (uint32_t)pbase[(size_t)t * N + d];
+                    h->nexp = n;
+                    h->reserved = 0;
+                }
+                fr_copy16(rec + L.rec_hdr, tok, L.tok_bytes);
+                if (L.nscales)
+                    for (int i = threadIdx.x; i < (int)L.nscales; i += blockDim.x)
+                        ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = scl[i];
+            }
+            __syncthreads();
+        }
+    }
+    /* last block: headers, then publish */
+    __shared__ bool last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence_system();
+    unsigned long long epoch = A.epoch[set];
+    bool ok = !fr_cu_failed(A);
+    for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
+        uint8_t *dst = fr_cu_dslice(A, set, d);
+        fr_slice_hdr_t *h = (fr_slice_hdr_t *)dst;
+        h->magic = FR_SLICE_MAGIC;
+        h->sender = (uint32_t)A.rank;
+        h->epoch = epoch;
+        h->count = (uint32_t)A.cnt[set * N + d];
+        h->npairs = (uint32_t)A.npairs[set * N + d];
+        h->comb_off = (uint32_t)A.comb_off[set * N + d];
+        __threadfence_system();
+        fr_cu_publish(A, FR_PH_DISPATCH, set, d, epoch, fr_off_dsend(&L, set, d),
+                      fr_off_drecv(&L, set, A.rank),
+                      fr_off_record(&L, (uint32_t)A.cnt[set * N + d]));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (ok && A.nfabric > 0) {
+            __threadfence_system();
+            fr_cu_ring(A, FR_PH_DISPATCH, set, epoch);
+        }
+        *done = 0;
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* dispatch_recv                                                          */
+
+/* One block per sender: wait, validate the header, and give every (record,
+ * expert) its slot among this sender's rows for that expert (warp ballots,
+ * record order). */
+__global__ void __launch_bounds__(1024)
+fr_cu_recv_count(fr_cu_args_t A, int set)
+{
+    const fr_layout_t &L = A.L;
+    int s = blockIdx.x, El = L.El, kmax = L.kmax;
+    __shared__ int ok;
+    __shared__ unsigned long long epoch;
+    if (threadIdx.x == 0) {
+        ok = 0;
+        epoch = A.epoch[set];
+        if (!fr_cu_failed(A) &&
+            fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
+                            epoch, s, FR_CU_WHAT_DISPATCH)) {
+            const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+            if (h->magic != FR_SLICE_MAGIC || h->sender != (uint32_t)s ||
+                h->epoch != epoch || h->count > (uint32_t)L.T ||
+                (uint64_t)h->comb_off + h->npairs > L.crows)
+                fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, -1);
+            else
+                ok = 1;
+        }
+    }
+    __syncthreads();
+    if (!ok)
+        return;
+    const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
+    const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
+    int count = (int)h->count;
+    int32_t *cse = A.cnt_se + ((size_t)set * A.N + s) * El;
+    int32_t *lslot = A.local_slot + ((size_t)set * A.N + s) * (size_t)L.T * kmax;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    /* validate records (one thread each) */
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
+        bool bad = r->token >= (uint32_t)L.T || r->nexp < 1 || r->nexp > kmax ||
+                   r->pair + r->nexp > h->npairs;
+        for (int j = 0; j < r->nexp && !bad; j++)
+            bad = r->le[j] >= El;
+        if (bad)
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+    }
+    __syncthreads();
+    if (fr_cu_failed(A))
+        return;
+    for (int le = w; le < El; le += nw) {
+        int running = 0;
+        for (int base = 0; base < count; base += 32) {
+            int i = base + lane, j_found = -1;
+            const fr_rec_hdr_t *r = NULL;
+            if (i < count) {
+                r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
+                for (int j = 0; j < r->nexp; j++)
+                    if (r->le[j] == le)
+                        j_found = j;
+            }
+            unsigned int m = __ballot_sync(0xffffffffu, j_found >= 0);
+            if (j_found >= 0)
+                lslot[r->pair + j_found] = running + __popc(m & ((1u << lane) - 1));
+            running += __popc(m);
+        }
+        if (lane == 0)
+            cse[le] = running;
+    }
+}
+
+/* Blocks (s, y): sender s's records y, y + gridDim.y, ...: copy each token
+ * to its rows of expert_x. */
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_recv_place(fr_cu_args_t A, int set, uint8_t *ex, float *exs,
+                 int32_t *counts, int32_t *src_rank, int32_t *src_token)
+{
+    extern __shared__ int32_t sbase[]; /* [El] */
+    const fr_layout_t &L = A.L;
+    int s = blockIdx.x, El = L.El, N = A.N;
+    if (fr_cu_failed(A))
+        return;
+    const int32_t *cse = A.cnt_se + (size_t)set * N * El;
+    for (int le = threadIdx.x; le < El; le += blockDim.x) {
+        int b = 0;
+        for (int s2 = 0; s2 < s; s2++)
+            b += cse[(size_t)s2 * El + le];
+        sbase[le] = b;
+        if (s == N - 1 && blockIdx.y == 0)
+            counts[le] = b + cse[(size_t)s * El + le];
+    }
+    __shared__ int poff;
+    if (threadIdx.x == 0) {
+        int p = 0;
+        for (int s2 = 0; s2 < s; s2++)
+            p += ((const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s2)))->npairs;
+        poff = p;
+        if (blockIdx.y == 0) {
+            const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+            A.pair_off[set * (N + 1) + s] = p;
+            A.scomb_off[set * N + s] = (int32_t)h->comb_off;
+            if (s == N - 1)
+                A.pair_off[set * (N + 1) + N] = p + (int)h->npairs;
+        }
+    }
+    __syncthreads();
+    const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
+    int count = (int)((const fr_slice_hdr_t *)slice)->count;
+    const int32_t *lslot = A.local_slot + ((size_t)set * N + s) * (size_t)L.T * L.kmax;
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
+    for (int i = blockIdx.y; i < count; i += gridDim.y) {
+        const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
+        const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)rec;
+        for (int j = 0; j < r->nexp; j++) {
+            int le = r->le[j];
+            size_t row = (size_t)le * L.cap + sbase[le] + lslot[r->pair + j];
+            fr_copy16(ex + row * L.tok_bytes, rec + L.rec_hdr, L.tok_bytes);
+            for (int c = threadIdx.x; c < (int)L.nscales; c += blockDim.x)
+                exs[row * L.nscales + c] = ((const float *)(rec + L.rec_hdr + L.tok_bytes))[c];
+            if (threadIdx.x == 0) {
+                if (src_rank)
+                    src_rank[row] = s;
+                if (src_token)
+                    src_token[row] = (int32_t)r->token;
+                prow[poff + r->pair + j] = (int32_t)row;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* combine                                                                */
+
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
+{
+    const fr_layout_t &L = A.L;
+    int s = blockIdx.x, N = A.N;
+    unsigned int *done = A.done + FR_PH_COMBINE * FR_NSETS + set;
+    const int32_t *poff = A.pair_off + set * (N + 1);
+    if (!fr_cu_failed(A)) {
+        int p0 = poff[s], np = poff[s + 1] - p0;
+        const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
+        uint8_t *dst = A.path[s] == FR_PATH_FABRIC
+                           ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
+                           : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
+        for (int p = blockIdx.y; p < np; p += gridDim.y)
+            fr_copy16(dst + (size_t)p * L.crow, y + (size_t)rows[p] * L.crow, L.crow);
+    }
+    __shared__ bool last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence_system();
+    unsigned long long epoch = A.epoch[set];
+    bool ok = !fr_cu_failed(A);
+    for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
+        int p0 = poff[d], np = poff[d + 1] - p0;
+        fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch, fr_off_csend(&L, set, (uint64_t)p0),
+                      fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + d]),
+                      (uint64_t)np * L.crow);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (ok && A.nfabric > 0) {
+            __threadfence_system();
+            fr_cu_ring(A, FR_PH_COMBINE, set, epoch);
+        }
+        *done = 0;
+    }
+}
+
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, H = L.H;
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        ok = !fr_cu_failed(A);
+        unsigned long long epoch = A.epoch[set];
+        for (int s = 0; s < N && ok; s++)
+            ok = fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_COMBINE, set, s)),
+                                 epoch, s, FR_CU_WHAT_COMBINE);
+    }
+    __syncthreads();
+    if (!ok)
+        return;
+    int T = A.ntok[set];
+    const int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        for (int h0 = threadIdx.x * 8; h0 < H; h0 += blockDim.x * 8) {
+            float acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.f;
+            for (int k = 0; k < K; k++) {
+                int pos = cpos[(size_t)t * K + k];
+                if (pos < 0)
+                    continue;
+                float wk = w[(size_t)t * K + k];
+                int4 v = *(const int4 *)(A.seg + fr_off_crecv(&L, set, (uint64_t)pos) + (size_t)h0 * 2);
+                const uint16_t *yv = (const uint16_t *)&v;
+                for (int i = 0; i < 8; i++)
+                    acc[i] += wk * fr_bf16_to_f32(yv[i]);
+            }
+            int4 o;
+            uint16_t *ov = (uint16_t *)&o;
+            for (int i = 0; i < 8; i++)
+                ov[i] = fr_f32_to_bf16(acc[i]);
+            *(int4 *)(out + (size_t)t * H + h0) = o;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* host side                                                              */
+
+#define FR_CU(call, err, label)                                                \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "%s: %s", #call,                \
+                        cudaGetErrorString(e_));                               \
+            goto label;                                                        \
+        }                                                                      \
+    } while (0)
+
+extern "C" int ferry_cuda_available(char *why, size_t len)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        if (why && len)
+            snprintf(why, len, "no CUDA device: %s",
+                     e != cudaSuccess ? cudaGetErrorString(e) : "count is 0");
+        return 0;
+    }
+    return 1;
+}
+
+typedef struct fr_ipc_msg {
+    cudaIpcMemHandle_t h;
+    int device;
+} fr_ipc_msg_t;
+
+extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N;
+    fr_ipc_msg_t mine, *all = NULL;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
+    ep->cuda = c;
+    FR_CU(cudaGetDevice(&c->device), err, fail);
+    c->host_seg = ep->nfabric > 0;
+    if (ep->nfabric > 0 && ep->nshm > 0) {
+        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                    "CUDA ranks with peers on both the IPC and fabric paths "
+                    "are not supported yet");
+        /* still join the collective exchange below */
+    }
+    /* segment */
+    if (c->host_seg) {
+        FR_CU(cudaHostAlloc((void **)&ep->seg, L->seg_bytes, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+        memset(ep->seg, 0, L->seg_bytes);
+        FR_CU(cudaHostAlloc((void **)&ep->send, L->send_bytes, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+        memset(ep->send, 0, L->send_bytes);
+        FR_CU(cudaHostAlloc((void **)&ep->ring_mem, sizeof(fr_proxy_ring_t), cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+        memset(ep->ring_mem, 0, sizeof(fr_proxy_ring_t));
+        ep->proxy.ring = ep->ring_mem;
+        FR_CU(cudaHostAlloc((void **)&ep->slices, sizeof(fr_slice_t) * 2 * FR_NSETS * (size_t)ep->nfabric,
+                            cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+    } else {
+        FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
+        FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
+    }
+    memset(&mine, 0, sizeof(mine));
+    mine.device = c->device;
+    if (!c->host_seg)
+        FR_CU(cudaIpcGetMemHandle(&mine.h, ep->seg), err, fail);
+    all = (fr_ipc_msg_t *)calloc((size_t)N, sizeof(*all));
+    if (!all) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
+        goto fail;
+    }
+    {
+        int brc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+        if (brc != FERRY_OK) {
+            rc = brc;
+            goto fail;
+        }
+    }
+    if (rc != FERRY_OK)
+        goto fail;
+    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    for (int i = 0; i < N; i++) {
+        if (ep->path[i] == FR_PATH_SELF) {
+            c->peer_host[i] = c->host_seg ? NULL : ep->seg;
+        } else if (ep->path[i] == FR_PATH_SHM) {
+            void *p = NULL;
+            FR_CU(cudaIpcOpenMemHandle(&p, all[i].h, cudaIpcMemLazyEnablePeerAccess), err, fail);
+            c->peer_host[i] = (uint8_t *)p;
+        }
+    }
+    {
+        /* device tables in one allocation */
+        size_t T = (size_t)L->T, K = (size_t)L->K, El = (size_t)L->El;
+        size_t sz[] = {sizeof(uint8_t *) * N, sizeof(int) * N, sizeof(int) * N,
+                       sizeof(unsigned long long) * 2, sizeof(int32_t) * 2,
+                       sizeof(int32_t) * 2 * T * N, sizeof(int32_t) * 2 * T * N,
+                       sizeof(int32_t) * 2 * T * K, sizeof(int32_t) * 2 * N * 3,
+                       sizeof(int32_t) * 2 * N * El,
+                       sizeof(int32_t) * 2 * N * T * (size_t)L->kmax,
+                       sizeof(int32_t) * 2 * L->send_crows,
+                       sizeof(int32_t) * 2 * (N + 1), sizeof(int32_t) * 2 * N,
+                       sizeof(unsigned int) * 4};
+        size_t off[16], tot = 0;
+        int n = (int)(sizeof(sz) / sizeof(sz[0]));
+        for (int i = 0; i < n; i++) {
+            off[i] = tot;
+            tot += (sz[i] + 255) & ~(size_t)255;
+        }
+        FR_CU(cudaMalloc(&c->dmem, tot), err, fail);
+        FR_CU(cudaMemset(c->dmem, 0, tot), err, fail);
+        uint8_t *b = (uint8_t *)c->dmem;
+        fr_cu_args_t *A = &c->a;
+        A->L = *L;
+        A->rank = ep->rank;
+        A->N = N;
+        A->peer = (uint8_t **)(b + off[0]);
+        A->path = (const int *)(b + off[1]);
+        A->gidx = (const int *)(b + off[2]);
+        A->epoch = (unsigned long long *)(b + off[3]);
+        A->ntok = (int32_t *)(b + off[4]);
+        A->rec_idx = (int32_t *)(b + off[5]);
+        A->pair_base = (int32_t *)(b + off[6]);
+        A->comb_pos = (int32_t *)(b + off[7]);
+        A->cnt = (int32_t *)(b + off[8]);
+        A->npairs = A->cnt + 2 * N;
+        A->comb_off = A->cnt + 4 * N;
+        A->cnt_se = (int32_t *)(b + off[9]);
+        A->local_slot = (int32_t *)(b + off[10]);
+        A->pair_row = (int32_t *)(b + off[11]);
+        A->pair_off = (int32_t *)(b + off[12]);
+        A->scomb_off = (int32_t *)(b + off[13]);
+        A->done = (unsigned int *)(b + off[14]);
+        unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
+        FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
+        FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
+        FR_CU(cudaMemcpy((void *)A->gidx, ep->group_index, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
+        if (c->host_seg) {
+            void *d;
+            FR_CU(cudaHostGetDevicePointer(&d, ep->seg, 0), err, fail);
+            A->seg = (uint8_t *)d;
+            FR_CU(cudaHostGetDevicePointer(&d, ep->send, 0), err, fail);
+            A->send = (uint8_t *)d;
+            FR_CU(cudaHostGetDevicePointer(&d, ep->ring_mem, 0), err, fail);
+            A->ring = (fr_proxy_ring_t *)d;
+            FR_CU(cudaHostGetDevicePointer(&d, ep->slices, 0), err, fail);
+            A->slices = (fr_slice_t *)d;
+            /* self goes through the fabric too when every peer does */
+        } else {
+            A->seg = ep->seg;
+        }
+        A->nfabric = ep->nfabric;
+        uint8_t **peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+        for (int i = 0; i < N; i++)
+            peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];
+        cudaError_t e1 = cudaMemcpy(A->peer, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice);
+        free(peer);
+        FR_CU(e1, err, fail);
+
+        FR_CU(cudaHostAlloc((void **)&c->err_host, sizeof(int) * 4, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+        memset(c->err_host, 0, sizeof(int) * 4);
+        FR_CU(cudaHostGetDevicePointer(&c->err_dev, c->err_host, 0), err, fail);
+        A->err = (volatile int *)c->err_dev;
+        A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
+        int nsm = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : 16;
+        c->nblocks = nsm;
+    }
+    free(all);
+    return FERRY_OK;
+fail:
+    free(all);
+    return rc;
+}
+
+extern "C" void fr_cuda_free(ferry_ep_t ep)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    if (!c)
+        return;
+    cudaDeviceSynchronize();
+    if (c->peer_host)
+        for (int i = 0; i < ep->N; i++)
+            if (ep->path && ep->path[i] == FR_PATH_SHM && c->peer_host[i])
+                cudaIpcCloseMemHandle(c->peer_host[i]);
+    free(c->peer_host);
+    if (c->host_seg) {
+        cudaFreeHost(ep->seg);
+        cudaFreeHost(ep->send);
+        cudaFreeHost(ep->ring_mem);
+        cudaFreeHost(ep->slices);
+    } else if (ep->seg) {
+        cudaFree(ep->seg);
+    }
+    ep->seg = NULL;
+    ep->send = NULL;
+    ep->ring_mem = NULL;
+    ep->slices = NULL;
+    if (c->dmem)
+        cudaFree(c->dmem);
+    if (c->err_host)
+        cudaFreeHost(c->err_host);
+    free(c);
+    ep->cuda = NULL;
+}
+
+extern "C" int fr_cuda_check(ferry_ep_t ep)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    volatile int *e = (volatile int *)c->err_host;
+    int st = e[0];
+    if (st == 0)
+        return FERRY_OK;
+    int rank = e[1], what = e[2], detail = e[3];
+    switch (what) {
+    case FR_CU_WHAT_INPUT:
+        return fr_ep_fail(ep, st, "GPU found a bad argument on rank %d: %s %d",
+                          rank, detail >= 0 && st == FERRY_ERR_INVALID ? "topk_idx entry (flat index) or num_tokens" : "value",
+                          detail);
+    case FR_CU_WHAT_RECORD:
+        return fr_ep_fail(ep, st, "GPU: malformed dispatch slice from rank %d (record %d)",
+                          rank, detail);
+    default:
+        if (st == FERRY_ERR_TIMEOUT)
+            return fr_ep_fail(ep, st, "%s: no data from rank %d after %ld ms (FERRY_TIMEOUT_MS)",
+                              what == FR_CU_WHAT_COMBINE ? "combine" : "dispatch", rank,
+                              ep->timeout_ms);
+        return fr_ep_fail(ep, st, "GPU reported %s for rank %d (%d)", ferry_strerror(st),
+                          rank, detail);
+    }
+}
+
+static int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
+{
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "launching %s: %s", what, cudaGetErrorString(e));
+    return fr_cuda_check(ep);
+}
+
+extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
+{
+    cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream)
+                           : cudaDeviceSynchronize();
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s", cudaGetErrorString(e));
+    return fr_cuda_check(ep);
+}
+
+extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                                     const ferry_dispatch_in_t *in)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    fr_cu_route<<<1, FR_CU_ROUTE_THREADS, 0, st>>>(c->a, set, in->topk_idx, in->num_tokens,
+                                                     in->num_tokens_dev);
+    size_t smem = ((size_t)ep->L.H + 15) / 16 * 16 + sizeof(float) * (ep->L.H / 128 + 4);
+    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
+    if (smem > 48 * 1024)
+        cudaFuncSetAttribute(fr_cu_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    fr_cu_pack<<<blocks, FR_CU_THREADS, smem, st>>>(c->a, set, (const uint16_t *)in->x,
+                                                     in->x_scales, in->topk_idx);
+    return fr_cuda_launch_check(ep, "dispatch_send");
+}
+
+extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                                     const ferry_dispatch_out_t *out)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    cudaStream_t st = (cudaStream_t)out->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    fr_cu_recv_count<<<ep->N, 1024, 0, st>>>(c->a, set);
+    int gy = (c->nblocks + ep->N - 1) / ep->N;
+    gy = gy < 1 ? 1 : gy;
+    dim3 grid((unsigned)ep->N, (unsigned)gy);
+    fr_cu_recv_place<<<grid, FR_CU_THREADS, sizeof(int32_t) * ep->L.El, st>>>(
+        c->a, set, (uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
+        out->expert_src_rank, out->expert_src_token);
+    return fr_cuda_launch_check(ep, "dispatch_recv");
+}
+
+extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
+                                    const ferry_combine_in_t *in)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    int gy = (c->nblocks + ep->N - 1) / ep->N;
+    gy = gy < 1 ? 1 : gy;
+    dim3 grid((unsigned)ep->N, (unsigned)gy);
+    fr_cu_combine_send<<<grid, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y);
+    return fr_cuda_launch_check(ep, "combine_send");
+}
+
+extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                                    const ferry_combine_out_t *out)
+{
+    struct fr_cuda_ep *c = ep->cuda;
+    cudaStream_t st = (cudaStream_t)out->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
+    fr_cu_combine_recv<<<blocks, FR_CU_THREADS, 0, st>>>(c->a, set, out->topk_weights,
+                                                          (uint16_t *)out->out);
+    return fr_cuda_launch_check(ep, "combine_recv");
+}
