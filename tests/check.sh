@@ -5,7 +5,7 @@
 set -u
 cd "$(dirname "$0")/.."
 J=${JOBS:-2}
-total_pass=0; total_fail=0
+total_pass=0; total_fail=0; total_skip=0
 for variant in "build:" "build-san:SAN=1"; do
   B=${variant%%:*}; FLAGS=${variant#*:}
   echo "== building $B ${FLAGS:-(release)}"
@@ -22,9 +22,11 @@ for variant in "build:" "build-san:SAN=1"; do
   fi
   echo "== running tests against $B"
   out=$(tests/run.sh "$B" 2>&1 | tee /dev/stderr | tail -n 1)
-  p=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
-  f=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
-  total_pass=$((total_pass+${p:-0})); total_fail=$((total_fail+${f:-1}))
+  p=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed.*$/\1/p')
+  f=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed.*$/\2/p')
+  k=$(echo "$out" | sed -n 's/^.* failed, \([0-9]*\) skipped$/\1/p')
+  total_pass=$((total_pass+${p:-0})); total_fail=$((total_fail+${f:-1})); total_skip=$((total_skip+${k:-0}))
 done
+[ $total_skip -gt 0 ] && echo "($total_skip cases skipped: they need a GPU; each SKIP line above says why)"
 echo "$total_pass passed, $total_fail failed"
 [ "$total_fail" -eq 0 ] && [ "$total_pass" -gt 0 ]

@@ -18,6 +18,9 @@
 #ifdef FERRY_HAVE_MPI
 #include <mpi.h>
 #endif
+#ifdef FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "bootstrap/bootstrap.h"
 #include "core/quant.h"
@@ -168,6 +171,7 @@ static int in_launcher(void)
            (getenv("RANK") && getenv("WORLD_SIZE"));
 }
 
+#ifdef FERRY_HAVE_MPI
 static int have_mpirun(void)
 {
     const char *path = getenv("PATH");
@@ -184,6 +188,7 @@ static int have_mpirun(void)
     }
     return 0;
 }
+#endif
 
 /* ---------------------------------------------------------------------- */
 /* the MPI baseline: counts, then one copy per (token, expert), and back   */
@@ -373,6 +378,126 @@ static int bench_barrier(ferry_comm_t comm, int have_base)
     return ferry_comm_barrier(comm);
 }
 
+/* --device cuda: inputs are copied to the GPU before a round and outputs
+ * back after it, outside the timed calls. */
+
+typedef struct dev {
+    int on;
+    void *stream;
+    void *x, *idx, *w, *out, *ex, *exs, *cnt, *sr, *st, *ey;
+} dev_t_;
+
+#ifdef FERRY_HAVE_CUDA
+#define DEVCHK(call)                                                           \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            fprintf(stderr, "ferry-bench: %s: %s\n", #call,                    \
+                    cudaGetErrorString(e_));                                   \
+            return -1;                                                         \
+        }                                                                      \
+    } while (0)
+
+static int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
+{
+    size_t T = (size_t)(s->T > 0 ? s->T : 1), El = (size_t)lay->num_local_experts;
+    size_t cap = (size_t)lay->expert_capacity;
+    DEVCHK(cudaStreamCreateWithFlags((cudaStream_t *)&d->stream, cudaStreamNonBlocking));
+    DEVCHK(cudaMalloc(&d->x, T * s->H * 2));
+    DEVCHK(cudaMalloc(&d->idx, T * s->K * 8));
+    DEVCHK(cudaMalloc(&d->w, T * s->K * 4));
+    DEVCHK(cudaMalloc(&d->out, T * s->H * 2));
+    DEVCHK(cudaMalloc(&d->ex, lay->expert_x_bytes + 16));
+    DEVCHK(cudaMalloc(&d->exs, lay->expert_scales_bytes + 16));
+    DEVCHK(cudaMalloc(&d->cnt, El * 4));
+    DEVCHK(cudaMalloc(&d->sr, El * cap * 4));
+    DEVCHK(cudaMalloc(&d->st, El * cap * 4));
+    DEVCHK(cudaMalloc(&d->ey, lay->expert_y_bytes + 16));
+    d->on = 1;
+    return 0;
+}
+
+static int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in)
+{
+    cudaStream_t st = (cudaStream_t)d->stream;
+    DEVCHK(cudaMemcpyAsync(d->x, in->x, (size_t)in->T * s->H * 2, cudaMemcpyHostToDevice, st));
+    DEVCHK(cudaMemcpyAsync(d->idx, in->idx, (size_t)in->T * s->K * 8, cudaMemcpyHostToDevice, st));
+    DEVCHK(cudaMemcpyAsync(d->w, in->w, (size_t)in->T * s->K * 4, cudaMemcpyHostToDevice, st));
+    DEVCHK(cudaStreamSynchronize(st));
+    return 0;
+}
+
+/* expert rows back to the host: only the rows each expert filled */
+static int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,
+                            float *exs, int32_t *cnt, int32_t *sr, int32_t *st_)
+{
+    cudaStream_t st = (cudaStream_t)d->stream;
+    size_t El = (size_t)lay->num_local_experts, cap = (size_t)lay->expert_capacity;
+    size_t tb = lay->token_bytes, ns = (size_t)lay->num_scales;
+    DEVCHK(cudaMemcpy(cnt, d->cnt, El * 4, cudaMemcpyDeviceToHost));
+    for (size_t le = 0; le < El; le++) {
+        size_t n = (size_t)cnt[le], o = le * cap;
+        if (!n || n > cap)
+            continue;
+        DEVCHK(cudaMemcpyAsync(ex + o * tb, (uint8_t *)d->ex + o * tb, n * tb, cudaMemcpyDeviceToHost, st));
+        if (ns)
+            DEVCHK(cudaMemcpyAsync(exs + o * ns, (float *)d->exs + o * ns, n * ns * 4, cudaMemcpyDeviceToHost, st));
+        DEVCHK(cudaMemcpyAsync(sr + o, (int32_t *)d->sr + o, n * 4, cudaMemcpyDeviceToHost, st));
+        DEVCHK(cudaMemcpyAsync(st_ + o, (int32_t *)d->st + o, n * 4, cudaMemcpyDeviceToHost, st));
+    }
+    DEVCHK(cudaStreamSynchronize(st));
+    return 0;
+}
+
+static int dev_expert_y(dev_t_ *d, const ferry_ep_layout_t *lay, const int32_t *cnt,
+                        const uint16_t *ey, int H)
+{
+    cudaStream_t st = (cudaStream_t)d->stream;
+    size_t El = (size_t)lay->num_local_experts, cap = (size_t)lay->expert_capacity;
+    size_t rb = 2 * (size_t)H;
+    for (size_t le = 0; le < El; le++)
+        if (cnt[le] > 0 && (size_t)cnt[le] <= cap)
+            DEVCHK(cudaMemcpyAsync((uint8_t *)d->ey + le * cap * rb, ey + le * cap * H,
+                                   (size_t)cnt[le] * rb, cudaMemcpyHostToDevice, st));
+    DEVCHK(cudaStreamSynchronize(st));
+    return 0;
+}
+
+static int dev_out(dev_t_ *d, uint16_t *out, int T, int H)
+{
+    DEVCHK(cudaMemcpy(out, d->out, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+static void dev_free(dev_t_ *d)
+{
+    if (!d->on)
+        return;
+    void *p[] = {d->x, d->idx, d->w, d->out, d->ex, d->exs, d->cnt, d->sr, d->st, d->ey};
+    for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
+        cudaFree(p[i]);
+    cudaStreamDestroy((cudaStream_t)d->stream);
+}
+#else
+static int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
+{
+    (void)d; (void)s; (void)lay;
+    fprintf(stderr, "ferry-bench: built without CUDA\n");
+    return -1;
+}
+static int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in)
+{ (void)d; (void)s; (void)in; return -1; }
+static int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex, float *exs,
+                            int32_t *cnt, int32_t *sr, int32_t *st_)
+{ (void)d; (void)lay; (void)ex; (void)exs; (void)cnt; (void)sr; (void)st_; return -1; }
+static int dev_expert_y(dev_t_ *d, const ferry_ep_layout_t *lay, const int32_t *cnt,
+                        const uint16_t *ey, int H)
+{ (void)d; (void)lay; (void)cnt; (void)ey; (void)H; return -1; }
+static int dev_out(dev_t_ *d, uint16_t *out, int T, int H)
+{ (void)d; (void)out; (void)T; (void)H; return -1; }
+static void dev_free(dev_t_ *d) { (void)d; }
+#endif
+
 static int launch(int argc, char **argv, const opts_t *o)
 {
     int use_mpi = 0;
@@ -515,6 +640,12 @@ int main(int argc, char **argv)
     memset(ey, 1, lay.expert_y_bytes);
     memset(sr, 1, (El * cap + 1) * sizeof(int32_t));
     memset(st, 1, (El * cap + 1) * sizeof(int32_t));
+    dev_t_ dv;
+    memset(&dv, 0, sizeof(dv));
+    if (cfg.device == FERRY_DEVICE_CUDA && dev_init(&dv, &s, &lay) != 0) {
+        fprintf(stderr, "ferry-bench: rank %d: GPU buffers\n", me);
+        return 1;
+    }
     int total = o.warmup + o.iters;
     /* per iteration: ferry dispatch, combine, base dispatch, combine, bytes */
     double *tm = calloc((size_t)o.iters * 5, sizeof(double));
@@ -541,6 +672,23 @@ int main(int argc, char **argv)
         ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = ey};
         ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = in.w,
                                     .out = out};
+        if (dv.on) {
+            if (dev_inputs(&dv, &s, &in) != 0) {
+                fail = "copy to GPU";
+                break;
+            }
+            din.x = dv.x;
+            din.topk_idx = dv.idx;
+            din.stream = dout.stream = cin.stream = cout.stream = dv.stream;
+            dout.expert_x = dv.ex;
+            dout.expert_x_scales = dv.exs;
+            dout.expert_num_tokens = dv.cnt;
+            dout.expert_src_rank = dv.sr;
+            dout.expert_src_token = dv.st;
+            cin.expert_y = dv.ey;
+            cout.topk_weights = dv.w;
+            cout.out = dv.out;
+        }
         uint64_t round = 0;
         if (bench_barrier(comm, have_base) != FERRY_OK) {
             fail = "barrier";
@@ -550,15 +698,25 @@ int main(int argc, char **argv)
         rc = ferry_dispatch_send(ep, &din, &round);
         if (rc == FERRY_OK)
             rc = ferry_dispatch_recv(ep, round, &dout);
+        if (rc == FERRY_OK)
+            rc = ferry_ep_sync(ep, dv.stream); /* GPU: wait, then check */
         double t1 = now_us();
         if (rc != FERRY_OK) {
             fail = "dispatch";
+            break;
+        }
+        if (dv.on && dev_dispatch_out(&dv, &lay, ex, exs, cnt, sr, st) != 0) {
+            fail = "copy from GPU";
             break;
         }
         if (o.check)
             wrong += fw_check_dispatch(&s, round_id, me, ex, exs, cnt, sr, st,
                                        cap, 3);
         fw_run_experts(&s, me, ex, exs, cnt, cap, ey);
+        if (dv.on && dev_expert_y(&dv, &lay, cnt, ey, o.hidden) != 0) {
+            fail = "copy to GPU";
+            break;
+        }
         if (bench_barrier(comm, have_base) != FERRY_OK) {
             fail = "barrier";
             break;
@@ -567,9 +725,15 @@ int main(int argc, char **argv)
         rc = ferry_combine_send(ep, round, &cin);
         if (rc == FERRY_OK)
             rc = ferry_combine_recv(ep, round, &cout);
+        if (rc == FERRY_OK)
+            rc = ferry_ep_sync(ep, dv.stream);
         double t3 = now_us();
         if (rc != FERRY_OK) {
             fail = "combine";
+            break;
+        }
+        if (dv.on && dev_out(&dv, out, in.T, o.hidden) != 0) {
+            fail = "copy from GPU";
             break;
         }
         if (o.check)
@@ -731,6 +895,7 @@ int main(int argc, char **argv)
     }
     if (wrong > 0)
         status = 1;
+    dev_free(&dv);
     rc = ferry_ep_destroy(ep);
     if (rc != FERRY_OK) {
         fprintf(stderr, "ferry-bench: rank %d: ep_destroy: %s\n", me, ferry_strerror(rc));

@@ -8,9 +8,15 @@
 
 int main(int argc, char **argv)
 {
-    (void)argv;
+    if (argc > 1 && strcmp(argv[1], "--cuda") == 0) {
+        /* exit 0 when CUDA ranks can run here, else say why and exit 1 */
+        char why[256] = "";
+        int ok = ferry_cuda_available(why, sizeof(why));
+        printf("%s\n", ok ? "cuda: available" : why);
+        return ok ? 0 : 1;
+    }
     if (argc > 1) {
-        printf("usage: ferry-info\n");
+        printf("usage: ferry-info [--cuda]\n");
         return 0;
     }
     printf("ferry %s\n", ferry_version_string());
