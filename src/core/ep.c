@@ -281,7 +281,7 @@ static int fr_check_config(ferry_comm_t comm, const ferry_ep_config_t *c,
         if (!ferry_cuda_available(why, sizeof(why)))
             return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: %s", why);
     }
-    if (c->device != FERRY_DEVICE_CPU)
+    if (c->device != FERRY_DEVICE_CPU && c->device != FERRY_DEVICE_CUDA)
         return FR_ERR(err, FERRY_ERR_INVALID, "device = %d: unknown",
                       (int)c->device);
     uint64_t cap = (uint64_t)N * (uint64_t)c->max_tokens;
