@@ -37,7 +37,7 @@
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
-       FR_CU_WHAT_RECORD = 4 };
+       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5 };
 
 typedef struct fr_cu_args {
     fr_layout_t L;
@@ -233,7 +233,7 @@ fr_cu_route(fr_cu_args_t A, int set, const int64_t *idx, int T_host,
         int T = T_dev ? *T_dev : T_host;
         s_bad = 0;
         if (T < 0 || T > L.T) {
-            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, T);
+            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_NTOK, T);
             s_bad = 1;
         }
         s_T = T;
@@ -865,9 +865,14 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
     int rank = e[1], what = e[2], detail = e[3];
     switch (what) {
     case FR_CU_WHAT_INPUT:
-        return fr_ep_fail(ep, st, "GPU found a bad argument on rank %d: %s %d",
-                          rank, detail >= 0 && st == FERRY_ERR_INVALID ? "topk_idx entry (flat index) or num_tokens" : "value",
-                          detail);
+        return fr_ep_fail(ep, st,
+                          "topk_idx[%d][%d] (checked on the GPU of rank %d): must "
+                          "be -1 or 0..%d and not repeat an expert of the token",
+                          detail / ep->L.K, detail % ep->L.K, rank, ep->L.E - 1);
+    case FR_CU_WHAT_NTOK:
+        return fr_ep_fail(ep, st,
+                          "num_tokens_dev = %d (read on the GPU of rank %d): must "
+                          "be 0..max_tokens (%d)", detail, rank, ep->L.T);
     case FR_CU_WHAT_RECORD:
         return fr_ep_fail(ep, st, "GPU: malformed dispatch slice from rank %d (record %d)",
                           rank, detail);

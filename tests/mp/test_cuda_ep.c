@@ -1,0 +1,302 @@
+/*
+ * CUDA-rank tests (self-launching; exit 77 = skipped, with the reason).
+ *   test_cuda_ep -n N graph     dispatch and combine captured once as CUDA
+ *                               graphs and replayed with new inputs and a
+ *                               token count read from device memory
+ *   test_cuda_ep -n 2 timeout   rank 1 never sends: rank 0 gets
+ *                               FERRY_ERR_TIMEOUT naming rank 1 within
+ *                               FERRY_TIMEOUT_MS + 1 s, and its CUDA context
+ *                               still works afterwards
+ *   test_cuda_ep -n 1 badidx    an expert index out of range found on the
+ *                               GPU comes back as FERRY_ERR_INVALID
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bootstrap/bootstrap.h"
+#include "ferry.h"
+#include "harness.h"
+#include "workload.h"
+
+#ifndef FERRY_HAVE_CUDA
+int main(void)
+{
+    printf("skipped: this build has no CUDA (nvcc was not found)\n");
+    return 77;
+}
+#else
+#include <cuda_runtime_api.h>
+
+#define CU(call)                                                               \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,      \
+                    cudaGetErrorString(e_));                                   \
+            exit(1);                                                           \
+        }                                                                      \
+    } while (0)
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+typedef struct bufs {
+    void *x, *idx, *w, *out, *ex, *exs, *cnt, *sr, *st, *ey, *ntok;
+    uint8_t *hex;
+    float *hexs;
+    int32_t *hcnt, *hsr, *hst;
+    uint16_t *hey, *hout;
+} bufs_t;
+
+static void bufs_init(bufs_t *b, const fw_spec_t *s, const ferry_ep_layout_t *lay)
+{
+    size_t T = (size_t)s->T, El = (size_t)lay->num_local_experts, cap = (size_t)lay->expert_capacity;
+    CU(cudaMalloc(&b->x, T * s->H * 2));
+    CU(cudaMalloc(&b->idx, T * s->K * 8));
+    CU(cudaMalloc(&b->w, T * s->K * 4));
+    CU(cudaMalloc(&b->out, T * s->H * 2));
+    CU(cudaMalloc(&b->ex, lay->expert_x_bytes + 16));
+    CU(cudaMalloc(&b->exs, lay->expert_scales_bytes + 16));
+    CU(cudaMalloc(&b->cnt, El * 4));
+    CU(cudaMalloc(&b->sr, El * cap * 4));
+    CU(cudaMalloc(&b->st, El * cap * 4));
+    CU(cudaMalloc(&b->ey, lay->expert_y_bytes + 16));
+    CU(cudaMalloc(&b->ntok, 4));
+    b->hex = malloc(lay->expert_x_bytes + 16);
+    b->hexs = malloc(lay->expert_scales_bytes + 16);
+    b->hcnt = malloc(El * 4);
+    b->hsr = malloc(El * cap * 4);
+    b->hst = malloc(El * cap * 4);
+    b->hey = calloc(lay->expert_y_bytes / 2 + 8, 2);
+    b->hout = malloc(T * s->H * 2 + 16);
+}
+
+static int run_graph(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    int E = 4 * N, K = 4, H = 256, T = 24;
+    fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = 1, .zipf_s = 1.2,
+                   .mask_p = 0.1, .vary_tokens = 1, .empty_p = 0.2, .seed = 21};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = E;
+    cfg.topk = K;
+    cfg.hidden = H;
+    cfg.max_tokens = T;
+    cfg.dispatch_dtype = FERRY_DTYPE_FP8_E4M3;
+    cfg.device = FERRY_DEVICE_CUDA;
+    cfg.num_sms = 4;
+    ferry_ep_t ep;
+    rc = ferry_ep_create(comm, &cfg, &ep);
+    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
+    if (rc)
+        return 1;
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    bufs_t b;
+    bufs_init(&b, &s, &lay);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = 0, .x = b.x,
+                               .topk_idx = b.idx, .stream = st, .num_tokens_dev = b.ntok};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                 .expert_x_scales = b.exs, .expert_num_tokens = b.cnt,
+                                 .expert_src_rank = b.sr, .expert_src_token = b.st,
+                                 .stream = st};
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey, .stream = st};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = b.w, .out = b.out,
+                                .stream = st};
+    /* capture */
+    cudaGraph_t g1, g2;
+    cudaGraphExec_t x1, x2;
+    uint64_t round = 0;
+    CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    rc = ferry_dispatch_send(ep, &din, &round);
+    CHECK(rc == FERRY_OK, "capture dispatch_send: %s", ferry_ep_last_error(ep));
+    rc = ferry_dispatch_recv(ep, round, &dout);
+    CHECK(rc == FERRY_OK, "capture dispatch_recv: %s", ferry_ep_last_error(ep));
+    CU(cudaStreamEndCapture(st, &g1));
+    CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    rc = ferry_combine_send(ep, round, &cin);
+    CHECK(rc == FERRY_OK, "capture combine_send: %s", ferry_ep_last_error(ep));
+    rc = ferry_combine_recv(ep, round, &cout);
+    CHECK(rc == FERRY_OK, "capture combine_recv: %s", ferry_ep_last_error(ep));
+    CU(cudaStreamEndCapture(st, &g2));
+    CU(cudaGraphInstantiate(&x1, g1, 0));
+    CU(cudaGraphInstantiate(&x2, g2, 0));
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    long wrong = 0;
+    int replays = 50;
+    for (int it = 1; it <= replays; it++) {
+        fw_generate(&s, (uint64_t)it, me, &in);
+        int32_t nt = in.T;
+        CU(cudaMemcpy(b.x, in.x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(b.ntok, &nt, 4, cudaMemcpyHostToDevice));
+        CU(cudaGraphLaunch(x1, st));
+        rc = ferry_ep_sync(ep, st);
+        CHECK(rc == FERRY_OK, "replay %d dispatch: %s", it, ferry_ep_last_error(ep));
+        if (rc)
+            break;
+        CU(cudaMemcpy(b.hcnt, b.cnt, El * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hex, b.ex, lay.expert_x_bytes, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hexs, b.exs, lay.expert_scales_bytes, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hsr, b.sr, El * cap * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hst, b.st, El * cap * 4, cudaMemcpyDeviceToHost));
+        wrong += fw_check_dispatch(&s, (uint64_t)it, me, b.hex, b.hexs, b.hcnt, b.hsr,
+                                   b.hst, cap, 3);
+        fw_run_experts(&s, me, b.hex, b.hexs, b.hcnt, cap, b.hey);
+        CU(cudaMemcpy(b.ey, b.hey, lay.expert_y_bytes, cudaMemcpyHostToDevice));
+        ferry_comm_barrier(comm); /* peers' inputs are in place */
+        CU(cudaGraphLaunch(x2, st));
+        rc = ferry_ep_sync(ep, st);
+        CHECK(rc == FERRY_OK, "replay %d combine: %s", it, ferry_ep_last_error(ep));
+        if (rc)
+            break;
+        CU(cudaMemcpy(b.hout, b.out, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+        wrong += fw_check_combine(&s, (uint64_t)it, me, &in, b.hout, 3);
+    }
+    CHECK(wrong == 0, "%ld wrong after graph replays", wrong);
+    printf("rank %d: %d graph replays, %ld wrong\n", me, replays, wrong);
+    CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
+    return fr_test_result();
+}
+
+static int run_timeout(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    fw_spec_t s = {.N = N, .E = 2 * N, .K = 2, .H = 128, .T = 8, .seed = 3};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s.E;
+    cfg.topk = s.K;
+    cfg.hidden = s.H;
+    cfg.max_tokens = s.T;
+    cfg.device = FERRY_DEVICE_CUDA;
+    ferry_ep_t ep;
+    rc = ferry_ep_create(comm, &cfg, &ep);
+    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
+    if (rc)
+        return 1;
+    long timeout = strtol(getenv("FERRY_TIMEOUT_MS") ? getenv("FERRY_TIMEOUT_MS") : "30000", NULL, 10);
+    if (me == 1) {
+        /* stay alive but silent until rank 0 is done */
+        ferry_comm_barrier(comm);
+        ferry_ep_destroy(ep);
+        return 0;
+    }
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    bufs_t b;
+    bufs_init(&b, &s, &lay);
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    fw_generate(&s, 1, me, &in);
+    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x, .topk_idx = b.idx};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex, .expert_num_tokens = b.cnt};
+    uint64_t round;
+    double t0 = now_ms();
+    rc = ferry_dispatch_send(ep, &din, &round);
+    CHECK(rc == FERRY_OK, "send: %s", ferry_ep_last_error(ep));
+    rc = ferry_dispatch_recv(ep, round, &dout);
+    if (rc == FERRY_OK)
+        rc = ferry_ep_sync(ep, NULL);
+    double dt = now_ms() - t0;
+    printf("rank 0: %s after %.0f ms: %s\n", ferry_strerror(rc), dt, ferry_ep_last_error(ep));
+    CHECK(rc == FERRY_ERR_TIMEOUT, "status %d, want FERRY_ERR_TIMEOUT", rc);
+    CHECK(strstr(ferry_ep_last_error(ep), "rank 1") != NULL, "message names rank 1");
+    CHECK(dt <= timeout + 1000.0, "%.0f ms > timeout + 1 s", dt);
+    /* the CUDA context survived: a plain copy still works */
+    int v = 7, back = 0;
+    CHECK(cudaMemcpy(b.ntok, &v, 4, cudaMemcpyHostToDevice) == cudaSuccess, "context dead");
+    CHECK(cudaMemcpy(&back, b.ntok, 4, cudaMemcpyDeviceToHost) == cudaSuccess && back == 7,
+          "context dead");
+    ferry_comm_barrier(comm);
+    ferry_ep_destroy(ep);
+    return fr_test_result();
+}
+
+static int run_badidx(ferry_comm_t comm)
+{
+    int rc;
+    fw_spec_t s = {.N = 1, .E = 8, .K = 2, .H = 128, .T = 8, .seed = 4};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s.E;
+    cfg.topk = s.K;
+    cfg.hidden = s.H;
+    cfg.max_tokens = s.T;
+    cfg.device = FERRY_DEVICE_CUDA;
+    ferry_ep_t ep;
+    rc = ferry_ep_create(comm, &cfg, &ep);
+    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
+    if (rc)
+        return 1;
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    bufs_t b;
+    bufs_init(&b, &s, &lay);
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    fw_generate(&s, 1, 0, &in);
+    in.idx[5] = 8; /* out of range */
+    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = s.T, .x = b.x, .topk_idx = b.idx};
+    uint64_t round;
+    rc = ferry_dispatch_send(ep, &din, &round);
+    if (rc == FERRY_OK)
+        rc = ferry_ep_sync(ep, NULL);
+    printf("bad index: %s: %s\n", ferry_strerror(rc), ferry_ep_last_error(ep));
+    CHECK(rc == FERRY_ERR_INVALID, "status %d, want FERRY_ERR_INVALID", rc);
+    CHECK(strstr(ferry_ep_last_error(ep), "topk_idx") != NULL, "message names topk_idx");
+    ferry_ep_destroy(ep);
+    return fr_test_result();
+}
+
+int main(int argc, char **argv)
+{
+    int n = argc >= 3 ? atoi(argv[2]) : 1;
+    const char *mode = argc >= 4 ? argv[3] : "graph";
+    /* CUDA must not be initialised before fork: the ranks check. */
+    int is_child = 0;
+    fr_err_t err = {{0}};
+    int rc = fr_launch_local(n, &is_child, &err);
+    if (!is_child) {
+        if (rc == 77) {
+            printf("skipped: no usable GPU (see the ranks' message above)\n");
+            return 77;
+        }
+        printf("test_cuda_ep %s: %s\n", mode, rc == 0 ? "passed" : "FAILED");
+        return rc != 0;
+    }
+    char why[256];
+    if (!ferry_cuda_available(why, sizeof(why))) {
+        printf("skipped: %s\n", why);
+        return 77;
+    }
+    char ebuf[512];
+    ferry_comm_t comm;
+    if (ferry_comm_init_env(&comm, ebuf, sizeof(ebuf)) != FERRY_OK) {
+        fprintf(stderr, "comm: %s\n", ebuf);
+        return 1;
+    }
+    if (strcmp(mode, "timeout") == 0)
+        rc = run_timeout(comm);
+    else if (strcmp(mode, "badidx") == 0)
+        rc = run_badidx(comm);
+    else
+        rc = run_graph(comm);
+    ferry_comm_destroy(comm);
+    return rc;
+}
+#endif
