@@ -468,8 +468,8 @@ fr_cu_recv_count(fr_cu_args_t A, int set)
     int32_t *cse = A.cnt_se + ((size_t)set * A.N + s) * El;
     int32_t *lslot = A.local_slot + ((size_t)set * A.N + s) * (size_t)L.T * kmax;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    /* validate records (one thread each) */
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    /* validate records (one thread each, first block of the sender) */
+    for (int i = threadIdx.x; i < count && blockIdx.y == 0; i += blockDim.x) {
         const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
         bool bad = r->token >= (uint32_t)L.T || r->nexp < 1 || r->nexp > kmax ||
                    r->pair + r->nexp > h->npairs;
@@ -481,7 +481,8 @@ fr_cu_recv_count(fr_cu_args_t A, int set)
     __syncthreads();
     if (fr_cu_failed(A))
         return;
-    for (int le = w; le < El; le += nw) {
+    /* one warp per local expert; blocks along y split the experts */
+    for (int le = blockIdx.y * nw + w; le < El; le += gridDim.y * nw) {
         int running = 0;
         for (int base = 0; base < count; base += 32) {
             int i = base + lane, j_found = -1;
@@ -926,7 +927,8 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = ep->cuda;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    fr_cu_recv_count<<<ep->N, 1024, 0, st>>>(c->a, set);
+    dim3 cgrid((unsigned)ep->N, (unsigned)((ep->L.El + 31) / 32));
+    fr_cu_recv_count<<<cgrid, 1024, 0, st>>>(c->a, set);
     int gy = (c->nblocks + ep->N - 1) / ep->N;
     gy = gy < 1 ? 1 : gy;
     dim3 grid((unsigned)ep->N, (unsigned)gy);
