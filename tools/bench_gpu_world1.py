@@ -76,8 +76,9 @@ def torch_dispatch(x, idx, E):
     T, H = x.shape
     xb = x.view(T, H // 128, 128).float()
     amax = xb.abs().amax(dim=2, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    inv = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    c448 = torch.full_like(amax, 448.0)  # tensor / tensor: IEEE division
+    scale = torch.where(amax > 0, amax / c448, torch.ones_like(amax))
+    inv = torch.where(amax > 0, c448 / amax, torch.ones_like(amax))
     q = (xb * inv).to(torch.float8_e4m3fn).view(T, H)
     scale = scale.view(T, H // 128)
     flat = idx.reshape(-1)
@@ -94,6 +95,18 @@ def torch_combine(y_packed, tok, order, w, T):
     wp = w.reshape(-1).index_select(0, order)
     out.index_add_(0, tok, y_packed.float() * wp[:, None])
     return out.to(torch.bfloat16)
+
+
+def busy(seconds=1.0):
+    """Keep the GPU busy so its clocks leave the idle state (345 MHz)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    import time
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def timed(fn, iters, warmup=3):
@@ -194,6 +207,7 @@ def main():
             f_dispatch()
 
         # ferry: time dispatch and combine of the same rounds
+        busy()
         fd, fc = [], []
         for i in range(args.iters + 3):
             a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -211,6 +225,7 @@ def main():
         fc.sort()
         pct = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]
         # torch-native
+        busy()
         td = timed(lambda: state.__setitem__("t", torch_dispatch(x, idx, E)), args.iters)
         q, sc, tok, order, counts = state["t"]
         y_packed = (q.float() * sc.repeat_interleave(128, 1)).to(torch.bfloat16)
@@ -233,6 +248,12 @@ def main():
             if n == 0:
                 continue
             if not torch.equal(exv[e, :n], qb[off:off + n]) or not torch.equal(exsv[e, :n], sc[off:off + n]):
+                if wrong < 2 and os.environ.get("FERRY_BENCH_DEBUG"):
+                    bad = (exv[e, :n] != qb[off:off + n]).nonzero()
+                    print("expert", e, "n", n, "byte mismatches", bad.shape[0], bad[:4].tolist(),
+                          "scales equal", torch.equal(exsv[e, :n], sc[off:off + n]),
+                          exv[e, :n].flatten()[:8].tolist(), qb[off:off + n].flatten()[:8].tolist(),
+                          exsv[e, :n].flatten()[:4].tolist(), sc[off:off + n].flatten()[:4].tolist())
                 wrong += 1
             eyv[e, :n] = y_packed[off:off + n]
             off += n
