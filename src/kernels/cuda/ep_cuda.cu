@@ -62,7 +62,8 @@ typedef struct fr_cu_args {
     int32_t *pair_off;       /* [2][N+1] */
     int32_t *scomb_off;      /* [2][N] */
     unsigned int *done;      /* [2 phase][2 set] finished-block counters */
-    volatile int *err;       /* host-mapped [4] */
+    int *dflag;              /* device copy of err[0]: what kernels poll */
+    volatile int *err;       /* host-mapped [4]: what the host reads */
     unsigned long long timeout_ns;
 } fr_cu_args_t;
 
@@ -99,20 +100,26 @@ __device__ __forceinline__ unsigned long long fr_globaltimer(void)
     return t;
 }
 
+/* Errors: the first one wins a CAS on the device flag, then is copied to
+ * host-mapped memory (details first, status last). Kernels poll only the
+ * device flag: reads of host memory cross PCIe, and thousands of them cost
+ * hundreds of microseconds. */
 __device__ void fr_cu_fail(const fr_cu_args_t &A, int status, int rank, int what,
                            int detail)
 {
-    if (atomicCAS((int *)&A.err[0], 0, status) == 0) {
+    if (atomicCAS(A.dflag, 0, status) == 0) {
         A.err[1] = rank;
         A.err[2] = what;
         A.err[3] = detail;
+        __threadfence_system();
+        A.err[0] = status;
         __threadfence_system();
     }
 }
 
 __device__ __forceinline__ bool fr_cu_failed(const fr_cu_args_t &A)
 {
-    return *(volatile int *)&A.err[0] != 0;
+    return *(volatile int *)A.dflag != 0;
 }
 
 /* Wait until flag == epoch; false (error word set) on timeout. */
@@ -331,7 +338,11 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
     int N = A.N, K = L.K, El = L.El, H = L.H;
     unsigned int *done = A.done + FR_PH_DISPATCH * FR_NSETS + set;
     bool quant = L.fp8 && !x_scales;
-    if (!fr_cu_failed(A)) {
+    __shared__ int s_fail;
+    if (threadIdx.x == 0)
+        s_fail = fr_cu_failed(A);
+    __syncthreads();
+    if (!s_fail) {
         int T = A.ntok[set];
         const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
         const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
@@ -512,7 +523,11 @@ fr_cu_recv_place(fr_cu_args_t A, int set, uint8_t *ex, float *exs,
     extern __shared__ int32_t sbase[]; /* [El] */
     const fr_layout_t &L = A.L;
     int s = blockIdx.x, El = L.El, N = A.N;
-    if (fr_cu_failed(A))
+    __shared__ int s_fail;
+    if (threadIdx.x == 0)
+        s_fail = fr_cu_failed(A);
+    __syncthreads();
+    if (s_fail)
         return;
     const int32_t *cse = A.cnt_se + (size_t)set * N * El;
     for (int le = threadIdx.x; le < El; le += blockDim.x) {
@@ -572,7 +587,11 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
     int s = blockIdx.x, N = A.N;
     unsigned int *done = A.done + FR_PH_COMBINE * FR_NSETS + set;
     const int32_t *poff = A.pair_off + set * (N + 1);
-    if (!fr_cu_failed(A)) {
+    __shared__ int s_fail;
+    if (threadIdx.x == 0)
+        s_fail = fr_cu_failed(A);
+    __syncthreads();
+    if (!s_fail) {
         int p0 = poff[s], np = poff[s + 1] - p0;
         const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
         uint8_t *dst = A.path[s] == FR_PATH_FABRIC
@@ -753,8 +772,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(int32_t) * 2 * N * T * (size_t)L->kmax,
                        sizeof(int32_t) * 2 * L->send_crows,
                        sizeof(int32_t) * 2 * (N + 1), sizeof(int32_t) * 2 * N,
-                       sizeof(unsigned int) * 4};
-        size_t off[16], tot = 0;
+                       sizeof(unsigned int) * 4, sizeof(int) * 4};
+        size_t off[20], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
             off[i] = tot;
@@ -784,6 +803,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->pair_off = (int32_t *)(b + off[12]);
         A->scomb_off = (int32_t *)(b + off[13]);
         A->done = (unsigned int *)(b + off[14]);
+        A->dflag = (int *)(b + off[15]);
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
         FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
