@@ -179,11 +179,21 @@ __device__ int fr_block_scan(int v, int *total)
     return before;
 }
 
-__device__ __forceinline__ void fr_copy16(uint8_t *dst, const uint8_t *src, size_t bytes)
+/* One warp copies a row: every lane keeps 4 16-byte loads in flight. */
+__device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t *src, size_t bytes)
 {
     const int4 *s = (const int4 *)src;
     int4 *d = (int4 *)dst;
-    for (size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+    int lane = threadIdx.x & 31;
+    size_t n = bytes / 16, i = (size_t)lane;
+    for (; i + 96 < n; i += 128) {
+        int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+        d[i] = a;
+        d[i + 32] = b;
+        d[i + 64] = c;
+        d[i + 96] = e;
+    }
+    for (; i < n; i += 32)
         d[i] = s[i];
 }
 
@@ -333,7 +343,6 @@ __global__ void __launch_bounds__(FR_CU_THREADS)
 fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
            const int64_t *idx)
 {
-    extern __shared__ __align__(16) uint8_t smem[];
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El, H = L.H;
     unsigned int *done = A.done + FR_PH_DISPATCH * FR_NSETS + set;
@@ -346,64 +355,70 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
         int T = A.ntok[set];
         const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
         const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
-        uint8_t *q = smem;                                /* H bytes */
-        float *qs = (float *)(smem + ((H + 15) & ~15));   /* H/128 */
-        for (int t = blockIdx.x; t < T; t += gridDim.x) {
-            const uint8_t *tok;
-            const float *scl = NULL;
+        int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        /* a warp per token */
+        for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < T; t += gridDim.x * nw) {
+            const int64_t *row = idx + (size_t)t * K;
+            /* headers (lane d handles destination d, 32 at a time) */
+            for (int d = lane; d < N; d += 32) {
+                int ri = rec_idx[(size_t)t * N + d];
+                if (ri < 0)
+                    continue;
+                fr_rec_hdr_t *h = (fr_rec_hdr_t *)(fr_cu_dslice(A, set, d) +
+                                                   fr_off_record(&L, (uint32_t)ri));
+                uint16_t n = 0;
+                for (int k = 0; k < K; k++)
+                    if (row[k] >= 0 && row[k] / El == d)
+                        h->le[n++] = (uint16_t)(row[k] % El);
+                h->token = (uint32_t)t;
+                h->pair = (uint32_t)pbase[(size_t)t * N + d];
+                h->nexp = n;
+                h->reserved = 0;
+            }
             if (quant) {
-                /* one warp per 128-channel block */
-                int lane = threadIdx.x & 31;
-                for (int b = threadIdx.x >> 5; b < H / 128; b += blockDim.x >> 5) {
-                    const uint16_t *xb = x + (size_t)t * H + b * 128;
-                    uint16_t v[4];
-                    uint16_t m = 0;
-                    for (int i = 0; i < 4; i++) {
-                        v[i] = xb[lane + 32 * i];
-                        uint16_t a = v[i] & 0x7fff;
-                        m = a > m ? a : m;
-                    }
+                /* lane holds channels [4 lane, 4 lane + 4) of each 128-block */
+                const uint2 *xr = (const uint2 *)(x + (size_t)t * H);
+                for (int b = 0; b < H / 128; b++) {
+                    uint2 v = xr[b * 32 + lane];
+                    uint16_t e0 = (uint16_t)(v.x & 0xffff), e1 = (uint16_t)(v.x >> 16);
+                    uint16_t e2 = (uint16_t)(v.y & 0xffff), e3 = (uint16_t)(v.y >> 16);
+                    uint16_t m = e0 & 0x7fff;
+                    m = (e1 & 0x7fff) > m ? (e1 & 0x7fff) : m;
+                    m = (e2 & 0x7fff) > m ? (e2 & 0x7fff) : m;
+                    m = (e3 & 0x7fff) > m ? (e3 & 0x7fff) : m;
                     for (int o = 16; o; o >>= 1) {
                         uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o);
                         m = y > m ? y : m;
                     }
-                    float amax = fr_bf16_to_f32(m);
-                    float inv = fr_fp8_inv_scale(amax);
-                    for (int i = 0; i < 4; i++)
-                        q[b * 128 + lane + 32 * i] = fr_f32_to_e4m3(fr_bf16_to_f32(v[i]) * inv);
-                    if (lane == 0)
-                        qs[b] = fr_fp8_scale(amax);
+                    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+                    uint32_t q = (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e0) * inv) |
+                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e1) * inv) << 8) |
+                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e2) * inv) << 16) |
+                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e3) * inv) << 24);
+                    float sc = fr_fp8_scale(amax);
+                    for (int d = 0; d < N; d++) {
+                        int ri = rec_idx[(size_t)t * N + d];
+                        if (ri < 0)
+                            continue;
+                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                        ((uint32_t *)(rec + L.rec_hdr))[b * 32 + lane] = q;
+                        if (lane == 0)
+                            ((float *)(rec + L.rec_hdr + L.tok_bytes))[b] = sc;
+                    }
                 }
-                __syncthreads();
-                tok = q;
-                scl = qs;
             } else {
-                tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
-                scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
-            }
-            const int64_t *row = idx + (size_t)t * K;
-            for (int d = 0; d < N; d++) {
-                int ri = rec_idx[(size_t)t * N + d];
-                if (ri < 0)
-                    continue;
-                uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
-                if (threadIdx.x == 0) {
-                    fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
-                    uint16_t n = 0;
-                    for (int k = 0; k < K; k++)
-                        if (row[k] >= 0 && row[k] / El == d)
-                            h->le[n++] = (uint16_t)(row[k] % El);
-                    h->token = (uint32_t)t;
-                    h->pair = (uint32_t)pbase[(size_t)t * N + d];
-                    h->nexp = n;
-                    h->reserved = 0;
-                }
-                fr_copy16(rec + L.rec_hdr, tok, L.tok_bytes);
-                if (L.nscales)
-                    for (int i = threadIdx.x; i < (int)L.nscales; i += blockDim.x)
+                const uint8_t *tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
+                const float *scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
+                for (int d = 0; d < N; d++) {
+                    int ri = rec_idx[(size_t)t * N + d];
+                    if (ri < 0)
+                        continue;
+                    uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                    fr_warp_copy(rec + L.rec_hdr, tok, L.tok_bytes);
+                    for (int i = lane; i < (int)L.nscales; i += 32)
                         ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = scl[i];
+                }
             }
-            __syncthreads();
         }
     }
     /* last block: headers, then publish */
@@ -492,25 +507,65 @@ fr_cu_recv_count(fr_cu_args_t A, int set)
     __syncthreads();
     if (fr_cu_failed(A))
         return;
-    /* one warp per local expert; blocks along y split the experts */
-    for (int le = blockIdx.y * nw + w; le < El; le += gridDim.y * nw) {
-        int running = 0;
-        for (int base = 0; base < count; base += 32) {
-            int i = base + lane, j_found = -1;
-            const fr_rec_hdr_t *r = NULL;
-            if (i < count) {
-                r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
-                for (int j = 0; j < r->nexp; j++)
-                    if (r->le[j] == le)
-                        j_found = j;
+    /* A block per (sender, local expert): the records are cut into one
+     * segment per warp; pass 1 counts the expert's pairs per segment
+     * (ballots), a scan over warps gives each segment's first slot, pass 2
+     * writes every pair's slot. Headers are read as 16-byte vectors. */
+    __shared__ int wcount[32];
+    int seg = (count + nw - 1) / nw, lo = w * seg, hi = min(count, lo + seg);
+    for (int le = blockIdx.y; le < El; le += gridDim.y) {
+        for (int pass = 0; pass < 2; pass++) {
+            int running = pass ? wcount[w] : 0;
+            for (int base = lo; base < hi; base += 32) {
+                int i = base + lane, j_found = -1;
+                uint32_t pair = 0;
+                if (i < hi) {
+                    const uint4 *v = (const uint4 *)(slice + fr_off_record(&L, (uint32_t)i));
+                    uint4 h0 = v[0];
+                    int nexp = (int)(h0.z & 0xffff);
+                    pair = h0.y;
+                    /* le[] starts at byte 12: h0.w holds le[0], le[1] */
+                    uint16_t les[FR_MAX_TOPK];
+                    les[0] = (uint16_t)(h0.w & 0xffff);
+                    les[1] = (uint16_t)(h0.w >> 16);
+                    if (nexp > 2) {
+                        uint4 h1 = v[1];
+                        uint32_t ws[4] = {h1.x, h1.y, h1.z, h1.w};
+                        for (int q = 0; q < 8; q++)
+                            les[2 + q] = (uint16_t)(ws[q / 2] >> (16 * (q & 1)));
+                        if (nexp > 10) {
+                            uint4 h2 = v[2];
+                            uint32_t ws2[4] = {h2.x, h2.y, h2.z, h2.w};
+                            for (int q = 0; q < 6; q++)
+                                les[10 + q] = (uint16_t)(ws2[q / 2] >> (16 * (q & 1)));
+                        }
+                    }
+                    for (int j = 0; j < nexp && j < FR_MAX_TOPK; j++)
+                        if (les[j] == le)
+                            j_found = j;
+                }
+                unsigned int m = __ballot_sync(0xffffffffu, j_found >= 0);
+                if (pass && j_found >= 0)
+                    lslot[pair + j_found] = running + __popc(m & ((1u << lane) - 1));
+                running += __popc(m);
             }
-            unsigned int m = __ballot_sync(0xffffffffu, j_found >= 0);
-            if (j_found >= 0)
-                lslot[r->pair + j_found] = running + __popc(m & ((1u << lane) - 1));
-            running += __popc(m);
+            if (!pass) {
+                if (lane == 0)
+                    wcount[w] = running;
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    int acc = 0;
+                    for (int q = 0; q < nw; q++) {
+                        int c = wcount[q];
+                        wcount[q] = acc;
+                        acc += c;
+                    }
+                    cse[le] = acc;
+                }
+                __syncthreads();
+            }
         }
-        if (lane == 0)
-            cse[le] = running;
+        __syncthreads();
     }
 }
 
@@ -557,16 +612,17 @@ fr_cu_recv_place(fr_cu_args_t A, int set, uint8_t *ex, float *exs,
     int count = (int)((const fr_slice_hdr_t *)slice)->count;
     const int32_t *lslot = A.local_slot + ((size_t)set * N + s) * (size_t)L.T * L.kmax;
     int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
-    for (int i = blockIdx.y; i < count; i += gridDim.y) {
+    int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int i = blockIdx.y * nw + (threadIdx.x >> 5); i < count; i += gridDim.y * nw) {
         const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
         const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)rec;
         for (int j = 0; j < r->nexp; j++) {
             int le = r->le[j];
             size_t row = (size_t)le * L.cap + sbase[le] + lslot[r->pair + j];
-            fr_copy16(ex + row * L.tok_bytes, rec + L.rec_hdr, L.tok_bytes);
-            for (int c = threadIdx.x; c < (int)L.nscales; c += blockDim.x)
+            fr_warp_copy(ex + row * L.tok_bytes, rec + L.rec_hdr, L.tok_bytes);
+            for (int c = lane; c < (int)L.nscales; c += 32)
                 exs[row * L.nscales + c] = ((const float *)(rec + L.rec_hdr + L.tok_bytes))[c];
-            if (threadIdx.x == 0) {
+            if (lane == 0) {
                 if (src_rank)
                     src_rank[row] = s;
                 if (src_token)
@@ -597,8 +653,9 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
         uint8_t *dst = A.path[s] == FR_PATH_FABRIC
                            ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
                            : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
-        for (int p = blockIdx.y; p < np; p += gridDim.y)
-            fr_copy16(dst + (size_t)p * L.crow, y + (size_t)rows[p] * L.crow, L.crow);
+        int nw = blockDim.x >> 5;
+        for (int p = blockIdx.y * nw + (threadIdx.x >> 5); p < np; p += gridDim.y * nw)
+            fr_warp_copy(dst + (size_t)p * L.crow, y + (size_t)rows[p] * L.crow, L.crow);
     }
     __shared__ bool last;
     __threadfence_system();
@@ -932,12 +989,10 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     fr_cu_route<<<1, FR_CU_ROUTE_THREADS, 0, st>>>(c->a, set, in->topk_idx, in->num_tokens,
                                                      in->num_tokens_dev);
-    size_t smem = ((size_t)ep->L.H + 15) / 16 * 16 + sizeof(float) * (ep->L.H / 128 + 4);
-    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
-    if (smem > 48 * 1024)
-        cudaFuncSetAttribute(fr_cu_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    fr_cu_pack<<<blocks, FR_CU_THREADS, smem, st>>>(c->a, set, (const uint16_t *)in->x,
-                                                     in->x_scales, in->topk_idx);
+    int wpb = FR_CU_THREADS / 32, need = (ep->L.T + wpb - 1) / wpb;
+    int blocks = c->nblocks < need ? c->nblocks : need;
+    fr_cu_pack<<<blocks, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint16_t *)in->x,
+                                                 in->x_scales, in->topk_idx);
     return fr_cuda_launch_check(ep, "dispatch_send");
 }
 
@@ -947,7 +1002,12 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = ep->cuda;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    dim3 cgrid((unsigned)ep->N, (unsigned)((ep->L.El + 31) / 32));
+    /* Blocks that wait for peers hold SMs: never launch more than num_sms
+     * of them, or ranks sharing a GPU can fill it with waiters while the
+     * senders they wait for cannot start. */
+    int cy = c->nblocks / ep->N;
+    cy = cy < 1 ? 1 : (cy > ep->L.El ? ep->L.El : cy);
+    dim3 cgrid((unsigned)ep->N, (unsigned)cy);
     fr_cu_recv_count<<<cgrid, 1024, 0, st>>>(c->a, set);
     int gy = (c->nblocks + ep->N - 1) / ep->N;
     gy = gy < 1 ? 1 : gy;
