@@ -76,6 +76,12 @@ typedef struct fr_proxy {
     fr_proxy_ring_t *ring;
     int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
     uint64_t posted, completed_rx;         /* statistics */
+    /* FERRY_PROXY_STATS: per phase, time from picking up this rank's
+     * request to the last peer's write of the same phase landing here */
+    uint64_t t_pick[2][FR_NSETS];
+    int rx_seen[2][FR_NSETS];
+    uint32_t *xfer_ns[2];                  /* samples */
+    int nxfer[2], stats;
 } fr_proxy_t;
 
 struct ferry_ep {

@@ -16,12 +16,15 @@
  */
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "core/config.h"
 #include "core/ep.h"
 #include "core/log.h"
+
+#define FR_PROXY_STAT_MAX 65536
 
 static void fr_proxy_async_fail(ferry_ep_t ep, int code, int peer,
                                 const char *msg)
@@ -66,10 +69,20 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
                      __ATOMIC_RELEASE);
     fr_doorbell_ring(ep->seg);
     ep->proxy.completed_rx++;
+    fr_proxy_t *p = &ep->proxy;
+    if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) {
+        p->rx_seen[phase][set] = 0;
+        if (p->t_pick[phase][set] && p->nxfer[phase] < FR_PROXY_STAT_MAX)
+            p->xfer_ns[phase][p->nxfer[phase]++] =
+                (uint32_t)(fr_now_ns() - p->t_pick[phase][set]);
+        p->t_pick[phase][set] = 0;
+    }
 }
 
 static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
 {
+    if (ep->proxy.stats)
+        ep->proxy.t_pick[q->phase & 1][q->set & 1] = fr_now_ns();
     fr_err_t err = {{0}};
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
@@ -92,6 +105,10 @@ static void *fr_proxy_main(void *arg)
     fr_proxy_t *p = &ep->proxy;
     fr_log_set_rank(ep->rank);
     long idle_us = fr_cfg_int(FR_CFG_PROXY_IDLE_US);
+    /* A GPU rings the doorbell from a kernel: nobody wakes a sleeping
+     * proxy, so it only yields between polls. */
+    if (ep->cuda && !getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US)))
+        idle_us = 0;
     fr_cqe_t cqe[64];
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
@@ -156,6 +173,11 @@ int fr_proxy_start(ferry_ep_t ep)
     fr_proxy_ring_t *ring = p->ring;
     memset(p, 0, sizeof(*p));
     p->ring = ring;
+    if (getenv("FERRY_PROXY_STATS")) {
+        p->xfer_ns[0] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
+        p->xfer_ns[1] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
+        p->stats = p->xfer_ns[0] && p->xfer_ns[1];
+    }
     int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
     if (e != 0)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
@@ -172,6 +194,29 @@ void fr_proxy_stop(ferry_ep_t ep)
     __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
     pthread_join(p->thread, NULL);
     p->running = 0;
+    if (p->stats) {
+        for (int ph = 0; ph < 2; ph++) {
+            int n = p->nxfer[ph];
+            uint32_t *v = p->xfer_ns[ph];
+            /* insertion sort is fine for a report at exit */
+            for (int i = 1; i < n; i++)
+                for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+                    uint32_t t = v[j];
+                    v[j] = v[j - 1];
+                    v[j - 1] = t;
+                }
+            if (n)
+                fprintf(stderr,
+                        "ferry proxy stats rank %d: %s: request picked up -> "
+                        "last peer's write landed: p50 %.1f us, p99 %.1f us "
+                        "(%d rounds)\n",
+                        ep->rank, ph ? "combine" : "dispatch", v[n / 2] / 1e3,
+                        v[(int)(0.99 * (n - 1))] / 1e3, n);
+        }
+        free(p->xfer_ns[0]);
+        free(p->xfer_ns[1]);
+        p->stats = 0;
+    }
 }
 
 int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
