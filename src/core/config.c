@@ -42,6 +42,10 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
                               "(it yields first)."},
+    [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
+                             "Set: each proxy prints, at exit, percentiles "
+                             "of the time from picking up a request to the "
+                             "last peer's write of that phase landing."},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",

@@ -18,6 +18,7 @@ typedef enum fr_cfg_id {
     FR_CFG_BOOTSTRAP_TIMEOUT_MS,
     FR_CFG_SPIN,
     FR_CFG_PROXY_IDLE_US,
+    FR_CFG_PROXY_STATS,
     FR_CFG_LOG,
     FR_CFG_LOG_SUBSYS,
     FR_CFG_COUNT

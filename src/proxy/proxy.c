@@ -173,7 +173,7 @@ int fr_proxy_start(ferry_ep_t ep)
     fr_proxy_ring_t *ring = p->ring;
     memset(p, 0, sizeof(*p));
     p->ring = ring;
-    if (getenv("FERRY_PROXY_STATS")) {
+    if (fr_cfg_str(FR_CFG_PROXY_STATS)[0]) {
         p->xfer_ns[0] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
         p->xfer_ns[1] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
         p->stats = p->xfer_ns[0] && p->xfer_ns[1];
