@@ -168,7 +168,9 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
  * return before it ran; errors found on the GPU (a peer that did not arrive
  * in time, a bad expert index) are returned by the next call on the
  * context, or by ferry_ep_sync. Every call can be captured in a CUDA graph:
- * the epoch lives on the device and the token count may too. */
+ * the epoch lives on the device and the token count may too.
+ * combine_recv reads the rows a rank's own experts produced for its own
+ * tokens in place: keep expert_y unchanged until combine_recv has run. */
 
 typedef struct ferry_dispatch_in {
     size_t size;               /* sizeof(ferry_dispatch_in_t) */

@@ -76,6 +76,7 @@ struct fr_cuda_ep {
     int *err_host;
     void *err_dev;
     int last_err_seen;
+    const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
 };
 
 /* ---------------------------------------------------------------------- */
@@ -177,6 +178,30 @@ __device__ int fr_block_scan(int v, int *total)
     *total = warp_sum[((blockDim.x + 31) >> 5) - 1];
     __syncthreads();
     return before;
+}
+
+/* A warp quantises 128-channel block b of a bf16 row: lane gets channels
+ * [4 lane, 4 lane + 4) packed as four e4m3 codes, and the block's scale. */
+__device__ __forceinline__ uint32_t fr_cu_quant4(const uint16_t *xrow, int b, int lane,
+                                                 float *scale)
+{
+    uint2 v = ((const uint2 *)xrow)[b * 32 + lane];
+    uint16_t e0 = (uint16_t)(v.x & 0xffff), e1 = (uint16_t)(v.x >> 16);
+    uint16_t e2 = (uint16_t)(v.y & 0xffff), e3 = (uint16_t)(v.y >> 16);
+    uint16_t m = e0 & 0x7fff;
+    m = (e1 & 0x7fff) > m ? (e1 & 0x7fff) : m;
+    m = (e2 & 0x7fff) > m ? (e2 & 0x7fff) : m;
+    m = (e3 & 0x7fff) > m ? (e3 & 0x7fff) : m;
+    for (int o = 16; o; o >>= 1) {
+        uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o);
+        m = y > m ? y : m;
+    }
+    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+    *scale = fr_fp8_scale(amax);
+    return (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e0) * inv) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e1) * inv) << 8) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e2) * inv) << 16) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e3) * inv) << 24);
 }
 
 /* One warp copies a row: every lane keeps 4 16-byte loads in flight. */
@@ -377,25 +402,9 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
             }
             if (quant) {
                 /* lane holds channels [4 lane, 4 lane + 4) of each 128-block */
-                const uint2 *xr = (const uint2 *)(x + (size_t)t * H);
                 for (int b = 0; b < H / 128; b++) {
-                    uint2 v = xr[b * 32 + lane];
-                    uint16_t e0 = (uint16_t)(v.x & 0xffff), e1 = (uint16_t)(v.x >> 16);
-                    uint16_t e2 = (uint16_t)(v.y & 0xffff), e3 = (uint16_t)(v.y >> 16);
-                    uint16_t m = e0 & 0x7fff;
-                    m = (e1 & 0x7fff) > m ? (e1 & 0x7fff) : m;
-                    m = (e2 & 0x7fff) > m ? (e2 & 0x7fff) : m;
-                    m = (e3 & 0x7fff) > m ? (e3 & 0x7fff) : m;
-                    for (int o = 16; o; o >>= 1) {
-                        uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o);
-                        m = y > m ? y : m;
-                    }
-                    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
-                    uint32_t q = (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e0) * inv) |
-                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e1) * inv) << 8) |
-                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e2) * inv) << 16) |
-                                 ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e3) * inv) << 24);
-                    float sc = fr_fp8_scale(amax);
+                    float sc;
+                    uint32_t q = fr_cu_quant4(x + (size_t)t * H, b, lane, &sc);
                     for (int d = 0; d < N; d++) {
                         int ri = rec_idx[(size_t)t * N + d];
                         if (ri < 0)
@@ -616,12 +625,16 @@ fr_cu_recv_place(fr_cu_args_t A, int set, uint8_t *ex, float *exs,
     for (int i = blockIdx.y * nw + (threadIdx.x >> 5); i < count; i += gridDim.y * nw) {
         const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
         const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)rec;
+        /* own records too are copied from the segment: re-quantising x
+         * here measured slower than the copy (4-byte stores per lane) */
+        const uint8_t *src = rec + L.rec_hdr;
+        const float *srcs = (const float *)(rec + L.rec_hdr + L.tok_bytes);
         for (int j = 0; j < r->nexp; j++) {
             int le = r->le[j];
             size_t row = (size_t)le * L.cap + sbase[le] + lslot[r->pair + j];
-            fr_warp_copy(ex + row * L.tok_bytes, rec + L.rec_hdr, L.tok_bytes);
+            fr_warp_copy(ex + row * L.tok_bytes, src, L.tok_bytes);
             for (int c = lane; c < (int)L.nscales; c += 32)
-                exs[row * L.nscales + c] = ((const float *)(rec + L.rec_hdr + L.tok_bytes))[c];
+                exs[row * L.nscales + c] = srcs[c];
             if (lane == 0) {
                 if (src_rank)
                     src_rank[row] = s;
@@ -647,7 +660,7 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
     if (threadIdx.x == 0)
         s_fail = fr_cu_failed(A);
     __syncthreads();
-    if (!s_fail) {
+    if (!s_fail && s != A.rank) { /* own rows are read in place */
         int p0 = poff[s], np = poff[s + 1] - p0;
         const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
         uint8_t *dst = A.path[s] == FR_PATH_FABRIC
@@ -685,7 +698,8 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
 }
 
 __global__ void __launch_bounds__(FR_CU_THREADS)
-fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out)
+fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
+                   const uint8_t *self_y)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, H = L.H;
@@ -702,6 +716,11 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out)
         return;
     int T = A.ntok[set];
     const int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
+    /* pairs this rank sent itself: rows [cs, cs + ns) of its combine region
+     * were never copied; they are expert_y rows pair_row[ps + pos - cs] */
+    int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
+    int ps = A.pair_off[set * (N + 1) + A.rank];
+    const int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         for (int h0 = threadIdx.x * 8; h0 < H; h0 += blockDim.x * 8) {
             float acc[8];
@@ -712,7 +731,10 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out)
                 if (pos < 0)
                     continue;
                 float wk = w[(size_t)t * K + k];
-                int4 v = *(const int4 *)(A.seg + fr_off_crecv(&L, set, (uint64_t)pos) + (size_t)h0 * 2);
+                const uint8_t *yrow = pos >= cs && pos < cs + ns
+                                          ? self_y + (size_t)prow[ps + pos - cs] * L.crow
+                                          : A.seg + fr_off_crecv(&L, set, (uint64_t)pos);
+                int4 v = *(const int4 *)(yrow + (size_t)h0 * 2);
                 const uint16_t *yv = (const uint16_t *)&v;
                 for (int i = 0; i < 8; i++)
                     acc[i] += wk * fr_bf16_to_f32(yv[i]);
@@ -1027,6 +1049,7 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     int gy = (c->nblocks + ep->N - 1) / ep->N;
     gy = gy < 1 ? 1 : gy;
     dim3 grid((unsigned)ep->N, (unsigned)gy);
+    c->y[set] = in->expert_y;
     fr_cu_combine_send<<<grid, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y);
     return fr_cuda_launch_check(ep, "combine_send");
 }
@@ -1039,6 +1062,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     fr_cu_combine_recv<<<blocks, FR_CU_THREADS, 0, st>>>(c->a, set, out->topk_weights,
-                                                          (uint16_t *)out->out);
+                                                          (uint16_t *)out->out,
+                                                          (const uint8_t *)c->y[set]);
     return fr_cuda_launch_check(ep, "combine_recv");
 }
