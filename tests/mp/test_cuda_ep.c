@@ -7,9 +7,12 @@
  *                               FERRY_ERR_TIMEOUT naming rank 1 within
  *                               FERRY_TIMEOUT_MS + 1 s, and its CUDA context
  *                               still works afterwards
+ *   test_cuda_ep -n N twin      CUDA kernels against the CPU twins on the
+ *                               same inputs (fp8 and bf16)
  *   test_cuda_ep -n 1 badidx    an expert index out of range found on the
  *                               GPU comes back as FERRY_ERR_INVALID
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,6 +174,114 @@ static int run_graph(ferry_comm_t comm)
     return fr_test_result();
 }
 
+/* The CUDA kernels against their CPU twins: one CPU context and one CUDA
+ * context on the same communicator run the same rounds; dispatch must be
+ * byte-identical (rows, scales, counts, sources), combine within one bf16
+ * rounding of each other. */
+static int run_twin(ferry_comm_t comm, int fp8)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    int E = 8 * N, K = 8, H = 1024, T = 48;
+    fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = fp8, .zipf_s = 1.2,
+                   .mask_p = 0.1, .vary_tokens = 1, .empty_p = 0.2, .seed = 77};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = E;
+    cfg.topk = K;
+    cfg.hidden = H;
+    cfg.max_tokens = T;
+    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    ferry_ep_t cpu, gpu;
+    rc = ferry_ep_create(comm, &cfg, &cpu);
+    CHECK(rc == FERRY_OK, "cpu create: %s", ferry_comm_last_error(comm));
+    cfg.device = FERRY_DEVICE_CUDA;
+    cfg.num_sms = 8;
+    rc |= ferry_ep_create(comm, &cfg, &gpu);
+    CHECK(rc == FERRY_OK, "gpu create: %s", ferry_comm_last_error(comm));
+    if (rc)
+        return 1;
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(gpu, &lay);
+    size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    bufs_t b;
+    bufs_init(&b, &s, &lay);
+    uint8_t *cex = calloc(lay.expert_x_bytes + 16, 1);
+    float *cexs = calloc(lay.expert_scales_bytes / 4 + 4, 4);
+    int32_t *ccnt = calloc(El, 4), *csr = calloc(El * cap, 4), *cst = calloc(El * cap, 4);
+    uint16_t *cout_ = calloc((size_t)T * H, 2);
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    long bad_disp = 0, bad_comb = 0;
+    for (int it = 1; it <= 20; it++) {
+        fw_generate(&s, (uint64_t)it, me, &in);
+        /* CPU twin */
+        ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = in.x,
+                                   .topk_idx = in.idx};
+        ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = cex,
+                                     .expert_x_scales = cexs, .expert_num_tokens = ccnt,
+                                     .expert_src_rank = csr, .expert_src_token = cst};
+        uint64_t r;
+        CHECK_RC(ferry_dispatch(cpu, &din, &dout, &r), FERRY_OK);
+        fw_run_experts(&s, me, cex, cexs, ccnt, cap, b.hey);
+        ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.hey};
+        ferry_combine_out_t co = {.size = sizeof(co), .topk_weights = in.w, .out = cout_};
+        CHECK_RC(ferry_combine(cpu, r, &cin, &co), FERRY_OK);
+        /* CUDA kernels on the same inputs */
+        CU(cudaMemcpy(b.x, in.x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
+        ferry_dispatch_in_t gdin = {.size = sizeof(gdin), .num_tokens = in.T, .x = b.x,
+                                    .topk_idx = b.idx};
+        ferry_dispatch_out_t gdout = {.size = sizeof(gdout), .expert_x = b.ex,
+                                      .expert_x_scales = b.exs, .expert_num_tokens = b.cnt,
+                                      .expert_src_rank = b.sr, .expert_src_token = b.st};
+        CHECK_RC(ferry_dispatch(gpu, &gdin, &gdout, &r), FERRY_OK);
+        CHECK_RC(ferry_ep_sync(gpu, NULL), FERRY_OK);
+        CU(cudaMemcpy(b.hcnt, b.cnt, El * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hex, b.ex, lay.expert_x_bytes, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hexs, b.exs, lay.expert_scales_bytes, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hsr, b.sr, El * cap * 4, cudaMemcpyDeviceToHost));
+        CU(cudaMemcpy(b.hst, b.st, El * cap * 4, cudaMemcpyDeviceToHost));
+        if (memcmp(b.hcnt, ccnt, El * 4) != 0)
+            bad_disp++;
+        for (size_t le = 0; le < El; le++) {
+            size_t n = (size_t)ccnt[le], o = le * cap;
+            if (n > cap)
+                n = cap;
+            if (memcmp(b.hex + o * lay.token_bytes, cex + o * lay.token_bytes, n * lay.token_bytes) ||
+                memcmp(b.hexs + o * lay.num_scales, cexs + o * lay.num_scales, n * lay.num_scales * 4) ||
+                memcmp(b.hsr + o, csr + o, n * 4) || memcmp(b.hst + o, cst + o, n * 4))
+                bad_disp++;
+        }
+        CU(cudaMemcpy(b.ey, b.hey, lay.expert_y_bytes, cudaMemcpyHostToDevice));
+        ferry_combine_in_t gcin = {.size = sizeof(gcin), .expert_y = b.ey};
+        ferry_combine_out_t gco = {.size = sizeof(gco), .topk_weights = b.w, .out = b.out};
+        CHECK_RC(ferry_combine(gpu, r, &gcin, &gco), FERRY_OK);
+        CHECK_RC(ferry_ep_sync(gpu, NULL), FERRY_OK);
+        CU(cudaMemcpy(b.hout, b.out, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < (size_t)in.T * H; i++) {
+            /* one bf16 rounding apart, plus fp32 summation-order noise
+             * near zero (the GPU contracts multiply-adds into FMAs) */
+            uint32_t ug = (uint32_t)b.hout[i] << 16, uc = (uint32_t)cout_[i] << 16;
+            float g, c;
+            memcpy(&g, &ug, 4);
+            memcpy(&c, &uc, 4);
+            float m = fabsf(g) > fabsf(c) ? fabsf(g) : fabsf(c);
+            if (!(fabsf(g - c) <= m * (1.0f / 128) + 1e-3f)) {
+                if (bad_comb++ < 3)
+                    fprintf(stderr, "rank %d round %d: out[%zu] gpu 0x%04x cpu 0x%04x\n", me,
+                            it, i, b.hout[i], cout_[i]);
+            }
+        }
+    }
+    printf("rank %d: %s twin: %ld dispatch mismatches, %ld combine values more than one bf16 rounding apart\n",
+           me, fp8 ? "fp8" : "bf16", bad_disp, bad_comb);
+    CHECK(bad_disp == 0, "dispatch differs from the CPU twin");
+    CHECK(bad_comb == 0, "combine differs from the CPU twin by more than one bf16 ulp");
+    ferry_ep_destroy(gpu);
+    ferry_ep_destroy(cpu);
+    return fr_test_result();
+}
+
 static int run_timeout(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
@@ -294,6 +405,8 @@ int main(int argc, char **argv)
         rc = run_timeout(comm);
     else if (strcmp(mode, "badidx") == 0)
         rc = run_badidx(comm);
+    else if (strcmp(mode, "twin") == 0)
+        rc = run_twin(comm, 1) | run_twin(comm, 0);
     else
         rc = run_graph(comm);
     ferry_comm_destroy(comm);
