@@ -46,6 +46,19 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                              "Set: each proxy prints, at exit, percentiles "
                              "of the time from picking up a request to the "
                              "last peer's write of that phase landing."},
+    [FR_CFG_FAULT_DELAY_US] = {"FERRY_FAULT_DELAY_US", "0",
+                               "Fault injection (tests): hold every fabric "
+                               "write's arrival this many us before the "
+                               "receiver sees it. 0: off."},
+    [FR_CFG_FAULT_JITTER_US] = {"FERRY_FAULT_JITTER_US", "0",
+                                "Fault injection: add a random 0..N us to "
+                                "each held arrival. 0: off."},
+    [FR_CFG_FAULT_REORDER] = {"FERRY_FAULT_REORDER", "0",
+                              "Fault injection: 1 delivers held arrivals in "
+                              "random order, as EFA's unordered transport "
+                              "may. 0: off."},
+    [FR_CFG_FAULT_SEED] = {"FERRY_FAULT_SEED", "1",
+                           "Seed of the fault injector's random numbers."},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -42,6 +43,7 @@
 
 #include "../core/log.h"
 #include "transport.h"
+#include "../core/config.h"
 
 #define FR_FAB_NAME_MAX 448 /* endpoint name bytes in the exchange block */
 #define FR_FAB_PROV_MAX 56  /* provider name bytes in the exchange block */
@@ -127,7 +129,84 @@ struct fr_transport {
 
     struct fr_mr *mrs;
     struct fr_group *groups;
+
+    /* fault injection (FERRY_FAULT_*): arrivals held back, then released
+     * after a delay and jitter, in random order when asked */
+    long f_delay_ns, f_jitter_ns;
+    int f_reorder;
+    uint64_t f_rng;
+    struct fr_fab_held { uint32_t imm; uint64_t at; } *held;
+    int nheld, capheld;
+    long f_nheld, f_nreordered;
 };
+
+static uint64_t fab_rand(fr_transport_t *t)
+{
+    uint64_t x = t->f_rng += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t fab_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Keep an arrival back (fault injection); 0 when it cannot be held. */
+static int fab_hold(fr_transport_t *t, uint32_t imm)
+{
+    if (t->nheld == t->capheld) {
+        int cap = t->capheld ? 2 * t->capheld : 64;
+        void *p = realloc(t->held, sizeof(*t->held) * (size_t)cap);
+        if (!p)
+            return 0;
+        t->held = p;
+        t->capheld = cap;
+    }
+    uint64_t at = fab_now() + (uint64_t)t->f_delay_ns;
+    if (t->f_jitter_ns > 0)
+        at += fab_rand(t) % (uint64_t)(t->f_jitter_ns + 1);
+    t->held[t->nheld].imm = imm;
+    t->held[t->nheld].at = at;
+    t->nheld++;
+    t->f_nheld++;
+    return 1;
+}
+
+/* Release held arrivals that are due: oldest first, or in random order. */
+static int fab_release(fr_transport_t *t, fr_cqe_t *out, int max)
+{
+    int n = 0;
+    uint64_t now = fab_now();
+    while (n < max && t->nheld > 0) {
+        int pick = -1, seen = 0;
+        for (int i = 0; i < t->nheld; i++) {
+            if (t->held[i].at > now)
+                continue;
+            seen++;
+            if (pick < 0 || (t->f_reorder && fab_rand(t) % (uint64_t)seen == 0))
+                pick = i;
+            if (!t->f_reorder)
+                break;
+        }
+        if (pick < 0)
+            break;
+        t->f_nreordered += pick > 0; /* an older arrival is still held */
+        out[n].kind = FR_CQE_RX;
+        out[n].imm = t->held[pick].imm;
+        out[n].peer = -1;
+        out[n].status = FERRY_OK;
+        out[n].ctx = 0;
+        n++;
+        memmove(&t->held[pick], &t->held[pick + 1],
+                sizeof(*t->held) * (size_t)(t->nheld - pick - 1));
+        t->nheld--;
+    }
+    return n;
+}
 
 /* ------------------------------------------------------------------ */
 /* op pool and lists                                                   */
@@ -318,6 +397,17 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
     t->rank = fr_boot_rank(boot);
     t->size = fr_boot_size(boot);
     t->next_key = 1;
+    t->f_delay_ns = fr_cfg_int(FR_CFG_FAULT_DELAY_US) * 1000;
+    t->f_jitter_ns = fr_cfg_int(FR_CFG_FAULT_JITTER_US) * 1000;
+    t->f_reorder = fr_cfg_int(FR_CFG_FAULT_REORDER) != 0;
+    t->f_rng = (uint64_t)fr_cfg_int(FR_CFG_FAULT_SEED) * 1000003u + (uint64_t)t->rank;
+    if (t->f_reorder && !t->f_delay_ns && !t->f_jitter_ns)
+        t->f_jitter_ns = 20000; /* something to reorder within */
+    if (t->f_delay_ns || t->f_jitter_ns || t->f_reorder)
+        FR_LOG_WARN(FR_SUB_NET,
+                    "fault injection on: delay %ld us, jitter %ld us, %s",
+                    t->f_delay_ns / 1000, t->f_jitter_ns / 1000,
+                    t->f_reorder ? "reordered arrivals" : "in order");
 
     hints = fi_allocinfo();
     if (!hints) {
@@ -681,6 +771,8 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
     }
     fab_drain_queue(t);
 
+    if (t->nheld)
+        n += fab_release(t, out + n, max - n);
     struct fi_cq_data_entry ent[FR_FAB_CQ_BATCH];
     while (n < max) {
         int want = max - n < FR_FAB_CQ_BATCH ? max - n : FR_FAB_CQ_BATCH;
@@ -723,6 +815,12 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
             return fab_fail(err, "fi_cq_read", (int)got);
         for (ssize_t i = 0; i < got; i++) {
             fr_cqe_t *c = &out[n++];
+            if ((ent[i].flags & FI_REMOTE_CQ_DATA) &&
+                (t->f_delay_ns || t->f_jitter_ns || t->f_reorder) &&
+                fab_hold(t, (uint32_t)ent[i].data)) {
+                n--; /* held back: released by a later poll */
+                continue;
+            }
             if (ent[i].flags & FI_REMOTE_CQ_DATA) {
                 c->kind = FR_CQE_RX;
                 c->imm = (uint32_t)ent[i].data;
@@ -771,6 +869,12 @@ static void fab_close(fr_transport_t *t)
                  "fabric: closing with %ld posted and %ld queued writes; "
                  "%ld posts waited for -FI_EAGAIN",
                  t->inflight, t->nqueued, t->nwaited);
+    if (t->f_delay_ns || t->f_jitter_ns || t->f_reorder)
+        FR_LOG_WARN(FR_SUB_NET,
+                    "fault injection: held %ld arrivals, delivered %ld ahead "
+                    "of an older one", t->f_nheld, t->f_nreordered);
+    free(t->held);
+    t->held = NULL;
     while (t->groups)
         fab_group_destroy(t, t->groups);
     while (t->mrs)
