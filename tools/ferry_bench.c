@@ -45,7 +45,8 @@ static void usage(FILE *f)
             "      --topk K         experts per token (default 8)\n"
             "      --hidden H       hidden size (default 7168)\n"
             "      --tokens T       tokens per rank per round (default 128)\n"
-            "      --dtype fp8|bf16 dispatch dtype (default fp8)\n"
+            "      --dtype fp8|bf16|mixed  dispatch dtype (default fp8; mixed: a bf16 and\n"
+            "                       an fp8 context, alternating every round)\n"
             "      --routing uniform|zipf:S   expert choice (default uniform)\n"
             "      --mask P         probability a top-k slot is -1 (default 0)\n"
             "      --vary-tokens    token count per rank and round random in 0..T\n"
@@ -104,6 +105,8 @@ static int parse(int argc, char **argv, opts_t *o)
                 o->fp8 = 1;
             else if (strcmp(optarg, "bf16") == 0)
                 o->fp8 = 0;
+            else if (strcmp(optarg, "mixed") == 0)
+                o->fp8 = 2; /* two contexts, bf16 and fp8, alternating */
             else {
                 fprintf(stderr, "ferry-bench: --dtype %s: use fp8 or bf16\n", optarg);
                 return -1;
@@ -217,7 +220,8 @@ static int base_init(base_t *b, const fw_spec_t *s)
     MPI_Comm_size(MPI_COMM_WORLD, &b->N);
     MPI_Comm_rank(MPI_COMM_WORLD, &b->me);
     b->El = s->E / s->N;
-    b->pay = fw_token_bytes(s) + (s->fp8 ? (size_t)s->H / 128 * 4 : 0);
+    /* sized for bf16 rows, the larger of the two dtypes */
+    b->pay = 2 * (size_t)s->H + (size_t)s->H / 128 * 4 + 16;
     b->item = 8 + b->pay;
     size_t maxi = (size_t)s->T * s->K, maxr = (size_t)s->N * s->T * s->K;
     b->scnt = calloc((size_t)b->N * 8, sizeof(int));
@@ -262,6 +266,8 @@ static void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
 {
     int N = b->N, K = s->K, El = b->El, T = in->T;
     size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    b->pay = tb + 4 * ns;
+    b->item = 8 + b->pay;
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scl = NULL;
     if (s->fp8) {
@@ -604,11 +610,21 @@ int main(int argc, char **argv)
     cfg.topk = o.topk;
     cfg.hidden = o.hidden;
     cfg.max_tokens = o.tokens > 0 ? o.tokens : 1;
-    cfg.dispatch_dtype = o.fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.dispatch_dtype = o.fp8 == 1 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
     cfg.device = strcmp(o.device, "cuda") == 0 ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
     cfg.num_sms = o.sms;
-    ferry_ep_t ep = NULL;
+    if (o.fp8 == 2 && cfg.device == FERRY_DEVICE_CUDA) {
+        fprintf(stderr, "ferry-bench: --dtype mixed is for CPU ranks\n");
+        return 2;
+    }
+    s.fp8 = o.fp8 == 1;
+    ferry_ep_t ep = NULL, eps[2] = {NULL, NULL};
     rc = ferry_ep_create(comm, &cfg, &ep);
+    eps[0] = ep;
+    if (rc == FERRY_OK && o.fp8 == 2) {
+        cfg.dispatch_dtype = FERRY_DTYPE_FP8_E4M3;
+        rc = ferry_ep_create(comm, &cfg, &eps[1]);
+    }
     if (rc != FERRY_OK) {
         if (me == 0)
             fprintf(stderr, "ferry-bench: rank %d: ep_create: %s: %s\n", me,
@@ -620,11 +636,15 @@ int main(int argc, char **argv)
 #endif
         return 1;
     }
-    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_layout_t lay = {.size = sizeof(lay)}, lays[2];
     ferry_ep_get_layout(ep, &lay);
+    lays[0] = lays[1] = lay;
+    if (eps[1])
+        ferry_ep_get_layout(eps[1], &lays[1]);
     size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    /* sized for the larger of the contexts (mixed: bf16 rows, fp8 scales) */
     uint8_t *ex = calloc(lay.expert_x_bytes + 1, 1);
-    float *exs = calloc(lay.expert_scales_bytes + 4, 1);
+    float *exs = calloc(lays[1].expert_scales_bytes + lay.expert_scales_bytes + 4, 1);
     int32_t *cnt = calloc(El, sizeof(int32_t));
     int32_t *sr = calloc(El * cap + 1, sizeof(int32_t));
     int32_t *st = calloc(El * cap + 1, sizeof(int32_t));
@@ -640,7 +660,7 @@ int main(int argc, char **argv)
     /* Touch every page once, as an engine's long-lived tensors would be, so
      * no first-touch page faults land in whichever side runs first. */
     memset(ex, 1, lay.expert_x_bytes);
-    memset(exs, 1, lay.expert_scales_bytes);
+    memset(exs, 1, lays[1].expert_scales_bytes + lay.expert_scales_bytes);
     memset(ey, 1, lay.expert_y_bytes);
     memset(sr, 1, (El * cap + 1) * sizeof(int32_t));
     memset(st, 1, (El * cap + 1) * sizeof(int32_t));
@@ -737,6 +757,11 @@ int main(int argc, char **argv)
 #endif
     for (int it = 0; it < total && !fail; it++) {
         uint64_t round_id = (uint64_t)it + 1;
+        if (o.fp8 == 2) { /* alternate the contexts: the dtype changes */
+            ep = eps[it & 1];
+            lay = lays[it & 1];
+            s.fp8 = it & 1;
+        }
         fw_generate(&s, round_id, me, &in);
         ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T,
                                    .x = in.x, .topk_idx = in.idx};
@@ -766,7 +791,7 @@ int main(int argc, char **argv)
             cout.out = dv.out;
         }
         uint64_t round = 0;
-        if (bench_barrier(comm, have_base) != FERRY_OK) {
+        if ((rc = bench_barrier(comm, have_base)) != FERRY_OK) {
             fail = "barrier";
             break;
         }
@@ -793,7 +818,7 @@ int main(int argc, char **argv)
             fail = "copy to GPU";
             break;
         }
-        if (bench_barrier(comm, have_base) != FERRY_OK) {
+        if ((rc = bench_barrier(comm, have_base)) != FERRY_OK) {
             fail = "barrier";
             break;
         }
@@ -872,9 +897,12 @@ int main(int argc, char **argv)
     }
     if (fail) {
         fprintf(stderr, "ferry-bench: rank %d: %s failed: %s: %s\n", me, fail,
-                ferry_strerror(rc), rc == FERRY_OK ? ferry_comm_last_error(comm)
-                                                   : ferry_ep_last_error(ep));
-        ferry_ep_destroy(ep);
+                ferry_strerror(rc),
+                strcmp(fail, "barrier") == 0 ? ferry_comm_last_error(comm)
+                                             : ferry_ep_last_error(ep));
+        ferry_ep_destroy(eps[0]);
+        if (eps[1])
+            ferry_ep_destroy(eps[1]);
         ferry_comm_destroy(comm);
         /* Leave without MPI_Finalize: peers may be gone. */
         _exit(1);
@@ -942,7 +970,7 @@ int main(int argc, char **argv)
         else
             snprintf(wbuf, sizeof(wbuf), "n/a");
         printf(" %5d %5d %3d %6d %6d %5s %10.1f %10.1f %10.1f %10.1f %9.2f %8.2f %10.1f %10.1f %8.2f %7s\n",
-               N, o.experts, o.topk, o.hidden, o.tokens, o.fp8 ? "fp8" : "bf16",
+               N, o.experts, o.topk, o.hidden, o.tokens, o.fp8 == 2 ? "mixed" : o.fp8 ? "fp8" : "bf16",
                dp50, dp99, cp50, cp99, bytes / 1e6, gbs, bd50, bc50, speed, wbuf);
         if (o.json) {
             FILE *f = fopen(o.json, "w");
@@ -959,7 +987,7 @@ int main(int argc, char **argv)
                         "\"bytes_per_rank\": %.0f, \"gbps\": %.4f, "
                         "\"baseline_dispatch_p50_us\": %.3f, \"baseline_combine_p50_us\": %.3f, "
                         "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s}\n",
-                        N, o.experts, o.topk, o.hidden, o.tokens, o.fp8 ? "fp8" : "bf16",
+                        N, o.experts, o.topk, o.hidden, o.tokens, o.fp8 == 2 ? "mixed" : o.fp8 ? "fp8" : "bf16",
                         o.routing, tr ? tr : "auto", o.device, o.iters, dp50, dp99, cp50,
                         cp99, bytes, gbs, have_base ? bd50 : -1.0, have_base ? bc50 : -1.0,
                         have_base ? speed : -1.0, twrong, o.check ? "true" : "false");
@@ -976,7 +1004,9 @@ int main(int argc, char **argv)
     if (wrong > 0)
         status = 1;
     dev_free(&dv);
-    rc = ferry_ep_destroy(ep);
+    rc = ferry_ep_destroy(eps[0]);
+    if (eps[1] && rc == FERRY_OK)
+        rc = ferry_ep_destroy(eps[1]);
     if (rc != FERRY_OK) {
         fprintf(stderr, "ferry-bench: rank %d: ep_destroy: %s\n", me, ferry_strerror(rc));
         status = 1;

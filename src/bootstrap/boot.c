@@ -4,6 +4,10 @@
 #include <string.h>
 
 #include "../core/log.h"
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include "boot_int.h"
 
 int fr_boot_init_callback(int rank, int size, ferry_allgather_fn fn, void *ctx,
@@ -92,6 +96,25 @@ int fr_boot_dead_rank(const fr_boot_t *b)
     if (!b || b->kind != FR_BOOT_TCP)
         return -1;
     return __atomic_load_n(&b->dead, __ATOMIC_ACQUIRE);
+}
+
+int fr_boot_local_ipv4(const fr_boot_t *b, char *buf, size_t len)
+{
+    if (!b || b->kind != FR_BOOT_TCP || !b->conns || !buf || len < 16)
+        return -1;
+    for (int i = 0; i < b->nconns; i++) {
+        if (b->conns[i].fd < 0 || b->conns[i].state != FR_CONN_LIVE)
+            continue;
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        if (getsockname(b->conns[i].fd, (struct sockaddr *)&sa, &sl) != 0 ||
+            sa.sin_family != AF_INET)
+            continue;
+        if (!inet_ntop(AF_INET, &sa.sin_addr, buf, (socklen_t)len))
+            continue;
+        return 0;
+    }
+    return -1;
 }
 
 int fr_boot_close(fr_boot_t *b, fr_err_t *err)

@@ -57,6 +57,11 @@ int fr_boot_barrier(fr_boot_t *b, fr_err_t *err);
  * Cheap: one atomic load; safe from any thread. */
 int fr_boot_dead_rank(const fr_boot_t *b);
 
+/* IPv4 address (text) this rank uses to reach the rendezvous: peers can
+ * reach it, so the fabric prefers the interface that has it. -1 when the
+ * bootstrap is not TCP. */
+int fr_boot_local_ipv4(const fr_boot_t *b, char *buf, size_t len);
+
 /* Orderly close: goodbye to the root, which waits (bounded) for everyone's
  * goodbye before closing, so no rank is reported dead at shutdown. */
 int fr_boot_close(fr_boot_t *b, fr_err_t *err);

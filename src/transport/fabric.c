@@ -33,6 +33,9 @@
 #include <string.h>
 #include <time.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -440,12 +443,30 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
                     envprov ? envprov : "(unset)", fi_strerror(-frc), frc);
         goto fail;
     }
-    /* First offer that carries at least 32 bits of remote CQ data. */
+    /* First offer that carries at least 32 bits of remote CQ data; among
+     * socket-addressed offers (tcp) prefer the interface this rank reached
+     * the rendezvous through, which its peers can reach too (on a
+     * multi-homed host the first offer may be loopback). */
+    char myip[64];
+    struct in_addr mine4;
+    int have_ip = fr_boot_local_ipv4(boot, myip, sizeof(myip)) == 0 &&
+                  inet_pton(AF_INET, myip, &mine4) == 1;
+    struct fi_info *first = NULL, *match = NULL;
     for (struct fi_info *i = list; i; i = i->next) {
-        if (i->domain_attr->cq_data_size >= 4) {
-            t->info = fi_dupinfo(i);
-            break;
-        }
+        if (i->domain_attr->cq_data_size < 4)
+            continue;
+        if (!first)
+            first = i;
+        if (have_ip && !match && i->addr_format == FI_SOCKADDR_IN &&
+            i->src_addr && i->src_addrlen >= sizeof(struct sockaddr_in) &&
+            ((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr == mine4.s_addr)
+            match = i;
+    }
+    if (match || first) {
+        t->info = fi_dupinfo(match ? match : first);
+        if (match)
+            FR_LOG_INFO(FR_SUB_NET, "fabric: using the interface of %s "
+                        "(the rendezvous route)", myip);
     }
     if (!t->info) {
         rc = FR_ERR(err, FERRY_ERR_FABRIC,

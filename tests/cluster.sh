@@ -1,0 +1,119 @@
+#!/bin/bash
+# A test cluster on one machine: hosts are network namespaces (own UTS name,
+# a veth into a bridge, addresses in 10.199.0.0/16), and ranks meet through
+# ferry's normal start-up (TCP rendezvous at rank 0's address). Needs root.
+#
+#   tests/cluster.sh [options] -- COMMAND [ARGS...]
+#     -H N            hosts (default 2)
+#     -R N            ranks per host (default 4)
+#     -t SECONDS      kill everything still running after this (default 300)
+#     --down H:SECS   take host H's link down SECS seconds after the start
+#     --absent RANK   that rank never starts
+#     -o DIR          keep per-rank logs and exit codes there (rank.N.log,
+#                     rank.N.rc); default: a temporary folder, removed
+#
+# Every rank runs COMMAND with FERRY_RANK, FERRY_WORLD_SIZE, FERRY_ROOT set
+# (and FI_PROVIDER=tcp unless set). The script always removes what it
+# created (namespaces, veths, bridge), also on failure or interrupt, and
+# exits with the highest rank exit status (124 when it had to kill ranks).
+set -u
+H=2; R=4; LIMIT=300; DOWN=""; ABSENT=-1; OUTDIR=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -H) H=$2; shift 2;;
+    -R) R=$2; shift 2;;
+    -t) LIMIT=$2; shift 2;;
+    --down) DOWN=$2; shift 2;;
+    --absent) ABSENT=$2; shift 2;;
+    -o) OUTDIR=$2; shift 2;;
+    --) shift; break;;
+    *) echo "cluster.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+[ $# -gt 0 ] || { echo "cluster.sh: no command" >&2; exit 2; }
+if [ "$(id -u)" -ne 0 ]; then echo "cluster.sh: needs root (network namespaces)"; exit 77; fi
+command -v ip >/dev/null || { echo "cluster.sh: needs iproute2"; exit 77; }
+
+ID=$(( $$ % 10000 ))
+PFX="fr${ID}"
+BR="${PFX}b"
+SUBNET=$(( 100 + ID % 100 ))         # 10.199.SUBNET.0/24, per run
+KEEP=1
+if [ -z "$OUTDIR" ]; then OUTDIR=$(mktemp -d); KEEP=0; fi
+mkdir -p "$OUTDIR"
+PIDS=()
+
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill -9 -- -"$p" 2>/dev/null; done
+  for h in $(seq 0 $((H - 1))); do
+    ip netns del "${PFX}h$h" 2>/dev/null
+    ip link del "${PFX}v$h" 2>/dev/null
+  done
+  ip link del "$BR" 2>/dev/null
+  [ $KEEP -eq 0 ] && rm -rf "$OUTDIR"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+ip link add "$BR" type bridge || exit 1
+ip link set "$BR" up
+for h in $(seq 0 $((H - 1))); do
+  ns="${PFX}h$h"
+  ip netns add "$ns" || exit 1
+  ip link add "${PFX}v$h" type veth peer name "${PFX}p$h" || exit 1
+  ip link set "${PFX}v$h" master "$BR" up
+  ip link set "${PFX}p$h" netns "$ns"
+  ip -n "$ns" link set "${PFX}p$h" name eth0
+  ip -n "$ns" addr add "10.199.$SUBNET.$((10 + h))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+
+PORT=$(( 20000 + RANDOM % 20000 ))
+ROOT="10.199.$SUBNET.10:$PORT"
+N=$((H * R))
+echo "cluster: $H hosts x $R ranks, root $ROOT, logs in $OUTDIR"
+start=$(date +%s)
+for r in $(seq 0 $((N - 1))); do
+  h=$((r / R))
+  if [ "$r" -eq "$ABSENT" ]; then echo "cluster: rank $r left out"; continue; fi
+  setsid ip netns exec "${PFX}h$h" unshare --uts sh -c \
+    'hostname "$0"; exec "$@"' "host$h" \
+    env FERRY_RANK=$r FERRY_WORLD_SIZE=$N FERRY_ROOT=$ROOT \
+        FI_PROVIDER=${FI_PROVIDER:-tcp} "$@" \
+    > "$OUTDIR/rank.$r.log" 2>&1 &
+  PIDS+=($!)
+  RANKOF[$!]=$r
+done
+
+if [ -n "$DOWN" ]; then
+  (sleep "${DOWN#*:}"; echo "cluster: taking host ${DOWN%%:*}'s link down";
+   ip link set "${PFX}v${DOWN%%:*}" down) &
+fi
+
+status=0
+for p in "${PIDS[@]}"; do
+  left=$(( LIMIT - ($(date +%s) - start) ))
+  [ $left -lt 1 ] && left=1
+  # wait with a deadline
+  for _ in $(seq 1 $((left * 10))); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$p" 2>/dev/null; then
+    echo "cluster: rank ${RANKOF[$p]} still running after ${LIMIT}s: killing"
+    kill -9 -- -"$p" 2>/dev/null; wait "$p" 2>/dev/null; rc=124
+  else
+    wait "$p"; rc=$?
+  fi
+  echo "$rc" > "$OUTDIR/rank.${RANKOF[$p]}.rc"
+  echo "$(( $(date +%s) - start ))" > "$OUTDIR/rank.${RANKOF[$p]}.secs"
+  [ $rc -gt $status ] && status=$rc
+done
+for r in $(seq 0 $((N - 1))); do
+  [ -f "$OUTDIR/rank.$r.rc" ] || continue
+  rc=$(cat "$OUTDIR/rank.$r.rc")
+  if [ "$rc" != 0 ]; then
+    echo "cluster: rank $r exited $rc after $(cat "$OUTDIR/rank.$r.secs")s:"
+    tail -n 4 "$OUTDIR/rank.$r.log" | sed 's/^/    /'
+  fi
+done
+tail -n 3 "$OUTDIR/rank.0.log" 2>/dev/null
+exit $status
