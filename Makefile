@@ -101,6 +101,24 @@ $(BUILD)/obj/%.o: %.cu src/core/layout.h src/core/quant.h src/core/ep.h src/kern
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
 
+# Coverage-guided fuzzing (libFuzzer): argument checks and record decoding.
+FUZZ_BUILD ?= build-fuzz
+FUZZ_CC ?= clang
+FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_CFLAGS := -g -O1 -std=c11 -D_GNU_SOURCE -fPIC -pthread -Iinclude -Isrc \
+               $(FABRIC_CFLAGS) -fno-omit-frame-pointer $(FUZZ_SAN)
+FUZZ_LIB_SRCS := $(wildcard src/core/*.c src/bootstrap/*.c src/transport/*.c \
+                            src/proxy/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
+FUZZ_OBJS := $(FUZZ_LIB_SRCS:%.c=$(FUZZ_BUILD)/obj/%.o)
+FUZZ_BINS := $(FUZZ_BUILD)/fuzz_config $(FUZZ_BUILD)/fuzz_records
+.PHONY: fuzz
+fuzz: $(FUZZ_BINS)
+$(FUZZ_BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
+$(FUZZ_BUILD)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJS)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^ $(FABRIC_LIBS) -lrt -lm -pthread
+
 test: all
 	tests/run.sh $(BUILD)
 
@@ -109,6 +127,6 @@ check:
 	tests/check.sh
 
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-fuzz build-dev
 
 -include $(LIB_OBJS:.o=.d) $(TOOL_COMMON_OBJS:.o=.d)

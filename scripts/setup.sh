@@ -6,5 +6,5 @@ if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-bin \
-    libopenmpi-dev openmpi-bin iproute2 procps util-linux > /dev/null
+    libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev > /dev/null
 echo "ferry: build dependencies installed"

@@ -236,10 +236,13 @@ int ferry_comm_destroy(ferry_comm_t comm)
 /* ---------------------------------------------------------------------- */
 /* EP create / destroy                                                    */
 
-static int fr_check_config(ferry_comm_t comm, const ferry_ep_config_t *c,
-                           fr_err_t *err)
+int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
 {
-    int N = comm->size;
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_INVALID, "config: NULL pointer");
+    if (N < 1 || N > FR_MAX_RANKS)
+        return FR_ERR(err, FERRY_ERR_INVALID, "world size %d: must be 1..%d",
+                      N, FR_MAX_RANKS);
     if (c->size < sizeof(ferry_ep_config_t) || c->magic != FERRY_EP_CONFIG_MAGIC)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "config: not initialised with FERRY_EP_CONFIG_INIT "
@@ -383,7 +386,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     fr_setup_msg_t msg;
     memset(&msg, 0, sizeof(msg));
-    msg.status = fr_check_config(comm, config, &err);
+    msg.status = fr_ep_check_config(comm->size, config, &err);
     if (msg.status == FERRY_OK) {
         ep->cfg = *config;
         msg.E = config->num_experts;
@@ -801,6 +804,44 @@ static int fr_round_get(ferry_ep_t ep, uint64_t round, int want_state,
     return FERRY_OK;
 }
 
+int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
+                           int on_gpu, fr_err_t *err)
+{
+    if (in->size < sizeof(*in))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "in->size = %zu: set it to sizeof(ferry_dispatch_in_t)",
+                      in->size);
+    int T = in->num_tokens;
+    if (on_gpu && in->num_tokens_dev)
+        T = L->T; /* read on the device; checked there */
+    if (T < 0 || T > L->T)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_tokens = %d: must be 0..max_tokens (%d)", T, L->T);
+    if (T > 0 && !in->x)
+        return FR_ERR(err, FERRY_ERR_INVALID, "x: NULL pointer");
+    if (T > 0 && !in->topk_idx)
+        return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
+    if (in->x_scales && !L->fp8)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_scales given but the dispatch dtype is bf16");
+    for (int t = 0; t < T && !on_gpu; t++) {
+        const int64_t *row = in->topk_idx + (size_t)t * L->K;
+        for (int k = 0; k < L->K; k++) {
+            int64_t e = row[k];
+            if (e < -1 || e >= L->E)
+                return FR_ERR(err, FERRY_ERR_INVALID,
+                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d",
+                              t, k, (long long)e, L->E - 1);
+            for (int j = 0; j < k && e >= 0; j++)
+                if (row[j] == e)
+                    return FR_ERR(err, FERRY_ERR_INVALID,
+                                  "topk_idx[%d][%d] = %lld repeats "
+                                  "topk_idx[%d][%d]", t, k, (long long)e, t, j);
+        }
+    }
+    return FERRY_OK;
+}
+
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                         uint64_t *round)
 {
@@ -814,41 +855,14 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
     if (!round)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "round: NULL pointer");
-    if (in->size < sizeof(*in))
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "in->size = %zu: set it to sizeof(ferry_dispatch_in_t)",
-                          in->size);
+    {
+        fr_err_t aerr;
+        rc = fr_check_dispatch_args(L, in, ep->cuda != NULL, &aerr);
+        if (rc)
+            return fr_ep_fail(ep, rc, "%s", aerr.msg);
+    }
     int T = in->num_tokens;
     int on_gpu = ep->cuda != NULL;
-    if (on_gpu && in->num_tokens_dev)
-        T = L->T; /* read on the device; checked there */
-    if (T < 0 || T > L->T)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "num_tokens = %d: must be 0..max_tokens (%d)", T,
-                          L->T);
-    if (T > 0 && !in->x)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
-    if (T > 0 && !in->topk_idx)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
-    if (in->x_scales && !L->fp8)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "x_scales given but the dispatch dtype is bf16");
-    for (int t = 0; t < T && !on_gpu; t++) {
-        const int64_t *row = in->topk_idx + (size_t)t * L->K;
-        for (int k = 0; k < L->K; k++) {
-            int64_t e = row[k];
-            if (e < -1 || e >= L->E)
-                return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                                  "topk_idx[%d][%d] = %lld: must be -1 or "
-                                  "0..%d", t, k, (long long)e, L->E - 1);
-            for (int j = 0; j < k && e >= 0; j++)
-                if (row[j] == e)
-                    return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                                      "topk_idx[%d][%d] = %lld repeats "
-                                      "topk_idx[%d][%d]", t, k, (long long)e,
-                                      t, j);
-        }
-    }
     uint64_t epoch = ep->next_epoch + 1;
     fr_round_t *r = &ep->rounds[epoch % FR_NSETS];
     if (r->state != FR_ROUND_FREE)

@@ -181,6 +181,11 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
 int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
                         const ferry_combine_out_t *out);
 
+/* Argument checks (also run under the fuzzer). */
+int fr_ep_check_config(int nranks, const ferry_ep_config_t *c, fr_err_t *err);
+int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
+                           int on_gpu, fr_err_t *err);
+
 /* Record decoding, shared with the fuzzer: validate one received slice. */
 int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
                    uint64_t epoch, fr_err_t *err);

@@ -94,6 +94,7 @@ static void check_slice(void)
     MUTATE(r1->nexp = 5);
     MUTATE(r1->le[1] = 4);
     MUTATE(r1->pair = 0);
+    MUTATE(r1->le[1] = r1->le[0]); /* found by fuzz_records */
 #undef MUTATE
     free(c);
     free(buf);

@@ -195,11 +195,18 @@ int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
             return FR_ERR(err, FERRY_ERR_PROTOCOL,
                           "slice from rank %d: record %u lists %u experts "
                           "(1..%d)", sender, i, rh->nexp, L->kmax);
-        for (int j = 0; j < rh->nexp; j++)
+        for (int j = 0; j < rh->nexp; j++) {
             if (rh->le[j] >= (uint32_t)L->El)
                 return FR_ERR(err, FERRY_ERR_PROTOCOL,
                               "slice from rank %d: record %u names local "
                               "expert %u of %d", sender, i, rh->le[j], L->El);
+            /* a repeat would give one expert more rows than expert_x has */
+            for (int j2 = 0; j2 < j; j2++)
+                if (rh->le[j2] == rh->le[j])
+                    return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                                  "slice from rank %d: record %u lists local "
+                                  "expert %u twice", sender, i, rh->le[j]);
+        }
         pairs += rh->nexp;
     }
     if (pairs != h->npairs)

@@ -508,8 +508,11 @@ fr_cu_recv_count(fr_cu_args_t A, int set)
         const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
         bool bad = r->token >= (uint32_t)L.T || r->nexp < 1 || r->nexp > kmax ||
                    r->pair + r->nexp > h->npairs;
-        for (int j = 0; j < r->nexp && !bad; j++)
+        for (int j = 0; j < r->nexp && !bad; j++) {
             bad = r->le[j] >= El;
+            for (int j2 = 0; j2 < j && !bad; j2++)
+                bad = r->le[j2] == r->le[j]; /* would overflow expert_x */
+        }
         if (bad)
             fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
     }

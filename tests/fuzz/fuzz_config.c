@@ -1,0 +1,83 @@
+/*
+ * libFuzzer target: EP configuration and dispatch-argument validation.
+ * Input bytes become a config (world size, E, K, H, T, dtype, device) and,
+ * when it is accepted, a routing table for dispatch_send's checks. Accepted
+ * configurations must give a layout whose regions fit and do not overlap;
+ * every rejection must come with a message.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/ep.h"
+#include "core/layout.h"
+
+static uint32_t take(const uint8_t **p, size_t *n, int bytes)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < bytes && *n > 0; i++, (*p)++, (*n)--)
+        v |= (uint32_t)(**p) << (8 * i);
+    return v;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    const uint8_t *p = data;
+    size_t n = size;
+    ferry_ep_config_t c = FERRY_EP_CONFIG_INIT;
+    int N = (int)(take(&p, &n, 2) % 300) - 10;
+    c.num_experts = (int)take(&p, &n, 2) - 8;
+    c.topk = (int)(take(&p, &n, 1)) - 2;
+    c.hidden = (int)take(&p, &n, 2) - 16;
+    c.max_tokens = (int)(take(&p, &n, 2) % 600) - 4;
+    c.dispatch_dtype = (ferry_dtype_t)(take(&p, &n, 1) % 3);
+    c.device = (ferry_device_t)(take(&p, &n, 1) % 2 ? 2 : 0);
+    if (take(&p, &n, 1) == 0x5a)
+        c.magic ^= 1;
+    fr_err_t err;
+    err.msg[0] = 0;
+    int rc = fr_ep_check_config(N, &c, &err);
+    if (rc != FERRY_OK) {
+        if (err.msg[0] == 0 || (rc != FERRY_ERR_INVALID && rc != FERRY_ERR_UNSUPPORTED))
+            abort(); /* every rejection says why, with a known code */
+        return 0;
+    }
+    fr_layout_t L;
+    fr_layout_init(&L, N, 0, c.num_experts, c.topk, c.hidden, c.max_tokens,
+                   c.dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    if (L.El < 1 || L.kmax < 1 || L.kmax > FR_MAX_TOPK || L.rec_bytes % 16 ||
+        fr_off_flag(&L, 1, 1, N - 1) + 8 > L.off_drecv ||
+        fr_off_drecv(&L, 1, N - 1) + L.dslice > L.off_crecv ||
+        fr_off_crecv(&L, 1, L.crows) > L.seg_bytes ||
+        fr_off_dsend(&L, 1, N - 1) + L.dslice > L.off_csend ||
+        fr_off_csend(&L, 1, L.send_crows) > L.send_bytes)
+        abort();
+    /* dispatch_send's checks on a routing table made of the rest */
+    int T = (int)(take(&p, &n, 2) % (uint32_t)(L.T + 3)) - 1;
+    size_t cells = (size_t)(T > 0 ? T : 0) * (size_t)L.K;
+    if (cells > 4096)
+        return 0;
+    int64_t *idx = calloc(cells + 1, sizeof(int64_t));
+    for (size_t i = 0; i < cells; i++)
+        idx[i] = (int64_t)(int16_t)take(&p, &n, 2) % (L.E + 2);
+    uint16_t x[8] = {0};
+    ferry_dispatch_in_t in = {.size = sizeof(in), .num_tokens = T, .x = x,
+                              .topk_idx = idx};
+    rc = fr_check_dispatch_args(&L, &in, 0, &err);
+    if (rc == FERRY_OK) {
+        /* accepted: every index is -1 or an expert, none repeats */
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < L.K; k++) {
+                int64_t e = idx[(size_t)t * L.K + k];
+                if (e < -1 || e >= L.E)
+                    abort();
+                for (int j = 0; j < k; j++)
+                    if (e >= 0 && idx[(size_t)t * L.K + j] == e)
+                        abort();
+            }
+    } else if (rc != FERRY_ERR_INVALID || err.msg[0] == 0) {
+        abort();
+    }
+    free(idx);
+    return 0;
+}
