@@ -21,7 +21,10 @@ for variant in "build:" "build-san:SAN=1"; do
     fi
   fi
   echo "== running tests against $B"
-  out=$(tests/run.sh "$B" 2>&1 | tee /dev/stderr | tail -n 1)
+  log=$(mktemp)
+  tests/run.sh "$B" > "$log" 2>&1
+  cat "$log"
+  out=$(tail -n 1 "$log"); rm -f "$log"
   p=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed.*$/\1/p')
   f=$(echo "$out" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed.*$/\2/p')
   k=$(echo "$out" | sed -n 's/^.* failed, \([0-9]*\) skipped$/\1/p')
