@@ -462,6 +462,17 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
             ((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr == mine4.s_addr)
             match = i;
     }
+    /* without the rendezvous address (a caller's allgather), prefer a
+     * socket offer that is not loopback: peers may be on other hosts */
+    if (!match && first && first->addr_format == FI_SOCKADDR_IN) {
+        for (struct fi_info *i = list; i; i = i->next)
+            if (i->domain_attr->cq_data_size >= 4 &&
+                i->addr_format == FI_SOCKADDR_IN && i->src_addr &&
+                (ntohl(((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr) >> 24) != 127) {
+                first = i;
+                break;
+            }
+    }
     if (match || first) {
         t->info = fi_dupinfo(match ? match : first);
         if (match)
