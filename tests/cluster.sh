@@ -7,6 +7,10 @@
 #     -H N            hosts (default 2)
 #     -R N            ranks per host (default 4)
 #     -t SECONDS      kill everything still running after this (default 300)
+#     --nics 2        give every host a second link (eth1, its own bridge
+#                     and subnet 10.200.x.0/24); byte counts of every link
+#                     are written to DIR/links.txt at the end
+#     --nic1-down H   host H's second link is down before the ranks start
 #     --down H:SECS   take host H's link down SECS seconds after the start
 #     --absent RANK   that rank never starts
 #     -o DIR          keep per-rank logs and exit codes there (rank.N.log,
@@ -17,7 +21,7 @@
 # created (namespaces, veths, bridge), also on failure or interrupt, and
 # exits with the highest rank exit status (124 when it had to kill ranks).
 set -u
-H=2; R=4; LIMIT=300; DOWN=""; ABSENT=-1; OUTDIR=""
+H=2; R=4; LIMIT=300; DOWN=""; ABSENT=-1; OUTDIR=""; NICS=1; NIC1DOWN=-1
 while [ $# -gt 0 ]; do
   case "$1" in
     -H) H=$2; shift 2;;
@@ -25,6 +29,8 @@ while [ $# -gt 0 ]; do
     -t) LIMIT=$2; shift 2;;
     --down) DOWN=$2; shift 2;;
     --absent) ABSENT=$2; shift 2;;
+    --nics) NICS=$2; shift 2;;
+    --nic1-down) NIC1DOWN=$2; shift 2;;
     -o) OUTDIR=$2; shift 2;;
     --) shift; break;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2;;
@@ -48,8 +54,10 @@ cleanup() {
   for h in $(seq 0 $((H - 1))); do
     ip netns del "${PFX}h$h" 2>/dev/null
     ip link del "${PFX}v$h" 2>/dev/null
+    ip link del "${PFX}w$h" 2>/dev/null
   done
   ip link del "$BR" 2>/dev/null
+  ip link del "${BR}2" 2>/dev/null
   [ $KEEP -eq 0 ] && rm -rf "$OUTDIR"
 }
 trap cleanup EXIT
@@ -67,6 +75,16 @@ for h in $(seq 0 $((H - 1))); do
   ip -n "$ns" addr add "10.199.$SUBNET.$((10 + h))/24" dev eth0
   ip -n "$ns" link set eth0 up
   ip -n "$ns" link set lo up
+  if [ "$NICS" -ge 2 ]; then
+    [ $h -eq 0 ] && { ip link add "${BR}2" type bridge; ip link set "${BR}2" up; }
+    ip link add "${PFX}w$h" type veth peer name "${PFX}q$h" || exit 1
+    ip link set "${PFX}w$h" master "${BR}2"
+    [ "$h" -ne "$NIC1DOWN" ] && ip link set "${PFX}w$h" up
+    ip link set "${PFX}q$h" netns "$ns"
+    ip -n "$ns" link set "${PFX}q$h" name eth1
+    ip -n "$ns" addr add "10.200.$SUBNET.$((10 + h))/24" dev eth1
+    ip -n "$ns" link set eth1 up
+  fi
 done
 
 PORT=$(( 20000 + RANDOM % 20000 ))
@@ -107,6 +125,14 @@ for p in "${PIDS[@]}"; do
   echo "$(( $(date +%s) - start ))" > "$OUTDIR/rank.${RANKOF[$p]}.secs"
   [ $rc -gt $status ] && status=$rc
 done
+: > "$OUTDIR/links.txt"
+for h in $(seq 0 $((H - 1))); do
+  for l in v w; do
+    [ -e "/sys/class/net/${PFX}$l$h" ] || continue
+    echo "host$h $([ $l = v ] && echo eth0 || echo eth1) rx $(cat /sys/class/net/${PFX}$l$h/statistics/rx_bytes) tx $(cat /sys/class/net/${PFX}$l$h/statistics/tx_bytes)" >> "$OUTDIR/links.txt"
+  done
+done
+[ "$NICS" -ge 2 ] && cat "$OUTDIR/links.txt"
 for r in $(seq 0 $((N - 1))); do
   [ -f "$OUTDIR/rank.$r.rc" ] || continue
   rc=$(cat "$OUTDIR/rank.$r.rc")

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Fault scenarios on the namespace cluster (tests/cluster.sh), with their
-# assertions. Usage: tests/cluster_check.sh kill|linkdown|absent  ($B: build)
+# assertions. Usage: tests/cluster_check.sh kill|linkdown|absent|nics|nicdown
+# ($B: the build folder)
 set -u
 B=${B:-build}
 cd "$(dirname "$0")/.."
@@ -45,7 +46,23 @@ absent)  # rank 3 never starts: the others fail at start-up naming it
     { [ "$rc" != 0 ] && [ "$rc" != 124 ]; } || bad "rank $r exited $rc"
   done
   grep -q "rank 3" "$out/rank.0.log" || bad "rank 0 does not name rank 3";;
-*) echo "usage: $0 kill|linkdown|absent"; exit 2;;
+nics)  # two links per host: peers sharded across both, both carry data
+  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --nics 2 -- \
+    "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 1024 --tokens 32 \
+    --dtype mixed --routing zipf:1.2 --iters 30 --warmup 0 || bad "ranks failed"
+  for l in eth0 eth1; do
+    tx=$(awk -v l=$l '$1 == "host0" && $2 == l {print $6}' "$out/links.txt")
+    [ "${tx:-0}" -gt 100000 ] || bad "host0 $l carried ${tx:-0} bytes"
+  done;;
+nicdown)  # host 1's second link is down before start-up: all on eth0, exact
+  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --nics 2 --nic1-down 1 -- \
+    "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 1024 --tokens 32 \
+    --dtype mixed --routing zipf:1.2 --iters 30 --warmup 0 || bad "ranks failed"
+  tx=$(awk '$1 == "host0" && $2 == "eth0" {print $6}' "$out/links.txt")
+  [ "${tx:-0}" -gt 100000 ] || bad "host0 eth0 carried ${tx:-0} bytes"
+  tx=$(awk '$1 == "host1" && $2 == "eth1" {print $6}' "$out/links.txt")
+  [ "${tx:-1}" -lt 10000 ] || bad "host1's downed eth1 carried ${tx} bytes";;
+*) echo "usage: $0 kill|linkdown|absent|nics|nicdown"; exit 2;;
 esac
 for r in $(ls "$out" | sed -n 's/^rank\.\([0-9]*\)\.log$/\1/p' | sort -n); do
   echo "--- rank $r (exit $(cat "$out/rank.$r.rc" 2>/dev/null))"; tail -n 3 "$out/rank.$r.log"

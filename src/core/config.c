@@ -39,6 +39,11 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_SPIN] = {"FERRY_SPIN", "1000",
                      "Polls of a flag before a waiting CPU rank sleeps on "
                      "its doorbell (a futex the senders ring)."},
+    [FR_CFG_NICS_PER_RANK] = {"FERRY_NICS_PER_RANK", "0",
+                               "Fabric NICs (interfaces) a rank uses, peers "
+                               "sharded across them; 0: as many as the node "
+                               "has, up to 2 (the first is the one on the "
+                               "route to the rendezvous)."},
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
                               "(it yields first)."},

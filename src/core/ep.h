@@ -60,6 +60,7 @@ typedef struct fr_proxy_req {
 } fr_proxy_req_t;
 
 #define FR_PROXY_RING 16
+#define FR_MAX_NICS 2
 
 /* The doorbell ring: in host memory, mapped into the GPU for CUDA ranks
  * (the send kernel is the producer there). */
@@ -102,14 +103,19 @@ struct ferry_ep {
     char seg_name[96];
     uint8_t **peer_seg;  /* [N] mapped receive segments (self and shm peers) */
 
-    /* fabric */
+    /* fabric: one transport per NIC; each peer on one NIC (sharded) */
     const fr_transport_ops_t *tp_ops;
-    fr_transport_t *tp;
-    fr_mr_t *mr_seg, *mr_send;
+    int nnics;
+    fr_transport_t *tps[FR_MAX_NICS];
+    fr_mr_t *mr_seg[FR_MAX_NICS], *mr_send[FR_MAX_NICS];
     uint8_t *send;       /* send region */
-    fr_group_t *group;   /* all fabric peers; remote region: their segment */
-    int *group_peers;    /* [nfabric] */
-    int *group_index;    /* [N] index in group or -1 */
+    fr_group_t *groups[FR_MAX_NICS]; /* fabric peers on NIC k */
+    int ngroup[FR_MAX_NICS];
+    int *group_gidx[FR_MAX_NICS];    /* [ngroup]: fabric index of each */
+    fr_slice_t *gslices;             /* scratch: one group's slices */
+    int *nic_of;         /* [N] NIC a fabric peer is reached through */
+    int *group_peers;    /* [nfabric] ranks, by fabric index */
+    int *group_index;    /* [N] fabric index or -1 */
     fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */
     fr_proxy_ring_t *ring_mem; /* owned ring (CPU ranks) */
     struct fr_cuda_ep *cuda;   /* CUDA state, NULL for CPU ranks */

@@ -86,14 +86,22 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
     fr_err_t err = {{0}};
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
-    __atomic_add_fetch(&ep->proxy.tx_pending[q->set], ep->nfabric,
-                       __ATOMIC_ACQ_REL);
-    int rc = ep->tp_ops->scatter(ep->tp, ep->group, sl, (uint64_t)q->set, &err);
-    if (rc != FERRY_OK) {
-        __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], ep->nfabric,
-                           __ATOMIC_ACQ_REL);
-        fr_proxy_async_fail(ep, rc, -1, err.msg);
-        return rc;
+    for (int k = 0; k < ep->nnics; k++) {
+        int n = ep->ngroup[k];
+        if (n == 0)
+            continue;
+        /* this NIC's peers' slices, in its group's order */
+        for (int i = 0; i < n; i++)
+            ep->gslices[i] = sl[ep->group_gidx[k][i]];
+        __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
+        int rc = ep->tp_ops->scatter(ep->tps[k], ep->groups[k], ep->gslices,
+                                     (uint64_t)q->set, &err);
+        if (rc != FERRY_OK) {
+            __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], n,
+                               __ATOMIC_ACQ_REL);
+            fr_proxy_async_fail(ep, rc, -1, err.msg);
+            return rc;
+        }
     }
     ep->proxy.posted += (uint64_t)ep->nfabric;
     return FERRY_OK;
@@ -122,10 +130,14 @@ static void *fr_proxy_main(void *arg)
             work = 1;
         }
         fr_err_t err = {{0}};
-        int n = ep->tp_ops->poll(ep->tp, cqe, 64, &err);
-        if (n < 0) {
-            fr_proxy_async_fail(ep, n, -1, err.msg);
-            n = 0;
+        int n = 0;
+        for (int k = 0; k < ep->nnics && n < 48; k++) {
+            int got = ep->tp_ops->poll(ep->tps[k], cqe + n, 64 - n, &err);
+            if (got < 0) {
+                fr_proxy_async_fail(ep, got, -1, err.msg);
+                got = 0;
+            }
+            n += got;
         }
         for (int i = 0; i < n; i++) {
             switch (cqe[i].kind) {

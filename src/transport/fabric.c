@@ -34,6 +34,8 @@
 #include <time.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 
 #include <rdma/fabric.h>
@@ -132,6 +134,10 @@ struct fr_transport {
 
     struct fr_mr *mrs;
     struct fr_group *groups;
+    int nic;             /* index among this rank's NICs */
+    int absent;          /* this rank has no NIC of that index */
+    char *present;       /* [size]: which ranks opened this NIC */
+    char iface[64];      /* domain (interface) name */
 
     /* fault injection (FERRY_FAULT_*): arrivals held back, then released
      * after a delay and jitter, in random order when asked */
@@ -387,7 +393,41 @@ static int fab_fail(fr_err_t *err, const char *call, int rc)
                   fi_strerror(rc < 0 ? -rc : rc), rc);
 }
 
+/* Is interface `name` up with a carrier (getifaddrs flags)? Unknown
+ * names (not a network interface, e.g. an RDMA device) count as up. */
+static int fab_iface_up(const char *name)
+{
+    struct ifaddrs *ifs = NULL, *i;
+    int found = 0, up = 0;
+    if (getifaddrs(&ifs) != 0)
+        return 1;
+    for (i = ifs; i; i = i->ifa_next)
+        if (i->ifa_name && strcmp(i->ifa_name, name) == 0) {
+            found = 1;
+            up |= (i->ifa_flags & IFF_UP) && (i->ifa_flags & IFF_RUNNING);
+        }
+    freeifaddrs(ifs);
+    return !found || up;
+}
+
+static int fab_is_loopback(const struct fi_info *i)
+{
+    return i->addr_format == FI_SOCKADDR_IN && i->src_addr &&
+           (ntohl(((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr) >> 24) == 127;
+}
+
+static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
+                        fr_err_t *err);
+static int fab_exchange_absent(fr_boot_t *boot, fr_transport_t *t,
+                               fr_transport_t **tp, fr_err_t *err);
+
 static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
+{
+    return fab_open_nic(boot, 0, tp, err);
+}
+
+static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
+                        fr_err_t *err)
 {
     int rc = FERRY_OK, frc;
     struct fi_info *hints = NULL;
@@ -400,6 +440,7 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
     t->rank = fr_boot_rank(boot);
     t->size = fr_boot_size(boot);
     t->next_key = 1;
+    t->nic = nic;
     t->f_delay_ns = fr_cfg_int(FR_CFG_FAULT_DELAY_US) * 1000;
     t->f_jitter_ns = fr_cfg_int(FR_CFG_FAULT_JITTER_US) * 1000;
     t->f_reorder = fr_cfg_int(FR_CFG_FAULT_REORDER) != 0;
@@ -473,13 +514,39 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
                 break;
             }
     }
-    if (match || first) {
-        t->info = fi_dupinfo(match ? match : first);
-        if (match)
+    struct fi_info *nic0 = match ? match : first, *pick = nic0;
+    if (nic > 0 && nic0) {
+        /* NIC k: the k-th other interface (domain) of the same kind that
+         * is up, in the provider's order; none: this rank has no NIC k */
+        int k = 0;
+        pick = NULL;
+        if (!fab_is_loopback(nic0))
+            for (struct fi_info *i = list; i && !pick; i = i->next) {
+                if (i->domain_attr->cq_data_size < 4 || fab_is_loopback(i) ||
+                    i->addr_format != nic0->addr_format ||
+                    strcmp(i->domain_attr->name, nic0->domain_attr->name) == 0 ||
+                    !fab_iface_up(i->domain_attr->name))
+                    continue;
+                int dup = 0; /* count each interface once */
+                for (struct fi_info *j = list; j != i && !dup; j = j->next)
+                    dup = j->domain_attr->cq_data_size >= 4 &&
+                          j->addr_format == i->addr_format &&
+                          strcmp(j->domain_attr->name, i->domain_attr->name) == 0;
+                if (!dup && ++k == nic)
+                    pick = i;
+            }
+    }
+    if (pick) {
+        t->info = fi_dupinfo(pick);
+        if (match && nic == 0)
             FR_LOG_INFO(FR_SUB_NET, "fabric: using the interface of %s "
                         "(the rendezvous route)", myip);
+    } else if (nic > 0 && nic0) {
+        /* take part in the exchange, with nothing to offer */
+        snprintf(t->prov, sizeof(t->prov), "%s", nic0->fabric_attr->prov_name);
+        t->absent = 1;
     }
-    if (!t->info) {
+    if (!t->info && !t->absent) {
         rc = FR_ERR(err, FERRY_ERR_FABRIC,
                     "fabric: no provider offers >= 4 bytes of remote CQ data "
                     "(first: %s, cq_data_size %zu)",
@@ -491,8 +558,11 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
     fi_freeinfo(list);
     fi_freeinfo(hints);
     hints = NULL;
+    if (t->absent)
+        return fab_exchange_absent(boot, t, tp, err);
 
     struct fi_info *info = t->info;
+    snprintf(t->iface, sizeof(t->iface), "%s", info->domain_attr->name);
     t->mr_mode = info->domain_attr->mr_mode;
     snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
     FR_LOG_INFO(FR_SUB_NET,
@@ -571,9 +641,17 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
     }
     FR_CHECK_GOTO(fr_boot_allgather(boot, &mine, blocks, sizeof(mine), err),
                   rc, fail);
+    t->present = calloc((size_t)t->size, 1);
+    if (!t->present) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+        goto fail;
+    }
     for (int r = 0; r < t->size; r++) {
         fr_fab_block_t *b = &blocks[r];
         b->prov[sizeof(b->prov) - 1] = '\0';
+        if (nic > 0 && b->namelen == 0)
+            continue; /* that rank has no NIC of this index */
+        t->present[r] = 1;
         if (strcmp(b->prov, t->prov) != 0) {
             rc = FR_ERR(err, FERRY_ERR_FABRIC,
                         "fabric: rank %d uses provider %s but rank %d uses "
@@ -608,6 +686,35 @@ fail:
     fab_close(t);
     return rc;
 }
+
+/* A rank without NIC k still joins NIC k's address exchange. */
+static int fab_exchange_absent(fr_boot_t *boot, fr_transport_t *t,
+                               fr_transport_t **tp, fr_err_t *err)
+{
+    fr_fab_block_t mine, *blocks = calloc((size_t)t->size, sizeof(mine));
+    memset(&mine, 0, sizeof(mine));
+    snprintf(mine.prov, sizeof(mine.prov), "%s", t->prov);
+    t->present = calloc((size_t)t->size, 1);
+    int rc = blocks && t->present
+                 ? fr_boot_allgather(boot, &mine, blocks, sizeof(mine), err)
+                 : FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+    free(blocks);
+    if (rc != FERRY_OK) {
+        fab_close(t);
+        return rc;
+    }
+    FR_LOG_INFO(FR_SUB_NET, "fabric: no NIC %d on this rank", t->nic);
+    *tp = t;
+    return FERRY_OK;
+}
+
+static int fab_has_peer(fr_transport_t *t, int rank)
+{
+    return t && !t->absent && t->present && rank >= 0 && rank < t->size &&
+           t->present[rank];
+}
+
+static const char *fab_iface(fr_transport_t *t) { return t->iface; }
 
 static int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
                    fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err)
@@ -786,6 +893,8 @@ static int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
 static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
 {
     int n = 0;
+    if (t->absent)
+        return 0;
     /* Posts that failed outright, in order. */
     while (n < max && t->e_head) {
         fr_fab_op_t *op = fab_list_pop(&t->e_head, &t->e_tail);
@@ -907,6 +1016,8 @@ static void fab_close(fr_transport_t *t)
                     "of an older one", t->f_nheld, t->f_nreordered);
     free(t->held);
     t->held = NULL;
+    free(t->present);
+    t->present = NULL;
     while (t->groups)
         fab_group_destroy(t, t->groups);
     while (t->mrs)
@@ -949,4 +1060,7 @@ const fr_transport_ops_t fr_transport_fabric = {
     .pending = fab_pending,
     .close = fab_close,
     .provider = fab_provider,
+    .open_nic = fab_open_nic,
+    .has_peer = fab_has_peer,
+    .iface = fab_iface,
 };

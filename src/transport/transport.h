@@ -93,6 +93,16 @@ typedef struct fr_transport_ops {
     void (*close)(fr_transport_t *t);
     /* Provider name actually in use (e.g. "tcp;ofi_rxm", "shm"). */
     const char *(*provider)(fr_transport_t *t);
+    /* Open this rank's NIC `nic` (0: the one on the rendezvous route; k:
+     * the k-th other interface of the same kind that is up). Collective
+     * for every nic index: a rank without that NIC still takes part and
+     * gets an instance for which has_peer() is 0 everywhere. */
+    int (*open_nic)(fr_boot_t *boot, int nic, fr_transport_t **t,
+                    fr_err_t *err);
+    /* Both this rank and `rank` opened this NIC. */
+    int (*has_peer)(fr_transport_t *t, int rank);
+    /* Interface (domain) name, for logs. */
+    const char *(*iface)(fr_transport_t *t);
 } fr_transport_ops_t;
 
 extern const fr_transport_ops_t fr_transport_fabric;
