@@ -1,0 +1,101 @@
+"""ctypes view of include/ferry.h (kept in step with it by tests)."""
+import ctypes as C
+import os
+
+FERRY_EP_CONFIG_MAGIC = 0x46455031
+VERSION_CODE = 100
+
+DTYPES = {"bf16": 0, "fp8": 1}
+DEVICES = {"cpu": 0, "cuda": 1}
+
+STATUS = {
+    0: "FERRY_OK", -1: "FERRY_ERR_INVALID", -2: "FERRY_ERR_UNSUPPORTED",
+    -3: "FERRY_ERR_NOMEM", -4: "FERRY_ERR_SYSTEM", -5: "FERRY_ERR_FABRIC",
+    -6: "FERRY_ERR_TIMEOUT", -7: "FERRY_ERR_PEER", -8: "FERRY_ERR_PROTOCOL",
+    -9: "FERRY_ERR_STATE", -10: "FERRY_ERR_BOOTSTRAP", -11: "FERRY_ERR_INTERNAL",
+}
+
+
+class EpConfig(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("magic", C.c_uint32), ("version", C.c_uint32),
+                ("num_experts", C.c_int), ("topk", C.c_int), ("hidden", C.c_int),
+                ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
+                ("num_sms", C.c_int), ("reserved", C.c_int * 7)]
+
+
+class Layout(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("num_ranks", C.c_int), ("rank", C.c_int),
+                ("num_local_experts", C.c_int), ("expert_capacity", C.c_int),
+                ("token_bytes", C.c_size_t), ("num_scales", C.c_int),
+                ("expert_x_bytes", C.c_size_t), ("expert_scales_bytes", C.c_size_t),
+                ("expert_y_bytes", C.c_size_t), ("shm_bytes", C.c_size_t),
+                ("host_bytes", C.c_size_t)]
+
+
+class DispatchIn(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("x", C.c_void_p),
+                ("x_scales", C.c_void_p), ("topk_idx", C.c_void_p), ("stream", C.c_void_p),
+                ("num_tokens_dev", C.c_void_p)]
+
+
+class DispatchOut(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("expert_x", C.c_void_p), ("expert_x_scales", C.c_void_p),
+                ("expert_num_tokens", C.c_void_p), ("expert_src_rank", C.c_void_p),
+                ("expert_src_token", C.c_void_p), ("stream", C.c_void_p)]
+
+
+class CombineIn(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p)]
+
+
+class CombineOut(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("topk_weights", C.c_void_p), ("out", C.c_void_p),
+                ("stream", C.c_void_p)]
+
+
+ALLGATHER_FN = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_size_t, C.c_void_p)
+
+
+def _find_library():
+    env = os.environ.get("FERRY_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "libferry.so"),
+                 os.path.join(here, "..", "..", "build", "libferry.so")):
+        if os.path.exists(cand):
+            return cand
+    raise OSError("libferry.so not found: install the package with "
+                  "`pip install ./python` or set FERRY_LIB")
+
+
+def load():
+    lib = C.CDLL(_find_library())
+    vp, cp, sz, i = C.c_void_p, C.c_char_p, C.c_size_t, C.c_int
+    u64 = C.c_uint64
+    sigs = {
+        "ferry_strerror": (cp, [i]),
+        "ferry_version_string": (cp, []),
+        "ferry_comm_init_env": (i, [C.POINTER(vp), cp, sz]),
+        "ferry_comm_init_allgather": (i, [i, i, ALLGATHER_FN, vp, C.POINTER(vp), cp, sz]),
+        "ferry_comm_rank": (i, [vp]),
+        "ferry_comm_size": (i, [vp]),
+        "ferry_comm_last_error": (cp, [vp]),
+        "ferry_comm_barrier": (i, [vp]),
+        "ferry_comm_destroy": (i, [vp]),
+        "ferry_ep_create": (i, [vp, C.POINTER(EpConfig), C.POINTER(vp)]),
+        "ferry_ep_destroy": (i, [vp]),
+        "ferry_ep_last_error": (cp, [vp]),
+        "ferry_ep_get_layout": (i, [vp, C.POINTER(Layout)]),
+        "ferry_dispatch_send": (i, [vp, C.POINTER(DispatchIn), C.POINTER(u64)]),
+        "ferry_dispatch_recv": (i, [vp, u64, C.POINTER(DispatchOut)]),
+        "ferry_combine_send": (i, [vp, u64, C.POINTER(CombineIn)]),
+        "ferry_combine_recv": (i, [vp, u64, C.POINTER(CombineOut)]),
+        "ferry_ep_sync": (i, [vp, vp]),
+        "ferry_cuda_available": (i, [cp, sz]),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+    return lib

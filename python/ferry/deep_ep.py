@@ -1,0 +1,163 @@
+"""A drop-in subset of DeepEP's Buffer, low-latency mode, on ferry.
+
+    from ferry import deep_ep
+    buf = deep_ep.Buffer(group, num_nvl_bytes=0, num_rdma_bytes=hint,
+                         low_latency_mode=True, num_qps_per_rank=1)
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True)
+    # recv_x: (fp8 [E_local, N*T, H], fp32 scales [E_local, N*T, H/128]),
+    #         or bf16 [E_local, N*T, H] when use_fp8=False
+    y = experts(recv_x, recv_count)           # [E_local, N*T, H] bf16
+    out, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+Rows of each expert are ordered by source rank, then token. handle also
+carries (src_rank, src_token) per row. Arguments ferry does not support
+raise a clear error naming them (see docs/python.md for the mapping).
+"""
+import torch
+
+from . import Comm, EP
+
+__all__ = ["Buffer", "EventOverlap"]
+
+
+class EventOverlap:
+    """DeepEP's event object: ferry's work is already on the current stream,
+    so there is nothing extra to wait for."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class Buffer:
+    num_sms = 16
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
+                 allow_mnnvl=False, explicitly_destroy=False, **unsupported):
+        if unsupported:
+            raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
+                            + ", ".join(sorted(unsupported)))
+        if not low_latency_mode:
+            raise NotImplementedError(
+                "ferry.deep_ep.Buffer: only low_latency_mode=True is supported "
+                "(normal/high-throughput mode is not implemented)")
+        if allow_mnnvl:
+            raise NotImplementedError("ferry.deep_ep.Buffer: allow_mnnvl=True is not supported")
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.group_size = torch.distributed.get_world_size(group)
+        self.num_rdma_bytes = num_rdma_bytes
+        self.comm = Comm(group)
+        self._eps = {}
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        """Bytes of ferry's receive buffers per rank for this shape (both
+        dtypes, two buffer sets); informational: ferry allocates its own."""
+        T, H, N = num_max_dispatch_tokens_per_rank, hidden, num_ranks
+        K = 16  # upper bound on top-k
+        El = num_experts // max(1, N)
+        kmax = min(K, El)
+        rec = (((12 + 2 * kmax + 15) // 16) * 16 + 2 * H + (H // 128) * 4 + 15) // 16 * 16
+        dispatch = 2 * N * (64 + T * rec)
+        combine = 2 * T * K * 2 * H
+        return ((dispatch + combine + 4096 + 2 * 2 * N * 64) + (1 << 20) - 1) // (1 << 20) * (1 << 20)
+
+    def _ep(self, num_experts, topk, hidden, T, fp8, device):
+        key = (num_experts, topk, hidden, T, fp8, device)
+        ep = self._eps.get(key)
+        if ep is None:
+            ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
+                    max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
+                    num_sms=self.num_sms)
+            self._eps[key] = ep
+        return ep
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                             num_experts, cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                             round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        bad = [n for n, v in (("cumulative_local_expert_recv_stats",
+                               cumulative_local_expert_recv_stats),
+                              ("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats))
+               if v is not None]
+        bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
+        if bad:
+            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise TypeError(f"x: expected a [T, H] bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+        if topk_idx.dtype != torch.int64:
+            topk_idx = topk_idx.to(torch.int64)
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        dev = "cuda" if x.is_cuda else "cpu"
+        ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev)
+        El, cap = ep.num_local_experts, ep.capacity
+        d = x.device
+        recv_x = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                             device=d)
+        scales = torch.empty((El, cap, H // 128), dtype=torch.float32, device=d) if use_fp8 else None
+        count = torch.empty(El, dtype=torch.int32, device=d)
+        src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
+        src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
+        topk_idx = topk_idx.contiguous()
+        rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
+
+        def recv():
+            ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token)
+
+        hook = None
+        if return_recv_hook:
+            hook = recv
+        else:
+            recv()
+        handle = (ep, rnd, src_rank, src_token, T)
+        out_x = (recv_x, scales) if use_fp8 else recv_x
+        return out_x, count, handle, EventOverlap(), hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        bad = [n for n, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy)) if v]
+        if combine_wait_recv_cost_stats is not None:
+            bad.append("combine_wait_recv_cost_stats")
+        if bad:
+            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        ep, rnd, _, _, T = handle
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x: expected bfloat16 expert outputs, got {x.dtype}")
+        if out is None:
+            out = torch.empty((T, ep.hidden), dtype=torch.bfloat16, device=x.device)
+        w = topk_weights.contiguous()
+        if w.dtype != torch.float32:
+            w = w.float()
+        ep.combine_send(rnd, x.contiguous())
+
+        def recv():
+            ep.combine_recv(rnd, w, out)
+
+        hook = None
+        if return_recv_hook:
+            hook = recv
+        else:
+            recv()
+        return out, EventOverlap(), hook
+
+    def destroy(self):
+        for ep in self._eps.values():
+            ep.close()
+        self._eps.clear()
+        self.comm.close()

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The native Python API across processes (numpy, CPU ranks): every round
+checked against a reference computed here, bad arguments raising
+FerryError with ferry's message. Usage: test_native.py [nranks ...]"""
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+
+import numpy as np
+
+E_PER_RANK, K, H, T = 4, 4, 256, 16
+
+
+def bf16(a):  # float32 -> bf16 bits, round to nearest even
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f32(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def inputs(rank, rnd, N):
+    rng = np.random.default_rng(1000 * rnd + rank)
+    E = E_PER_RANK * N
+    t = int(rng.integers(0, T + 1)) if rank % 3 else (0 if rnd % 2 else T)  # empty ranks
+    x = bf16(rng.standard_normal((t, H)).astype(np.float32))
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64) \
+        if t else np.zeros((0, K), np.int64)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    w = (0.1 + 0.9 * rng.random((t, K))).astype(np.float32)  # do not sum to 1
+    return x, idx, w
+
+
+def expert_fn(e, rows):  # a different map per expert
+    return bf16(f32(rows) * (0.5 + 0.125 * (e % 13)) + 0.0625 * ((e * 7) % 11 - 5))
+
+
+def rank_main(rank, N, port, q):
+    try:
+        os.environ.update(FERRY_RANK=str(rank), FERRY_WORLD_SIZE=str(N),
+                          FERRY_ROOT=f"127.0.0.1:{port}", FERRY_TIMEOUT_MS="10000")
+        import ferry
+        comm = ferry.Comm()
+        assert comm.rank == rank and comm.size == N
+        E = E_PER_RANK * N
+        # bad arguments raise with ferry's message
+        try:
+            ferry.EP(comm, num_experts=E + 1 if N > 1 else 0, topk=K, hidden=H, max_tokens=T)
+            raise AssertionError("E not divisible was accepted")
+        except ferry.FerryError as e:
+            assert e.name == "FERRY_ERR_INVALID" and "num_experts" in str(e), str(e)
+        ep = ferry.EP(comm, num_experts=E, topk=K, hidden=H, max_tokens=T, dtype="bf16")
+        bufs = ep.alloc()
+        x, idx, w = inputs(rank, 0, N)
+        bad = idx.copy()
+        if len(bad):
+            bad[0, 0] = E
+            try:
+                ep.dispatch_send(x, bad)
+                raise AssertionError("expert index out of range was accepted")
+            except ferry.FerryError as e:
+                assert e.name == "FERRY_ERR_INVALID" and "topk_idx[0][0]" in str(e), str(e)
+        try:
+            ep.dispatch_send(x, idx.astype(np.int32))
+            raise AssertionError("int32 topk_idx was accepted")
+        except TypeError as e:
+            assert "topk_idx" in str(e)
+        big = np.zeros((T + 1, H), np.uint16)
+        try:
+            ep.dispatch_send(big, np.full((T + 1, K), -1, np.int64))
+            raise AssertionError("too many tokens accepted")
+        except ferry.FerryError as e:
+            assert "num_tokens" in str(e), str(e)
+        El = ep.num_local_experts
+        for rnd in range(1, 31):
+            x, idx, w = inputs(rank, rnd, N)
+            r = ep.dispatch_send(x, idx)
+            ep.dispatch_recv(r, **bufs)
+            # expected rows: by source rank, then token
+            exp = {le: [] for le in range(El)}
+            for src in range(N):
+                xs, ids, _ = inputs(src, rnd, N)
+                for t in range(len(ids)):
+                    for e in ids[t]:
+                        if e // E_PER_RANK == rank and e >= 0:
+                            exp[e % E_PER_RANK].append((src, t, xs[t]))
+            y = np.zeros((El, ep.capacity, H), np.uint16)
+            for le in range(El):
+                n = int(bufs["expert_num_tokens"][le])
+                assert n == len(exp[le]), (rnd, le, n, len(exp[le]))
+                for s, (src, t, row) in enumerate(exp[le]):
+                    assert bufs["expert_src_rank"][le, s] == src
+                    assert bufs["expert_src_token"][le, s] == t
+                    assert np.array_equal(bufs["expert_x"][le, s], row)
+                y[le, :n] = expert_fn(rank * El + le, bufs["expert_x"][le, :n])
+            out = np.zeros((len(x), H), np.uint16)
+            ep.combine_send(r, y)
+            ep.combine_recv(r, w, out)
+            ref = np.zeros((len(x), H), np.float64)
+            for t in range(len(x)):
+                for k in range(K):
+                    e = idx[t, k]
+                    if e >= 0:
+                        ref[t] += w[t, k] * f32(expert_fn(e, x[t:t + 1]))[0]
+            err = np.abs(f32(out) - ref)
+            assert np.all(err <= np.abs(ref) / 256 + 1e-4), (rnd, float(err.max()))
+        ep.close()
+        comm.close()
+        q.put((rank, "ok"))
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+
+
+def run(N):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=rank_main, args=(r, N, port, q)) for r in range(N)]
+    for p in ps:
+        p.start()
+    res = {}
+    for _ in range(N):
+        try:
+            r, msg = q.get(timeout=120)
+        except Exception:
+            break
+        res[r] = msg
+    for p in ps:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    bad = {r: m for r, m in res.items() if m != "ok"}
+    if len(res) < N or bad:
+        for r, m in bad.items():
+            print(f"rank {r}:\n{m}")
+        print(f"{N} ranks: FAILED ({len(res)} answered)")
+        return False
+    print(f"{N} ranks: 30 rounds checked, bad arguments rejected: ok")
+    return True
+
+
+if __name__ == "__main__":
+    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
+    ok = all([run(n) for n in sizes])
+    sys.exit(0 if ok else 1)
