@@ -7,4 +7,7 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-bin \
     libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev > /dev/null
+
+# the Python package's tests use numpy
+python3 -m pip install -q numpy 2>/dev/null || $SUDO python3 -m pip install -q numpy
 echo "ferry: build dependencies installed"

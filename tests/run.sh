@@ -37,7 +37,8 @@ while IFS= read -r line; do
     tail -n 30 "$logdir/$name.log" | sed 's/^/    | /'
   fi
   # no ranks may be left behind by any case
-  left=$(pgrep -s "$sid" || true)
+  # processes of the case's session still alive (zombies are already dead)
+  left=$(ps -e -o pid=,sid=,stat= 2>/dev/null | awk -v s="$sid" '$2 == s && $3 !~ /^Z/ {print $1}' | xargs)
   if [ -n "$sid" ] && [ -n "$left" ]; then
     echo "    left-over processes after $name: $(ps -o pid=,args= -p $(echo $left | tr ' ' ,) | head -5)"
     pkill -9 -s "$sid" || true
