@@ -26,44 +26,13 @@ import sys
 
 import torch
 
-FERRY_EP_CONFIG_MAGIC = 0x46455031
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from ferry import _lib  # noqa: E402  (the package's ctypes view of ferry.h)
 
-
-class EpConfig(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("magic", C.c_uint32), ("version", C.c_uint32),
-                ("num_experts", C.c_int), ("topk", C.c_int), ("hidden", C.c_int),
-                ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
-                ("num_sms", C.c_int), ("reserved", C.c_int * 7)]
-
-
-class Layout(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("num_ranks", C.c_int), ("rank", C.c_int),
-                ("num_local_experts", C.c_int), ("expert_capacity", C.c_int),
-                ("token_bytes", C.c_size_t), ("num_scales", C.c_int),
-                ("expert_x_bytes", C.c_size_t), ("expert_scales_bytes", C.c_size_t),
-                ("expert_y_bytes", C.c_size_t), ("shm_bytes", C.c_size_t),
-                ("host_bytes", C.c_size_t)]
-
-
-class DispatchIn(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("x", C.c_void_p),
-                ("x_scales", C.c_void_p), ("topk_idx", C.c_void_p), ("stream", C.c_void_p),
-                ("num_tokens_dev", C.c_void_p)]
-
-
-class DispatchOut(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("expert_x", C.c_void_p), ("expert_x_scales", C.c_void_p),
-                ("expert_num_tokens", C.c_void_p), ("expert_src_rank", C.c_void_p),
-                ("expert_src_token", C.c_void_p), ("stream", C.c_void_p)]
-
-
-class CombineIn(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p)]
-
-
-class CombineOut(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("topk_weights", C.c_void_p), ("out", C.c_void_p),
-                ("stream", C.c_void_p)]
+FERRY_EP_CONFIG_MAGIC = _lib.FERRY_EP_CONFIG_MAGIC
+EpConfig, Layout = _lib.EpConfig, _lib.Layout
+DispatchIn, DispatchOut = _lib.DispatchIn, _lib.DispatchOut
+CombineIn, CombineOut = _lib.CombineIn, _lib.CombineOut
 
 
 def check(lib, rc, what, ep=None):

@@ -375,6 +375,25 @@ static int mpi_allgather_cb(const void *in, void *out, size_t len, void *ctx)
 
 /* ---------------------------------------------------------------------- */
 
+/* Dispatch bytes this rank sends to other ranks: one record per (token,
+ * remote rank). */
+static double dispatch_bytes(const fw_input_t *in, int K, int El, int me, size_t rec)
+{
+    double bytes = 0;
+    for (int t = 0; t < in->T; t++) {
+        const int64_t *row = in->idx + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            if (row[k] < 0 || row[k] / El == me)
+                continue;
+            int first = 1;
+            for (int j = 0; j < k && first; j++)
+                first = !(row[j] >= 0 && row[j] / El == row[k] / El);
+            bytes += first ? (double)rec : 0;
+        }
+    }
+    return bytes;
+}
+
 /* Line the ranks up before a timed phase (MPI's barrier when MPI runs the
  * job: the same one the baseline gets). */
 static int bench_barrier(ferry_comm_t comm, int have_base)
@@ -731,20 +750,11 @@ int main(int argc, char **argv)
             r[2] = r[3] = NAN;
             /* payload to other ranks: dispatch records, and (estimated by
              * symmetry) as many combine rows as this rank's remote pairs */
-            double bytes = 0;
-            int El_ = (int)El;
             size_t rec = lay.token_bytes + 4 * (size_t)lay.num_scales;
-            for (int t = 0; t < in.T; t++) {
-                const int64_t *row = in.idx + (size_t)t * s.K;
-                for (int k = 0; k < s.K; k++) {
-                    if (row[k] < 0 || row[k] / El_ == me)
-                        continue;
-                    int first = 1;
-                    for (int j = 0; j < k && first; j++)
-                        first = !(row[j] >= 0 && row[j] / El_ == row[k] / El_);
-                    bytes += (first ? (double)rec : 0) + 2.0 * o.hidden;
-                }
-            }
+            double bytes = dispatch_bytes(&in, s.K, (int)El, me, rec);
+            for (int i2 = 0; i2 < in.T * s.K; i2++)
+                if (in.idx[i2] >= 0 && in.idx[i2] / (int)El != me)
+                    bytes += 2.0 * o.hidden;
             r[4] = bytes;
         }
         for (int i = 0; i < total * 3; i++)
@@ -840,21 +850,9 @@ int main(int argc, char **argv)
         if (o.check)
             wrong += fw_check_combine(&s, round_id, me, &in, out, 3);
         /* bytes this rank sent to other ranks this round */
-        double bytes = 0;
+        double bytes = dispatch_bytes(&in, s.K, (int)El, me,
+                                      lay.token_bytes + 4 * (size_t)lay.num_scales);
         {
-            int El_ = (int)El;
-            size_t rec = lay.token_bytes + 4 * (size_t)lay.num_scales;
-            for (int t = 0; t < in.T; t++) {
-                const int64_t *row = in.idx + (size_t)t * s.K;
-                for (int k = 0; k < s.K; k++) {
-                    if (row[k] < 0 || row[k] / El_ == me)
-                        continue;
-                    int first = 1;
-                    for (int j = 0; j < k && first; j++)
-                        first = !(row[j] >= 0 && row[j] / El_ == row[k] / El_);
-                    bytes += first ? (double)rec : 0;
-                }
-            }
             for (size_t le = 0; le < El; le++)
                 for (int i = 0; i < cnt[le]; i++)
                     if (sr[le * cap + (size_t)i] != me)

@@ -938,23 +938,39 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     return FERRY_OK;
 }
 
+/* Common start of the calls on an existing round: a usable context, the
+ * round in the expected state, an argument struct of at least `need`
+ * bytes (its first field is its size). */
+static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
+                         const char *call, const void *args, size_t need,
+                         const char *args_name, const char *type,
+                         fr_round_t **r)
+{
+    int rc = fr_ep_usable(ep);
+    if (rc)
+        return rc;
+    if ((rc = fr_round_get(ep, round, state, call, r)))
+        return rc;
+    if (!args)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", args_name);
+    size_t have = *(const size_t *)args;
+    if (have < need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "%s->size = %zu: set it to sizeof(%s)", args_name,
+                          have, type);
+    return FERRY_OK;
+}
+
 int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
                         const ferry_dispatch_out_t *out)
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ep_usable(ep);
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, sizeof(*out), "out",
+                           "ferry_dispatch_out_t", &r);
     if (rc)
         return rc;
-    fr_round_t *r = NULL;
-    if ((rc = fr_round_get(ep, round, FR_ROUND_SENT, "dispatch_recv", &r)))
-        return rc;
-    if (!out)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
-    if (out->size < sizeof(*out))
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "out->size = %zu: set it to "
-                          "sizeof(ferry_dispatch_out_t)", out->size);
     if (!out->expert_x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_x: NULL pointer");
     if (!out->expert_num_tokens)
@@ -976,18 +992,11 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ep_usable(ep);
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine_send", in, sizeof(*in), "in",
+                           "ferry_combine_in_t", &r);
     if (rc)
         return rc;
-    fr_round_t *r = NULL;
-    if ((rc = fr_round_get(ep, round, FR_ROUND_RECVD, "combine_send", &r)))
-        return rc;
-    if (!in)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
-    if (in->size < sizeof(*in))
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "in->size = %zu: set it to sizeof(ferry_combine_in_t)",
-                          in->size);
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
     rc = ep->cuda ? fr_cuda_combine_send(ep, r, in)
@@ -1003,18 +1012,11 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ep_usable(ep);
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, sizeof(*out), "out",
+                           "ferry_combine_out_t", &r);
     if (rc)
         return rc;
-    fr_round_t *r = NULL;
-    if ((rc = fr_round_get(ep, round, FR_ROUND_COMBINED, "combine_recv", &r)))
-        return rc;
-    if (!out)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
-    if (out->size < sizeof(*out))
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "out->size = %zu: set it to "
-                          "sizeof(ferry_combine_out_t)", out->size);
     if (r->T > 0 && !out->out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     if (r->T > 0 && !out->topk_weights)

@@ -28,6 +28,16 @@ static void fr_quantize_fp8(const fr_layout_t *L, int T, const uint16_t *x,
                            &scales[(size_t)t * nb + b]);
 }
 
+/* Is row[k] the first of the token's experts that lives on rank d? */
+static inline int fr_first_on_rank(const int64_t *row, int k, int El)
+{
+    int d = (int)(row[k] / El);
+    for (int j = 0; j < k; j++)
+        if (row[j] >= 0 && row[j] / El == d)
+            return 0;
+    return 1;
+}
+
 static inline uint8_t *fr_dslice_dst(ferry_ep_t ep, int set, int d)
 {
     const fr_layout_t *L = &ep->L;
@@ -63,10 +73,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             if (row[k] < 0)
                 continue;
             int d = (int)(row[k] / El);
-            int first = 1;
-            for (int j = 0; j < k && first; j++)
-                first = !(row[j] >= 0 && row[j] / El == d);
-            cnt[d] += first;
+            cnt[d] += fr_first_on_rank(row, k, El);
             pairs[d]++;
         }
     }
@@ -94,10 +101,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             if (row[k] < 0)
                 continue;
             int d = (int)(row[k] / El);
-            int first = 1;
-            for (int j = 0; j < k && first; j++)
-                first = !(row[j] >= 0 && row[j] / El == d);
-            if (!first)
+            if (!fr_first_on_rank(row, k, El))
                 continue;
             /* First expert of token t on rank d: emit the record. */
             uint8_t *rec = fr_dslice_dst(ep, set, d) +
