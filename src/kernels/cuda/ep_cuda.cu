@@ -724,23 +724,36 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
     int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
     int ps = A.pair_off[set * (N + 1) + A.rank];
     const int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
+    __shared__ const uint8_t *srow[FR_MAX_TOPK];
+    __shared__ float sw[FR_MAX_TOPK];
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        /* the token's K rows and weights, once per block */
+        if (threadIdx.x < K) {
+            int k = threadIdx.x, pos = cpos[(size_t)t * K + k];
+            srow[k] = pos < 0 ? NULL
+                      : pos >= cs && pos < cs + ns
+                          ? self_y + (size_t)prow[ps + pos - cs] * L.crow
+                          : A.seg + fr_off_crecv(&L, set, (uint64_t)pos);
+            sw[k] = w[(size_t)t * K + k];
+        }
+        __syncthreads();
         for (int h0 = threadIdx.x * 8; h0 < H; h0 += blockDim.x * 8) {
+            /* all K loads in flight, then the sum in k order */
+            int4 v[FR_MAX_TOPK];
+#pragma unroll
+            for (int k = 0; k < FR_MAX_TOPK; k++)
+                if (k < K && srow[k])
+                    v[k] = *(const int4 *)(srow[k] + (size_t)h0 * 2);
             float acc[8];
             for (int i = 0; i < 8; i++)
                 acc[i] = 0.f;
-            for (int k = 0; k < K; k++) {
-                int pos = cpos[(size_t)t * K + k];
-                if (pos < 0)
+#pragma unroll
+            for (int k = 0; k < FR_MAX_TOPK; k++) {
+                if (k >= K || !srow[k])
                     continue;
-                float wk = w[(size_t)t * K + k];
-                const uint8_t *yrow = pos >= cs && pos < cs + ns
-                                          ? self_y + (size_t)prow[ps + pos - cs] * L.crow
-                                          : A.seg + fr_off_crecv(&L, set, (uint64_t)pos);
-                int4 v = *(const int4 *)(yrow + (size_t)h0 * 2);
-                const uint16_t *yv = (const uint16_t *)&v;
+                const uint16_t *yv = (const uint16_t *)&v[k];
                 for (int i = 0; i < 8; i++)
-                    acc[i] += wk * fr_bf16_to_f32(yv[i]);
+                    acc[i] += sw[k] * fr_bf16_to_f32(yv[i]);
             }
             int4 o;
             uint16_t *ov = (uint16_t *)&o;
@@ -748,6 +761,7 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
                 ov[i] = fr_f32_to_bf16(acc[i]);
             *(int4 *)(out + (size_t)t * H + h0) = o;
         }
+        __syncthreads();
     }
 }
 
