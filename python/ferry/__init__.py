@@ -120,7 +120,8 @@ class Comm:
                                            dtype=torch.uint8).to(dev)
                     dst = torch.empty(n * length, dtype=torch.uint8, device=dev)
                     dist.all_gather_into_tensor(dst, src, group=group)
-                    C.memmove(out, dst.cpu().numpy().ctypes.data, n * length)
+                    host = dst.cpu().numpy()  # keep it alive across the copy
+                    C.memmove(out, host.ctypes.data, n * length)
                     return 0
                 except Exception:  # reported by ferry as a bootstrap error
                     return -1
