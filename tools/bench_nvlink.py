@@ -120,15 +120,28 @@ def rank_main(rank, N, port, args, q):
             (qx, sx), cnt, handle, _, _ = st["d"]
             return buf.low_latency_combine(st["y"], idx, w, handle)[0]
 
-        for _ in range(5):
+        fd, fc = [], []
+        for it in range(5 + args.iters):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            dist.barrier()
+            torch.cuda.synchronize()
+            ev[0].record()
             f_disp()
+            ev[1].record()
             (qx, sx), cnt, handle, _, _ = st["d"]
             st["y"] = (qx.float() * sx.repeat_interleave(128, 2)).to(torch.bfloat16)
-            f_comb()
-        fd, _ = timed(f_disp, args.iters)
-        (qx, sx), cnt, handle, _, _ = st["d"]
-        st["y"] = (qx.float() * sx.repeat_interleave(128, 2)).to(torch.bfloat16)
-        fc, fout = timed(f_comb, args.iters)
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            ev[2].record()
+            fout = f_comb()
+            ev[3].record()
+            ev[3].synchronize()
+            if it >= 5:
+                fd.append(ev[0].elapsed_time(ev[1]) * 1000)
+                fc.append(ev[2].elapsed_time(ev[3]) * 1000)
+        fd.sort()
+        fc.sort()
         # NCCL baseline on the same tensors
         for _ in range(3):
             nst = nccl_round(x, idx, w, E, N)
