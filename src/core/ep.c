@@ -773,8 +773,12 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
         if (st != FERRY_OK)
             return fr_ep_fail(ep, st, "%s round %llu: %s", what,
                               (unsigned long long)epoch, ep->async_msg);
+        /* a dead rank fails this wait only if its data is still missing:
+         * a round it finished can still complete */
         int dead = fr_boot_dead_rank(ep->comm->boot);
-        if (dead >= 0)
+        if (dead >= 0 && dead < N &&
+            __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, dead),
+                            __ATOMIC_ACQUIRE) != epoch)
             return fr_ep_fail(ep, FERRY_ERR_PEER,
                               "%s round %llu: rank %d died", what,
                               (unsigned long long)epoch, dead);
