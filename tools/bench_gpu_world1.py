@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from ferry import _lib  # noqa: E402  (the package's ctypes view of ferry.h)
+from ferry.reference import fp8_block_quant  # noqa: E402
 
 FERRY_EP_CONFIG_MAGIC = _lib.FERRY_EP_CONFIG_MAGIC
 EpConfig, Layout = _lib.EpConfig, _lib.Layout
@@ -43,13 +44,7 @@ def check(lib, rc, what, ep=None):
 
 def torch_dispatch(x, idx, E):
     T, H = x.shape
-    xb = x.view(T, H // 128, 128).float()
-    amax = xb.abs().amax(dim=2, keepdim=True)
-    c448 = torch.full_like(amax, 448.0)  # tensor / tensor: IEEE division
-    scale = torch.where(amax > 0, amax / c448, torch.ones_like(amax))
-    inv = torch.where(amax > 0, c448 / amax, torch.ones_like(amax))
-    q = (xb * inv).to(torch.float8_e4m3fn).view(T, H)
-    scale = scale.view(T, H // 128)
+    q, scale = fp8_block_quant(x)
     flat = idx.reshape(-1)
     valid = flat >= 0
     order = torch.argsort(torch.where(valid, flat, E), stable=True)

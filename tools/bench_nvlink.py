@@ -22,16 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-
-def quant(x):
-    T, H = x.shape
-    xb = x.view(T, H // 128, 128).float()
-    amax = xb.abs().amax(dim=2, keepdim=True)
-    c = torch.full_like(amax, 448.0)
-    scale = torch.where(amax > 0, amax / c, torch.ones_like(amax))
-    inv = torch.where(amax > 0, c / amax, torch.ones_like(amax))
-    return (xb * inv).to(torch.float8_e4m3fn).view(T, H), scale.view(T, H // 128)
+from ferry.reference import fp8_block_quant as quant  # noqa: E402
 
 
 def nccl_round(x, idx, w, E, N):

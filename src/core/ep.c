@@ -908,14 +908,14 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
     if (!round)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "round: NULL pointer");
+    int on_gpu = ep->cuda != NULL;
     {
         fr_err_t aerr;
-        rc = fr_check_dispatch_args(L, in, ep->cuda != NULL, &aerr);
+        rc = fr_check_dispatch_args(L, in, on_gpu, &aerr);
         if (rc)
             return fr_ep_fail(ep, rc, "%s", aerr.msg);
     }
     int T = in->num_tokens;
-    int on_gpu = ep->cuda != NULL;
     uint64_t epoch = ep->next_epoch + 1;
     fr_round_t *r = &ep->rounds[epoch % FR_NSETS];
     if (r->state != FR_ROUND_FREE)

@@ -22,7 +22,6 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
     int N = ep->N, set = (int)(r->epoch % FR_NSETS);
     const uint8_t *y = (const uint8_t *)in->expert_y;
     uint64_t packed = 0; /* rows packed so far in the send region */
-    int gi = 0;
     for (int s = 0; s < N; s++) {
         uint32_t p0 = r->pair_off[s], np = r->pair_off[s + 1] - p0;
         const int32_t *rows = r->pair_row + p0;
@@ -33,7 +32,7 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
                        y + (size_t)rows[p] * L->crow, L->crow);
             fr_slice_t *sl = ep->slices +
                              ((size_t)FR_PH_COMBINE * FR_NSETS + set) *
-                                 ep->nfabric + gi++;
+                                 ep->nfabric + ep->group_index[s];
             sl->src_off = fr_off_csend(L, set, packed);
             sl->dst_off = fr_off_crecv(L, set, r->comb_off[s]);
             sl->len = (uint64_t)np * L->crow;

@@ -81,7 +81,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
      * this rank's combine region; fill[] counts pairs handed out so far. */
     uint32_t off = 0;
     int32_t *rec_next = ep->rec_next;
-    uint32_t *h_comb_base = (uint32_t *)ep->comb_base;
+    uint32_t *h_comb_base = ep->comb_base;
     for (int d = 0; d < N; d++) {
         h_comb_base[d] = off;
         fill[d] = (int32_t)off;
@@ -127,8 +127,6 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     }
 
     /* Headers, then publish. */
-    uint32_t comb = 0;
-    int gi = 0;
     for (int d = 0; d < N; d++) {
         uint8_t *dst = fr_dslice_dst(ep, set, d);
         fr_slice_hdr_t *h = (fr_slice_hdr_t *)dst;
@@ -138,12 +136,11 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
         h->epoch = r->epoch;
         h->count = (uint32_t)cnt[d];
         h->npairs = (uint32_t)pairs[d];
-        h->comb_off = comb;
-        comb += (uint32_t)pairs[d];
+        h->comb_off = h_comb_base[d];
         if (ep->path[d] == FR_PATH_FABRIC) {
             fr_slice_t *s = ep->slices +
                             ((size_t)FR_PH_DISPATCH * FR_NSETS + set) *
-                                ep->nfabric + gi++;
+                                ep->nfabric + ep->group_index[d];
             s->src_off = fr_off_dsend(L, set, d);
             s->dst_off = fr_off_drecv(L, set, ep->rank);
             s->len = fr_off_record(L, (uint32_t)cnt[d]);

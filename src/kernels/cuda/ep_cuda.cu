@@ -75,7 +75,6 @@ struct fr_cuda_ep {
     uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
     int *err_host;
     void *err_dev;
-    int last_err_seen;
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
 };
 
@@ -1003,6 +1002,14 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
     }
 }
 
+/* Grid of the per-sender copy kernels: a row of blocks per rank, num_sms
+ * blocks in all (at least one per rank). */
+static dim3 fr_cuda_sender_grid(ferry_ep_t ep)
+{
+    int gy = (ep->cuda->nblocks + ep->N - 1) / ep->N;
+    return dim3((unsigned)ep->N, (unsigned)(gy < 1 ? 1 : gy));
+}
+
 static int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
 {
     cudaError_t e = cudaGetLastError();
@@ -1048,9 +1055,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     cy = cy < 1 ? 1 : (cy > ep->L.El ? ep->L.El : cy);
     dim3 cgrid((unsigned)ep->N, (unsigned)cy);
     fr_cu_recv_count<<<cgrid, 1024, 0, st>>>(c->a, set);
-    int gy = (c->nblocks + ep->N - 1) / ep->N;
-    gy = gy < 1 ? 1 : gy;
-    dim3 grid((unsigned)ep->N, (unsigned)gy);
+    dim3 grid = fr_cuda_sender_grid(ep);
     fr_cu_recv_place<<<grid, FR_CU_THREADS, sizeof(int32_t) * ep->L.El, st>>>(
         c->a, set, (uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
         out->expert_src_rank, out->expert_src_token);
@@ -1063,9 +1068,7 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = ep->cuda;
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    int gy = (c->nblocks + ep->N - 1) / ep->N;
-    gy = gy < 1 ? 1 : gy;
-    dim3 grid((unsigned)ep->N, (unsigned)gy);
+    dim3 grid = fr_cuda_sender_grid(ep);
     c->y[set] = in->expert_y;
     fr_cu_combine_send<<<grid, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y);
     return fr_cuda_launch_check(ep, "combine_send");

@@ -1,0 +1,19 @@
+"""The formulas ferry implements, in PyTorch, for tests and baselines.
+
+fp8_block_quant is ferry's dispatch quantisation: per 128 channels,
+scale = amax / 448 and q = e4m3(x * (448 / amax)), an all-zero block
+getting scale 1 (IEEE divisions, as the C and CUDA code do), so results
+compare byte for byte.
+"""
+import torch
+
+
+def fp8_block_quant(x):
+    """x [T, H] bf16 -> (q [T, H] float8_e4m3fn, scales [T, H/128] fp32)."""
+    T, H = x.shape
+    xb = x.view(T, H // 128, 128).float()
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    c = torch.full_like(amax, 448.0)  # tensor / tensor: IEEE division
+    scale = torch.where(amax > 0, amax / c, torch.ones_like(amax))
+    inv = torch.where(amax > 0, c / amax, torch.ones_like(amax))
+    return (xb * inv).to(torch.float8_e4m3fn).view(T, H), scale.view(T, H // 128)
