@@ -44,7 +44,7 @@ endif
 MPI ?= 1
 
 LIB_SRCS := $(wildcard src/core/*.c src/bootstrap/*.c src/transport/*.c \
-                       src/proxy/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
+                       src/proxy/*.c src/signal/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o)
 ifeq ($(CUDA),1)
 LIB_OBJS += $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard src/kernels/cuda/*.cu))
@@ -97,7 +97,7 @@ $(BUILD)/tests/%: tests/%.c $(TOOL_COMMON_OBJS) $(LIBA)
 
 # CUDA kernels: compiled whenever nvcc exists (CI has no GPU but has nvcc).
 cuda: $(CUDA_OBJS)
-$(BUILD)/obj/%.o: %.cu src/core/layout.h src/core/quant.h src/core/ep.h src/kernels/cuda/api.h
+$(BUILD)/obj/%.o: %.cu src/core/layout.h src/core/quant.h src/core/ep.h src/kernels/cuda/api.h src/kernels/cuda/mem.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
 
@@ -108,7 +108,7 @@ FUZZ_SAN := -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_CFLAGS := -g -O1 -std=c11 -D_GNU_SOURCE -fPIC -pthread -Iinclude -Isrc \
                $(FABRIC_CFLAGS) -fno-omit-frame-pointer $(FUZZ_SAN)
 FUZZ_LIB_SRCS := $(wildcard src/core/*.c src/bootstrap/*.c src/transport/*.c \
-                            src/proxy/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
+                            src/proxy/*.c src/signal/*.c src/kernels/cpu/*.c src/kernels/cuda/*.c)
 FUZZ_OBJS := $(FUZZ_LIB_SRCS:%.c=$(FUZZ_BUILD)/obj/%.o)
 FUZZ_BINS := $(FUZZ_BUILD)/fuzz_config $(FUZZ_BUILD)/fuzz_records
 .PHONY: fuzz

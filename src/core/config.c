@@ -64,11 +64,22 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                               "may. 0: off."},
     [FR_CFG_FAULT_SEED] = {"FERRY_FAULT_SEED", "1",
                            "Seed of the fault injector's random numbers."},
+    [FR_CFG_FAULT_POSTS] = {"FERRY_FAULT_POSTS", "0",
+                             "Fault injection: 1 holds this rank's own "
+                             "writes back before posting them instead of "
+                             "holding arrivals (same delay and jitter; "
+                             "random order with FERRY_FAULT_REORDER=1), so "
+                             "a write may leave, and land, before an older "
+                             "one. 0: off."},
+    [FR_CFG_SIGNAL_MODE] = {"FERRY_SIGNAL_MODE", "counted",
+                            "Put-with-signal ordering when the context's "
+                            "config leaves mode at DEFAULT: fence, grouped, "
+                            "nicfence or counted."},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",
                            "Comma-separated subsystems to log: INIT, BOOT, "
-                           "NET, PROXY, SHM, EP, ALL."},
+                           "NET, PROXY, SHM, EP, SIG, ALL."},
 };
 
 const char *fr_cfg_name(fr_cfg_id_t id) { return fr_cfg_table[id].name; }

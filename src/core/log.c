@@ -27,7 +27,7 @@ static void fr_log_setup(void)
     const char *ss = fr_cfg_str(FR_CFG_LOG_SUBSYS);
     static const struct { const char *n; int bit; } subs[] = {
         {"INIT", FR_SUB_INIT}, {"BOOT", FR_SUB_BOOT}, {"NET", FR_SUB_NET},
-        {"PROXY", FR_SUB_PROXY}, {"SHM", FR_SUB_SHM}, {"EP", FR_SUB_EP},
+        {"PROXY", FR_SUB_PROXY}, {"SHM", FR_SUB_SHM}, {"EP", FR_SUB_EP}, {"SIG", FR_SUB_SIG},
         {"ALL", ~0}};
     int mask = 0;
     char buf[256];

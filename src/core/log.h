@@ -21,7 +21,8 @@ enum {
     FR_SUB_NET = 1 << 2,
     FR_SUB_PROXY = 1 << 3,
     FR_SUB_SHM = 1 << 4,
-    FR_SUB_EP = 1 << 5
+    FR_SUB_EP = 1 << 5,
+    FR_SUB_SIG = 1 << 6
 };
 
 extern int fr_log_level_cur; /* -1 until first use */

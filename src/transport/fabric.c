@@ -67,7 +67,9 @@ typedef struct fr_fab_op {
     fi_addr_t addr;
     uint32_t imm;
     int peer;
-    int err; /* libfabric status of a failed post (error list) */
+    int err;        /* libfabric status of a failed post (error list) */
+    int fence;      /* post with FI_FENCE (nicfence signals) */
+    uint64_t due;   /* fault injection: held until then */
 } fr_fab_op_t;
 
 typedef struct fr_fab_chunk {
@@ -147,6 +149,12 @@ struct fr_transport {
     struct fr_fab_held { uint32_t imm; uint64_t at; } *held;
     int nheld, capheld;
     long f_nheld, f_nreordered;
+    /* FERRY_FAULT_POSTS: this rank's own posts held back the same way */
+    int f_posts;
+    fr_fab_op_t **hposts;
+    int nhposts, caphposts;
+    long f_nhposts, f_nposts_reordered;
+    int fence_caps; /* opened with FI_FENCE in caps */
 };
 
 static uint64_t fab_rand(fr_transport_t *t)
@@ -283,13 +291,76 @@ static fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 
 static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
 {
+    if (op->fence) {
+        struct iovec iov = {(void *)op->buf, op->len};
+        struct fi_rma_iov rma = {op->raddr, op->len, op->key};
+        struct fi_msg_rma msg = {&iov, &op->desc, 1, op->addr, &rma, 1,
+                                 op, op->imm};
+        return fi_writemsg(t->ep, &msg,
+                           FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION);
+    }
     return fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
                         op->raddr, op->key, op);
 }
 
+static void fab_submit_now(fr_transport_t *t, fr_fab_op_t *op);
+
+/* Fault injection: keep a post back until its due time. 0: not held. */
+static int fab_hold_post(fr_transport_t *t, fr_fab_op_t *op)
+{
+    if (t->nhposts == t->caphposts) {
+        int cap = t->caphposts ? 2 * t->caphposts : 64;
+        void *p = realloc(t->hposts, sizeof(*t->hposts) * (size_t)cap);
+        if (!p)
+            return 0;
+        t->hposts = p;
+        t->caphposts = cap;
+    }
+    op->due = fab_now() + (uint64_t)t->f_delay_ns;
+    if (t->f_jitter_ns > 0)
+        op->due += fab_rand(t) % (uint64_t)(t->f_jitter_ns + 1);
+    t->hposts[t->nhposts++] = op;
+    t->f_nhposts++;
+    return 1;
+}
+
+/* Post held posts that are due: oldest first, or in random order. */
+static void fab_release_posts(fr_transport_t *t)
+{
+    uint64_t now = fab_now();
+    for (;;) {
+        int pick = -1, seen = 0;
+        for (int i = 0; i < t->nhposts; i++) {
+            if (t->hposts[i]->due > now)
+                continue;
+            seen++;
+            if (pick < 0 || (t->f_reorder && fab_rand(t) % (uint64_t)seen == 0))
+                pick = i;
+            if (!t->f_reorder)
+                break;
+        }
+        if (pick < 0)
+            return;
+        t->f_nposts_reordered += pick > 0;
+        fr_fab_op_t *op = t->hposts[pick];
+        memmove(&t->hposts[pick], &t->hposts[pick + 1],
+                sizeof(*t->hposts) * (size_t)(t->nhposts - pick - 1));
+        t->nhposts--;
+        fab_submit_now(t, op);
+    }
+}
+
+/* Post op (unless the fault injector holds it back first). */
+static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
+{
+    if (t->f_posts && fab_hold_post(t, op))
+        return;
+    fab_submit_now(t, op);
+}
+
 /* Post op, or queue it behind earlier queued posts, or (hard failure) put
  * it on the error list for poll() to report. */
-static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
+static void fab_submit_now(fr_transport_t *t, fr_fab_op_t *op)
 {
     if (!t->q_head) {
         ssize_t rc = fab_post(t, op);
@@ -367,6 +438,7 @@ static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
     op->imm = s->imm;
     op->peer = p->rank;
     op->err = 0;
+    op->fence = 0;
     fab_submit(t, op);
     return FERRY_OK;
 }
@@ -418,6 +490,9 @@ static int fab_is_loopback(const struct fi_info *i)
 
 static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
                         fr_err_t *err);
+static int fab_open_caps(fr_boot_t *boot, int nic, uint64_t caps,
+                         uint64_t op_flags, fr_transport_t **tp,
+                         fr_err_t *err);
 static int fab_exchange_absent(fr_boot_t *boot, fr_transport_t *t,
                                fr_transport_t **tp, fr_err_t *err);
 
@@ -428,6 +503,59 @@ static int fab_open(fr_boot_t *boot, fr_transport_t **tp, fr_err_t *err)
 
 static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
                         fr_err_t *err)
+{
+    return fab_open_caps(boot, nic, 0, 0, tp, err);
+}
+
+static int fab_open_flags(fr_boot_t *boot, int flags, fr_transport_t **tp,
+                          fr_err_t *err)
+{
+    int rc = fab_open_caps(boot, 0, (flags & FR_TP_OPEN_FENCE) ? FI_FENCE : 0,
+                           (flags & FR_TP_OPEN_DELIVERY) ? FI_DELIVERY_COMPLETE
+                                                         : 0,
+                           tp, err);
+    if (rc == FERRY_OK && (flags & FR_TP_OPEN_FENCE))
+        (*tp)->fence_caps = 1;
+    return rc;
+}
+
+/* Does the provider FI_PROVIDER names (or the default one) advertise
+ * FI_FENCE for RDM RMA endpoints? Local check, no communication. */
+static int fab_fence_probe(char *why, size_t len)
+{
+    struct fi_info *hints = fi_allocinfo(), *list = NULL;
+    if (!hints) {
+        snprintf(why, len, "out of memory");
+        return 0;
+    }
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_FENCE;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
+                                  FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                                  FI_MR_ENDPOINT;
+    const char *envprov = getenv("FI_PROVIDER");
+    if (envprov && *envprov && !strpbrk(envprov, ",^"))
+        hints->fabric_attr->prov_name = strdup(envprov);
+    int frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
+    int ok = 0;
+    for (struct fi_info *i = frc ? NULL : list; i && !ok; i = i->next)
+        ok = (i->caps & FI_FENCE) && i->domain_attr->cq_data_size >= 4;
+    if (!ok)
+        snprintf(why, len,
+                 "no libfabric provider%s%s advertises FI_FENCE for RDM RMA "
+                 "endpoints (tcp, rxm and shm accept the flag and ignore it)",
+                 envprov ? " named by FI_PROVIDER=" : "",
+                 envprov ? envprov : "");
+    if (list)
+        fi_freeinfo(list);
+    fi_freeinfo(hints);
+    return ok;
+}
+
+static int fab_open_caps(fr_boot_t *boot, int nic, uint64_t caps,
+                         uint64_t op_flags, fr_transport_t **tp,
+                         fr_err_t *err)
 {
     int rc = FERRY_OK, frc;
     struct fi_info *hints = NULL;
@@ -444,14 +572,16 @@ static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
     t->f_delay_ns = fr_cfg_int(FR_CFG_FAULT_DELAY_US) * 1000;
     t->f_jitter_ns = fr_cfg_int(FR_CFG_FAULT_JITTER_US) * 1000;
     t->f_reorder = fr_cfg_int(FR_CFG_FAULT_REORDER) != 0;
+    t->f_posts = fr_cfg_int(FR_CFG_FAULT_POSTS) != 0;
     t->f_rng = (uint64_t)fr_cfg_int(FR_CFG_FAULT_SEED) * 1000003u + (uint64_t)t->rank;
     if (t->f_reorder && !t->f_delay_ns && !t->f_jitter_ns)
         t->f_jitter_ns = 20000; /* something to reorder within */
     if (t->f_delay_ns || t->f_jitter_ns || t->f_reorder)
         FR_LOG_WARN(FR_SUB_NET,
-                    "fault injection on: delay %ld us, jitter %ld us, %s",
+                    "fault injection on: delay %ld us, jitter %ld us, %s%s",
                     t->f_delay_ns / 1000, t->f_jitter_ns / 1000,
-                    t->f_reorder ? "reordered arrivals" : "in order");
+                    t->f_reorder ? "reordered " : "in order",
+                    t->f_reorder ? (t->f_posts ? "posts" : "arrivals") : "");
 
     hints = fi_allocinfo();
     if (!hints) {
@@ -459,7 +589,7 @@ static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
         goto fail;
     }
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | caps;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
                                   FI_MR_ALLOCATED | FI_MR_PROV_KEY |
@@ -562,6 +692,22 @@ static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
         return fab_exchange_absent(boot, t, tp, err);
 
     struct fi_info *info = t->info;
+    /* e.g. FI_DELIVERY_COMPLETE: a local completion then means the data is
+     * visible at the target (what an ordering point waits for) */
+    if ((op_flags & FI_DELIVERY_COMPLETE) &&
+        (strcmp(info->fabric_attr->prov_name, "shm") == 0 ||
+         strncmp(info->fabric_attr->prov_name, "tcp", 3) == 0)) {
+        /* tcp (one stream per peer) and shm (one command queue per peer)
+         * apply one endpoint's writes to a peer in order, so a local
+         * completion already orders what is posted after it; and shm in
+         * libfabric 1.17 can leave a FI_DELIVERY_COMPLETE write
+         * uncompleted forever */
+        op_flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
+        FR_LOG_INFO(FR_SUB_NET, "fabric: %s keeps write order per peer; "
+                    "local completions serve as ordering points",
+                    info->fabric_attr->prov_name);
+    }
+    info->tx_attr->op_flags |= op_flags;
     snprintf(t->iface, sizeof(t->iface), "%s", info->domain_attr->name);
     t->mr_mode = info->domain_attr->mr_mode;
     snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
@@ -890,11 +1036,46 @@ static int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
     return fab_add(t, g, index, slice, ctx, err);
 }
 
+static int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
+                           const fr_slice_t *slice, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!t->fence_caps)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "fabric: a fenced write needs an endpoint opened with "
+                      "FI_FENCE (open_flags)");
+    if (!g || !slice || index < 0 || index >= g->npeers)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: write_fence: index %d of a group of %d", index,
+                      g ? g->npeers : 0);
+    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+        return rc;
+    fr_fab_op_t *op = fab_op_get(t);
+    if (!op)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for a post");
+    const fr_fab_peer_t *p = &g->peers[index];
+    op->ctx = ctx;
+    op->buf = g->sbuf + slice->src_off;
+    op->len = (size_t)slice->len;
+    op->desc = g->sdesc;
+    op->raddr = p->rbase + slice->dst_off;
+    op->key = p->rkey;
+    op->addr = p->addr;
+    op->imm = slice->imm;
+    op->peer = p->rank;
+    op->err = 0;
+    op->fence = 1;
+    fab_submit(t, op);
+    return FERRY_OK;
+}
+
 static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
 {
     int n = 0;
     if (t->absent)
         return 0;
+    if (t->nhposts)
+        fab_release_posts(t);
     /* Posts that failed outright, in order. */
     while (n < max && t->e_head) {
         fr_fab_op_t *op = fab_list_pop(&t->e_head, &t->e_tail);
@@ -958,7 +1139,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
             fr_cqe_t *c = &out[n++];
             if ((ent[i].flags & FI_REMOTE_CQ_DATA) &&
                 (t->f_delay_ns || t->f_jitter_ns || t->f_reorder) &&
-                fab_hold(t, (uint32_t)ent[i].data)) {
+                !t->f_posts && fab_hold(t, (uint32_t)ent[i].data)) {
                 n--; /* held back: released by a later poll */
                 continue;
             }
@@ -990,7 +1171,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
 
 static int fab_pending(fr_transport_t *t)
 {
-    long p = t->inflight + t->nqueued + t->nerrors;
+    long p = t->inflight + t->nqueued + t->nerrors + t->nhposts;
     return p > 0x7fffffff ? 0x7fffffff : (int)p;
 }
 
@@ -1010,10 +1191,19 @@ static void fab_close(fr_transport_t *t)
                  "fabric: closing with %ld posted and %ld queued writes; "
                  "%ld posts waited for -FI_EAGAIN",
                  t->inflight, t->nqueued, t->nwaited);
-    if (t->f_delay_ns || t->f_jitter_ns || t->f_reorder)
+    if ((t->f_delay_ns || t->f_jitter_ns || t->f_reorder) && !t->f_posts)
         FR_LOG_WARN(FR_SUB_NET,
                     "fault injection: held %ld arrivals, delivered %ld ahead "
                     "of an older one", t->f_nheld, t->f_nreordered);
+    if (t->f_posts)
+        FR_LOG_WARN(FR_SUB_NET,
+                    "fault injection: held %ld posts, posted %ld ahead of an "
+                    "older one", t->f_nhposts, t->f_nposts_reordered);
+    for (int i = 0; i < t->nhposts; i++)
+        fab_op_put(t, t->hposts[i]);
+    free(t->hposts);
+    t->hposts = NULL;
+    t->nhposts = 0;
     free(t->held);
     t->held = NULL;
     free(t->present);
@@ -1063,4 +1253,7 @@ const fr_transport_ops_t fr_transport_fabric = {
     .open_nic = fab_open_nic,
     .has_peer = fab_has_peer,
     .iface = fab_iface,
+    .fence_probe = fab_fence_probe,
+    .open_flags = fab_open_flags,
+    .write_fence = fab_write_fence,
 };

@@ -56,6 +56,8 @@ typedef struct fr_cqe {
     uint64_t ctx;  /* TX/ERR: the ctx passed when posting */
 } fr_cqe_t;
 
+enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2 };
+
 typedef struct fr_transport_ops {
     size_t size; /* sizeof(fr_transport_ops_t): new ops go at the end */
     const char *name;
@@ -103,6 +105,18 @@ typedef struct fr_transport_ops {
     int (*has_peer)(fr_transport_t *t, int rank);
     /* Interface (domain) name, for logs. */
     const char *(*iface)(fr_transport_t *t);
+    /* Does the provider advertise FI_FENCE (a write that starts only after
+     * every earlier write on the endpoint completed, NIC-side)? 0 with the
+     * reason in why. Local, no communication. */
+    int (*fence_probe)(char *why, size_t len);
+    /* open() with options: FR_TP_OPEN_FENCE (the fence capability, only
+     * where fence_probe said yes), FR_TP_OPEN_DELIVERY (a write's local
+     * completion means its data is visible at the target). */
+    int (*open_flags)(fr_boot_t *boot, int flags, fr_transport_t **t,
+                      fr_err_t *err);
+    /* write_imm() carrying the fence flag. */
+    int (*write_fence)(fr_transport_t *t, fr_group_t *g, int index,
+                       const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
 } fr_transport_ops_t;
 
 extern const fr_transport_ops_t fr_transport_fabric;

@@ -1,0 +1,72 @@
+/* CUDA memory helpers (see mem.h). */
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/mem.h"
+
+static int fr_cuda_fail(fr_err_t *err, const char *what, cudaError_t e)
+{
+    return FR_ERR(err, e == cudaErrorMemoryAllocation ? FERRY_ERR_NOMEM
+                                                      : FERRY_ERR_SYSTEM,
+                  "%s: %s (%s)", what, cudaGetErrorString(e),
+                  cudaGetErrorName(e));
+}
+
+int fr_cuda_host_alloc(size_t bytes, void **host, void **dev, fr_err_t *err)
+{
+    *host = *dev = NULL;
+    cudaError_t e = cudaHostAlloc(host, bytes, cudaHostAllocMapped |
+                                                   cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        *host = NULL;
+        return fr_cuda_fail(err, "cudaHostAlloc", e);
+    }
+    memset(*host, 0, bytes);
+    e = cudaHostGetDevicePointer(dev, *host, 0);
+    if (e != cudaSuccess) {
+        cudaFreeHost(*host);
+        *host = *dev = NULL;
+        return fr_cuda_fail(err, "cudaHostGetDevicePointer", e);
+    }
+    return FERRY_OK;
+}
+
+void fr_cuda_host_free(void *host)
+{
+    if (host)
+        cudaFreeHost(host);
+}
+
+int fr_cuda_dev_word(unsigned long long **dev, fr_err_t *err)
+{
+    cudaError_t e = cudaMalloc((void **)dev, sizeof(**dev));
+    if (e != cudaSuccess) {
+        *dev = NULL;
+        return fr_cuda_fail(err, "cudaMalloc", e);
+    }
+    e = cudaMemset(*dev, 0, sizeof(**dev));
+    if (e != cudaSuccess) {
+        cudaFree(*dev);
+        *dev = NULL;
+        return fr_cuda_fail(err, "cudaMemset", e);
+    }
+    return FERRY_OK;
+}
+
+void fr_cuda_dev_free(void *dev)
+{
+    if (dev)
+        cudaFree(dev);
+}
+
+int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
+                     fr_err_t *err)
+{
+    unsigned long long v = 0;
+    cudaError_t e = cudaMemcpy(&v, dev, sizeof(v), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess)
+        return fr_cuda_fail(err, "cudaMemcpy (device word)", e);
+    *val = v;
+    return FERRY_OK;
+}

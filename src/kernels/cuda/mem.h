@@ -1,0 +1,32 @@
+/*
+ * Small CUDA memory helpers for contexts other than the EP (put-with-signal):
+ * pinned host memory mapped into the GPU, a device word, a device-to-host
+ * read. Without CUDA (stub.c) they answer FERRY_ERR_UNSUPPORTED.
+ */
+#ifndef FR_CUDA_MEM_H
+#define FR_CUDA_MEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Zeroed pinned host memory, mapped: *host for the CPU, *dev for kernels. */
+int fr_cuda_host_alloc(size_t bytes, void **host, void **dev, fr_err_t *err);
+void fr_cuda_host_free(void *host);
+/* A zeroed 64-bit word in device memory. */
+int fr_cuda_dev_word(unsigned long long **dev, fr_err_t *err);
+void fr_cuda_dev_free(void *dev);
+/* Read a 64-bit device word (synchronous). */
+int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
+                     fr_err_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
