@@ -59,7 +59,7 @@ TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 LIBA := $(BUILD)/libferry.a
 LIBSO := $(BUILD)/libferry.so
-BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info
+BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info $(BUILD)/bin/ferry-signal-bench
 
 .PHONY: all lib tools tests test check cuda clean
 all: lib tools tests
@@ -87,6 +87,11 @@ $(BUILD)/bin/ferry-bench: tools/ferry_bench.c $(TOOL_COMMON_OBJS) $(LIBA)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
+SIGBENCH_CUDA := $(if $(filter 1,$(CUDA)),$(BUILD)/obj/tools/signal_kernels.o)
+$(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(SIGBENCH_CUDA) $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itools $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
+
 $(BUILD)/bin/ferry-info: tools/ferry_info.c $(LIBA)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
@@ -97,7 +102,7 @@ $(BUILD)/tests/%: tests/%.c $(TOOL_COMMON_OBJS) $(LIBA)
 
 # CUDA kernels: compiled whenever nvcc exists (CI has no GPU but has nvcc).
 cuda: $(CUDA_OBJS)
-$(BUILD)/obj/%.o: %.cu src/core/layout.h src/core/quant.h src/core/ep.h src/kernels/cuda/api.h src/kernels/cuda/mem.h
+$(BUILD)/obj/%.o: %.cu include/ferry_signal.h include/ferry_signal_device.cuh src/core/layout.h src/core/quant.h src/core/ep.h src/kernels/cuda/api.h src/kernels/cuda/mem.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
 
