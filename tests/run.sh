@@ -23,7 +23,7 @@ while IFS= read -r line; do
   sidfile=$(mktemp)
   CMD="$cmd" LIMIT="$LIMIT" SIDFILE="$sidfile" setsid -w bash -c \
     'echo $$ > "$SIDFILE"; exec timeout -k 5 "$LIMIT" bash -c "$CMD"' \
-    > "$logdir/$name.log" 2>&1
+    > "$logdir/$name.log" 2>&1 < /dev/null
   rc=$?
   sid=$(cat "$sidfile"); rm -f "$sidfile"
   ms=$(( ($(date +%s%N) - start) / 1000000 )); t="$((ms/1000)).$(( (ms%1000)/100 ))"
@@ -45,6 +45,12 @@ while IFS= read -r line; do
     fail=$((fail+1)); failed+=("$name(leftover)")
   fi
 done < <(cat tests/cases/*.txt)
+# every selected case ran (a case that read stdin once ate the rest)
+want=$(cat tests/cases/*.txt | grep -v '^[[:space:]]*#' | grep -c '|' )
+if [ -z "${FERRY_TEST_FILTER:-}" ] && [ $((pass+fail+skip)) -ne "$want" ]; then
+  echo "ran $((pass+fail+skip)) cases, tests/cases lists $want"
+  fail=$((fail+1)); failed+=("(cases not run)")
+fi
 [ ${#failed[@]} -gt 0 ] && echo "failed: ${failed[*]}"
 if [ $skip -gt 0 ]; then echo "$pass passed, $fail failed, $skip skipped"
 else echo "$pass passed, $fail failed"; fi
