@@ -50,6 +50,28 @@ void fr_backoff(uint64_t *iter, long spin)
     }
 }
 
+long fr_proxy_idle_us(int gpu)
+{
+    /* A GPU rings from a kernel: nobody wakes a sleeping proxy, so it only
+     * yields between polls unless the setting says otherwise. */
+    if (gpu && !getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US)))
+        return 0;
+    return fr_cfg_int(FR_CFG_PROXY_IDLE_US);
+}
+
+void fr_proxy_idle(uint64_t *idle, long idle_us)
+{
+    uint64_t i = ++*idle;
+    if (i < 64)
+        return;
+    if (i < 2000 || idle_us <= 0) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, idle_us * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static inline uint32_t *fr_bell(uint8_t *seg)
 {
     return (uint32_t *)(seg + FR_SEG_OFF_BELL);

@@ -163,6 +163,12 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 /* Spin/yield/sleep backoff shared by every waiting loop. */
 void fr_backoff(uint64_t *iter, long spin);
 uint64_t fr_now_ns(void);
+/* A proxy thread's longest nap (FERRY_PROXY_IDLE_US; 0 for GPU producers
+ * unless set), and one step of its idle backoff after a pass with nothing
+ * to do: spin a little, yield, then nap (manual-progress providers still
+ * need it back). Reset *idle to 0 after a pass with work. */
+long fr_proxy_idle_us(int gpu);
+void fr_proxy_idle(uint64_t *idle, long idle_us);
 
 /* Shared-memory segments (src/transport/shm.c). */
 int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);

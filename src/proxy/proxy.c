@@ -112,11 +112,7 @@ static void *fr_proxy_main(void *arg)
     ferry_ep_t ep = arg;
     fr_proxy_t *p = &ep->proxy;
     fr_log_set_rank(ep->rank);
-    long idle_us = fr_cfg_int(FR_CFG_PROXY_IDLE_US);
-    /* A GPU rings the doorbell from a kernel: nobody wakes a sleeping
-     * proxy, so it only yields between polls. */
-    if (ep->cuda && !getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US)))
-        idle_us = 0;
+    long idle_us = fr_proxy_idle_us(ep->cuda != NULL);
     fr_cqe_t cqe[64];
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
@@ -164,17 +160,7 @@ static void *fr_proxy_main(void *arg)
             idle = 0;
             continue;
         }
-        /* Nothing to do: spin a little, yield, then sleep in short naps
-         * (manual-progress providers still need us to come back). */
-        idle++;
-        if (idle < 64)
-            continue;
-        if (idle < 2000 || idle_us <= 0) {
-            sched_yield();
-        } else {
-            struct timespec ts = {0, idle_us * 1000};
-            nanosleep(&ts, NULL);
-        }
+        fr_proxy_idle(&idle, idle_us);
     }
     return NULL;
 }

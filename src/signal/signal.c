@@ -630,9 +630,7 @@ static void *fr_sig_main(void *arg)
 {
     ferry_sig_t s = arg;
     fr_log_set_rank(s->rank);
-    long idle_us = s->cuda ? 0 : fr_cfg_int(FR_CFG_PROXY_IDLE_US);
-    if (s->cuda && getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US)))
-        idle_us = fr_cfg_int(FR_CFG_PROXY_IDLE_US);
+    long idle_us = fr_proxy_idle_us(s->cuda);
     ferry_sig_ring_t *rg = s->ring;
     fr_cqe_t cqe[64];
     uint64_t idle = 0;
@@ -693,15 +691,7 @@ static void *fr_sig_main(void *arg)
             idle = 0;
             continue;
         }
-        idle++;
-        if (idle < 64)
-            continue;
-        if (idle < 2000 || idle_us <= 0) {
-            sched_yield();
-        } else {
-            struct timespec ts = {0, idle_us * 1000};
-            nanosleep(&ts, NULL);
-        }
+        fr_proxy_idle(&idle, idle_us);
     }
     return NULL;
 }

@@ -422,7 +422,7 @@ static int fab_check_slice(const fr_group_t *g, int i, const fr_slice_t *s,
 }
 
 static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
-                   const fr_slice_t *s, uint64_t ctx, fr_err_t *err)
+                   const fr_slice_t *s, uint64_t ctx, int fence, fr_err_t *err)
 {
     fr_fab_op_t *op = fab_op_get(t);
     if (!op)
@@ -438,7 +438,7 @@ static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
     op->imm = s->imm;
     op->peer = p->rank;
     op->err = 0;
-    op->fence = 0;
+    op->fence = fence;
     fab_submit(t, op);
     return FERRY_OK;
 }
@@ -519,24 +519,42 @@ static int fab_open_flags(fr_boot_t *boot, int flags, fr_transport_t **tp,
     return rc;
 }
 
-/* Does the provider FI_PROVIDER names (or the default one) advertise
- * FI_FENCE for RDM RMA endpoints? Local check, no communication. */
-static int fab_fence_probe(char *why, size_t len)
+/* The hints every endpoint asks with (RDM, RMA writes, every memory
+ * registration mode ferry can handle) plus `caps`; a plain FI_PROVIDER
+ * name is passed as a hint too, while lists ("a,b") and exclusions ("^a")
+ * are left to libfabric's own reading of it. NULL when out of memory. */
+static struct fi_info *fab_hints(uint64_t caps)
 {
-    struct fi_info *hints = fi_allocinfo(), *list = NULL;
-    if (!hints) {
-        snprintf(why, len, "out of memory");
-        return 0;
-    }
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints)
+        return NULL;
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_FENCE;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | caps;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
                                   FI_MR_ALLOCATED | FI_MR_PROV_KEY |
                                   FI_MR_ENDPOINT;
     const char *envprov = getenv("FI_PROVIDER");
-    if (envprov && *envprov && !strpbrk(envprov, ",^"))
+    if (envprov && *envprov && !strpbrk(envprov, ",^")) {
         hints->fabric_attr->prov_name = strdup(envprov);
+        if (!hints->fabric_attr->prov_name) {
+            fi_freeinfo(hints);
+            return NULL;
+        }
+    }
+    return hints;
+}
+
+/* Does the provider FI_PROVIDER names (or the default one) advertise
+ * FI_FENCE for RDM RMA endpoints? Local check, no communication. */
+static int fab_fence_probe(char *why, size_t len)
+{
+    struct fi_info *hints = fab_hints(FI_FENCE), *list = NULL;
+    if (!hints) {
+        snprintf(why, len, "out of memory");
+        return 0;
+    }
+    const char *envprov = getenv("FI_PROVIDER");
     int frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
     int ok = 0;
     for (struct fi_info *i = frc ? NULL : list; i && !ok; i = i->next)
@@ -583,27 +601,12 @@ static int fab_open_caps(fr_boot_t *boot, int nic, uint64_t caps,
                     t->f_reorder ? "reordered " : "in order",
                     t->f_reorder ? (t->f_posts ? "posts" : "arrivals") : "");
 
-    hints = fi_allocinfo();
+    hints = fab_hints(caps);
     if (!hints) {
-        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: fi_allocinfo failed");
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for hints");
         goto fail;
     }
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | caps;
-    hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
-                                  FI_MR_ALLOCATED | FI_MR_PROV_KEY |
-                                  FI_MR_ENDPOINT;
     const char *envprov = getenv("FI_PROVIDER");
-    /* A plain name is passed as a hint too; lists ("a,b") and exclusions
-     * ("^a") are left to libfabric's own reading of FI_PROVIDER. */
-    if (envprov && *envprov && !strpbrk(envprov, ",^")) {
-        hints->fabric_attr->prov_name = strdup(envprov);
-        if (!hints->fabric_attr->prov_name) {
-            rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
-            goto fail;
-        }
-    }
 
     struct fi_info *list = NULL;
     frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
@@ -1005,7 +1008,7 @@ static int fab_scatter(fr_transport_t *t, fr_group_t *g,
     if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
         return rc;
     for (int i = 0; i < g->npeers; i++)
-        fab_add(t, g, i, &slices[i], ctx, err);
+        fab_add(t, g, i, &slices[i], ctx, 0, err);
     return FERRY_OK;
 }
 
@@ -1019,7 +1022,7 @@ static int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm,
         return rc;
     fr_slice_t s = {0, 0, 0, imm};
     for (int i = 0; i < g->npeers; i++)
-        fab_add(t, g, i, &s, ctx, err);
+        fab_add(t, g, i, &s, ctx, 0, err);
     return FERRY_OK;
 }
 
@@ -1033,7 +1036,7 @@ static int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
                       g ? g->npeers : 0);
     if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
         return rc;
-    return fab_add(t, g, index, slice, ctx, err);
+    return fab_add(t, g, index, slice, ctx, 0, err);
 }
 
 static int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
@@ -1050,23 +1053,7 @@ static int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
                       g ? g->npeers : 0);
     if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
         return rc;
-    fr_fab_op_t *op = fab_op_get(t);
-    if (!op)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for a post");
-    const fr_fab_peer_t *p = &g->peers[index];
-    op->ctx = ctx;
-    op->buf = g->sbuf + slice->src_off;
-    op->len = (size_t)slice->len;
-    op->desc = g->sdesc;
-    op->raddr = p->rbase + slice->dst_off;
-    op->key = p->rkey;
-    op->addr = p->addr;
-    op->imm = slice->imm;
-    op->peer = p->rank;
-    op->err = 0;
-    op->fence = 1;
-    fab_submit(t, op);
-    return FERRY_OK;
+    return fab_add(t, g, index, slice, ctx, 1, err);
 }
 
 static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
