@@ -98,6 +98,19 @@ int fr_boot_dead_rank(const fr_boot_t *b)
     return __atomic_load_n(&b->dead, __ATOMIC_ACQUIRE);
 }
 
+int fr_boot_dead_rank_within(const fr_boot_t *b, int ms)
+{
+    if (!b || b->kind != FR_BOOT_TCP)
+        return -1;
+    int64_t until = fr_boot_now_ms() + ms;
+    for (;;) {
+        int dead = fr_boot_dead_rank(b);
+        if (dead >= 0 || fr_boot_now_ms() >= until)
+            return dead;
+        fr_boot_sleep_ms(5);
+    }
+}
+
 int fr_boot_local_ipv4(const fr_boot_t *b, char *buf, size_t len)
 {
     if (!b || b->kind != FR_BOOT_TCP || !b->conns || !buf || len < 16)

@@ -57,6 +57,13 @@ int fr_boot_barrier(fr_boot_t *b, fr_err_t *err);
  * Cheap: one atomic load; safe from any thread. */
 int fr_boot_dead_rank(const fr_boot_t *b);
 
+/* The same, waiting up to ms for the watcher to notice a death: a fabric
+ * error caused by a peer dying (a write from or to it cut off) can arrive
+ * before its bootstrap socket is seen closed, and the dead rank is the
+ * better report. Returns at once when the bootstrap has no watcher. */
+int fr_boot_dead_rank_within(const fr_boot_t *b, int ms);
+#define FR_BOOT_DEATH_GRACE_MS 300 /* the watcher's ~100 ms, with margin */
+
 /* IPv4 address (text) this rank uses to reach the rendezvous: peers can
  * reach it, so the fabric prefers the interface that has it. -1 when the
  * bootstrap is not TCP. */

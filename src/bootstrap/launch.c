@@ -14,6 +14,7 @@
 #include "../core/config.h"
 #include "../core/log.h"
 #include "boot_int.h"
+#include "../transport/transport.h"
 
 #define FR_LAUNCH_MAX 4096
 #define FR_LAUNCH_POLL_MS 20
@@ -187,6 +188,14 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             if (w == 0 || (w < 0 && errno == EINTR))
                 continue;
             int code = w < 0 ? 255 : fr_decode_status(st);
+            if (w > 0) {
+                /* a rank that died before closing its shm endpoints */
+                int swept = fr_fab_shm_sweep((int)w);
+                if (swept)
+                    FR_LOG_INFO(FR_SUB_BOOT, "removed %d shm region%s left "
+                                "by rank %d (pid %d)", swept,
+                                swept == 1 ? "" : "s", i, (int)w);
+            }
             pids[i] = 0;
             left--;
             if (status)

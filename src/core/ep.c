@@ -72,6 +72,29 @@ void fr_proxy_idle(uint64_t *idle, long idle_us)
     }
 }
 
+int fr_proxy_join(pthread_t th, int *stop, long ms, const char *who)
+{
+    __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    int e = pthread_timedjoin_np(th, NULL, &ts);
+    if (e == 0)
+        return 0;
+    FR_LOG_WARN(FR_SUB_PROXY,
+                "%s: the proxy thread did not stop within %ld ms (stuck in "
+                "the fabric provider, e.g. shm waiting on a lock a killed "
+                "peer held); leaving it, its endpoint and its memory behind",
+                who, ms);
+    pthread_detach(th);
+    return -1;
+}
+
 static inline uint32_t *fr_bell(uint8_t *seg)
 {
     return (uint32_t *)(seg + FR_SEG_OFF_BELL);
@@ -334,8 +357,11 @@ static void fr_ep_free(ferry_ep_t ep)
 {
     if (!ep)
         return;
-    if (ep->proxy.running)
-        fr_proxy_stop(ep);
+    if (ep->proxy.running && fr_proxy_stop(ep) != 0) {
+        if (ep->seg && ep->seg_name[0])
+            fr_shm_unlink(ep->seg_name);
+        return; /* the thread may still touch all of it */
+    }
     for (int k = 0; k < FR_MAX_NICS; k++) {
         if (!ep->tps[k])
             continue;
@@ -792,9 +818,19 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
         }
         last_check = now;
         st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
-        if (st != FERRY_OK)
+        if (st != FERRY_OK) {
+            int dead = st == FERRY_ERR_FABRIC
+                           ? fr_boot_dead_rank_within(ep->comm->boot,
+                                                      FR_BOOT_DEATH_GRACE_MS)
+                           : -1;
+            if (dead >= 0)
+                return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                  "%s round %llu: rank %d died (%.300s)", what,
+                                  (unsigned long long)epoch, dead,
+                                  ep->async_msg);
             return fr_ep_fail(ep, st, "%s round %llu: %s", what,
                               (unsigned long long)epoch, ep->async_msg);
+        }
         /* a dead rank fails this wait only if its data is still missing:
          * a round it finished can still complete */
         int dead = fr_boot_dead_rank(ep->comm->boot);

@@ -169,6 +169,12 @@ uint64_t fr_now_ns(void);
  * need it back). Reset *idle to 0 after a pass with work. */
 long fr_proxy_idle_us(int gpu);
 void fr_proxy_idle(uint64_t *idle, long idle_us);
+/* Stop a proxy thread: set *stop, join within ms. 0: joined. -1: still
+ * running (stuck inside the provider: shm spins forever on a lock a killed
+ * peer held in shared memory); it is left behind, with everything it may
+ * touch, and a warning names who. */
+int fr_proxy_join(pthread_t th, int *stop, long ms, const char *who);
+#define FR_PROXY_JOIN_MS 2000
 
 /* Shared-memory segments (src/transport/shm.c). */
 int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
@@ -178,7 +184,7 @@ void fr_shm_unlink(const char *name);
 
 /* Proxy (src/proxy/proxy.c). */
 int fr_proxy_start(ferry_ep_t ep);
-void fr_proxy_stop(ferry_ep_t ep);
+int fr_proxy_stop(ferry_ep_t ep); /* -1: left running (fr_proxy_join) */
 int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch);
 /* Wait until the proxy has no writes in flight from `set` (bounded). */
 int fr_proxy_wait_set(ferry_ep_t ep, int set);

@@ -144,6 +144,11 @@ static void *fr_proxy_main(void *arg)
                 __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
                                    __ATOMIC_ACQ_REL);
                 break;
+            case FR_CQE_RXERR:
+                fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
+                                                      : FERRY_ERR_FABRIC,
+                                    -1, err.msg[0] ? err.msg : "fabric error");
+                break;
             default: {
                 char msg[FR_ERRMSG_LEN];
                 snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
@@ -184,13 +189,14 @@ int fr_proxy_start(ferry_ep_t ep)
     return FERRY_OK;
 }
 
-void fr_proxy_stop(ferry_ep_t ep)
+int fr_proxy_stop(ferry_ep_t ep)
 {
     fr_proxy_t *p = &ep->proxy;
     if (!p->running)
-        return;
-    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
-    pthread_join(p->thread, NULL);
+        return 0;
+    if (fr_proxy_join(p->thread, &p->stop, FR_PROXY_JOIN_MS,
+                      "endpoint destroy") != 0)
+        return -1;
     p->running = 0;
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
@@ -215,6 +221,7 @@ void fr_proxy_stop(ferry_ep_t ep)
         free(p->xfer_ns[1]);
         p->stats = 0;
     }
+    return 0;
 }
 
 int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
@@ -248,8 +255,16 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set)
                __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE) ||
            __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
         int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
-        if (st != FERRY_OK)
+        if (st != FERRY_OK) {
+            int dead = st == FERRY_ERR_FABRIC
+                           ? fr_boot_dead_rank_within(ep->comm->boot,
+                                                      FR_BOOT_DEATH_GRACE_MS)
+                           : -1;
+            if (dead >= 0)
+                return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)",
+                                  dead, ep->async_msg);
             return fr_ep_fail(ep, st, "%s", ep->async_msg);
+        }
         fr_backoff(&iter, ep->spin);
         int dead = fr_boot_dead_rank(ep->comm->boot);
         if (dead >= 0)

@@ -677,6 +677,9 @@ static void *fr_sig_main(void *arg)
                 fr_sig_rx(s, cqe[i].imm);
             } else if (cqe[i].kind == FR_CQE_TX) {
                 fr_sig_tx_done(s, cqe[i].ctx);
+            } else if (cqe[i].kind == FR_CQE_RXERR) {
+                fr_sig_async(s, cqe[i].status ? cqe[i].status : FERRY_ERR_FABRIC,
+                             -1, "%.480s", err.msg[0] ? err.msg : "fabric error");
             } else {
                 fr_sig_tx_done(s, cqe[i].ctx);
                 fr_sig_async(s, cqe[i].status ? cqe[i].status : FERRY_ERR_FABRIC,
@@ -717,8 +720,9 @@ typedef struct fr_sig_keys {
 static void fr_sig_free(ferry_sig_t s)
 {
     if (s->running) {
-        __atomic_store_n(&s->stop, 1, __ATOMIC_RELEASE);
-        pthread_join(s->thread, NULL);
+        if (fr_proxy_join(s->thread, &s->stop, FR_PROXY_JOIN_MS,
+                          "put-with-signal destroy") != 0)
+            return; /* the thread may still touch all of it */
         s->running = 0;
     }
     if (s->tp) {
@@ -1019,8 +1023,17 @@ fail:
 static int fr_sig_health(ferry_sig_t s, const char *what)
 {
     int st = __atomic_load_n(&s->async_status, __ATOMIC_ACQUIRE);
-    if (st != FERRY_OK)
+    if (st != FERRY_OK) {
+        int dead = st == FERRY_ERR_FABRIC
+                       ? fr_boot_dead_rank_within(s->comm->boot,
+                                                  FR_BOOT_DEATH_GRACE_MS)
+                       : -1;
+        if (dead >= 0)
+            return s->failed = fr_sig_fail(s, FERRY_ERR_PEER,
+                                           "%s: rank %d died (%.300s)", what,
+                                           dead, s->async_msg);
         return s->failed = fr_sig_fail(s, st, "%s: %s", what, s->async_msg);
+    }
     if (s->cuda) {
         int dv = __atomic_load_n((volatile int *)s->errword, __ATOMIC_ACQUIRE);
         if (dv != 0)

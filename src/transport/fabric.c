@@ -32,8 +32,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <sys/mman.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
@@ -488,6 +491,56 @@ static int fab_is_loopback(const struct fi_info *i)
            (ntohl(((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr) >> 24) == 127;
 }
 
+/* The shm provider names an endpoint's /dev/shm region after the pid in
+ * its default address ("fi_shm://<pid>" -> "<pid>:<uid>:<index>") and
+ * refuses (fi_enable: EBUSY) when a region of that name exists and the pid
+ * written in it is alive. A rank killed with SIGKILL leaves its region
+ * behind; once pids wrap, a new rank with that pid cannot open an endpoint.
+ * Ours are named "ferry.<pid>.<random>" instead: never reused, and the
+ * launcher removes a dead rank's regions by the pid prefix. */
+static int fab_shm_name(struct fi_info *info)
+{
+    if (info->addr_format != FI_ADDR_STR)
+        return 0;
+    static unsigned long long seq;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    unsigned long long x = ((unsigned long long)ts.tv_sec * 1000000000ull +
+                            (unsigned long long)ts.tv_nsec) ^
+                           ((unsigned long long)getpid() << 40) ^
+                           (++seq * 0x9e3779b97f4a7c15ull);
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 32;
+    char name[96];
+    int len = snprintf(name, sizeof(name), "fi_shm://" FR_FAB_SHM_PREFIX
+                       "%d.%016llx", (int)getpid(), x);
+    char *copy = strdup(name);
+    if (!copy)
+        return -1;
+    free(info->src_addr);
+    info->src_addr = copy;
+    info->src_addrlen = (size_t)len + 1;
+    return 0;
+}
+
+int fr_fab_shm_sweep(int pid)
+{
+    char pre[48];
+    int plen = snprintf(pre, sizeof(pre), FR_FAB_SHM_PREFIX "%d.", pid);
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, pre, (size_t)plen) == 0 &&
+            shm_unlink(e->d_name) == 0)
+            n++;
+    closedir(d);
+    return n;
+}
+
 static int fab_open_nic(fr_boot_t *boot, int nic, fr_transport_t **tp,
                         fr_err_t *err);
 static int fab_open_caps(fr_boot_t *boot, int nic, uint64_t caps,
@@ -711,6 +764,11 @@ static int fab_open_caps(fr_boot_t *boot, int nic, uint64_t caps,
                     info->fabric_attr->prov_name);
     }
     info->tx_attr->op_flags |= op_flags;
+    if (strcmp(info->fabric_attr->prov_name, "shm") == 0 &&
+        fab_shm_name(info) != 0) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
+        goto fail;
+    }
     snprintf(t->iface, sizeof(t->iface), "%s", info->domain_attr->name);
     t->mr_mode = info->domain_attr->mr_mode;
     snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
@@ -1100,24 +1158,33 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
             const char *s = fi_cq_strerror(t->cq, ee.prov_errno, ee.err_data,
                                            buf, sizeof(buf));
             fr_cqe_t *c = &out[n++];
-            c->kind = FR_CQE_ERR;
+            c->kind = FR_CQE_RXERR; /* not one of our posts */
             c->imm = 0;
             c->status = FERRY_ERR_FABRIC;
             c->peer = -1;
             c->ctx = 0;
             if (ee.op_context && !(ee.flags & FI_REMOTE_WRITE)) {
                 fr_fab_op_t *op = ee.op_context;
+                c->kind = FR_CQE_ERR;
                 c->peer = op->peer;
                 c->ctx = op->ctx;
                 c->imm = op->imm;
                 t->inflight--;
                 fab_op_put(t, op);
             }
-            FR_ERR(err, FERRY_ERR_FABRIC,
-                   "fabric: completion error (rank %d%s): %s (%d), "
-                   "provider: %s (%d)",
-                   c->peer, (ee.flags & FI_REMOTE_WRITE) ? ", remote write" : "",
-                   fi_strerror(ee.err), ee.err, s ? s : "?", ee.prov_errno);
+            if (c->kind == FR_CQE_ERR)
+                FR_ERR(err, FERRY_ERR_FABRIC,
+                       "fabric: completion error (write to rank %d): %s (%d), "
+                       "provider: %s (%d)",
+                       c->peer, fi_strerror(ee.err), ee.err, s ? s : "?",
+                       ee.prov_errno);
+            else
+                FR_ERR(err, FERRY_ERR_FABRIC,
+                       "fabric: completion error on an incoming %s (writer "
+                       "unknown): %s (%d), provider: %s (%d)",
+                       (ee.flags & FI_REMOTE_WRITE) ? "write" : "operation",
+                       fi_strerror(ee.err), ee.err, s ? s : "?",
+                       ee.prov_errno);
             continue;
         }
         if (got < 0)

@@ -45,7 +45,9 @@ typedef struct fr_slice {
 enum fr_cqe_kind {
     FR_CQE_TX = 1,  /* a write this rank posted completed locally */
     FR_CQE_RX = 2,  /* a peer's write with immediate landed here */
-    FR_CQE_ERR = 3  /* an operation failed; status/peer say which */
+    FR_CQE_ERR = 3, /* an operation failed; status/peer say which */
+    FR_CQE_RXERR = 4 /* a peer's write into this rank failed (shm: the
+                      * writer died mid-copy); the writer is unknown */
 };
 
 typedef struct fr_cqe {
@@ -120,6 +122,13 @@ typedef struct fr_transport_ops {
 } fr_transport_ops_t;
 
 extern const fr_transport_ops_t fr_transport_fabric;
+
+/* shm provider regions of ours are /dev/shm/ferry.<pid>.<random>:...; a
+ * rank killed before closing its endpoint leaves them behind. Remove those
+ * of a process that is known dead (the launcher, after reaping it).
+ * Returns how many were removed. */
+#define FR_FAB_SHM_PREFIX "ferry."
+int fr_fab_shm_sweep(int pid);
 
 #ifdef __cplusplus
 }

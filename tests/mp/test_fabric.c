@@ -37,6 +37,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 
 #include "bootstrap/bootstrap.h"
 #include "core/log.h"
@@ -488,13 +490,38 @@ static void latency(ctx_t *c)
     free(lat);
 }
 
+/* -S: regions named the way the shm provider names this process's
+ * endpoints by default ("<pid>:<uid>:<index>"), left as a killed process
+ * whose pid was later reused would leave them (the provider then refuses
+ * fi_enable with EBUSY). The transport must not collide with them. */
+#define STALE_N 8
+static void stale_regions(int make)
+{
+    for (int k = 0; k < STALE_N; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), "%d:%d:%d", (int)getpid(), (int)getuid(),
+                 k);
+        if (!make) {
+            shm_unlink(name);
+            continue;
+        }
+        int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+        CHECK(fd >= 0, "shm_open(%s)", name);
+        if (fd >= 0) {
+            CHECK(ftruncate(fd, 4096) == 0, "ftruncate(%s)", name);
+            close(fd);
+        }
+    }
+}
+
 int main(int argc, char **argv)
 {
+    int stale = 0;
     int n = 2, rounds = 200, burst_n = 2000, lat = 0;
     const char *expect_fail = NULL;
     int mixed = 0;
     int opt;
-    while ((opt = getopt(argc, argv, "n:r:m:b:s:LFM")) != -1) {
+    while ((opt = getopt(argc, argv, "n:r:m:b:s:LFMS")) != -1) {
         switch (opt) {
         case 'n': n = atoi(optarg); break;
         case 'r': rounds = atoi(optarg); break;
@@ -504,9 +531,10 @@ int main(int argc, char **argv)
         case 'L': lat = 1; break;
         case 'F': expect_fail = "fi_getinfo"; break;
         case 'M': expect_fail = "provider"; mixed = 1; break;
+        case 'S': stale = 1; break;
         default:
             fprintf(stderr, "usage: %s [-n ranks] [-r rounds] [-m max_bytes] "
-                            "[-b burst] [-s seed] [-L] [-F] [-M]\n", argv[0]);
+                            "[-b burst] [-s seed] [-L] [-F] [-M] [-S]\n", argv[0]);
             return 2;
         }
     }
@@ -545,7 +573,11 @@ int main(int argc, char **argv)
 
     if (mixed) /* the test, not the library, picks per-rank providers */
         setenv("FI_PROVIDER", c.rank % 2 ? "shm" : "tcp", 1);
+    if (stale)
+        stale_regions(1);
     rc = c.ops->open(boot, &c.t, &err);
+    if (stale)
+        stale_regions(0);
     if (expect_fail) {
         CHECK_RC(rc, FERRY_ERR_FABRIC);
         CHECK(strstr(err.msg, expect_fail) != NULL,
