@@ -49,6 +49,7 @@
 #define FR_SIG_RING 4096          /* request slots (power of two) */
 #define FR_SIG_MBOX 256           /* mailbox slots per sender */
 #define FR_SIG_REC 32             /* bytes per mailbox record */
+#define FR_SIG_BATCH 32           /* records per mailbox write, at most */
 #define FR_SIG_TXWIN 1024         /* puts in flight per destination */
 #define FR_SIG_RXWIN 65536        /* landed-put window per sender */
 #define FR_SIG_SEQ_BITS 18
@@ -76,7 +77,7 @@ typedef struct fr_sig_rec {
     uint64_t count; /* counted: puts it covers (0: apply on arrival) */
     uint32_t sig_index;
     uint32_t op;
-    uint64_t pad;
+    uint64_t batch; /* on a write's last record: how many records it holds */
 } fr_sig_rec_t;
 
 /* A queued item (put or signal) for one destination. */
@@ -154,7 +155,7 @@ struct ferry_sig {
     uint64_t settled;  /* atomic: ring requests before it are all done */
     int async_status, async_peer;
     char async_msg[FR_ERRMSG_LEN];
-    uint64_t n_puts, n_sigs, n_credits, n_held; /* statistics */
+    uint64_t n_puts, n_sigs, n_sig_writes, n_credits, n_held; /* statistics */
 };
 
 static int fr_sig_fail(ferry_sig_t s, int code, const char *fmt, ...)
@@ -352,22 +353,37 @@ static int fr_sig_post_put(ferry_sig_t s, int d, const fr_sig_item_t *it)
     return FERRY_OK;
 }
 
-static int fr_sig_post_record(ferry_sig_t s, int d, const fr_sig_item_t *it)
+/* Write record #seq for destination d into its outbox slot. */
+static void fr_sig_fill_record(ferry_sig_t s, int d, uint64_t seq,
+                               const fr_sig_item_t *it)
 {
-    fr_sig_dst_t *D = &s->dst[d];
-    uint64_t seq = D->sig_issued;
     uint32_t slot = (uint32_t)(seq % FR_SIG_MBOX);
-    size_t out_off = ((size_t)d * FR_SIG_MBOX + slot) * FR_SIG_REC;
-    fr_sig_rec_t *r = (fr_sig_rec_t *)(s->outbox + out_off);
+    fr_sig_rec_t *r = (fr_sig_rec_t *)(s->outbox +
+                                       ((size_t)d * FR_SIG_MBOX + slot) *
+                                           FR_SIG_REC);
     r->value = it->value;
     r->count = s->mode == FERRY_SIG_MODE_COUNTED ? it->thr : 0;
     r->sig_index = it->sig_index;
     r->op = it->op;
+    r->batch = 1;
+}
+
+/* Post records #sig_issued .. #sig_issued+n-1 (filled, in consecutive
+ * mailbox slots) to destination d as one write; the immediate names the
+ * last, which says how many the write holds. */
+static int fr_sig_post_records(ferry_sig_t s, int d, uint32_t n)
+{
+    fr_sig_dst_t *D = &s->dst[d];
+    uint64_t first = D->sig_issued, last = first + n - 1;
+    uint32_t slot = (uint32_t)(first % FR_SIG_MBOX);
+    size_t out_off = ((size_t)d * FR_SIG_MBOX + slot) * FR_SIG_REC;
+    ((fr_sig_rec_t *)(s->outbox + out_off) + (n - 1))->batch = n;
     fr_slice_t sl = {out_off,
                      ((size_t)s->rank * FR_SIG_MBOX + slot) * FR_SIG_REC,
-                     FR_SIG_REC, fr_sig_imm(FR_SIGK_SIG, s->rank, seq)};
+                     (uint64_t)n * FR_SIG_REC,
+                     fr_sig_imm(FR_SIGK_SIG, s->rank, last)};
     fr_err_t err = {{0}};
-    uint64_t ctx = fr_sig_ctx(FR_SIGK_SIG, d, seq);
+    uint64_t ctx = fr_sig_ctx(FR_SIGK_SIG, d, last);
     int rc = s->mode == FERRY_SIG_MODE_NICFENCE
                  ? s->ops->write_fence(s->tp, s->g_mbox, s->gidx[d], &sl, ctx,
                                        &err)
@@ -377,17 +393,20 @@ static int fr_sig_post_record(ferry_sig_t s, int d, const fr_sig_item_t *it)
         fr_sig_async(s, rc, d, "signal to rank %d: %s", d, err.msg);
         return rc;
     }
-    D->sig_issued++;
+    D->sig_issued += n;
     s->inflight++;
-    s->n_sigs++;
+    s->n_sigs += n;
+    s->n_sig_writes++;
     return FERRY_OK;
 }
 
-/* Can destination d's next record go out now? */
-static int fr_sig_record_ready(ferry_sig_t s, int d, const fr_sig_item_t *it)
+/* Can destination d's next record go out now, behind `ahead` records
+ * already taken for the same write? */
+static int fr_sig_record_ready(ferry_sig_t s, int d, const fr_sig_item_t *it,
+                               uint32_t ahead)
 {
     fr_sig_dst_t *D = &s->dst[d];
-    if (D->sig_issued - D->credit >= FR_SIG_MBOX)
+    if (D->sig_issued + ahead - D->credit >= FR_SIG_MBOX)
         return 0; /* the receiver has not consumed enough records yet */
     switch (s->mode) {
     case FERRY_SIG_MODE_GROUPED:
@@ -409,11 +428,20 @@ static void fr_sig_progress_dst(ferry_sig_t s, int d)
         D->puts.head++;
         s->queued--;
     }
-    while (!fifo_empty(&D->sigs) && fr_sig_record_ready(s, d, fifo_front(&D->sigs))) {
-        if (fr_sig_post_record(s, d, fifo_front(&D->sigs)) != FERRY_OK)
+    /* every record that may go now, in as few writes as the mailbox's
+     * wrap allows */
+    for (;;) {
+        uint32_t n = 0;
+        while (n < FR_SIG_BATCH && !fifo_empty(&D->sigs) &&
+               (n == 0 || (D->sig_issued + n) % FR_SIG_MBOX != 0) &&
+               fr_sig_record_ready(s, d, fifo_front(&D->sigs), n)) {
+            fr_sig_fill_record(s, d, D->sig_issued + n, fifo_front(&D->sigs));
+            D->sigs.head++;
+            s->queued--;
+            n++;
+        }
+        if (n == 0 || fr_sig_post_records(s, d, n) != FERRY_OK)
             return;
-        D->sigs.head++;
-        s->queued--;
     }
 }
 
@@ -476,8 +504,9 @@ static int fr_sig_take(ferry_sig_t s, const ferry_sig_req_t *q)
             goto nomem;
         s->queued++;
     }
+    /* posted after this pass over the ring: a destination's puts, then
+     * its records in as few writes as they allow */
     fr_sig_activate(s, d);
-    fr_sig_progress_dst(s, d);
     return 0;
 nomem:
     fr_sig_async(s, FERRY_ERR_NOMEM, s->rank,
@@ -572,15 +601,28 @@ static void fr_sig_rx(ferry_sig_t s, uint32_t imm)
         fr_sig_src_t *S = &s->src[from];
         uint64_t seq = S->next_apply +
                        ((low - (uint32_t)S->next_apply) & FR_SIG_SEQ_MASK);
-        if (seq - S->next_apply >= FR_SIG_MBOX || S->ready[seq % FR_SIG_MBOX]) {
+        /* the write holds records #seq-n+1 .. #seq; its data is here */
+        uint64_t n = 0;
+        if (seq - S->next_apply < FR_SIG_MBOX)
+            n = ((const fr_sig_rec_t *)(s->mbox +
+                                        ((size_t)from * FR_SIG_MBOX +
+                                         seq % FR_SIG_MBOX) * FR_SIG_REC))
+                    ->batch;
+        int bad = n < 1 || n > FR_SIG_BATCH || seq - S->next_apply < n - 1 ||
+                  (seq - n + 1) % FR_SIG_MBOX > seq % FR_SIG_MBOX;
+        for (uint64_t q = seq - n + 1; !bad && q <= seq; q++)
+            bad = S->ready[q % FR_SIG_MBOX];
+        if (bad) {
             fr_sig_async(s, FERRY_ERR_PROTOCOL, from,
-                         "rank %d sent signal record #%llu while #%llu is the "
-                         "next to apply (mailbox of %d)",
-                         from, (unsigned long long)seq,
+                         "rank %d sent signal records #%llu (%llu in the "
+                         "write) while #%llu is the next to apply (mailbox "
+                         "of %d)",
+                         from, (unsigned long long)seq, (unsigned long long)n,
                          (unsigned long long)S->next_apply, FR_SIG_MBOX);
             return;
         }
-        S->ready[seq % FR_SIG_MBOX] = 1;
+        for (uint64_t q = seq - n + 1; q <= seq; q++)
+            S->ready[q % FR_SIG_MBOX] = 1;
         fr_sig_apply_ready(s, from);
     } else {
         fr_sig_dst_t *D = &s->dst[from];
@@ -649,9 +691,11 @@ static void *fr_sig_main(void *arg)
         }
         /* 2. what waited */
         if (s->fence_wait && s->inflight == 0 &&
-            fr_sig_record_ready(s, s->fence_dst, &s->fence_item)) {
+            fr_sig_record_ready(s, s->fence_dst, &s->fence_item, 0)) {
             s->fence_wait = 0;
-            fr_sig_post_record(s, s->fence_dst, &s->fence_item);
+            fr_sig_fill_record(s, s->fence_dst,
+                               s->dst[s->fence_dst].sig_issued, &s->fence_item);
+            fr_sig_post_records(s, s->fence_dst, 1);
             work = 1;
         }
         for (int i = 0; i < s->nact;) {
@@ -1248,9 +1292,11 @@ int ferry_sig_destroy(ferry_sig_t s)
             rc = b;
     }
     FR_LOG_INFO(FR_SUB_SIG,
-                "put-with-signal: %llu puts, %llu signal records, %llu "
-                "credits sent; times a record waited for its puts: %llu",
+                "put-with-signal: %llu puts, %llu signal records in %llu "
+                "writes, %llu credits sent; times a record waited for its "
+                "puts: %llu",
                 (unsigned long long)s->n_puts, (unsigned long long)s->n_sigs,
+                (unsigned long long)s->n_sig_writes,
                 (unsigned long long)s->n_credits,
                 (unsigned long long)s->n_held);
     fr_sig_free(s);
