@@ -111,6 +111,13 @@ int fr_boot_dead_rank_within(const fr_boot_t *b, int ms)
     }
 }
 
+int fr_boot_blame(const fr_boot_t *b, int status)
+{
+    return status == FERRY_ERR_FABRIC
+               ? fr_boot_dead_rank_within(b, FR_BOOT_DEATH_GRACE_MS)
+               : -1;
+}
+
 int fr_boot_local_ipv4(const fr_boot_t *b, char *buf, size_t len)
 {
     if (!b || b->kind != FR_BOOT_TCP || !b->conns || !buf || len < 16)

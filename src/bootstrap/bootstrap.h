@@ -63,6 +63,9 @@ int fr_boot_dead_rank(const fr_boot_t *b);
  * better report. Returns at once when the bootstrap has no watcher. */
 int fr_boot_dead_rank_within(const fr_boot_t *b, int ms);
 #define FR_BOOT_DEATH_GRACE_MS 300 /* the watcher's ~100 ms, with margin */
+/* For an asynchronous error `status` of a proxy: the dead rank that
+ * explains it (a fabric error, then the grace above), else -1. */
+int fr_boot_blame(const fr_boot_t *b, int status);
 
 /* IPv4 address (text) this rank uses to reach the rendezvous: peers can
  * reach it, so the fabric prefers the interface that has it. -1 when the

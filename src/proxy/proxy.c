@@ -256,10 +256,7 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set)
            __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
         int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
         if (st != FERRY_OK) {
-            int dead = st == FERRY_ERR_FABRIC
-                           ? fr_boot_dead_rank_within(ep->comm->boot,
-                                                      FR_BOOT_DEATH_GRACE_MS)
-                           : -1;
+            int dead = fr_boot_blame(ep->comm->boot, st);
             if (dead >= 0)
                 return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)",
                                   dead, ep->async_msg);

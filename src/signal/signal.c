@@ -1068,10 +1068,7 @@ static int fr_sig_health(ferry_sig_t s, const char *what)
 {
     int st = __atomic_load_n(&s->async_status, __ATOMIC_ACQUIRE);
     if (st != FERRY_OK) {
-        int dead = st == FERRY_ERR_FABRIC
-                       ? fr_boot_dead_rank_within(s->comm->boot,
-                                                  FR_BOOT_DEATH_GRACE_MS)
-                       : -1;
+        int dead = fr_boot_blame(s->comm->boot, st);
         if (dead >= 0)
             return s->failed = fr_sig_fail(s, FERRY_ERR_PEER,
                                            "%s: rank %d died (%.300s)", what,
