@@ -92,6 +92,9 @@ $(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(SIGBENCH_CUDA) $(L
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itools $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
+# test_signal's kernel_args mode launches the bench's bad-call kernel
+$(BUILD)/tests/mp/test_signal: $(SIGBENCH_CUDA)
+
 $(BUILD)/bin/ferry-info: tools/ferry_info.c $(LIBA)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)

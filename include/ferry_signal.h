@@ -135,12 +135,25 @@ typedef struct ferry_sig_device {
     unsigned long long *reserve;   /* producer counter (device memory) */
     unsigned char *heap;           /* this rank's heap (mapped) */
     unsigned long long *signals;   /* this rank's signal words (mapped) */
-    int *error;                    /* first device-side error (mapped) */
+    int *error;                    /* first device-side error (mapped):
+                                    * error[0] the status, error[1] what
+                                    * (FERRY_SIG_DEVERR_*) */
     int rank, nranks;
     unsigned int ring_slots;       /* power of two */
     unsigned int num_signals;
     unsigned long long heap_bytes;
 } ferry_sig_device_t;
+
+/* What a kernel got wrong (error[1] of ferry_sig_device_t). */
+enum {
+    FERRY_SIG_DEVERR_PEER = 1,      /* peer outside 0..nranks-1 */
+    FERRY_SIG_DEVERR_SRC = 2,       /* src_off + len beyond the heap */
+    FERRY_SIG_DEVERR_DST = 3,       /* dst_off + len beyond the heap */
+    FERRY_SIG_DEVERR_INDEX = 4,     /* sig_index >= num_signals */
+    FERRY_SIG_DEVERR_OP = 5,        /* op neither SET nor ADD */
+    FERRY_SIG_DEVERR_WAIT_INDEX = 6,/* wait on a word >= num_signals */
+    FERRY_SIG_DEVERR_RING_FULL = 7  /* the ring stayed full ~10 s */
+};
 
 /* The device handle of a CUDA context (FERRY_ERR_INVALID on a CPU one). */
 int ferry_sig_device(ferry_sig_t sig, ferry_sig_device_t *out);

@@ -21,6 +21,17 @@
 
 #include "ferry_signal.h"
 
+/* Record the first device-side error and what caused it. */
+static __device__ __forceinline__ int
+ferry_sig_dev_error(const ferry_sig_device_t *d, int status, int what)
+{
+    if (atomicCAS(d->error, 0, status) == 0) {
+        ((volatile int *)d->error)[1] = what;
+        __threadfence_system();
+    }
+    return status;
+}
+
 /* Queue one put (+ signal). Spins while the ring is full, at most
  * ~timeout_ns (0: 10 s). */
 static __device__ __forceinline__ int
@@ -29,14 +40,17 @@ ferry_sig_dev_put(const ferry_sig_device_t *d, int peer,
                   unsigned long long len, unsigned int sig_index, int op,
                   unsigned long long value)
 {
-    if (peer < 0 || peer >= d->nranks || src_off > d->heap_bytes ||
-        len > d->heap_bytes - src_off || dst_off > d->heap_bytes ||
-        len > d->heap_bytes - dst_off ||
-        (sig_index != FERRY_SIG_NONE && sig_index >= d->num_signals) ||
-        (op != FERRY_SIG_SET && op != FERRY_SIG_ADD)) {
-        atomicCAS(d->error, 0, FERRY_ERR_INVALID);
-        return FERRY_ERR_INVALID;
-    }
+    if (peer < 0 || peer >= d->nranks)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID, FERRY_SIG_DEVERR_PEER);
+    if (src_off > d->heap_bytes || len > d->heap_bytes - src_off)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID, FERRY_SIG_DEVERR_SRC);
+    if (dst_off > d->heap_bytes || len > d->heap_bytes - dst_off)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID, FERRY_SIG_DEVERR_DST);
+    if (sig_index != FERRY_SIG_NONE && sig_index >= d->num_signals)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID,
+                                   FERRY_SIG_DEVERR_INDEX);
+    if (op != FERRY_SIG_SET && op != FERRY_SIG_ADD)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID, FERRY_SIG_DEVERR_OP);
     /* the heap stores this thread made must reach host memory before the
      * proxy can see the request */
     __threadfence_system();
@@ -48,10 +62,9 @@ ferry_sig_dev_put(const ferry_sig_device_t *d, int peer,
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         if (!t0)
             t0 = now;
-        else if (now - t0 > 10000000000ull) {
-            atomicCAS(d->error, 0, FERRY_ERR_TIMEOUT);
-            return FERRY_ERR_TIMEOUT;
-        }
+        else if (now - t0 > 10000000000ull)
+            return ferry_sig_dev_error(d, FERRY_ERR_TIMEOUT,
+                                       FERRY_SIG_DEVERR_RING_FULL);
     }
     volatile ferry_sig_req_t *q = &rg->req[i & (d->ring_slots - 1)];
     q->peer = peer;
@@ -95,10 +108,9 @@ static __device__ __forceinline__ int
 ferry_sig_dev_wait(const ferry_sig_device_t *d, unsigned int sig_index,
                    unsigned long long value, unsigned long long timeout_ns)
 {
-    if (sig_index >= d->num_signals) {
-        atomicCAS(d->error, 0, FERRY_ERR_INVALID);
-        return FERRY_ERR_INVALID;
-    }
+    if (sig_index >= d->num_signals)
+        return ferry_sig_dev_error(d, FERRY_ERR_INVALID,
+                                   FERRY_SIG_DEVERR_WAIT_INDEX);
     if (!timeout_ns)
         timeout_ns = 10000000000ull;
     unsigned long long t0 = 0;

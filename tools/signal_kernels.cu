@@ -178,3 +178,35 @@ extern "C" void fsb_cuda_free(fsb_cuda_t *h)
     cudaFree(h->in_t); cudaFree(h->timeouts); cudaFree(h->wrong);
     free(h);
 }
+
+/* One thread makes bad call `which` (see signal_kernels.h). */
+__global__ void fsb_bad_kernel(ferry_sig_device_t d, int which, int *rc)
+{
+    unsigned long long hb = d.heap_bytes;
+    int r;
+    switch (which) {
+    case 0: r = ferry_sig_dev_put(&d, d.nranks, 0, 0, 8, 0, FERRY_SIG_ADD, 1); break;
+    case 1: r = ferry_sig_dev_put(&d, -1, 0, 0, 8, 0, FERRY_SIG_ADD, 1); break;
+    case 2: r = ferry_sig_dev_put(&d, 0, 0, hb - 4, 8, 0, FERRY_SIG_ADD, 1); break;
+    case 3: r = ferry_sig_dev_put(&d, 0, hb, 0, 8, 0, FERRY_SIG_ADD, 1); break;
+    case 4: r = ferry_sig_dev_put(&d, 0, 0, 0, 8, d.num_signals, FERRY_SIG_ADD, 1); break;
+    case 5: r = ferry_sig_dev_put(&d, 0, 0, 0, 8, 0, 7, 1); break;
+    default: r = ferry_sig_dev_wait(&d, d.num_signals, 1, 1000000); break;
+    }
+    *rc = r;
+}
+
+extern "C" int fsb_cuda_bad_call(const ferry_sig_device_t *d, int which,
+                                 int *kernel_rc, char *why, size_t whylen)
+{
+    cudaError_t e = cudaSuccess;
+    int *rc = NULL;
+    FSB_CU(cudaMalloc(&rc, sizeof(int)));
+    if (e == cudaSuccess)
+        fsb_bad_kernel<<<1, 1>>>(*d, which, rc);
+    FSB_CU(cudaGetLastError());
+    FSB_CU(cudaDeviceSynchronize());
+    FSB_CU(cudaMemcpy(kernel_rc, rc, sizeof(int), cudaMemcpyDeviceToHost));
+    cudaFree(rc);
+    return fsb_err(e, why, whylen);
+}

@@ -47,6 +47,13 @@ int fsb_cuda_put(fsb_cuda_t *h, uint32_t round, int signal, int fill,
 int fsb_cuda_check(fsb_cuda_t *h, uint32_t round, uint64_t *wrong, char *why,
                    size_t whylen);
 void fsb_cuda_free(fsb_cuda_t *h);
+/* A kernel makes one bad call: which 0-5 a ferry_sig_dev_put with a bad
+ * peer (nranks, -1), source range, destination range, signal word or op;
+ * 6 a ferry_sig_dev_wait on a word that does not exist. *kernel_rc: what
+ * the call returned. Used by tests/mp/test_signal (kernel_args). */
+#define FSB_BAD_CALLS 7
+int fsb_cuda_bad_call(const ferry_sig_device_t *d, int which, int *kernel_rc,
+                      char *why, size_t whylen);
 
 #ifdef __cplusplus
 }

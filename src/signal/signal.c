@@ -834,7 +834,7 @@ static int fr_sig_alloc(ferry_sig_t s, fr_err_t *err)
                                      &s->d_signals, err)) != FERRY_OK ||
             (rc = fr_cuda_host_alloc(ring_bytes, (void **)&s->ring,
                                      &s->d_ring, err)) != FERRY_OK ||
-            (rc = fr_cuda_host_alloc(sizeof(int), (void **)&s->errword, &dv,
+            (rc = fr_cuda_host_alloc(2 * sizeof(int), (void **)&s->errword, &dv,
                                      err)) != FERRY_OK ||
             (rc = fr_cuda_dev_word(&s->d_reserve, err)) != FERRY_OK)
             return rc;
@@ -1077,12 +1077,26 @@ static int fr_sig_health(ferry_sig_t s, const char *what)
     }
     if (s->cuda) {
         int dv = __atomic_load_n((volatile int *)s->errword, __ATOMIC_ACQUIRE);
-        if (dv != 0)
+        if (dv != 0) {
+            static const char *const whats[] = {
+                "?",
+                "ferry_sig_dev_put: peer outside 0..nranks-1",
+                "ferry_sig_dev_put: src_off + len beyond the heap",
+                "ferry_sig_dev_put: dst_off + len beyond the heap",
+                "ferry_sig_dev_put: sig_index >= num_signals",
+                "ferry_sig_dev_put: op is neither SET nor ADD",
+                "ferry_sig_dev_wait: sig_index >= num_signals",
+                "ferry_sig_dev_put: the ring stayed full for 10 s"};
+            /* what is stored after the status: give it a moment */
+            int w = 0;
+            for (int i = 0; i < 1000 && !w; i++)
+                w = __atomic_load_n((volatile int *)s->errword + 1,
+                                    __ATOMIC_ACQUIRE);
             return s->failed = fr_sig_fail(
-                       s, dv, "%s: a kernel's request was refused: %s "
-                              "(a bad argument to ferry_sig_dev_put/wait, "
-                              "or the ring stayed full)",
-                       what, ferry_strerror(dv));
+                       s, dv, "%s: a kernel's request was refused: %s (%s)",
+                       what, w > 0 && w < 8 ? whats[w] : whats[0],
+                       ferry_strerror(dv));
+        }
     }
     int dead = fr_boot_dead_rank(s->comm->boot);
     if (dead >= 0)

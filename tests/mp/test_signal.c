@@ -23,6 +23,11 @@
  *           FERRY_ERR_UNSUPPORTED on every rank.
  *   kill V  rank V dies in round 3 after queueing half its transfers; every
  *           other rank fails naming rank V within FERRY_TIMEOUT_MS + 1 s.
+ *   kernel_args  (CUDA builds, a GPU) on a CUDA context, a kernel makes
+ *           one bad call each time (bad peer, source or destination range,
+ *           signal word, op; a wait on a missing word): the call returns
+ *           FERRY_ERR_INVALID in the kernel, the host's next check and
+ *           quiet return it naming what was wrong, nothing reaches a peer.
  *
  * Under an outside launcher (FERRY_RANK set, tests/cluster.sh) this process
  * is one rank and writes its verdict to $FERRY_TEST_DIR.
@@ -326,6 +331,57 @@ out:
     return fr_test_result();
 }
 
+#ifdef FERRY_HAVE_CUDA
+#include "../../tools/signal_kernels.h"
+
+static int run_kernel_args(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm);
+    static const char *const named[FSB_BAD_CALLS] = {
+        "peer outside", "peer outside", "src_off", "dst_off",
+        "put: sig_index", "op is neither", "ferry_sig_dev_wait: sig_index"};
+    for (int w = 0; w < FSB_BAD_CALLS; w++) {
+        ferry_sig_config_t c = FERRY_SIG_CONFIG_INIT;
+        c.heap_bytes = 4096;
+        c.num_signals = 4;
+        c.device = FERRY_DEVICE_CUDA;
+        ferry_sig_t sig = NULL;
+        int rc = ferry_sig_create(comm, &c, &sig);
+        CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
+        if (rc != FERRY_OK)
+            return fr_test_result();
+        ferry_sig_device_t dev;
+        CHECK_RC(ferry_sig_device(sig, &dev), FERRY_OK);
+        int krc = 0;
+        char why[256] = "";
+        rc = fsb_cuda_bad_call(&dev, w, &krc, why, sizeof(why));
+        CHECK(rc == 0, "call %d: kernel: %s", w, why);
+        CHECK(krc == FERRY_ERR_INVALID, "call %d: the kernel got %d", w, krc);
+        rc = ferry_sig_check(sig);
+        CHECK(rc == FERRY_ERR_INVALID &&
+                  strstr(ferry_sig_last_error(sig), named[w]) &&
+                  strstr(ferry_sig_last_error(sig), "kernel"),
+              "call %d: check %d '%s' (want '%s')", w, rc,
+              ferry_sig_last_error(sig), named[w]);
+        CHECK_RC(ferry_sig_quiet(sig), FERRY_ERR_INVALID);
+        if (me == 0 && w == 0)
+            printf("kernel's bad call reported: %s\n", ferry_sig_last_error(sig));
+        /* nothing went out: no rank saw a put from any rank */
+        CHECK_RC(ferry_comm_barrier(comm), FERRY_OK);
+        for (int s = 0; s < N; s++) {
+            uint64_t got = 1;
+            CHECK_RC(ferry_sig_landed(sig, s, &got), FERRY_OK);
+            CHECK(got == 0, "call %d: %llu puts from rank %d landed", w,
+                  (unsigned long long)got, s);
+        }
+        ferry_sig_destroy(sig);
+    }
+    if (me == 0)
+        printf("%d bad calls from kernels refused and named\n", FSB_BAD_CALLS);
+    return fr_test_result();
+}
+#endif
+
 static int run_args(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm);
@@ -473,6 +529,12 @@ int main(int argc, char **argv)
     const char *mode = optind < argc ? argv[optind] : "stress";
     int victim = optind + 1 < argc ? atoi(argv[optind + 1]) : -1;
     int is_kill = strcmp(mode, "kill") == 0;
+#ifndef FERRY_HAVE_CUDA
+    if (strcmp(mode, "kernel_args") == 0) {
+        printf("skipped: test_signal was built without CUDA\n");
+        return 77;
+    }
+#endif
     int outside = getenv("FERRY_RANK") != NULL;
     if (outside && getenv("FERRY_TEST_DIR"))
         snprintf(g_dir, sizeof(g_dir), "%s", getenv("FERRY_TEST_DIR"));
@@ -517,6 +579,10 @@ int main(int argc, char **argv)
     int me = ferry_comm_rank(comm);
     if (strcmp(mode, "args") == 0) {
         rc = run_args(comm);
+    } else if (strcmp(mode, "kernel_args") == 0) {
+#ifdef FERRY_HAVE_CUDA
+        rc = run_kernel_args(comm);
+#endif
     } else if (strcmp(mode, "stress") == 0 || is_kill) {
         rc = 0;
         if (all_modes) {
