@@ -19,26 +19,14 @@
 #include "core/ep.h"
 #include "ferry.h"
 #include "harness.h"
+#include "verdicts.h"
 #include "workload.h"
-
-static char g_dir[256];
 
 static double now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void verdict(int rank, const char *what)
-{
-    char p[300];
-    snprintf(p, sizeof(p), "%s/rank.%d", g_dir, rank);
-    FILE *f = fopen(p, "w");
-    if (f) {
-        fprintf(f, "%s\n", what);
-        fclose(f);
-    }
 }
 
 #define CHECK_MSG(ep, needle)                                                  \
@@ -296,38 +284,13 @@ int main(int argc, char **argv)
     const char *mode = argc >= 4 ? argv[3] : "args";
     int victim = argc >= 5 ? atoi(argv[4]) : -1;
     int in_combine = argc >= 6 && strcmp(argv[5], "combine") == 0;
-    /* Under an outside launcher (FERRY_RANK set, e.g. tests/cluster.sh)
-     * this process is one rank; verdicts go to $FERRY_TEST_DIR. */
-    int outside = getenv("FERRY_RANK") != NULL;
-    if (outside && getenv("FERRY_TEST_DIR"))
-        snprintf(g_dir, sizeof(g_dir), "%s", getenv("FERRY_TEST_DIR"));
-    else
-        snprintf(g_dir, sizeof(g_dir), "/tmp/ferry-test-ep-%d", (int)getpid());
-    mkdir(g_dir, 0700);
+    int outside = fr_vd_init("ep");
     int is_child = outside;
     fr_err_t err = {{0}};
     int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
     if (!is_child) {
         /* parent: read the verdicts */
-        int bad = 0;
-        for (int r = 0; r < n; r++) {
-            char p[300], v[32] = "missing";
-            snprintf(p, sizeof(p), "%s/rank.%d", g_dir, r);
-            FILE *f = fopen(p, "r");
-            if (f) {
-                if (!fgets(v, sizeof(v), f))
-                    snprintf(v, sizeof(v), "empty");
-                fclose(f);
-                unlink(p);
-            }
-            v[strcspn(v, "\n")] = 0;
-            int expect_dead = strcmp(mode, "kill") == 0 && r == victim;
-            if (expect_dead ? strcmp(v, "missing") != 0 : strcmp(v, "ok") != 0) {
-                fprintf(stderr, "rank %d: verdict %s\n", r, v);
-                bad = 1;
-            }
-        }
-        rmdir(g_dir);
+        int bad = fr_vd_collect(n, strcmp(mode, "kill") == 0 ? victim : -1);
         if (strcmp(mode, "kill") == 0)
             bad |= rc != 128 + SIGKILL; /* the victim, and only it, died */
         else

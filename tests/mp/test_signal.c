@@ -46,22 +46,11 @@
 #include "ferry_signal.h"
 #include "bootstrap/bootstrap.h"
 #include "harness.h"
+#include "verdicts.h"
 
-static char g_dir[256];
 static uint64_t g_seed = 1;
 static int g_rounds = 20, g_M = 8;
 static uint64_t g_max = 65536;
-
-static void verdict(int rank, const char *v)
-{
-    char p[300];
-    snprintf(p, sizeof(p), "%s/rank.%d", g_dir, rank);
-    FILE *f = fopen(p, "w");
-    if (f) {
-        fprintf(f, "%s\n", v);
-        fclose(f);
-    }
-}
 
 static double now_ms(void)
 {
@@ -535,35 +524,12 @@ int main(int argc, char **argv)
         return 77;
     }
 #endif
-    int outside = getenv("FERRY_RANK") != NULL;
-    if (outside && getenv("FERRY_TEST_DIR"))
-        snprintf(g_dir, sizeof(g_dir), "%s", getenv("FERRY_TEST_DIR"));
-    else
-        snprintf(g_dir, sizeof(g_dir), "/tmp/ferry-test-sig-%d", (int)getpid());
-    mkdir(g_dir, 0700);
+    int outside = fr_vd_init("sig");
     int is_child = outside;
     fr_err_t err = {{0}};
     int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
     if (!is_child) {
-        int bad = 0;
-        for (int r = 0; r < n; r++) {
-            char p[300], v[32] = "missing";
-            snprintf(p, sizeof(p), "%s/rank.%d", g_dir, r);
-            FILE *f = fopen(p, "r");
-            if (f) {
-                if (!fgets(v, sizeof(v), f))
-                    snprintf(v, sizeof(v), "empty");
-                fclose(f);
-                unlink(p);
-            }
-            v[strcspn(v, "\n")] = 0;
-            int expect_dead = is_kill && r == victim;
-            if (expect_dead ? strcmp(v, "missing") != 0 : strcmp(v, "ok") != 0) {
-                fprintf(stderr, "rank %d: verdict %s\n", r, v);
-                bad = 1;
-            }
-        }
-        rmdir(g_dir);
+        int bad = fr_vd_collect(n, is_kill ? victim : -1);
         bad |= is_kill ? rc != 128 + SIGKILL : rc != 0;
         printf("test_signal %s: launcher status %d, %s\n", mode, rc,
                bad ? "FAILED" : "passed");
