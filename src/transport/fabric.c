@@ -72,8 +72,20 @@ typedef struct fr_fab_op {
     int peer;
     int err;        /* libfabric status of a failed post (error list) */
     int fence;      /* post with FI_FENCE (nicfence signals) */
-    uint64_t due;   /* fault injection: held until then */
 } fr_fab_op_t;
+
+/* Fault injection: things held back until `at` (an arrival's immediate,
+ * or a post), released oldest first or in random order. */
+typedef struct fr_fab_held {
+    uint64_t at;
+    uint32_t imm;      /* arrivals */
+    fr_fab_op_t *op;   /* posts */
+} fr_fab_held_t;
+typedef struct fr_fab_hq {
+    fr_fab_held_t *v;
+    int n, cap;
+    long total, reordered; /* held; released ahead of an older one */
+} fr_fab_hq_t;
 
 typedef struct fr_fab_chunk {
     struct fr_fab_chunk *next;
@@ -149,14 +161,10 @@ struct fr_transport {
     long f_delay_ns, f_jitter_ns;
     int f_reorder;
     uint64_t f_rng;
-    struct fr_fab_held { uint32_t imm; uint64_t at; } *held;
-    int nheld, capheld;
-    long f_nheld, f_nreordered;
+    fr_fab_hq_t arrivals;
     /* FERRY_FAULT_POSTS: this rank's own posts held back the same way */
     int f_posts;
-    fr_fab_op_t **hposts;
-    int nhposts, caphposts;
-    long f_nhposts, f_nposts_reordered;
+    fr_fab_hq_t posts;
     int fence_caps; /* opened with FI_FENCE in caps */
 };
 
@@ -175,55 +183,65 @@ static uint64_t fab_now(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Keep an arrival back (fault injection); 0 when it cannot be held. */
-static int fab_hold(fr_transport_t *t, uint32_t imm)
+/* Hold an arrival's immediate or a post back until now + delay + jitter;
+ * 0 when it cannot be held. */
+static int fab_hq_push(fr_transport_t *t, fr_fab_hq_t *q, uint32_t imm,
+                       fr_fab_op_t *op)
 {
-    if (t->nheld == t->capheld) {
-        int cap = t->capheld ? 2 * t->capheld : 64;
-        void *p = realloc(t->held, sizeof(*t->held) * (size_t)cap);
+    if (q->n == q->cap) {
+        int cap = q->cap ? 2 * q->cap : 64;
+        void *p = realloc(q->v, sizeof(*q->v) * (size_t)cap);
         if (!p)
             return 0;
-        t->held = p;
-        t->capheld = cap;
+        q->v = p;
+        q->cap = cap;
     }
     uint64_t at = fab_now() + (uint64_t)t->f_delay_ns;
     if (t->f_jitter_ns > 0)
         at += fab_rand(t) % (uint64_t)(t->f_jitter_ns + 1);
-    t->held[t->nheld].imm = imm;
-    t->held[t->nheld].at = at;
-    t->nheld++;
-    t->f_nheld++;
+    q->v[q->n++] = (fr_fab_held_t){at, imm, op};
+    q->total++;
     return 1;
 }
 
-/* Release held arrivals that are due: oldest first, or in random order. */
+/* Take an item due by `now`: the oldest, or (f_reorder) a random one of
+ * those due. 0: none is due. */
+static int fab_hq_pop(fr_transport_t *t, fr_fab_hq_t *q, uint64_t now,
+                      fr_fab_held_t *out)
+{
+    int pick = -1, seen = 0;
+    for (int i = 0; i < q->n; i++) {
+        if (q->v[i].at > now)
+            continue;
+        seen++;
+        if (pick < 0 || (t->f_reorder && fab_rand(t) % (uint64_t)seen == 0))
+            pick = i;
+        if (!t->f_reorder)
+            break;
+    }
+    if (pick < 0)
+        return 0;
+    q->reordered += pick > 0; /* an older one is still held */
+    *out = q->v[pick];
+    memmove(&q->v[pick], &q->v[pick + 1],
+            sizeof(*q->v) * (size_t)(q->n - pick - 1));
+    q->n--;
+    return 1;
+}
+
+/* Release held arrivals that are due. */
 static int fab_release(fr_transport_t *t, fr_cqe_t *out, int max)
 {
     int n = 0;
     uint64_t now = fab_now();
-    while (n < max && t->nheld > 0) {
-        int pick = -1, seen = 0;
-        for (int i = 0; i < t->nheld; i++) {
-            if (t->held[i].at > now)
-                continue;
-            seen++;
-            if (pick < 0 || (t->f_reorder && fab_rand(t) % (uint64_t)seen == 0))
-                pick = i;
-            if (!t->f_reorder)
-                break;
-        }
-        if (pick < 0)
-            break;
-        t->f_nreordered += pick > 0; /* an older arrival is still held */
+    fr_fab_held_t h;
+    while (n < max && fab_hq_pop(t, &t->arrivals, now, &h)) {
         out[n].kind = FR_CQE_RX;
-        out[n].imm = t->held[pick].imm;
+        out[n].imm = h.imm;
         out[n].peer = -1;
         out[n].status = FERRY_OK;
         out[n].ctx = 0;
         n++;
-        memmove(&t->held[pick], &t->held[pick + 1],
-                sizeof(*t->held) * (size_t)(t->nheld - pick - 1));
-        t->nheld--;
     }
     return n;
 }
@@ -308,55 +326,19 @@ static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
 
 static void fab_submit_now(fr_transport_t *t, fr_fab_op_t *op);
 
-/* Fault injection: keep a post back until its due time. 0: not held. */
-static int fab_hold_post(fr_transport_t *t, fr_fab_op_t *op)
-{
-    if (t->nhposts == t->caphposts) {
-        int cap = t->caphposts ? 2 * t->caphposts : 64;
-        void *p = realloc(t->hposts, sizeof(*t->hposts) * (size_t)cap);
-        if (!p)
-            return 0;
-        t->hposts = p;
-        t->caphposts = cap;
-    }
-    op->due = fab_now() + (uint64_t)t->f_delay_ns;
-    if (t->f_jitter_ns > 0)
-        op->due += fab_rand(t) % (uint64_t)(t->f_jitter_ns + 1);
-    t->hposts[t->nhposts++] = op;
-    t->f_nhposts++;
-    return 1;
-}
-
-/* Post held posts that are due: oldest first, or in random order. */
+/* Post held posts that are due. */
 static void fab_release_posts(fr_transport_t *t)
 {
     uint64_t now = fab_now();
-    for (;;) {
-        int pick = -1, seen = 0;
-        for (int i = 0; i < t->nhposts; i++) {
-            if (t->hposts[i]->due > now)
-                continue;
-            seen++;
-            if (pick < 0 || (t->f_reorder && fab_rand(t) % (uint64_t)seen == 0))
-                pick = i;
-            if (!t->f_reorder)
-                break;
-        }
-        if (pick < 0)
-            return;
-        t->f_nposts_reordered += pick > 0;
-        fr_fab_op_t *op = t->hposts[pick];
-        memmove(&t->hposts[pick], &t->hposts[pick + 1],
-                sizeof(*t->hposts) * (size_t)(t->nhposts - pick - 1));
-        t->nhposts--;
-        fab_submit_now(t, op);
-    }
+    fr_fab_held_t h;
+    while (fab_hq_pop(t, &t->posts, now, &h))
+        fab_submit_now(t, h.op);
 }
 
 /* Post op (unless the fault injector holds it back first). */
 static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
 {
-    if (t->f_posts && fab_hold_post(t, op))
+    if (t->f_posts && fab_hq_push(t, &t->posts, 0, op))
         return;
     fab_submit_now(t, op);
 }
@@ -1119,7 +1101,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
     int n = 0;
     if (t->absent)
         return 0;
-    if (t->nhposts)
+    if (t->posts.n)
         fab_release_posts(t);
     /* Posts that failed outright, in order. */
     while (n < max && t->e_head) {
@@ -1138,7 +1120,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
     }
     fab_drain_queue(t);
 
-    if (t->nheld)
+    if (t->arrivals.n)
         n += fab_release(t, out + n, max - n);
     struct fi_cq_data_entry ent[FR_FAB_CQ_BATCH];
     while (n < max) {
@@ -1193,7 +1175,8 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
             fr_cqe_t *c = &out[n++];
             if ((ent[i].flags & FI_REMOTE_CQ_DATA) &&
                 (t->f_delay_ns || t->f_jitter_ns || t->f_reorder) &&
-                !t->f_posts && fab_hold(t, (uint32_t)ent[i].data)) {
+                !t->f_posts &&
+                fab_hq_push(t, &t->arrivals, (uint32_t)ent[i].data, NULL)) {
                 n--; /* held back: released by a later poll */
                 continue;
             }
@@ -1225,7 +1208,7 @@ static int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
 
 static int fab_pending(fr_transport_t *t)
 {
-    long p = t->inflight + t->nqueued + t->nerrors + t->nhposts;
+    long p = t->inflight + t->nqueued + t->nerrors + t->posts.n;
     return p > 0x7fffffff ? 0x7fffffff : (int)p;
 }
 
@@ -1248,18 +1231,17 @@ static void fab_close(fr_transport_t *t)
     if ((t->f_delay_ns || t->f_jitter_ns || t->f_reorder) && !t->f_posts)
         FR_LOG_WARN(FR_SUB_NET,
                     "fault injection: held %ld arrivals, delivered %ld ahead "
-                    "of an older one", t->f_nheld, t->f_nreordered);
+                    "of an older one", t->arrivals.total,
+                    t->arrivals.reordered);
     if (t->f_posts)
         FR_LOG_WARN(FR_SUB_NET,
                     "fault injection: held %ld posts, posted %ld ahead of an "
-                    "older one", t->f_nhposts, t->f_nposts_reordered);
-    for (int i = 0; i < t->nhposts; i++)
-        fab_op_put(t, t->hposts[i]);
-    free(t->hposts);
-    t->hposts = NULL;
-    t->nhposts = 0;
-    free(t->held);
-    t->held = NULL;
+                    "older one", t->posts.total, t->posts.reordered);
+    for (int i = 0; i < t->posts.n; i++)
+        fab_op_put(t, t->posts.v[i].op);
+    free(t->posts.v);
+    free(t->arrivals.v);
+    t->posts = t->arrivals = (fr_fab_hq_t){0};
     free(t->present);
     t->present = NULL;
     while (t->groups)
