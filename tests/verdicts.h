@@ -5,6 +5,7 @@
 #ifndef FR_TEST_VERDICTS_H
 #define FR_TEST_VERDICTS_H
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,8 +39,11 @@ static inline void verdict(int rank, const char *what)
 }
 
 /* The parent: every rank said "ok", except `victim` (-1: none), which must
- * have said nothing. Removes the files and the folder; 1 when bad. */
-static inline int fr_vd_collect(int n, int victim)
+ * have said nothing, and the launcher's status says so (SIGKILL with a
+ * victim, else 0). Removes the files and the folder, prints
+ * "<test> <mode>: launcher status S, passed|FAILED"; 1 when bad. */
+static inline int fr_vd_collect(const char *test, const char *mode, int n,
+                                int victim, int launcher_status)
 {
     int bad = 0;
     for (int r = 0; r < n; r++) {
@@ -59,6 +63,11 @@ static inline int fr_vd_collect(int n, int victim)
         }
     }
     rmdir(fr_vd_dir);
+    /* with a victim, it and only it died */
+    bad |= victim >= 0 ? launcher_status != 128 + SIGKILL
+                       : launcher_status != 0;
+    printf("%s %s: launcher status %d, %s\n", test, mode, launcher_status,
+           bad ? "FAILED" : "passed");
     return bad;
 }
 

@@ -529,11 +529,8 @@ int main(int argc, char **argv)
     fr_err_t err = {{0}};
     int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
     if (!is_child) {
-        int bad = fr_vd_collect(n, is_kill ? victim : -1);
-        bad |= is_kill ? rc != 128 + SIGKILL : rc != 0;
-        printf("test_signal %s: launcher status %d, %s\n", mode, rc,
-               bad ? "FAILED" : "passed");
-        return bad;
+        return fr_vd_collect("test_signal", mode, n, is_kill ? victim : -1,
+                             rc);
     }
     char ebuf[512];
     ferry_comm_t comm = NULL;
