@@ -81,24 +81,34 @@ static void bufs_init(bufs_t *b, const fw_spec_t *s, const ferry_ep_layout_t *la
     b->hout = malloc(T * s->H * 2 + 16);
 }
 
+/* An EP for a workload spec (num_sms 0: the default); NULL, with a failed
+ * CHECK, when create fails. */
+static ferry_ep_t spec_ep(ferry_comm_t comm, const fw_spec_t *s,
+                          ferry_device_t dev, int num_sms)
+{
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s->E;
+    cfg.topk = s->K;
+    cfg.hidden = s->H;
+    cfg.max_tokens = s->T;
+    cfg.dispatch_dtype = s->fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.device = dev;
+    cfg.num_sms = num_sms;
+    ferry_ep_t ep = NULL;
+    int rc = ferry_ep_create(comm, &cfg, &ep);
+    CHECK(rc == FERRY_OK, "%s create: %s", dev == FERRY_DEVICE_CUDA ? "gpu" : "cpu",
+          ferry_comm_last_error(comm));
+    return rc == FERRY_OK ? ep : NULL;
+}
+
 static int run_graph(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     int E = 4 * N, K = 4, H = 256, T = 24;
     fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = 1, .zipf_s = 1.2,
                    .mask_p = 0.1, .vary_tokens = 1, .empty_p = 0.2, .seed = 21};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = E;
-    cfg.topk = K;
-    cfg.hidden = H;
-    cfg.max_tokens = T;
-    cfg.dispatch_dtype = FERRY_DTYPE_FP8_E4M3;
-    cfg.device = FERRY_DEVICE_CUDA;
-    cfg.num_sms = 4;
-    ferry_ep_t ep;
-    rc = ferry_ep_create(comm, &cfg, &ep);
-    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
-    if (rc)
+    ferry_ep_t ep = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 4);
+    if (!ep)
         return 1;
     ferry_ep_layout_t lay = {.size = sizeof(lay)};
     ferry_ep_get_layout(ep, &lay);
@@ -180,24 +190,13 @@ static int run_graph(ferry_comm_t comm)
  * rounding of each other. */
 static int run_twin(ferry_comm_t comm, int fp8)
 {
-    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm);
     int E = 8 * N, K = 8, H = 1024, T = 48;
     fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = fp8, .zipf_s = 1.2,
                    .mask_p = 0.1, .vary_tokens = 1, .empty_p = 0.2, .seed = 77};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = E;
-    cfg.topk = K;
-    cfg.hidden = H;
-    cfg.max_tokens = T;
-    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
-    ferry_ep_t cpu, gpu;
-    rc = ferry_ep_create(comm, &cfg, &cpu);
-    CHECK(rc == FERRY_OK, "cpu create: %s", ferry_comm_last_error(comm));
-    cfg.device = FERRY_DEVICE_CUDA;
-    cfg.num_sms = 8;
-    rc |= ferry_ep_create(comm, &cfg, &gpu);
-    CHECK(rc == FERRY_OK, "gpu create: %s", ferry_comm_last_error(comm));
-    if (rc)
+    ferry_ep_t cpu = spec_ep(comm, &s, FERRY_DEVICE_CPU, 0);
+    ferry_ep_t gpu = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 8);
+    if (!cpu || !gpu)
         return 1;
     ferry_ep_layout_t lay = {.size = sizeof(lay)};
     ferry_ep_get_layout(gpu, &lay);
@@ -286,16 +285,8 @@ static int run_timeout(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     fw_spec_t s = {.N = N, .E = 2 * N, .K = 2, .H = 128, .T = 8, .seed = 3};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = s.E;
-    cfg.topk = s.K;
-    cfg.hidden = s.H;
-    cfg.max_tokens = s.T;
-    cfg.device = FERRY_DEVICE_CUDA;
-    ferry_ep_t ep;
-    rc = ferry_ep_create(comm, &cfg, &ep);
-    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
-    if (rc)
+    ferry_ep_t ep = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 0);
+    if (!ep)
         return 1;
     long timeout = strtol(getenv("FERRY_TIMEOUT_MS") ? getenv("FERRY_TIMEOUT_MS") : "30000", NULL, 10);
     if (me == 1) {
@@ -341,16 +332,8 @@ static int run_badidx(ferry_comm_t comm)
 {
     int rc;
     fw_spec_t s = {.N = 1, .E = 8, .K = 2, .H = 128, .T = 8, .seed = 4};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = s.E;
-    cfg.topk = s.K;
-    cfg.hidden = s.H;
-    cfg.max_tokens = s.T;
-    cfg.device = FERRY_DEVICE_CUDA;
-    ferry_ep_t ep;
-    rc = ferry_ep_create(comm, &cfg, &ep);
-    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
-    if (rc)
+    ferry_ep_t ep = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 0);
+    if (!ep)
         return 1;
     ferry_ep_layout_t lay = {.size = sizeof(lay)};
     ferry_ep_get_layout(ep, &lay);
