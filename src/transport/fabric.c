@@ -168,12 +168,19 @@ struct fr_transport {
     int fence_caps; /* opened with FI_FENCE in caps */
 };
 
-static uint64_t fab_rand(fr_transport_t *t)
+#define FR_FAB_GOLDEN 0x9e3779b97f4a7c15ull
+
+/* splitmix64's finaliser */
+static uint64_t fab_mix(uint64_t x)
 {
-    uint64_t x = t->f_rng += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
+}
+
+static uint64_t fab_rand(fr_transport_t *t)
+{
+    return fab_mix(t->f_rng += FR_FAB_GOLDEN);
 }
 
 static uint64_t fab_now(void)
@@ -484,19 +491,12 @@ static int fab_shm_name(struct fi_info *info)
 {
     if (info->addr_format != FI_ADDR_STR)
         return 0;
-    static unsigned long long seq;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    unsigned long long x = ((unsigned long long)ts.tv_sec * 1000000000ull +
-                            (unsigned long long)ts.tv_nsec) ^
-                           ((unsigned long long)getpid() << 40) ^
-                           (++seq * 0x9e3779b97f4a7c15ull);
-    x ^= x >> 29;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 32;
+    static uint64_t seq;
+    uint64_t x = fab_mix(fab_now() ^ ((uint64_t)getpid() << 40) ^
+                         (++seq * FR_FAB_GOLDEN));
     char name[96];
     int len = snprintf(name, sizeof(name), "fi_shm://" FR_FAB_SHM_PREFIX
-                       "%d.%016llx", (int)getpid(), x);
+                       "%d.%016llx", (int)getpid(), (unsigned long long)x);
     char *copy = strdup(name);
     if (!copy)
         return -1;
