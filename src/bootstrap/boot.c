@@ -98,7 +98,7 @@ int fr_boot_dead_rank(const fr_boot_t *b)
     return __atomic_load_n(&b->dead, __ATOMIC_ACQUIRE);
 }
 
-int fr_boot_dead_rank_within(const fr_boot_t *b, int ms)
+static int fr_boot_dead_rank_within(const fr_boot_t *b, int ms)
 {
     if (!b || b->kind != FR_BOOT_TCP)
         return -1;

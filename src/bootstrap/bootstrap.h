@@ -57,14 +57,12 @@ int fr_boot_barrier(fr_boot_t *b, fr_err_t *err);
  * Cheap: one atomic load; safe from any thread. */
 int fr_boot_dead_rank(const fr_boot_t *b);
 
-/* The same, waiting up to ms for the watcher to notice a death: a fabric
- * error caused by a peer dying (a write from or to it cut off) can arrive
- * before its bootstrap socket is seen closed, and the dead rank is the
- * better report. Returns at once when the bootstrap has no watcher. */
-int fr_boot_dead_rank_within(const fr_boot_t *b, int ms);
-#define FR_BOOT_DEATH_GRACE_MS 300 /* the watcher's ~100 ms, with margin */
 /* For an asynchronous error `status` of a proxy: the dead rank that
- * explains it (a fabric error, then the grace above), else -1. */
+ * explains it, else -1. A fabric error caused by a peer dying (a write
+ * from or to it cut off) can arrive before its bootstrap socket is seen
+ * closed, so for FERRY_ERR_FABRIC this waits up to
+ * FR_BOOT_DEATH_GRACE_MS for the watcher; at once without a watcher. */
+#define FR_BOOT_DEATH_GRACE_MS 300 /* the watcher's ~100 ms, with margin */
 int fr_boot_blame(const fr_boot_t *b, int status);
 
 /* IPv4 address (text) this rank uses to reach the rendezvous: peers can

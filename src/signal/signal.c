@@ -1094,7 +1094,10 @@ static int fr_sig_health(ferry_sig_t s, const char *what)
                                     __ATOMIC_ACQUIRE);
             return s->failed = fr_sig_fail(
                        s, dv, "%s: a kernel's request was refused: %s (%s)",
-                       what, w > 0 && w < 8 ? whats[w] : whats[0],
+                       what,
+                       w > 0 && w < (int)(sizeof(whats) / sizeof(whats[0]))
+                           ? whats[w]
+                           : whats[0],
                        ferry_strerror(dv));
         }
     }
