@@ -15,7 +15,7 @@ for variant in "build:" "build-san:SAN=1"; do
   fi
   # CUDA sources must compile wherever nvcc exists, GPU or not.
   if command -v nvcc >/dev/null 2>&1 && [ -z "$FLAGS" ]; then
-    if ls src/kernels/cuda/*.cu >/dev/null 2>&1; then
+    if [ -n "$(find src -name '*.cu')" ]; then
       if make BUILD="$B" cuda > "/tmp/ferry-nvcc.log" 2>&1; then echo "nvcc: CUDA kernels compiled"
       else tail -n 30 /tmp/ferry-nvcc.log; total_fail=$((total_fail+1)); fi
     fi

@@ -10,6 +10,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/err.h"
 #include "core/layout.h"
+#include "runtime/rt.h"
 #include "transport/transport.h"
 
 #ifdef __cplusplus
@@ -148,9 +149,6 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
     return (uint64_t *)(seg + fr_off_flag(L, phase, set, sender));
 }
 
-/* Wake whoever sleeps on the segment's doorbell (after publishing flags). */
-void fr_doorbell_ring(uint8_t *seg);
-
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -159,28 +157,6 @@ int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
  * dead peers and proxy errors turn into statuses naming the ranks. */
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                   const char *what);
-
-/* Spin/yield/sleep backoff shared by every waiting loop. */
-void fr_backoff(uint64_t *iter, long spin);
-uint64_t fr_now_ns(void);
-/* A proxy thread's longest nap (FERRY_PROXY_IDLE_US; 0 for GPU producers
- * unless set), and one step of its idle backoff after a pass with nothing
- * to do: spin a little, yield, then nap (manual-progress providers still
- * need it back). Reset *idle to 0 after a pass with work. */
-long fr_proxy_idle_us(int gpu);
-void fr_proxy_idle(uint64_t *idle, long idle_us);
-/* Stop a proxy thread: set *stop, join within ms. 0: joined. -1: still
- * running (stuck inside the provider: shm spins forever on a lock a killed
- * peer held in shared memory); it is left behind, with everything it may
- * touch, and a warning names who. */
-int fr_proxy_join(pthread_t th, int *stop, long ms, const char *who);
-#define FR_PROXY_JOIN_MS 2000
-
-/* Shared-memory segments (src/transport/shm.c). */
-int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
-int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
-void fr_shm_unmap(uint8_t *p, size_t bytes);
-void fr_shm_unlink(const char *name);
 
 /* Proxy (src/proxy/proxy.c). */
 int fr_proxy_start(ferry_ep_t ep);

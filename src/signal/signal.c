@@ -43,7 +43,7 @@
 #include "core/config.h"
 #include "core/ep.h"
 #include "core/log.h"
-#include "kernels/cuda/mem.h"
+#include "runtime/cuda_mem.h"
 #include "signal/signal.h"
 
 #define FR_SIG_RING 4096          /* request slots (power of two) */

@@ -3,7 +3,6 @@
 #include <stdio.h>
 
 #include "kernels/cuda/api.h"
-#include "kernels/cuda/mem.h"
 
 int ferry_cuda_available(char *why, size_t len)
 {
@@ -40,22 +39,4 @@ int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r, const ferry_combine_out_t
 }
 int fr_cuda_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
 int fr_cuda_sync(ferry_ep_t ep, void *stream) { (void)ep; (void)stream; return FERRY_OK; }
-int fr_cuda_host_alloc(size_t bytes, void **host, void **dev, fr_err_t *err)
-{
-    (void)bytes;
-    *host = *dev = NULL;
-    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
-}
-void fr_cuda_host_free(void *host) { (void)host; }
-int fr_cuda_dev_word(unsigned long long **dev, fr_err_t *err)
-{
-    *dev = NULL;
-    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
-}
-void fr_cuda_dev_free(void *dev) { (void)dev; }
-int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val, fr_err_t *err)
-{
-    (void)dev; (void)val;
-    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
-}
 #endif

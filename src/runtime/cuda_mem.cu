@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/cuda/mem.h"
+#include "runtime/cuda_mem.h"
 
 static int fr_cuda_fail(fr_err_t *err, const char *what, cudaError_t e)
 {

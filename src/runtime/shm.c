@@ -6,7 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/ep.h"
+#include "runtime/rt.h"
 #include "core/log.h"
 
 int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)

@@ -1,0 +1,23 @@
+/* Builds without nvcc: the CUDA memory helpers answer FERRY_ERR_UNSUPPORTED. */
+#ifndef FERRY_HAVE_CUDA
+#include "runtime/cuda_mem.h"
+
+int fr_cuda_host_alloc(size_t bytes, void **host, void **dev, fr_err_t *err)
+{
+    (void)bytes;
+    *host = *dev = NULL;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
+void fr_cuda_host_free(void *host) { (void)host; }
+int fr_cuda_dev_word(unsigned long long **dev, fr_err_t *err)
+{
+    *dev = NULL;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
+void fr_cuda_dev_free(void *dev) { (void)dev; }
+int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val, fr_err_t *err)
+{
+    (void)dev; (void)val;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
+#endif

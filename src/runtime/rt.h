@@ -1,0 +1,63 @@
+/*
+ * The runtime: what the EP, its engines, the proxies and put-with-signal
+ * share below the API. Clock, backoff, proxy idling and joining, the
+ * doorbell futex in a receive segment, POSIX shared-memory segments.
+ * Depends only on src/core.
+ */
+#ifndef FR_RT_H
+#define FR_RT_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+uint64_t fr_now_ns(void);
+
+static inline void fr_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Spin/yield/sleep backoff shared by every waiting loop. */
+void fr_backoff(uint64_t *iter, long spin);
+
+/* A proxy thread's longest nap (FERRY_PROXY_IDLE_US; 0 for GPU producers
+ * unless set), and one step of its idle backoff after a pass with nothing
+ * to do: spin a little, yield, then nap (manual-progress providers still
+ * need it back). Reset *idle to 0 after a pass with work. */
+long fr_proxy_idle_us(int gpu);
+void fr_proxy_idle(uint64_t *idle, long idle_us);
+/* Stop a proxy thread: set *stop, join within ms. 0: joined. -1: still
+ * running (stuck inside the provider: shm spins forever on a lock a killed
+ * peer held in shared memory); it is left behind, with everything it may
+ * touch, and a warning names who. */
+int fr_proxy_join(pthread_t th, int *stop, long ms, const char *who);
+#define FR_PROXY_JOIN_MS 2000
+
+/* The doorbell of a receive segment (its first page, see core/layout.h):
+ * a counter and a sleeper count. Ring after publishing flags; sleep until
+ * the counter moves from `seen` or `ns` pass. */
+void fr_doorbell_ring(uint8_t *seg);
+uint32_t fr_doorbell_read(uint8_t *seg);
+void fr_doorbell_sleep(uint8_t *seg, uint32_t seen, uint64_t ns);
+void fr_doorbell_sleepers_add(uint8_t *seg, int delta);
+
+/* Shared-memory segments (shm.c). */
+int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
+int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
+void fr_shm_unmap(uint8_t *p, size_t bytes);
+void fr_shm_unlink(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
