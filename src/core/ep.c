@@ -261,20 +261,13 @@ static void fr_ep_free(ferry_ep_t ep)
             fr_shm_unlink(ep->seg_name);
         return; /* the thread may still touch all of it */
     }
-    for (int k = 0; k < FR_MAX_NICS; k++) {
-        if (!ep->tps[k])
-            continue;
-        if (ep->groups[k])
-            ep->tp_ops->group_destroy(ep->tps[k], ep->groups[k]);
-        if (ep->mr_seg[k])
-            ep->tp_ops->dereg(ep->tps[k], ep->mr_seg[k]);
-        if (ep->mr_send[k])
-            ep->tp_ops->dereg(ep->tps[k], ep->mr_send[k]);
-        ep->tp_ops->close(ep->tps[k]);
-        free(ep->group_gidx[k]);
+    fr_nics_groups_destroy(&ep->nics, &ep->groups);
+    if (ep->nics.ops) {
+        fr_nics_dereg(&ep->nics, &ep->rseg);
+        fr_nics_dereg(&ep->nics, &ep->rsend);
     }
+    fr_nics_close(&ep->nics);
     free(ep->gslices);
-    free(ep->nic_of);
     if (ep->cuda)
         fr_cuda_free(ep); /* frees and clears seg, send, slices, ring */
     if (ep->peer_seg) {
@@ -435,7 +428,6 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
      * transport's open is collective). */
     int any_fabric = N > 1 && (force_fabric || comm->nnodes > 1);
     if (any_fabric) {
-        ep->tp_ops = &fr_transport_fabric;
         if (!ep->send) {
             if (posix_memalign((void **)&ep->send, 4096, L->send_bytes) != 0) {
                 ep->send = NULL;
@@ -447,68 +439,18 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         }
         /* NICs: FERRY_NICS_PER_RANK, or (0) as many as the node has, up to
          * FR_MAX_NICS. Opening NIC k is collective, present or not. */
-        long want = fr_cfg_int(FR_CFG_NICS_PER_RANK);
-        int K = want > 0 ? (int)(want < FR_MAX_NICS ? want : FR_MAX_NICS)
-                         : FR_MAX_NICS;
-        fr_mr_desc_t *descs = fr_zalloc(sizeof(*descs) * (size_t)N * K);
-        fr_mr_desc_t *remote = fr_zalloc(sizeof(*remote) * (size_t)N);
-        ep->nic_of = fr_zalloc(sizeof(int) * (size_t)N);
-        if (!descs || !remote || !ep->nic_of) {
-            free(descs);
-            free(remote);
-            rc = FR_ERR(&err, FERRY_ERR_NOMEM, "descriptor tables");
-            goto fail;
-        }
-        for (int k = 0; k < K && rc == FERRY_OK; k++) {
-            rc = ep->tp_ops->open_nic(comm->boot, k, &ep->tps[k], &err);
-            fr_mr_desc_t mine;
-            memset(&mine, 0, sizeof(mine));
-            int here = rc == FERRY_OK && ep->tp_ops->has_peer(ep->tps[k], me);
-            if (here)
-                rc = ep->tp_ops->reg(ep->tps[k], ep->seg, L->seg_bytes, 1,
-                                     &ep->mr_seg[k], &mine, &err);
-            if (here && rc == FERRY_OK) {
-                fr_mr_desc_t send_desc;
-                rc = ep->tp_ops->reg(ep->tps[k], ep->send, L->send_bytes, 0,
-                                     &ep->mr_send[k], &send_desc, &err);
-            }
-            if (rc == FERRY_OK)
-                rc = fr_boot_allgather(comm->boot, &mine, descs + (size_t)k * N,
-                                       sizeof(mine), &err);
-        }
-        ep->nnics = K;
-        /* a pair of ranks talks over NIC (a + b) % K when both have it */
-        for (int i = 0; rc == FERRY_OK && i < N; i++) {
-            int k = (me + i) % K;
-            ep->nic_of[i] = ep->tp_ops->has_peer(ep->tps[k], i) ? k : 0;
-        }
-        for (int k = 0; rc == FERRY_OK && k < K; k++) {
-            ep->group_gidx[k] = fr_zalloc(sizeof(int) * (size_t)N);
-            int *peers = fr_zalloc(sizeof(int) * (size_t)N);
-            int n = 0;
-            for (int g = 0; g < ep->nfabric; g++) {
-                int p = ep->group_peers[g];
-                if (ep->nic_of[p] != k)
-                    continue;
-                ep->group_gidx[k][n] = g;
-                peers[n] = p;
-                remote[n] = descs[(size_t)k * N + p];
-                n++;
-            }
-            ep->ngroup[k] = n;
-            if (n > 0)
-                rc = ep->tp_ops->group_create(ep->tps[k], peers, n,
-                                              ep->mr_send[k], remote,
-                                              &ep->groups[k], &err);
-            if (n > 0 && rc == FERRY_OK)
-                FR_LOG_INFO(FR_SUB_INIT, "NIC %d (%s): %d fabric peers", k,
-                            ep->tp_ops->iface(ep->tps[k]), n);
-            free(peers);
-        }
+        FR_CHECK_GOTO(fr_nics_open(&ep->nics, comm->boot, "fabric",
+                                   fr_cfg_int(FR_CFG_NICS_PER_RANK), 0, &err),
+                      rc, fail);
+        FR_CHECK_GOTO(fr_nics_reg(&ep->nics, comm->boot, ep->seg,
+                                  L->seg_bytes, 1, &ep->rseg, &err), rc, fail);
+        FR_CHECK_GOTO(fr_nics_reg(&ep->nics, comm->boot, ep->send,
+                                  L->send_bytes, 0, &ep->rsend, &err), rc, fail);
+        FR_CHECK_GOTO(fr_nics_groups(&ep->nics, ep->group_peers, ep->nfabric,
+                                     &ep->rsend, &ep->rseg, &ep->groups, &err),
+                      rc, fail);
         ep->gslices = fr_zalloc(sizeof(fr_slice_t) * (size_t)(N + 1));
-        free(descs);
-        free(remote);
-        if (rc == FERRY_OK && !ep->gslices)
+        if (!ep->gslices)
             rc = FR_ERR(&err, FERRY_ERR_NOMEM, "proxy tables");
         if (rc != FERRY_OK)
             goto fail;
@@ -571,7 +513,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
                         : "fabric",
                         ep->path[i] == FR_PATH_FABRIC ? " via " : "",
                         ep->path[i] == FR_PATH_FABRIC
-                            ? ep->tp_ops->iface(ep->tps[ep->nic_of[i]])
+                            ? fr_nics_iface(&ep->nics, i)
                             : "");
         FR_LOG_INFO(FR_SUB_INIT,
                     "EP E=%d K=%d H=%d T=%d %s: segment %llu B, send %llu B",

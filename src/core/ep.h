@@ -11,7 +11,7 @@
 #include "core/err.h"
 #include "core/layout.h"
 #include "runtime/rt.h"
-#include "transport/transport.h"
+#include "transport/nics.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,7 +61,6 @@ typedef struct fr_proxy_req {
 } fr_proxy_req_t;
 
 #define FR_PROXY_RING 16
-#define FR_MAX_NICS 2
 
 /* The doorbell ring: in host memory, mapped into the GPU for CUDA ranks
  * (the send kernel is the producer there). */
@@ -105,16 +104,11 @@ struct ferry_ep {
     uint8_t **peer_seg;  /* [N] mapped receive segments (self and shm peers) */
 
     /* fabric: one transport per NIC; each peer on one NIC (sharded) */
-    const fr_transport_ops_t *tp_ops;
-    int nnics;
-    fr_transport_t *tps[FR_MAX_NICS];
-    fr_mr_t *mr_seg[FR_MAX_NICS], *mr_send[FR_MAX_NICS];
+    fr_nics_t nics;
+    fr_nic_region_t rseg, rsend;  /* segment (remote writes), send region */
+    fr_nic_groups_t groups;       /* fabric peers per NIC */
     uint8_t *send;       /* send region */
-    fr_group_t *groups[FR_MAX_NICS]; /* fabric peers on NIC k */
-    int ngroup[FR_MAX_NICS];
-    int *group_gidx[FR_MAX_NICS];    /* [ngroup]: fabric index of each */
     fr_slice_t *gslices;             /* scratch: one group's slices */
-    int *nic_of;         /* [N] NIC a fabric peer is reached through */
     int *group_peers;    /* [nfabric] ranks, by fabric index */
     int *group_index;    /* [N] fabric index or -1 */
     fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */

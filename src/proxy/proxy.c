@@ -86,15 +86,15 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
     fr_err_t err = {{0}};
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
-    for (int k = 0; k < ep->nnics; k++) {
-        int n = ep->ngroup[k];
+    for (int k = 0; k < ep->nics.n; k++) {
+        int n = ep->groups.n[k];
         if (n == 0)
             continue;
         /* this NIC's peers' slices, in its group's order */
         for (int i = 0; i < n; i++)
-            ep->gslices[i] = sl[ep->group_gidx[k][i]];
+            ep->gslices[i] = sl[ep->groups.idx[k][i]];
         __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
-        int rc = ep->tp_ops->scatter(ep->tps[k], ep->groups[k], ep->gslices,
+        int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], ep->gslices,
                                      (uint64_t)q->set, &err);
         if (rc != FERRY_OK) {
             __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], n,
@@ -127,8 +127,8 @@ static void *fr_proxy_main(void *arg)
         }
         fr_err_t err = {{0}};
         int n = 0;
-        for (int k = 0; k < ep->nnics && n < 48; k++) {
-            int got = ep->tp_ops->poll(ep->tps[k], cqe + n, 64 - n, &err);
+        for (int k = 0; k < ep->nics.n && n < 48; k++) {
+            int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
             if (got < 0) {
                 fr_proxy_async_fail(ep, got, -1, err.msg);
                 got = 0;

@@ -123,6 +123,15 @@ typedef struct fr_transport_ops {
 
 extern const fr_transport_ops_t fr_transport_fabric;
 
+/* Transports by name (registry.c: one line per transport). NULL when no
+ * transport has that name. */
+const fr_transport_ops_t *fr_transport_find(const char *name);
+/* Open transport `name` on this rank's NIC `nic` with FR_TP_OPEN_* flags;
+ * collective over boot. *ops is what to call the instance through. */
+int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
+                      const fr_transport_ops_t **ops, fr_transport_t **t,
+                      fr_err_t *err);
+
 /* shm provider regions of ours are /dev/shm/ferry.<pid>.<random>:...; a
  * rank killed before closing its endpoint leaves them behind. Remove those
  * of a process that is known dead (the launcher, after reaping it).

@@ -1,0 +1,127 @@
+/* NIC sharding and peer groups over any transport (see nics.h). */
+#include "transport/nics.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+
+int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
+                 int flags, fr_err_t *err)
+{
+    memset(x, 0, sizeof(*x));
+    x->N = fr_boot_size(boot);
+    x->rank = fr_boot_rank(boot);
+    int K = want > 0 ? (int)(want < FR_MAX_NICS ? want : FR_MAX_NICS)
+                     : FR_MAX_NICS;
+    x->nic_of = calloc((size_t)x->N, sizeof(int));
+    if (!x->nic_of)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "NIC tables");
+    for (int k = 0; k < K; k++) {
+        int rc = fr_transport_open(name, boot, k, flags, &x->ops, &x->tp[k],
+                                   err);
+        if (rc != FERRY_OK)
+            return rc;
+        x->n = k + 1;
+    }
+    for (int i = 0; i < x->N; i++) {
+        int k = (x->rank + i) % K;
+        x->nic_of[i] = x->ops->has_peer(x->tp[k], i) ? k : 0;
+    }
+    return FERRY_OK;
+}
+
+int fr_nics_reg(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
+                int remote_write, fr_nic_region_t *r, fr_err_t *err)
+{
+    memset(r, 0, sizeof(*r));
+    if (remote_write) {
+        r->desc = calloc((size_t)x->n * x->N, sizeof(*r->desc));
+        if (!r->desc)
+            return FR_ERR(err, FERRY_ERR_NOMEM, "descriptor tables");
+    }
+    for (int k = 0; k < x->n; k++) {
+        fr_mr_desc_t mine;
+        memset(&mine, 0, sizeof(mine));
+        if (x->ops->has_peer(x->tp[k], x->rank)) {
+            int rc = x->ops->reg(x->tp[k], p, len, remote_write, &r->mr[k],
+                                 &mine, err);
+            if (rc != FERRY_OK)
+                return rc;
+        }
+        if (remote_write) {
+            int rc = fr_boot_allgather(boot, &mine, r->desc + (size_t)k * x->N,
+                                       sizeof(mine), err);
+            if (rc != FERRY_OK)
+                return rc;
+        }
+    }
+    return FERRY_OK;
+}
+
+void fr_nics_dereg(fr_nics_t *x, fr_nic_region_t *r)
+{
+    for (int k = 0; k < FR_MAX_NICS; k++)
+        if (r->mr[k])
+            x->ops->dereg(x->tp[k], r->mr[k]);
+    free(r->desc);
+    memset(r, 0, sizeof(*r));
+}
+
+int fr_nics_groups(fr_nics_t *x, const int *peers, int npeers,
+                   const fr_nic_region_t *src, const fr_nic_region_t *dst,
+                   fr_nic_groups_t *g, fr_err_t *err)
+{
+    memset(g, 0, sizeof(*g));
+    int *members = calloc((size_t)npeers + 1, sizeof(int));
+    fr_mr_desc_t *remote = calloc((size_t)npeers + 1, sizeof(*remote));
+    int rc = members && remote ? FERRY_OK
+                               : FR_ERR(err, FERRY_ERR_NOMEM, "group tables");
+    for (int k = 0; rc == FERRY_OK && k < x->n; k++) {
+        g->idx[k] = calloc((size_t)npeers + 1, sizeof(int));
+        if (!g->idx[k]) {
+            rc = FR_ERR(err, FERRY_ERR_NOMEM, "group tables");
+            break;
+        }
+        int n = 0;
+        for (int i = 0; i < npeers; i++) {
+            int p = peers[i];
+            if (x->nic_of[p] != k)
+                continue;
+            g->idx[k][n] = i;
+            members[n] = p;
+            remote[n] = dst->desc[(size_t)k * x->N + p];
+            n++;
+        }
+        g->n[k] = n;
+        if (n == 0)
+            continue;
+        rc = x->ops->group_create(x->tp[k], members, n, src->mr[k], remote,
+                                  &g->g[k], err);
+        if (rc == FERRY_OK)
+            FR_LOG_INFO(FR_SUB_INIT, "NIC %d (%s): %d fabric peers", k,
+                        x->ops->iface(x->tp[k]), n);
+    }
+    free(members);
+    free(remote);
+    return rc;
+}
+
+void fr_nics_groups_destroy(fr_nics_t *x, fr_nic_groups_t *g)
+{
+    for (int k = 0; k < FR_MAX_NICS; k++) {
+        if (g->g[k])
+            x->ops->group_destroy(x->tp[k], g->g[k]);
+        free(g->idx[k]);
+    }
+    memset(g, 0, sizeof(*g));
+}
+
+void fr_nics_close(fr_nics_t *x)
+{
+    for (int k = 0; k < FR_MAX_NICS; k++)
+        if (x->tp[k])
+            x->ops->close(x->tp[k]);
+    free(x->nic_of);
+    memset(x, 0, sizeof(*x));
+}

@@ -1,0 +1,39 @@
+/*
+ * Transports by name. Adding a transport is its folder plus one line in
+ * fr_transports[]; callers open one through fr_transport_open and call it
+ * through the ops it returns.
+ */
+#include <string.h>
+
+#include "transport/transport.h"
+
+static const fr_transport_ops_t *const fr_transports[] = {
+    &fr_transport_fabric,
+};
+
+const fr_transport_ops_t *fr_transport_find(const char *name)
+{
+    for (size_t i = 0; i < sizeof(fr_transports) / sizeof(fr_transports[0]);
+         i++)
+        if (name && strcmp(fr_transports[i]->name, name) == 0)
+            return fr_transports[i];
+    return NULL;
+}
+
+int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
+                      const fr_transport_ops_t **ops, fr_transport_t **t,
+                      fr_err_t *err)
+{
+    const fr_transport_ops_t *o = fr_transport_find(name);
+    *t = NULL;
+    if (!o)
+        return FR_ERR(err, FERRY_ERR_INVALID, "transport %s: unknown",
+                      name ? name : "(null)");
+    if (flags && nic != 0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "transport %s: open flags 0x%x only on NIC 0", name,
+                      flags);
+    *ops = o;
+    return flags ? o->open_flags(boot, flags, t, err)
+                 : o->open_nic(boot, nic, t, err);
+}
