@@ -111,6 +111,12 @@ typedef enum ferry_device {
     FERRY_DEVICE_CUDA = 1
 } ferry_device_t;
 
+/* How an EP moves tokens. Low latency (decode): buffers sized for the
+ * worst case of max_tokens from every rank, no count exchange. */
+typedef enum ferry_mode {
+    FERRY_MODE_LOW_LATENCY = 0
+} ferry_mode_t;
+
 #define FERRY_EP_CONFIG_MAGIC 0x46455031u /* "FEP1" */
 
 typedef struct ferry_ep_config {
@@ -124,12 +130,14 @@ typedef struct ferry_ep_config {
     ferry_dtype_t dispatch_dtype; /* bf16, or fp8 with block scales */
     ferry_device_t device;
     int num_sms;       /* CUDA: blocks the copy kernels use (0: 16) */
-    int reserved[7];
+    ferry_mode_t mode; /* FERRY_MODE_LOW_LATENCY (0, the default) */
+    int reserved[6];
 } ferry_ep_config_t;
 
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
-     0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0, {0}}
+     0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
+     FERRY_MODE_LOW_LATENCY, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,

@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "hd.h"
+#include "err.h"
 
 #define FR_PH_DISPATCH 0
 #define FR_PH_COMBINE 1
@@ -165,5 +166,16 @@ FR_HD int fr_imm_sender(uint32_t imm)
 {
     return (int)(imm & ((1u << FR_IMM_SENDER_BITS) - 1));
 }
+
+/* Record decoding, shared by the engines and the fuzzer (layout.c):
+ * validate one received slice. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
+                   uint64_t epoch, fr_err_t *err);
+#ifdef __cplusplus
+}
+#endif
 
 #endif

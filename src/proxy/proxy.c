@@ -21,7 +21,7 @@
 #include <time.h>
 
 #include "core/config.h"
-#include "core/ep.h"
+#include "proxy/proxy.h"
 #include "core/log.h"
 
 #define FR_PROXY_STAT_MAX 65536
@@ -112,7 +112,7 @@ static void *fr_proxy_main(void *arg)
     ferry_ep_t ep = arg;
     fr_proxy_t *p = &ep->proxy;
     fr_log_set_rank(ep->rank);
-    long idle_us = fr_proxy_idle_us(ep->cuda != NULL);
+    long idle_us = fr_proxy_idle_us(ep->cfg.device == FERRY_DEVICE_CUDA);
     fr_cqe_t cqe[64];
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {

@@ -41,7 +41,7 @@
 
 #include "ferry_signal.h"
 #include "core/config.h"
-#include "core/ep.h"
+#include "ep/ep.h"
 #include "core/log.h"
 #include "runtime/cuda_mem.h"
 #include "signal/signal.h"

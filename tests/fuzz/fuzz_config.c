@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/ep.h"
+#include "ep/ep.h"
 #include "core/layout.h"
 
 static uint32_t take(const uint8_t **p, size_t *n, int bytes)

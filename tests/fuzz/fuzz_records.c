@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/ep.h"
+#include "ep/ep.h"
 #include "core/layout.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

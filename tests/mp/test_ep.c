@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "bootstrap/bootstrap.h"
-#include "core/ep.h"
+#include "ep/ep.h"
 #include "ferry.h"
 #include "harness.h"
 #include "verdicts.h"

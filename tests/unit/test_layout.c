@@ -2,7 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/ep.h"
+#include "ep/ep.h"
 #include "core/layout.h"
 #include "harness.h"
 

@@ -13,7 +13,7 @@
  */
 #include <string.h>
 
-#include "core/ep.h"
+#include "engines/cpu_ll/cpu_ll.h"
 #include "core/quant.h"
 
 /* Quantise T tokens of bf16 into fp8 e4m3 with one scale per 128 channels. */
@@ -49,6 +49,8 @@ static inline uint8_t *fr_dslice_dst(ferry_ep_t ep, int set, int d)
 int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                          const ferry_dispatch_in_t *in)
 {
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int N = ep->N, K = L->K, El = L->El, T = in->num_tokens;
     int set = (int)(r->epoch % FR_NSETS);
@@ -58,13 +60,13 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scales = in->x_scales;
     if (L->fp8 && !in->x_scales && T > 0) {
-        fr_quantize_fp8(L, T, (const uint16_t *)in->x, ep->qbuf, ep->qscales);
-        tok = ep->qbuf;
-        scales = ep->qscales;
+        fr_quantize_fp8(L, T, (const uint16_t *)in->x, c->qbuf, c->qscales);
+        tok = c->qbuf;
+        scales = c->qscales;
     }
 
     /* Count records and (token, expert) pairs per destination rank. */
-    int32_t *cnt = ep->cnt_rank, *pairs = ep->pairs_rank, *fill = ep->fill;
+    int32_t *cnt = c->cnt_rank, *pairs = c->pairs_rank, *fill = c->fill;
     memset(cnt, 0, sizeof(int32_t) * (size_t)N);
     memset(pairs, 0, sizeof(int32_t) * (size_t)N);
     for (int t = 0; t < T; t++) {
@@ -80,8 +82,8 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     /* Replies for rank d land in rows [comb_off_d, comb_off_d + pairs_d) of
      * this rank's combine region; fill[] counts pairs handed out so far. */
     uint32_t off = 0;
-    int32_t *rec_next = ep->rec_next;
-    uint32_t *h_comb_base = ep->comb_base;
+    int32_t *rec_next = c->rec_next;
+    uint32_t *h_comb_base = c->comb_base;
     for (int d = 0; d < N; d++) {
         h_comb_base[d] = off;
         fill[d] = (int32_t)off;
@@ -94,7 +96,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     size_t scale_bytes = 4ull * L->nscales;
     for (int t = 0; t < T; t++) {
         const int64_t *row = idx + (size_t)t * K;
-        int32_t *cp = r->comb_pos + (size_t)t * K;
+        int32_t *cp = cr->comb_pos + (size_t)t * K;
         for (int k = 0; k < K; k++)
             cp[k] = -1;
         for (int k = 0; k < K; k++) {
@@ -157,75 +159,17 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     return FERRY_OK;
 }
 
-int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
-                   uint64_t epoch, fr_err_t *err)
-{
-    const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
-    if (h->magic != FR_SLICE_MAGIC)
-        return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "slice from rank %d: bad magic 0x%08x", sender, h->magic);
-    if (h->sender != (uint32_t)sender || h->epoch != epoch)
-        return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "slice from rank %d: header says rank %u round %llu, "
-                      "expected round %llu", sender, h->sender,
-                      (unsigned long long)h->epoch, (unsigned long long)epoch);
-    if (h->count > (uint32_t)L->T)
-        return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "slice from rank %d: %u records, at most %d", sender,
-                      h->count, L->T);
-    if ((uint64_t)h->comb_off + h->npairs > L->crows)
-        return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "slice from rank %d: reply rows %u+%u exceed %llu",
-                      sender, h->comb_off, h->npairs,
-                      (unsigned long long)L->crows);
-    uint32_t pairs = 0, last_token = 0;
-    for (uint32_t i = 0; i < h->count; i++) {
-        const fr_rec_hdr_t *rh =
-            (const fr_rec_hdr_t *)(slice + fr_off_record(L, i));
-        if (rh->token >= (uint32_t)L->T || (i > 0 && rh->token <= last_token))
-            return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                          "slice from rank %d: record %u has token %u "
-                          "(out of range or out of order)", sender, i,
-                          rh->token);
-        last_token = rh->token;
-        if (rh->pair != pairs)
-            return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                          "slice from rank %d: record %u starts at pair %u, "
-                          "expected %u", sender, i, rh->pair, pairs);
-        if (rh->nexp < 1 || rh->nexp > L->kmax)
-            return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                          "slice from rank %d: record %u lists %u experts "
-                          "(1..%d)", sender, i, rh->nexp, L->kmax);
-        for (int j = 0; j < rh->nexp; j++) {
-            if (rh->le[j] >= (uint32_t)L->El)
-                return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                              "slice from rank %d: record %u names local "
-                              "expert %u of %d", sender, i, rh->le[j], L->El);
-            /* a repeat would give one expert more rows than expert_x has */
-            for (int j2 = 0; j2 < j; j2++)
-                if (rh->le[j2] == rh->le[j])
-                    return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                                  "slice from rank %d: record %u lists local "
-                                  "expert %u twice", sender, i, rh->le[j]);
-        }
-        pairs += rh->nexp;
-    }
-    if (pairs != h->npairs)
-        return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "slice from rank %d: records hold %u pairs, header "
-                      "says %u", sender, pairs, h->npairs);
-    return FERRY_OK;
-}
-
 int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                          const ferry_dispatch_out_t *out)
 {
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int N = ep->N, set = (int)(r->epoch % FR_NSETS);
     int rc = fr_wait_flags(ep, FR_PH_DISPATCH, set, r->epoch, "dispatch");
     if (rc)
         return rc;
-    int32_t *efill = ep->expert_fill;
+    int32_t *efill = c->expert_fill;
     memset(efill, 0, sizeof(int32_t) * (size_t)L->El);
     uint8_t *ex = (uint8_t *)out->expert_x;
     size_t scale_bytes = 4ull * L->nscales;
@@ -238,8 +182,8 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
             return fr_ep_fail(ep, rc, "dispatch round %llu: %s",
                               (unsigned long long)r->epoch, err.msg);
         const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
-        r->pair_off[s] = np;
-        r->comb_off[s] = h->comb_off;
+        cr->pair_off[s] = np;
+        cr->comb_off[s] = h->comb_off;
         for (uint32_t i = 0; i < h->count; i++) {
             const uint8_t *rec = slice + fr_off_record(L, i);
             const fr_rec_hdr_t *rh = (const fr_rec_hdr_t *)rec;
@@ -256,11 +200,11 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                     out->expert_src_rank[row] = s;
                 if (out->expert_src_token)
                     out->expert_src_token[row] = (int32_t)rh->token;
-                r->pair_row[np++] = (int32_t)row;
+                cr->pair_row[np++] = (int32_t)row;
             }
         }
     }
-    r->pair_off[N] = np;
+    cr->pair_off[N] = np;
     memcpy(out->expert_num_tokens, efill, sizeof(int32_t) * (size_t)L->El);
     return FERRY_OK;
 }

@@ -2,7 +2,7 @@
 #ifndef FERRY_HAVE_CUDA
 #include <stdio.h>
 
-#include "kernels/cuda/api.h"
+#include "engines/cuda_ll/cuda_ll.h"
 
 int ferry_cuda_available(char *why, size_t len)
 {

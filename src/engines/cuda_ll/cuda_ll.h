@@ -1,18 +1,19 @@
 /*
- * The CUDA path: launchers of the dispatch/combine kernels and the device
- * state behind them. Built only when nvcc is present (FERRY_HAVE_CUDA);
- * otherwise stub.c answers FERRY_ERR_UNSUPPORTED.
+ * The CUDA low-latency engine: launchers of the dispatch/combine kernels
+ * and the device state behind them (cuda_ll.cu), its table (engine.c).
+ * Built only when nvcc is present (FERRY_HAVE_CUDA); otherwise stub.c
+ * answers FERRY_ERR_UNSUPPORTED.
  */
 #ifndef FR_CUDA_API_H
 #define FR_CUDA_API_H
 
-#include "core/ep.h"
+#include "engines/engine.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* Allocate the receive segment (device memory for self/IPC peers, pinned
+/* Lay out the buffers (ep->L), allocate the receive segment (device memory for self/IPC peers, pinned
  * host memory mapped into the GPU when peers are on the fabric), map the
  * peers' segments (CUDA IPC) and the device tables. Collective. */
 int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err);

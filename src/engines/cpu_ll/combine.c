@@ -12,19 +12,20 @@
  */
 #include <string.h>
 
-#include "core/ep.h"
+#include "engines/cpu_ll/cpu_ll.h"
 #include "core/quant.h"
 
 int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
                         const ferry_combine_in_t *in)
 {
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int N = ep->N, set = (int)(r->epoch % FR_NSETS);
     const uint8_t *y = (const uint8_t *)in->expert_y;
     uint64_t packed = 0; /* rows packed so far in the send region */
     for (int s = 0; s < N; s++) {
-        uint32_t p0 = r->pair_off[s], np = r->pair_off[s + 1] - p0;
-        const int32_t *rows = r->pair_row + p0;
+        uint32_t p0 = cr->pair_off[s], np = cr->pair_off[s + 1] - p0;
+        const int32_t *rows = cr->pair_row + p0;
         if (ep->path[s] == FR_PATH_FABRIC) {
             uint8_t *dst = ep->send + fr_off_csend(L, set, packed);
             for (uint32_t p = 0; p < np; p++)
@@ -34,12 +35,12 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
                              ((size_t)FR_PH_COMBINE * FR_NSETS + set) *
                                  ep->nfabric + ep->group_index[s];
             sl->src_off = fr_off_csend(L, set, packed);
-            sl->dst_off = fr_off_crecv(L, set, r->comb_off[s]);
+            sl->dst_off = fr_off_crecv(L, set, cr->comb_off[s]);
             sl->len = (uint64_t)np * L->crow;
             sl->imm = fr_imm_make(FR_PH_COMBINE, r->epoch, ep->rank);
             packed += np;
         } else {
-            uint8_t *dst = ep->peer_seg[s] + fr_off_crecv(L, set, r->comb_off[s]);
+            uint8_t *dst = ep->peer_seg[s] + fr_off_crecv(L, set, cr->comb_off[s]);
             for (uint32_t p = 0; p < np; p++)
                 memcpy(dst + (size_t)p * L->crow,
                        y + (size_t)rows[p] * L->crow, L->crow);
@@ -57,16 +58,18 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
 int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
                         const ferry_combine_out_t *out)
 {
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int set = (int)(r->epoch % FR_NSETS), H = L->H, K = L->K;
     int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine");
     if (rc)
         return rc;
-    float *acc = ep->acc;
+    float *acc = c->acc;
     uint16_t *o = (uint16_t *)out->out;
     for (int t = 0; t < r->T; t++) {
         memset(acc, 0, sizeof(float) * (size_t)H);
-        const int32_t *cp = r->comb_pos + (size_t)t * K;
+        const int32_t *cp = cr->comb_pos + (size_t)t * K;
         const float *w = out->topk_weights + (size_t)t * K;
         for (int k = 0; k < K; k++) {
             if (cp[k] < 0)

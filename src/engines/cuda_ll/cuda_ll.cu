@@ -1,5 +1,5 @@
 /*
- * CUDA kernels of dispatch and combine: twins of src/kernels/cpu/, sharing
+ * CUDA kernels of dispatch and combine: twins of src/engines/cpu_ll/, sharing
  * the record layout (core/layout.h) and number formats (core/quant.h).
  *
  *   dispatch_send = route (1 block: count, deduplicate, scan per rank)
@@ -30,7 +30,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "core/quant.h"
-#include "kernels/cuda/api.h"
+#include "engines/cuda_ll/cuda_ll.h"
 
 #define FR_CU_THREADS 256
 #define FR_CU_ROUTE_THREADS 1024
@@ -798,13 +798,17 @@ typedef struct fr_ipc_msg {
 extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
 {
     int rc = FERRY_OK;
+    const ferry_ep_config_t *cfg = &ep->cfg;
+    fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
+                   cfg->hidden, cfg->max_tokens,
+                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
     const fr_layout_t *L = &ep->L;
     int N = ep->N;
     fr_ipc_msg_t mine, *all = NULL;
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
     if (!c)
         return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
-    ep->cuda = c;
+    ep->eng_state = c;
     FR_CU(cudaGetDevice(&c->device), err, fail);
     c->host_seg = ep->nfabric > 0;
     if (ep->nfabric > 0 && ep->nshm > 0) {
@@ -942,7 +946,7 @@ fail:
 
 extern "C" void fr_cuda_free(ferry_ep_t ep)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     if (!c)
         return;
     cudaDeviceSynchronize();
@@ -968,12 +972,12 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     if (c->err_host)
         cudaFreeHost(c->err_host);
     free(c);
-    ep->cuda = NULL;
+    ep->eng_state = NULL;
 }
 
 extern "C" int fr_cuda_check(ferry_ep_t ep)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     volatile int *e = (volatile int *)c->err_host;
     int st = e[0];
     if (st == 0)
@@ -1006,7 +1010,7 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
  * blocks in all (at least one per rank). */
 static dim3 fr_cuda_sender_grid(ferry_ep_t ep)
 {
-    int gy = (ep->cuda->nblocks + ep->N - 1) / ep->N;
+    int gy = (((struct fr_cuda_ep *)ep->eng_state)->nblocks + ep->N - 1) / ep->N;
     return dim3((unsigned)ep->N, (unsigned)(gy < 1 ? 1 : gy));
 }
 
@@ -1030,7 +1034,7 @@ extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
 extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                                      const ferry_dispatch_in_t *in)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     fr_cu_route<<<1, FR_CU_ROUTE_THREADS, 0, st>>>(c->a, set, in->topk_idx, in->num_tokens,
@@ -1045,7 +1049,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
 extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                                      const ferry_dispatch_out_t *out)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
     /* Blocks that wait for peers hold SMs: never launch more than num_sms
@@ -1065,7 +1069,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
 extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
                                     const ferry_combine_in_t *in)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     dim3 grid = fr_cuda_sender_grid(ep);
@@ -1077,7 +1081,7 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
 extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                     const ferry_combine_out_t *out)
 {
-    struct fr_cuda_ep *c = ep->cuda;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;

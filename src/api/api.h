@@ -1,0 +1,18 @@
+/*
+ * The API layer's private header: the public calls in comm.c, create.c
+ * and round.c sit on the EP runtime (ep/), the engines and the proxy.
+ * Nothing below this layer includes it.
+ */
+#ifndef FR_API_H
+#define FR_API_H
+
+#include "engines/engine.h"
+#include "ep/ep.h"
+#include "proxy/proxy.h"
+
+/* Argument checks (also run under the fuzzer). */
+int fr_ep_check_config(int nranks, const ferry_ep_config_t *c, fr_err_t *err);
+int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
+                           int on_gpu, fr_err_t *err);
+
+#endif

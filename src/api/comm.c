@@ -1,0 +1,156 @@
+/* Communicators: from the environment or a caller's allgather. */
+#include "api/api.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "core/log.h"
+
+static void fr_errbuf(char *buf, size_t len, const char *msg)
+{
+    if (buf && len)
+        snprintf(buf, len, "%s", msg);
+}
+
+static int fr_comm_finish(ferry_comm_t c, fr_err_t *err)
+{
+    c->rank = fr_boot_rank(c->boot);
+    c->size = fr_boot_size(c->boot);
+    fr_log_set_rank(c->rank);
+    c->peers = calloc((size_t)c->size, sizeof(*c->peers));
+    if (!c->peers)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer table for %d ranks",
+                      c->size);
+    fr_peer_info_t me;
+    memset(&me, 0, sizeof(me));
+    const char *node = fr_cfg_str(FR_CFG_NODE_ID);
+    if (node && *node)
+        snprintf(me.node, sizeof(me.node), "%s", node);
+    else if (gethostname(me.node, sizeof(me.node) - 1) != 0)
+        snprintf(me.node, sizeof(me.node), "localhost");
+    me.pid = (int32_t)getpid();
+    me.rank = c->rank;
+    int rc = fr_boot_allgather(c->boot, &me, c->peers, sizeof(me), err);
+    if (rc != FERRY_OK)
+        return rc;
+    c->nnodes = 0;
+    for (int i = 0; i < c->size; i++) {
+        int seen = 0;
+        for (int j = 0; j < i && !seen; j++)
+            seen = strcmp(c->peers[i].node, c->peers[j].node) == 0;
+        c->nnodes += !seen;
+    }
+    FR_LOG_INFO(FR_SUB_INIT, "rank %d of %d on node %s (%d nodes)", c->rank,
+                c->size, me.node, c->nnodes);
+    return FERRY_OK;
+}
+
+int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen)
+{
+    fr_err_t err = {{0}};
+    int rc;
+    if (!comm) {
+        fr_errbuf(errbuf, errlen, "comm: NULL pointer");
+        return FERRY_ERR_INVALID;
+    }
+    *comm = NULL;
+    ferry_comm_t c = calloc(1, sizeof(*c));
+    if (!c) {
+        fr_errbuf(errbuf, errlen, "out of memory");
+        return FERRY_ERR_NOMEM;
+    }
+    fr_boot_env_t env;
+    FR_CHECK_GOTO(fr_boot_env_read(&env, &err), rc, fail);
+    FR_CHECK_GOTO(fr_boot_init_tcp(&env, &c->boot, &err), rc, fail);
+    FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);
+    *comm = c;
+    return FERRY_OK;
+fail:
+    fr_errbuf(errbuf, errlen, err.msg);
+    if (c->boot)
+        fr_boot_close(c->boot, NULL);
+    free(c->peers);
+    free(c);
+    return rc;
+}
+
+int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
+                              void *ctx, ferry_comm_t *comm, char *errbuf,
+                              size_t errlen)
+{
+    fr_err_t err = {{0}};
+    int rc;
+    if (!comm || !fn) {
+        fr_errbuf(errbuf, errlen, comm ? "fn: NULL pointer" : "comm: NULL pointer");
+        return FERRY_ERR_INVALID;
+    }
+    *comm = NULL;
+    if (nranks < 1 || nranks > FR_MAX_RANKS || rank < 0 || rank >= nranks) {
+        snprintf(err.msg, sizeof(err.msg),
+                 "rank %d / nranks %d: need 0 <= rank < nranks <= %d", rank,
+                 nranks, FR_MAX_RANKS);
+        fr_errbuf(errbuf, errlen, err.msg);
+        return FERRY_ERR_INVALID;
+    }
+    ferry_comm_t c = calloc(1, sizeof(*c));
+    if (!c) {
+        fr_errbuf(errbuf, errlen, "out of memory");
+        return FERRY_ERR_NOMEM;
+    }
+    FR_CHECK_GOTO(fr_boot_init_callback(rank, nranks, fn, ctx, &c->boot, &err),
+                  rc, fail);
+    FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);
+    *comm = c;
+    return FERRY_OK;
+fail:
+    fr_errbuf(errbuf, errlen, err.msg);
+    if (c->boot)
+        fr_boot_close(c->boot, NULL);
+    free(c->peers);
+    free(c);
+    return rc;
+}
+
+int ferry_comm_rank(ferry_comm_t comm) { return comm ? comm->rank : -1; }
+int ferry_comm_size(ferry_comm_t comm) { return comm ? comm->size : -1; }
+const char *ferry_comm_last_error(ferry_comm_t comm)
+{
+    return comm ? comm->err.msg : "comm: NULL handle";
+}
+
+int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
+                         size_t len)
+{
+    if (!comm)
+        return FERRY_ERR_INVALID;
+    if ((!in || !out) && len)
+        return FR_ERR(&comm->err, FERRY_ERR_INVALID, "%s: NULL pointer",
+                      in ? "out" : "in");
+    return fr_boot_allgather(comm->boot, in, out, len, &comm->err);
+}
+
+int ferry_comm_barrier(ferry_comm_t comm)
+{
+    if (!comm)
+        return FERRY_ERR_INVALID;
+    return fr_boot_barrier(comm->boot, &comm->err);
+}
+
+int ferry_comm_destroy(ferry_comm_t comm)
+{
+    if (!comm)
+        return FERRY_ERR_INVALID;
+    int rc = fr_boot_close(comm->boot, &comm->err);
+    if (rc != FERRY_OK)
+        FR_LOG_INFO(FR_SUB_BOOT, "close: %s", comm->err.msg);
+    free(comm->peers);
+    free(comm);
+    return rc;
+}
+

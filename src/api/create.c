@@ -1,0 +1,374 @@
+/*
+ * EP contexts: creation in named steps (check and exchange configs, choose
+ * paths, set up the engine, open the NICs and the proxy, finish), destroy,
+ * and what a context tells about itself.
+ */
+#include "api/api.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "core/log.h"
+
+int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
+{
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_INVALID, "config: NULL pointer");
+    if (N < 1 || N > FR_MAX_RANKS)
+        return FR_ERR(err, FERRY_ERR_INVALID, "world size %d: must be 1..%d",
+                      N, FR_MAX_RANKS);
+    if (c->size < sizeof(ferry_ep_config_t) || c->magic != FERRY_EP_CONFIG_MAGIC)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "config: not initialised with FERRY_EP_CONFIG_INIT "
+                      "(size %zu, magic 0x%x)", c->size, c->magic);
+    if (c->num_experts < 1)
+        return FR_ERR(err, FERRY_ERR_INVALID, "num_experts = %d: must be >= 1",
+                      c->num_experts);
+    if (c->num_experts % N != 0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_experts = %d is not divisible by the %d ranks",
+                      c->num_experts, N);
+    if (c->topk < 1 || c->topk > FR_MAX_TOPK)
+        return FR_ERR(err, FERRY_ERR_INVALID, "topk = %d: must be 1..%d",
+                      c->topk, FR_MAX_TOPK);
+    if (c->topk > c->num_experts)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "topk = %d exceeds num_experts = %d", c->topk,
+                      c->num_experts);
+    if (c->hidden < 1 || c->hidden > (1 << 20))
+        return FR_ERR(err, FERRY_ERR_INVALID, "hidden = %d: must be 1..%d",
+                      c->hidden, 1 << 20);
+    if (c->max_tokens < 1 || c->max_tokens > (1 << 20))
+        return FR_ERR(err, FERRY_ERR_INVALID, "max_tokens = %d: must be 1..%d",
+                      c->max_tokens, 1 << 20);
+    if (c->dispatch_dtype != FERRY_DTYPE_BF16 &&
+        c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3)
+        return FR_ERR(err, FERRY_ERR_INVALID, "dispatch_dtype = %d: unknown",
+                      (int)c->dispatch_dtype);
+    if (c->dispatch_dtype == FERRY_DTYPE_FP8_E4M3 && c->hidden % 128 != 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "dispatch_dtype fp8 needs hidden to be a multiple of "
+                      "128 (hidden = %d); use bf16", c->hidden);
+    if ((2 * c->hidden) % 16 != 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "hidden = %d: a bf16 row must be a multiple of 16 bytes "
+                      "(hidden a multiple of 8)", c->hidden);
+    if (c->device == FERRY_DEVICE_CUDA) {
+        char why[200];
+        if (!ferry_cuda_available(why, sizeof(why)))
+            return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: %s", why);
+    }
+    if (c->device != FERRY_DEVICE_CPU && c->device != FERRY_DEVICE_CUDA)
+        return FR_ERR(err, FERRY_ERR_INVALID, "device = %d: unknown",
+                      (int)c->device);
+    if (!fr_engine_find(c->device, c->mode))
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "mode = %d: unknown (FERRY_MODE_LOW_LATENCY = %d is the "
+                      "mode this build has)", (int)c->mode,
+                      (int)FERRY_MODE_LOW_LATENCY);
+    uint64_t cap = (uint64_t)N * (uint64_t)c->max_tokens;
+    if (cap > INT32_MAX || (uint64_t)c->max_tokens * c->topk > INT32_MAX)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "max_tokens = %d x %d ranks is too large",
+                      c->max_tokens, N);
+    return FERRY_OK;
+}
+
+/* What every rank contributes to the create-time exchange. */
+typedef struct fr_setup_msg {
+    int32_t status;
+    int32_t E, K, H, T, dtype, device, mode;
+} fr_setup_msg_t;
+
+static void *fr_zalloc(size_t n)
+{
+    return calloc(1, n ? n : 1);
+}
+
+static void fr_ep_free(ferry_ep_t ep)
+{
+    if (!ep)
+        return;
+    if (ep->proxy.running && fr_proxy_stop(ep) != 0) {
+        if (ep->seg && ep->seg_name[0])
+            fr_shm_unlink(ep->seg_name);
+        return; /* the thread may still touch all of it */
+    }
+    fr_nics_groups_destroy(&ep->nics, &ep->groups);
+    if (ep->nics.ops) {
+        fr_nics_dereg(&ep->nics, &ep->rseg);
+        fr_nics_dereg(&ep->nics, &ep->rsend);
+    }
+    fr_nics_close(&ep->nics);
+    free(ep->gslices);
+    if (ep->eng)
+        ep->eng->free(ep); /* frees and clears seg, send, slices, ring */
+    free(ep->path);
+    free(ep->peer_seg);
+    free(ep->group_peers);
+    free(ep->group_index);
+    free(ep->slices);
+    free(ep->flag_last);
+    free(ep->ring_mem);
+    free(ep);
+}
+
+/* Step 1: check the own config, then exchange statuses and configs, so a
+ * rank that failed its own checks fails everyone at once instead of
+ * leaving them waiting. */
+static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
+                              fr_err_t *err)
+{
+    int N = ep->N, me = ep->rank;
+    fr_setup_msg_t msg, *all = fr_zalloc(sizeof(*all) * (size_t)N);
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "config exchange");
+    memset(&msg, 0, sizeof(msg));
+    msg.status = fr_ep_check_config(N, config, err);
+    if (msg.status == FERRY_OK) {
+        ep->cfg = *config;
+        ep->eng = fr_engine_find(config->device, config->mode);
+        msg.E = config->num_experts;
+        msg.K = config->topk;
+        msg.H = config->hidden;
+        msg.T = config->max_tokens;
+        msg.dtype = config->dispatch_dtype;
+        msg.device = config->device;
+        msg.mode = config->mode;
+    }
+    int rc = fr_boot_allgather(ep->comm->boot, &msg, all, sizeof(msg), err);
+    if (rc == FERRY_OK && msg.status != FERRY_OK)
+        rc = msg.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++) {
+        if (all[i].status != FERRY_OK) {
+            rc = FR_ERR(err, all[i].status,
+                        "rank %d failed to create its EP context (%s)", i,
+                        ferry_strerror(all[i].status));
+        } else if (all[i].E != msg.E || all[i].K != msg.K ||
+                   all[i].H != msg.H || all[i].T != msg.T ||
+                   all[i].dtype != msg.dtype || all[i].device != msg.device ||
+                   all[i].mode != msg.mode) {
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "config differs between ranks: rank %d has E=%d K=%d "
+                        "H=%d T=%d dtype=%d mode=%d, rank %d has E=%d K=%d "
+                        "H=%d T=%d dtype=%d mode=%d",
+                        me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, i,
+                        all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
+                        all[i].mode);
+        }
+    }
+    free(all);
+    if (rc != FERRY_OK)
+        ep->eng = NULL;
+    return rc;
+}
+
+/* Step 2: a path per peer: self, shm (same node id) or fabric (another
+ * node, or every peer under FERRY_TRANSPORT=fabric). */
+static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
+{
+    ferry_comm_t comm = ep->comm;
+    int N = ep->N, me = ep->rank;
+    const char *tr = fr_cfg_str(FR_CFG_TRANSPORT);
+    int force_fabric = strcmp(tr, "fabric") == 0;
+    if (!force_fabric && strcmp(tr, "auto") != 0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "FERRY_TRANSPORT=%s: must be auto or fabric", tr);
+    ep->path = fr_zalloc(sizeof(int) * (size_t)N);
+    ep->peer_seg = fr_zalloc(sizeof(uint8_t *) * (size_t)N);
+    ep->group_index = fr_zalloc(sizeof(int) * (size_t)N);
+    ep->group_peers = fr_zalloc(sizeof(int) * (size_t)N);
+    if (!ep->path || !ep->peer_seg || !ep->group_index || !ep->group_peers)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
+    for (int i = 0; i < N; i++) {
+        ep->group_index[i] = -1;
+        if (i == me)
+            ep->path[i] = FR_PATH_SELF;
+        else if (!force_fabric &&
+                 strcmp(comm->peers[i].node, comm->peers[me].node) == 0)
+            ep->path[i] = FR_PATH_SHM;
+        else
+            ep->path[i] = FR_PATH_FABRIC;
+        if (ep->path[i] == FR_PATH_FABRIC) {
+            ep->group_index[i] = ep->nfabric;
+            ep->group_peers[ep->nfabric++] = i;
+        } else if (ep->path[i] == FR_PATH_SHM) {
+            ep->nshm++;
+        }
+    }
+    return FERRY_OK;
+}
+
+/* Step 4: when any peer is on the fabric (every rank joins: opening a
+ * NIC is collective), open the NICs, register the engine's segment and
+ * send region, make the peer groups, start the proxy. */
+static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
+{
+    const fr_layout_t *L = &ep->L;
+    fr_boot_t *boot = ep->comm->boot;
+    int N = ep->N, rc;
+    if (!ep->send)
+        return FR_ERR(err, FERRY_ERR_INTERNAL,
+                      "engine %s set up no send region", ep->eng->name);
+    /* NICs: FERRY_NICS_PER_RANK, or (0) as many as the node has, up to
+     * FR_MAX_NICS. Opening NIC k is collective, present or not. */
+    if ((rc = fr_nics_open(&ep->nics, boot, "fabric",
+                           fr_cfg_int(FR_CFG_NICS_PER_RANK), 0, err)) ||
+        (rc = fr_nics_reg(&ep->nics, boot, ep->seg, L->seg_bytes, 1,
+                          &ep->rseg, err)) ||
+        (rc = fr_nics_reg(&ep->nics, boot, ep->send, L->send_bytes, 0,
+                          &ep->rsend, err)) ||
+        (rc = fr_nics_groups(&ep->nics, ep->group_peers, ep->nfabric,
+                             &ep->rsend, &ep->rseg, &ep->groups, err)))
+        return rc;
+    ep->gslices = fr_zalloc(sizeof(fr_slice_t) * (size_t)(N + 1));
+    if (!ep->slices)
+        ep->slices = fr_zalloc(sizeof(fr_slice_t) * 2 * FR_NSETS *
+                               (size_t)(ep->nfabric ? ep->nfabric : 1));
+    ep->flag_last = fr_zalloc(sizeof(uint64_t) * 2 * FR_NSETS * (size_t)N);
+    if (!ep->gslices || !ep->slices || !ep->flag_last)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "proxy tables");
+    if (!ep->proxy.ring) {
+        if (!ep->ring_mem)
+            ep->ring_mem = fr_zalloc(sizeof(fr_proxy_ring_t));
+        if (!ep->ring_mem)
+            return FR_ERR(err, FERRY_ERR_NOMEM, "proxy ring");
+        ep->proxy.ring = ep->ring_mem;
+    }
+    rc = fr_proxy_start(ep);
+    if (rc != FERRY_OK)
+        snprintf(err->msg, sizeof(err->msg), "%s", ep->err.msg);
+    return rc;
+}
+
+/* Step 5: everyone has mapped everyone, so segment names can go (nothing
+ * is left in /dev/shm if a rank dies later); say what was built. */
+static int fr_create_finish(ferry_ep_t ep, fr_err_t *err)
+{
+    const fr_layout_t *L = &ep->L;
+    int rc = fr_boot_barrier(ep->comm->boot, err);
+    if (rc != FERRY_OK)
+        return rc;
+    if (ep->seg_name[0])
+        fr_shm_unlink(ep->seg_name);
+    ep->seg_name[0] = 0;
+    if (!fr_log_enabled(FR_LOG_INFO, FR_SUB_INIT))
+        return FERRY_OK;
+    for (int i = 0; i < ep->N; i++)
+        FR_LOG_INFO(FR_SUB_INIT, "peer %d: path %s%s%s", i,
+                    ep->path[i] == FR_PATH_SELF ? "self"
+                    : ep->path[i] == FR_PATH_SHM ? "shm"
+                    : "fabric",
+                    ep->path[i] == FR_PATH_FABRIC ? " via " : "",
+                    ep->path[i] == FR_PATH_FABRIC ? fr_nics_iface(&ep->nics, i)
+                                                  : "");
+    FR_LOG_INFO(FR_SUB_INIT,
+                "EP E=%d K=%d H=%d T=%d %s (%s): segment %llu B, send %llu B",
+                L->E, L->K, L->H, L->T, L->fp8 ? "fp8" : "bf16", ep->eng->name,
+                (unsigned long long)L->seg_bytes,
+                (unsigned long long)(ep->send ? L->send_bytes : 0));
+    return FERRY_OK;
+}
+
+int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
+                    ferry_ep_t *out)
+{
+    if (!out)
+        return FERRY_ERR_INVALID;
+    *out = NULL;
+    if (!comm || !config)
+        return FERRY_ERR_INVALID;
+    fr_err_t err = {{0}};
+    int rc = FERRY_OK;
+    ferry_ep_t ep = fr_zalloc(sizeof(*ep));
+    if (!ep)
+        return FERRY_ERR_NOMEM;
+    ep->comm = comm;
+    ep->N = comm->size;
+    ep->rank = comm->rank;
+    ep->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    ep->spin = fr_cfg_int(FR_CFG_SPIN);
+    FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
+    FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
+    /* Step 3: the engine lays out and allocates its buffers, maps the
+     * peers' (collective). */
+    FR_CHECK_GOTO(ep->eng->setup(ep, &err), rc, fail);
+    if (ep->N > 1 && ep->nfabric > 0)
+        FR_CHECK_GOTO(fr_create_fabric(ep, &err), rc, fail);
+    FR_CHECK_GOTO(fr_create_finish(ep, &err), rc, fail);
+    *out = ep;
+    return FERRY_OK;
+fail:
+    FR_LOG_INFO(FR_SUB_INIT, "ep_create: %s", err.msg);
+    snprintf(ep->err.msg, sizeof(ep->err.msg), "%s", err.msg);
+    /* The caller has no handle to read the message from: keep it on the
+     * communicator. */
+    snprintf(comm->err.msg, sizeof(comm->err.msg), "%s", err.msg);
+    fr_ep_free(ep);
+    return rc;
+}
+
+int ferry_ep_destroy(ferry_ep_t ep)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    int rc = FERRY_OK;
+    fr_err_t err = {{0}};
+    int gpu = ep->cfg.device == FERRY_DEVICE_CUDA;
+    if (gpu && !ep->failed) {
+        int c = ep->eng->sync(ep, NULL);
+        if (c != FERRY_OK)
+            rc = c;
+    }
+    if (ep->proxy.running && !ep->failed && !gpu) {
+        for (int s = 0; s < FR_NSETS; s++)
+            if (fr_proxy_wait_set(ep, s) != FERRY_OK)
+                rc = ep->failed ? ep->failed : FERRY_ERR_TIMEOUT;
+    }
+    /* Nobody tears down memory a peer may still write into. */
+    if (!ep->failed) {
+        int b = fr_boot_barrier(ep->comm->boot, &err);
+        if (b != FERRY_OK && rc == FERRY_OK)
+            rc = b;
+    }
+    fr_ep_free(ep);
+    return rc;
+}
+
+const char *ferry_ep_last_error(ferry_ep_t ep)
+{
+    return ep ? ep->err.msg : "ep: NULL handle";
+}
+
+int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
+{
+    if (!ep || !lay)
+        return FERRY_ERR_INVALID;
+    if (lay->size < sizeof(*lay))
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "layout: size %zu, expected %zu (set it to "
+                          "sizeof(ferry_ep_layout_t))",
+                          lay->size, sizeof(*lay));
+    const fr_layout_t *L = &ep->L;
+    lay->num_ranks = L->N;
+    lay->rank = L->rank;
+    lay->num_local_experts = L->El;
+    lay->expert_capacity = (int)L->cap;
+    lay->token_bytes = L->tok_bytes;
+    lay->num_scales = (int)L->nscales;
+    lay->expert_x_bytes = (size_t)L->El * L->cap * L->tok_bytes;
+    lay->expert_scales_bytes = (size_t)L->El * L->cap * L->nscales * 4;
+    lay->expert_y_bytes = (size_t)L->El * L->cap * L->crow;
+    lay->shm_bytes = L->seg_bytes;
+    lay->host_bytes = (ep->send ? L->send_bytes : 0) +
+                      (size_t)L->T * (L->tok_bytes + 4 * L->nscales) +
+                      FR_NSETS * ((size_t)L->T * L->K * 4 + L->send_crows * 4);
+    return FERRY_OK;
+}
+

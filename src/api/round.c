@@ -1,0 +1,255 @@
+/*
+ * The round calls: a usable context, the round in the expected state,
+ * arguments checked before any shared state is touched; then the engine.
+ */
+#include "api/api.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "core/log.h"
+
+static int fr_ep_usable(ferry_ep_t ep)
+{
+    if (!ep->failed && ep->eng->check(ep) != FERRY_OK)
+        return ep->failed ? ep->failed : FERRY_ERR_INVALID;
+    if (ep->failed)
+        return fr_ep_fail(ep, ep->failed,
+                          "the EP context failed earlier and cannot be used: "
+                          "%.400s", ep->err.msg);
+    return FERRY_OK;
+}
+
+static int fr_round_get(ferry_ep_t ep, uint64_t round, int want_state,
+                        const char *call, fr_round_t **r)
+{
+    if (round == 0 || round >= ep->next_epoch + 1)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "%s: round = %llu was not returned by "
+                          "ferry_dispatch_send", call,
+                          (unsigned long long)round);
+    fr_round_t *x = &ep->rounds[round % FR_NSETS];
+    if (x->epoch != round)
+        return fr_ep_fail(ep, FERRY_ERR_STATE,
+                          "%s: round %llu has already finished", call,
+                          (unsigned long long)round);
+    if (x->state != want_state) {
+        static const char *names[] = {"finished", "dispatch_send",
+                                      "dispatch_recv", "combine_send"};
+        return fr_ep_fail(ep, FERRY_ERR_STATE,
+                          "%s: round %llu is after %s; calls go "
+                          "dispatch_send, dispatch_recv, combine_send, "
+                          "combine_recv", call, (unsigned long long)round,
+                          names[x->state]);
+    }
+    *r = x;
+    return FERRY_OK;
+}
+
+int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
+                           int on_gpu, fr_err_t *err)
+{
+    if (in->size < sizeof(*in))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "in->size = %zu: set it to sizeof(ferry_dispatch_in_t)",
+                      in->size);
+    int T = in->num_tokens;
+    if (on_gpu && in->num_tokens_dev)
+        T = L->T; /* read on the device; checked there */
+    if (T < 0 || T > L->T)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_tokens = %d: must be 0..max_tokens (%d)", T, L->T);
+    if (T > 0 && !in->x)
+        return FR_ERR(err, FERRY_ERR_INVALID, "x: NULL pointer");
+    if (T > 0 && !in->topk_idx)
+        return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
+    if (in->x_scales && !L->fp8)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_scales given but the dispatch dtype is bf16");
+    for (int t = 0; t < T && !on_gpu; t++) {
+        const int64_t *row = in->topk_idx + (size_t)t * L->K;
+        for (int k = 0; k < L->K; k++) {
+            int64_t e = row[k];
+            if (e < -1 || e >= L->E)
+                return FR_ERR(err, FERRY_ERR_INVALID,
+                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d",
+                              t, k, (long long)e, L->E - 1);
+            for (int j = 0; j < k && e >= 0; j++)
+                if (row[j] == e)
+                    return FR_ERR(err, FERRY_ERR_INVALID,
+                                  "topk_idx[%d][%d] = %lld repeats "
+                                  "topk_idx[%d][%d]", t, k, (long long)e, t, j);
+        }
+    }
+    return FERRY_OK;
+}
+
+int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+                        uint64_t *round)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    int rc = fr_ep_usable(ep);
+    if (rc)
+        return rc;
+    const fr_layout_t *L = &ep->L;
+    if (!in)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
+    if (!round)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "round: NULL pointer");
+    int on_gpu = ep->cfg.device == FERRY_DEVICE_CUDA;
+    {
+        fr_err_t aerr;
+        rc = fr_check_dispatch_args(L, in, on_gpu, &aerr);
+        if (rc)
+            return fr_ep_fail(ep, rc, "%s", aerr.msg);
+    }
+    int T = in->num_tokens;
+    uint64_t epoch = ep->next_epoch + 1;
+    fr_round_t *r = &ep->rounds[epoch % FR_NSETS];
+    if (r->state != FR_ROUND_FREE)
+        return fr_ep_fail(ep, FERRY_ERR_STATE,
+                          "dispatch_send: rounds %llu and %llu are both in "
+                          "flight; finish round %llu with combine_recv first",
+                          (unsigned long long)r->epoch,
+                          (unsigned long long)(epoch - 1),
+                          (unsigned long long)r->epoch);
+    if (ep->proxy.running && !on_gpu) {
+        rc = fr_proxy_wait_set(ep, (int)(epoch % FR_NSETS));
+        if (rc)
+            return rc;
+    }
+    ep->next_epoch = epoch;
+    r->epoch = epoch;
+    r->T = T;
+    rc = ep->eng->dispatch_send(ep, r, in);
+    if (rc)
+        return rc;
+    r->state = FR_ROUND_SENT;
+    *round = epoch;
+    return FERRY_OK;
+}
+
+/* Common start of the calls on an existing round: a usable context, the
+ * round in the expected state, an argument struct of at least `need`
+ * bytes (its first field is its size). */
+static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
+                         const char *call, const void *args, size_t need,
+                         const char *args_name, const char *type,
+                         fr_round_t **r)
+{
+    int rc = fr_ep_usable(ep);
+    if (rc)
+        return rc;
+    if ((rc = fr_round_get(ep, round, state, call, r)))
+        return rc;
+    if (!args)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", args_name);
+    size_t have = *(const size_t *)args;
+    if (have < need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "%s->size = %zu: set it to sizeof(%s)", args_name,
+                          have, type);
+    return FERRY_OK;
+}
+
+int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
+                        const ferry_dispatch_out_t *out)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, sizeof(*out), "out",
+                           "ferry_dispatch_out_t", &r);
+    if (rc)
+        return rc;
+    if (!out->expert_x)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_x: NULL pointer");
+    if (!out->expert_num_tokens)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "expert_num_tokens: NULL pointer");
+    if (ep->L.fp8 && !out->expert_x_scales)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "expert_x_scales: NULL pointer (fp8 dispatch)");
+    rc = ep->eng->dispatch_recv(ep, r, out);
+    if (rc)
+        return rc;
+    r->state = FR_ROUND_RECVD;
+    return FERRY_OK;
+}
+
+int ferry_combine_send(ferry_ep_t ep, uint64_t round,
+                       const ferry_combine_in_t *in)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine_send", in, sizeof(*in), "in",
+                           "ferry_combine_in_t", &r);
+    if (rc)
+        return rc;
+    if (!in->expert_y)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    rc = ep->eng->combine_send(ep, r, in);
+    if (rc)
+        return rc;
+    r->state = FR_ROUND_COMBINED;
+    return FERRY_OK;
+}
+
+int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
+                       const ferry_combine_out_t *out)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, sizeof(*out), "out",
+                           "ferry_combine_out_t", &r);
+    if (rc)
+        return rc;
+    if (r->T > 0 && !out->out)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
+    if (r->T > 0 && !out->topk_weights)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
+    rc = ep->eng->combine_recv(ep, r, out);
+    if (rc)
+        return rc;
+    r->state = FR_ROUND_FREE;
+    return FERRY_OK;
+}
+
+int ferry_ep_sync(ferry_ep_t ep, void *stream)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    if (ep->failed)
+        return ep->failed;
+    return ep->eng->sync(ep, stream);
+}
+
+int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+                   const ferry_dispatch_out_t *out, uint64_t *round)
+{
+    uint64_t r = 0;
+    int rc = ferry_dispatch_send(ep, in, &r);
+    if (rc)
+        return rc;
+    if (round)
+        *round = r;
+    return ferry_dispatch_recv(ep, r, out);
+}
+
+int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
+                  const ferry_combine_out_t *out)
+{
+    int rc = ferry_combine_send(ep, round, in);
+    if (rc)
+        return rc;
+    return ferry_combine_recv(ep, round, out);
+}

@@ -1,0 +1,51 @@
+/*
+ * The CPU low-latency engine: plain C twins of the CUDA kernels over POSIX
+ * shared memory (the stand-in for NVLink peer memory) and the proxy. Its
+ * private state: per buffer set, where each pair went, and scratch.
+ */
+#ifndef FR_CPU_LL_H
+#define FR_CPU_LL_H
+
+#include "engines/engine.h"
+#include "proxy/proxy.h"
+
+typedef struct fr_cpu_round {
+    int32_t *comb_pos;   /* [T][K]: row of my combine region, or -1 */
+    /* expert side (filled by dispatch_recv) */
+    int32_t *pair_row;   /* [N*T*kmax]: le*cap + slot, by sender, record, k */
+    uint32_t *pair_off;  /* [N+1]: first pair of each sender */
+    uint32_t *comb_off;  /* [N]: where each sender wants its replies */
+} fr_cpu_round_t;
+
+typedef struct fr_cpu_ll {
+    fr_cpu_round_t rounds[FR_NSETS];
+    uint8_t *qbuf;       /* [T][tok_bytes] quantised tokens */
+    float *qscales;      /* [T][nscales] */
+    int32_t *cnt_rank;   /* [N] */
+    int32_t *pairs_rank; /* [N] */
+    int32_t *fill;       /* [N] */
+    int32_t *rec_next;   /* [N] */
+    uint32_t *comb_base; /* [N] */
+    int32_t *expert_fill;/* [El] */
+    float *acc;          /* [H] */
+} fr_cpu_ll_t;
+
+static inline fr_cpu_ll_t *fr_cpu_state(ferry_ep_t ep)
+{
+    return (fr_cpu_ll_t *)ep->eng_state;
+}
+static inline fr_cpu_round_t *fr_cpu_round(ferry_ep_t ep, const fr_round_t *r)
+{
+    return &fr_cpu_state(ep)->rounds[r->epoch % FR_NSETS];
+}
+
+int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_in_t *in);
+int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_out_t *out);
+int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_in_t *in);
+int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_out_t *out);
+
+#endif

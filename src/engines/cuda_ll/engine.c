@@ -1,0 +1,18 @@
+/* The CUDA low-latency engine's table (launchers in cuda_ll.cu, or the
+ * stubs of a build without nvcc in stub.c). */
+#include "engines/cuda_ll/cuda_ll.h"
+
+const fr_engine_t fr_engine_cuda_ll = {
+    .size = sizeof(fr_engine_t),
+    .name = "cuda_ll",
+    .device = FERRY_DEVICE_CUDA,
+    .mode = FERRY_MODE_LOW_LATENCY,
+    .setup = fr_cuda_setup,
+    .free = fr_cuda_free,
+    .dispatch_send = fr_cuda_dispatch_send,
+    .dispatch_recv = fr_cuda_dispatch_recv,
+    .combine_send = fr_cuda_combine_send,
+    .combine_recv = fr_cuda_combine_recv,
+    .sync = fr_cuda_sync,
+    .check = fr_cuda_check,
+};

@@ -1,0 +1,57 @@
+/*
+ * Engines: the kernels and buffers of one (device, mode) pair behind one
+ * table. The API layer sequences rounds and checks arguments, then calls
+ * the engine chosen at create; an engine keeps its private state in
+ * ep->eng_state and sets up the EP's shared buffers (receive segment, peer
+ * mappings, send region) in setup. Adding an engine is its folder plus one
+ * line in registry.c.
+ */
+#ifndef FR_ENGINE_H
+#define FR_ENGINE_H
+
+#include "ep/ep.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fr_engine {
+    size_t size;         /* sizeof(fr_engine_t): new ops go at the end */
+    const char *name;    /* "cpu_ll", "cuda_ll" */
+    ferry_device_t device;
+    ferry_mode_t mode;
+    /* Collective, after the paths are chosen: fill ep->L, allocate the
+     * receive segment (ep->seg), map the peers' (ep->peer_seg[i] for self
+     * and shm peers), the send region when ep->nfabric > 0 (ep->send) and,
+     * where the engine produces them on the device, ep->slices and
+     * ep->ring_mem. A failure on one rank fails every rank. */
+    int (*setup)(ferry_ep_t ep, fr_err_t *err);
+    /* Free what setup made (also after a failed setup). */
+    void (*free)(ferry_ep_t ep);
+    int (*dispatch_send)(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_in_t *in);
+    int (*dispatch_recv)(ferry_ep_t ep, fr_round_t *r,
+                         const ferry_dispatch_out_t *out);
+    int (*combine_send)(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_in_t *in);
+    int (*combine_recv)(ferry_ep_t ep, fr_round_t *r,
+                        const ferry_combine_out_t *out);
+    /* Wait for the work queued on `stream` (NULL: all); FERRY_OK or the
+     * error the device reported. */
+    int (*sync)(ferry_ep_t ep, void *stream);
+    /* An error the device reported asynchronously, turned into the EP's
+     * error (FERRY_OK when none). */
+    int (*check)(ferry_ep_t ep);
+} fr_engine_t;
+
+/* The engine for (device, mode); NULL when there is none. */
+const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode);
+
+extern const fr_engine_t fr_engine_cpu_ll;
+extern const fr_engine_t fr_engine_cuda_ll;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,15 @@
+/* The engines, one line each, chosen at create by (device, mode). */
+#include "engines/engine.h"
+
+static const fr_engine_t *const fr_engines[] = {
+    &fr_engine_cpu_ll,
+    &fr_engine_cuda_ll,
+};
+
+const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode)
+{
+    for (size_t i = 0; i < sizeof(fr_engines) / sizeof(fr_engines[0]); i++)
+        if (fr_engines[i]->device == device && fr_engines[i]->mode == mode)
+            return fr_engines[i];
+    return NULL;
+}

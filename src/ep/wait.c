@@ -1,0 +1,148 @@
+/*
+ * The EP runtime's waits and failure rule: an EP fails with a sticky
+ * status; a wait on flags ends in data, a deadline naming the ranks that
+ * did not arrive, a dead rank, or the proxy's asynchronous error.
+ */
+#include "ep/ep.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "core/log.h"
+
+int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ep->err.msg, sizeof(ep->err.msg), fmt, ap);
+    va_end(ap);
+    if (code == FERRY_ERR_TIMEOUT || code == FERRY_ERR_PEER ||
+        code == FERRY_ERR_PROTOCOL || code == FERRY_ERR_FABRIC ||
+        code == FERRY_ERR_SYSTEM || code == FERRY_ERR_INTERNAL)
+        ep->failed = code;
+    FR_LOG_INFO(FR_SUB_EP, "%s: %s", ferry_strerror(code), ep->err.msg);
+    return code;
+}
+
+/* Senders below *next that have arrived are skipped; returns 1 when all
+ * have, -1 on a protocol violation (message set), else 0. */
+static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                         int *next, const char *what)
+{
+    const fr_layout_t *L = &ep->L;
+    while (*next < ep->N) {
+        uint64_t v = __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, *next),
+                                     __ATOMIC_ACQUIRE);
+        if (v == epoch) {
+            (*next)++;
+            continue;
+        }
+        if (v > epoch) {
+            fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                       "%s round %llu: rank %d is at round %llu (two rounds "
+                       "ahead is impossible)", what, (unsigned long long)epoch,
+                       *next, (unsigned long long)v);
+            return -1;
+        }
+        return 0;
+    }
+    return 1;
+}
+
+/* Spin briefly; then sleep on the doorbell (a futex in this rank's
+ * segment) so ranks sharing cores do not starve each other; every 2 ms
+ * check for dead peers, proxy errors and the deadline. */
+int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                  const char *what)
+{
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N;
+    uint64_t start = fr_now_ns(), last_check = start;
+    uint64_t deadline = start + (uint64_t)ep->timeout_ms * 1000000ull;
+    uint64_t iter = 0;
+    int next = 0;
+    for (;;) {
+        int st = fr_scan_flags(ep, phase, set, epoch, &next, what);
+        if (st > 0)
+            return FERRY_OK;
+        if (st < 0)
+            return FERRY_ERR_PROTOCOL;
+        if (iter < (uint64_t)ep->spin) {
+            iter++;
+            fr_cpu_relax();
+            continue;
+        }
+        uint64_t now = fr_now_ns();
+        if (now - last_check < 2000000ull && now < deadline) {
+            uint32_t seen = fr_doorbell_read(ep->seg);
+            fr_doorbell_sleepers_add(ep->seg, 1);
+            st = fr_scan_flags(ep, phase, set, epoch, &next, what);
+            if (st == 0) {
+                uint64_t left = deadline - now, nap = 2000000ull;
+                fr_doorbell_sleep(ep->seg, seen, left < nap ? left : nap);
+            }
+            fr_doorbell_sleepers_add(ep->seg, -1);
+            continue;
+        }
+        last_check = now;
+        st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+        if (st != FERRY_OK) {
+            int dead = fr_boot_blame(ep->comm->boot, st);
+            if (dead >= 0)
+                return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                  "%s round %llu: rank %d died (%.300s)", what,
+                                  (unsigned long long)epoch, dead,
+                                  ep->async_msg);
+            return fr_ep_fail(ep, st, "%s round %llu: %s", what,
+                              (unsigned long long)epoch, ep->async_msg);
+        }
+        /* a dead rank fails this wait only if its data is still missing:
+         * a round it finished can still complete */
+        int dead = fr_boot_dead_rank(ep->comm->boot);
+        if (dead >= 0 && dead < N &&
+            __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, dead),
+                            __ATOMIC_ACQUIRE) != epoch)
+            return fr_ep_fail(ep, FERRY_ERR_PEER,
+                              "%s round %llu: rank %d died", what,
+                              (unsigned long long)epoch, dead);
+        for (int s = next; s < N; s++) {
+            if (ep->path[s] != FR_PATH_SHM)
+                continue;
+            pid_t pid = ep->comm->peers[s].pid;
+            if (kill(pid, 0) != 0 && errno == ESRCH &&
+                __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, s),
+                                __ATOMIC_ACQUIRE) != epoch)
+                return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                  "%s round %llu: rank %d (pid %d) died", what,
+                                  (unsigned long long)epoch, s, (int)pid);
+        }
+        if (now >= deadline) {
+            char list[256];
+            size_t n = 0;
+            int missing = 0;
+            list[0] = 0;
+            for (int s = next; s < N; s++) {
+                uint64_t v = __atomic_load_n(
+                    fr_flag_ptr(L, ep->seg, phase, set, s), __ATOMIC_ACQUIRE);
+                if (v == epoch)
+                    continue;
+                missing++;
+                if (n < sizeof(list) - 16)
+                    n += (size_t)snprintf(list + n, sizeof(list) - n, "%s%d",
+                                          missing > 1 ? "," : "", s);
+            }
+            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
+                              "%s round %llu: no data from rank%s %s after "
+                              "%ld ms (FERRY_TIMEOUT_MS)",
+                              what, (unsigned long long)epoch,
+                              missing > 1 ? "s" : "", list, ep->timeout_ms);
+        }
+    }
+}
+
