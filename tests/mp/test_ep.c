@@ -68,6 +68,20 @@ static int run_args(ferry_comm_t comm)
     ep = make_ep(comm, 4 * N, 2, 100, 0, FERRY_DTYPE_BF16, &rc);
     CHECK(rc == FERRY_ERR_INVALID && !ep, "max_tokens 0: rc %d", rc);
     CHECK_RC(ferry_ep_create(comm, NULL, &ep), FERRY_ERR_INVALID);
+    {
+        /* a mode no engine has: refused on every rank, naming the field */
+        ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+        cfg.num_experts = 4 * N;
+        cfg.topk = 2;
+        cfg.hidden = 128;
+        cfg.max_tokens = 8;
+        cfg.mode = (ferry_mode_t)7;
+        ep = NULL;
+        rc = ferry_ep_create(comm, &cfg, &ep);
+        CHECK(rc == FERRY_ERR_UNSUPPORTED && !ep, "mode 7: rc %d", rc);
+        CHECK(strstr(ferry_comm_last_error(comm), "mode") != NULL, "msg %s",
+              ferry_comm_last_error(comm));
+    }
 
     /* a good context */
     int E = 4 * N, K = 2, H = 256, T = 8;
