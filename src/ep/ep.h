@@ -14,6 +14,7 @@
 
 #include "ferry.h"
 #include "bootstrap/bootstrap.h"
+#include "bootstrap/comm.h"
 #include "core/err.h"
 #include "core/layout.h"
 #include "runtime/rt.h"
@@ -22,22 +23,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#define FR_NODE_ID_LEN 64
-
-typedef struct fr_peer_info {
-    char node[FR_NODE_ID_LEN];
-    int32_t pid;
-    int32_t rank;
-} fr_peer_info_t;
-
-struct ferry_comm {
-    fr_boot_t *boot;
-    int rank, size;
-    fr_peer_info_t *peers; /* [size], exchanged at init */
-    int nnodes;            /* distinct node ids */
-    fr_err_t err;
-};
 
 enum fr_path { FR_PATH_SELF = 0, FR_PATH_SHM = 1, FR_PATH_FABRIC = 2 };
 

@@ -98,7 +98,7 @@ int fr_nics_groups(fr_nics_t *x, const int *peers, int npeers,
             continue;
         rc = x->ops->group_create(x->tp[k], members, n, src->mr[k], remote,
                                   &g->g[k], err);
-        if (rc == FERRY_OK)
+        if (rc == FERRY_OK && !x->quiet)
             FR_LOG_INFO(FR_SUB_INIT, "NIC %d (%s): %d fabric peers", k,
                         x->ops->iface(x->tp[k]), n);
     }

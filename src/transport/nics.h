@@ -25,6 +25,8 @@ typedef struct fr_nics {
     int N, rank;
     fr_transport_t *tp[FR_MAX_NICS];
     int *nic_of;                     /* [N] NIC each rank is reached through */
+    int quiet;                       /* set after fr_nics_open: fr_nics_groups
+                                        logs no line per group */
 } fr_nics_t;
 
 /* A region registered on every NIC this rank has. desc (remote regions
