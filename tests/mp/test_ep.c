@@ -15,10 +15,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bootstrap/bootstrap.h"
 #include "core/ep.h"
 #include "ferry.h"
 #include "harness.h"
+#include "launch.h"
 #include "verdicts.h"
 #include "workload.h"
 
