@@ -1,8 +1,9 @@
 /*
  * TCP bootstrap internals, shared by tcp.c (init, allgather and close entry
- * points), tcp_io.c (deadline-bound socket I/O), tcp_root.c (rank 0, the
- * rendezvous server), tcp_leaf.c (every other rank) and tcp_watch.c (the
- * watcher thread). Private.
+ * points), tcp_io.c (deadline-bound socket I/O), tcp_root_init.c and
+ * tcp_root.c (rank 0, the rendezvous server: start-up, then collectives and
+ * close), tcp_leaf.c (every other rank) and tcp_watch.c (the watcher
+ * thread). Private.
  *
  * Every socket is non-blocking and every wait is a poll() with a deadline.
  * Frames are {u32 type, u32 len} + payload (boot_int.h). A collective holds
@@ -59,13 +60,16 @@ int fr_boot_err_dead(fr_boot_t *b, fr_err_t *err);
 
 /* tcp_root.c */
 void fr_boot_root_mark_dead(fr_boot_t *b, int r);
-int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
-                      int64_t deadline, fr_err_t *err);
+void fr_boot_root_abort_all(fr_boot_t *b, int code, const char *msg);
 int fr_boot_root_allgather(fr_boot_t *b, const void *in, void *out,
                            size_t len, long tmo, int64_t deadline,
                            fr_err_t *err);
 int fr_boot_root_close(fr_boot_t *b, long tmo, int64_t deadline,
                        fr_err_t *err);
+
+/* tcp_root_init.c */
+int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
+                      int64_t deadline, fr_err_t *err);
 
 /* tcp_leaf.c */
 void fr_boot_leaf_mark_root_dead(fr_boot_t *b);
