@@ -89,9 +89,9 @@ $(BUILD)/bin/ferry-bench: tools/ferry_bench.c $(TOOL_COMMON_OBJS) $(LIBA)
 	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 SIGBENCH_CUDA := $(if $(filter 1,$(CUDA)),$(BUILD)/obj/tools/signal_kernels.o)
-$(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(SIGBENCH_CUDA) $(LIBA)
+$(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(TOOL_COMMON_OBJS) $(SIGBENCH_CUDA) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itools $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
+	$(CC) $(CFLAGS) -Itools -Itools/common $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 # test_signal's kernel_args mode launches the bench's bad-call kernel
 $(BUILD)/tests/mp/test_signal: $(SIGBENCH_CUDA)

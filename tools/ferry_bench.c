@@ -22,9 +22,9 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "bootstrap/bootstrap.h"
 #include "core/quant.h"
 #include "ferry.h"
+#include "launch.h"
 #include "workload.h"
 
 typedef struct opts {

@@ -29,7 +29,7 @@
 
 #include "ferry.h"
 #include "ferry_signal.h"
-#include "bootstrap/bootstrap.h"
+#include "launch.h"
 #include "signal_kernels.h"
 
 #ifndef FERRY_HAVE_CUDA

@@ -1,5 +1,5 @@
 /* Bootstrap handle: flavour dispatch, the callback flavour and the
- * single-rank case. The TCP flavour lives in tcp.c. */
+ * single-rank case. The TCP flavour lives in tcp.c and tcp_*.c. */
 #include <stdlib.h>
 #include <string.h>
 

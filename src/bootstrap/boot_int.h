@@ -1,4 +1,5 @@
-/* Bootstrap internals shared by boot.c, tcp.c and launch.c. Private. */
+/* Bootstrap internals shared by boot.c and the TCP flavour (tcp*.c).
+ * Private. */
 #ifndef FR_BOOT_INT_H
 #define FR_BOOT_INT_H
 
@@ -81,9 +82,5 @@ struct fr_boot {
 int fr_boot_tcp_allgather(fr_boot_t *b, const void *in, void *out, size_t len,
                           fr_err_t *err);
 int fr_boot_tcp_close(fr_boot_t *b, fr_err_t *err);
-
-/* Deadline helpers (tcp.c). */
-int64_t fr_boot_now_ms(void);
-void fr_boot_sleep_ms(int ms);
 
 #endif

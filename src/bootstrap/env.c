@@ -98,6 +98,70 @@ static int fr_env_equals(const char *name, long want)
     return v && fr_parse_int(v, &x) == 0 && x == want;
 }
 
+/* Rendezvous address: FERRY_ROOT, torchrun's MASTER_ADDR/PORT, or (all
+ * ranks on one host) loopback with a port derived from the job id. */
+static int fr_env_root(fr_boot_env_t *env, long size, fr_err_t *err)
+{
+    int rc;
+    const char *root = fr_cfg_str(FR_CFG_ROOT);
+    const char *maddr = fr_env("MASTER_ADDR");
+    if (root && *root) {
+        if ((rc = fr_parse_root(fr_cfg_name(FR_CFG_ROOT), root, env, err)) !=
+            FERRY_OK)
+            return rc;
+    } else if (maddr) {
+        const char *mport = fr_env("MASTER_PORT");
+        long port = 0;
+        if (!mport)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_ADDR is set (%s) but MASTER_PORT is not",
+                          maddr);
+        if ((rc = fr_env_int("MASTER_PORT", mport, &port, err)) != FERRY_OK)
+            return rc;
+        /* torchrun's own store holds MASTER_PORT; ferry uses the next one. */
+        if (port < 1 || port + 1 > 65535)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_PORT=%ld: ferry listens on MASTER_PORT+1, "
+                          "which must be in 1..65535; set FERRY_ROOT",
+                          port);
+        if (strlen(maddr) >= sizeof(env->root_host))
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "MASTER_ADDR='%s': host name too long", maddr);
+        snprintf(env->root_host, sizeof(env->root_host), "%s", maddr);
+        env->root_port = (int)port + 1;
+    } else {
+        int local = size == 1 ||
+                    fr_env_equals("OMPI_COMM_WORLD_LOCAL_SIZE", size) ||
+                    fr_env_equals("LOCAL_WORLD_SIZE", size) ||
+                    fr_env_equals("SLURM_STEP_NUM_NODES", 1) ||
+                    fr_env_equals("SLURM_NTASKS_PER_NODE", size);
+        if (!local)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "no rendezvous address: set FERRY_ROOT=host:port "
+                          "(reachable address of rank 0 and a free port; "
+                          "ranks are not all on one host, so 127.0.0.1 "
+                          "cannot be used)");
+        char id[512] = "";
+        const char *v;
+        if ((v = fr_env("PMIX_NAMESPACE")))
+            snprintf(id, sizeof(id), "pmix:%s", v);
+        else if ((v = fr_env("OMPI_MCA_ess_base_jobid")))
+            snprintf(id, sizeof(id), "ompi:%s", v);
+        else if ((v = fr_env("SLURM_JOB_ID"))) {
+            const char *step = fr_env("SLURM_STEP_ID");
+            snprintf(id, sizeof(id), "slurm:%s.%s", v, step ? step : "");
+        }
+        if (!id[0] && size > 1)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "no rendezvous address: set FERRY_ROOT=host:port "
+                          "(no launcher job id to derive a port from)");
+        snprintf(env->root_host, sizeof(env->root_host), "127.0.0.1");
+        env->root_port = fr_port_from_id(id[0] ? id : "ferry");
+    }
+
+    return FERRY_OK;
+}
+
 int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
 {
     if (!env)
@@ -164,63 +228,8 @@ int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
     env->rank = (int)rank;
     env->size = (int)size;
 
-    /* Rendezvous address. */
-    const char *root = fr_cfg_str(FR_CFG_ROOT);
-    const char *maddr = fr_env("MASTER_ADDR");
-    if (root && *root) {
-        if ((rc = fr_parse_root(fr_cfg_name(FR_CFG_ROOT), root, env, err)) !=
-            FERRY_OK)
-            return rc;
-    } else if (maddr) {
-        const char *mport = fr_env("MASTER_PORT");
-        long port = 0;
-        if (!mport)
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "MASTER_ADDR is set (%s) but MASTER_PORT is not",
-                          maddr);
-        if ((rc = fr_env_int("MASTER_PORT", mport, &port, err)) != FERRY_OK)
-            return rc;
-        /* torchrun's own store holds MASTER_PORT; ferry uses the next one. */
-        if (port < 1 || port + 1 > 65535)
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "MASTER_PORT=%ld: ferry listens on MASTER_PORT+1, "
-                          "which must be in 1..65535; set FERRY_ROOT",
-                          port);
-        if (strlen(maddr) >= sizeof(env->root_host))
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "MASTER_ADDR='%s': host name too long", maddr);
-        snprintf(env->root_host, sizeof(env->root_host), "%s", maddr);
-        env->root_port = (int)port + 1;
-    } else {
-        int local = size == 1 ||
-                    fr_env_equals("OMPI_COMM_WORLD_LOCAL_SIZE", size) ||
-                    fr_env_equals("LOCAL_WORLD_SIZE", size) ||
-                    fr_env_equals("SLURM_STEP_NUM_NODES", 1) ||
-                    fr_env_equals("SLURM_NTASKS_PER_NODE", size);
-        if (!local)
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "no rendezvous address: set FERRY_ROOT=host:port "
-                          "(reachable address of rank 0 and a free port; "
-                          "ranks are not all on one host, so 127.0.0.1 "
-                          "cannot be used)");
-        char id[512] = "";
-        const char *v;
-        if ((v = fr_env("PMIX_NAMESPACE")))
-            snprintf(id, sizeof(id), "pmix:%s", v);
-        else if ((v = fr_env("OMPI_MCA_ess_base_jobid")))
-            snprintf(id, sizeof(id), "ompi:%s", v);
-        else if ((v = fr_env("SLURM_JOB_ID"))) {
-            const char *step = fr_env("SLURM_STEP_ID");
-            snprintf(id, sizeof(id), "slurm:%s.%s", v, step ? step : "");
-        }
-        if (!id[0] && size > 1)
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "no rendezvous address: set FERRY_ROOT=host:port "
-                          "(no launcher job id to derive a port from)");
-        snprintf(env->root_host, sizeof(env->root_host), "127.0.0.1");
-        env->root_port = fr_port_from_id(id[0] ? id : "ferry");
-    }
-
+    if ((rc = fr_env_root(env, size, err)) != FERRY_OK)
+        return rc;
     FR_LOG_INFO(FR_SUB_BOOT, "bootstrap env (%s): rank %d of %d, root %s:%d",
                 env->source, env->rank, env->size, env->root_host,
                 env->root_port);

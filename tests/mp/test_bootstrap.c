@@ -32,6 +32,7 @@
 #include "core/config.h"
 #include "core/err.h"
 #include "harness.h"
+#include "launch.h"
 
 static int64_t now_ms(void)
 {

@@ -19,9 +19,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bootstrap/bootstrap.h"
 #include "ferry.h"
 #include "harness.h"
+#include "launch.h"
 #include "workload.h"
 
 #ifndef FERRY_HAVE_CUDA

@@ -19,6 +19,7 @@
 #include "ep/ep.h"
 #include "ferry.h"
 #include "harness.h"
+#include "launch.h"
 #include "verdicts.h"
 #include "workload.h"
 

@@ -43,6 +43,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/log.h"
 #include "harness.h"
+#include "launch.h"
 #include "transport/transport.h"
 
 #define SHIFT_MAX 4096u /* random offset inside a slot */

@@ -44,8 +44,8 @@
 
 #include "ferry.h"
 #include "ferry_signal.h"
-#include "bootstrap/bootstrap.h"
 #include "harness.h"
+#include "launch.h"
 #include "verdicts.h"
 
 static uint64_t g_seed = 1;

@@ -1,7 +1,13 @@
-/* fr_launch_local: fork n ranks of this program on this host. */
+/*
+ * fr_launch_local: fork n ranks of this program on this host. The parent
+ * forwards SIGINT and SIGTERM to the ranks, reaps them, removes the shm
+ * endpoint regions of any rank that died before closing them, and gives
+ * the others a bounded grace after the first failure before killing them.
+ */
 #include <errno.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,10 +17,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../core/config.h"
-#include "../core/log.h"
-#include "boot_int.h"
-#include "../transport/transport.h"
+#include "bootstrap/bootstrap.h"
+#include "core/config.h"
+#include "core/log.h"
+#include "launch.h"
+#include "transport/transport.h"
 
 #define FR_LAUNCH_MAX 4096
 #define FR_LAUNCH_POLL_MS 20
@@ -76,6 +83,75 @@ static void fr_report(int rank, int st)
     else if (WIFEXITED(st))
         fprintf(stderr, "ferry: rank %d exited with status %d\n", rank,
                 WEXITSTATUS(st));
+}
+
+/* Reap the started ranks (pids[i] becomes 0), sweeping the shm regions of
+ * each and reporting failures; after the first failure the others get
+ * FERRY_TIMEOUT_MS plus 2 s, then SIGKILL. Returns the first failure's exit
+ * status, or 0. */
+static int fr_launch_wait(pid_t *pids, int started, int *status)
+{
+    long grace = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    if (grace < 0)
+        grace = 0;
+    grace += 2000;
+    int left = started, first = 0, first_rank = -1, killed = 0;
+    int64_t kill_at = -1;
+    while (left > 0) {
+        for (int i = 0; i < started; i++) {
+            if (pids[i] <= 0)
+                continue;
+            int st = 0;
+            pid_t w = waitpid(pids[i], &st, WNOHANG);
+            if (w == 0 || (w < 0 && errno == EINTR))
+                continue;
+            int code = w < 0 ? 255 : fr_decode_status(st);
+            if (w > 0) {
+                /* a rank that died before closing its shm endpoints */
+                int swept = fr_fab_shm_sweep((int)w);
+                if (swept)
+                    FR_LOG_INFO(FR_SUB_BOOT, "removed %d shm region%s left "
+                                "by rank %d (pid %d)", swept,
+                                swept == 1 ? "" : "s", i, (int)w);
+            }
+            pids[i] = 0;
+            left--;
+            if (status)
+                status[i] = code;
+            if (code == 0)
+                continue;
+            if (w > 0)
+                fr_report(i, st);
+            else
+                fprintf(stderr, "ferry: rank %d vanished (waitpid: %s)\n", i,
+                        strerror(errno));
+            if (first == 0) {
+                first = code;
+                first_rank = i;
+                kill_at = fr_boot_now_ms() + grace;
+                if (left > 0)
+                    fprintf(stderr,
+                            "ferry: giving the other %d rank%s %ld ms to "
+                            "finish\n",
+                            left, left == 1 ? "" : "s", grace);
+            }
+        }
+        if (left == 0)
+            break;
+        if (kill_at >= 0 && !killed && fr_boot_now_ms() >= kill_at) {
+            killed = 1;
+            for (int i = 0; i < started; i++)
+                if (pids[i] > 0) {
+                    fprintf(stderr,
+                            "ferry: killing rank %d: still running %ld ms "
+                            "after rank %d failed\n",
+                            i, grace, first_rank);
+                    kill(pids[i], SIGKILL);
+                }
+        }
+        fr_boot_sleep_ms(FR_LAUNCH_POLL_MS);
+    }
+    return first;
 }
 
 int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
@@ -173,66 +249,7 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
         FR_LOG_INFO(FR_SUB_BOOT, "launched %d ranks, root %s", n, root);
     }
 
-    long grace = fr_cfg_int(FR_CFG_TIMEOUT_MS);
-    if (grace < 0)
-        grace = 0;
-    grace += 2000;
-    int left = started, first = 0, first_rank = -1, killed = 0;
-    int64_t kill_at = -1;
-    while (left > 0) {
-        for (int i = 0; i < started; i++) {
-            if (pids[i] <= 0)
-                continue;
-            int st = 0;
-            pid_t w = waitpid(pids[i], &st, WNOHANG);
-            if (w == 0 || (w < 0 && errno == EINTR))
-                continue;
-            int code = w < 0 ? 255 : fr_decode_status(st);
-            if (w > 0) {
-                /* a rank that died before closing its shm endpoints */
-                int swept = fr_fab_shm_sweep((int)w);
-                if (swept)
-                    FR_LOG_INFO(FR_SUB_BOOT, "removed %d shm region%s left "
-                                "by rank %d (pid %d)", swept,
-                                swept == 1 ? "" : "s", i, (int)w);
-            }
-            pids[i] = 0;
-            left--;
-            if (status)
-                status[i] = code;
-            if (code == 0)
-                continue;
-            if (w > 0)
-                fr_report(i, st);
-            else
-                fprintf(stderr, "ferry: rank %d vanished (waitpid: %s)\n", i,
-                        strerror(errno));
-            if (first == 0) {
-                first = code;
-                first_rank = i;
-                kill_at = fr_boot_now_ms() + grace;
-                if (left > 0)
-                    fprintf(stderr,
-                            "ferry: giving the other %d rank%s %ld ms to "
-                            "finish\n",
-                            left, left == 1 ? "" : "s", grace);
-            }
-        }
-        if (left == 0)
-            break;
-        if (kill_at >= 0 && !killed && fr_boot_now_ms() >= kill_at) {
-            killed = 1;
-            for (int i = 0; i < started; i++)
-                if (pids[i] > 0) {
-                    fprintf(stderr,
-                            "ferry: killing rank %d: still running %ld ms "
-                            "after rank %d failed\n",
-                            i, grace, first_rank);
-                    kill(pids[i], SIGKILL);
-                }
-        }
-        fr_boot_sleep_ms(FR_LAUNCH_POLL_MS);
-    }
+    int first = fr_launch_wait(pids, started, status);
 
     fr_launch_pids = NULL;
     fr_launch_n = 0;

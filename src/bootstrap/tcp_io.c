@@ -1,0 +1,240 @@
+/*
+ * TCP bootstrap socket I/O: the monotonic clock and sleeps behind every
+ * deadline, and deadline-bound helpers on non-blocking sockets (wait for an
+ * event, send a whole frame, receive or discard exactly n bytes, peek at the
+ * head of a stream without consuming it), plus the small formatters the
+ * error messages share.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tcp.h"
+
+int64_t fr_boot_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void fr_boot_sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+int fr_boot_left_ms(int64_t deadline)
+{
+    int64_t r = deadline - fr_boot_now_ms();
+    if (r < 0)
+        return 0;
+    return r > INT_MAX ? INT_MAX : (int)r;
+}
+
+/* Wait for ev on fd. Returns revents (>0), 0 on deadline, -1 on error. */
+int fr_boot_wait_fd(int fd, short ev, int64_t deadline)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = ev, .revents = 0};
+        int n = poll(&p, 1, fr_boot_left_ms(deadline));
+        if (n > 0)
+            return p.revents;
+        if (n == 0) {
+            if (fr_boot_now_ms() >= deadline)
+                return 0;
+            continue;
+        }
+        if (errno != EINTR)
+            return -1;
+    }
+}
+
+static int fr_errno_is_gone(int e)
+{
+    return e == EPIPE || e == ECONNRESET || e == ENOTCONN || e == ECONNABORTED;
+}
+
+/* Send every byte of iov before deadline. *moved: bytes that left. */
+static int fr_sendv(int fd, struct iovec *iov, int iovcnt, int64_t deadline,
+                    size_t *moved)
+{
+    size_t done = 0;
+    while (iovcnt > 0) {
+        if (iov->iov_len == 0) {
+            iov++;
+            iovcnt--;
+            continue;
+        }
+        struct msghdr mh;
+        memset(&mh, 0, sizeof(mh));
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)iovcnt;
+        ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            size_t left = (size_t)n;
+            done += left;
+            while (left > 0) {
+                if (left >= iov->iov_len) {
+                    left -= iov->iov_len;
+                    iov->iov_len = 0;
+                    iov++;
+                    iovcnt--;
+                } else {
+                    iov->iov_base = (char *)iov->iov_base + left;
+                    iov->iov_len -= left;
+                    left = 0;
+                }
+            }
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = fr_boot_wait_fd(fd, POLLOUT, deadline);
+            if (r == 0) {
+                if (moved)
+                    *moved = done;
+                return FR_IO_TIMEOUT;
+            }
+            if (r < 0) {
+                if (moved)
+                    *moved = done;
+                return FR_IO_ERR;
+            }
+            continue;
+        }
+        if (moved)
+            *moved = done;
+        return (n < 0 && fr_errno_is_gone(errno)) ? FR_IO_EOF : FR_IO_ERR;
+    }
+    if (moved)
+        *moved = done;
+    return FR_IO_OK;
+}
+
+int fr_boot_send_frame(int fd, uint32_t type, const void *p1, size_t l1,
+                       const void *p2, size_t l2, int64_t deadline,
+                       size_t *moved)
+{
+    fr_frame_hdr_t h = {type, (uint32_t)(l1 + l2)};
+    struct iovec iov[3] = {{&h, sizeof(h)},
+                           {(void *)(uintptr_t)p1, l1},
+                           {(void *)(uintptr_t)p2, l2}};
+    return fr_sendv(fd, iov, 3, deadline, moved);
+}
+
+/* Receive exactly n bytes. *got: bytes received (for partial frames). */
+int fr_boot_recv_all(int fd, void *buf, size_t n, int64_t deadline,
+                     size_t *got)
+{
+    size_t done = 0;
+    int rc = FR_IO_OK;
+    while (done < n) {
+        ssize_t k = recv(fd, (char *)buf + done, n - done, MSG_DONTWAIT);
+        if (k > 0) {
+            done += (size_t)k;
+            continue;
+        }
+        if (k == 0) {
+            rc = FR_IO_EOF;
+            break;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int r = fr_boot_wait_fd(fd, POLLIN, deadline);
+            if (r == 0) {
+                rc = FR_IO_TIMEOUT;
+                break;
+            }
+            if (r < 0) {
+                rc = FR_IO_ERR;
+                break;
+            }
+            continue;
+        }
+        rc = fr_errno_is_gone(errno) ? FR_IO_EOF : FR_IO_ERR;
+        break;
+    }
+    if (got)
+        *got = done;
+    return rc;
+}
+
+int fr_boot_discard(int fd, size_t n, int64_t deadline)
+{
+    char buf[4096];
+    while (n > 0) {
+        size_t k = n < sizeof(buf) ? n : sizeof(buf);
+        int rc = fr_boot_recv_all(fd, buf, k, deadline, NULL);
+        if (rc != FR_IO_OK)
+            return rc;
+        n -= k;
+    }
+    return FR_IO_OK;
+}
+
+/* What waits at the head of fd, without consuming it. want: bytes to peek
+ * into buf (>= a header); FR_PEEK_FRAME means all of them are there. */
+int fr_boot_peek(int fd, void *buf, size_t want)
+{
+    ssize_t n;
+    do {
+        n = recv(fd, buf, want, MSG_PEEK | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n == 0)
+        return FR_PEEK_EOF;
+    if (n < 0)
+        return (errno == EAGAIN || errno == EWOULDBLOCK) ? FR_PEEK_NONE
+                                                         : FR_PEEK_EOF;
+    return (size_t)n < want ? FR_PEEK_PARTIAL : FR_PEEK_FRAME;
+}
+
+void fr_boot_set_nodelay(int fd)
+{
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void fr_boot_close_fd(int *fd)
+{
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* "3,5,7" (or "3" with singular=1), cut short with ",..." when long. */
+void fr_boot_fmt_ranks(char *buf, size_t cap, const int *ranks, int n)
+{
+    size_t off = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        int w = snprintf(buf + off, cap - off, "%s%d", i ? "," : "",
+                         ranks[i]);
+        if (w < 0 || (size_t)w >= cap - off || off + (size_t)w + 8 >= cap) {
+            snprintf(buf + off, cap - off, ",...");
+            return;
+        }
+        off += (size_t)w;
+    }
+}
+
+const char *fr_boot_io_str(int io)
+{
+    switch (io) {
+    case FR_IO_TIMEOUT: return "timed out";
+    case FR_IO_EOF: return "connection closed";
+    default: return "socket error";
+    }
+}

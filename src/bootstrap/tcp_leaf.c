@@ -1,0 +1,368 @@
+/*
+ * TCP bootstrap, every rank but 0 (a leaf): dial the root and say hello,
+ * then wait for READY or the root's ABORT; in an allgather send this rank's
+ * block and read the root's answer (the whole array, or why not: a dead
+ * rank, an abort, the root's goodbye); at close say goodbye and wait for
+ * the root's.
+ */
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "../core/log.h"
+#include "tcp.h"
+
+/* Non-root: the root's socket closed without goodbye. */
+void fr_boot_leaf_mark_root_dead(fr_boot_t *b)
+{
+    if (b->conns[0].state != FR_CONN_LIVE)
+        return;
+    b->conns[0].state = FR_CONN_DEAD;
+    fr_boot_record_dead(b, 0);
+}
+
+/* Read an ABORT payload of plen bytes: status and text. */
+static int fr_read_abort(int fd, uint32_t plen, int64_t deadline, int *code,
+                         char *text, size_t cap)
+{
+    int32_t c32 = FERRY_ERR_BOOTSTRAP;
+    text[0] = '\0';
+    if (plen < 4)
+        return fr_boot_discard(fd, plen, deadline);
+    int io = fr_boot_recv_all(fd, &c32, 4, deadline, NULL);
+    if (io != FR_IO_OK)
+        return io;
+    plen -= 4;
+    size_t take = plen < cap - 1 ? plen : cap - 1;
+    io = fr_boot_recv_all(fd, text, take, deadline, NULL);
+    if (io != FR_IO_OK)
+        return io;
+    text[take] = '\0';
+    *code = c32 < 0 ? c32 : FERRY_ERR_BOOTSTRAP;
+    return fr_boot_discard(fd, plen - take, deadline);
+}
+
+/* Connect once to any address of host:port before deadline. */
+static int fr_dial(const char *host, int port, int64_t deadline, int *lasterr,
+                   char *gaierr, size_t gcap)
+{
+    char ps[16];
+    snprintf(ps, sizeof(ps), "%d", port);
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_INET; /* the root listens on INADDR_ANY */
+    hints.ai_socktype = SOCK_STREAM;
+    int g = getaddrinfo(host, ps, &hints, &res);
+    if (g != 0) {
+        snprintf(gaierr, gcap, "%s", gai_strerror(g));
+        return -1;
+    }
+    gaierr[0] = '\0';
+    int fd = -1;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK |
+                                       SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            *lasterr = errno;
+            continue;
+        }
+        int ok = 0;
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+            ok = 1;
+        } else if (errno == EINPROGRESS || errno == EINTR) {
+            int64_t dl = fr_boot_now_ms() + 1000;
+            if (dl > deadline)
+                dl = deadline;
+            int r = fr_boot_wait_fd(fd, POLLOUT, dl);
+            int soerr = 0;
+            socklen_t sl = sizeof(soerr);
+            if (r > 0 &&
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 &&
+                soerr == 0)
+                ok = 1;
+            else
+                *lasterr = r == 0 ? ETIMEDOUT : (soerr ? soerr : errno);
+        } else {
+            *lasterr = errno;
+        }
+        if (ok) {
+            /* Loopback "simultaneous open" can connect a socket to itself
+             * when nobody listens yet on an ephemeral port. */
+            struct sockaddr_storage me, peer;
+            socklen_t ml = sizeof(me), pl = sizeof(peer);
+            if (getsockname(fd, (struct sockaddr *)&me, &ml) == 0 &&
+                getpeername(fd, (struct sockaddr *)&peer, &pl) == 0 &&
+                ml == pl && memcmp(&me, &peer, ml) == 0) {
+                ok = 0;
+                *lasterr = ECONNREFUSED;
+            }
+        }
+        if (ok)
+            break;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+int fr_boot_leaf_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
+                      int64_t deadline, fr_err_t *err)
+{
+    snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
+             env->root_port);
+    int fd = -1, lasterr = 0, tries = 0;
+    char gaierr[128] = "";
+    for (;;) {
+        tries++;
+        fd = fr_dial(env->root_host, env->root_port, deadline, &lasterr,
+                     gaierr, sizeof(gaierr));
+        if (fd >= 0 || fr_boot_now_ms() >= deadline)
+            break;
+        fr_boot_sleep_ms(FR_RETRY_MS);
+    }
+    if (fd < 0) {
+        if (gaierr[0])
+            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                          "rank %d cannot resolve root host '%s' (%s) within "
+                          "%ld ms",
+                          b->rank, env->root_host, gaierr, timeout_ms);
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d could not connect to root %s within %ld ms "
+                      "(%d tries, last error: %s)",
+                      b->rank, b->root_addr, timeout_ms, tries,
+                      strerror(lasterr));
+    }
+    fr_boot_set_nodelay(fd);
+    b->conns[0].fd = fd;
+    b->conns[0].state = FR_CONN_LIVE;
+
+    fr_hello_t hi = {FR_BOOT_MAGIC,   FR_BOOT_WIRE_VERSION, b->rank,
+                     b->size,         (int32_t)getpid(),
+                     FERRY_VERSION_CODE};
+    int io = fr_boot_send_frame(fd, FR_MSG_HELLO, &hi, sizeof(hi), NULL, 0,
+                           deadline + 1000, NULL);
+    if (io != FR_IO_OK)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: sending hello to root %s failed (%s)", b->rank,
+                      b->root_addr, fr_boot_io_str(io));
+    FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d connected to %s, waiting for the rest",
+                 b->rank, b->root_addr);
+
+    /* The root gives up at its own deadline and says why (ABORT); wait a
+     * little longer than ours to hear it. */
+    int64_t dl = deadline + 1000;
+    fr_frame_hdr_t h;
+    io = fr_boot_recv_all(fd, &h, sizeof(h), dl, NULL);
+    if (io == FR_IO_OK && h.type == FR_MSG_READY && h.len == 0)
+        return FERRY_OK;
+    if (io == FR_IO_OK && h.type == FR_MSG_ABORT) {
+        int code = FERRY_ERR_BOOTSTRAP;
+        char text[FR_ERRMSG_LEN];
+        if (fr_read_abort(fd, h.len, dl, &code, text, sizeof(text)) == FR_IO_OK)
+            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                          "root %s ended the bootstrap: %s", b->root_addr,
+                          text);
+        io = FR_IO_EOF;
+    }
+    if (io == FR_IO_TIMEOUT)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d reached root %s, but not every rank arrived "
+                      "within %ld ms",
+                      b->rank, b->root_addr, timeout_ms);
+    if (io == FR_IO_OK)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: unexpected frame 0x%x from root %s (is "
+                      "another program on that port?)",
+                      b->rank, h.type, b->root_addr);
+    return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                  "rank %d: root %s closed the connection during the "
+                  "bootstrap (%s)",
+                  b->rank, b->root_addr, fr_boot_io_str(io));
+}
+
+/* An allgather's answer from the root, once this rank's block is sent: the
+ * whole [size][len] array into out, or why not. */
+static int fr_leaf_answer(fr_boot_t *b, void *out, size_t len, long tmo,
+                          int64_t deadline, fr_err_t *err)
+{
+    fr_conn_t *c = &b->conns[0];
+    uint64_t seq = b->seq;
+    size_t moved;
+    int io;
+    /* The root, whose deadline may start a little after ours, names the
+     * late ranks in an ABORT: give it a short grace to say so. */
+    int64_t grace = tmo / 2 < 1000 ? tmo / 2 : 1000;
+    for (;;) {
+        fr_frame_hdr_t h;
+        moved = 0;
+        io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline + grace, &moved);
+        if (io == FR_IO_TIMEOUT && moved == 0)
+            return FR_ERR(err, FERRY_ERR_TIMEOUT,
+                          "allgather #%llu: rank %d got no answer from root "
+                          "%s within %ld ms (a rank has not called it?)",
+                          (unsigned long long)seq, b->rank, b->root_addr, tmo);
+        deadline += grace;
+        grace = 0;
+        if (io != FR_IO_OK)
+            goto broken;
+        switch (h.type) {
+        case FR_MSG_ALL: {
+            if (h.len != 8 + (size_t)b->size * len) {
+                io = fr_boot_discard(c->fd, h.len, deadline);
+                if (io != FR_IO_OK)
+                    goto broken;
+                return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                              "allgather #%llu: root sent %u bytes, rank %d "
+                              "expected %zu (ranks passed different sizes?)",
+                              (unsigned long long)seq, h.len, b->rank,
+                              8 + (size_t)b->size * len);
+            }
+            uint64_t s;
+            io = fr_boot_recv_all(c->fd, &s, 8, deadline, NULL);
+            if (io == FR_IO_OK && s != seq) {
+                io = fr_boot_discard(c->fd, h.len - 8, deadline);
+                if (io != FR_IO_OK)
+                    goto broken;
+                return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                              "rank %d is in allgather #%llu, root answered "
+                              "#%llu",
+                              b->rank, (unsigned long long)seq,
+                              (unsigned long long)s);
+            }
+            if (io == FR_IO_OK)
+                io = fr_boot_recv_all(c->fd, out, (size_t)b->size * len,
+                                      deadline, NULL);
+            if (io != FR_IO_OK)
+                goto broken;
+            return FERRY_OK;
+        }
+        case FR_MSG_DEAD: {
+            int32_t r = -1;
+            io = h.len == 4 ? fr_boot_recv_all(c->fd, &r, 4, deadline, NULL)
+                            : fr_boot_discard(c->fd, h.len, deadline);
+            if (io != FR_IO_OK)
+                goto broken;
+            if (r >= 0 && r < b->size)
+                fr_boot_record_dead(b, r);
+            return fr_boot_err_dead(b, err);
+        }
+        case FR_MSG_ABORT: {
+            int code = FERRY_ERR_PEER;
+            char text[FR_ERRMSG_LEN];
+            io = fr_read_abort(c->fd, h.len, deadline, &code, text,
+                               sizeof(text));
+            if (io != FR_IO_OK)
+                goto broken;
+            return FR_ERR(err, code, "root reports: %s", text);
+        }
+        case FR_MSG_BYE_ACK: {
+            int32_t r = -1;
+            io = h.len == 4 ? fr_boot_recv_all(c->fd, &r, 4, deadline, NULL)
+                            : fr_boot_discard(c->fd, h.len, deadline);
+            if (io != FR_IO_OK)
+                goto broken;
+            c->state = FR_CONN_BYE;
+            if (r >= 0 && r < b->size)
+                fr_boot_record_dead(b, r);
+            return FR_ERR(err, FERRY_ERR_PEER,
+                          "the root (rank 0) called close during allgather "
+                          "#%llu",
+                          (unsigned long long)seq);
+        }
+        default:
+            io = fr_boot_discard(c->fd, h.len, deadline);
+            if (io != FR_IO_OK)
+                goto broken;
+            return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                          "allgather #%llu: unexpected frame 0x%x from root",
+                          (unsigned long long)seq, h.type);
+        }
+    }
+broken:
+    if (io == FR_IO_TIMEOUT) {
+        c->state = FR_CONN_DESYNC;
+        return FR_ERR(err, FERRY_ERR_TIMEOUT,
+                      "allgather #%llu: rank %d timed out after %ld ms in the "
+                      "middle of a message from root %s",
+                      (unsigned long long)seq, b->rank, tmo, b->root_addr);
+    }
+    fr_boot_leaf_mark_root_dead(b);
+    return fr_boot_err_dead(b, err);
+}
+
+int fr_boot_leaf_allgather(fr_boot_t *b, const void *in, void *out,
+                           size_t len, long tmo, int64_t deadline,
+                           fr_err_t *err)
+{
+    fr_conn_t *c = &b->conns[0];
+    uint64_t seq = b->seq;
+    if (c->state == FR_CONN_DEAD)
+        return fr_boot_err_dead(b, err);
+    if (c->state != FR_CONN_LIVE)
+        return FR_ERR(err, FERRY_ERR_PEER,
+                      "the root (rank 0) has left the bootstrap (%s)",
+                      c->state == FR_CONN_BYE ? "it called close"
+                                              : "the stream broke earlier");
+    size_t moved = 0;
+    int io = fr_boot_send_frame(c->fd, FR_MSG_DATA, &seq, 8, in, len,
+                                deadline, &moved);
+    if (io == FR_IO_TIMEOUT) {
+        if (moved)
+            c->state = FR_CONN_DESYNC;
+        return FR_ERR(err, FERRY_ERR_TIMEOUT,
+                      "allgather #%llu: rank %d could not send to root %s "
+                      "within %ld ms",
+                      (unsigned long long)seq, b->rank, b->root_addr, tmo);
+    }
+    if (io != FR_IO_OK) {
+        fr_boot_leaf_mark_root_dead(b);
+        return fr_boot_err_dead(b, err);
+    }
+    return fr_leaf_answer(b, out, len, tmo, deadline, err);
+}
+
+int fr_boot_leaf_close(fr_boot_t *b, long tmo, int64_t deadline,
+                       fr_err_t *err)
+{
+    fr_conn_t *c = &b->conns[0];
+    int rc = FERRY_OK;
+    if (c->state == FR_CONN_LIVE) {
+        int io = fr_boot_send_frame(c->fd, FR_MSG_BYE, NULL, 0, NULL, 0,
+                                    deadline, NULL);
+        while (io == FR_IO_OK) {
+            fr_frame_hdr_t h;
+            io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline, NULL);
+            if (io != FR_IO_OK)
+                break;
+            if ((h.type == FR_MSG_BYE_ACK || h.type == FR_MSG_DEAD) &&
+                h.len == 4) {
+                int32_t r = -1;
+                io = fr_boot_recv_all(c->fd, &r, 4, deadline, NULL);
+                if (io == FR_IO_OK && r >= 0 && r < b->size)
+                    fr_boot_record_dead(b, r);
+                if (io == FR_IO_OK && h.type == FR_MSG_BYE_ACK) {
+                    c->state = FR_CONN_BYE;
+                    break;
+                }
+            } else {
+                io = fr_boot_discard(c->fd, h.len, deadline); /* stale */
+            }
+        }
+        if (io == FR_IO_TIMEOUT)
+            rc = FR_ERR(err, FERRY_ERR_TIMEOUT,
+                        "close: rank %d got no goodbye from root %s within "
+                        "%ld ms",
+                        b->rank, b->root_addr, tmo);
+        else if (io != FR_IO_OK)
+            fr_boot_leaf_mark_root_dead(b);
+    }
+    if (__atomic_load_n(&b->dead, __ATOMIC_ACQUIRE) >= 0)
+        rc = fr_boot_err_dead(b, err);
+    return rc;
+}

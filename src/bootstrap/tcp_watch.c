@@ -1,0 +1,116 @@
+/*
+ * The TCP bootstrap's watcher thread: every FR_WATCH_PERIOD_MS it try-locks
+ * the handle and, with polls of timeout 0, looks at the head of each stream.
+ * A socket closed without goodbye names a dead rank (the root also tells
+ * every other rank); goodbyes (BYE, BYE_ACK) and DEAD notices found there
+ * are consumed, and any collective's frame is left for the collective.
+ */
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "../core/log.h"
+#include "tcp.h"
+
+static void fr_watch_root(fr_boot_t *b)
+{
+    struct pollfd pf[256];
+    int who[256];
+    for (int base = 1; base < b->size; base += 256) {
+        int n = 0;
+        for (int r = base; r < b->size && r < base + 256; r++)
+            if (b->conns[r].state == FR_CONN_LIVE) {
+                pf[n].fd = b->conns[r].fd;
+                pf[n].events = POLLIN | POLLRDHUP;
+                pf[n].revents = 0;
+                who[n++] = r;
+            }
+        if (n == 0 || poll(pf, (nfds_t)n, 0) <= 0)
+            continue;
+        for (int i = 0; i < n; i++) {
+            int r = who[i];
+            short ev = pf[i].revents;
+            if (!ev || b->conns[r].state != FR_CONN_LIVE)
+                continue;
+            int closed = (ev & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+            fr_frame_hdr_t h;
+            int k = fr_boot_peek(b->conns[r].fd, &h, sizeof(h));
+            if (k == FR_PEEK_EOF) {
+                fr_boot_root_mark_dead(b, r);
+            } else if (k == FR_PEEK_FRAME && h.type == FR_MSG_BYE &&
+                       h.len == 0) {
+                /* An early goodbye: the rank is in fr_boot_close. */
+                if (recv(b->conns[r].fd, &h, sizeof(h), MSG_DONTWAIT) ==
+                    (ssize_t)sizeof(h)) {
+                    b->conns[r].state = FR_CONN_BYE;
+                    FR_LOG_INFO(FR_SUB_BOOT, "rank %d said goodbye", r);
+                }
+            } else if (k != FR_PEEK_NONE && closed) {
+                /* Closed behind unread data that is not a goodbye. */
+                fr_boot_root_mark_dead(b, r);
+            }
+        }
+    }
+}
+
+static void fr_watch_leaf(fr_boot_t *b)
+{
+    fr_conn_t *c = &b->conns[0];
+    for (int iter = 0; iter < 8 && c->state == FR_CONN_LIVE; iter++) {
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN | POLLRDHUP};
+        if (poll(&pf, 1, 0) <= 0 || !pf.revents)
+            return;
+        int closed = (pf.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        unsigned char buf[sizeof(fr_frame_hdr_t) + 4];
+        fr_frame_hdr_t h;
+        int k = fr_boot_peek(c->fd, buf, sizeof(buf));
+        if (k == FR_PEEK_EOF) {
+            fr_boot_leaf_mark_root_dead(b);
+            return;
+        }
+        if (k == FR_PEEK_NONE)
+            return;
+        if (k == FR_PEEK_FRAME) {
+            memcpy(&h, buf, sizeof(h));
+            if ((h.type == FR_MSG_DEAD || h.type == FR_MSG_BYE_ACK) &&
+                h.len == 4) {
+                int32_t r;
+                memcpy(&r, buf + sizeof(h), 4);
+                if (recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT) !=
+                    (ssize_t)sizeof(buf)) {
+                    c->state = FR_CONN_DESYNC;
+                    return;
+                }
+                if (r >= 0 && r < b->size)
+                    fr_boot_record_dead(b, r);
+                if (h.type == FR_MSG_BYE_ACK) {
+                    c->state = FR_CONN_BYE;
+                    FR_LOG_INFO(FR_SUB_BOOT, "root said goodbye");
+                    return;
+                }
+                continue;
+            }
+        }
+        /* A collective's frame (or a partial one): leave it. Behind a
+         * closed socket it will never be answered: the root is gone. */
+        if (closed)
+            fr_boot_leaf_mark_root_dead(b);
+        return;
+    }
+}
+
+void *fr_boot_watcher_main(void *arg)
+{
+    fr_boot_t *b = arg;
+    while (!__atomic_load_n(&b->stop, __ATOMIC_ACQUIRE)) {
+        if (pthread_mutex_trylock(&b->mu) == 0) {
+            if (b->rank == 0)
+                fr_watch_root(b);
+            else
+                fr_watch_leaf(b);
+            pthread_mutex_unlock(&b->mu);
+        }
+        fr_boot_sleep_ms(FR_WATCH_PERIOD_MS);
+    }
+    return NULL;
+}

@@ -1,0 +1,26 @@
+/*
+ * Local launcher for the tools and tests: fork n ranks of the calling
+ * program on this host, wired to meet through the TCP bootstrap on a free
+ * loopback port, then wait for them, reporting and reaping each one
+ * (including the shm regions a killed rank left behind).
+ */
+#ifndef FW_LAUNCH_H
+#define FW_LAUNCH_H
+
+#include "core/err.h"
+
+/* Local launcher: fork `n` ranks of this program with FERRY_RANK,
+ * FERRY_WORLD_SIZE and FERRY_ROOT (a free loopback port) set; the children
+ * return 0 from this call with *is_child = 1. The parent waits for all of
+ * them; when one fails or dies, the others get FERRY_TIMEOUT_MS plus 2 s to
+ * finish before being killed. The parent returns the first non-zero exit
+ * status (128+signal for a signal), or 0. */
+int fr_launch_local(int n, int *is_child, fr_err_t *err);
+
+/* As fr_launch_local; a negative return is a ferry status (the launch itself
+ * failed: bad n, fork). When status is not NULL (n entries), the parent also
+ * gets every rank's exit status there (128+signal for a signal, -1 for a
+ * rank never started). Lets a caller tell an intended death from others. */
+int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err);
+
+#endif
