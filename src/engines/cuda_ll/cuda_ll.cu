@@ -31,6 +31,7 @@
 #include "core/log.h"
 #include "core/quant.h"
 #include "engines/cuda_ll/cuda_ll.h"
+#include "runtime/cuda_mem.h"
 
 #define FR_CU_THREADS 256
 #define FR_CU_ROUTE_THREADS 1024
@@ -71,6 +72,7 @@ struct fr_cuda_ep {
     fr_cu_args_t a;
     int device, nblocks;
     int host_seg;            /* segment is pinned host memory (fabric) */
+    void *dev_seg, *dev_send, *dev_ring, *dev_slices; /* their GPU views */
     void *dmem;              /* one device allocation for the tables */
     uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
     int *err_host;
@@ -777,6 +779,16 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
         }                                                                      \
     } while (0)
 
+/* A runtime helper's status: on failure, keep it and leave. */
+#define FR_CUH(call, label)                                                    \
+    do {                                                                       \
+        int s_ = (call);                                                       \
+        if (s_ != FERRY_OK) {                                                  \
+            rc = s_;                                                           \
+            goto label;                                                        \
+        }                                                                      \
+    } while (0)
+
 extern "C" int ferry_cuda_available(char *why, size_t len)
 {
     int n = 0;
@@ -819,15 +831,19 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
     }
     /* segment */
     if (c->host_seg) {
-        FR_CU(cudaHostAlloc((void **)&ep->seg, L->seg_bytes, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
-        memset(ep->seg, 0, L->seg_bytes);
-        FR_CU(cudaHostAlloc((void **)&ep->send, L->send_bytes, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
-        memset(ep->send, 0, L->send_bytes);
-        FR_CU(cudaHostAlloc((void **)&ep->ring_mem, sizeof(fr_proxy_ring_t), cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
-        memset(ep->ring_mem, 0, sizeof(fr_proxy_ring_t));
+        /* pinned host memory mapped into the GPU (runtime/cuda_mem.h) */
+        void *h;
+        size_t nsl = sizeof(fr_slice_t) * 2 * FR_NSETS * (size_t)ep->nfabric;
+        FR_CUH(fr_cuda_host_alloc(L->seg_bytes, &h, &c->dev_seg, err), fail);
+        ep->seg = (uint8_t *)h;
+        FR_CUH(fr_cuda_host_alloc(L->send_bytes, &h, &c->dev_send, err), fail);
+        ep->send = (uint8_t *)h;
+        FR_CUH(fr_cuda_host_alloc(sizeof(fr_proxy_ring_t), &h, &c->dev_ring, err),
+               fail);
+        ep->ring_mem = (fr_proxy_ring_t *)h;
         ep->proxy.ring = ep->ring_mem;
-        FR_CU(cudaHostAlloc((void **)&ep->slices, sizeof(fr_slice_t) * 2 * FR_NSETS * (size_t)ep->nfabric,
-                            cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
+        FR_CUH(fr_cuda_host_alloc(nsl, &h, &c->dev_slices, err), fail);
+        ep->slices = (fr_slice_t *)h;
     } else {
         FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
         FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
@@ -908,15 +924,10 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
         FR_CU(cudaMemcpy((void *)A->gidx, ep->group_index, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
         if (c->host_seg) {
-            void *d;
-            FR_CU(cudaHostGetDevicePointer(&d, ep->seg, 0), err, fail);
-            A->seg = (uint8_t *)d;
-            FR_CU(cudaHostGetDevicePointer(&d, ep->send, 0), err, fail);
-            A->send = (uint8_t *)d;
-            FR_CU(cudaHostGetDevicePointer(&d, ep->ring_mem, 0), err, fail);
-            A->ring = (fr_proxy_ring_t *)d;
-            FR_CU(cudaHostGetDevicePointer(&d, ep->slices, 0), err, fail);
-            A->slices = (fr_slice_t *)d;
+            A->seg = (uint8_t *)c->dev_seg;
+            A->send = (uint8_t *)c->dev_send;
+            A->ring = (fr_proxy_ring_t *)c->dev_ring;
+            A->slices = (fr_slice_t *)c->dev_slices;
             /* self goes through the fabric too when every peer does */
         } else {
             A->seg = ep->seg;
@@ -929,9 +940,9 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         free(peer);
         FR_CU(e1, err, fail);
 
-        FR_CU(cudaHostAlloc((void **)&c->err_host, sizeof(int) * 4, cudaHostAllocMapped | cudaHostAllocPortable), err, fail);
-        memset(c->err_host, 0, sizeof(int) * 4);
-        FR_CU(cudaHostGetDevicePointer(&c->err_dev, c->err_host, 0), err, fail);
+        void *eh;
+        FR_CUH(fr_cuda_host_alloc(sizeof(int) * 4, &eh, &c->err_dev, err), fail);
+        c->err_host = (int *)eh;
         A->err = (volatile int *)c->err_dev;
         A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
         int nsm = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : 16;
@@ -956,10 +967,10 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
                 cudaIpcCloseMemHandle(c->peer_host[i]);
     free(c->peer_host);
     if (c->host_seg) {
-        cudaFreeHost(ep->seg);
-        cudaFreeHost(ep->send);
-        cudaFreeHost(ep->ring_mem);
-        cudaFreeHost(ep->slices);
+        fr_cuda_host_free(ep->seg);
+        fr_cuda_host_free(ep->send);
+        fr_cuda_host_free(ep->ring_mem);
+        fr_cuda_host_free(ep->slices);
     } else if (ep->seg) {
         cudaFree(ep->seg);
     }
@@ -970,7 +981,7 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     if (c->dmem)
         cudaFree(c->dmem);
     if (c->err_host)
-        cudaFreeHost(c->err_host);
+        fr_cuda_host_free(c->err_host);
     free(c);
     ep->eng_state = NULL;
 }
