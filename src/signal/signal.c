@@ -899,8 +899,8 @@ int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *cfg,
         mine.nsig = cfg->num_signals;
         mine.fence_ok = 1;
         if (mode == FERRY_SIG_MODE_NICFENCE && mine.status == FERRY_OK) {
-            mine.fence_ok = fr_transport_fabric.fence_probe(mine.why,
-                                                            sizeof(mine.why));
+            mine.fence_ok = fr_transport_find("fabric")->fence_probe(
+                mine.why, sizeof(mine.why));
             if (!mine.fence_ok)
                 mine.status = FR_ERR(&e, FERRY_ERR_UNSUPPORTED,
                                      "mode nicfence: %s; use counted or "
@@ -958,7 +958,6 @@ int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *cfg,
     s->nsig = cfg->num_signals;
     s->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
     s->spin = fr_cfg_int(FR_CFG_SPIN);
-    s->ops = &fr_transport_fabric;
     fr_err_t err = {{0}};
     fr_sig_keys_t keys, *allkeys = NULL;
     int *peers = NULL;
@@ -984,13 +983,13 @@ int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *cfg,
     /* fence and grouped wait for local completions as ordering points:
      * those must mean "visible at the target" (shm completes a small
      * write before the target has it) */
-    rc = s->ops->open_flags(comm->boot,
-                            s->mode == FERRY_SIG_MODE_NICFENCE
-                                ? FR_TP_OPEN_FENCE
-                                : s->mode == FERRY_SIG_MODE_COUNTED
-                                      ? 0
-                                      : FR_TP_OPEN_DELIVERY,
-                            &s->tp, &err);
+    rc = fr_transport_open("fabric", comm->boot, 0,
+                           s->mode == FERRY_SIG_MODE_NICFENCE
+                               ? FR_TP_OPEN_FENCE
+                               : s->mode == FERRY_SIG_MODE_COUNTED
+                                     ? 0
+                                     : FR_TP_OPEN_DELIVERY,
+                           &s->ops, &s->tp, &err);
     if (rc != FERRY_OK)
         goto fail;
     memset(&keys, 0, sizeof(keys));
