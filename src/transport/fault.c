@@ -349,7 +349,7 @@ static int fault_group_create(fr_transport_t *t, const int *peers,
     }
     g->in = in;
     g->npeers = npeers;
-    g->slen = s->len;
+    g->slen = s ? s->len : 0;
     g->rank = rank;
     g->rlen = rlen;
     for (int i = 0; i < npeers; i++) {
