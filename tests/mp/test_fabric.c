@@ -1,5 +1,5 @@
 /*
- * Multi-process test of the libfabric transport (src/transport/fabric.c).
+ * Multi-process test of the libfabric transport (src/transport/fabric/).
  *
  *   test_fabric [-n ranks] [-r rounds] [-m max_bytes] [-b burst] [-s seed]
  *               [-L] [-F] [-M]
