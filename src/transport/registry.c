@@ -1,10 +1,12 @@
 /*
  * Transports by name. Adding a transport is its folder plus one line in
  * fr_transports[]; callers open one through fr_transport_open and call it
- * through the ops it returns.
+ * through the ops it returns, which are the fault injector's (fault.c)
+ * wrapped around the transport when a FERRY_FAULT_* setting is on.
  */
 #include <string.h>
 
+#include "transport/fault.h"
 #include "transport/transport.h"
 
 static const fr_transport_ops_t *const fr_transports[] = {
@@ -33,7 +35,10 @@ int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "transport %s: open flags 0x%x only on NIC 0", name,
                       flags);
+    if (fr_fault_on()) {
+        *ops = &fr_transport_fault;
+        return fr_fault_open(o, boot, nic, flags, t, err);
+    }
     *ops = o;
-    return flags ? o->open_flags(boot, flags, t, err)
-                 : o->open_nic(boot, nic, t, err);
+    return o->open(boot, nic, flags, t, err);
 }

@@ -63,9 +63,17 @@ enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2 };
 typedef struct fr_transport_ops {
     size_t size; /* sizeof(fr_transport_ops_t): new ops go at the end */
     const char *name;
-    /* Open an endpoint and exchange addresses with all ranks (collective
-     * over boot). Provider from FI_PROVIDER when set. */
-    int (*open)(fr_boot_t *boot, fr_transport_t **t, fr_err_t *err);
+    /* Open this rank's NIC `nic` (0: the one on the rendezvous route; k:
+     * the k-th other interface of the same kind that is up) and exchange
+     * addresses with all ranks. Collective over boot for every nic index:
+     * a rank without that NIC still takes part and gets an instance for
+     * which has_peer() is 0 everywhere. flags: FR_TP_OPEN_FENCE (the fence
+     * capability, only where fence_probe said yes), FR_TP_OPEN_DELIVERY (a
+     * write's local completion means its data is visible at the target).
+     * fabric: the provider FI_PROVIDER names when set. Callers open
+     * through fr_transport_open, not through this op. */
+    int (*open)(fr_boot_t *boot, int nic, int flags, fr_transport_t **t,
+                fr_err_t *err);
     /* Register memory; remote_write: peers may write into it. */
     int (*reg)(fr_transport_t *t, void *ptr, size_t len, int remote_write,
                fr_mr_t **mr, fr_mr_desc_t *desc, fr_err_t *err);
@@ -97,12 +105,6 @@ typedef struct fr_transport_ops {
     void (*close)(fr_transport_t *t);
     /* Provider name actually in use (e.g. "tcp;ofi_rxm", "shm"). */
     const char *(*provider)(fr_transport_t *t);
-    /* Open this rank's NIC `nic` (0: the one on the rendezvous route; k:
-     * the k-th other interface of the same kind that is up). Collective
-     * for every nic index: a rank without that NIC still takes part and
-     * gets an instance for which has_peer() is 0 everywhere. */
-    int (*open_nic)(fr_boot_t *boot, int nic, fr_transport_t **t,
-                    fr_err_t *err);
     /* Both this rank and `rank` opened this NIC. */
     int (*has_peer)(fr_transport_t *t, int rank);
     /* Interface (domain) name, for logs. */
@@ -111,23 +113,22 @@ typedef struct fr_transport_ops {
      * every earlier write on the endpoint completed, NIC-side)? 0 with the
      * reason in why. Local, no communication. */
     int (*fence_probe)(char *why, size_t len);
-    /* open() with options: FR_TP_OPEN_FENCE (the fence capability, only
-     * where fence_probe said yes), FR_TP_OPEN_DELIVERY (a write's local
-     * completion means its data is visible at the target). */
-    int (*open_flags)(fr_boot_t *boot, int flags, fr_transport_t **t,
-                      fr_err_t *err);
     /* write_imm() carrying the fence flag. */
     int (*write_fence)(fr_transport_t *t, fr_group_t *g, int index,
                        const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
 } fr_transport_ops_t;
 
+/* The libfabric transport (fabric/); callers find it by name through
+ * the registry below. */
 extern const fr_transport_ops_t fr_transport_fabric;
 
 /* Transports by name (registry.c: one line per transport). NULL when no
  * transport has that name. */
 const fr_transport_ops_t *fr_transport_find(const char *name);
 /* Open transport `name` on this rank's NIC `nic` with FR_TP_OPEN_* flags;
- * collective over boot. *ops is what to call the instance through. */
+ * collective over boot. *ops is what to call the instance through: the
+ * transport's own table, or the fault injector's wrapped around it when a
+ * FERRY_FAULT_* setting is on (fault.h). */
 int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
                       const fr_transport_ops_t **ops, fr_transport_t **t,
                       fr_err_t *err);

@@ -1,5 +1,5 @@
 /*
- * Multi-process test of the libfabric transport (src/transport/fabric.c).
+ * Multi-process test of the libfabric transport (src/transport/fabric/).
  *
  *   test_fabric [-n ranks] [-r rounds] [-m max_bytes] [-b burst] [-s seed]
  *               [-L] [-F] [-M]
@@ -565,18 +565,18 @@ int main(int argc, char **argv)
     }
     ctx_t c;
     memset(&c, 0, sizeof(c));
-    c.ops = &fr_transport_fabric;
     c.rank = fr_boot_rank(boot);
     c.n = fr_boot_size(boot);
     c.rounds = rounds;
     fr_log_set_rank(c.rank);
-    CHECK(c.ops->size == sizeof(fr_transport_ops_t), "ops size");
+    CHECK(fr_transport_find("fabric")->size == sizeof(fr_transport_ops_t),
+          "ops size");
 
     if (mixed) /* the test, not the library, picks per-rank providers */
         setenv("FI_PROVIDER", c.rank % 2 ? "shm" : "tcp", 1);
     if (stale)
         stale_regions(1);
-    rc = c.ops->open(boot, &c.t, &err);
+    rc = fr_transport_open("fabric", boot, 0, 0, &c.ops, &c.t, &err);
     if (stale)
         stale_regions(0);
     if (expect_fail) {

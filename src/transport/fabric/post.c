@@ -1,0 +1,274 @@
+/*
+ * libfabric transport: the op pool and posting (scatter, barrier,
+ * write_imm, write_fence).
+ *
+ * Posting never blocks. A post that meets -FI_EAGAIN, and every post
+ * behind it, waits in a FIFO inside the transport and is retried in order
+ * from poll(). A post that fails for any other reason is not reported by
+ * the posting call (other slices of the same call may already be on the
+ * wire); it comes back from poll() as one FR_CQE_ERR with its peer and
+ * ctx. So every slice of a call that returned FERRY_OK yields exactly one
+ * completion: FR_CQE_TX or FR_CQE_ERR. A call that returns an error
+ * (FERRY_ERR_INVALID for bad bounds or index) posted nothing.
+ *
+ * Zero-byte writes: tcp;ofi_rxm and shm both accept fi_writedata with len 0
+ * and deliver the remote CQ data, to other ranks and to self (checked by
+ * tests/mp/test_fabric). They are posted as real zero-byte writes.
+ */
+#include <stdlib.h>
+#include <sys/uio.h>
+
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "transport/fabric/fab_int.h"
+
+/* ------------------------------------------------------------------ */
+/* op pool and lists                                                   */
+/* ------------------------------------------------------------------ */
+
+static int fab_pool_grow(fr_transport_t *t)
+{
+    fr_fab_chunk_t *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -1;
+    c->next = t->chunks;
+    t->chunks = c;
+    for (int i = FR_FAB_POOL_CHUNK - 1; i >= 0; i--) {
+        c->ops[i].next = t->free_ops;
+        t->free_ops = &c->ops[i];
+    }
+    t->nfree += FR_FAB_POOL_CHUNK;
+    return 0;
+}
+
+void fab_pool_free(fr_transport_t *t)
+{
+    while (t->chunks) {
+        fr_fab_chunk_t *c = t->chunks;
+        t->chunks = c->next;
+        free(c);
+    }
+    t->free_ops = NULL;
+    t->nfree = 0;
+}
+
+static fr_fab_op_t *fab_op_get(fr_transport_t *t)
+{
+    if (!t->free_ops && fab_pool_grow(t) != 0)
+        return NULL;
+    fr_fab_op_t *op = t->free_ops;
+    t->free_ops = op->next;
+    t->nfree--;
+    op->next = NULL;
+    return op;
+}
+
+void fab_op_put(fr_transport_t *t, fr_fab_op_t *op)
+{
+    op->next = t->free_ops;
+    t->free_ops = op;
+    t->nfree++;
+}
+
+static void fab_list_push(fr_fab_op_t **head, fr_fab_op_t **tail,
+                          fr_fab_op_t *op)
+{
+    op->next = NULL;
+    if (*tail)
+        (*tail)->next = op;
+    else
+        *head = op;
+    *tail = op;
+}
+
+fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
+{
+    fr_fab_op_t *op = *head;
+    if (op) {
+        *head = op->next;
+        if (!*head)
+            *tail = NULL;
+        op->next = NULL;
+    }
+    return op;
+}
+
+/* ------------------------------------------------------------------ */
+/* posting                                                             */
+/* ------------------------------------------------------------------ */
+
+static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
+{
+    if (op->fence) {
+        struct iovec iov = {(void *)op->buf, op->len};
+        struct fi_rma_iov rma = {op->raddr, op->len, op->key};
+        struct fi_msg_rma msg = {&iov, &op->desc, 1, op->addr, &rma, 1,
+                                 op, op->imm};
+        return fi_writemsg(t->ep, &msg,
+                           FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION);
+    }
+    return fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
+                        op->raddr, op->key, op);
+}
+
+/* Post op, or queue it behind earlier queued posts, or (hard failure) put
+ * it on the error list for poll() to report. */
+static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
+{
+    if (!t->q_head) {
+        ssize_t rc = fab_post(t, op);
+        if (rc == 0) {
+            t->inflight++;
+            return;
+        }
+        if (rc != -FI_EAGAIN) {
+            op->err = (int)rc;
+            fab_list_push(&t->e_head, &t->e_tail, op);
+            t->nerrors++;
+            return;
+        }
+    }
+    fab_list_push(&t->q_head, &t->q_tail, op);
+    t->nqueued++;
+    t->nwaited++;
+}
+
+/* Retry queued posts in order; stop at the first -FI_EAGAIN. */
+void fab_drain_queue(fr_transport_t *t)
+{
+    while (t->q_head) {
+        fr_fab_op_t *op = t->q_head;
+        ssize_t rc = fab_post(t, op);
+        if (rc == -FI_EAGAIN)
+            return;
+        fab_list_pop(&t->q_head, &t->q_tail);
+        t->nqueued--;
+        if (rc == 0) {
+            t->inflight++;
+        } else {
+            op->err = (int)rc;
+            fab_list_push(&t->e_head, &t->e_tail, op);
+            t->nerrors++;
+        }
+    }
+}
+
+static int fab_check_slice(const fr_group_t *g, int i, const fr_slice_t *s,
+                           fr_err_t *err)
+{
+    const fr_fab_peer_t *p = &g->peers[i];
+    if (s->src_off > g->slen || s->len > g->slen - s->src_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: slice %d (rank %d): source [%llu, +%llu) "
+                      "outside the registered %llu bytes",
+                      i, p->rank, (unsigned long long)s->src_off,
+                      (unsigned long long)s->len,
+                      (unsigned long long)g->slen);
+    if (s->dst_off > p->rlen || s->len > p->rlen - s->dst_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: slice %d (rank %d): destination [%llu, +%llu) "
+                      "outside the peer's registered %llu bytes",
+                      i, p->rank, (unsigned long long)s->dst_off,
+                      (unsigned long long)s->len,
+                      (unsigned long long)p->rlen);
+    return FERRY_OK;
+}
+
+static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
+                   const fr_slice_t *s, uint64_t ctx, int fence, fr_err_t *err)
+{
+    fr_fab_op_t *op = fab_op_get(t);
+    if (!op)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for a post");
+    const fr_fab_peer_t *p = &g->peers[i];
+    op->ctx = ctx;
+    op->buf = g->sbuf + s->src_off;
+    op->len = (size_t)s->len;
+    op->desc = g->sdesc;
+    op->raddr = p->rbase + s->dst_off;
+    op->key = p->rkey;
+    op->addr = p->addr;
+    op->imm = s->imm;
+    op->peer = p->rank;
+    op->err = 0;
+    op->fence = fence;
+    fab_submit(t, op);
+    return FERRY_OK;
+}
+
+/* Reserve n ops up front so that a call posts all of its slices or none. */
+static int fab_reserve(fr_transport_t *t, int n, fr_err_t *err)
+{
+    while (t->nfree < n)
+        if (fab_pool_grow(t) != 0)
+            return FR_ERR(err, FERRY_ERR_NOMEM,
+                          "fabric: out of memory for %d posts", n);
+    return FERRY_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* ops                                                                 */
+/* ------------------------------------------------------------------ */
+
+int fab_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
+                uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g || (g->npeers > 0 && !slices))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: scatter: group %p, slices %p", (void *)g,
+                      (const void *)slices);
+    for (int i = 0; i < g->npeers; i++)
+        if ((rc = fab_check_slice(g, i, &slices[i], err)) != FERRY_OK)
+            return rc;
+    if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
+        return rc;
+    for (int i = 0; i < g->npeers; i++)
+        fab_add(t, g, i, &slices[i], ctx, 0, err);
+    return FERRY_OK;
+}
+
+int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm, uint64_t ctx,
+                fr_err_t *err)
+{
+    int rc;
+    if (!g)
+        return FR_ERR(err, FERRY_ERR_INVALID, "fabric: barrier: no group");
+    if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
+        return rc;
+    fr_slice_t s = {0, 0, 0, imm};
+    for (int i = 0; i < g->npeers; i++)
+        fab_add(t, g, i, &s, ctx, 0, err);
+    return FERRY_OK;
+}
+
+int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
+                  const fr_slice_t *slice, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g || !slice || index < 0 || index >= g->npeers)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: write_imm: index %d of a group of %d", index,
+                      g ? g->npeers : 0);
+    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+        return rc;
+    return fab_add(t, g, index, slice, ctx, 0, err);
+}
+
+int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
+                    const fr_slice_t *slice, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!t->fence_caps)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "fabric: a fenced write needs an endpoint opened with "
+                      "FI_FENCE (FR_TP_OPEN_FENCE)");
+    if (!g || !slice || index < 0 || index >= g->npeers)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: write_fence: index %d of a group of %d", index,
+                      g ? g->npeers : 0);
+    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+        return rc;
+    return fab_add(t, g, index, slice, ctx, 1, err);
+}
