@@ -84,9 +84,11 @@ $(LIBSO): $(LIB_OBJS)
 ifneq ($(MPI_LIBS),)
 BENCH_MPI := -DFERRY_HAVE_MPI $(MPI_CFLAGS)
 endif
-$(BUILD)/bin/ferry-bench: tools/ferry_bench.c $(TOOL_COMMON_OBJS) $(LIBA)
+# ferry-bench is tools/ferry_bench.c and tools/bench/, built in one step.
+BENCH_SRCS := tools/ferry_bench.c $(wildcard tools/bench/*.c)
+$(BUILD)/bin/ferry-bench: $(BENCH_SRCS) tools/bench/bench.h $(TOOL_COMMON_OBJS) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $^ $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
+	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $(filter-out %.h,$^) $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 SIGBENCH_CUDA := $(if $(filter 1,$(CUDA)),$(BUILD)/obj/tools/signal_kernels.o)
 $(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(TOOL_COMMON_OBJS) $(SIGBENCH_CUDA) $(LIBA)

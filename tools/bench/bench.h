@@ -1,0 +1,110 @@
+/*
+ * ferry-bench internals: the options, what one rank carries through a run,
+ * and the pieces that live outside tools/ferry_bench.c (the MPI baseline,
+ * the GPU buffers, the rounds and the result table).
+ */
+#ifndef FERRY_BENCH_H
+#define FERRY_BENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ferry.h"
+#include "workload.h"
+
+typedef struct opts {
+    int ranks, experts, topk, hidden, tokens, iters, warmup;
+    int fp8, check, vary, sms;
+    double zipf, mask, empty;
+    uint64_t seed;
+    const char *transport, *device, *json, *launcher, *routing;
+    int quiet;
+} opts_t;
+
+/* --device cuda: inputs are copied to the GPU before a round and outputs
+ * back after it, outside the timed calls (device.c). */
+typedef struct dev {
+    int on;
+    void *stream;
+    void *x, *idx, *w, *out, *ex, *exs, *cnt, *sr, *st, *ey;
+} dev_t_;
+
+int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay);
+int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in);
+int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,
+                     float *exs, int32_t *cnt, int32_t *sr, int32_t *st_);
+int dev_expert_y(dev_t_ *d, const ferry_ep_layout_t *lay, const int32_t *cnt,
+                 const uint16_t *ey, int H);
+int dev_out(dev_t_ *d, uint16_t *out, int T, int H);
+void dev_free(dev_t_ *d);
+
+#ifdef FERRY_HAVE_MPI
+/* The MPI baseline: counts, then one copy per (token, expert), and back
+ * (baseline.c). */
+typedef struct base {
+    int N, me, El;
+    size_t item; /* bytes per item: token, expert, payload, scales */
+    size_t pay;
+    int *scnt, *rcnt, *sdsp, *rdsp, *sb, *rb, *sbd, *rbd;
+    uint8_t *sbuf, *rbuf;
+    int32_t *item_pos; /* [T*K]: index in the return buffer, or -1 */
+    int32_t *rrow;     /* received item -> expert row */
+    uint8_t *ybuf_s, *ybuf_r;
+    uint8_t *q;
+    float *qs;
+    int nrecv;
+} base_t;
+
+int base_init(base_t *b, const fw_spec_t *s);
+void base_free(base_t *b);
+void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
+                   uint8_t *ex, float *exs, int32_t *cnt, int32_t *sr,
+                   int32_t *st, size_t cap);
+void base_combine(base_t *b, const fw_spec_t *s, const fw_input_t *in,
+                  const uint16_t *ey, uint16_t *out, float *acc);
+int mpi_allgather_cb(const void *in, void *out, size_t len, void *ctx);
+#endif
+
+/* Everything one rank holds through a run. */
+typedef struct bench {
+    const opts_t *o;
+    int have_base; /* MPI runs the job: the baseline runs beside ferry */
+    ferry_comm_t comm;
+    int me, N;
+    fw_spec_t s;
+    ferry_ep_config_t cfg;
+    ferry_ep_t ep, eps[2]; /* ep, lay: the context of the current round */
+    ferry_ep_layout_t lay, lays[2];
+    size_t cap, El;
+    /* host buffers: expert rows, scales, counts, sources, expert outputs */
+    uint8_t *ex;
+    float *exs;
+    int32_t *cnt, *sr, *st;
+    uint16_t *ey, *out;
+    float *acc;
+    fw_input_t in;
+    dev_t_ dv;
+    /* per timed round: ferry dispatch, combine, base dispatch, combine, bytes */
+    double *tm;
+    long wrong;
+    int rc;           /* the last ferry status, reported with a failure */
+    const char *fail; /* the step that failed, or NULL */
+    double last_progress;
+#ifdef FERRY_HAVE_MPI
+    base_t base;
+#endif
+} bench_t;
+
+double now_us(void);
+
+/* rounds.c */
+void run_rounds(bench_t *b, int from, int to);
+#ifdef FERRY_HAVE_CUDA
+void run_gpu_rounds(bench_t *b);
+#endif
+
+/* report.c: gather every rank's timings, rank 0 prints the row (and the
+ * JSON); returns the exit status the results call for. */
+int report(bench_t *b);
+
+#endif

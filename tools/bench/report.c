@@ -1,0 +1,175 @@
+/*
+ * ferry-bench's results: every rank's timings gathered to every rank, and
+ * rank 0 prints the row (header first unless --quiet) and writes the JSON.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+
+/* The result row. */
+typedef struct summary {
+    double dp50, dp99, cp50, cp99; /* ferry dispatch, combine (us) */
+    double bd50, bc50;             /* baseline dispatch, combine (us) */
+    double bytes;                  /* sent to other ranks, per rank and round */
+    double gbs, speed;
+    long wrong; /* all ranks */
+} summary_t;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(double *v, int n, double p)
+{
+    if (n == 0)
+        return NAN;
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    int i = (int)ceil(p * n) - 1;
+    if (i < 0)
+        i = 0;
+    if (i >= n)
+        i = n - 1;
+    return v[i];
+}
+
+/* The row from all ranks' rows (`per` doubles each, the last one the
+ * rank's wrong count): a round takes as long as its slowest rank. */
+static void summarize(const bench_t *b, const double *all, size_t per, summary_t *r)
+{
+    const opts_t *o = b->o;
+    int N = b->N;
+    double *col[4];
+    for (int c = 0; c < 4; c++)
+        col[c] = calloc((size_t)o->iters, sizeof(double));
+    double bytes = 0;
+    long twrong = 0;
+    for (int rk = 0; rk < N; rk++)
+        twrong += (long)all[(size_t)rk * per + per - 1];
+    for (int i = 0; i < o->iters; i++) {
+        for (int c = 0; c < 4; c++) {
+            double m = 0;
+            for (int rk = 0; rk < N; rk++) {
+                double v = all[(size_t)rk * per + (size_t)i * 5 + c];
+                m = v > m ? v : m;
+            }
+            col[c][i] = m;
+        }
+        for (int rk = 0; rk < N; rk++)
+            bytes += all[(size_t)rk * per + (size_t)i * 5 + 4];
+    }
+    bytes /= (double)o->iters * N;
+    r->dp50 = pct(col[0], o->iters, 0.5);
+    r->dp99 = pct(col[0], o->iters, 0.99);
+    r->cp50 = pct(col[1], o->iters, 0.5);
+    r->cp99 = pct(col[1], o->iters, 0.99);
+    r->bd50 = b->have_base ? pct(col[2], o->iters, 0.5) : NAN;
+    r->bc50 = b->have_base ? pct(col[3], o->iters, 0.5) : NAN;
+    r->bytes = bytes;
+    r->gbs = bytes / ((r->dp50 + r->cp50) * 1e-6) / 1e9;
+    r->speed = b->have_base ? (r->bd50 + r->bc50) / (r->dp50 + r->cp50) : NAN;
+    r->wrong = twrong;
+    for (int c = 0; c < 4; c++)
+        free(col[c]);
+}
+
+static const char *dtype_name(const opts_t *o)
+{
+    return o->fp8 == 2 ? "mixed" : o->fp8 ? "fp8" : "bf16";
+}
+
+/* The header (unless --quiet) and the row, on stdout. */
+static void print_table(const bench_t *b, const summary_t *r)
+{
+    const opts_t *o = b->o;
+    const char *tr = getenv("FERRY_TRANSPORT");
+    if (!o->quiet)
+        printf("# ferry-bench: %d ranks (%s), device %s, transport %s%s%s, "
+               "routing %s, %d iters after %d warmup, seed %llu%s\n"
+               "#%5s %5s %3s %6s %6s %5s %10s %10s %10s %10s %9s %8s %10s %10s %8s %7s\n",
+               b->N, b->have_base ? "mpirun" : "launcher", o->device,
+               tr ? tr : "auto", getenv("FI_PROVIDER") ? " FI_PROVIDER=" : "",
+               getenv("FI_PROVIDER") ? getenv("FI_PROVIDER") : "", o->routing,
+               o->iters, o->warmup, (unsigned long long)o->seed,
+               b->cfg.device == FERRY_DEVICE_CUDA && !o->check
+                   ? ", GPU rounds back to back, CUDA-event times, no check"
+                   : "",
+               "ranks", "E",
+               "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",
+               "comb_p99", "MB/rank", "GB/s", "base_disp", "base_comb",
+               "speedup", "#wrong");
+    char wbuf[32];
+    if (o->check)
+        snprintf(wbuf, sizeof(wbuf), "%ld", r->wrong);
+    else
+        snprintf(wbuf, sizeof(wbuf), "n/a");
+    printf(" %5d %5d %3d %6d %6d %5s %10.1f %10.1f %10.1f %10.1f %9.2f %8.2f %10.1f %10.1f %8.2f %7s\n",
+           b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
+           r->dp50, r->dp99, r->cp50, r->cp99, r->bytes / 1e6, r->gbs, r->bd50, r->bc50,
+           r->speed, wbuf);
+}
+
+/* --json FILE: the row as one JSON object; 1 if the file cannot be
+ * written. */
+static int write_json(const bench_t *b, const summary_t *r)
+{
+    const opts_t *o = b->o;
+    const char *tr = getenv("FERRY_TRANSPORT");
+    FILE *f = fopen(o->json, "w");
+    if (!f) {
+        fprintf(stderr, "ferry-bench: --json %s: %s\n", o->json, strerror(errno));
+        return 1;
+    }
+    fprintf(f,
+            "{\"ranks\": %d, \"experts\": %d, \"topk\": %d, \"hidden\": %d, "
+            "\"tokens\": %d, \"dtype\": \"%s\", \"routing\": \"%s\", "
+            "\"transport\": \"%s\", \"device\": \"%s\", \"iters\": %d, "
+            "\"dispatch_p50_us\": %.3f, \"dispatch_p99_us\": %.3f, "
+            "\"combine_p50_us\": %.3f, \"combine_p99_us\": %.3f, "
+            "\"bytes_per_rank\": %.0f, \"gbps\": %.4f, "
+            "\"baseline_dispatch_p50_us\": %.3f, \"baseline_combine_p50_us\": %.3f, "
+            "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s}\n",
+            b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
+            o->routing, tr ? tr : "auto", o->device, o->iters, r->dp50, r->dp99, r->cp50,
+            r->cp99, r->bytes, r->gbs, b->have_base ? r->bd50 : -1.0,
+            b->have_base ? r->bc50 : -1.0, b->have_base ? r->speed : -1.0, r->wrong,
+            o->check ? "true" : "false");
+    fclose(f);
+    return 0;
+}
+
+int report(bench_t *b)
+{
+    const opts_t *o = b->o;
+    /* Gather every rank's timings; a round takes as long as its slowest
+     * rank. */
+    size_t per = (size_t)o->iters * 5 + 1;
+    double *mine = calloc(per, sizeof(double));
+    double *all = calloc(per * (size_t)b->N, sizeof(double));
+    memcpy(mine, b->tm, sizeof(double) * (size_t)o->iters * 5);
+    mine[per - 1] = (double)b->wrong;
+    int status = 0;
+    if (ferry_comm_allgather(b->comm, mine, all, per * sizeof(double)) != FERRY_OK) {
+        fprintf(stderr, "ferry-bench: rank %d: gathering results: %s\n", b->me,
+                ferry_comm_last_error(b->comm));
+        status = 1;
+    } else if (b->me == 0) {
+        summary_t r;
+        summarize(b, all, per, &r);
+        print_table(b, &r);
+        if (o->json && write_json(b, &r) != 0)
+            status = 1;
+        if (r.wrong > 0) {
+            fprintf(stderr, "ferry-bench: %ld wrong results\n", r.wrong);
+            status = 1;
+        }
+    }
+    free(mine);
+    free(all);
+    return status;
+}
