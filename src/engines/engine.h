@@ -47,9 +47,6 @@ typedef struct fr_engine {
 /* The engine for (device, mode); NULL when there is none. */
 const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode);
 
-extern const fr_engine_t fr_engine_cpu_ll;
-extern const fr_engine_t fr_engine_cuda_ll;
-
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,9 @@
-/* The engines, one line each, chosen at create by (device, mode). */
+/* The engines, chosen at create by (device, mode): adding one is its
+ * folder, its declaration and its line in fr_engines[]. */
 #include "engines/engine.h"
+
+extern const fr_engine_t fr_engine_cpu_ll;  /* engines/cpu_ll/ */
+extern const fr_engine_t fr_engine_cuda_ll; /* engines/cuda_ll/ */
 
 static const fr_engine_t *const fr_engines[] = {
     &fr_engine_cpu_ll,

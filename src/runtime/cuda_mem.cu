@@ -1,4 +1,4 @@
-/* CUDA memory helpers (see mem.h). */
+/* CUDA memory helpers (see cuda_mem.h). */
 #include <string.h>
 
 #include <cuda_runtime.h>

@@ -1,7 +1,7 @@
 /*
  * Small CUDA memory helpers for contexts other than the EP (put-with-signal):
  * pinned host memory mapped into the GPU, a device word, a device-to-host
- * read. Without CUDA (stub.c) they answer FERRY_ERR_UNSUPPORTED.
+ * read. Without CUDA (cuda_mem_stub.c) they answer FERRY_ERR_UNSUPPORTED.
  */
 #ifndef FR_CUDA_MEM_H
 #define FR_CUDA_MEM_H

@@ -1,6 +1,6 @@
 /*
- * Transports by name. Adding a transport is its folder plus one line in
- * fr_transports[]; callers open one through fr_transport_open and call it
+ * Transports by name. Adding a transport is its folder plus its
+ * declaration and one line in fr_transports[] here; callers open one through fr_transport_open and call it
  * through the ops it returns, which are the fault injector's (fault.c)
  * wrapped around the transport when a FERRY_FAULT_* setting is on.
  */
@@ -8,6 +8,8 @@
 
 #include "transport/fault.h"
 #include "transport/transport.h"
+
+extern const fr_transport_ops_t fr_transport_fabric; /* transport/fabric/ */
 
 static const fr_transport_ops_t *const fr_transports[] = {
     &fr_transport_fabric,

@@ -120,8 +120,6 @@ typedef struct fr_transport_ops {
 
 /* The libfabric transport (fabric/); callers find it by name through
  * the registry below. */
-extern const fr_transport_ops_t fr_transport_fabric;
-
 /* Transports by name (registry.c: one line per transport). NULL when no
  * transport has that name. */
 const fr_transport_ops_t *fr_transport_find(const char *name);
