@@ -3,7 +3,8 @@
 fp8_block_quant is ferry's dispatch quantisation: per 128 channels,
 scale = amax / 448 and q = e4m3(x * (448 / amax)), an all-zero block
 getting scale 1 (IEEE divisions, as the C and CUDA code do), so results
-compare byte for byte.
+compare byte for byte. Non-finite inputs stay local: amax is over the
+finite channels, +-Inf saturates to +-448, NaN stays NaN.
 """
 import torch
 
@@ -12,8 +13,11 @@ def fp8_block_quant(x):
     """x [T, H] bf16 -> (q [T, H] float8_e4m3fn, scales [T, H/128] fp32)."""
     T, H = x.shape
     xb = x.view(T, H // 128, 128).float()
-    amax = xb.abs().amax(dim=2, keepdim=True)
+    fin = torch.isfinite(xb)
+    amax = torch.where(fin, xb.abs(), torch.zeros_like(xb)).amax(dim=2, keepdim=True)
     c = torch.full_like(amax, 448.0)  # tensor / tensor: IEEE division
     scale = torch.where(amax > 0, amax / c, torch.ones_like(amax))
     inv = torch.where(amax > 0, c / amax, torch.ones_like(amax))
-    return (xb * inv).to(torch.float8_e4m3fn).view(T, H), scale.view(T, H // 128)
+    y = xb * inv
+    y = torch.where(torch.isinf(y), torch.sign(y) * 448.0, y)  # saturate
+    return y.to(torch.float8_e4m3fn).view(T, H), scale.view(T, H // 128)

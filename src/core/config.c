@@ -75,6 +75,11 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "Put-with-signal ordering when the context's "
                             "config leaves mode at DEFAULT: fence, grouped, "
                             "nicfence or counted."},
+    [FR_CFG_SHM_SWEEP] = {"FERRY_SHM_SWEEP", "1",
+                          "1: at start-up, remove this user's ferry regions "
+                          "in /dev/shm whose process is gone (left by a "
+                          "killed job). Set 0 where processes of other pid "
+                          "namespaces share /dev/shm."},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",

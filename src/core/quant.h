@@ -5,6 +5,10 @@
  *  are NaN; encoding rounds to nearest even and saturates to +-448.
  * Block scaling (DeepSeek-V3): per 128 channels, scale = amax / 448 and
  * q = e4m3(x * (448 / amax)); an all-zero block gets scale 1.
+ * Non-finite inputs saturate and stay local: amax is taken over the finite
+ * channels only, so the rest of the block quantises exactly as without
+ * them; +-Inf becomes +-448 (the block's largest finite magnitude once
+ * scaled back), NaN stays NaN (code 0x7f/0xff).
  */
 #ifndef FR_QUANT_H
 #define FR_QUANT_H
@@ -82,13 +86,21 @@ FR_HD float fr_fp8_scale(float amax) { return amax > 0.f ? amax / FR_FP8_MAX : 1
 FR_HD float fr_fp8_inv_scale(float amax) { return amax > 0.f ? FR_FP8_MAX / amax : 1.f; }
 
 
-/* Largest magnitude of n bf16 values (integer compare: bf16 magnitudes
- * order like their bit patterns). */
+/* Magnitude bits of a bf16 value, 0 for Inf and NaN (they do not count
+ * towards a block's amax). */
+FR_HD uint16_t fr_bf16_finite_mag(uint16_t x)
+{
+    uint16_t v = (uint16_t)(x & 0x7fffu);
+    return v < 0x7f80u ? v : (uint16_t)0;
+}
+
+/* Largest finite magnitude of n bf16 values (integer compare: bf16
+ * magnitudes order like their bit patterns). */
 FR_HD float fr_bf16_amax(const uint16_t *x, int n)
 {
     uint16_t m = 0;
     for (int i = 0; i < n; i++) {
-        uint16_t v = (uint16_t)(x[i] & 0x7fffu);
+        uint16_t v = fr_bf16_finite_mag(x[i]);
         m = v > m ? v : m;
     }
     return fr_bf16_to_f32(m);

@@ -50,11 +50,16 @@ uint32_t fr_doorbell_read(uint8_t *seg);
 void fr_doorbell_sleep(uint8_t *seg, uint32_t seen, uint64_t ns);
 void fr_doorbell_sleepers_add(uint8_t *seg, int delta);
 
-/* Shared-memory segments (shm.c). */
+/* Shared-memory segments (shm.c). A peer's segment is mapped only when it
+ * is this user's, mode 0600 and of the expected size. */
 int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
 int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
 void fr_shm_unmap(uint8_t *p, size_t bytes);
 void fr_shm_unlink(const char *name);
+/* Remove /dev/shm entries named <prefix><pid><sep>... that this user owns
+ * and whose process is gone (left by a killed job). Off when
+ * FERRY_SHM_SWEEP=0. Returns how many were removed. */
+int fr_shm_sweep_dead(const char *prefix, char sep);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,10 @@
 /* POSIX shared-memory segments: the CPU twin of peer memory over NVLink. */
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -7,6 +12,7 @@
 #include <unistd.h>
 
 #include "runtime/rt.h"
+#include "core/config.h"
 #include "core/log.h"
 
 int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
@@ -15,6 +21,7 @@ int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
     if (fd < 0)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "shm_open(%s): %s", name,
                       strerror(errno));
+    fchmod(fd, 0600); /* whatever the umask: peers check for exactly 0600 */
     /* posix_fallocate reserves the pages now, so a /dev/shm that is too
      * small fails here with an error instead of SIGBUS mid-round. */
     int fe = posix_fallocate(fd, 0, (off_t)bytes);
@@ -47,15 +54,29 @@ int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
 
 int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err)
 {
-    int fd = shm_open(name, O_RDWR, 0600);
+    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0600);
     if (fd < 0)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "shm_open(%s) of a peer: %s",
                       name, strerror(errno));
+    /* Only a segment a rank of this job could have made: this user's,
+     * readable by nobody else, of the size every rank computed. */
     struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < bytes) {
+    const char *why = NULL;
+    if (fstat(fd, &st) != 0)
+        why = strerror(errno);
+    else if (st.st_uid != geteuid())
+        why = "owned by another user";
+    else if ((st.st_mode & 07777) != 0600)
+        why = "its mode is not 0600";
+    else if ((size_t)st.st_size != bytes)
+        why = "its size is not the expected one";
+    if (why) {
         close(fd);
         return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                      "peer segment %s is smaller than %zu bytes", name, bytes);
+                      "peer segment %s refused: %s (uid %d, mode %04o, %lld "
+                      "bytes; expected uid %d, mode 0600, %zu bytes)",
+                      name, why, (int)st.st_uid, (unsigned)(st.st_mode & 07777),
+                      (long long)st.st_size, (int)geteuid(), bytes);
     }
     void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
@@ -73,3 +94,54 @@ void fr_shm_unmap(uint8_t *p, size_t bytes)
 }
 
 void fr_shm_unlink(const char *name) { shm_unlink(name); }
+
+/* Has process pid exited (gone, or a zombie nobody reaped yet)? */
+static int fr_pid_gone(long pid)
+{
+    if (kill((pid_t)pid, 0) != 0)
+        return errno == ESRCH; /* EPERM: alive, another user's */
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')'); /* "pid (comm) S ..." */
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+int fr_shm_sweep_dead(const char *prefix, char sep)
+{
+    if (fr_cfg_int(FR_CFG_SHM_SWEEP) == 0)
+        return 0;
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return 0;
+    size_t plen = strlen(prefix);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, prefix, plen) != 0)
+            continue;
+        char *end = NULL;
+        long pid = strtol(e->d_name + plen, &end, 10);
+        if (end == e->d_name + plen || *end != sep || pid <= 0 ||
+            pid > INT32_MAX)
+            continue;
+        if (!fr_pid_gone(pid))
+            continue; /* alive, or not ours to ask about */
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            st.st_uid != geteuid() || !S_ISREG(st.st_mode))
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) == 0) {
+            n++;
+            FR_LOG_INFO(FR_SUB_SHM, "removed /dev/shm/%s left by pid %ld, "
+                        "which is gone", e->d_name, pid);
+        }
+    }
+    closedir(d);
+    return n;
+}

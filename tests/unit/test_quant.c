@@ -90,6 +90,37 @@ int main(void)
     CHECK(fr_fp8_scale(amax) == amax / 448.0f, "scale");
     CHECK(fr_f32_to_e4m3(amax * fr_fp8_inv_scale(amax)) == 0x7e, "amax -> 448");
     CHECK(fr_fp8_scale(0) == 1.0f, "zero block scale 1");
+    /* Non-finite channels stay local: the block quantises as if they were
+     * not there; +-Inf saturates to +-448, NaN stays NaN. */
+    {
+        uint16_t blk[FR_FP8_BLOCK], clean[FR_FP8_BLOCK];
+        uint8_t q[FR_FP8_BLOCK], qc[FR_FP8_BLOCK];
+        float sc, scc;
+        for (int i = 0; i < FR_FP8_BLOCK; i++)
+            clean[i] = blk[i] = fr_f32_to_bf16((i % 7 - 3) * 1e-3f);
+        clean[9] = blk[9] = fr_f32_to_bf16(0.5f);
+        blk[3] = 0x7f80;   /* +Inf */
+        blk[40] = 0xff80;  /* -Inf */
+        blk[77] = 0x7fc0;  /* NaN */
+        clean[3] = clean[40] = clean[77] = 0;
+        fr_quant_block(blk, q, &sc);
+        fr_quant_block(clean, qc, &scc);
+        CHECK(sc == scc && sc == 0.5f / 448.0f, "scale over finite channels: %g", sc);
+        CHECK(q[3] == 0x7e && q[40] == 0xfe, "+-Inf saturate: 0x%02x 0x%02x", q[3], q[40]);
+        CHECK((q[77] & 0x7f) == 0x7f, "NaN stays NaN: 0x%02x", q[77]);
+        int same = 1;
+        for (int i = 0; i < FR_FP8_BLOCK; i++)
+            if (i != 3 && i != 40 && i != 77 && q[i] != qc[i])
+                same = 0;
+        CHECK(same, "finite channels quantise as without the non-finite ones");
+        float back = fr_e4m3_to_f32(q[2]) * sc, want = fr_bf16_to_f32(blk[2]);
+        CHECK(fabsf(back - want) <= fabsf(want) * 0.07f, "1e-3 channel kept: %g vs %g",
+              back, want);
+        for (int i = 0; i < FR_FP8_BLOCK; i++)
+            blk[i] = (uint16_t)(i & 1 ? 0x7f80 : 0x7fc1); /* nothing finite */
+        fr_quant_block(blk, q, &sc);
+        CHECK(sc == 1.0f && q[1] == 0x7e && (q[0] & 0x7f) == 0x7f, "all non-finite");
+    }
     /* bf16 */
     x = 99;
     for (int i = 0; i < 200000; i++) {

@@ -211,7 +211,7 @@ static void fw_quant_row(const fw_spec_t *s, const uint16_t *x, uint8_t *q,
         float amax = 0;
         for (int i = 0; i < 128; i++) {
             float v = fabsf(fr_bf16_to_f32(x[b * 128 + i]));
-            amax = v > amax ? v : amax;
+            amax = isfinite(v) && v > amax ? v : amax; /* finite only */
         }
         float inv = fr_fp8_inv_scale(amax);
         for (int i = 0; i < 128; i++)

@@ -62,6 +62,8 @@ static int fr_cpu_segments(ferry_ep_t ep, int status, fr_err_t *err)
     if (!all)
         return FR_ERR(err, FERRY_ERR_NOMEM, "segment names");
     mine.status = status;
+    /* segments of ranks of an earlier job that was killed */
+    fr_shm_sweep_dead("ferry-", '-');
     if (status == FERRY_OK) {
         snprintf(mine.seg_name, sizeof(mine.seg_name), "/ferry-%d-r%d-%llx",
                  (int)getpid(), me, (unsigned long long)fr_now_ns());

@@ -189,10 +189,12 @@ __device__ __forceinline__ uint32_t fr_cu_quant4(const uint16_t *xrow, int b, in
     uint2 v = ((const uint2 *)xrow)[b * 32 + lane];
     uint16_t e0 = (uint16_t)(v.x & 0xffff), e1 = (uint16_t)(v.x >> 16);
     uint16_t e2 = (uint16_t)(v.y & 0xffff), e3 = (uint16_t)(v.y >> 16);
-    uint16_t m = e0 & 0x7fff;
-    m = (e1 & 0x7fff) > m ? (e1 & 0x7fff) : m;
-    m = (e2 & 0x7fff) > m ? (e2 & 0x7fff) : m;
-    m = (e3 & 0x7fff) > m ? (e3 & 0x7fff) : m;
+    /* finite magnitudes only: Inf and NaN stay local (quant.h) */
+    uint16_t m = fr_bf16_finite_mag(e0), m1 = fr_bf16_finite_mag(e1);
+    uint16_t m2 = fr_bf16_finite_mag(e2), m3 = fr_bf16_finite_mag(e3);
+    m = m1 > m ? m1 : m;
+    m = m2 > m ? m2 : m;
+    m = m3 > m ? m3 : m;
     for (int o = 16; o; o >>= 1) {
         uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o);
         m = y > m ? y : m;
