@@ -244,7 +244,8 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
 typedef struct ferry_setting {
     const char *name;   /* e.g. "FERRY_TIMEOUT_MS" */
     const char *defval; /* default as text */
-    const char *value;  /* current value as text (default if unset) */
+    const char *value;  /* current value as text (default if unset);
+                           "(set, hidden)" for a secret (FERRY_SECRET) */
     const char *help;
 } ferry_setting_t;
 

@@ -16,8 +16,9 @@
 #     -o DIR          keep per-rank logs and exit codes there (rank.N.log,
 #                     rank.N.rc); default: a temporary folder, removed
 #
-# Every rank runs COMMAND with FERRY_RANK, FERRY_WORLD_SIZE, FERRY_ROOT set
-# (and FI_PROVIDER=tcp unless set). The script always removes what it
+# Every rank runs COMMAND with FERRY_RANK, FERRY_WORLD_SIZE, FERRY_ROOT and
+# FERRY_SECRET (a fresh one per run unless set) set (and FI_PROVIDER=tcp
+# unless set). The script always removes what it
 # created (namespaces, veths, bridge), also on failure or interrupt, and
 # exits with the highest rank exit status (124 when it had to kill ranks).
 set -u
@@ -88,6 +89,9 @@ for h in $(seq 0 $((H - 1))); do
 done
 
 PORT=$(( 20000 + RANDOM % 20000 ))
+# ranks span hosts: the rendezvous wants a job secret
+# (exported, not on a command line, where other users could read it)
+export FERRY_SECRET=${FERRY_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 ROOT="10.199.$SUBNET.10:$PORT"
 N=$((H * R))
 echo "cluster: $H hosts x $R ranks, root $ROOT, logs in $OUTDIR"

@@ -181,9 +181,21 @@ static int launch(int argc, char **argv, const opts_t *o)
             snprintf(self, sizeof(self), "%s", argv[0]);
         else
             self[l] = 0;
+        /* A job secret for the ranks' rendezvous, passed on by mpirun. */
+        const char *sv = getenv("FERRY_SECRET");
+        if (!sv || !*sv) {
+            char secret[65];
+            fr_err_t serr = {{0}};
+            if (fr_launch_make_secret(secret, sizeof(secret), &serr) != FERRY_OK) {
+                fprintf(stderr, "ferry-bench: %s\n", serr.msg);
+                return 2;
+            }
+            setenv("FERRY_SECRET", secret, 1);
+        }
         const char *base[] = {"mpirun", "-n", n, "--oversubscribe",
                               "--bind-to", "none", "--mca", "btl", "self,vader",
-                              "--mca", "mpi_yield_when_idle", "1"};
+                              "--mca", "mpi_yield_when_idle", "1",
+                              "-x", "FERRY_SECRET"};
         int nb = (int)(sizeof(base) / sizeof(base[0]));
         char **av = calloc((size_t)(argc + nb + 4), sizeof(char *));
         int k = 0;

@@ -66,8 +66,12 @@ int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen)
         return FERRY_ERR_NOMEM;
     }
     fr_boot_env_t env;
-    FR_CHECK_GOTO(fr_boot_env_read(&env, &err), rc, fail);
-    FR_CHECK_GOTO(fr_boot_init_tcp(&env, &c->boot, &err), rc, fail);
+    rc = fr_boot_env_read(&env, &err);
+    if (rc == FERRY_OK)
+        rc = fr_boot_init_tcp(&env, &c->boot, &err);
+    fr_boot_env_wipe(&env);
+    if (rc != FERRY_OK)
+        goto fail;
     FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);
     *comm = c;
     return FERRY_OK;

@@ -26,20 +26,33 @@ typedef struct fr_conn {
     int pid;
 } fr_conn_t;
 
-/* Wire frames: {u32 type, u32 len} then len bytes of payload. */
+/* Wire frames: {u32 type, u32 len} then len bytes of payload. Start-up
+ * (tcp_auth.c): CHALLENGE, NONCE, PROOF, HELLO, then READY or ABORT. */
 enum fr_frame_type {
-    FR_MSG_HELLO = 0x101,   /* rank -> root: fr_hello_t */
+    FR_MSG_HELLO = 0x101,   /* rank -> root: fr_hello_t, with its MAC */
     FR_MSG_READY = 0x102,   /* root -> rank: everyone arrived */
     FR_MSG_ABORT = 0x103,   /* root -> rank: i32 status, then text */
     FR_MSG_DATA = 0x104,    /* rank -> root: u64 seq, block */
     FR_MSG_ALL = 0x105,     /* root -> rank: u64 seq, [size][len] */
     FR_MSG_DEAD = 0x106,    /* root -> rank: i32 rank that died */
     FR_MSG_BYE = 0x107,     /* rank -> root: goodbye */
-    FR_MSG_BYE_ACK = 0x108  /* root -> rank: i32 dead rank or -1 */
+    FR_MSG_BYE_ACK = 0x108, /* root -> rank: i32 dead rank or -1 */
+    FR_MSG_CHALLENGE = 0x109, /* root -> rank, on accept: fr_challenge_t */
+    FR_MSG_NONCE = 0x10A,   /* rank -> root: its nonce (32 bytes) */
+    FR_MSG_PROOF = 0x10B,   /* root -> rank: MAC of both nonces (32 bytes) */
+    FR_MSG_AUTH_FAIL = 0x10C /* rank -> root: the root's proof was wrong */
 };
 
 #define FR_BOOT_MAGIC 0x46524259u /* "FRBY" */
-#define FR_BOOT_WIRE_VERSION 1u
+#define FR_BOOT_WIRE_VERSION 2u
+#define FR_BOOT_NONCE_LEN 32
+#define FR_BOOT_MAC_LEN 32
+
+typedef struct fr_challenge {
+    uint32_t magic;
+    uint32_t version;
+    unsigned char nonce[FR_BOOT_NONCE_LEN];
+} fr_challenge_t;
 
 typedef struct fr_frame_hdr {
     uint32_t type;
@@ -53,6 +66,7 @@ typedef struct fr_hello {
     int32_t size;
     int32_t pid;
     uint32_t lib_version;
+    unsigned char mac[FR_BOOT_MAC_LEN]; /* over the fields above: tcp_auth.c */
 } fr_hello_t;
 
 struct fr_boot {
@@ -76,6 +90,7 @@ struct fr_boot {
     pthread_t watcher;
     int watcher_on;
     int stop;                /* atomic: watcher should exit */
+    unsigned char key[32];   /* job key, during start-up only (then wiped) */
 };
 
 /* tcp.c */

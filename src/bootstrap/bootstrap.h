@@ -31,11 +31,18 @@ typedef struct fr_boot_env {
     char root_host[256];
     int root_port;
     const char *source; /* "FERRY", "OMPI", "torchrun", "slurm" */
+    int local;          /* every rank is on this host (loopback root, or the
+                           launcher says so) */
+    int has_key;        /* key: SHA-256 of FERRY_SECRET; else (local jobs)
+                           a per-user key file is made at the rendezvous */
+    unsigned char key[32];
 } fr_boot_env_t;
 
 /* Read the environment; FERRY_ERR_INVALID naming the variable when absent
- * or malformed. */
+ * or malformed, or when ranks span hosts and FERRY_SECRET is not set. The
+ * caller wipes env->key when done (fr_boot_env_wipe). */
 int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err);
+void fr_boot_env_wipe(fr_boot_env_t *env);
 
 /* TCP rendezvous at root. Collective. Fails with FERRY_ERR_BOOTSTRAP naming
  * the ranks that did not arrive within FERRY_BOOTSTRAP_TIMEOUT_MS. */

@@ -1,5 +1,7 @@
 /* fr_boot_env_read: rank, size and rendezvous address from the environment
- * (FERRY_*, Open MPI, torchrun, Slurm). */
+ * (FERRY_*, Open MPI, torchrun, Slurm), whether every rank is on this host,
+ * and the job secret (FERRY_SECRET), required when ranks span hosts. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -9,6 +11,7 @@
 #include "../core/config.h"
 #include "../core/log.h"
 #include "bootstrap.h"
+#include "hmac.h"
 
 /* getenv, with an empty value counted as unset. */
 static const char *fr_env(const char *name)
@@ -98,6 +101,65 @@ static int fr_env_equals(const char *name, long want)
     return v && fr_parse_int(v, &x) == 0 && x == want;
 }
 
+/* The launcher says every rank runs on this host. */
+static int fr_env_all_local(long size)
+{
+    return size == 1 || fr_env_equals("OMPI_COMM_WORLD_LOCAL_SIZE", size) ||
+           fr_env_equals("LOCAL_WORLD_SIZE", size) ||
+           fr_env_equals("SLURM_STEP_NUM_NODES", 1) ||
+           fr_env_equals("SLURM_NTASKS_PER_NODE", size);
+}
+
+/* A loopback root (127.0.0.0/8, ::1, localhost) is reachable from this host
+ * only. */
+static int fr_host_is_loopback(const char *host)
+{
+    struct in_addr a4;
+    struct in6_addr a6;
+    if (inet_pton(AF_INET, host, &a4) == 1)
+        return (ntohl(a4.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET6, host, &a6) == 1)
+        return IN6_IS_ADDR_LOOPBACK(&a6);
+    return strcmp(host, "localhost") == 0;
+}
+
+/* The job secret: FERRY_SECRET's digest, or none for a local job (a key
+ * file then); ranks spanning hosts must have one. */
+static int fr_env_secret(fr_boot_env_t *env, fr_err_t *err)
+{
+    const char *s = fr_cfg_str(FR_CFG_SECRET);
+    size_t n = s ? strlen(s) : 0;
+    if (n > 0) {
+        if (n < 16)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "%s is too short (%zu characters): use at least "
+                          "16, e.g. export %s=$(openssl rand -hex 32)",
+                          fr_cfg_name(FR_CFG_SECRET), n,
+                          fr_cfg_name(FR_CFG_SECRET));
+        fr_sha256(s, n, env->key);
+        env->has_key = 1;
+        return FERRY_OK;
+    }
+    if (env->local)
+        return FERRY_OK;
+    return FR_ERR(err, FERRY_ERR_INVALID,
+                  "ranks span hosts (root %s:%d) and %s is not set: every "
+                  "rank proves the job's secret at the rendezvous. Set the "
+                  "same one for all ranks: export %s=$(openssl rand -hex 32), "
+                  "then mpirun -x %s ... (torchrun and srun pass the "
+                  "environment on)",
+                  env->root_host, env->root_port, fr_cfg_name(FR_CFG_SECRET),
+                  fr_cfg_name(FR_CFG_SECRET), fr_cfg_name(FR_CFG_SECRET));
+}
+
+void fr_boot_env_wipe(fr_boot_env_t *env)
+{
+    if (env) {
+        fr_boot_wipe(env->key, sizeof(env->key));
+        env->has_key = 0;
+    }
+}
+
 /* Rendezvous address: FERRY_ROOT, torchrun's MASTER_ADDR/PORT, or (all
  * ranks on one host) loopback with a port derived from the job id. */
 static int fr_env_root(fr_boot_env_t *env, long size, fr_err_t *err)
@@ -130,12 +192,7 @@ static int fr_env_root(fr_boot_env_t *env, long size, fr_err_t *err)
         snprintf(env->root_host, sizeof(env->root_host), "%s", maddr);
         env->root_port = (int)port + 1;
     } else {
-        int local = size == 1 ||
-                    fr_env_equals("OMPI_COMM_WORLD_LOCAL_SIZE", size) ||
-                    fr_env_equals("LOCAL_WORLD_SIZE", size) ||
-                    fr_env_equals("SLURM_STEP_NUM_NODES", 1) ||
-                    fr_env_equals("SLURM_NTASKS_PER_NODE", size);
-        if (!local)
+        if (!fr_env_all_local(size))
             return FR_ERR(err, FERRY_ERR_INVALID,
                           "no rendezvous address: set FERRY_ROOT=host:port "
                           "(reachable address of rank 0 and a free port; "
@@ -230,8 +287,15 @@ int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
 
     if ((rc = fr_env_root(env, size, err)) != FERRY_OK)
         return rc;
-    FR_LOG_INFO(FR_SUB_BOOT, "bootstrap env (%s): rank %d of %d, root %s:%d",
+    env->local = fr_env_all_local(size) || fr_host_is_loopback(env->root_host);
+    if ((rc = fr_env_secret(env, err)) != FERRY_OK)
+        return rc;
+    FR_LOG_INFO(FR_SUB_BOOT,
+                "bootstrap env (%s): rank %d of %d, root %s:%d, %s, secret "
+                "from %s",
                 env->source, env->rank, env->size, env->root_host,
-                env->root_port);
+                env->root_port, env->local ? "all ranks local" : "multi-host",
+                env->has_key ? fr_cfg_name(FR_CFG_SECRET)
+                             : "a per-user key file");
     return FERRY_OK;
 }

@@ -12,6 +12,7 @@
 
 #include "../core/config.h"
 #include "../core/log.h"
+#include "hmac.h"
 #include "tcp.h"
 
 void fr_boot_record_dead(fr_boot_t *b, int r)
@@ -34,6 +35,7 @@ static void fr_tcp_free(fr_boot_t *b)
         for (int i = 0; i < b->nconns; i++)
             fr_boot_close_fd(&b->conns[i].fd);
     free(b->conns);
+    fr_boot_wipe(b->key, sizeof(b->key));
     pthread_mutex_destroy(&b->mu);
     free(b);
 }
@@ -80,6 +82,8 @@ int fr_boot_init_tcp(const fr_boot_env_t *env, fr_boot_t **boot, fr_err_t *err)
     for (int i = 0; i < b->nconns; i++)
         b->conns[i].fd = -1;
 
+    if (env->has_key) /* else the root makes a key file, the others read it */
+        memcpy(b->key, env->key, sizeof(b->key));
     long timeout_ms = fr_cfg_int(FR_CFG_BOOTSTRAP_TIMEOUT_MS);
     if (timeout_ms < 1)
         timeout_ms = 1;

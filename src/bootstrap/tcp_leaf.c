@@ -1,6 +1,7 @@
 /*
- * TCP bootstrap, every rank but 0 (a leaf): dial the root and say hello,
- * then wait for READY or the root's ABORT; in an allgather send this rank's
+ * TCP bootstrap, every rank but 0 (a leaf): dial the root, make it prove it
+ * knows the job's key, prove it back in the hello (tcp_auth.c has the
+ * MACs), then wait for READY or the root's ABORT; in an allgather send this rank's
  * block and read the root's answer (the whole array, or why not: a dead
  * rank, an abort, the root's goodbye); at close say goodbye and wait for
  * the root's.
@@ -15,6 +16,8 @@
 #include <unistd.h>
 
 #include "../core/log.h"
+#include "hmac.h"
+#include "keyfile.h"
 #include "tcp.h"
 
 /* Non-root: the root's socket closed without goodbye. */
@@ -55,7 +58,7 @@ static int fr_dial(const char *host, int port, int64_t deadline, int *lasterr,
     snprintf(ps, sizeof(ps), "%d", port);
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_INET; /* the root listens on INADDR_ANY */
+    hints.ai_family = AF_INET; /* the root listens on an IPv4 address */
     hints.ai_socktype = SOCK_STREAM;
     int g = getaddrinfo(host, ps, &hints, &res);
     if (g != 0) {
@@ -111,54 +114,185 @@ static int fr_dial(const char *host, int port, int64_t deadline, int *lasterr,
     return fd;
 }
 
+/* How one try at meeting the root ended, when not with a ferry status. */
+enum { FR_TRY_OK = 0, FR_TRY_AGAIN = 1 };
+
+/* Read the next start-up frame from the root: want_type with exactly len
+ * bytes into p. FR_TRY_AGAIN when the connection closed (why says so); an
+ * ABORT or anything unexpected is an error (authed: the root has proved
+ * itself, so its words are trusted). */
+static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
+                          uint32_t len, const char *what, int authed,
+                          long timeout_ms, int64_t deadline, char *why,
+                          size_t wcap, fr_err_t *err)
+{
+    fr_frame_hdr_t h;
+    int io = fr_boot_recv_all(fd, &h, sizeof(h), deadline, NULL);
+    if (io == FR_IO_OK && h.type == FR_MSG_ABORT) {
+        int code = FERRY_ERR_BOOTSTRAP;
+        char text[FR_ERRMSG_LEN - 128];
+        if (fr_read_abort(fd, h.len, deadline, &code, text, sizeof(text)) ==
+            FR_IO_OK)
+            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                          "root %s ended the bootstrap%s: %s", b->root_addr,
+                          authed ? "" : " (before proving itself)", text);
+        io = FR_IO_EOF;
+    }
+    if (io == FR_IO_OK && h.type == want_type && h.len == len)
+        io = fr_boot_recv_all(fd, p, len, deadline, NULL);
+    else if (io == FR_IO_OK)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: root %s sent frame 0x%x of %u bytes instead "
+                      "of the %s: not a ferry root of this version (another "
+                      "program on that port?)",
+                      b->rank, b->root_addr, h.type, h.len, what);
+    if (io == FR_IO_TIMEOUT)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: root %s sent no %s within %ld ms (another "
+                      "program on that port, or an older ferry?)",
+                      b->rank, b->root_addr, what, timeout_ms);
+    if (io != FR_IO_OK) {
+        snprintf(why, wcap, "connection closed before the %s (%s)", what,
+                 fr_boot_io_str(io));
+        return FR_TRY_AGAIN;
+    }
+    return FR_TRY_OK;
+}
+
+/* Both proofs on a connected socket, then the hello: the root proves it
+ * knows the key before this rank sends anything but a nonce. */
+static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
+                        long timeout_ms, int64_t deadline, char *why,
+                        size_t wcap, fr_err_t *err)
+{
+    fr_challenge_t ch;
+    int rc = fr_leaf_expect(b, fd, FR_MSG_CHALLENGE, &ch, sizeof(ch),
+                            "challenge", 0, timeout_ms, deadline, why, wcap,
+                            err);
+    if (rc != FR_TRY_OK)
+        return rc;
+    if (ch.magic != FR_BOOT_MAGIC || ch.version != FR_BOOT_WIRE_VERSION)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: root %s is not a ferry root speaking "
+                      "bootstrap version %u (magic 0x%x, version %u)",
+                      b->rank, b->root_addr, FR_BOOT_WIRE_VERSION, ch.magic,
+                      ch.version);
+    if (!env->has_key && (rc = fr_boot_key_load(env->root_port, deadline,
+                                                 b->key, err)) != FERRY_OK)
+        return rc;
+    unsigned char nl[FR_BOOT_NONCE_LEN], proof[FR_BOOT_MAC_LEN],
+        want[FR_BOOT_MAC_LEN];
+    if (fr_boot_random(nl, sizeof(nl)) != 0)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "no random bytes: %s",
+                      strerror(errno));
+    int io = fr_boot_send_frame(fd, FR_MSG_NONCE, nl, sizeof(nl), NULL, 0,
+                                deadline, NULL);
+    if (io != FR_IO_OK) {
+        snprintf(why, wcap, "sending the nonce failed (%s)",
+                 fr_boot_io_str(io));
+        return FR_TRY_AGAIN;
+    }
+    rc = fr_leaf_expect(b, fd, FR_MSG_PROOF, proof, sizeof(proof), "proof", 0,
+                        timeout_ms, deadline, why, wcap, err);
+    if (rc != FR_TRY_OK)
+        return rc;
+    fr_boot_mac_root(b->key, ch.nonce, nl, want);
+    if (!fr_boot_ct_equal(proof, want, sizeof(want))) {
+        (void)fr_boot_send_frame(fd, FR_MSG_AUTH_FAIL, NULL, 0, NULL, 0,
+                                 fr_boot_now_ms() + 100, NULL);
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d: authentication failed: root %s did not prove "
+                      "it knows this job's secret (FERRY_SECRET differs "
+                      "between ranks, or another program listens on that "
+                      "port); no setup data was sent",
+                      b->rank, b->root_addr);
+    }
+    fr_hello_t hi;
+    memset(&hi, 0, sizeof(hi));
+    hi.magic = FR_BOOT_MAGIC;
+    hi.version = FR_BOOT_WIRE_VERSION;
+    hi.rank = b->rank;
+    hi.size = b->size;
+    hi.pid = (int32_t)getpid();
+    hi.lib_version = FERRY_VERSION_CODE;
+    fr_boot_mac_hello(b->key, ch.nonce, nl, &hi, hi.mac);
+    io = fr_boot_send_frame(fd, FR_MSG_HELLO, &hi, sizeof(hi), NULL, 0,
+                            deadline, NULL);
+    if (io != FR_IO_OK) {
+        snprintf(why, wcap, "sending the hello failed (%s)",
+                 fr_boot_io_str(io));
+        return FR_TRY_AGAIN;
+    }
+    return FR_TRY_OK;
+}
+
+/* Dial and authenticate until it works, fails for good, or the deadline:
+ * a connection the root drops before authentication (it was too slow, or
+ * evicted by a flood of strangers) is simply made again. */
+static int fr_leaf_meet(fr_boot_t *b, const fr_boot_env_t *env,
+                        long timeout_ms, int64_t deadline, fr_err_t *err)
+{
+    int lasterr = 0, tries = 0;
+    char gaierr[128] = "", why[160] = "";
+    for (;;) {
+        tries++;
+        int fd = fr_dial(env->root_host, env->root_port, deadline, &lasterr,
+                         gaierr, sizeof(gaierr));
+        if (fd >= 0) {
+            fr_boot_set_nodelay(fd);
+            why[0] = '\0';
+            int rc = fr_leaf_auth(b, env, fd, timeout_ms, deadline, why,
+                                  sizeof(why), err);
+            if (rc == FR_TRY_OK) {
+                b->conns[0].fd = fd;
+                b->conns[0].state = FR_CONN_LIVE;
+                return FERRY_OK;
+            }
+            close(fd);
+            if (rc != FR_TRY_AGAIN)
+                return rc;
+            FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d: %s; connecting again",
+                         b->rank, why);
+        }
+        if (fr_boot_now_ms() >= deadline)
+            break;
+        fr_boot_sleep_ms(FR_RETRY_MS);
+    }
+    if (why[0])
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d could not meet root %s within %ld ms (%d "
+                      "tries, last: %s)",
+                      b->rank, b->root_addr, timeout_ms, tries, why);
+    if (gaierr[0])
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d cannot resolve root host '%s' (%s) within "
+                      "%ld ms",
+                      b->rank, env->root_host, gaierr, timeout_ms);
+    return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                  "rank %d could not connect to root %s within %ld ms "
+                  "(%d tries, last error: %s)",
+                  b->rank, b->root_addr, timeout_ms, tries, strerror(lasterr));
+}
+
 int fr_boot_leaf_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
                       int64_t deadline, fr_err_t *err)
 {
     snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
              env->root_port);
-    int fd = -1, lasterr = 0, tries = 0;
-    char gaierr[128] = "";
-    for (;;) {
-        tries++;
-        fd = fr_dial(env->root_host, env->root_port, deadline, &lasterr,
-                     gaierr, sizeof(gaierr));
-        if (fd >= 0 || fr_boot_now_ms() >= deadline)
-            break;
-        fr_boot_sleep_ms(FR_RETRY_MS);
-    }
-    if (fd < 0) {
-        if (gaierr[0])
-            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                          "rank %d cannot resolve root host '%s' (%s) within "
-                          "%ld ms",
-                          b->rank, env->root_host, gaierr, timeout_ms);
-        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                      "rank %d could not connect to root %s within %ld ms "
-                      "(%d tries, last error: %s)",
-                      b->rank, b->root_addr, timeout_ms, tries,
-                      strerror(lasterr));
-    }
-    fr_boot_set_nodelay(fd);
-    b->conns[0].fd = fd;
-    b->conns[0].state = FR_CONN_LIVE;
-
-    fr_hello_t hi = {FR_BOOT_MAGIC,   FR_BOOT_WIRE_VERSION, b->rank,
-                     b->size,         (int32_t)getpid(),
-                     FERRY_VERSION_CODE};
-    int io = fr_boot_send_frame(fd, FR_MSG_HELLO, &hi, sizeof(hi), NULL, 0,
-                           deadline + 1000, NULL);
-    if (io != FR_IO_OK)
-        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                      "rank %d: sending hello to root %s failed (%s)", b->rank,
-                      b->root_addr, fr_boot_io_str(io));
-    FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d connected to %s, waiting for the rest",
+    int rc = fr_leaf_meet(b, env, timeout_ms, deadline, err);
+    fr_boot_wipe(b->key, sizeof(b->key));
+    if (rc != FERRY_OK)
+        return rc;
+    int fd = b->conns[0].fd;
+    FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d authenticated with %s, waiting for "
+                              "the rest",
                  b->rank, b->root_addr);
 
     /* The root gives up at its own deadline and says why (ABORT); wait a
      * little longer than ours to hear it. */
     int64_t dl = deadline + 1000;
     fr_frame_hdr_t h;
-    io = fr_boot_recv_all(fd, &h, sizeof(h), dl, NULL);
+    int io = fr_boot_recv_all(fd, &h, sizeof(h), dl, NULL);
     if (io == FR_IO_OK && h.type == FR_MSG_READY && h.len == 0)
         return FERRY_OK;
     if (io == FR_IO_OK && h.type == FR_MSG_ABORT) {

@@ -11,6 +11,7 @@ typedef struct fr_cfg_entry {
     const char *name;
     const char *defval;
     const char *help;
+    int secret; /* value never shown: ferry_settings reports it hidden */
 } fr_cfg_entry_t;
 
 static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
@@ -24,6 +25,16 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                      "host:port of the rendezvous at rank 0 (else "
                      "MASTER_ADDR:MASTER_PORT+1, else 127.0.0.1 and a port "
                      "from the job id when all ranks are local)."},
+    [FR_CFG_ROOT_BIND] = {"FERRY_ROOT_BIND", "",
+                          "Address rank 0 listens on for the rendezvous "
+                          "(e.g. 0.0.0.0 for all). Default: the address the "
+                          "root host resolves to (loopback for local jobs)."},
+    [FR_CFG_SECRET] = {"FERRY_SECRET", "",
+                       "Job secret every rank proves at the rendezvous (at "
+                       "least 16 characters, e.g. $(openssl rand -hex 32); "
+                       "pass it with mpirun -x FERRY_SECRET). Required when "
+                       "ranks span hosts; for local jobs a per-user key "
+                       "file is used instead. Never shown.", 1},
     [FR_CFG_NODE_ID] = {"FERRY_NODE_ID", "",
                         "Node identity; ranks with equal ids share memory. "
                         "Default: the host name."},
@@ -36,6 +47,10 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_BOOTSTRAP_TIMEOUT_MS] = {"FERRY_BOOTSTRAP_TIMEOUT_MS", "60000",
                                      "Deadline for all ranks to meet at "
                                      "start-up, in ms."},
+    [FR_CFG_AUTH_MS] = {"FERRY_BOOTSTRAP_AUTH_MS", "1000",
+                        "Time a connection to the rendezvous has to "
+                        "authenticate before rank 0 drops it, in ms (a "
+                        "dropped rank reconnects)."},
     [FR_CFG_SPIN] = {"FERRY_SPIN", "1000",
                      "Polls of a flag before a waiting CPU rank sleeps on "
                      "its doorbell (a futex the senders ring)."},
@@ -89,6 +104,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
 
 const char *fr_cfg_name(fr_cfg_id_t id) { return fr_cfg_table[id].name; }
 
+int fr_cfg_is_secret(fr_cfg_id_t id) { return fr_cfg_table[id].secret; }
+
 const char *fr_cfg_str(fr_cfg_id_t id)
 {
     const char *v = getenv(fr_cfg_table[id].name);
@@ -106,7 +123,8 @@ long fr_cfg_int(fr_cfg_id_t id)
     if (errno || end == v || *end != '\0') {
         x = strtol(fr_cfg_table[id].defval, NULL, 10);
         FR_LOG_WARN(FR_SUB_INIT, "%s=%s is not an integer; using %ld",
-                    fr_cfg_table[id].name, v, x);
+                    fr_cfg_table[id].name,
+                    fr_cfg_table[id].secret ? "(hidden)" : v, x);
     }
     return x;
 }
@@ -116,7 +134,8 @@ int ferry_settings(ferry_setting_t *out, int max)
     for (int i = 0; i < FR_CFG_COUNT && out && i < max; i++) {
         out[i].name = fr_cfg_table[i].name;
         out[i].defval = fr_cfg_table[i].defval;
-        out[i].value = fr_cfg_str((fr_cfg_id_t)i);
+        const char *v = fr_cfg_str((fr_cfg_id_t)i);
+        out[i].value = fr_cfg_table[i].secret && v[0] ? "(set, hidden)" : v;
         out[i].help = fr_cfg_table[i].help;
     }
     return FR_CFG_COUNT;

@@ -12,10 +12,13 @@ typedef enum fr_cfg_id {
     FR_CFG_RANK,
     FR_CFG_WORLD_SIZE,
     FR_CFG_ROOT,
+    FR_CFG_ROOT_BIND,
+    FR_CFG_SECRET,
     FR_CFG_NODE_ID,
     FR_CFG_TRANSPORT,
     FR_CFG_TIMEOUT_MS,
     FR_CFG_BOOTSTRAP_TIMEOUT_MS,
+    FR_CFG_AUTH_MS,
     FR_CFG_SPIN,
     FR_CFG_NICS_PER_RANK,
     FR_CFG_PROXY_IDLE_US,
@@ -37,6 +40,8 @@ const char *fr_cfg_str(fr_cfg_id_t id);
 /* Integer value; a malformed value falls back to the default with a warning. */
 long fr_cfg_int(fr_cfg_id_t id);
 const char *fr_cfg_name(fr_cfg_id_t id);
+/* 1 for a setting whose value is never shown (ferry_settings, logs). */
+int fr_cfg_is_secret(fr_cfg_id_t id);
 
 #ifdef __cplusplus
 }

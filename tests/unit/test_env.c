@@ -1,4 +1,5 @@
-/* fr_boot_env_read: sources in order, root address rules, errors. */
+/* fr_boot_env_read: sources in order, root address rules, errors; the job
+ * secret (FERRY_SECRET, required when ranks span hosts). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,12 +15,16 @@ static const char *all_vars[] = {
     "PMIX_NAMESPACE", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
     "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID",
-    "SLURM_STEP_ID", NULL};
+    "SLURM_STEP_ID", "FERRY_SECRET", NULL};
 
+#define SECRET "0123456789abcdef-test-secret"
+
+/* Nothing set but a secret (the address rules apply with or without). */
 static void clear_env(void)
 {
     for (int i = 0; all_vars[i]; i++)
         unsetenv(all_vars[i]);
+    setenv("FERRY_SECRET", SECRET, 1);
 }
 
 static void set(const char *k, const char *v) { setenv(k, v, 1); }
@@ -217,6 +222,55 @@ int main(void)
     expect_invalid(__LINE__, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
 
     CHECK_RC(fr_boot_env_read(NULL, &err), FERRY_ERR_INVALID);
+
+    /* The secret: its digest, never the text; required across hosts. */
+    clear_env();
+    set("FERRY_RANK", "1");
+    set("FERRY_WORLD_SIZE", "4");
+    set("FERRY_ROOT", "10.0.0.7:1234");
+    CHECK_RC(rd(), FERRY_OK);
+    CHECK(env.has_key && !env.local, "has_key %d local %d", env.has_key,
+          env.local);
+    CHECK(memmem(&env, sizeof(env), SECRET, 8) == NULL,
+          "the secret's text is in the env struct");
+    unsigned char k1[32];
+    memcpy(k1, env.key, 32);
+    fr_boot_env_wipe(&env);
+    CHECK(!env.has_key && env.key[0] == 0 && env.key[31] == 0, "not wiped");
+    set("FERRY_SECRET", SECRET "x");
+    CHECK_RC(rd(), FERRY_OK);
+    CHECK(memcmp(k1, env.key, 32) != 0, "two secrets, one key");
+    unsetenv("FERRY_SECRET");
+    expect_invalid(__LINE__, "FERRY_SECRET", "mpirun -x FERRY_SECRET");
+    set("FERRY_SECRET", "qwzqwz");
+    expect_invalid(__LINE__, "FERRY_SECRET", "too short");
+    CHECK(strstr(err.msg, "qwzqwz") == NULL, "message shows the value: %s",
+          err.msg);
+    /* Local jobs need none: a loopback root, or the launcher says so. */
+    unsetenv("FERRY_SECRET");
+    set("FERRY_ROOT", "127.0.0.1:1234");
+    CHECK_RC(rd(), FERRY_OK);
+    CHECK(env.local && !env.has_key, "local %d has_key %d", env.local,
+          env.has_key);
+    set("FERRY_ROOT", "localhost:1234");
+    CHECK_RC(rd(), FERRY_OK);
+    set("FERRY_ROOT", "[::1]:1234");
+    CHECK_RC(rd(), FERRY_OK);
+    set("FERRY_ROOT", "node7:1234");
+    set("OMPI_COMM_WORLD_LOCAL_SIZE", "4");
+    CHECK_RC(rd(), FERRY_OK);
+    CHECK(env.local, "OMPI says all 4 ranks are local");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    unsetenv("FERRY_ROOT");
+    unsetenv("FERRY_RANK");
+    unsetenv("FERRY_WORLD_SIZE");
+    set("RANK", "1");
+    set("WORLD_SIZE", "4");
+    set("MASTER_ADDR", "10.0.0.2");
+    set("MASTER_PORT", "29500");
+    expect_invalid(__LINE__, "FERRY_SECRET", NULL);
+    set("MASTER_ADDR", "127.0.0.1");
+    CHECK_RC(rd(), FERRY_OK);
 
     clear_env();
     printf("test_env: %s\n", fr_test_result() ? "FAIL" : "pass");

@@ -1,5 +1,6 @@
 /*
- * fr_launch_local: fork n ranks of this program on this host. The parent
+ * fr_launch_local: fork n ranks of this program on this host, with a fresh
+ * random job secret (FERRY_SECRET) that only they know. The parent
  * forwards SIGINT and SIGTERM to the ranks, reaps them, removes the shm
  * endpoint regions of any rank that died before closing them, and gives
  * the others a bounded grace after the first failure before killing them.
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "bootstrap/bootstrap.h"
+#include "bootstrap/hmac.h"
 #include "core/config.h"
 #include "core/log.h"
 #include "launch.h"
@@ -63,6 +65,21 @@ static int fr_free_port(fr_err_t *err, int *port)
     }
     close(fd);
     *port = ntohs(sa.sin_port);
+    return FERRY_OK;
+}
+
+int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err)
+{
+    unsigned char r[32];
+    if (cap < 2 * sizeof(r) + 1)
+        return FR_ERR(err, FERRY_ERR_INVALID, "launch: secret buffer too small");
+    if (fr_boot_random(r, sizeof(r)) != 0)
+        return FR_ERR(err, FERRY_ERR_SYSTEM,
+                      "launch: no random bytes for the job secret: %s",
+                      strerror(errno));
+    for (size_t i = 0; i < sizeof(r); i++)
+        snprintf(hex + 2 * i, 3, "%02x", r[i]);
+    fr_boot_wipe(r, sizeof(r));
     return FERRY_OK;
 }
 
@@ -165,7 +182,9 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
     if (fr_launch_pids)
         return FR_ERR(err, FERRY_ERR_STATE, "launch: already launching");
     int port = 0, rc;
-    if ((rc = fr_free_port(err, &port)) != FERRY_OK)
+    char secret[65];
+    if ((rc = fr_free_port(err, &port)) != FERRY_OK ||
+        (rc = fr_launch_make_secret(secret, sizeof(secret), err)) != FERRY_OK)
         return rc;
     pid_t *pids = calloc((size_t)n, sizeof(pid_t));
     if (!pids)
@@ -231,6 +250,8 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             snprintf(v, sizeof(v), "%d", n);
             setenv(fr_cfg_name(FR_CFG_WORLD_SIZE), v, 1);
             setenv(fr_cfg_name(FR_CFG_ROOT), root, 1);
+            setenv(fr_cfg_name(FR_CFG_SECRET), secret, 1);
+            fr_boot_wipe(secret, sizeof(secret));
             *is_child = 1;
             return FERRY_OK;
         }
@@ -249,6 +270,7 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
         FR_LOG_INFO(FR_SUB_BOOT, "launched %d ranks, root %s", n, root);
     }
 
+    fr_boot_wipe(secret, sizeof(secret));
     int first = fr_launch_wait(pids, started, status);
 
     fr_launch_pids = NULL;

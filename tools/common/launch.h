@@ -1,16 +1,22 @@
 /*
  * Local launcher for the tools and tests: fork n ranks of the calling
  * program on this host, wired to meet through the TCP bootstrap on a free
- * loopback port, then wait for them, reporting and reaping each one
+ * loopback port with a fresh job secret, then wait for them, reporting and reaping each one
  * (including the shm regions a killed rank left behind).
  */
 #ifndef FW_LAUNCH_H
 #define FW_LAUNCH_H
 
+#include <stddef.h>
+
 #include "core/err.h"
 
+/* A fresh job secret: 32 random bytes as 64 hex digits (cap >= 65). */
+int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err);
+
 /* Local launcher: fork `n` ranks of this program with FERRY_RANK,
- * FERRY_WORLD_SIZE and FERRY_ROOT (a free loopback port) set; the children
+ * FERRY_WORLD_SIZE, FERRY_ROOT (a free loopback port) and FERRY_SECRET (a
+ * fresh one for this job, fr_launch_make_secret) set; the children
  * return 0 from this call with *is_child = 1. The parent waits for all of
  * them; when one fails or dies, the others get FERRY_TIMEOUT_MS plus 2 s to
  * finish before being killed. The parent returns the first non-zero exit

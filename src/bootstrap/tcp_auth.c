@@ -1,0 +1,329 @@
+/*
+ * TCP bootstrap authentication: the MACs both sides compute, and rank 0's
+ * table of pending connections (accepted, not yet authenticated).
+ *
+ * Handshake, with K the job key (FERRY_SECRET's digest, or the local key
+ * file's bytes; never sent):
+ *   root -> rank  CHALLENGE  magic, version, nonce_root        (on accept)
+ *   rank -> root  NONCE      nonce_leaf
+ *   root -> rank  PROOF      HMAC(K, "ferry-root" | nonce_root | nonce_leaf)
+ *   rank          checks the proof (constant time); on a mismatch it says
+ *                 AUTH_FAIL and gives up: it sent nothing but a nonce
+ *   rank -> root  HELLO      magic, version, rank, size, pid, lib version,
+ *                 HMAC(K, "ferry-leaf" | nonce_root | nonce_leaf | fields)
+ *   root          checks the MAC (constant time), then binds the rank id.
+ * Fresh nonces on both sides make every proof single-use; the labels keep a
+ * root's proof from passing as a rank's.
+ *
+ * The pending table never blocks: every socket is non-blocking, a frame is
+ * collected as its bytes come, and each connection has FERRY_BOOTSTRAP_
+ * AUTH_MS from its accept to authenticate, after which it is dropped. When
+ * the table is full, the oldest pending connection is dropped for the new
+ * one (a real rank that loses its connection so just dials again). A rank
+ * id is bound only by an authenticated hello, so a stranger's claim locks
+ * nobody out. Every drop is a WARN naming the peer's address (the first
+ * FR_PEND_LOGGED of them; then only counted).
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "../core/log.h"
+#include "hmac.h"
+#include "tcp.h"
+
+#define FR_PEND_LOGGED 16
+
+void fr_boot_mac_root(const unsigned char *key, const unsigned char *nr,
+                      const unsigned char *nl, unsigned char *out)
+{
+    fr_hmac_part_t p[3] = {{"ferry-root", 10},
+                           {nr, FR_BOOT_NONCE_LEN},
+                           {nl, FR_BOOT_NONCE_LEN}};
+    fr_hmac_sha256(key, 32, p, 3, out);
+}
+
+void fr_boot_mac_hello(const unsigned char *key, const unsigned char *nr,
+                       const unsigned char *nl, const fr_hello_t *hi,
+                       unsigned char *out)
+{
+    fr_hmac_part_t p[4] = {{"ferry-leaf", 10},
+                           {nr, FR_BOOT_NONCE_LEN},
+                           {nl, FR_BOOT_NONCE_LEN},
+                           {hi, offsetof(fr_hello_t, mac)}};
+    fr_hmac_sha256(key, 32, p, 4, out);
+}
+
+/* Send a whole small frame now, or not at all (a pending peer is never
+ * waited for). 0 when all of it left. */
+static int fr_pend_send(int fd, uint32_t type, const void *p, size_t len)
+{
+    unsigned char buf[sizeof(fr_frame_hdr_t) + 256];
+    fr_frame_hdr_t h = {type, (uint32_t)len};
+    if (len > 256)
+        len = 256;
+    memcpy(buf, &h, sizeof(h));
+    if (len)
+        memcpy(buf + sizeof(h), p, len);
+    ssize_t n;
+    do {
+        n = send(fd, buf, sizeof(h) + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    return n == (ssize_t)(sizeof(h) + len) ? 0 : -1;
+}
+
+/* ABORT with text to a peer, best effort, without waiting. */
+static void fr_pend_tell(int fd, const char *text)
+{
+    char msg[4 + 200];
+    int32_t c32 = FERRY_ERR_BOOTSTRAP;
+    size_t tl = strlen(text);
+    if (tl > 200)
+        tl = 200;
+    memcpy(msg, &c32, 4);
+    memcpy(msg + 4, text, tl);
+    (void)fr_pend_send(fd, FR_MSG_ABORT, msg, 4 + tl);
+}
+
+static void fr_meet_note(fr_meet_t *m, const char *fmt, ...)
+{
+    size_t nl = strlen(m->notes);
+    if (nl + 16 >= sizeof(m->notes))
+        return;
+    snprintf(m->notes + nl, sizeof(m->notes) - nl, "; ");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m->notes + nl + 2, sizeof(m->notes) - nl - 2, fmt, ap);
+    va_end(ap);
+}
+
+/* Close pending connection i (and forget it), saying why in the log. */
+static void fr_pend_drop(fr_meet_t *m, int i, const char *fmt, ...)
+{
+    fr_pend_t *p = &m->pend[i];
+    if (m->nlogged < FR_PEND_LOGGED) {
+        char why[200];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(why, sizeof(why), fmt, ap);
+        va_end(ap);
+        m->nlogged++;
+        FR_LOG_WARN(FR_SUB_BOOT, "root: dropped connection from %s: %s%s",
+                    p->peer, why,
+                    m->nlogged == FR_PEND_LOGGED
+                        ? " (further drops are only counted)"
+                        : "");
+    } else {
+        m->nquiet++;
+    }
+    close(p->fd);
+    m->pend[i] = m->pend[--m->npend];
+}
+
+void fr_boot_pend_close_all(fr_meet_t *m, const char *abort_text)
+{
+    for (int i = 0; i < m->npend; i++) {
+        if (abort_text)
+            fr_pend_tell(m->pend[i].fd, abort_text);
+        close(m->pend[i].fd);
+    }
+    m->npend = 0;
+    if (m->nquiet)
+        FR_LOG_WARN(FR_SUB_BOOT, "root: %d more unauthenticated connections "
+                                 "were dropped",
+                    m->nquiet);
+    m->nquiet = 0;
+}
+
+/* Accept every waiting connection and challenge it. */
+void fr_boot_pend_accept(fr_meet_t *m)
+{
+    for (;;) {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept4(m->lfd, (struct sockaddr *)&sa, &sl,
+                         SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            break;
+        if (m->npend == FR_MAX_PENDING) {
+            int old = 0;
+            for (int i = 1; i < m->npend; i++)
+                if (m->pend[i].since < m->pend[old].since)
+                    old = i;
+            fr_pend_drop(m, old, "%d connections pending: the oldest goes",
+                         FR_MAX_PENDING);
+        }
+        fr_pend_t *p = &m->pend[m->npend];
+        memset(p, 0, sizeof(*p));
+        p->fd = fd;
+        p->since = fr_boot_now_ms();
+        p->deadline = p->since + m->auth_ms;
+        p->stage = FR_MSG_NONCE;
+        char ip[INET_ADDRSTRLEN] = "?";
+        if (sa.sin_family == AF_INET)
+            inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+        snprintf(p->peer, sizeof(p->peer), "%s:%u", ip,
+                 (unsigned)ntohs(sa.sin_port));
+        m->npend++;
+        fr_boot_set_nodelay(fd);
+        fr_challenge_t ch = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION, {0}};
+        if (fr_boot_random(p->nr, sizeof(p->nr)) != 0) {
+            fr_pend_drop(m, m->npend - 1, "no random bytes: %s",
+                         strerror(errno));
+            continue;
+        }
+        memcpy(ch.nonce, p->nr, sizeof(ch.nonce));
+        if (fr_pend_send(fd, FR_MSG_CHALLENGE, &ch, sizeof(ch)) != 0)
+            fr_pend_drop(m, m->npend - 1, "could not send the challenge");
+    }
+}
+
+/* Why the root refuses an authenticated hello (why[0] == '\0': it does
+ * not). */
+static void fr_root_check_hello(const fr_boot_t *b, const fr_hello_t *hi,
+                                char *why, size_t cap)
+{
+    why[0] = '\0';
+    if (hi->size != b->size)
+        snprintf(why, cap, "rank %d (pid %d) has world size %d, root has %d",
+                 (int)hi->rank, (int)hi->pid, (int)hi->size, b->size);
+    else if (hi->rank <= 0 || hi->rank >= b->size)
+        snprintf(why, cap, "a peer claims rank %d of %d", (int)hi->rank,
+                 b->size);
+    else if (b->conns[hi->rank].state != FR_CONN_NONE)
+        snprintf(why, cap, "rank %d connected twice (pid %d, then pid %d)",
+                 (int)hi->rank, b->conns[hi->rank].pid, (int)hi->pid);
+}
+
+/* A whole HELLO from pending connection i: check it, bind the rank. */
+static void fr_pend_hello(fr_meet_t *m, int i)
+{
+    fr_boot_t *b = m->b;
+    fr_pend_t *p = &m->pend[i];
+    fr_hello_t hi;
+    unsigned char want[FR_BOOT_MAC_LEN];
+    memcpy(&hi, p->buf + sizeof(fr_frame_hdr_t), sizeof(hi));
+    fr_boot_mac_hello(b->key, p->nr, p->nl, &hi, want);
+    if (hi.magic != FR_BOOT_MAGIC || hi.version != FR_BOOT_WIRE_VERSION ||
+        !fr_boot_ct_equal(hi.mac, want, sizeof(want))) {
+        fr_pend_tell(p->fd, "authentication failed");
+        fr_meet_note(m, "a peer at %s failed authentication", p->peer);
+        fr_pend_drop(m, i, "authentication failed (it claims rank %d)",
+                     (int)hi.rank);
+        return;
+    }
+    char why[200];
+    fr_root_check_hello(b, &hi, why, sizeof(why));
+    if (why[0]) {
+        fr_pend_tell(p->fd, why);
+        fr_meet_note(m, "rejected: %s", why);
+        fr_pend_drop(m, i, "%s", why);
+        return;
+    }
+    b->conns[hi.rank].fd = p->fd;
+    b->conns[hi.rank].state = FR_CONN_LIVE;
+    b->conns[hi.rank].pid = hi.pid;
+    m->arrived++;
+    FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d (pid %d, %s) authenticated, %d of %d",
+                 (int)hi.rank, (int)hi.pid, p->peer, m->arrived, b->size - 1);
+    m->pend[i] = m->pend[--m->npend];
+}
+
+/* A whole frame is in pend[i].buf: act on it. */
+static void fr_pend_frame(fr_meet_t *m, int i)
+{
+    fr_pend_t *p = &m->pend[i];
+    fr_frame_hdr_t h;
+    memcpy(&h, p->buf, sizeof(h));
+    if (h.type == FR_MSG_AUTH_FAIL) {
+        fr_meet_note(m, "a peer at %s did not accept the root's proof (a "
+                        "rank with another FERRY_SECRET?)",
+                     p->peer);
+        fr_pend_drop(m, i, "it did not accept the root's proof (another "
+                           "FERRY_SECRET?)");
+    } else if (h.type == FR_MSG_NONCE) {
+        unsigned char proof[FR_BOOT_MAC_LEN];
+        memcpy(p->nl, p->buf + sizeof(h), sizeof(p->nl));
+        fr_boot_mac_root(m->b->key, p->nr, p->nl, proof);
+        p->stage = FR_MSG_HELLO;
+        p->have = 0;
+        if (fr_pend_send(p->fd, FR_MSG_PROOF, proof, sizeof(proof)) != 0)
+            fr_pend_drop(m, i, "could not send the proof");
+    } else {
+        fr_pend_hello(m, i);
+    }
+}
+
+/* The payload length the header in pend[i].buf must carry, or -1. */
+static long fr_pend_want(const fr_pend_t *p)
+{
+    fr_frame_hdr_t h;
+    memcpy(&h, p->buf, sizeof(h));
+    if (p->stage == FR_MSG_NONCE && h.type == FR_MSG_NONCE &&
+        h.len == FR_BOOT_NONCE_LEN)
+        return (long)h.len;
+    if (p->stage == FR_MSG_HELLO && h.type == FR_MSG_HELLO &&
+        h.len == sizeof(fr_hello_t))
+        return (long)h.len;
+    if (h.type == FR_MSG_AUTH_FAIL && h.len == 0)
+        return 0;
+    return -1;
+}
+
+/* Data (or a close) on pending connection i: take what is there. */
+void fr_boot_pend_input(fr_meet_t *m, int i)
+{
+    for (;;) {
+        fr_pend_t *p = &m->pend[i];
+        size_t hl = sizeof(fr_frame_hdr_t);
+        long want = p->have < hl ? 0 : fr_pend_want(p);
+        if (want < 0) {
+            fr_frame_hdr_t h;
+            memcpy(&h, p->buf, sizeof(h));
+            fr_pend_drop(m, i, "it sent frame 0x%x of %u bytes while "
+                               "owing the %s (not a ferry rank of this "
+                               "version)",
+                         h.type, h.len,
+                         p->stage == FR_MSG_NONCE ? "nonce" : "hello");
+            return;
+        }
+        size_t need = hl + (size_t)want;
+        if (p->have == need) {
+            fr_pend_frame(m, i);
+            return; /* one frame per wake-up; poll says if there is more */
+        }
+        ssize_t n = recv(p->fd, p->buf + p->have, need - p->have,
+                         MSG_DONTWAIT);
+        if (n > 0) {
+            p->have += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        fr_pend_drop(m, i, "closed before authenticating (%s)",
+                     n == 0 ? "end of stream" : strerror(errno));
+        return;
+    }
+}
+
+int64_t fr_boot_pend_expire(fr_meet_t *m)
+{
+    int64_t now = fr_boot_now_ms(), next = INT64_MAX;
+    for (int i = m->npend - 1; i >= 0; i--) {
+        if (m->pend[i].deadline <= now)
+            fr_pend_drop(m, i, "no authentication within %ld ms (%zu "
+                               "bytes of a frame received)",
+                         m->auth_ms, m->pend[i].have);
+        else if (m->pend[i].deadline < next)
+            next = m->pend[i].deadline;
+    }
+    return next;
+}
