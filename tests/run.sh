@@ -2,7 +2,9 @@
 # Run every test case listed in tests/cases/*.txt against the build folder
 # given as $1 (default: build). A case line is:   name | command
 # The command runs from the repository root with $B set to the build folder.
-# Each case gets a hard time limit; a case that exceeds it fails.
+# Each case gets a hard time limit (FERRY_TEST_LIMIT_S, default 240 s; a
+# command that starts with LIMIT_S=N gets N instead); a case that exceeds
+# it fails.
 # Prints one line per case and closes with "N passed, N failed".
 set -u
 B=${1:-build}
@@ -16,12 +18,16 @@ while IFS= read -r line; do
   case "$line" in ''|'#'*) continue;; esac
   name=$(echo "${line%%|*}" | xargs)
   cmd=${line#*|}
+  limit=$LIMIT
+  if [[ "$cmd" =~ ^[[:space:]]*LIMIT_S=([0-9]+)[[:space:]]+(.*)$ ]]; then
+    limit=${BASH_REMATCH[1]}; cmd=${BASH_REMATCH[2]}
+  fi
   if [ -n "$FILTER" ] && ! echo "$name" | grep -qE "$FILTER"; then continue; fi
   start=$(date +%s%N)
   # Each case runs in its own session, so whatever it leaves behind can be
   # found (and killed) without touching anything else on the machine.
   sidfile=$(mktemp)
-  CMD="$cmd" LIMIT="$LIMIT" SIDFILE="$sidfile" setsid -w bash -c \
+  CMD="$cmd" LIMIT="$limit" SIDFILE="$sidfile" setsid -w bash -c \
     'echo $$ > "$SIDFILE"; exec timeout -k 5 "$LIMIT" bash -c "$CMD"' \
     > "$logdir/$name.log" 2>&1 < /dev/null
   rc=$?
