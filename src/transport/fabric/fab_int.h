@@ -134,6 +134,8 @@ typedef struct fr_fab_vetted {
     const char *name; /* as fi_getinfo names it, e.g. "tcp;ofi_rxm" */
     int autopick;     /* may be chosen with FI_PROVIDER unset (not shm:
                          node-local only) */
+    const char *nofence; /* advertises FI_FENCE but ferry must not rely on
+                            it: why (NULL: may be used) */
 } fr_fab_vetted_t;
 
 /* select.c */

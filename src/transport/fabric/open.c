@@ -283,6 +283,14 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
                     info->fabric_attr->prov_name);
     }
     info->tx_attr->op_flags |= op_flags;
+    /* sockets defaults to a progress thread per domain that spins for 10
+     * ms at a time, beside the proxy that polls anyway: on a loaded host
+     * the two fight for the CPU (rounds 5-20x slower). ferry drives
+     * progress from poll() on every rank, so ask for manual progress. */
+    if (strcmp(info->fabric_attr->prov_name, "sockets") == 0) {
+        info->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+        info->domain_attr->control_progress = FI_PROGRESS_MANUAL;
+    }
     if (strcmp(info->fabric_attr->prov_name, "shm") == 0 &&
         fab_shm_name(info) != 0)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
