@@ -11,9 +11,10 @@
  * completion: FR_CQE_TX or FR_CQE_ERR. A call that returns an error
  * (FERRY_ERR_INVALID for bad bounds or index) posted nothing.
  *
- * Zero-byte writes: tcp;ofi_rxm and shm both accept fi_writedata with len 0
- * and deliver the remote CQ data, to other ranks and to self (checked by
- * tests/mp/test_fabric). They are posted as real zero-byte writes.
+ * Zero-byte writes: tcp;ofi_rxm, shm, sockets and udp;ofi_rxd accept
+ * fi_writedata with len 0 and deliver the remote CQ data, to other ranks
+ * and to self (checked by tests/mp/test_fabric). They are posted as real
+ * zero-byte writes.
  */
 #include <stdlib.h>
 #include <sys/uio.h>
