@@ -28,7 +28,7 @@ typedef struct fr_sig_hello {
     uint64_t heap_bytes;
     uint32_t nsig;
     int32_t fence_ok;
-    char why[192];
+    char why[400];
 } fr_sig_hello_t;
 
 void fr_sig_free(ferry_sig_t s)
@@ -116,7 +116,7 @@ static void fr_sig_hello_fill(int N, const ferry_sig_config_t *cfg,
         }
     }
     if (mine->status != FERRY_OK)
-        snprintf(mine->why, sizeof(mine->why), "%.190s", e.msg);
+        snprintf(mine->why, sizeof(mine->why), "%.398s", e.msg);
 }
 
 /* Everyone learns everyone's verdict before anyone opens a thing: fails

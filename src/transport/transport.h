@@ -70,8 +70,10 @@ typedef struct fr_transport_ops {
      * which has_peer() is 0 everywhere. flags: FR_TP_OPEN_FENCE (the fence
      * capability, only where fence_probe said yes), FR_TP_OPEN_DELIVERY (a
      * write's local completion means its data is visible at the target).
-     * fabric: the provider FI_PROVIDER names when set. Callers open
-     * through fr_transport_open, not through this op. */
+     * fabric: the provider FI_PROVIDER names when set; with
+     * FR_TP_OPEN_FENCE the one fence_probe settles on (never libfabric's
+     * default). Callers open through fr_transport_open, not through this
+     * op. */
     int (*open)(fr_boot_t *boot, int nic, int flags, fr_transport_t **t,
                 fr_err_t *err);
     /* Register memory; remote_write: peers may write into it. */
@@ -109,9 +111,12 @@ typedef struct fr_transport_ops {
     int (*has_peer)(fr_transport_t *t, int rank);
     /* Interface (domain) name, for logs. */
     const char *(*iface)(fr_transport_t *t);
-    /* Does the provider advertise FI_FENCE (a write that starts only after
-     * every earlier write on the endpoint completed, NIC-side)? 0 with the
-     * reason in why. Local, no communication. */
+    /* Is there a provider whose FI_FENCE (a write that starts only after
+     * every earlier write on the endpoint completed, NIC-side) ferry can
+     * use: the one FI_PROVIDER names, else the first of the vetted list
+     * that offers it (fabric/select.c)? 0 with the reason in why (each
+     * provider considered and why it was passed over). Local, no
+     * communication. */
     int (*fence_probe)(char *why, size_t len);
     /* write_imm() carrying the fence flag. */
     int (*write_fence)(fr_transport_t *t, fr_group_t *g, int index,

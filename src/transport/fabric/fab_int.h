@@ -1,9 +1,11 @@
 /*
  * Private to the libfabric transport (src/transport/fabric/): the types
- * behind its opaque handles and what its files share. open.c finds a
- * provider and NIC, opens the endpoint and exchanges addresses; mr.c
- * registers memory and builds peer groups; post.c owns the op pool and
- * posting (the -FI_EAGAIN queue); progress.c polls the completion queue.
+ * behind its opaque handles and what its files share. select.c holds the
+ * vetted providers, the hints, what an offer must have, and the choice of
+ * provider for FI_FENCE; open.c finds the NIC, opens the endpoint and
+ * exchanges addresses; mr.c registers memory and builds peer groups;
+ * post.c owns the op pool and posting (the -FI_EAGAIN queue); progress.c
+ * polls the completion queue and classifies each entry.
  *
  * Facts this relies on (see shared/FABRIC.md):
  *  - mr_mode is read back from fi_getinfo and honoured (tcp answers 0:
@@ -48,7 +50,11 @@ typedef struct fr_fab_op {
     int peer;
     int err;        /* libfabric status of a failed post (error list) */
     int fence;      /* post with FI_FENCE (nicfence signals) */
+    int state;      /* FR_FAB_OP_*: a completion's op_context is one of
+                       ours only when it is in the pool and POSTED */
 } fr_fab_op_t;
+
+enum { FR_FAB_OP_FREE = 0, FR_FAB_OP_HELD = 1, FR_FAB_OP_POSTED = 2 };
 
 typedef struct fr_fab_chunk {
     struct fr_fab_chunk *next;
@@ -119,7 +125,28 @@ struct fr_transport {
     char *present;       /* [size]: which ranks opened this NIC */
     char iface[64];      /* domain (interface) name */
     int fence_caps;      /* opened with FI_FENCE in caps */
+    size_t max_msg;      /* the provider's ep_attr->max_msg_size */
+    uintptr_t pool_lo, pool_hi; /* address range of the pool's chunks */
 };
+
+/* A provider ferry is tested with (select.c). */
+typedef struct fr_fab_vetted {
+    const char *name; /* as fi_getinfo names it, e.g. "tcp;ofi_rxm" */
+    int autopick;     /* may be chosen with FI_PROVIDER unset (not shm:
+                         node-local only) */
+    const char *nofence; /* advertises FI_FENCE but ferry must not rely on
+                            it: why (NULL: may be used) */
+} fr_fab_vetted_t;
+
+/* select.c */
+extern const fr_fab_vetted_t fr_fab_vetted[];
+extern const int fr_fab_nvetted;
+const fr_fab_vetted_t *fab_vetted_find(const char *prov);
+struct fi_info *fab_hints(uint64_t caps, const char *prov);
+int fab_offer_ok(const struct fi_info *i, uint64_t caps, char *why,
+                 size_t len);
+int fab_fence_pick(char *prov, size_t plen, char *why, size_t wlen);
+int fab_fence_probe(char *why, size_t len);
 
 /* open.c */
 int fab_fail(fr_err_t *err, const char *call, int rc);
@@ -149,6 +176,7 @@ int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
                     const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
 
 /* progress.c */
+fr_fab_op_t *fab_op_ours(const fr_transport_t *t, const void *op_context);
 int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err);
 int fab_pending(fr_transport_t *t);
 

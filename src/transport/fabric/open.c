@@ -1,12 +1,12 @@
 /*
  * libfabric transport (FI_EP_RDM, RMA writes with 32-bit remote CQ data):
  * opening and closing an endpoint, and the ops table. Opening asks
- * fi_getinfo for the provider FI_PROVIDER names (or the default one),
- * picks the offer on the rendezvous route (NIC 0) or the k-th other
- * interface of the same kind (NIC k), opens fabric, domain, completion
- * queue, address vector and endpoint, and exchanges endpoint names with
- * every rank. Also here: the FI_FENCE probe and the sweep of a dead rank's
- * shm provider regions.
+ * fi_getinfo for the provider FI_PROVIDER names (or the default one; for
+ * FI_FENCE the one select.c picks), picks the offer on the rendezvous
+ * route (NIC 0) or the k-th other interface of the same kind (NIC k),
+ * opens fabric, domain, completion queue, address vector and endpoint, and
+ * exchanges endpoint names with every rank. Also here: the sweep of a dead
+ * rank's shm provider regions.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,75 +117,24 @@ int fr_fab_shm_sweep(int pid)
     return n;
 }
 
-/* The hints every endpoint asks with (RDM, RMA writes, every memory
- * registration mode ferry can handle) plus `caps`; a plain FI_PROVIDER
- * name is passed as a hint too, while lists ("a,b") and exclusions ("^a")
- * are left to libfabric's own reading of it. NULL when out of memory. */
-static struct fi_info *fab_hints(uint64_t caps)
-{
-    struct fi_info *hints = fi_allocinfo();
-    if (!hints)
-        return NULL;
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | caps;
-    hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
-                                  FI_MR_ALLOCATED | FI_MR_PROV_KEY |
-                                  FI_MR_ENDPOINT;
-    const char *envprov = getenv("FI_PROVIDER");
-    if (envprov && *envprov && !strpbrk(envprov, ",^")) {
-        hints->fabric_attr->prov_name = strdup(envprov);
-        if (!hints->fabric_attr->prov_name) {
-            fi_freeinfo(hints);
-            return NULL;
-        }
-    }
-    return hints;
-}
-
-/* Does the provider FI_PROVIDER names (or the default one) advertise
- * FI_FENCE for RDM RMA endpoints? Local check, no communication. */
-static int fab_fence_probe(char *why, size_t len)
-{
-    struct fi_info *hints = fab_hints(FI_FENCE), *list = NULL;
-    if (!hints) {
-        snprintf(why, len, "out of memory");
-        return 0;
-    }
-    const char *envprov = getenv("FI_PROVIDER");
-    int frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
-    int ok = 0;
-    for (struct fi_info *i = frc ? NULL : list; i && !ok; i = i->next)
-        ok = (i->caps & FI_FENCE) && i->domain_attr->cq_data_size >= 4;
-    if (!ok)
-        snprintf(why, len,
-                 "no libfabric provider%s%s advertises FI_FENCE for RDM RMA "
-                 "endpoints (tcp, rxm and shm accept the flag and ignore it)",
-                 envprov ? " named by FI_PROVIDER=" : "",
-                 envprov ? envprov : "");
-    if (list)
-        fi_freeinfo(list);
-    fi_freeinfo(hints);
-    return ok;
-}
-
 /* NIC k > 0: the k-th other interface (domain) of the same kind as nic0
  * that is up, in the provider's order; NULL: this rank has no NIC k. */
 static struct fi_info *fab_nic_k(struct fi_info *list, struct fi_info *nic0,
-                                 int nic)
+                                 int nic, uint64_t caps)
 {
     int k = 0;
+    char why[160];
     if (fab_is_loopback(nic0))
         return NULL;
     for (struct fi_info *i = list; i; i = i->next) {
-        if (i->domain_attr->cq_data_size < 4 || fab_is_loopback(i) ||
+        if (!fab_offer_ok(i, caps, why, sizeof(why)) || fab_is_loopback(i) ||
             i->addr_format != nic0->addr_format ||
             strcmp(i->domain_attr->name, nic0->domain_attr->name) == 0 ||
             !fab_iface_up(i->domain_attr->name))
             continue;
         int dup = 0; /* count each interface once */
         for (struct fi_info *j = list; j != i && !dup; j = j->next)
-            dup = j->domain_attr->cq_data_size >= 4 &&
+            dup = fab_offer_ok(j, caps, why, sizeof(why)) &&
                   j->addr_format == i->addr_format &&
                   strcmp(j->domain_attr->name, i->domain_attr->name) == 0;
         if (!dup && ++k == nic)
@@ -194,23 +143,28 @@ static struct fi_info *fab_nic_k(struct fi_info *list, struct fi_info *nic0,
     return NULL;
 }
 
-/* Pick NIC `nic` among fi_getinfo's offers: t->info, or t->absent when
- * this rank has no such NIC. */
+/* Pick NIC `nic` among fi_getinfo's offers usable with `caps`: t->info,
+ * or t->absent when this rank has no such NIC. */
 static int fab_choose(fr_boot_t *boot, fr_transport_t *t,
-                      struct fi_info *list, int nic, fr_err_t *err)
+                      struct fi_info *list, int nic, uint64_t caps,
+                      fr_err_t *err)
 {
-    /* First offer that carries at least 32 bits of remote CQ data; among
+    /* First usable offer (fab_offer_ok: RMA writes, >= 32 bits of remote
+     * CQ data, a memory-registration mode ferry handles); among
      * socket-addressed offers (tcp) prefer the interface this rank reached
      * the rendezvous through, which its peers can reach too (on a
      * multi-homed host the first offer may be loopback). */
-    char myip[64];
+    char myip[64], why[160] = "", w[160];
     struct in_addr mine4;
     int have_ip = fr_boot_local_ipv4(boot, myip, sizeof(myip)) == 0 &&
                   inet_pton(AF_INET, myip, &mine4) == 1;
     struct fi_info *first = NULL, *match = NULL;
     for (struct fi_info *i = list; i; i = i->next) {
-        if (i->domain_attr->cq_data_size < 4)
+        if (!fab_offer_ok(i, caps, w, sizeof(w))) {
+            if (!why[0])
+                snprintf(why, sizeof(why), "%s", w);
             continue;
+        }
         if (!first)
             first = i;
         if (have_ip && !match && i->addr_format == FI_SOCKADDR_IN &&
@@ -222,7 +176,7 @@ static int fab_choose(fr_boot_t *boot, fr_transport_t *t,
      * socket offer that is not loopback: peers may be on other hosts */
     if (!match && first && first->addr_format == FI_SOCKADDR_IN) {
         for (struct fi_info *i = list; i; i = i->next)
-            if (i->domain_attr->cq_data_size >= 4 &&
+            if (fab_offer_ok(i, caps, w, sizeof(w)) &&
                 i->addr_format == FI_SOCKADDR_IN && i->src_addr &&
                 (ntohl(((struct sockaddr_in *)i->src_addr)->sin_addr.s_addr) >> 24) != 127) {
                 first = i;
@@ -231,7 +185,7 @@ static int fab_choose(fr_boot_t *boot, fr_transport_t *t,
     }
     struct fi_info *nic0 = match ? match : first, *pick = nic0;
     if (nic > 0 && nic0)
-        pick = fab_nic_k(list, nic0, nic);
+        pick = fab_nic_k(list, nic0, nic, caps);
     if (pick) {
         t->info = fi_dupinfo(pick);
         if (match && nic == 0)
@@ -243,30 +197,65 @@ static int fab_choose(fr_boot_t *boot, fr_transport_t *t,
         t->absent = 1;
     }
     if (!t->info && !t->absent)
-        return FR_ERR(err, FERRY_ERR_FABRIC,
-                      "fabric: no provider offers >= 4 bytes of remote CQ "
-                      "data (first: %s, cq_data_size %zu)",
-                      list->fabric_attr->prov_name,
-                      list->domain_attr->cq_data_size);
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "fabric: no offer of provider %s is usable: %s",
+                      list->fabric_attr->prov_name, why);
     return FERRY_OK;
 }
 
-/* fi_getinfo with the hints for `caps`, then fab_choose. */
+/* Log which provider is in use and why. */
+static void fab_log_choice(const fr_transport_t *t, const char *how)
+{
+    const char *prov = t->info ? t->info->fabric_attr->prov_name : t->prov;
+    const char *env = getenv("FI_PROVIDER");
+    if (how) {
+        FR_LOG_INFO(FR_SUB_NET, "fabric: provider %s for FI_FENCE: %s", prov,
+                    how);
+    } else if (env && *env) {
+        FR_LOG_INFO(FR_SUB_NET, "fabric: provider %s: FI_PROVIDER=%s%s", prov,
+                    env, fab_vetted_find(prov) ? ""
+                                               : " (not among ferry's "
+                                                 "vetted providers)");
+    } else if (fab_vetted_find(prov)) {
+        FR_LOG_INFO(FR_SUB_NET, "fabric: provider %s: libfabric's first "
+                    "usable offer (FI_PROVIDER unset)", prov);
+    } else {
+        FR_LOG_WARN(FR_SUB_NET, "fabric: provider %s: libfabric's first "
+                    "usable offer (FI_PROVIDER unset), not among ferry's "
+                    "vetted providers (docs/architecture.md); set "
+                    "FI_PROVIDER to choose", prov);
+    }
+}
+
+/* fi_getinfo with the hints for `caps`, then fab_choose. FI_FENCE: only
+ * for the provider select.c picks, never libfabric's default. */
 static int fab_discover(fr_boot_t *boot, fr_transport_t *t, int nic,
                         uint64_t caps, fr_err_t *err)
 {
-    struct fi_info *hints = fab_hints(caps), *list = NULL;
+    char pick[FR_FAB_PROV_MAX], how[FR_ERRMSG_LEN - 64];
+    const char *prov = NULL;
+    if (caps & FI_FENCE) {
+        if (!fab_fence_pick(pick, sizeof(pick), how, sizeof(how)))
+            return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "fabric: FI_FENCE: %s",
+                          how);
+        prov = pick;
+    }
+    struct fi_info *hints = fab_hints(caps, prov), *list = NULL;
     if (!hints)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory for hints");
     const char *envprov = getenv("FI_PROVIDER");
     int rc, frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
     if (frc)
         rc = FR_ERR(err, FERRY_ERR_FABRIC,
-                    "fabric: fi_getinfo (FI_EP_RDM, FI_RMA, FI_PROVIDER=%s) "
-                    "failed: %s (%d)",
-                    envprov ? envprov : "(unset)", fi_strerror(-frc), frc);
+                    "fabric: fi_getinfo (FI_EP_RDM, FI_RMA%s, provider %s, "
+                    "FI_PROVIDER=%s) failed: %s (%d)",
+                    (caps & FI_FENCE) ? ", FI_FENCE" : "",
+                    prov ? prov : "any", envprov ? envprov : "(unset)",
+                    fi_strerror(-frc), frc);
     else
-        rc = fab_choose(boot, t, list, nic, err);
+        rc = fab_choose(boot, t, list, nic, caps, err);
+    if (rc == FERRY_OK)
+        fab_log_choice(t, prov ? how : NULL);
     if (list)
         fi_freeinfo(list);
     fi_freeinfo(hints);
@@ -294,11 +283,20 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
                     info->fabric_attr->prov_name);
     }
     info->tx_attr->op_flags |= op_flags;
+    /* sockets defaults to a progress thread per domain that spins for 10
+     * ms at a time, beside the proxy that polls anyway: on a loaded host
+     * the two fight for the CPU (rounds 5-20x slower). ferry drives
+     * progress from poll() on every rank, so ask for manual progress. */
+    if (strcmp(info->fabric_attr->prov_name, "sockets") == 0) {
+        info->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+        info->domain_attr->control_progress = FI_PROGRESS_MANUAL;
+    }
     if (strcmp(info->fabric_attr->prov_name, "shm") == 0 &&
         fab_shm_name(info) != 0)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric: out of memory");
     snprintf(t->iface, sizeof(t->iface), "%s", info->domain_attr->name);
     t->mr_mode = info->domain_attr->mr_mode;
+    t->max_msg = info->ep_attr->max_msg_size;
     snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
     FR_LOG_INFO(FR_SUB_NET,
                 "fabric: provider %s (fabric %s, domain %s), mr_mode 0x%llx"

@@ -11,9 +11,10 @@
  * completion: FR_CQE_TX or FR_CQE_ERR. A call that returns an error
  * (FERRY_ERR_INVALID for bad bounds or index) posted nothing.
  *
- * Zero-byte writes: tcp;ofi_rxm and shm both accept fi_writedata with len 0
- * and deliver the remote CQ data, to other ranks and to self (checked by
- * tests/mp/test_fabric). They are posted as real zero-byte writes.
+ * Zero-byte writes: tcp;ofi_rxm, shm, sockets and udp;ofi_rxd accept
+ * fi_writedata with len 0 and deliver the remote CQ data, to other ranks
+ * and to self (checked by tests/mp/test_fabric). They are posted as real
+ * zero-byte writes.
  */
 #include <stdlib.h>
 #include <sys/uio.h>
@@ -34,6 +35,12 @@ static int fab_pool_grow(fr_transport_t *t)
         return -1;
     c->next = t->chunks;
     t->chunks = c;
+    uintptr_t lo = (uintptr_t)&c->ops[0],
+              hi = (uintptr_t)&c->ops[FR_FAB_POOL_CHUNK];
+    if (!t->pool_lo || lo < t->pool_lo)
+        t->pool_lo = lo;
+    if (hi > t->pool_hi)
+        t->pool_hi = hi;
     for (int i = FR_FAB_POOL_CHUNK - 1; i >= 0; i--) {
         c->ops[i].next = t->free_ops;
         t->free_ops = &c->ops[i];
@@ -51,6 +58,7 @@ void fab_pool_free(fr_transport_t *t)
     }
     t->free_ops = NULL;
     t->nfree = 0;
+    t->pool_lo = t->pool_hi = 0;
 }
 
 static fr_fab_op_t *fab_op_get(fr_transport_t *t)
@@ -61,11 +69,13 @@ static fr_fab_op_t *fab_op_get(fr_transport_t *t)
     t->free_ops = op->next;
     t->nfree--;
     op->next = NULL;
+    op->state = FR_FAB_OP_HELD;
     return op;
 }
 
 void fab_op_put(fr_transport_t *t, fr_fab_op_t *op)
 {
+    op->state = FR_FAB_OP_FREE;
     op->next = t->free_ops;
     t->free_ops = op;
     t->nfree++;
@@ -98,8 +108,10 @@ fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 /* posting                                                             */
 /* ------------------------------------------------------------------ */
 
+/* The op is marked posted first: from here on a completion may name it. */
 static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
 {
+    op->state = FR_FAB_OP_POSTED;
     if (op->fence) {
         struct iovec iov = {(void *)op->buf, op->len};
         struct fi_rma_iov rma = {op->raddr, op->len, op->key};
@@ -122,6 +134,7 @@ static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
             t->inflight++;
             return;
         }
+        op->state = FR_FAB_OP_HELD;
         if (rc != -FI_EAGAIN) {
             op->err = (int)rc;
             fab_list_push(&t->e_head, &t->e_tail, op);
@@ -140,13 +153,16 @@ void fab_drain_queue(fr_transport_t *t)
     while (t->q_head) {
         fr_fab_op_t *op = t->q_head;
         ssize_t rc = fab_post(t, op);
-        if (rc == -FI_EAGAIN)
+        if (rc == -FI_EAGAIN) {
+            op->state = FR_FAB_OP_HELD;
             return;
+        }
         fab_list_pop(&t->q_head, &t->q_tail);
         t->nqueued--;
         if (rc == 0) {
             t->inflight++;
         } else {
+            op->state = FR_FAB_OP_HELD;
             op->err = (int)rc;
             fab_list_push(&t->e_head, &t->e_tail, op);
             t->nerrors++;
@@ -154,10 +170,16 @@ void fab_drain_queue(fr_transport_t *t)
     }
 }
 
-static int fab_check_slice(const fr_group_t *g, int i, const fr_slice_t *s,
-                           fr_err_t *err)
+static int fab_check_slice(const fr_transport_t *t, const fr_group_t *g,
+                           int i, const fr_slice_t *s, fr_err_t *err)
 {
     const fr_fab_peer_t *p = &g->peers[i];
+    if (s->len > t->max_msg)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "fabric: slice %d (rank %d): a write of %llu bytes is "
+                      "over provider %s's max_msg_size of %zu bytes",
+                      i, p->rank, (unsigned long long)s->len, t->prov,
+                      t->max_msg);
     if (s->src_off > g->slen || s->len > g->slen - s->src_off)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: slice %d (rank %d): source [%llu, +%llu) "
@@ -220,7 +242,7 @@ int fab_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
                       "fabric: scatter: group %p, slices %p", (void *)g,
                       (const void *)slices);
     for (int i = 0; i < g->npeers; i++)
-        if ((rc = fab_check_slice(g, i, &slices[i], err)) != FERRY_OK)
+        if ((rc = fab_check_slice(t, g, i, &slices[i], err)) != FERRY_OK)
             return rc;
     if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
         return rc;
@@ -251,7 +273,7 @@ int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: write_imm: index %d of a group of %d", index,
                       g ? g->npeers : 0);
-    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+    if ((rc = fab_check_slice(t, g, index, slice, err)) != FERRY_OK)
         return rc;
     return fab_add(t, g, index, slice, ctx, 0, err);
 }
@@ -268,7 +290,7 @@ int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: write_fence: index %d of a group of %d", index,
                       g ? g->npeers : 0);
-    if ((rc = fab_check_slice(g, index, slice, err)) != FERRY_OK)
+    if ((rc = fab_check_slice(t, g, index, slice, err)) != FERRY_OK)
         return rc;
     return fab_add(t, g, index, slice, ctx, 1, err);
 }

@@ -6,6 +6,19 @@
  * error: one of our posts (FR_CQE_ERR, with its peer and ctx) or an
  * incoming write whose writer is unknown (FR_CQE_RXERR). Progress is
  * manual, so poll() must be called on both sides of a write.
+ *
+ * Classifying an entry (fi_cq(3)): op_context is the context given at
+ * post for a local completion and undefined for a remote one; flags name
+ * the operation (FI_RMA | FI_WRITE: ours; FI_RMA | FI_REMOTE_WRITE: a
+ * peer's) and FI_REMOTE_CQ_DATA says data is valid. The flag alone does
+ * not tell the two apart: sockets sets FI_REMOTE_CQ_DATA (and the data) on
+ * the writer's own completion of fi_writedata. So first the context: an
+ * entry whose op_context is an op of this transport's pool that is posted
+ * (an address inside one of the pool's chunks, on an op boundary; never
+ * dereferenced before that is known) is our write completing, unless
+ * its flags say FI_REMOTE_WRITE. Otherwise the flags: FI_REMOTE_CQ_DATA is
+ * an arrival; anything else is an entry ferry cannot place and is
+ * reported as an error rather than guessed at.
  */
 #include <string.h>
 
@@ -55,8 +68,8 @@ static int fab_poll_error(fr_transport_t *t, fr_cqe_t *c, fr_err_t *err)
     c->status = FERRY_ERR_FABRIC;
     c->peer = -1;
     c->ctx = 0;
-    if (ee.op_context && !(ee.flags & FI_REMOTE_WRITE)) {
-        fr_fab_op_t *op = ee.op_context;
+    fr_fab_op_t *op = fab_op_ours(t, ee.op_context);
+    if (op && !(ee.flags & FI_REMOTE_WRITE)) {
         c->kind = FR_CQE_ERR;
         c->peer = op->peer;
         c->ctx = op->ctx;
@@ -79,25 +92,54 @@ static int fab_poll_error(fr_transport_t *t, fr_cqe_t *c, fr_err_t *err)
     return 0;
 }
 
-/* One completion queue entry as an FR_CQE_RX or FR_CQE_TX. */
-static void fab_classify(fr_transport_t *t, const struct fi_cq_data_entry *e,
-                         fr_cqe_t *c)
+/* Is op_context one of this transport's posted ops? Checked by address
+ * against the pool's chunks, so a context that is not ours (undefined for
+ * remote completions) is never read. */
+fr_fab_op_t *fab_op_ours(const fr_transport_t *t, const void *op_context)
 {
-    if (e->flags & FI_REMOTE_CQ_DATA) {
-        c->kind = FR_CQE_RX;
-        c->imm = (uint32_t)e->data;
-        c->peer = -1;
-        c->status = FERRY_OK;
-        c->ctx = 0;
-    } else {
-        fr_fab_op_t *op = e->op_context;
+    uintptr_t a = (uintptr_t)op_context;
+    if (!op_context || a < t->pool_lo || a >= t->pool_hi)
+        return NULL;
+    for (const fr_fab_chunk_t *c = t->chunks; c; c = c->next) {
+        uintptr_t lo = (uintptr_t)&c->ops[0];
+        if (a < lo || a >= (uintptr_t)&c->ops[FR_FAB_POOL_CHUNK])
+            continue;
+        if ((a - lo) % sizeof(fr_fab_op_t) != 0)
+            return NULL;
+        fr_fab_op_t *op = (fr_fab_op_t *)op_context;
+        return op->state == FR_FAB_OP_POSTED ? op : NULL;
+    }
+    return NULL;
+}
+
+/* One completion queue entry as an FR_CQE_RX or FR_CQE_TX; an entry that
+ * is neither (not our op, no remote CQ data) is an FR_CQE_RXERR. */
+static void fab_classify(fr_transport_t *t, const struct fi_cq_data_entry *e,
+                         fr_cqe_t *c, fr_err_t *err)
+{
+    fr_fab_op_t *op = fab_op_ours(t, e->op_context);
+    c->peer = -1;
+    c->status = FERRY_OK;
+    c->ctx = 0;
+    c->imm = 0;
+    if (op && !(e->flags & FI_REMOTE_WRITE)) {
         c->kind = FR_CQE_TX;
         c->imm = op->imm;
         c->peer = op->peer;
-        c->status = FERRY_OK;
         c->ctx = op->ctx;
         t->inflight--;
         fab_op_put(t, op);
+    } else if (e->flags & FI_REMOTE_CQ_DATA) {
+        c->kind = FR_CQE_RX;
+        c->imm = (uint32_t)e->data;
+    } else {
+        c->kind = FR_CQE_RXERR;
+        c->status = FERRY_ERR_FABRIC;
+        FR_ERR(err, FERRY_ERR_FABRIC,
+               "fabric: provider %s: a completion that is neither one of "
+               "this rank's writes nor a write with remote CQ data "
+               "(flags 0x%llx, op_context %p)",
+               t->prov, (unsigned long long)e->flags, e->op_context);
     }
 }
 
@@ -126,7 +168,7 @@ int fab_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
         if (got < 0)
             return fab_fail(err, "fi_cq_read", (int)got);
         for (ssize_t i = 0; i < got; i++)
-            fab_classify(t, &ent[i], &out[n++]);
+            fab_classify(t, &ent[i], &out[n++], err);
         if (got < want)
             break;
     }
