@@ -19,6 +19,8 @@ is given.
     ep.combine_recv(r, topk_weights, out)
 """
 import ctypes as C
+import numbers
+import sys
 
 from . import _lib
 
@@ -55,32 +57,97 @@ def cuda_available():
 
 # ---------------------------------------------------------------- arrays
 
-def _info(a, name):
-    """(pointer, device, dtype name, shape) of an array-like, no copy."""
-    if a is None:
-        return None
-    mod = type(a).__module__.split(".")[0]
-    if mod == "torch":
-        if not a.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous")
-        dev = "cuda" if a.is_cuda else "cpu"
-        return a.data_ptr(), dev, str(a.dtype).replace("torch.", ""), tuple(a.shape)
-    cai = getattr(a, "__cuda_array_interface__", None)
-    if cai is not None:
-        if cai.get("strides") not in (None,):
-            raise ValueError(f"{name}: must be C-contiguous")
-        return cai["data"][0], "cuda", _typestr(cai["typestr"]), tuple(cai["shape"])
-    ai = getattr(a, "__array_interface__", None)
-    if ai is not None:
-        if ai.get("strides") is not None and not getattr(a, "flags", {"C_CONTIGUOUS": True})["C_CONTIGUOUS"]:
-            raise ValueError(f"{name}: must be C-contiguous")
-        return ai["data"][0], "cpu", _typestr(ai["typestr"]), tuple(ai["shape"])
-    raise TypeError(f"{name}: expected a numpy/torch/CuPy array, got {type(a).__name__}")
+class _Arr:
+    """What the binding knows of an array-like: pointer, device ("cpu" or
+    "cuda", and the CUDA device index when known), dtype name, shape,
+    whether it is C-contiguous and writable, and whether it is a torch
+    tensor (for the dtype names in messages)."""
+    __slots__ = ("ptr", "dev", "index", "dtype", "shape", "contig", "writable", "torch")
+
+
+_TYPESTR = {"u1": "uint8", "i1": "int8", "u2": "uint16", "i2": "int16", "f2": "float16",
+            "u4": "uint32", "i4": "int32", "f4": "float32", "u8": "uint64", "i8": "int64",
+            "f8": "float64", "b1": "bool"}
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "uint16": 2, "int16": 2,
+             "float16": 2, "bfloat16": 2, "uint32": 4, "int32": 4, "float32": 4,
+             "uint64": 8, "int64": 8, "float64": 8}
 
 
 def _typestr(t):
-    return {"<u2": "uint16", "<i8": "int64", "<f4": "float32", "<i4": "int32",
-            "|u1": "uint8", "<u1": "uint8"}.get(t, t)
+    """An array-interface typestr ("<u2") as a dtype name ("uint16"); byte
+    orders other than this machine's (little-endian) keep the typestr."""
+    if isinstance(t, str) and len(t) == 3 and t[0] in "<|=" and t[1:] in _TYPESTR:
+        return _TYPESTR[t[1:]]
+    return str(t)
+
+
+def _c_contiguous(shape, strides, itemsize):
+    if strides is None:
+        return True
+    if 0 in shape:
+        return True
+    want = itemsize
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != want:
+            return False
+        want *= n
+    return True
+
+
+def _info(a, name):
+    """An _Arr for a (no copy), or TypeError naming the argument."""
+    mod = type(a).__module__.split(".")[0]
+    r = _Arr()
+    r.torch = mod == "torch"
+    if r.torch and hasattr(a, "data_ptr"):
+        r.ptr = a.data_ptr()
+        r.dev = "cuda" if a.is_cuda else ("cpu" if a.device.type == "cpu" else a.device.type)
+        r.index = a.device.index if a.is_cuda else None
+        r.dtype = str(a.dtype).replace("torch.", "")
+        r.shape = tuple(a.shape)
+        r.contig = a.is_contiguous()
+        r.writable = True
+        return r
+    cai = getattr(a, "__cuda_array_interface__", None)
+    ai = None if cai is not None else getattr(a, "__array_interface__", None)
+    iface = cai if cai is not None else ai
+    if not isinstance(iface, dict) or not isinstance(iface.get("data"), tuple):
+        raise TypeError(f"{name}: expected a numpy/torch/CuPy array, got {type(a).__name__}")
+    r.ptr = iface["data"][0] or 0
+    r.writable = not iface["data"][1]
+    r.dev = "cuda" if cai is not None else "cpu"
+    dev = getattr(a, "device", None)
+    r.index = getattr(dev, "id", None) if cai is not None else None
+    r.dtype = _typestr(iface.get("typestr"))
+    r.shape = tuple(int(n) for n in iface["shape"])
+    item = _ITEMSIZE.get(r.dtype, 1)
+    strides = iface.get("strides")
+    r.contig = _c_contiguous(r.shape, strides, item) and r.ptr % item == 0
+    return r
+
+
+_BF16 = ("uint16", "bfloat16")   # numpy name, torch name
+_FP8 = ("uint8", "float8_e4m3fn")
+_I64 = ("int64", "int64")
+_I32 = ("int32", "int32")
+_F32 = ("float32", "float32")
+
+
+def _fmt_shape(shape):
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _current_cuda_device():
+    """The CUDA device the context is created on (the current one), when
+    torch or CuPy can say; None otherwise."""
+    try:
+        if "torch" in sys.modules:
+            return sys.modules["torch"].cuda.current_device()
+        if "cupy" in sys.modules:
+            return sys.modules["cupy"].cuda.runtime.getDevice()
+    except Exception:
+        pass
+    return None
 
 
 def _stream_of(a, stream):
@@ -97,11 +164,18 @@ def _stream_of(a, stream):
 class Comm:
     """Who the ranks are. Comm() reads the environment (FERRY_RANK/
     FERRY_WORLD_SIZE/FERRY_ROOT, Open MPI, torchrun, Slurm); Comm(group)
-    uses a torch.distributed process group's allgather."""
+    uses a torch.distributed process group's allgather.
+
+    close() while EPs on it are open is deferred: the communicator is
+    closed by the last of those EPs' close() (each EP holds its Comm).
+    From close() on, the Comm cannot be used (rank, size, barrier, new
+    EPs raise ValueError); closing twice is harmless."""
 
     def __init__(self, group=None):
         lib = _lib_handle()
         self._h = C.c_void_p()
+        self._closed = False
+        self._eps = 0  # open EPs on this communicator
         err = C.create_string_buffer(512)
         self._cb = None
         if group is None:
@@ -132,23 +206,39 @@ class Comm:
         if rc != 0:
             raise FerryError(rc, err.value.decode())
 
+    def _handle(self):
+        if self._closed or not self._h:
+            raise ValueError("comm: the communicator is closed")
+        return self._h
+
     @property
     def rank(self):
-        return _lib_handle().ferry_comm_rank(self._h)
+        return _lib_handle().ferry_comm_rank(self._handle())
 
     @property
     def size(self):
-        return _lib_handle().ferry_comm_size(self._h)
+        return _lib_handle().ferry_comm_size(self._handle())
 
     def barrier(self):
-        rc = _lib_handle().ferry_comm_barrier(self._h)
+        rc = _lib_handle().ferry_comm_barrier(self._handle())
         if rc:
             raise FerryError(rc, _lib_handle().ferry_comm_last_error(self._h).decode())
 
     def close(self):
+        """Collective. Deferred while EPs on this Comm are open (see above)."""
+        self._closed = True
+        if self._eps == 0:
+            self._destroy()
+
+    def _destroy(self):
         if self._h:
-            _lib_handle().ferry_comm_destroy(self._h)
-            self._h = C.c_void_p()
+            h, self._h = self._h, C.c_void_p()
+            _lib_handle().ferry_comm_destroy(h)
+
+    def _ep_closed(self):
+        self._eps -= 1
+        if self._closed and self._eps == 0:
+            self._destroy()
 
     def __enter__(self):
         return self
@@ -160,7 +250,13 @@ class Comm:
 # ---------------------------------------------------------------- EP
 
 class EP:
-    """An expert-parallel context (collective to create and to close)."""
+    """An expert-parallel context (collective to create and to close).
+
+    Every array is checked against the context before its pointer reaches
+    libferry: device, dtype, shape and C-contiguity (outputs also writable);
+    a mismatch raises TypeError (not an array, wrong dtype) or ValueError
+    (shape, layout, device), naming the argument. Methods after close()
+    raise ValueError; closing twice is harmless."""
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
                  device="cpu", num_sms=0):
@@ -168,18 +264,27 @@ class EP:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if device not in _lib.DEVICES:
             raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+        if not isinstance(comm, Comm):
+            raise TypeError(f"comm: expected a ferry.Comm, got {type(comm).__name__}")
+        ch = comm._handle()
         lib = _lib_handle()
-        self.comm = comm
+        self._h = C.c_void_p()
         cfg = _lib.EpConfig(C.sizeof(_lib.EpConfig), _lib.FERRY_EP_CONFIG_MAGIC,
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms)
-        self._h = C.c_void_p()
-        rc = lib.ferry_ep_create(comm._h, C.byref(cfg), C.byref(self._h))
+        rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
-            raise FerryError(rc, lib.ferry_comm_last_error(comm._h).decode())
+            self._h = C.c_void_p()
+            raise FerryError(rc, lib.ferry_comm_last_error(ch).decode())
+        self.comm = comm  # kept open until this EP is closed
+        comm._eps += 1
         lay = _lib.Layout()
         lay.size = C.sizeof(_lib.Layout)
-        self._check(lib.ferry_ep_get_layout(self._h, C.byref(lay)))
+        rc = lib.ferry_ep_get_layout(self._h, C.byref(lay))
+        if rc != 0:
+            msg = lib.ferry_ep_last_error(self._h).decode()
+            self.close()
+            raise FerryError(rc, msg)
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
         self.num_ranks = lay.num_ranks
@@ -187,32 +292,62 @@ class EP:
         self.num_local_experts = lay.num_local_experts
         self.capacity = lay.expert_capacity
         self.num_scales = lay.num_scales
+        self.token_bytes = lay.token_bytes
+        self._cuda_index = _current_cuda_device() if device == "cuda" else None
         self._keep = {}
+        self._rounds = {}  # round -> T (rows of topk_weights and out at combine)
+
+    def _ep(self):
+        if not self._h:
+            raise ValueError("EP: the context is closed")
+        return self._h
 
     def _check(self, rc):
         if rc != 0:
             raise FerryError(rc, _lib_handle().ferry_ep_last_error(self._h).decode())
 
-    def _want(self, a, name, dtypes, shape=None):
-        inf = _info(a, name)
-        if inf is None:
+    def _arr(self, a, name, dtypes, shape, required=True, output=False):
+        """The pointer of a checked against the context, or None (when a is
+        None and not required). shape: a tuple, None entries any size."""
+        if a is None:
+            if required:
+                raise TypeError(f"{name}: expected shape {self._show(shape)} "
+                                f"{dtypes[0]}, got None")
             return None
-        ptr, dev, dt, shp = inf
-        if dev != self.device:
-            raise ValueError(f"{name}: on {dev}, but the context is on {self.device}")
-        if dt not in dtypes:
-            raise TypeError(f"{name}: dtype {dt}, expected {' or '.join(dtypes)}")
-        if shape is not None and shp != tuple(shape):
-            raise ValueError(f"{name}: shape {shp}, expected {tuple(shape)}")
-        return ptr
+        inf = _info(a, name)
+        want = f"{self._show(shape)} {dtypes[1] if inf.torch else dtypes[0]}"
+        got = f"{_fmt_shape(inf.shape)} {inf.dtype}"
+        if inf.dev != self.device:
+            raise ValueError(f"{name}: expected a {self.device} array, got a {inf.dev} array")
+        if self._cuda_index is not None and inf.index is not None \
+                and inf.index != self._cuda_index:
+            raise ValueError(f"{name}: expected an array on cuda:{self._cuda_index} "
+                             f"(the context's device), got one on cuda:{inf.index}")
+        if inf.dtype not in dtypes:
+            raise TypeError(f"{name}: expected shape {want}, got {got}")
+        if len(inf.shape) != len(shape) or any(w is not None and w != n
+                                               for w, n in zip(shape, inf.shape)):
+            raise ValueError(f"{name}: expected shape {want}, got {got}")
+        if not inf.contig:
+            raise ValueError(f"{name}: expected a C-contiguous (row-major, aligned) array, "
+                             f"got a strided view {got}")
+        if output and not inf.writable:
+            raise ValueError(f"{name}: expected a writable array, got a read-only one")
+        return inf.ptr
+
+    @staticmethod
+    def _show(shape):
+        return _fmt_shape(["T" if n is None else n for n in shape])
 
     def alloc(self, xp=None):
         """Output buffers of dispatch_recv, as numpy (default) or torch arrays."""
+        self._ep()
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
+        ns = max(1, self.num_scales)
         if xp is None or xp.__name__ == "numpy":
             import numpy as np
-            ex = np.zeros((El, cap, H if self.dtype == "fp8" else H), dtype=np.uint8 if self.dtype == "fp8" else np.uint16)
-            sc = np.zeros((El, cap, max(1, self.num_scales)), dtype=np.float32)
+            ex = np.zeros((El, cap, H), dtype=np.uint8 if self.dtype == "fp8" else np.uint16)
+            sc = np.zeros((El, cap, ns), dtype=np.float32)
             return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
                         expert_num_tokens=np.zeros(El, dtype=np.int32),
                         expert_src_rank=np.zeros((El, cap), dtype=np.int32),
@@ -220,63 +355,120 @@ class EP:
         import torch
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else "cpu"
         ex = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if self.dtype == "fp8" else torch.bfloat16, device=dev)
-        sc = torch.empty((El, cap, max(1, self.num_scales)), dtype=torch.float32, device=dev)
+        sc = torch.empty((El, cap, ns), dtype=torch.float32, device=dev)
         return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
                     expert_num_tokens=torch.zeros(El, dtype=torch.int32, device=dev),
                     expert_src_rank=torch.empty((El, cap), dtype=torch.int32, device=dev),
                     expert_src_token=torch.empty((El, cap), dtype=torch.int32, device=dev))
 
-    _X = ("uint16", "bfloat16")
-    _X8 = ("uint8", "float8_e4m3fn")
-
     def dispatch_send(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None):
         """Send tokens x [T, H] (bf16; fp8 with x_scales [T, H/128]) to the
-        ranks of their experts; topk_idx [T, K] int64, -1 = none. Returns the
-        round. num_tokens: an int, or (CUDA) an int32 device array."""
-        T = _info(topk_idx, "topk_idx")[3][0] if topk_idx is not None else 0
-        nt_dev = None
+        ranks of their experts; topk_idx [T, K] int64, -1 = none; T <=
+        max_tokens. Returns the round. num_tokens: an int <= T (the first
+        num_tokens rows are sent; combine then takes num_tokens rows), or
+        (CUDA) an int32 device array of one element, read when the work
+        runs: then x and topk_idx have max_tokens rows, and so do
+        topk_weights and out at combine."""
+        h = self._ep()
+        H, K, Tmax = self.hidden, self.topk, self.max_tokens
+        # rows: from topk_idx, else x; both absent is an empty round
+        lead = topk_idx if topk_idx is not None else x
+        R = 0
+        if lead is not None:
+            inf = _info(lead, "topk_idx" if topk_idx is not None else "x")
+            R = inf.shape[0] if len(inf.shape) == 2 else None
+        quant = x_scales is not None
+        if quant and self.dtype != "fp8":
+            raise ValueError("x_scales: given, but the context's dispatch dtype is bf16 "
+                             "(pre-quantised input needs dtype='fp8')")
+        pi = self._arr(topk_idx, "topk_idx", _I64, (R, K), required=R != 0)
+        px = self._arr(x, "x", _FP8 if quant else _BF16, (R, H), required=R != 0)
+        ps = self._arr(x_scales, "x_scales", _F32, (R, self.num_scales), required=False)
+        if R > Tmax:
+            raise ValueError(f"x: expected at most max_tokens = {Tmax} rows, got "
+                             f"{_fmt_shape(_info(x, 'x').shape)}")
+        nt_dev, T = None, R
+        if isinstance(num_tokens, bool):
+            raise TypeError("num_tokens: expected an int, got bool")
+        if isinstance(num_tokens, numbers.Integral):
+            num_tokens = int(num_tokens)
         if num_tokens is not None and not isinstance(num_tokens, int):
-            nt_dev = self._want(num_tokens, "num_tokens", ("int32",))
-        elif isinstance(num_tokens, int):
+            if self.device != "cuda":
+                raise TypeError(f"num_tokens: expected an int (a device array only with "
+                                f"device='cuda'), got {type(num_tokens).__name__}")
+            nt_dev = self._arr(num_tokens, "num_tokens", _I32, (1,))
+            if R != Tmax:
+                raise ValueError(f"num_tokens: a device array needs x and topk_idx of "
+                                 f"max_tokens = {Tmax} rows (it is read when the work runs), "
+                                 f"got {R} rows")
+            T = Tmax
+        elif num_tokens is not None:
+            if not 0 <= num_tokens <= R:
+                raise ValueError(f"num_tokens: expected 0..{R} (the rows of x), "
+                                 f"got {num_tokens}")
             T = num_tokens
-        px = self._want(x, "x", self._X8 if x_scales is not None else self._X)
-        pi = self._want(topk_idx, "topk_idx", ("int64",))
-        ps = self._want(x_scales, "x_scales", ("float32",))
         din = _lib.DispatchIn(C.sizeof(_lib.DispatchIn), T, px, ps, pi,
                               _stream_of(x, stream), nt_dev)
         r = C.c_uint64()
-        self._check(_lib_handle().ferry_dispatch_send(self._h, C.byref(din), C.byref(r)))
-        self._keep[r.value] = (x, topk_idx, x_scales)  # alive until the round ends
+        self._check(_lib_handle().ferry_dispatch_send(h, C.byref(din), C.byref(r)))
+        # alive until the round ends
+        self._keep[r.value] = (x, topk_idx, x_scales, num_tokens)
+        self._rounds[r.value] = T
         return r.value
 
     def dispatch_recv(self, round, expert_x, expert_num_tokens, expert_x_scales=None,
                       expert_src_rank=None, expert_src_token=None, stream=None):
+        """expert_x [E_local, capacity, H] (bf16, or fp8 with expert_x_scales
+        [E_local, capacity, H/128] float32), expert_num_tokens [E_local]
+        int32, optional expert_src_rank/expert_src_token [E_local, capacity]
+        int32: see alloc()."""
+        h = self._ep()
+        El, cap, H = self.num_local_experts, self.capacity, self.hidden
+        fp8 = self.dtype == "fp8"
+        if not fp8 and expert_x_scales is not None:
+            raise ValueError("expert_x_scales: expected None (the context's dispatch "
+                             "dtype is bf16), got an array")
         dout = _lib.DispatchOut(
             C.sizeof(_lib.DispatchOut),
-            self._want(expert_x, "expert_x", self._X8 if self.dtype == "fp8" else self._X),
-            self._want(expert_x_scales, "expert_x_scales", ("float32",)),
-            self._want(expert_num_tokens, "expert_num_tokens", ("int32",)),
-            self._want(expert_src_rank, "expert_src_rank", ("int32",)),
-            self._want(expert_src_token, "expert_src_token", ("int32",)),
+            self._arr(expert_x, "expert_x", _FP8 if fp8 else _BF16, (El, cap, H),
+                      output=True),
+            self._arr(expert_x_scales, "expert_x_scales", _F32, (El, cap, self.num_scales),
+                      required=fp8, output=True),
+            self._arr(expert_num_tokens, "expert_num_tokens", _I32, (El,), output=True),
+            self._arr(expert_src_rank, "expert_src_rank", _I32, (El, cap), required=False,
+                      output=True),
+            self._arr(expert_src_token, "expert_src_token", _I32, (El, cap),
+                      required=False, output=True),
             _stream_of(expert_x, stream))
-        self._check(_lib_handle().ferry_dispatch_recv(self._h, round, C.byref(dout)))
+        self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
 
     def combine_send(self, round, expert_y, stream=None):
         """expert_y [E_local, capacity, H] bf16, the experts' outputs."""
+        h = self._ep()
         cin = _lib.CombineIn(C.sizeof(_lib.CombineIn),
-                             self._want(expert_y, "expert_y", self._X),
+                             self._arr(expert_y, "expert_y", _BF16,
+                                       (self.num_local_experts, self.capacity, self.hidden)),
                              _stream_of(expert_y, stream))
-        self._check(_lib_handle().ferry_combine_send(self._h, round, C.byref(cin)))
+        self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
 
     def combine_recv(self, round, topk_weights, out, stream=None):
-        """out [T, H] bf16 = sum_k topk_weights[t, k] * y_k[t] (fp32 sum)."""
-        cout = _lib.CombineOut(C.sizeof(_lib.CombineOut),
-                               self._want(topk_weights, "topk_weights", ("float32",)),
-                               self._want(out, "out", self._X), _stream_of(out, stream))
-        self._check(_lib_handle().ferry_combine_recv(self._h, round, C.byref(cout)))
+        """out [T, H] bf16 = sum_k topk_weights[t, k] * y_k[t] (fp32 sum);
+        topk_weights [T, K] float32; T as at dispatch_send."""
+        h = self._ep()
+        T = self._rounds.get(round)
+        if T is None:  # not a round of this context in flight: ferry says why
+            cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
+        else:
+            cout = _lib.CombineOut(
+                C.sizeof(_lib.CombineOut),
+                self._arr(topk_weights, "topk_weights", _F32, (T, self.topk), required=T > 0),
+                self._arr(out, "out", _BF16, (T, self.hidden), required=T > 0, output=True),
+                _stream_of(out, stream))
+        self._check(_lib_handle().ferry_combine_recv(h, round, C.byref(cout)))
         self._keep.pop(round, None)
+        self._rounds.pop(round, None)
 
     def dispatch(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None, **out):
         r = self.dispatch_send(x, topk_idx, x_scales, num_tokens, stream)
@@ -289,13 +481,18 @@ class EP:
 
     def sync(self, stream=None):
         """Wait for the stream (CUDA) and raise what the GPU reported."""
-        self._check(_lib_handle().ferry_ep_sync(self._h, stream))
+        self._check(_lib_handle().ferry_ep_sync(self._ep(), stream))
 
     def close(self):
+        """Collective. Closes the Comm too when its close() was deferred."""
         if self._h:
-            rc = _lib_handle().ferry_ep_destroy(self._h)
-            self._h = C.c_void_p()
+            h, self._h = self._h, C.c_void_p()
             self._keep.clear()
+            self._rounds.clear()
+            try:
+                rc = _lib_handle().ferry_ep_destroy(h)
+            finally:
+                self.comm._ep_closed()
             if rc:
                 raise FerryError(rc, "ferry_ep_destroy failed")
 

@@ -13,10 +13,16 @@
 Rows of each expert are ordered by source rank, then token. handle also
 carries (src_rank, src_token) per row. Arguments ferry does not support
 raise a clear error naming them (see docs/python.md for the mapping).
+Tensors are checked before use (TypeError for a wrong type or dtype,
+ValueError for a wrong shape or device, naming the argument); inputs are
+made contiguous here (a copy when they are not), `out` must already be.
 """
+import operator
+
 import torch
 
 from . import Comm, EP
+from . import _fmt_shape
 
 __all__ = ["Buffer", "EventOverlap"]
 
@@ -37,6 +43,23 @@ class EventOverlap:
 
     def __exit__(self, *exc):
         pass
+
+
+def _tensor(t, name, dtype=None, shape=None):
+    """t is a torch tensor (of dtype and shape, None entries any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    want = " ".join(p for p in (
+        _fmt_shape(["T" if n is None else n for n in shape]) if shape is not None else "",
+        str(dtype).replace("torch.", "") if dtype is not None else "") if p)
+    if shape is not None:
+        want = "shape " + want
+    got = f"{_fmt_shape(tuple(t.shape))} {str(t.dtype).replace('torch.', '')}"
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected {want}, got {got}")
+    if shape is not None and (t.dim() != len(shape) or any(
+            n is not None and n != m for n, m in zip(shape, t.shape))):
+        raise ValueError(f"{name}: expected {want}, got {got}")
 
 
 class Buffer:
@@ -97,12 +120,25 @@ class Buffer:
         bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
         if bad:
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
-        if x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise TypeError(f"x: expected a [T, H] bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+        _tensor(x, "x", torch.bfloat16)
+        if x.dim() != 2:
+            raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
+                             f"bfloat16")
+        T, H = x.shape
+        _tensor(topk_idx, "topk_idx")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx: expected shape ({T}, K) int64 (the rows of x), got "
+                             f"{_fmt_shape(tuple(topk_idx.shape))} "
+                             f"{str(topk_idx.dtype).replace('torch.', '')}")
         if topk_idx.dtype != torch.int64:
             topk_idx = topk_idx.to(torch.int64)
-        T, H = x.shape
         K = topk_idx.shape[1]
+        try:
+            num_max_dispatch_tokens_per_rank = operator.index(num_max_dispatch_tokens_per_rank)
+            num_experts = operator.index(num_experts)
+        except TypeError as e:
+            raise TypeError(f"num_max_dispatch_tokens_per_rank, num_experts: expected ints "
+                            f"({e})") from None
         dev = "cuda" if x.is_cuda else "cpu"
         ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev)
         El, cap = ep.num_local_experts, ep.capacity
@@ -136,11 +172,18 @@ class Buffer:
             bad.append("combine_wait_recv_cost_stats")
         if bad:
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if not (isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], EP)):
+            raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
+                            f"{type(handle).__name__}")
         ep, rnd, _, _, T = handle
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"x: expected bfloat16 expert outputs, got {x.dtype}")
+        El, cap, H, K = ep.num_local_experts, ep.capacity, ep.hidden, ep.topk
+        _tensor(x, "x", torch.bfloat16, (El, cap, H))
+        _tensor(topk_idx, "topk_idx", None, (T, K))
+        _tensor(topk_weights, "topk_weights", None, (T, K))
         if out is None:
-            out = torch.empty((T, ep.hidden), dtype=torch.bfloat16, device=x.device)
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+        else:
+            _tensor(out, "out", torch.bfloat16, (T, H))
         w = topk_weights.contiguous()
         if w.dtype != torch.float32:
             w = w.float()

@@ -8,15 +8,22 @@ one GPU under MPS). Usage: test_torch_cuda.py [nranks]
      checked against a reference computed here.
   2. The native API captured in a CUDA graph (dispatch + combine, token
      count in device memory), replayed with new inputs, checked each time.
-Exit 77 (skipped) without a usable GPU.
+  3. Argument checks on CUDA tensors (native and DeepEP API): wrong shapes,
+     dtypes, layouts and devices raise ValueError/TypeError naming the
+     argument; a Comm closed before its EP closes after it.
+Exit 77 (skipped) without torch or a usable GPU.
 """
 import os
 import socket
 import sys
 import traceback
 
-import torch
-import torch.multiprocessing as mp
+try:
+    import torch
+    import torch.multiprocessing as mp
+except ImportError:
+    print("skipped: torch is not installed")
+    sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ferry.reference import fp8_block_quant as quant_ref  # noqa: E402
@@ -76,6 +83,94 @@ def combine_ref(x, idx, w, fp8):
             if e >= 0:
                 out[t] += float(w[t, k]) * expert_fn(e, xin[t:t + 1]).double()[0]
     return out
+
+
+def expect(msgs, exc, name, fn, *args, **kw):
+    """fn raises exc with a message naming the argument; else a message."""
+    try:
+        fn(*args, **kw)
+    except exc as e:
+        if not str(e).startswith(name + ":"):
+            msgs.append(f"{name}: message does not name it: {e}")
+        return
+    except Exception as e:
+        msgs.append(f"{name}: raised {type(e).__name__}({e}), expected {exc.__name__}")
+        return
+    msgs.append(f"{name}: accepted, expected {exc.__name__}")
+
+
+def check_args(ferry, deep_ep, N, dev):
+    """Bad CUDA arguments are refused before they reach libferry."""
+    msgs = []
+    E, K, H, T = 4 * N, 4, 256, 16
+    comm = ferry.Comm(torch.distributed.group.WORLD)
+    ep = ferry.EP(comm, num_experts=E, topk=K, hidden=H, max_tokens=T, dtype="fp8",
+                  device="cuda", num_sms=4)
+    El, cap = ep.num_local_experts, ep.capacity
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+    w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+    expect(msgs, ValueError, "x", ep.dispatch_send, x[:, :8].contiguous(), idx)
+    expect(msgs, ValueError, "x", ep.dispatch_send, torch.zeros(T + 1, H, dtype=torch.bfloat16,
+                                                                 device=dev),
+           torch.full((T + 1, K), -1, dtype=torch.int64, device=dev))
+    expect(msgs, TypeError, "x", ep.dispatch_send, x.float(), idx)
+    expect(msgs, ValueError, "x", ep.dispatch_send,
+           torch.zeros(H, T, dtype=torch.bfloat16, device=dev).t(), idx)  # non-contiguous
+    expect(msgs, ValueError, "x", ep.dispatch_send, x.cpu(), idx)         # device
+    expect(msgs, ValueError, "topk_idx", ep.dispatch_send, x, idx.cpu())
+    expect(msgs, ValueError, "topk_idx", ep.dispatch_send, x, idx[:, :2].contiguous())
+    expect(msgs, TypeError, "topk_idx", ep.dispatch_send, x, idx.int())
+    expect(msgs, ValueError, "x_scales", ep.dispatch_send, x.to(torch.float8_e4m3fn), idx,
+           x_scales=torch.ones(1, dtype=torch.float32, device=dev))
+    expect(msgs, ValueError, "num_tokens", ep.dispatch_send, x[:T // 2].contiguous(),
+           idx[:T // 2].contiguous(), num_tokens=torch.zeros(1, dtype=torch.int32, device=dev))
+    r = ep.dispatch_send(x, idx)
+    b = ep.alloc(torch)
+    for k, bad, exc in (
+            ("expert_x", torch.empty(El, cap // 2, H, dtype=torch.float8_e4m3fn, device=dev),
+             ValueError),
+            ("expert_x", torch.empty(El, cap, H, dtype=torch.bfloat16, device=dev), TypeError),
+            ("expert_x", torch.empty(El, cap, H, dtype=torch.float8_e4m3fn), ValueError),
+            ("expert_x_scales", torch.empty(El, cap, 1, dtype=torch.float32, device=dev),
+             ValueError),
+            ("expert_x_scales", None, TypeError),
+            ("expert_num_tokens", torch.empty(1, dtype=torch.int32, device=dev), ValueError),
+            ("expert_src_rank", torch.empty(El, 1, dtype=torch.int32, device=dev), ValueError)):
+        expect(msgs, exc, k, ep.dispatch_recv, r, **dict(b, **{k: bad}))
+    ep.dispatch_recv(r, **b)
+    y = torch.zeros(El, cap, H, dtype=torch.bfloat16, device=dev)
+    expect(msgs, ValueError, "expert_y", ep.combine_send, r, y[:, :1].contiguous())
+    ep.combine_send(r, y)
+    out = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    expect(msgs, ValueError, "topk_weights", ep.combine_recv, r,
+           torch.ones(1, dtype=torch.float32, device=dev), out)
+    expect(msgs, ValueError, "out", ep.combine_recv, r, w, out[:T // 2])
+    expect(msgs, TypeError, "out", ep.combine_recv, r, w, out.float())
+    expect(msgs, ValueError, "out", ep.combine_recv, r, w, out.cpu())
+    ep.combine_recv(r, w, out)
+    ep.sync()
+    comm.close()     # deferred: ep is open
+    ep.close()       # closes comm too
+    ep.close()
+    expect(msgs, ValueError, "EP", ep.dispatch_send, x, idx)
+
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True)
+    expect(msgs, ValueError, "topk_idx", buf.low_latency_dispatch, x, idx[:, 0], T, E)
+    expect(msgs, ValueError, "topk_idx", buf.low_latency_dispatch, x, idx[:T // 2], T, E)
+    expect(msgs, TypeError, "x", buf.low_latency_dispatch, x.float(), idx, T, E)
+    expect(msgs, ValueError, "x", buf.low_latency_dispatch, x, idx, T // 2, E)  # T > max
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    y = torch.zeros(recv.shape, dtype=torch.bfloat16, device=dev)
+    expect(msgs, ValueError, "x", buf.low_latency_combine, y[:, :1], idx, w, handle)
+    expect(msgs, ValueError, "topk_weights", buf.low_latency_combine, y, idx, w[:1], handle)
+    expect(msgs, ValueError, "out", buf.low_latency_combine, y, idx, w, handle,
+           out=torch.empty(T // 2, H, dtype=torch.bfloat16, device=dev))
+    expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
+    buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.synchronize()
+    buf.destroy()
+    return [f"argument checks: {m}" for m in msgs]
 
 
 def rank_main(rank, N, port, q):
@@ -183,6 +278,7 @@ def rank_main(rank, N, port, q):
                 break
         ep.close()
         comm.close()
+        msgs += check_args(ferry, deep_ep, N, dev)
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:
@@ -212,7 +308,7 @@ def main():
     for p in ps:
         p.join(30)
     print(f"test_torch_cuda ({N} ranks): DeepEP API bf16/fp8 with and without hook, "
-          f"graph replays: {'passed' if not fails else 'FAILED'}")
+          f"graph replays, argument checks: {'passed' if not fails else 'FAILED'}")
     sys.exit(1 if fails else 0)
 
 
