@@ -42,6 +42,8 @@ static void usage(FILE *f)
             "      --transport auto|fabric   sets FERRY_TRANSPORT for the run\n"
             "      --device cpu|cuda\n"
             "      --sms N          CUDA: blocks the copy kernels use (default 16)\n"
+            "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
+            "                       modulo the visible GPUs)\n"
             "      --launcher auto|mpirun|fork   how to start ranks (default auto)\n"
             "      --no-check       skip verification (prints #wrong as n/a)\n"
             "      --json FILE      write the result row as JSON\n"
@@ -58,11 +60,12 @@ static int parse(int argc, char **argv, opts_t *o)
         {"seed", 1, 0, 's'},    {"transport", 1, 0, 't'}, {"device", 1, 0, 'D'},
         {"launcher", 1, 0, 'L'}, {"no-check", 0, 0, 'C'}, {"json", 1, 0, 'j'},
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
+        {"gpu", 1, 0, 'G'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
-                  .launcher = "auto", .routing = "uniform"};
+                  .launcher = "auto", .routing = "uniform", .gpu = "auto"};
     int c;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
         char *end = NULL;
@@ -79,6 +82,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'z': o->empty = strtod(optarg, &end); break;
         case 'v': o->vary = 1; break;
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
+        case 'G': o->gpu = optarg; break;
         case 'C': o->check = 0; break;
         case 'q': o->quiet = 1; break;
         case 'j': o->json = optarg; break;
@@ -280,6 +284,13 @@ static int make_config(bench_t *b)
 static int create_eps(bench_t *b)
 {
     ferry_ep_config_t cfg = b->cfg;
+    int gpu = -1;
+    if (cfg.device == FERRY_DEVICE_CUDA && dev_bind(b->o->gpu, b->me, &gpu) != 0) {
+        ferry_comm_destroy(b->comm); /* the others fail in their create */
+        return 1;
+    }
+    if (gpu >= 0 && !b->o->quiet)
+        fprintf(stderr, "ferry-bench: rank %d on GPU %d\n", b->me, gpu);
     b->rc = ferry_ep_create(b->comm, &cfg, &b->ep);
     b->eps[0] = b->ep;
     if (b->rc == FERRY_OK && b->o->fp8 == 2) {

@@ -17,7 +17,7 @@ typedef struct opts {
     int fp8, check, vary, sms;
     double zipf, mask, empty;
     uint64_t seed;
-    const char *transport, *device, *json, *launcher, *routing;
+    const char *transport, *device, *json, *launcher, *routing, *gpu;
     int quiet;
 } opts_t;
 
@@ -29,6 +29,9 @@ typedef struct dev {
     void *x, *idx, *w, *out, *ex, *exs, *cnt, *sr, *st, *ey;
 } dev_t_;
 
+/* Make this rank's GPU current: gpu "auto" (the local rank modulo the
+ * visible GPUs) or an index. */
+int dev_bind(const char *gpu, int rank, int *chosen);
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay);
 int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in);
 int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,

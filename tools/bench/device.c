@@ -3,6 +3,8 @@
  * and outputs back after it, outside the timed calls.
  */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #ifdef FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -20,6 +22,42 @@
             return -1;                                                         \
         }                                                                      \
     } while (0)
+
+/* The rank's index among the ranks of its host, as its launcher tells it
+ * (the fork launcher's ranks are all local: the rank itself). */
+static int local_rank(int rank)
+{
+    static const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK",
+                                 "SLURM_LOCALID", "MPI_LOCALRANKID",
+                                 "PMI_LOCAL_RANK"};
+    for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v)
+            return atoi(v);
+    }
+    return rank;
+}
+
+int dev_bind(const char *gpu, int rank, int *chosen)
+{
+    int n = 0;
+    *chosen = -1;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return 0; /* no GPU: ferry_ep_create says why, on every rank */
+    }
+    char *end = NULL;
+    long g = strcmp(gpu, "auto") == 0 ? (n > 0 ? local_rank(rank) % n : 0)
+                                      : strtol(gpu, &end, 10);
+    if ((end && (*end || end == gpu)) || g < 0 || g >= n) {
+        fprintf(stderr, "ferry-bench: --gpu %s: use auto or 0..%d (visible GPUs)\n",
+                gpu, n - 1);
+        return -1;
+    }
+    DEVCHK(cudaSetDevice((int)g));
+    *chosen = (int)g;
+    return 0;
+}
 
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
 {
@@ -102,6 +140,12 @@ void dev_free(dev_t_ *d)
     cudaStreamDestroy((cudaStream_t)d->stream);
 }
 #else
+int dev_bind(const char *gpu, int rank, int *chosen)
+{
+    (void)gpu; (void)rank;
+    *chosen = -1;
+    return -1;
+}
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
 {
     (void)d; (void)s; (void)lay;
