@@ -107,10 +107,13 @@ $(BUILD)/tests/%: tests/%.c $(TOOL_COMMON_OBJS) $(LIBA)
 	$(CC) $(CFLAGS) -Itools/common -Itests $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 # CUDA kernels: compiled whenever nvcc exists (CI has no GPU but has nvcc).
+# Hopper (sm_90) and Blackwell (sm_100) code, plus PTX for later chips.
+NVCC_ARCH ?= -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_100,code=sm_100 \
+             -gencode=arch=compute_100,code=compute_100
 cuda: $(CUDA_OBJS)
 $(BUILD)/obj/%.o: %.cu include/ferry_signal.h include/ferry_signal_device.cuh $(shell find src -name '*.h' -o -name '*.cuh')
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
+	$(NVCC) -O3 -std=c++17 $(NVCC_ARCH) -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
 
 # Coverage-guided fuzzing (libFuzzer): argument checks and record decoding.
 FUZZ_BUILD ?= build-fuzz
