@@ -73,12 +73,21 @@ _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "uint16": 2, 
              "uint64": 8, "int64": 8, "float64": 8}
 
 
+_TYPESTR_CACHE = {}
+
+
 def _typestr(t):
     """An array-interface typestr ("<u2") as a dtype name ("uint16"); byte
     orders other than this machine's (little-endian) keep the typestr."""
-    if isinstance(t, str) and len(t) == 3 and t[0] in "<|=" and t[1:] in _TYPESTR:
-        return _TYPESTR[t[1:]]
-    return str(t)
+    n = _TYPESTR_CACHE.get(t)
+    if n is None:
+        if isinstance(t, str) and len(t) == 3 and t[0] in "<|=" and t[1:] in _TYPESTR:
+            n = _TYPESTR[t[1:]]
+        else:
+            n = str(t)
+        if isinstance(t, str):
+            _TYPESTR_CACHE[t] = n
+    return n
 
 
 def _c_contiguous(shape, strides, itemsize):
@@ -94,19 +103,39 @@ def _c_contiguous(shape, strides, itemsize):
     return True
 
 
+_TORCH_DTYPES = {}
+
+
+def _torch_dtype_name(dt):
+    n = _TORCH_DTYPES.get(dt)
+    if n is None:
+        n = _TORCH_DTYPES[dt] = str(dt).replace("torch.", "")
+    return n
+
+
 def _info(a, name):
     """An _Arr for a (no copy), or TypeError naming the argument."""
-    mod = type(a).__module__.split(".")[0]
     r = _Arr()
-    r.torch = mod == "torch"
+    r.torch = type(a).__module__.startswith("torch")
     if r.torch and hasattr(a, "data_ptr"):
         r.ptr = a.data_ptr()
         r.dev = "cuda" if a.is_cuda else ("cpu" if a.device.type == "cpu" else a.device.type)
         r.index = a.device.index if a.is_cuda else None
-        r.dtype = str(a.dtype).replace("torch.", "")
+        r.dtype = _torch_dtype_name(a.dtype)
         r.shape = tuple(a.shape)
         r.contig = a.is_contiguous()
         r.writable = True
+        return r
+    np = sys.modules.get("numpy")
+    if np is not None and type(a) is np.ndarray:  # the common case, fast
+        fl = a.flags
+        r.ptr = a.__array_interface__["data"][0]
+        r.dev = "cpu"
+        r.index = None
+        r.dtype = _typestr(a.dtype.str)
+        r.shape = a.shape
+        r.contig = fl.c_contiguous and fl.aligned
+        r.writable = fl.writeable
         return r
     cai = getattr(a, "__cuda_array_interface__", None)
     ai = None if cai is not None else getattr(a, "__array_interface__", None)
@@ -315,8 +344,7 @@ class EP:
                                 f"{dtypes[0]}, got None")
             return None
         inf = _info(a, name)
-        want = f"{self._show(shape)} {dtypes[1] if inf.torch else dtypes[0]}"
-        got = f"{_fmt_shape(inf.shape)} {inf.dtype}"
+        # the messages are built only when a check fails (this runs per call)
         if inf.dev != self.device:
             raise ValueError(f"{name}: expected a {self.device} array, got a {inf.dev} array")
         if self._cuda_index is not None and inf.index is not None \
@@ -324,16 +352,21 @@ class EP:
             raise ValueError(f"{name}: expected an array on cuda:{self._cuda_index} "
                              f"(the context's device), got one on cuda:{inf.index}")
         if inf.dtype not in dtypes:
-            raise TypeError(f"{name}: expected shape {want}, got {got}")
-        if len(inf.shape) != len(shape) or any(w is not None and w != n
-                                               for w, n in zip(shape, inf.shape)):
-            raise ValueError(f"{name}: expected shape {want}, got {got}")
+            raise TypeError(self._mismatch(name, shape, dtypes, inf))
+        ishape = inf.shape
+        if len(ishape) != len(shape) or any(w is not None and w != n
+                                            for w, n in zip(shape, ishape)):
+            raise ValueError(self._mismatch(name, shape, dtypes, inf))
         if not inf.contig:
             raise ValueError(f"{name}: expected a C-contiguous (row-major, aligned) array, "
-                             f"got a strided view {got}")
+                             f"got a strided view {_fmt_shape(ishape)} {inf.dtype}")
         if output and not inf.writable:
             raise ValueError(f"{name}: expected a writable array, got a read-only one")
         return inf.ptr
+
+    def _mismatch(self, name, shape, dtypes, inf):
+        want = f"{self._show(shape)} {dtypes[1] if inf.torch else dtypes[0]}"
+        return f"{name}: expected shape {want}, got {_fmt_shape(inf.shape)} {inf.dtype}"
 
     @staticmethod
     def _show(shape):
