@@ -92,9 +92,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "nicfence or counted."},
     [FR_CFG_SHM_SWEEP] = {"FERRY_SHM_SWEEP", "1",
                           "1: at start-up, remove this user's ferry regions "
-                          "in /dev/shm whose process is gone (left by a "
-                          "killed job). Set 0 where processes of other pid "
-                          "namespaces share /dev/shm."},
+                          "in /dev/shm made in this pid namespace whose "
+                          "process is gone (left by a killed job)."},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",

@@ -56,9 +56,13 @@ int fr_shm_create(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
 int fr_shm_map(const char *name, size_t bytes, uint8_t **p, fr_err_t *err);
 void fr_shm_unmap(uint8_t *p, size_t bytes);
 void fr_shm_unlink(const char *name);
-/* Remove /dev/shm entries named <prefix><pid><sep>... that this user owns
- * and whose process is gone (left by a killed job). Off when
- * FERRY_SHM_SWEEP=0. Returns how many were removed. */
+/* This process's pid namespace (the inode of /proc/self/ns/pid; 0 when
+ * unknown). Names of shared regions carry it next to the pid, since a pid
+ * means something only in its own namespace. */
+uint64_t fr_pidns(void);
+/* Remove /dev/shm entries named <prefix><pid><sep><pidns hex><sep>... that
+ * this user owns, made in this pid namespace, whose process is gone (left
+ * by a killed job). Off when FERRY_SHM_SWEEP=0. Returns how many. */
 int fr_shm_sweep_dead(const char *prefix, char sep);
 
 #ifdef __cplusplus

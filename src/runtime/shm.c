@@ -112,6 +112,12 @@ static int fr_pid_gone(long pid)
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
+uint64_t fr_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
 int fr_shm_sweep_dead(const char *prefix, char sep)
 {
     if (fr_cfg_int(FR_CFG_SHM_SWEEP) == 0)
@@ -120,6 +126,7 @@ int fr_shm_sweep_dead(const char *prefix, char sep)
     if (!d)
         return 0;
     size_t plen = strlen(prefix);
+    uint64_t ns = fr_pidns();
     int n = 0;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
@@ -128,7 +135,13 @@ int fr_shm_sweep_dead(const char *prefix, char sep)
         char *end = NULL;
         long pid = strtol(e->d_name + plen, &end, 10);
         if (end == e->d_name + plen || *end != sep || pid <= 0 ||
-            pid > INT32_MAX)
+            pid > INT32_MAX || ns == 0)
+            continue;
+        /* only names made in this pid namespace: elsewhere the pid names
+         * another process (or none) */
+        char *nend = NULL;
+        unsigned long long their = strtoull(end + 1, &nend, 16);
+        if (nend == end + 1 || *nend != sep || their != ns)
             continue;
         if (!fr_pid_gone(pid))
             continue; /* alive, or not ours to ask about */

@@ -63,21 +63,29 @@ int main(void)
     if (child == 0)
         _exit(0);
     waitpid(child, NULL, 0);
-    char dead[96], live[96], other[96];
-    snprintf(dead, sizeof(dead), "/ferry-%d-r0-test", (int)child);
-    snprintf(live, sizeof(live), "/ferry-%d-r0-test", (int)getpid());
-    snprintf(other, sizeof(other), "/ferryx-%d-r0-test", (int)child);
+    char dead[96], live[96], other[96], elsewhere[96];
+    unsigned long long ns = (unsigned long long)fr_pidns();
+    CHECK(ns != 0, "no pid namespace id");
+    snprintf(dead, sizeof(dead), "/ferry-%d-%llx-r0-test", (int)child, ns);
+    snprintf(live, sizeof(live), "/ferry-%d-%llx-r0-test", (int)getpid(), ns);
+    snprintf(other, sizeof(other), "/ferryx-%d-%llx-r0-test", (int)child, ns);
+    /* made in another pid namespace: its pid means nothing here */
+    snprintf(elsewhere, sizeof(elsewhere), "/ferry-%d-%llx-r0-test", (int)child, ns + 1);
     CHECK_RC(fr_shm_create(dead, 4096, &seg, &err), FERRY_OK);
     fr_shm_unmap(seg, 4096);
     CHECK_RC(fr_shm_create(live, 4096, &seg, &err), FERRY_OK);
     fr_shm_unmap(seg, 4096);
     CHECK_RC(fr_shm_create(other, 4096, &seg, &err), FERRY_OK);
     fr_shm_unmap(seg, 4096);
+    CHECK_RC(fr_shm_create(elsewhere, 4096, &seg, &err), FERRY_OK);
+    fr_shm_unmap(seg, 4096);
     int n = fr_shm_sweep_dead("ferry-", '-');
     CHECK(n >= 1, "swept %d", n);
     CHECK(!exists(dead), "%s left behind", dead);
     CHECK(exists(live), "%s of a live process removed", live);
     CHECK(exists(other), "%s of another prefix removed", other);
+    CHECK(exists(elsewhere), "%s of another pid namespace removed", elsewhere);
+    fr_shm_unlink(elsewhere);
     fr_shm_unlink(live);
     fr_shm_unlink(other);
     fr_shm_unlink(dead);

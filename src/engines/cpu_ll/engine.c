@@ -65,8 +65,10 @@ static int fr_cpu_segments(ferry_ep_t ep, int status, fr_err_t *err)
     /* segments of ranks of an earlier job that was killed */
     fr_shm_sweep_dead("ferry-", '-');
     if (status == FERRY_OK) {
-        snprintf(mine.seg_name, sizeof(mine.seg_name), "/ferry-%d-r%d-%llx",
-                 (int)getpid(), me, (unsigned long long)fr_now_ns());
+        snprintf(mine.seg_name, sizeof(mine.seg_name),
+                 "/ferry-%d-%llx-r%d-%llx", (int)getpid(),
+                 (unsigned long long)fr_pidns(), me,
+                 (unsigned long long)fr_now_ns());
         snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", mine.seg_name);
         mine.status = fr_shm_create(ep->seg_name, ep->L.seg_bytes, &ep->seg,
                                     err);

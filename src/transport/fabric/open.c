@@ -26,6 +26,7 @@
 #include <rdma/fi_errno.h>
 
 #include "core/log.h"
+#include "runtime/rt.h"
 #include "transport/fabric/fab_int.h"
 
 #define FR_FAB_GOLDEN 0x9e3779b97f4a7c15ull
@@ -89,8 +90,11 @@ static int fab_shm_name(struct fi_info *info)
     uint64_t x = fab_mix(fab_now() ^ ((uint64_t)getpid() << 40) ^
                          (++seq * FR_FAB_GOLDEN));
     char name[96];
+    /* pid and pid namespace first: the start-up sweep (fr_shm_sweep_dead)
+     * removes a region whose process of this namespace is gone */
     int len = snprintf(name, sizeof(name), "fi_shm://" FR_FAB_SHM_PREFIX
-                       "%d.%016llx", (int)getpid(), (unsigned long long)x);
+                       "%d.%llx.%016llx", (int)getpid(),
+                       (unsigned long long)fr_pidns(), (unsigned long long)x);
     char *copy = strdup(name);
     if (!copy)
         return -1;
