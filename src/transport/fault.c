@@ -577,8 +577,9 @@ static int fault_poll(fr_transport_t *t, fr_cqe_t *out, int max,
     while (n < max) {
         int want = max - n;
         int got = f->ops->poll(f->in, out + n, want, err);
-        if (got < 0)
-            return got;
+        if (got < 0) /* what was taken out already is not lost: the next
+                      * poll meets the inner transport's error again */
+            return n > 0 ? n : got;
         n += f->hold_arrivals ? fault_hold_arrivals(f, out + n, got) : got;
         if (got < want)
             break;
