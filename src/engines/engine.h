@@ -25,10 +25,7 @@ typedef struct fr_engine {
      * and shm peers), the send region when ep->nfabric > 0 (ep->send) and,
      * where the engine produces them on the device, ep->slices and
      * ep->ring_mem. A rank that fails before the engine's own exchange
-     * still joins it with its status where the engine can (cpu_ll does),
-     * so every rank fails at once; otherwise (cuda_ll's allocations before
-     * its IPC exchange) the peers fail at the bootstrap's deadline, naming
-     * the rank that left. */
+     * still joins it with its status, so every rank fails at once. */
     int (*setup)(ferry_ep_t ep, fr_err_t *err);
     /* Free what setup made (also after a failed setup). */
     void (*free)(ferry_ep_t ep);

@@ -807,31 +807,23 @@ extern "C" int ferry_cuda_available(char *why, size_t len)
 typedef struct fr_ipc_msg {
     cudaIpcMemHandle_t h;
     int device;
+    int status;        /* this rank's segment set-up */
 } fr_ipc_msg_t;
 
-extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
+/* This rank's receive segment (device memory, or pinned host memory mapped
+ * into the GPU when peers are on the fabric) and what peers need to map it. */
+static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
+                           fr_ipc_msg_t *mine, fr_err_t *err)
 {
     int rc = FERRY_OK;
-    const ferry_ep_config_t *cfg = &ep->cfg;
-    fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
-                   cfg->hidden, cfg->max_tokens,
-                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
     const fr_layout_t *L = &ep->L;
-    int N = ep->N;
-    fr_ipc_msg_t mine, *all = NULL;
-    struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
-    if (!c)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
-    ep->eng_state = c;
     FR_CU(cudaGetDevice(&c->device), err, fail);
+    mine->device = c->device;
     c->host_seg = ep->nfabric > 0;
-    if (ep->nfabric > 0 && ep->nshm > 0) {
-        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                    "CUDA ranks with peers on both the IPC and fabric paths "
-                    "are not supported yet");
-        /* still join the collective exchange below */
-    }
-    /* segment */
+    if (ep->nfabric > 0 && ep->nshm > 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "CUDA ranks with peers on both the IPC and fabric paths "
+                      "are not supported yet");
     if (c->host_seg) {
         /* pinned host memory mapped into the GPU (runtime/cuda_mem.h) */
         void *h;
@@ -849,23 +841,43 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
     } else {
         FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
         FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
+        FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
     }
+fail:
+    return rc;
+}
+
+extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    const ferry_ep_config_t *cfg = &ep->cfg;
+    fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
+                   cfg->hidden, cfg->max_tokens,
+                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    const fr_layout_t *L = &ep->L;
+    int N = ep->N;
+    fr_ipc_msg_t mine, *all = NULL;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
+    ep->eng_state = c;
+    /* A rank whose segment failed still joins the exchange with its
+     * status, so every rank fails at once. */
     memset(&mine, 0, sizeof(mine));
-    mine.device = c->device;
-    if (!c->host_seg)
-        FR_CU(cudaIpcGetMemHandle(&mine.h, ep->seg), err, fail);
+    mine.status = fr_cuda_segment(ep, c, &mine, err);
     all = (fr_ipc_msg_t *)calloc((size_t)N, sizeof(*all));
     if (!all) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
         goto fail;
     }
-    {
-        int brc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-        if (brc != FERRY_OK) {
-            rc = brc;
-            goto fail;
-        }
-    }
+    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    if (rc == FERRY_OK)
+        rc = mine.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status,
+                        "rank %d failed to set up its GPU segment (%s)", i,
+                        ferry_strerror(all[i].status));
     if (rc != FERRY_OK)
         goto fail;
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
