@@ -362,7 +362,7 @@ static void send_garbage(void)
     send_head(fd, 0x101, 0xfffffff0u, NULL, 0);
     held[nheld++] = fd;
     fd = dial(NULL, port); /* a hello right away, no handshake */
-    uint32_t hi[6] = {0x46524259u, 2, 1, 3, 4242, 0};
+    uint32_t hi[6] = {0x46524259u, 3, 1, 3, 4242, 0};
     send_frame(fd, 0x101, hi, sizeof(hi));
     held[nheld++] = fd;
 }
@@ -388,7 +388,7 @@ static void squat(void)
         send_frame(b, 0x10A, nonce, sizeof(nonce));
         (void)read_for(b, proof, sizeof(proof), 1000);
     }
-    uint32_t hello[6 + 8] = {0x46524259u, 2, 1, 3, 4243, 0};
+    uint32_t hello[6 + 8] = {0x46524259u, 3, 1, 3, 4243, 0};
     send_frame(b, 0x101, hello, sizeof(hello));
     unsigned char reply[64];
     size_t k = read_for(b, reply, sizeof(reply), 1000);
@@ -457,7 +457,7 @@ static int mode_fakeroot(void)
             break;
         /* A challenge that looks right; then a proof made up. */
         unsigned char ch[40] = {0};
-        uint32_t mv[2] = {0x46524259u, 2};
+        uint32_t mv[2] = {0x46524259u, 3};
         memcpy(ch, mv, 8);
         send_frame(fd, 0x109, ch, sizeof(ch));
         unsigned char got[4096];
