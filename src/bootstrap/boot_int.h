@@ -27,7 +27,7 @@ typedef struct fr_conn {
 } fr_conn_t;
 
 /* Wire frames: {u32 type, u32 len} then len bytes of payload. Start-up
- * (tcp_auth.c): CHALLENGE, NONCE, PROOF, HELLO, then READY or ABORT. */
+ * (tcp_auth.c): CHALLENGE, NONCE, PROOF, HELLO, ACK, then READY or ABORT. */
 enum fr_frame_type {
     FR_MSG_HELLO = 0x101,   /* rank -> root: fr_hello_t, with its MAC */
     FR_MSG_READY = 0x102,   /* root -> rank: everyone arrived */
@@ -40,11 +40,12 @@ enum fr_frame_type {
     FR_MSG_CHALLENGE = 0x109, /* root -> rank, on accept: fr_challenge_t */
     FR_MSG_NONCE = 0x10A,   /* rank -> root: its nonce (32 bytes) */
     FR_MSG_PROOF = 0x10B,   /* root -> rank: MAC of both nonces (32 bytes) */
-    FR_MSG_AUTH_FAIL = 0x10C /* rank -> root: the root's proof was wrong */
+    FR_MSG_AUTH_FAIL = 0x10C, /* rank -> root: the root's proof was wrong */
+    FR_MSG_ACK = 0x10D      /* root -> rank: hello verified, rank id bound */
 };
 
 #define FR_BOOT_MAGIC 0x46524259u /* "FRBY" */
-#define FR_BOOT_WIRE_VERSION 2u
+#define FR_BOOT_WIRE_VERSION 3u
 #define FR_BOOT_NONCE_LEN 32
 #define FR_BOOT_MAC_LEN 32
 

@@ -11,15 +11,21 @@
  *                 AUTH_FAIL and gives up: it sent nothing but a nonce
  *   rank -> root  HELLO      magic, version, rank, size, pid, lib version,
  *                 HMAC(K, "ferry-leaf" | nonce_root | nonce_leaf | fields)
- *   root          checks the MAC (constant time), then binds the rank id.
+ *   root          checks the MAC (constant time), then binds the rank id
+ *   root -> rank  ACK        (empty) the rank id is bound to this connection
+ * Until the ACK the root may drop the connection (its authentication time
+ * ran out, or a flood evicted it), so a rank that loses it before the ACK
+ * dials again from scratch; a bound rank's connection is never dropped.
  * Fresh nonces on both sides make every proof single-use; the labels keep a
  * root's proof from passing as a rank's.
  *
  * The pending table never blocks: every socket is non-blocking, a frame is
  * collected as its bytes come, and each connection has FERRY_BOOTSTRAP_
- * AUTH_MS from its accept to authenticate, after which it is dropped. When
- * the table is full, the oldest pending connection is dropped for the new
- * one (a real rank that loses its connection so just dials again). A rank
+ * AUTH_MS from its accept to authenticate, after which it is dropped (what
+ * it has sent is read first). When the table is full, what the pending
+ * connections sent is read, then one is dropped for the new one: the oldest
+ * of those that have not sent their nonce yet, else the oldest (a real
+ * rank that loses its connection so just dials again). A rank
  * id is bound only by an authenticated hello, so a stranger's claim locks
  * nobody out. Every drop is a WARN naming the peer's address (the first
  * FR_PEND_LOGGED of them; then only counted).
@@ -141,24 +147,50 @@ void fr_boot_pend_close_all(fr_meet_t *m, const char *abort_text)
     m->nquiet = 0;
 }
 
-/* Accept every waiting connection and challenge it. */
+/* Read what every pending connection has sent (from the end: a drop moves
+ * the last entry, already read, into the hole). */
+static void fr_pend_read_all(fr_meet_t *m)
+{
+    for (int i = m->npend - 1; i >= 0; i--)
+        if (i < m->npend)
+            fr_boot_pend_input(m, i);
+}
+
+/* The table is full: drop one for a new connection. Those still owing
+ * their nonce go first (a flood of idle connections), then the oldest. */
+static void fr_pend_evict(fr_meet_t *m)
+{
+    int old = -1;
+    for (int pass = 0; pass < 2 && old < 0; pass++)
+        for (int i = 0; i < m->npend; i++)
+            if ((pass || (m->pend[i].stage == FR_MSG_NONCE &&
+                          m->pend[i].have == 0)) &&
+                (old < 0 || m->pend[i].since < m->pend[old].since))
+                old = i;
+    fr_pend_drop(m, old, "%d connections pending: the oldest %sgoes",
+                 FR_MAX_PENDING,
+                 m->pend[old].stage == FR_MSG_NONCE ? "without a nonce " : "");
+}
+
+/* Accept waiting connections and challenge them: at most a quarter of the
+ * table per call, so that a connection outlives a few rounds of poll()
+ * even in a flood. */
 void fr_boot_pend_accept(fr_meet_t *m)
 {
-    for (;;) {
+    int read = 0;
+    for (int k = 0; k < FR_MAX_PENDING / 4; k++) {
+        if (m->npend == FR_MAX_PENDING && !read) {
+            fr_pend_read_all(m); /* a nonce or hello that came is kept */
+            read = 1;
+        }
         struct sockaddr_in sa;
         socklen_t sl = sizeof(sa);
         int fd = accept4(m->lfd, (struct sockaddr *)&sa, &sl,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0)
             break;
-        if (m->npend == FR_MAX_PENDING) {
-            int old = 0;
-            for (int i = 1; i < m->npend; i++)
-                if (m->pend[i].since < m->pend[old].since)
-                    old = i;
-            fr_pend_drop(m, old, "%d connections pending: the oldest goes",
-                         FR_MAX_PENDING);
-        }
+        if (m->npend == FR_MAX_PENDING)
+            fr_pend_evict(m);
         fr_pend_t *p = &m->pend[m->npend];
         memset(p, 0, sizeof(*p));
         p->fd = fd;
@@ -224,6 +256,12 @@ static void fr_pend_hello(fr_meet_t *m, int i)
         fr_pend_tell(p->fd, why);
         fr_meet_note(m, "rejected: %s", why);
         fr_pend_drop(m, i, "%s", why);
+        return;
+    }
+    /* The send buffer is empty (the rank read the proof before it could
+     * send the hello): the ACK leaves now, or the connection is gone. */
+    if (fr_pend_send(p->fd, FR_MSG_ACK, NULL, 0) != 0) {
+        fr_pend_drop(m, i, "rank %d left before its ack", (int)hi.rank);
         return;
     }
     b->conns[hi.rank].fd = p->fd;
@@ -318,11 +356,23 @@ int64_t fr_boot_pend_expire(fr_meet_t *m)
 {
     int64_t now = fr_boot_now_ms(), next = INT64_MAX;
     for (int i = m->npend - 1; i >= 0; i--) {
-        if (m->pend[i].deadline <= now)
-            fr_pend_drop(m, i, "no authentication within %ld ms (%zu "
-                               "bytes of a frame received)",
-                         m->auth_ms, m->pend[i].have);
-        else if (m->pend[i].deadline < next)
+        if (i >= m->npend)
+            continue;
+        if (m->pend[i].deadline <= now) {
+            /* What already came first: a hello that arrived in time binds
+             * its rank rather than being dropped unread. */
+            int fd = m->pend[i].fd;
+            fr_boot_pend_input(m, i);
+            if (i >= m->npend || m->pend[i].fd != fd)
+                continue;
+            if (m->pend[i].deadline <= now) {
+                fr_pend_drop(m, i, "no authentication within %ld ms (%zu "
+                                   "bytes of a frame received)",
+                             m->auth_ms, m->pend[i].have);
+                continue;
+            }
+        }
+        if (m->pend[i].deadline < next)
             next = m->pend[i].deadline;
     }
     return next;

@@ -1,13 +1,15 @@
 /*
  * TCP bootstrap, every rank but 0 (a leaf): dial the root, make it prove it
  * knows the job's key, prove it back in the hello (tcp_auth.c has the
- * MACs), then wait for READY or the root's ABORT; in an allgather send this rank's
+ * MACs), wait for its ACK (dialling again on a close before it), then
+ * wait for READY or the root's ABORT; in an allgather send this rank's
  * block and read the root's answer (the whole array, or why not: a dead
  * rank, an abort, the root's goodbye); at close say goodbye and wait for
  * the root's.
  */
 #include <errno.h>
 #include <netdb.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
@@ -177,9 +179,18 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
                       "bootstrap version %u (magic 0x%x, version %u)",
                       b->rank, b->root_addr, FR_BOOT_WIRE_VERSION, ch.magic,
                       ch.version);
-    if (!env->has_key && (rc = fr_boot_key_load(env->root_port, deadline,
-                                                 b->key, err)) != FERRY_OK)
-        return rc;
+    if (!env->has_key) {
+        /* The key file is named by the address the root bound: the one
+         * this socket reached. */
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        char ip[INET_ADDRSTRLEN] = "0.0.0.0";
+        if (getpeername(fd, (struct sockaddr *)&sa, &sl) == 0)
+            inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+        rc = fr_boot_key_load(ip, env->root_port, deadline, b->key, err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
     unsigned char nl[FR_BOOT_NONCE_LEN], proof[FR_BOOT_MAC_LEN],
         want[FR_BOOT_MAC_LEN];
     if (fr_boot_random(nl, sizeof(nl)) != 0)
@@ -223,12 +234,16 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
                  fr_boot_io_str(io));
         return FR_TRY_AGAIN;
     }
-    return FR_TRY_OK;
+    /* Until the ACK the root may still drop this connection unread (a
+     * flood evicted it, or its authentication time ran out): a close before
+     * the ACK means dial again. */
+    return fr_leaf_expect(b, fd, FR_MSG_ACK, NULL, 0, "ack", 1, timeout_ms,
+                          deadline, why, wcap, err);
 }
 
 /* Dial and authenticate until it works, fails for good, or the deadline:
- * a connection the root drops before authentication (it was too slow, or
- * evicted by a flood of strangers) is simply made again. */
+ * a connection the root drops before its ACK (it was too slow, or evicted
+ * by a flood of strangers) is simply made again. */
 static int fr_leaf_meet(fr_boot_t *b, const fr_boot_env_t *env,
                         long timeout_ms, int64_t deadline, fr_err_t *err)
 {

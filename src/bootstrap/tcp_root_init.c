@@ -144,7 +144,7 @@ static int fr_root_meet(fr_meet_t *m, int64_t deadline, fr_err_t *err)
 }
 
 /* Not every rank arrived in time: fail naming them, and tell the ranks that
- * did (and those whose hello is still unread) why. */
+ * did why (connections not yet authenticated hear only that it ended). */
 static int fr_root_no_show(fr_meet_t *m, long timeout_ms, fr_err_t *err)
 {
     fr_boot_t *b = m->b;
@@ -164,8 +164,10 @@ static int fr_root_no_show(fr_meet_t *m, long timeout_ms, fr_err_t *err)
                     timeout_ms, m->notes);
     const char *msg = err ? err->msg : "timeout";
     fr_boot_root_abort_all(b, FERRY_ERR_BOOTSTRAP, msg);
-    /* Connections still authenticating hear it too (without a wait). */
-    fr_boot_pend_close_all(m, msg);
+    /* Connections still authenticating may be strangers: a fixed text,
+     * without the job's size, ranks or addresses (and without a wait). */
+    fr_boot_pend_close_all(m, "the rendezvous timed out before this "
+                              "connection authenticated");
     return rc;
 }
 
@@ -200,18 +202,24 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
     m->auth_ms = fr_cfg_int(FR_CFG_AUTH_MS);
     if (m->auth_ms < 10)
         m->auth_ms = 10;
-    char keyfile[400] = "";
+    fr_keyfile_t keyfile;
+    keyfile.path[0] = '\0';
     snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
              env->root_port);
 
     int rc = fr_root_listen(b, env, deadline, &m->lfd, err);
     /* After the bind: a port held by a live job keeps its key file. */
-    if (rc == FERRY_OK && !env->has_key)
-        rc = fr_boot_key_create(env->root_port, b->key, keyfile,
-                                sizeof(keyfile), err);
+    if (rc == FERRY_OK && !env->has_key) {
+        struct sockaddr_in sa;
+        socklen_t sl = sizeof(sa);
+        char ip[INET_ADDRSTRLEN] = "0.0.0.0";
+        if (getsockname(m->lfd, (struct sockaddr *)&sa, &sl) == 0)
+            inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+        rc = fr_boot_key_create(ip, env->root_port, b->key, &keyfile, err);
+    }
     if (rc == FERRY_OK)
         rc = fr_root_meet(m, deadline, err);
-    fr_boot_key_remove(keyfile); /* every rank has read it, or failed */
+    fr_boot_key_remove(&keyfile); /* every rank has read it, or failed */
     fr_boot_wipe(b->key, sizeof(b->key));
     if (rc == FERRY_OK)
         rc = m->arrived < b->size - 1 ? fr_root_no_show(m, timeout_ms, err)

@@ -6,6 +6,12 @@
  *
  *   test_attack flood        100 idle connections before the ranks: the
  *                            job still succeeds, quickly
+ *   test_attack evict        a child opens non-blocking connections as
+ *                            fast as it can for 4 s, holding as many as
+ *                            its fd limit allows, while the ranks join: the
+ *                            root's table overflows and evicts, yet every
+ *                            rank gets in (it dials again when dropped
+ *                            before the root's ACK) and the job succeeds
  *   test_attack slowloris    12 connections dribbling a partial header: no
  *                            stall of the root, the job succeeds quickly
  *   test_attack garbage      random bytes, an oversized frame, a hello
@@ -38,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -264,6 +271,58 @@ static void open_idle(void)
     printf("%d idle connections open\n", nheld);
 }
 
+static pid_t flood_pid;
+/* A child that opens connections without pause for 4 s, keeping up to its
+ * fd limit open (then closing the oldest for each new one). */
+static void start_evict_flood(void)
+{
+    int fd0 = dial_wait(5000);
+    CHECK(fd0 >= 0, "root never listened");
+    close(fd0);
+    fflush(stdout);
+    flood_pid = fork();
+    if (flood_pid != 0) {
+        usleep(300000); /* the ranks join a flood in full swing */
+        return;
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+        rl.rlim_cur = rl.rlim_max < 16384 ? rl.rlim_max : 16384;
+        (void)setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    size_t cap = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur > 64
+                     ? (size_t)rl.rlim_cur - 32
+                     : 32;
+    int *fds = calloc(cap, sizeof(int));
+    if (!fds)
+        _exit(1);
+    size_t head = 0, n = 0;
+    long opened = 0;
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int64_t until = now_ms() + 4000;
+    while (now_ms() < until) {
+        if (n == cap) {
+            close(fds[head]);
+            head = (head + 1) % cap;
+            n--;
+        }
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (fd < 0) {
+            usleep(100);
+            continue;
+        }
+        (void)connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+        fds[(head + n) % cap] = fd;
+        n++;
+        opened++;
+    }
+    printf("flood: %ld connections opened\n", opened);
+    fflush(stdout);
+    _exit(0);
+}
+
 static pid_t slow_pid;
 static void start_slowloris(void)
 {
@@ -303,7 +362,7 @@ static void send_garbage(void)
     send_head(fd, 0x101, 0xfffffff0u, NULL, 0);
     held[nheld++] = fd;
     fd = dial(NULL, port); /* a hello right away, no handshake */
-    uint32_t hi[6] = {0x46524259u, 2, 1, 3, 4242, 0};
+    uint32_t hi[6] = {0x46524259u, 3, 1, 3, 4242, 0};
     send_frame(fd, 0x101, hi, sizeof(hi));
     held[nheld++] = fd;
 }
@@ -329,7 +388,7 @@ static void squat(void)
         send_frame(b, 0x10A, nonce, sizeof(nonce));
         (void)read_for(b, proof, sizeof(proof), 1000);
     }
-    uint32_t hello[6 + 8] = {0x46524259u, 2, 1, 3, 4243, 0};
+    uint32_t hello[6 + 8] = {0x46524259u, 3, 1, 3, 4243, 0};
     send_frame(b, 0x101, hello, sizeof(hello));
     unsigned char reply[64];
     size_t k = read_for(b, reply, sizeof(reply), 1000);
@@ -398,7 +457,7 @@ static int mode_fakeroot(void)
             break;
         /* A challenge that looks right; then a proof made up. */
         unsigned char ch[40] = {0};
-        uint32_t mv[2] = {0x46524259u, 2};
+        uint32_t mv[2] = {0x46524259u, 3};
         memcpy(ch, mv, 8);
         send_frame(fd, 0x109, ch, sizeof(ch));
         unsigned char got[4096];
@@ -447,10 +506,10 @@ static int mode_keyfile(void)
     char path[512];
     const char *x = getenv("XDG_RUNTIME_DIR");
     if (x && x[0] == '/')
-        snprintf(path, sizeof(path), "%s/ferry/ferry-%u-%d.key", x,
+        snprintf(path, sizeof(path), "%s/ferry/ferry-%u-127.0.0.1-%d.key", x,
                  (unsigned)geteuid(), port);
     else
-        snprintf(path, sizeof(path), "/tmp/ferry-%u/ferry-%u-%d.key",
+        snprintf(path, sizeof(path), "/tmp/ferry-%u/ferry-%u-127.0.0.1-%d.key",
                  (unsigned)geteuid(), (unsigned)geteuid(), port);
     CHECK(access(path, F_OK) != 0, "key file %s left behind", path);
     return fr_test_result();
@@ -508,6 +567,15 @@ int main(int argc, char **argv)
     int rc = 0;
     if (!strcmp(mode, "flood")) {
         job_ok(4, open_idle, 2500);
+    } else if (!strcmp(mode, "evict")) {
+        setenv("FERRY_BOOTSTRAP_TIMEOUT_MS", "8000", 1);
+        job_ok(4, start_evict_flood, 15000);
+        kill(flood_pid, SIGKILL);
+        waitpid(flood_pid, NULL, 0);
+        char log[16384];
+        slurp("log", 0, log, sizeof(log));
+        CHECK(strstr(log, "connections pending") != NULL,
+              "the flood never filled the root's table:\n%s", log);
     } else if (!strcmp(mode, "slowloris")) {
         job_ok(4, start_slowloris, 2000);
         kill(slow_pid, SIGKILL);
@@ -532,7 +600,7 @@ int main(int argc, char **argv)
     } else if (!strcmp(mode, "loopback")) {
         rc = mode_loopback();
     } else {
-        fprintf(stderr, "usage: %s flood|slowloris|garbage|squat|"
+        fprintf(stderr, "usage: %s flood|evict|slowloris|garbage|squat|"
                         "wrongsecret|fakeroot|keyfile|loopback\n", argv[0]);
         return 2;
     }
