@@ -182,8 +182,11 @@ def _current_cuda_device():
 def _stream_of(a, stream):
     if stream is not None:
         return stream if isinstance(stream, int) else getattr(stream, "cuda_stream", stream)
-    if a is not None and type(a).__module__.split(".")[0] == "torch" and a.is_cuda:
+    if a is not None and type(a).__module__.startswith("torch") and a.is_cuda:
         import torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:  # the current stream's handle, without a Stream object
+            return raw(a.device.index)
         return torch.cuda.current_stream(a.device).cuda_stream
     return None
 

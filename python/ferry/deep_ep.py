@@ -46,20 +46,26 @@ class EventOverlap:
 
 
 def _tensor(t, name, dtype=None, shape=None):
-    """t is a torch tensor (of dtype and shape, None entries any size)."""
+    """t is a torch tensor (of dtype and shape, None entries any size); the
+    message is built only when a check fails (this runs on every call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(_mismatch(t, name, dtype, shape))
+    if shape is not None:
+        ts = t.shape
+        if len(ts) != len(shape) or any(n is not None and n != m for n, m in zip(shape, ts)):
+            raise ValueError(_mismatch(t, name, dtype, shape))
+
+
+def _mismatch(t, name, dtype, shape):
     want = " ".join(p for p in (
         _fmt_shape(["T" if n is None else n for n in shape]) if shape is not None else "",
         str(dtype).replace("torch.", "") if dtype is not None else "") if p)
     if shape is not None:
         want = "shape " + want
     got = f"{_fmt_shape(tuple(t.shape))} {str(t.dtype).replace('torch.', '')}"
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name}: expected {want}, got {got}")
-    if shape is not None and (t.dim() != len(shape) or any(
-            n is not None and n != m for n, m in zip(shape, t.shape))):
-        raise ValueError(f"{name}: expected {want}, got {got}")
+    return f"{name}: expected {want}, got {got}"
 
 
 class Buffer:
