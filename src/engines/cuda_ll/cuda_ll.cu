@@ -367,73 +367,38 @@ __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set,
     return A.peer[d] + fr_off_drecv(&A.L, set, A.rank);
 }
 
-__global__ void __launch_bounds__(FR_CU_THREADS)
-fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
-           const int64_t *idx)
+/* Record headers of token t: thread i of n handles destinations i, i+n... */
+__device__ __forceinline__ void fr_cu_rec_headers(const fr_cu_args_t &A, int set, int t,
+                                                  const int64_t *row, int i, int n)
 {
     const fr_layout_t &L = A.L;
-    int N = A.N, K = L.K, El = L.El, H = L.H;
-    unsigned int *done = A.done + FR_PH_DISPATCH * FR_NSETS + set;
-    bool quant = L.fp8 && !x_scales;
-    __shared__ int s_fail;
-    if (threadIdx.x == 0)
-        s_fail = fr_cu_failed(A);
-    __syncthreads();
-    if (!s_fail) {
-        int T = A.ntok[set];
-        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
-        const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
-        int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-        /* a warp per token */
-        for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < T; t += gridDim.x * nw) {
-            const int64_t *row = idx + (size_t)t * K;
-            /* headers (lane d handles destination d, 32 at a time) */
-            for (int d = lane; d < N; d += 32) {
-                int ri = rec_idx[(size_t)t * N + d];
-                if (ri < 0)
-                    continue;
-                fr_rec_hdr_t *h = (fr_rec_hdr_t *)(fr_cu_dslice(A, set, d) +
-                                                   fr_off_record(&L, (uint32_t)ri));
-                uint16_t n = 0;
-                for (int k = 0; k < K; k++)
-                    if (row[k] >= 0 && row[k] / El == d)
-                        h->le[n++] = (uint16_t)(row[k] % El);
-                h->token = (uint32_t)t;
-                h->pair = (uint32_t)pbase[(size_t)t * N + d];
-                h->nexp = n;
-                h->reserved = 0;
-            }
-            if (quant) {
-                /* lane holds channels [4 lane, 4 lane + 4) of each 128-block */
-                for (int b = 0; b < H / 128; b++) {
-                    float sc;
-                    uint32_t q = fr_cu_quant4(x + (size_t)t * H, b, lane, &sc);
-                    for (int d = 0; d < N; d++) {
-                        int ri = rec_idx[(size_t)t * N + d];
-                        if (ri < 0)
-                            continue;
-                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
-                        ((uint32_t *)(rec + L.rec_hdr))[b * 32 + lane] = q;
-                        if (lane == 0)
-                            ((float *)(rec + L.rec_hdr + L.tok_bytes))[b] = sc;
-                    }
-                }
-            } else {
-                const uint8_t *tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
-                const float *scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
-                for (int d = 0; d < N; d++) {
-                    int ri = rec_idx[(size_t)t * N + d];
-                    if (ri < 0)
-                        continue;
-                    uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
-                    fr_warp_copy(rec + L.rec_hdr, tok, L.tok_bytes);
-                    for (int i = lane; i < (int)L.nscales; i += 32)
-                        ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = scl[i];
-                }
-            }
-        }
+    int N = A.N, K = L.K, El = L.El;
+    const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+    const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
+    for (int d = i; d < N; d += n) {
+        int ri = rec_idx[(size_t)t * N + d];
+        if (ri < 0)
+            continue;
+        fr_rec_hdr_t *h = (fr_rec_hdr_t *)(fr_cu_dslice(A, set, d) +
+                                           fr_off_record(&L, (uint32_t)ri));
+        uint16_t m = 0;
+        for (int k = 0; k < K; k++)
+            if (row[k] >= 0 && row[k] / El == d)
+                h->le[m++] = (uint16_t)(row[k] % El);
+        h->token = (uint32_t)t;
+        h->pair = (uint32_t)pbase[(size_t)t * N + d];
+        h->nexp = m;
+        h->reserved = 0;
     }
-    /* last block: headers, then publish */
+}
+
+/* End of a pack kernel: the last block to finish writes the slice headers
+ * and publishes (flag stores, or the proxy's doorbell). */
+__device__ void fr_cu_pack_finish(const fr_cu_args_t &A, int set)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N;
+    unsigned int *done = A.done + FR_PH_DISPATCH * FR_NSETS + set;
     __shared__ bool last;
     __threadfence_system();
     __syncthreads();
@@ -467,6 +432,156 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
         }
         *done = 0;
     }
+}
+
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+           const int64_t *idx)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, H = L.H;
+    bool quant = L.fp8 && !x_scales;
+    __shared__ int s_fail;
+    if (threadIdx.x == 0)
+        s_fail = fr_cu_failed(A);
+    __syncthreads();
+    if (!s_fail) {
+        int T = A.ntok[set];
+        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+        int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        /* a warp per token */
+        for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < T; t += gridDim.x * nw) {
+            const int64_t *row = idx + (size_t)t * K;
+            /* headers (lane d handles destination d, 32 at a time) */
+            fr_cu_rec_headers(A, set, t, row, lane, 32);
+            if (quant) {
+                /* lane holds channels [4 lane, 4 lane + 4) of each 128-block */
+                for (int b = 0; b < H / 128; b++) {
+                    float sc;
+                    uint32_t q = fr_cu_quant4(x + (size_t)t * H, b, lane, &sc);
+                    for (int d = 0; d < N; d++) {
+                        int ri = rec_idx[(size_t)t * N + d];
+                        if (ri < 0)
+                            continue;
+                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                        ((uint32_t *)(rec + L.rec_hdr))[b * 32 + lane] = q;
+                        if (lane == 0)
+                            ((float *)(rec + L.rec_hdr + L.tok_bytes))[b] = sc;
+                    }
+                }
+            } else {
+                const uint8_t *tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
+                const float *scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
+                for (int d = 0; d < N; d++) {
+                    int ri = rec_idx[(size_t)t * N + d];
+                    if (ri < 0)
+                        continue;
+                    uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                    fr_warp_copy(rec + L.rec_hdr, tok, L.tok_bytes);
+                    for (int i = lane; i < (int)L.nscales; i += 32)
+                        ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = scl[i];
+                }
+            }
+        }
+    }
+    fr_cu_pack_finish(A, set);
+}
+
+/* The same records as fr_cu_pack, a block per token (tokens strided over
+ * the grid): every thread quantises 16 channels with two 16-byte loads
+ * (8 threads per 128-channel block share its amax through shuffles) and
+ * stores its 16 codes with one 16-byte store per destination. Needs x and
+ * every record's token 16-byte aligned (the host checks x). */
+__global__ void __launch_bounds__(FR_CU_THREADS)
+fr_cu_pack_block(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+                 const int64_t *idx)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, H = L.H;
+    bool quant = L.fp8 && !x_scales;
+    __shared__ int s_fail;
+    if (threadIdx.x == 0)
+        s_fail = fr_cu_failed(A);
+    __syncthreads();
+    if (!s_fail) {
+        int T = A.ntok[set];
+        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+        for (int t = blockIdx.x; t < T; t += gridDim.x) {
+            const int64_t *row = idx + (size_t)t * K;
+            fr_cu_rec_headers(A, set, t, row, threadIdx.x, blockDim.x);
+            if (quant) {
+                const uint4 *xr = (const uint4 *)(x + (size_t)t * H);
+                /* the whole block takes the same number of steps, so every
+                 * lane reaches the shuffles; a lane past the row idles in
+                 * a group of 8 that is idle as a whole (H/16 is a multiple
+                 * of 8) */
+                for (int base = 0; base < H / 16; base += blockDim.x) {
+                    int c = base + threadIdx.x;
+                    bool on = c < H / 16;
+                    uint4 v0 = on ? xr[2 * c] : make_uint4(0, 0, 0, 0);
+                    uint4 v1 = on ? xr[2 * c + 1] : make_uint4(0, 0, 0, 0);
+                    uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+                    uint16_t m = 0;
+                    for (int i = 0; i < 8; i++) {
+                        uint16_t a = fr_bf16_finite_mag((uint16_t)(w[i] & 0xffff));
+                        uint16_t b2 = fr_bf16_finite_mag((uint16_t)(w[i] >> 16));
+                        m = a > m ? a : m;
+                        m = b2 > m ? b2 : m;
+                    }
+                    /* the 8 threads of this 128-channel block (c / 8) are
+                     * 8 consecutive lanes of one warp (blockDim is a
+                     * multiple of 32) */
+                    for (int o = 4; o; o >>= 1) {
+                        uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o, 8);
+                        m = y > m ? y : m;
+                    }
+                    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+                    uint32_t q[4];
+                    for (int i = 0; i < 4; i++) {
+                        uint32_t lo = w[2 * i], hi = w[2 * i + 1];
+                        q[i] = (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo & 0xffff)) * inv) |
+                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo >> 16)) * inv) << 8) |
+                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi & 0xffff)) * inv) << 16) |
+                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi >> 16)) * inv) << 24);
+                    }
+                    uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
+                    float sc = fr_fp8_scale(amax);
+                    for (int d = 0; d < N && on; d++) {
+                        int ri = rec_idx[(size_t)t * N + d];
+                        if (ri < 0)
+                            continue;
+                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
+                        ((uint4 *)(rec + L.rec_hdr))[c] = qv;
+                        if ((c & 7) == 0)
+                            ((float *)(rec + L.rec_hdr + L.tok_bytes))[c >> 3] = sc;
+                    }
+                }
+            } else {
+                const uint4 *tok = (const uint4 *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
+                const float *scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
+                int n16 = (int)(L.tok_bytes / 16);
+                for (int c = threadIdx.x; c < n16; c += blockDim.x) {
+                    uint4 v = tok[c];
+                    for (int d = 0; d < N; d++) {
+                        int ri = rec_idx[(size_t)t * N + d];
+                        if (ri >= 0)
+                            ((uint4 *)(fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri) +
+                                       L.rec_hdr))[c] = v;
+                    }
+                }
+                for (int i = threadIdx.x; scl && i < (int)L.nscales; i += blockDim.x) {
+                    float v = scl[i];
+                    for (int d = 0; d < N; d++) {
+                        int ri = rec_idx[(size_t)t * N + d];
+                        if (ri >= 0)
+                            ((float *)(fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri) +
+                                       L.rec_hdr + L.tok_bytes))[i] = v;
+                    }
+                }
+            }
+        }
+    }
+    fr_cu_pack_finish(A, set);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -1064,10 +1179,19 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     fr_cu_route<<<1, FR_CU_ROUTE_THREADS, 0, st>>>(c->a, set, in->topk_idx, in->num_tokens,
                                                      in->num_tokens_dev);
-    int wpb = FR_CU_THREADS / 32, need = (ep->L.T + wpb - 1) / wpb;
-    int blocks = c->nblocks < need ? c->nblocks : need;
-    fr_cu_pack<<<blocks, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint16_t *)in->x,
-                                                 in->x_scales, in->topk_idx);
+    if (((uintptr_t)in->x & 15) == 0 && ep->L.tok_bytes % 16 == 0 &&
+        ep->L.rec_hdr % 16 == 0) {
+        /* a block per token, 16-byte accesses */
+        int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
+        fr_cu_pack_block<<<blocks, FR_CU_THREADS, 0, st>>>(
+            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx);
+    } else {
+        /* a warp per token (x not 16-byte aligned) */
+        int wpb = FR_CU_THREADS / 32, need = (ep->L.T + wpb - 1) / wpb;
+        int blocks = c->nblocks < need ? c->nblocks : need;
+        fr_cu_pack<<<blocks, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint16_t *)in->x,
+                                                     in->x_scales, in->topk_idx);
+    }
     return fr_cuda_launch_check(ep, "dispatch_send");
 }
 
