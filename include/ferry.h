@@ -94,7 +94,9 @@ int ferry_comm_size(ferry_comm_t comm);
 int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
                          size_t len);
 int ferry_comm_barrier(ferry_comm_t comm);
-/* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup). */
+/* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup).
+ * Destroy every EP (and put-with-signal context) made on the communicator
+ * first: they use it until they are destroyed. */
 int ferry_comm_destroy(ferry_comm_t comm);
 
 /* ---------------------------------------------------------------------- */
