@@ -338,7 +338,7 @@ class EP:
         if rc != 0:
             raise FerryError(rc, _lib_handle().ferry_ep_last_error(self._h).decode())
 
-    def _arr(self, a, name, dtypes, shape, required=True, output=False):
+    def _arr(self, a, name, dtypes, shape, required=True, output=False, inf=None):
         """The pointer of a checked against the context, or None (when a is
         None and not required). shape: a tuple, None entries any size."""
         if a is None:
@@ -346,7 +346,8 @@ class EP:
                 raise TypeError(f"{name}: expected shape {self._show(shape)} "
                                 f"{dtypes[0]}, got None")
             return None
-        inf = _info(a, name)
+        if inf is None:
+            inf = _info(a, name)
         # the messages are built only when a check fails (this runs per call)
         if inf.dev != self.device:
             raise ValueError(f"{name}: expected a {self.device} array, got a {inf.dev} array")
@@ -409,16 +410,17 @@ class EP:
         H, K, Tmax = self.hidden, self.topk, self.max_tokens
         # rows: from topk_idx, else x; both absent is an empty round
         lead = topk_idx if topk_idx is not None else x
-        R = 0
+        R, ii, ix = 0, None, None
         if lead is not None:
             inf = _info(lead, "topk_idx" if topk_idx is not None else "x")
             R = inf.shape[0] if len(inf.shape) == 2 else None
+            ii, ix = (inf, None) if topk_idx is not None else (None, inf)
         quant = x_scales is not None
         if quant and self.dtype != "fp8":
             raise ValueError("x_scales: given, but the context's dispatch dtype is bf16 "
                              "(pre-quantised input needs dtype='fp8')")
-        pi = self._arr(topk_idx, "topk_idx", _I64, (R, K), required=R != 0)
-        px = self._arr(x, "x", _FP8 if quant else _BF16, (R, H), required=R != 0)
+        pi = self._arr(topk_idx, "topk_idx", _I64, (R, K), required=R != 0, inf=ii)
+        px = self._arr(x, "x", _FP8 if quant else _BF16, (R, H), required=R != 0, inf=ix)
         ps = self._arr(x_scales, "x_scales", _F32, (R, self.num_scales), required=False)
         if R > Tmax:
             raise ValueError(f"x: expected at most max_tokens = {Tmax} rows, got "
