@@ -181,6 +181,16 @@ __device__ int fr_block_scan(int v, int *total)
     return before;
 }
 
+/* Four bf16 values (two packed words, low half first) times inv, as four
+ * e4m3 codes in one word (lowest byte first). */
+__device__ __forceinline__ uint32_t fr_cu_e4m3x4(uint32_t lo, uint32_t hi, float inv)
+{
+    return (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo & 0xffff)) * inv) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo >> 16)) * inv) << 8) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi & 0xffff)) * inv) << 16) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi >> 16)) * inv) << 24);
+}
+
 /* A warp quantises 128-channel block b of a bf16 row: lane gets channels
  * [4 lane, 4 lane + 4) packed as four e4m3 codes, and the block's scale. */
 __device__ __forceinline__ uint32_t fr_cu_quant4(const uint16_t *xrow, int b, int lane,
@@ -201,10 +211,7 @@ __device__ __forceinline__ uint32_t fr_cu_quant4(const uint16_t *xrow, int b, in
     }
     float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
     *scale = fr_fp8_scale(amax);
-    return (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e0) * inv) |
-           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e1) * inv) << 8) |
-           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e2) * inv) << 16) |
-           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32(e3) * inv) << 24);
+    return fr_cu_e4m3x4(v.x, v.y, inv);
 }
 
 /* One warp copies a row: every lane keeps 4 16-byte loads in flight. */
@@ -367,20 +374,25 @@ __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set,
     return A.peer[d] + fr_off_drecv(&A.L, set, A.rank);
 }
 
+/* The record of token t in destination d's slice; NULL when the token
+ * does not go to d. */
+__device__ __forceinline__ uint8_t *fr_cu_rec(const fr_cu_args_t &A, int set, int t, int d)
+{
+    int ri = A.rec_idx[((size_t)set * A.L.T + t) * A.N + d];
+    return ri < 0 ? NULL : fr_cu_dslice(A, set, d) + fr_off_record(&A.L, (uint32_t)ri);
+}
+
 /* Record headers of token t: thread i of n handles destinations i, i+n... */
 __device__ __forceinline__ void fr_cu_rec_headers(const fr_cu_args_t &A, int set, int t,
                                                   const int64_t *row, int i, int n)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
-    const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
     const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
     for (int d = i; d < N; d += n) {
-        int ri = rec_idx[(size_t)t * N + d];
-        if (ri < 0)
+        fr_rec_hdr_t *h = (fr_rec_hdr_t *)fr_cu_rec(A, set, t, d);
+        if (!h)
             continue;
-        fr_rec_hdr_t *h = (fr_rec_hdr_t *)(fr_cu_dslice(A, set, d) +
-                                           fr_off_record(&L, (uint32_t)ri));
         uint16_t m = 0;
         for (int k = 0; k < K; k++)
             if (row[k] >= 0 && row[k] / El == d)
@@ -447,7 +459,6 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
     __syncthreads();
     if (!s_fail) {
         int T = A.ntok[set];
-        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
         int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
         /* a warp per token */
         for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < T; t += gridDim.x * nw) {
@@ -460,10 +471,9 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
                     float sc;
                     uint32_t q = fr_cu_quant4(x + (size_t)t * H, b, lane, &sc);
                     for (int d = 0; d < N; d++) {
-                        int ri = rec_idx[(size_t)t * N + d];
-                        if (ri < 0)
+                        uint8_t *rec = fr_cu_rec(A, set, t, d);
+                        if (!rec)
                             continue;
-                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
                         ((uint32_t *)(rec + L.rec_hdr))[b * 32 + lane] = q;
                         if (lane == 0)
                             ((float *)(rec + L.rec_hdr + L.tok_bytes))[b] = sc;
@@ -473,10 +483,9 @@ fr_cu_pack(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
                 const uint8_t *tok = (const uint8_t *)x + (size_t)t * L.tok_bytes;
                 const float *scl = x_scales ? x_scales + (size_t)t * L.nscales : NULL;
                 for (int d = 0; d < N; d++) {
-                    int ri = rec_idx[(size_t)t * N + d];
-                    if (ri < 0)
+                    uint8_t *rec = fr_cu_rec(A, set, t, d);
+                    if (!rec)
                         continue;
-                    uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
                     fr_warp_copy(rec + L.rec_hdr, tok, L.tok_bytes);
                     for (int i = lane; i < (int)L.nscales; i += 32)
                         ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = scl[i];
@@ -505,7 +514,6 @@ fr_cu_pack_block(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scal
     __syncthreads();
     if (!s_fail) {
         int T = A.ntok[set];
-        const int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
         for (int t = blockIdx.x; t < T; t += gridDim.x) {
             const int64_t *row = idx + (size_t)t * K;
             fr_cu_rec_headers(A, set, t, row, threadIdx.x, blockDim.x);
@@ -536,21 +544,15 @@ fr_cu_pack_block(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scal
                         m = y > m ? y : m;
                     }
                     float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
-                    uint32_t q[4];
-                    for (int i = 0; i < 4; i++) {
-                        uint32_t lo = w[2 * i], hi = w[2 * i + 1];
-                        q[i] = (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo & 0xffff)) * inv) |
-                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo >> 16)) * inv) << 8) |
-                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi & 0xffff)) * inv) << 16) |
-                               ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi >> 16)) * inv) << 24);
-                    }
-                    uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
+                    uint4 qv = make_uint4(fr_cu_e4m3x4(w[0], w[1], inv),
+                                          fr_cu_e4m3x4(w[2], w[3], inv),
+                                          fr_cu_e4m3x4(w[4], w[5], inv),
+                                          fr_cu_e4m3x4(w[6], w[7], inv));
                     float sc = fr_fp8_scale(amax);
                     for (int d = 0; d < N && on; d++) {
-                        int ri = rec_idx[(size_t)t * N + d];
-                        if (ri < 0)
+                        uint8_t *rec = fr_cu_rec(A, set, t, d);
+                        if (!rec)
                             continue;
-                        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri);
                         ((uint4 *)(rec + L.rec_hdr))[c] = qv;
                         if ((c & 7) == 0)
                             ((float *)(rec + L.rec_hdr + L.tok_bytes))[c >> 3] = sc;
@@ -563,19 +565,17 @@ fr_cu_pack_block(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scal
                 for (int c = threadIdx.x; c < n16; c += blockDim.x) {
                     uint4 v = tok[c];
                     for (int d = 0; d < N; d++) {
-                        int ri = rec_idx[(size_t)t * N + d];
-                        if (ri >= 0)
-                            ((uint4 *)(fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri) +
-                                       L.rec_hdr))[c] = v;
+                        uint8_t *rec = fr_cu_rec(A, set, t, d);
+                        if (rec)
+                            ((uint4 *)(rec + L.rec_hdr))[c] = v;
                     }
                 }
                 for (int i = threadIdx.x; scl && i < (int)L.nscales; i += blockDim.x) {
                     float v = scl[i];
                     for (int d = 0; d < N; d++) {
-                        int ri = rec_idx[(size_t)t * N + d];
-                        if (ri >= 0)
-                            ((float *)(fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)ri) +
-                                       L.rec_hdr + L.tok_bytes))[i] = v;
+                        uint8_t *rec = fr_cu_rec(A, set, t, d);
+                        if (rec)
+                            ((float *)(rec + L.rec_hdr + L.tok_bytes))[i] = v;
                     }
                 }
             }
