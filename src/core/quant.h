@@ -2,13 +2,13 @@
  * Number formats shared by the CPU and CUDA kernels.
  *  bf16: raw uint16_t bits; float -> bf16 rounds to nearest even.
  *  fp8 e4m3 (OCP "fn" flavour): bias 7, max 448, no infinities, 0x7f/0xff
- *  are NaN; encoding rounds to nearest even and saturates to +-448.
+ *  are NaN (encoding gives 0x7f, as cvt.rn.satfinite does); encoding rounds to nearest even and saturates to +-448.
  * Block scaling (DeepSeek-V3): per 128 channels, scale = amax / 448 and
  * q = e4m3(x * (448 / amax)); an all-zero block gets scale 1.
  * Non-finite inputs saturate and stay local: amax is taken over the finite
  * channels only, so the rest of the block quantises exactly as without
  * them; +-Inf becomes +-448 (the block's largest finite magnitude once
- * scaled back), NaN stays NaN (code 0x7f/0xff).
+ * scaled back), NaN stays NaN (code 0x7f).
  */
 #ifndef FR_QUANT_H
 #define FR_QUANT_H
@@ -77,8 +77,8 @@ FR_HD uint8_t fr_f32_to_e4m3(float f)
     uint32_t v = a < 0x3c800000u ? sub : nrm;
     v = a >= 0x43e00000u ? 0x7eu : v; /* >= 448 and inf saturate */
     v = v > 0x7eu ? 0x7eu : v;
-    v = isnan_ ? 0x7fu : v;
-    return (uint8_t)(sign | v);
+    /* NaN: 0x7f whatever its sign, as the hardware conversion gives it */
+    return isnan_ ? (uint8_t)0x7fu : (uint8_t)(sign | v);
 }
 
 /* Scale and its inverse for a block whose largest magnitude is amax. */

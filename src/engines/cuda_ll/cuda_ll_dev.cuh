@@ -1,0 +1,231 @@
+/*
+ * The CUDA low-latency engine's device side, shared by its kernel files
+ * (dispatch.cu, cuda_ll.cu): the kernels' argument block, the engine's
+ * state, flags with acquire/release at system scope, bounded waits,
+ * error words, fp8 conversion, warp copies, publishing to peers and to
+ * the proxy.
+ */
+#ifndef FR_CUDA_LL_DEV_CUH
+#define FR_CUDA_LL_DEV_CUH
+
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/config.h"
+#include "core/log.h"
+#include "core/quant.h"
+#include "engines/cuda_ll/cuda_ll.h"
+#include "runtime/cuda_mem.h"
+
+#define FR_CU_THREADS 256
+
+/* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
+enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
+       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5 };
+
+typedef struct fr_cu_args {
+    fr_layout_t L;
+    int rank, N;
+    int kd;                  /* min(K, N): destinations a token can have */
+    uint8_t *seg;            /* own segment (device pointer) */
+    uint8_t **peer;          /* [N] where to store for peer d (self/IPC) */
+    uint8_t *send;           /* fabric send region (device pointer) or NULL */
+    const int *path;         /* [N] */
+    const int *gidx;         /* [N] index among fabric peers */
+    int nfabric;
+    fr_slice_t *slices;      /* host-mapped [2][2][nfabric] */
+    fr_proxy_ring_t *ring;   /* host-mapped */
+    unsigned long long *epoch; /* [2] per set */
+    int32_t *ntok;           /* [2] */
+    int32_t *rec_idx;        /* [2][T][N] */
+    int32_t *pair_base;      /* [2][T][N] */
+    int32_t *comb_pos;       /* [2][T][K] */
+    int32_t *cnt, *npairs, *comb_off; /* [2][N] */
+    uint8_t **dst_rec;       /* [2][T][kd]: a token's records, by destination (k order) */
+    int32_t *pair_row;       /* [2][N*T*kmax] */
+    int32_t *pair_off;       /* [2][N+1] */
+    int32_t *scomb_off;      /* [2][N] */
+    unsigned int *done;      /* [2 phase][2 set] finished-block counters */
+    unsigned int *ddone;     /* [2 set][N] blocks done with destination d */
+    unsigned int *dpub;      /* [2 set] destinations published */
+    int *dflag;              /* device copy of err[0]: what kernels poll */
+    volatile int *err;       /* host-mapped [4]: what the host reads */
+    unsigned long long timeout_ns;
+} fr_cu_args_t;
+
+struct fr_cuda_ep {
+    fr_cu_args_t a;
+    int device, nblocks;
+    int host_seg;            /* segment is pinned host memory (fabric) */
+    void *dev_seg, *dev_send, *dev_ring, *dev_slices; /* their GPU views */
+    void *dmem;              /* one device allocation for the tables */
+    uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
+    int *err_host;
+    void *err_dev;
+    const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
+};
+
+/* The last launch's error, then the kernels' error word (cuda_ll.cu). */
+int fr_cuda_launch_check(ferry_ep_t ep, const char *what);
+
+/* ---------------------------------------------------------------------- */
+/* device helpers                                                         */
+
+static __device__ __forceinline__ unsigned long long fr_ld_acquire(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void fr_st_release(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ unsigned long long fr_globaltimer(void)
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Errors: the first one wins a CAS on the device flag, then is copied to
+ * host-mapped memory (details first, status last). Kernels poll only the
+ * device flag: reads of host memory cross PCIe, and thousands of them cost
+ * hundreds of microseconds. */
+static __device__ void fr_cu_fail(const fr_cu_args_t &A, int status, int rank, int what,
+                           int detail)
+{
+    if (atomicCAS(A.dflag, 0, status) == 0) {
+        A.err[1] = rank;
+        A.err[2] = what;
+        A.err[3] = detail;
+        __threadfence_system();
+        A.err[0] = status;
+        __threadfence_system();
+    }
+}
+
+static __device__ __forceinline__ bool fr_cu_failed(const fr_cu_args_t &A)
+{
+    return *(volatile int *)A.dflag != 0;
+}
+
+/* Wait until flag == epoch; false (error word set) on timeout. */
+static __device__ bool fr_cu_wait_flag(const fr_cu_args_t &A, const unsigned long long *flag,
+                                unsigned long long epoch, int sender, int what)
+{
+    unsigned long long t0 = fr_globaltimer();
+    unsigned int n = 0;
+    for (;;) {
+        unsigned long long v = fr_ld_acquire(flag);
+        if (v == epoch)
+            return true;
+        if (v > epoch) {
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, sender, what, (int)v);
+            return false;
+        }
+        if ((++n & 255) == 0) {
+            if (fr_cu_failed(A))
+                return false;
+            if (fr_globaltimer() - t0 > A.timeout_ns) {
+                fr_cu_fail(A, FERRY_ERR_TIMEOUT, sender, what, 0);
+                return false;
+            }
+        }
+    }
+}
+
+/* Four bf16 values (two packed words, low half first) times inv, as four
+ * e4m3 codes in one word (lowest byte first). */
+static __device__ __forceinline__ uint32_t fr_cu_e4m3x4(uint32_t lo, uint32_t hi, float inv)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    /* cvt.rn.satfinite.e4m3x2: round to nearest even, +-448 saturation,
+     * NaN -> 0x7f: what fr_f32_to_e4m3 computes (core/quant.h) */
+    float a = fr_bf16_to_f32((uint16_t)(lo & 0xffff)) * inv;
+    float b = fr_bf16_to_f32((uint16_t)(lo >> 16)) * inv;
+    float c = fr_bf16_to_f32((uint16_t)(hi & 0xffff)) * inv;
+    float d = fr_bf16_to_f32((uint16_t)(hi >> 16)) * inv;
+    unsigned short p0, p1;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p0) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p1) : "f"(d), "f"(c));
+    return (uint32_t)p0 | ((uint32_t)p1 << 16);
+#else
+    return (uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo & 0xffff)) * inv) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(lo >> 16)) * inv) << 8) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi & 0xffff)) * inv) << 16) |
+           ((uint32_t)fr_f32_to_e4m3(fr_bf16_to_f32((uint16_t)(hi >> 16)) * inv) << 24);
+#endif
+}
+
+/* One warp copies a row: every lane keeps up to 8 16-byte loads in flight. */
+static __device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t *src, size_t bytes)
+{
+    const int4 *s = (const int4 *)src;
+    int4 *d = (int4 *)dst;
+    int lane = threadIdx.x & 31;
+    size_t n = bytes / 16, i = (size_t)lane;
+    for (; i + 224 < n; i += 256) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            v[u] = s[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            d[i + 32 * u] = v[u];
+    }
+    for (; i + 96 < n; i += 128) {
+        int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+        d[i] = a;
+        d[i + 32] = b;
+        d[i + 64] = c;
+        d[i + 96] = e;
+    }
+    for (; i < n; i += 32)
+        d[i] = s[i];
+}
+
+/* Publish (phase, set) to peer d: flag for self/IPC, a slice for the proxy
+ * otherwise (the ring push happens once, after all peers). */
+static __device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, int d,
+                              unsigned long long epoch, uint64_t src_off,
+                              uint64_t dst_off, uint64_t len)
+{
+    if (A.path[d] == FR_PATH_FABRIC) {
+        fr_slice_t *s = A.slices + ((size_t)phase * FR_NSETS + set) * A.nfabric + A.gidx[d];
+        s->src_off = src_off;
+        s->dst_off = dst_off;
+        s->len = len;
+        s->imm = fr_imm_make(phase, epoch, A.rank);
+    } else {
+        fr_st_release((unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank)),
+                      epoch);
+    }
+}
+
+static __device__ void fr_cu_ring(const fr_cu_args_t &A, int phase, int set,
+                           unsigned long long epoch)
+{
+    fr_proxy_ring_t *rg = A.ring;
+    volatile unsigned long long *head = (volatile unsigned long long *)&rg->head;
+    unsigned long long tail = *(volatile unsigned long long *)&rg->tail;
+    unsigned long long t0 = fr_globaltimer();
+    while (tail - *head >= FR_PROXY_RING) {
+        if (fr_globaltimer() - t0 > A.timeout_ns) {
+            fr_cu_fail(A, FERRY_ERR_TIMEOUT, A.rank, phase + 1, -1);
+            return;
+        }
+    }
+    fr_proxy_req_t *q = &rg->req[tail % FR_PROXY_RING];
+    q->phase = phase;
+    q->set = set;
+    q->epoch = epoch;
+    __threadfence_system();
+    fr_st_release((unsigned long long *)&rg->tail, tail + 1);
+}
+
+
+#endif

@@ -1,0 +1,588 @@
+/*
+ * Dispatch kernels of the CUDA low-latency engine: one launch to send, one
+ * to receive.
+ *
+ * fr_cu_dsend (a grid of blocks, each owning a contiguous run of tokens):
+ *   1. every block counts, per destination rank, the records (distinct
+ *      (token, rank)) and pairs ((token, expert)) over all tokens and over
+ *      the tokens before its own (warps over tokens, lanes over ranks);
+ *      sums commute, so every block gets the same exact numbers and no
+ *      block waits for another;
+ *   2. a thread per destination walks the block's own tokens in order and
+ *      gives each its record index and first pair there (the wire format
+ *      of core/layout.h: records in token order);
+ *   3. a thread per own token checks its row, writes its record headers
+ *      and combine positions, and lists its records (dst_rec);
+ *   4. all warps quantise and store: a warp takes 512 channels of one
+ *      token (16 per lane, two 16-byte loads, amax over the 8 lanes of a
+ *      128-channel block, hardware e4m3 conversion) and stores them with
+ *      16-byte stores into every record of the token;
+ *   5. per destination, a counter of finished blocks: the lane that
+ *      finishes a destination writes its slice header and publishes it
+ *      (flag store, or the proxy's slice); the last destination rings the
+ *      proxy. No grid-wide barrier: a destination goes out as soon as the
+ *      last block is done with it.
+ *
+ * fr_cu_drecv (a grid of blocks, block y owning local experts y, y + G,
+ *   ...): for each sender in rank order, one lane waits for its flag; the
+ *   block checks the slice, gives every (record, own expert) its row with
+ *   warp ballots (rows of an expert ordered by sender, then token, as the
+ *   CPU engine orders them), and the warp that found a row copies the
+ *   token there at once. Blocks never wait for each other.
+ */
+#include "engines/cuda_ll/cuda_ll_dev.cuh"
+
+#define FR_DS_THREADS 1024
+#define FR_DR_THREADS 512
+
+static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set, int d)
+{
+    if (A.path[d] == FR_PATH_FABRIC)
+        return A.send + fr_off_dsend(&A.L, set, d);
+    return A.peer[d] + fr_off_drecv(&A.L, set, A.rank);
+}
+
+/* Step 1. sh: [0,N) records before `start`, [N,2N) pairs before, [2N,3N)
+ * records in all, [3N,4N) pairs in all. Indices outside 0..E-1 count
+ * nowhere (step 3 reports them). */
+static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
+                                   int start, int32_t *sh)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int d0 = 0; d0 < N; d0 += 32) {
+        int d = d0 + lane;
+        int64_t lo = (int64_t)d * L.El, hi = lo + L.El;
+        int pr = 0, pp = 0, tr = 0, tp = 0;
+        for (int t = w; t < T; t += nw) {
+            const int64_t *row = idx + (size_t)t * K;
+            int np = 0;
+            for (int k = 0; k < K; k++) {
+                int64_t e = row[k];
+                np += e >= lo && e < hi;
+            }
+            tr += np > 0;
+            tp += np;
+            if (t < start) {
+                pr += np > 0;
+                pp += np;
+            }
+        }
+        if (d < N && tp > 0) {
+            atomicAdd(&sh[d], pr);
+            atomicAdd(&sh[N + d], pp);
+            atomicAdd(&sh[2 * N + d], tr);
+            atomicAdd(&sh[3 * N + d], tp);
+        }
+    }
+}
+
+/* Exclusive scan of pairs per destination: each destination's first row
+ * in this rank's combine region. Warp 0. */
+static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
+{
+    int lane = threadIdx.x & 31, carry = 0;
+    for (int d0 = 0; d0 < N; d0 += 32) {
+        int d = d0 + lane, v = d < N ? tp[d] : 0, x = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o)
+                x += y;
+        }
+        if (d < N)
+            co[d] = carry + x - v;
+        carry += __shfl_sync(0xffffffffu, x, 31);
+    }
+}
+
+/* Step 2: a thread per destination walks the own tokens [start, end). */
+static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t *idx,
+                                   int start, int end, const int32_t *sh)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K;
+    int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
+    int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
+    for (int d = threadIdx.x; d < N; d += blockDim.x) {
+        int64_t lo = (int64_t)d * L.El, hi = lo + L.El;
+        int run_r = sh[d], run_p = sh[N + d];
+#pragma unroll 4
+        for (int t = start; t < end; t++) {
+            const int64_t *row = idx + (size_t)t * K;
+            int np = 0;
+            for (int k = 0; k < K; k++)
+                np += row[k] >= lo && row[k] < hi;
+            rec_idx[(size_t)t * N + d] = np ? run_r++ : -1;
+            pbase[(size_t)t * N + d] = run_p;
+            run_p += np;
+        }
+    }
+}
+
+/* Step 3: a thread per own token: check the row, write the token's record
+ * headers and combine positions, list its records in k order. */
+static __device__ void fr_ds_token(const fr_cu_args_t &A, int set, const int64_t *idx,
+                                   int t, const int32_t *co)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, El = L.El, kd = A.kd;
+    const int64_t *row = idx + (size_t)t * K;
+    uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * kd;
+    /* the row in registers: expert and destination per k (-1: none) */
+    int ek[FR_MAX_TOPK], dk[FR_MAX_TOPK];
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < FR_MAX_TOPK; k++) {
+        int64_t e = k < K ? row[k] : -1;
+        bool b = e < -1 || e >= L.E;
+#pragma unroll
+        for (int j = 0; j < k; j++)
+            b = b || (e >= 0 && ek[j] == (int)e);
+        if (b && !bad)
+            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
+        bad = bad || b;
+        ek[k] = b ? -1 : (int)e;
+        dk[k] = ek[k] >= 0 ? ek[k] / El : -1;
+    }
+    if (bad) {
+        dr[0] = NULL; /* nothing to pack */
+        return;
+    }
+    const int32_t *rec_idx = A.rec_idx + ((size_t)set * L.T + t) * N;
+    const int32_t *pbase = A.pair_base + ((size_t)set * L.T + t) * N;
+    int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K;
+    int m = 0;
+#pragma unroll
+    for (int k = 0; k < FR_MAX_TOPK; k++) {
+        if (k >= K)
+            break;
+        int d = dk[k], before = 0;
+        if (d < 0) {
+            cpos[k] = -1;
+            continue;
+        }
+#pragma unroll
+        for (int j = 0; j < k; j++)
+            before += dk[j] == d;
+        int pb = pbase[d];
+        cpos[k] = co[d] + pb + before;
+        if (before)
+            continue;
+        /* first expert of the token on d: its record */
+        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)rec_idx[d]);
+        fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
+        uint16_t n = 0;
+#pragma unroll
+        for (int j = k; j < FR_MAX_TOPK; j++)
+            if (j < K && dk[j] == d)
+                h->le[n++] = (uint16_t)(ek[j] - d * El);
+        h->token = (uint32_t)t;
+        h->pair = (uint32_t)pb;
+        h->nexp = n;
+        h->reserved = 0;
+        dr[m++] = rec + L.rec_hdr;
+    }
+    for (; m < kd; m++)
+        dr[m] = NULL;
+}
+
+/* Step 4, one warp-task: 512 channels (quantised) or 512 bytes (copied) of
+ * token t, chunk c, into every record of the token. */
+template <bool VEC>
+static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_t *const *dr,
+                                                   const uint16_t *xrow, const float *scl,
+                                                   bool quant, int c)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
+    if (quant) {
+        bool on = g < (int)(L.H / 16);
+        uint32_t wv[8];
+        if (VEC) {
+            uint4 v0 = on ? ((const uint4 *)xrow)[2 * g] : make_uint4(0, 0, 0, 0);
+            uint4 v1 = on ? ((const uint4 *)xrow)[2 * g + 1] : make_uint4(0, 0, 0, 0);
+            wv[0] = v0.x, wv[1] = v0.y, wv[2] = v0.z, wv[3] = v0.w;
+            wv[4] = v1.x, wv[5] = v1.y, wv[6] = v1.z, wv[7] = v1.w;
+        } else {
+            for (int i = 0; i < 8; i++)
+                wv[i] = on ? (uint32_t)xrow[16 * g + 2 * i] |
+                                 ((uint32_t)xrow[16 * g + 2 * i + 1] << 16)
+                           : 0u;
+        }
+        uint16_t m = 0;
+        for (int i = 0; i < 8; i++) {
+            uint16_t a = fr_bf16_finite_mag((uint16_t)(wv[i] & 0xffff));
+            uint16_t b = fr_bf16_finite_mag((uint16_t)(wv[i] >> 16));
+            m = a > m ? a : m;
+            m = b > m ? b : m;
+        }
+        /* the 8 lanes of a 128-channel block; a chunk past the row is
+         * idle as a whole group of 8 (H is a multiple of 128) */
+        for (int o = 4; o; o >>= 1) {
+            uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o, 8);
+            m = y > m ? y : m;
+        }
+        float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+        uint4 q = make_uint4(fr_cu_e4m3x4(wv[0], wv[1], inv), fr_cu_e4m3x4(wv[2], wv[3], inv),
+                             fr_cu_e4m3x4(wv[4], wv[5], inv), fr_cu_e4m3x4(wv[6], wv[7], inv));
+        float sc = fr_fp8_scale(amax);
+        if (!on)
+            return;
+        for (int i = 0; i < kd; i++) {
+            uint8_t *p = dr[i];
+            if (!p)
+                break;
+            ((uint4 *)p)[g] = q;
+            if ((g & 7) == 0)
+                ((float *)(p + L.tok_bytes))[g >> 3] = sc;
+        }
+        return;
+    }
+    int n16 = (int)(L.tok_bytes / 16);
+    if (g < n16) {
+        uint4 v;
+        if (VEC) {
+            v = ((const uint4 *)xrow)[g];
+        } else {
+            uint32_t b[4];
+            const uint8_t *s = (const uint8_t *)xrow + 16 * (size_t)g;
+            for (int i = 0; i < 4; i++)
+                b[i] = (uint32_t)s[4 * i] | ((uint32_t)s[4 * i + 1] << 8) |
+                       ((uint32_t)s[4 * i + 2] << 16) | ((uint32_t)s[4 * i + 3] << 24);
+            v = make_uint4(b[0], b[1], b[2], b[3]);
+        }
+        for (int i = 0; i < kd && dr[i]; i++)
+            ((uint4 *)dr[i])[g] = v;
+    }
+    if (scl && c == 0)
+        for (int s = lane; s < (int)L.nscales; s += 32)
+            for (int i = 0; i < kd && dr[i]; i++)
+                ((float *)(dr[i] + L.tok_bytes))[s] = scl[s];
+}
+
+/* Step 5: this block is done with every destination; whoever finishes one
+ * publishes it, whoever publishes the last rings the proxy. */
+static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned long long epoch,
+                                    const int32_t *sh)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N;
+    /* the barrier orders the block's stores before the fence of each
+     * thread that counts a destination (fences are cumulative) */
+    __syncthreads();
+    for (int d = threadIdx.x; d < N; d += blockDim.x) {
+        unsigned int *dd = A.ddone + (size_t)set * N + d;
+        __threadfence_system();
+        if (atomicAdd(dd, 1u) != gridDim.x - 1)
+            continue;
+        __threadfence_system();
+        *dd = 0;
+        int cnt = sh[2 * N + d], np = sh[3 * N + d], co = sh[4 * N + d];
+        if (!fr_cu_failed(A)) {
+            fr_slice_hdr_t *h = (fr_slice_hdr_t *)fr_cu_dslice(A, set, d);
+            h->magic = FR_SLICE_MAGIC;
+            h->sender = (uint32_t)A.rank;
+            h->epoch = epoch;
+            h->count = (uint32_t)cnt;
+            h->npairs = (uint32_t)np;
+            h->comb_off = (uint32_t)co;
+            __threadfence_system();
+            fr_cu_publish(A, FR_PH_DISPATCH, set, d, epoch, fr_off_dsend(&L, set, d),
+                          fr_off_drecv(&L, set, A.rank), fr_off_record(&L, (uint32_t)cnt));
+        }
+        if (atomicAdd(A.dpub + set, 1u) == (unsigned)N - 1) {
+            A.dpub[set] = 0;
+            A.epoch[set] = epoch;
+            if (!fr_cu_failed(A) && A.nfabric > 0) {
+                __threadfence_system();
+                fr_cu_ring(A, FR_PH_DISPATCH, set, epoch);
+            }
+        }
+    }
+}
+
+template <bool VEC>
+__global__ void __launch_bounds__(FR_DS_THREADS, 1)
+fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+            const int64_t *idx, int T_host, const int32_t *T_dev)
+{
+    extern __shared__ int32_t sh[]; /* [5][N] (fr_ds_count, then comb_off) */
+    const fr_layout_t &L = A.L;
+    int N = A.N;
+    __shared__ int s_T, s_bad;
+    __shared__ unsigned long long s_epoch;
+    if (threadIdx.x == 0) {
+        int T = T_dev ? *T_dev : T_host;
+        s_bad = fr_cu_failed(A);
+        if (T < 0 || T > L.T) {
+            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_NTOK, T);
+            s_bad = 1;
+        }
+        s_T = T;
+        s_epoch = A.epoch[set] + 2; /* set 1: 1, 3, 5...; set 0: 2, 4, 6... */
+    }
+    for (int i = threadIdx.x; i < 5 * N; i += blockDim.x)
+        sh[i] = 0;
+    __syncthreads();
+    if (s_bad)
+        return;
+    int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
+    int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
+    fr_ds_count(A, idx, T, start, sh);
+    __syncthreads();
+    if (threadIdx.x < 32)
+        fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
+    fr_ds_index(A, set, idx, start, end, sh);
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        for (int d = threadIdx.x; d < N; d += blockDim.x) {
+            A.cnt[set * N + d] = sh[2 * N + d];
+            A.npairs[set * N + d] = sh[3 * N + d];
+            A.comb_off[set * N + d] = sh[4 * N + d];
+        }
+        if (threadIdx.x == 0)
+            A.ntok[set] = T;
+    }
+    for (int t = start + (int)threadIdx.x; t < end; t += blockDim.x)
+        fr_ds_token(A, set, idx, t, sh + 4 * N);
+    __syncthreads();
+    bool quant = L.fp8 && !x_scales;
+    int chunks = quant ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
+    int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = w; j < (end - start) * chunks; j += nw) {
+        int t = start + j / chunks, c = j % chunks;
+        const uint16_t *xrow = quant ? x + (size_t)t * L.H
+                                     : (const uint16_t *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
+        fr_ds_chunk<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd, xrow,
+                         x_scales ? x_scales + (size_t)t * L.nscales : NULL, quant, c);
+    }
+    fr_ds_finish(A, set, s_epoch, sh);
+}
+
+/* ---------------------------------------------------------------------- */
+/* dispatch_recv                                                          */
+
+/* The header fields of record i: pair, nexp, local experts (16-byte loads). */
+static __device__ __forceinline__ int fr_dr_rec(const uint8_t *rec, uint32_t hdr,
+                                                uint32_t *token, uint32_t *pair, uint16_t *les)
+{
+    const uint4 *v = (const uint4 *)rec;
+    /* every header load issued before any is used */
+    uint4 h0 = v[0], h1 = hdr > 16 ? v[1] : make_uint4(0, 0, 0, 0);
+    uint4 h2 = hdr > 32 ? v[2] : make_uint4(0, 0, 0, 0);
+    int nexp = (int)(h0.z & 0xffff);
+    *token = h0.x;
+    *pair = h0.y;
+    /* le[] starts at byte 12: h0.w holds le[0], le[1] */
+    les[0] = (uint16_t)(h0.w & 0xffff);
+    les[1] = (uint16_t)(h0.w >> 16);
+    if (nexp > 2) {
+        uint32_t ws[4] = {h1.x, h1.y, h1.z, h1.w};
+        for (int q = 0; q < 8; q++)
+            les[2 + q] = (uint16_t)(ws[q / 2] >> (16 * (q & 1)));
+        if (nexp > 10) {
+            uint32_t ws2[4] = {h2.x, h2.y, h2.z, h2.w};
+            for (int q = 0; q < 6; q++)
+                les[10 + q] = (uint16_t)(ws2[q / 2] >> (16 * (q & 1)));
+        }
+    }
+    return nexp;
+}
+
+/* Wait for sender s and check its slice header (one thread). */
+static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
+                                  unsigned long long epoch)
+{
+    const fr_layout_t &L = A.L;
+    if (fr_cu_failed(A) ||
+        !fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
+                         epoch, s, FR_CU_WHAT_DISPATCH))
+        return false;
+    const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+    if (h->magic != FR_SLICE_MAGIC || h->sender != (uint32_t)s || h->epoch != epoch ||
+        h->count > (uint32_t)L.T || h->npairs > (uint64_t)L.T * L.kmax ||
+        (uint64_t)h->comb_off + h->npairs > L.crows) {
+        fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, -1);
+        return false;
+    }
+    return true;
+}
+
+typedef struct fr_dr_out {
+    uint8_t *ex;
+    float *exs;
+    int32_t *counts, *src_rank, *src_token;
+} fr_dr_out_t;
+
+/* One pass over sender s's records [lo, hi) of this warp, for the block's
+ * experts le = y + i * G. Pass 0 counts each expert's rows into wc[i];
+ * pass 1 gives rows from wc[i] on and copies the tokens. */
+static __device__ void fr_dr_pass(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
+                                  int lo, int hi, int npairs, int poff, int nmine,
+                                  int32_t *wc, int pass, const fr_dr_out_t &o)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31, y = blockIdx.x, G = gridDim.x;
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
+    for (int base = lo; base < hi; base += 32) {
+        int i = base + lane, nexp = 0;
+        uint32_t token = 0, pair = 0;
+        uint16_t les[FR_MAX_TOPK];
+        const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)(i < hi ? i : lo));
+        if (i < hi) {
+            nexp = fr_dr_rec(rec, L.rec_hdr, &token, &pair, les);
+            bool bad = token >= (uint32_t)L.T || nexp < 1 || nexp > (int)L.kmax ||
+                       pair + (uint32_t)nexp > (uint32_t)npairs;
+            for (int j = 0; j < nexp && !bad; j++) {
+                bad = les[j] >= L.El;
+                for (int j2 = 0; j2 < j && !bad; j2++)
+                    bad = les[j2] == les[j];
+            }
+            if (bad) {
+                if (pass == 0)
+                    fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+                nexp = 0;
+            }
+        }
+        for (int m = 0; m < nmine; m++) {
+            int le = y + m * G, jf = -1;
+            for (int j = 0; j < nexp; j++)
+                jf = les[j] == le ? j : jf;
+            unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
+            if (!bal)
+                continue;
+            int first = wc[m];
+            __syncwarp();
+            if (lane == 0)
+                wc[m] = first + __popc(bal);
+            __syncwarp();
+            if (pass == 0)
+                continue;
+            /* rows first + rank; each found token copied by the whole warp */
+            while (bal) {
+                int src = __ffs(bal) - 1;
+                bal &= bal - 1;
+                int row_in = first++;
+                const uint8_t *r = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)rec, src);
+                int j = __shfl_sync(0xffffffffu, jf, src);
+                uint32_t tk = __shfl_sync(0xffffffffu, token, src);
+                uint32_t pr = __shfl_sync(0xffffffffu, pair, src);
+                size_t row = (size_t)le * L.cap + row_in;
+                fr_warp_copy(o.ex + row * L.tok_bytes, r + L.rec_hdr, L.tok_bytes);
+                const float *rs = (const float *)(r + L.rec_hdr + L.tok_bytes);
+                for (int c = lane; c < (int)L.nscales; c += 32)
+                    o.exs[row * L.nscales + c] = rs[c];
+                if (lane == 0) {
+                    if (o.src_rank)
+                        o.src_rank[row] = s;
+                    if (o.src_token)
+                        o.src_token[row] = (int32_t)tk;
+                    prow[pr + j] = (int32_t)row;
+                }
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(FR_DR_THREADS)
+fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
+{
+    extern __shared__ int32_t wcnt[]; /* [nw + 1][nmine]: per warp, then running */
+    const fr_layout_t &L = A.L;
+    int N = A.N, y = blockIdx.x, G = gridDim.x;
+    int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
+    int32_t *run = wcnt + nw * nmine;
+    __shared__ int s_ok, s_count, s_np;
+    __shared__ unsigned long long s_epoch;
+    if (threadIdx.x == 0)
+        s_epoch = A.epoch[set];
+    for (int i = threadIdx.x; i < nmine; i += blockDim.x)
+        run[i] = 0;
+    int poff = 0;
+    for (int s = 0; s < N; s++) {
+        if (threadIdx.x == 0) {
+            s_ok = fr_dr_wait(A, set, s, s_epoch);
+            const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+            s_count = s_ok ? (int)h->count : 0;
+            s_np = s_ok ? (int)h->npairs : 0;
+            if (s_ok && y == 0) {
+                A.pair_off[set * (N + 1) + s] = poff;
+                A.scomb_off[set * N + s] = (int32_t)h->comb_off;
+                if (s == N - 1)
+                    A.pair_off[set * (N + 1) + N] = poff + s_np;
+            }
+        }
+        for (int i = threadIdx.x; i < nw * nmine; i += blockDim.x)
+            wcnt[i] = 0;
+        __syncthreads();
+        if (!s_ok)
+            return;
+        const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
+        int count = s_count, seg = (count + nw - 1) / nw;
+        int lo = min(count, w * seg), hi = min(count, lo + seg);
+        fr_dr_pass(A, set, s, slice, lo, hi, s_np, poff, nmine, wcnt + w * nmine, 0, o);
+        __syncthreads();
+        if (fr_cu_failed(A))
+            return;
+        /* warp w's rows of expert m start after the earlier warps' */
+        for (int m = threadIdx.x; m < nmine; m += blockDim.x) {
+            int acc = run[m];
+            for (int q = 0; q < nw; q++) {
+                int c = wcnt[q * nmine + m];
+                wcnt[q * nmine + m] = acc;
+                acc += c;
+            }
+            run[m] = acc;
+        }
+        __syncthreads();
+        fr_dr_pass(A, set, s, slice, lo, hi, s_np, poff, nmine, wcnt + w * nmine, 1, o);
+        __syncthreads();
+        poff += s_np;
+    }
+    for (int m = threadIdx.x; m < nmine; m += blockDim.x)
+        o.counts[y + m * G] = run[m];
+}
+
+/* ---------------------------------------------------------------------- */
+/* launchers                                                              */
+
+extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
+                                     const ferry_dispatch_in_t *in)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
+    blocks = blocks < 1 ? 1 : blocks;
+    size_t smem = sizeof(int32_t) * 5 * (size_t)ep->N;
+    bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
+    if (vec)
+        fr_cu_dsend<true><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
+            in->num_tokens_dev);
+    else
+        fr_cu_dsend<false><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
+            in->num_tokens_dev);
+    return fr_cuda_launch_check(ep, "dispatch_send");
+}
+
+extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
+                                     const ferry_dispatch_out_t *out)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)out->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    /* a block per group of local experts; blocks that wait for peers hold
+     * SMs, so never more than num_sms of them */
+    int blocks = c->nblocks < (int)ep->L.El ? c->nblocks : (int)ep->L.El;
+    blocks = blocks < 1 ? 1 : blocks;
+    int nmine = ((int)ep->L.El + blocks - 1) / blocks;
+    size_t smem = sizeof(int32_t) * (FR_DR_THREADS / 32 + 1) * (size_t)nmine;
+    fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
+                     out->expert_src_rank, out->expert_src_token};
+    fr_cu_drecv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
+    return fr_cuda_launch_check(ep, "dispatch_recv");
+}
