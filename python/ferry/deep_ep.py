@@ -11,18 +11,27 @@
     out, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
 Rows of each expert are ordered by source rank, then token. handle also
-carries (src_rank, src_token) per row. Arguments ferry does not support
+carries (src_rank, src_token) per row.
+
+Buffers: the tensors a call returns (recv_x, its scales, recv_count, the
+handle's src_rank/src_token, combine's output when `out` is not given)
+are allocated once per context and buffer set, and reused two rounds
+later (rounds alternate between two sets, like ferry's own buffers): copy
+them if they must outlive the next dispatch after next. A call does no
+allocation, no synchronisation and no host read of device data, so it can
+be captured in a CUDA graph. Arguments ferry does not support
 raise a clear error naming them (see docs/python.md for the mapping).
 Tensors are checked before use (TypeError for a wrong type or dtype,
 ValueError for a wrong shape or device, naming the argument); inputs are
 made contiguous here (a copy when they are not), `out` must already be.
 """
+import ctypes as C
 import operator
 
 import torch
 
-from . import Comm, EP
-from . import _fmt_shape
+from . import Comm, EP, FerryError
+from . import _fmt_shape, _lib, _lib_handle
 
 __all__ = ["Buffer", "EventOverlap"]
 
@@ -68,6 +77,58 @@ def _mismatch(t, name, dtype, shape):
     return f"{name}: expected {want}, got {got}"
 
 
+_EVENT = None
+
+
+def _no_event():
+    global _EVENT
+    if _EVENT is None:
+        _EVENT = EventOverlap()
+    return _EVENT
+
+
+class _Plan:
+    """One context's reusable state: the output tensors of each buffer set,
+    the argument structs, and the C entry points (no per-call allocation)."""
+
+    def __init__(self, ep, fp8, dev):
+        El, cap, H, K = ep.num_local_experts, ep.capacity, ep.hidden, ep.topk
+        self.ep, self.fp8, self.T = ep, fp8, ep.max_tokens
+        self.dev = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.yshape = (El, cap, H)
+        self.sets = []
+        for _ in range(2):
+            rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                             device=dev)
+            sc = torch.empty((El, cap, H // 128), dtype=torch.float32, device=dev) if fp8 else None
+            cnt = torch.empty(El, dtype=torch.int32, device=dev)
+            sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
+            st = torch.empty((El, cap), dtype=torch.int32, device=dev)
+            out = torch.empty((self.T, H), dtype=torch.bfloat16, device=dev)
+            dout = _lib.DispatchOut(C.sizeof(_lib.DispatchOut), rx.data_ptr(),
+                                    sc.data_ptr() if fp8 else None, cnt.data_ptr(),
+                                    sr.data_ptr(), st.data_ptr(), None)
+            self.sets.append(((rx, sc) if fp8 else rx, cnt, sr, st, out, dout))
+        self.din = _lib.DispatchIn(C.sizeof(_lib.DispatchIn), 0, None, None, None, None, None)
+        self.cin = _lib.CombineIn(C.sizeof(_lib.CombineIn), None, None)
+        self.cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
+        self.round = C.c_uint64()
+        L = _lib_handle()
+        self.send, self.recv = L.ferry_dispatch_send, L.ferry_dispatch_recv
+        self.csend, self.crecv = L.ferry_combine_send, L.ferry_combine_recv
+        self.last_error = L.ferry_ep_last_error
+        self.stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def raw_stream(self):
+        if self.stream is not None:
+            return self.stream(self.dev)
+        return torch.cuda.current_stream(self.dev).cuda_stream
+
+    def check(self, rc):
+        if rc != 0:
+            raise FerryError(rc, self.last_error(self.ep._ep()).decode())
+
+
 class Buffer:
     num_sms = 16
 
@@ -89,6 +150,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.comm = Comm(group)
         self._eps = {}
+        self._plans = {}
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
@@ -114,18 +176,38 @@ class Buffer:
             self._eps[key] = ep
         return ep
 
+    def _plan(self, x, num_experts, K, H, T, fp8):
+        """The context and its plan for this shape (created at the first
+        call, collectively, like the contexts)."""
+        key = (num_experts, K, H, T, fp8, x.get_device())
+        plan = self._plans.get(key)
+        if plan is None:
+            ep = self._ep(num_experts, K, H, T, fp8, "cuda")
+            plan = self._plans[key] = _Plan(ep, fp8, x.device)
+        return plan
+
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
                              num_experts, cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
-        bad = [n for n, v in (("cumulative_local_expert_recv_stats",
-                               cumulative_local_expert_recv_stats),
-                              ("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats))
-               if v is not None]
-        bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
-        if bad:
+        if cumulative_local_expert_recv_stats is not None or round_scale or use_ue8m0 or \
+                dispatch_wait_recv_cost_stats is not None:
+            bad = [n for n, v in (("cumulative_local_expert_recv_stats",
+                                   cumulative_local_expert_recv_stats),
+                                  ("dispatch_wait_recv_cost_stats",
+                                   dispatch_wait_recv_cost_stats)) if v is not None]
+            bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
+        if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.is_cuda and \
+                x.dtype is torch.bfloat16 and topk_idx.dtype is torch.int64 and \
+                x.dim() == 2 and topk_idx.dim() == 2 and x.shape[0] == topk_idx.shape[0] and \
+                type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and \
+                x.shape[0] <= num_max_dispatch_tokens_per_rank and \
+                topk_idx.get_device() == x.get_device():
+            return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                       num_experts, use_fp8, return_recv_hook)
         _tensor(x, "x", torch.bfloat16)
         if x.dim() != 2:
             raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
@@ -170,6 +252,68 @@ class Buffer:
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
+    def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook):
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        plan = self._plan(x, num_experts, K, H, Tmax, use_fp8)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not topk_idx.is_contiguous():
+            topk_idx = topk_idx.contiguous()
+        h = plan.ep._ep()
+        din = plan.din
+        din.num_tokens = T
+        din.x = x.data_ptr()
+        din.topk_idx = topk_idx.data_ptr()
+        stream = din.stream = plan.raw_stream()
+        plan.check(plan.send(h, din, plan.round))
+        rnd = plan.round.value
+        out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
+        dout.stream = stream
+
+        def recv():
+            plan.check(plan.recv(h, rnd, dout))
+
+        hook = None
+        if return_recv_hook:
+            hook = recv
+        else:
+            recv()
+        return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), hook
+
+    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
+        plan, rnd, _, _, T = handle
+        h = plan.ep._ep()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        w = topk_weights
+        if w.dtype is not torch.float32:
+            w = w.float()
+        if not w.is_contiguous():
+            w = w.contiguous()
+        if out is None:
+            out = plan.sets[rnd & 1][4]
+            if T != plan.T:
+                out = out[:T]
+        stream = plan.raw_stream()
+        cin, cout = plan.cin, plan.cout
+        cin.expert_y = x.data_ptr()
+        cin.stream = stream
+        plan.check(plan.csend(h, rnd, cin))
+        cout.topk_weights = w.data_ptr()
+        cout.out = out.data_ptr()
+        cout.stream = stream
+
+        def recv():
+            plan.check(plan.crecv(h, rnd, cout))
+
+        hook = None
+        if return_recv_hook:
+            hook = recv
+        else:
+            recv()
+        return out, _no_event(), hook
+
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
@@ -178,6 +322,33 @@ class Buffer:
             bad.append("combine_wait_recv_cost_stats")
         if bad:
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if type(handle) is tuple and len(handle) == 5 and type(handle[0]) is _Plan:
+            plan, T = handle[0], handle[4]
+            K = plan.ep.topk
+            if type(x) is torch.Tensor and x.shape == plan.yshape and \
+                    x.dtype is torch.bfloat16 and x.get_device() == plan.dev and \
+                    type(topk_weights) is torch.Tensor and topk_weights.shape == (T, K) and \
+                    topk_weights.get_device() == plan.dev and \
+                    (out is None or (type(out) is torch.Tensor and out.shape == (T, plan.ep.hidden)
+                                     and out.dtype is torch.bfloat16 and out.is_contiguous()
+                                     and out.get_device() == plan.dev)):
+                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook)
+            # the checks below name what is wrong; what passes them is
+            # made contiguous float32 and goes the same way
+            ep, El, cap, H = plan.ep, *plan.yshape
+            _tensor(x, "x", torch.bfloat16, (El, cap, H))
+            _tensor(topk_idx, "topk_idx", None, (T, K))
+            _tensor(topk_weights, "topk_weights", None, (T, K))
+            if out is not None:
+                _tensor(out, "out", torch.bfloat16, (T, H))
+                if not out.is_contiguous():
+                    raise ValueError("out: expected a contiguous tensor, got a strided view")
+            for n, t in (("x", x), ("topk_weights", topk_weights), ("out", out)):
+                if t is not None and t.get_device() != plan.dev:
+                    raise ValueError(f"{n}: expected a tensor on cuda:{plan.dev} (the context's "
+                                     f"device), got one on {t.device}")
+            return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
+                                      out, return_recv_hook)
         if not (isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], EP)):
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -206,6 +377,7 @@ class Buffer:
         return out, EventOverlap(), hook
 
     def destroy(self):
+        self._plans.clear()
         for ep in self._eps.values():
             ep.close()
         self._eps.clear()

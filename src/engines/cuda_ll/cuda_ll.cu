@@ -21,37 +21,48 @@
  */
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
 
-#define FR_CR_THREADS 1024
+#define FR_CR_THREADS 512
+#define FR_CS_THREADS 512
 
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
 
-__global__ void __launch_bounds__(FR_CU_THREADS)
+__global__ void __launch_bounds__(FR_CS_THREADS, 2)
 fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
 {
     const fr_layout_t &L = A.L;
-    int s = blockIdx.x, N = A.N;
+    int N = A.N;
     unsigned int *done = A.done + FR_PH_COMBINE * FR_NSETS + set;
     const int32_t *poff = A.pair_off + set * (N + 1);
     __shared__ int s_fail;
     if (threadIdx.x == 0)
         s_fail = fr_cu_failed(A);
     __syncthreads();
-    if (!s_fail && s != A.rank) { /* own rows are read in place */
+    /* items of 4 KB (a warp's 8 x 16 bytes per lane) of every row, all
+     * warps of the grid over each source's rows in turn; own rows are
+     * read in place by combine_recv */
+    int cpr = (int)((L.crow + 4095) / 4096);
+    int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int nwg = gridDim.x * (blockDim.x >> 5);
+    for (int s = 0; s < N && !s_fail; s++) {
+        if (s == A.rank)
+            continue;
         int p0 = poff[s], np = poff[s + 1] - p0;
         const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
         uint8_t *dst = A.path[s] == FR_PATH_FABRIC
                            ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
                            : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
-        int nw = blockDim.x >> 5;
-        for (int p = blockIdx.y * nw + (threadIdx.x >> 5); p < np; p += gridDim.y * nw)
-            fr_warp_copy(dst + (size_t)p * L.crow, y + (size_t)rows[p] * L.crow, L.crow);
+        for (int q = gw; q < np * cpr; q += nwg) {
+            int p = q / cpr, c = q - p * cpr;
+            size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
+            fr_warp_copy(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
+        }
     }
     __shared__ bool last;
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0)
-        last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last)
         return;
@@ -78,7 +89,7 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
  * are looked up at once, then every thread sums 8 channels of one token
  * with the K row loads in flight (no per-token barrier or lookup chain). */
 #define FR_CR_PAIRS 256
-__global__ void __launch_bounds__(FR_CR_THREADS)
+__global__ void __launch_bounds__(FR_CR_THREADS, 2)
 fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
                    const uint8_t *self_y)
 {
@@ -276,7 +287,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
     {
         /* device tables in one allocation */
         size_t T = (size_t)L->T, K = (size_t)L->K;
-        size_t kd = (size_t)(L->K < N ? L->K : N);
+        size_t kd = (size_t)L->K; /* a token's records, one slot per k */
         size_t sz[] = {sizeof(uint8_t *) * N, sizeof(int) * N, sizeof(int) * N,
                        sizeof(unsigned long long) * 2, sizeof(int32_t) * 2,
                        sizeof(int32_t) * 2 * T * N, sizeof(int32_t) * 2 * T * N,
@@ -417,14 +428,6 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
     }
 }
 
-/* Grid of the per-sender copy kernels: a row of blocks per rank, num_sms
- * blocks in all (at least one per rank). */
-static dim3 fr_cuda_sender_grid(ferry_ep_t ep)
-{
-    int gy = (((struct fr_cuda_ep *)ep->eng_state)->nblocks + ep->N - 1) / ep->N;
-    return dim3((unsigned)ep->N, (unsigned)(gy < 1 ? 1 : gy));
-}
-
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
 {
     cudaError_t e = cudaGetLastError();
@@ -448,9 +451,9 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    dim3 grid = fr_cuda_sender_grid(ep);
     c->y[set] = in->expert_y;
-    fr_cu_combine_send<<<grid, FR_CU_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y);
+    fr_cu_combine_send<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set,
+                                                            (const uint8_t *)in->expert_y);
     return fr_cuda_launch_check(ep, "combine_send");
 }
 

@@ -18,7 +18,6 @@
 #include "engines/cuda_ll/cuda_ll.h"
 #include "runtime/cuda_mem.h"
 
-#define FR_CU_THREADS 256
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
@@ -27,7 +26,7 @@ enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
 typedef struct fr_cu_args {
     fr_layout_t L;
     int rank, N;
-    int kd;                  /* min(K, N): destinations a token can have */
+    int kd;                  /* K: record slots of a token in dst_rec */
     uint8_t *seg;            /* own segment (device pointer) */
     uint8_t **peer;          /* [N] where to store for peer d (self/IPC) */
     uint8_t *send;           /* fabric send region (device pointer) or NULL */
@@ -42,7 +41,7 @@ typedef struct fr_cu_args {
     int32_t *pair_base;      /* [2][T][N] */
     int32_t *comb_pos;       /* [2][T][K] */
     int32_t *cnt, *npairs, *comb_off; /* [2][N] */
-    uint8_t **dst_rec;       /* [2][T][kd]: a token's records, by destination (k order) */
+    uint8_t **dst_rec;       /* [2][T][K]: slot k: the record of the token on k's rank when k is its first expert there, else NULL */
     int32_t *pair_row;       /* [2][N*T*kmax] */
     int32_t *pair_off;       /* [2][N+1] */
     int32_t *scomb_off;      /* [2][N] */

@@ -32,7 +32,19 @@
  */
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
 
-#define FR_DS_THREADS 1024
+/* FR_CU_TRACE: block 0 prints its phase times (SM cycles) for epoch 41 */
+#ifdef FR_CU_TRACE
+#define FR_TR_DECL long long tr_[8]; int ntr_ = 0
+#define FR_TR() do { if (threadIdx.x == 0 && ntr_ < 8) tr_[ntr_++] = clock64(); } while (0)
+#define FR_TR_PRINT(name, ep) do { if (threadIdx.x == 0 && blockIdx.x == 0 && (ep) == 41) { \
+    printf("%s rank %d:", name, A.rank); for (int i_ = 1; i_ < ntr_; i_++) printf(" %lld", tr_[i_] - tr_[i_ - 1]); printf("\n"); } } while (0)
+#else
+#define FR_TR_DECL
+#define FR_TR() do { } while (0)
+#define FR_TR_PRINT(name, ep) do { } while (0)
+#endif
+
+#define FR_DS_THREADS 512
 #define FR_DR_THREADS 512
 
 static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set, int d)
@@ -55,6 +67,7 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
         int d = d0 + lane;
         int64_t lo = (int64_t)d * L.El, hi = lo + L.El;
         int pr = 0, pp = 0, tr = 0, tp = 0;
+#pragma unroll 4
         for (int t = w; t < T; t += nw) {
             const int64_t *row = idx + (size_t)t * K;
             int np = 0;
@@ -120,71 +133,51 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
     }
 }
 
-/* Step 3: a thread per own token: check the row, write the token's record
- * headers and combine positions, list its records in k order. */
-static __device__ void fr_ds_token(const fr_cu_args_t &A, int set, const int64_t *idx,
-                                   int t, const int32_t *co)
+/* Step 3: a thread per own (token, k): check the slot, write its combine
+ * position, and when k is the token's first expert on its rank, the
+ * record header; dst_rec slot k is that record (else NULL). */
+static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t *idx, int t,
+                                  int k, const int32_t *co, uint8_t *const *sbase, int *s_bad)
 {
     const fr_layout_t &L = A.L;
-    int N = A.N, K = L.K, El = L.El, kd = A.kd;
+    int N = A.N, K = L.K, El = L.El;
     const int64_t *row = idx + (size_t)t * K;
-    uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * kd;
-    /* the row in registers: expert and destination per k (-1: none) */
-    int ek[FR_MAX_TOPK], dk[FR_MAX_TOPK];
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < FR_MAX_TOPK; k++) {
-        int64_t e = k < K ? row[k] : -1;
-        bool b = e < -1 || e >= L.E;
-#pragma unroll
-        for (int j = 0; j < k; j++)
-            b = b || (e >= 0 && ek[j] == (int)e);
-        if (b && !bad)
-            fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
-        bad = bad || b;
-        ek[k] = b ? -1 : (int)e;
-        dk[k] = ek[k] >= 0 ? ek[k] / El : -1;
-    }
+    uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * K + k;
+    int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K + k;
+    int64_t e = row[k];
+    bool bad = e < -1 || e >= L.E;
+    for (int j = 0; j < k && !bad; j++)
+        bad = e >= 0 && row[j] == e;
+    *dr = NULL;
     if (bad) {
-        dr[0] = NULL; /* nothing to pack */
+        fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
+        *s_bad = 1;
+    }
+    if (bad || e < 0) {
+        *cpos = -1;
         return;
     }
-    const int32_t *rec_idx = A.rec_idx + ((size_t)set * L.T + t) * N;
-    const int32_t *pbase = A.pair_base + ((size_t)set * L.T + t) * N;
-    int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K;
-    int m = 0;
-#pragma unroll
-    for (int k = 0; k < FR_MAX_TOPK; k++) {
-        if (k >= K)
-            break;
-        int d = dk[k], before = 0;
-        if (d < 0) {
-            cpos[k] = -1;
-            continue;
-        }
-#pragma unroll
-        for (int j = 0; j < k; j++)
-            before += dk[j] == d;
-        int pb = pbase[d];
-        cpos[k] = co[d] + pb + before;
-        if (before)
-            continue;
-        /* first expert of the token on d: its record */
-        uint8_t *rec = fr_cu_dslice(A, set, d) + fr_off_record(&L, (uint32_t)rec_idx[d]);
-        fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
-        uint16_t n = 0;
-#pragma unroll
-        for (int j = k; j < FR_MAX_TOPK; j++)
-            if (j < K && dk[j] == d)
-                h->le[n++] = (uint16_t)(ek[j] - d * El);
-        h->token = (uint32_t)t;
-        h->pair = (uint32_t)pb;
-        h->nexp = n;
-        h->reserved = 0;
-        dr[m++] = rec + L.rec_hdr;
+    int d = (int)e / El, before = 0;
+    int64_t lo = (int64_t)d * El, hi = lo + El;
+    for (int j = 0; j < k; j++)
+        before += row[j] >= lo && row[j] < hi;
+    int pb = A.pair_base[((size_t)set * L.T + t) * N + d];
+    *cpos = co[d] + pb + before;
+    if (before)
+        return;
+    uint8_t *rec = sbase[d] + fr_off_record(&L, (uint32_t)A.rec_idx[((size_t)set * L.T + t) * N + d]);
+    fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
+    uint16_t n = 0;
+    for (int j = k; j < K; j++) {
+        int64_t ej = row[j];
+        if (ej >= lo && ej < hi)
+            h->le[n++] = (uint16_t)(ej - lo);
     }
-    for (; m < kd; m++)
-        dr[m] = NULL;
+    h->token = (uint32_t)t;
+    h->pair = (uint32_t)pb;
+    h->nexp = n;
+    h->reserved = 0;
+    *dr = rec + L.rec_hdr;
 }
 
 /* Step 4, one warp-task: 512 channels (quantised) or 512 bytes (copied) of
@@ -196,6 +189,13 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
 {
     const fr_layout_t &L = A.L;
     int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
+    uint8_t *dst[FR_MAX_TOPK];
+    int nd = 0;
+    for (int i = 0; i < kd; i++) {
+        uint8_t *p = dr[i];
+        if (p)
+            dst[nd++] = p;
+    }
     if (quant) {
         bool on = g < (int)(L.H / 16);
         uint32_t wv[8];
@@ -229,10 +229,8 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
         float sc = fr_fp8_scale(amax);
         if (!on)
             return;
-        for (int i = 0; i < kd; i++) {
-            uint8_t *p = dr[i];
-            if (!p)
-                break;
+        for (int i = 0; i < nd; i++) {
+            uint8_t *p = dst[i];
             ((uint4 *)p)[g] = q;
             if ((g & 7) == 0)
                 ((float *)(p + L.tok_bytes))[g >> 3] = sc;
@@ -252,19 +250,19 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
                        ((uint32_t)s[4 * i + 2] << 16) | ((uint32_t)s[4 * i + 3] << 24);
             v = make_uint4(b[0], b[1], b[2], b[3]);
         }
-        for (int i = 0; i < kd && dr[i]; i++)
-            ((uint4 *)dr[i])[g] = v;
+        for (int i = 0; i < nd; i++)
+            ((uint4 *)dst[i])[g] = v;
     }
     if (scl && c == 0)
         for (int s = lane; s < (int)L.nscales; s += 32)
-            for (int i = 0; i < kd && dr[i]; i++)
-                ((float *)(dr[i] + L.tok_bytes))[s] = scl[s];
+            for (int i = 0; i < nd; i++)
+                ((float *)(dst[i] + L.tok_bytes))[s] = scl[s];
 }
 
 /* Step 5: this block is done with every destination; whoever finishes one
  * publishes it, whoever publishes the last rings the proxy. */
 static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned long long epoch,
-                                    const int32_t *sh)
+                                    const int32_t *sh, uint8_t *const *sbase)
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -280,7 +278,7 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
         *dd = 0;
         int cnt = sh[2 * N + d], np = sh[3 * N + d], co = sh[4 * N + d];
         if (!fr_cu_failed(A)) {
-            fr_slice_hdr_t *h = (fr_slice_hdr_t *)fr_cu_dslice(A, set, d);
+            fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
             h->magic = FR_SLICE_MAGIC;
             h->sender = (uint32_t)A.rank;
             h->epoch = epoch;
@@ -303,13 +301,14 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
 }
 
 template <bool VEC>
-__global__ void __launch_bounds__(FR_DS_THREADS, 1)
+__global__ void __launch_bounds__(FR_DS_THREADS, 2)
 fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
             const int64_t *idx, int T_host, const int32_t *T_dev)
 {
-    extern __shared__ int32_t sh[]; /* [5][N] (fr_ds_count, then comb_off) */
+    extern __shared__ uint8_t *sbase[]; /* [N] slice bases, then int32 [5][N] */
     const fr_layout_t &L = A.L;
     int N = A.N;
+    int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
     __shared__ int s_T, s_bad;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -324,15 +323,20 @@ fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
     }
     for (int i = threadIdx.x; i < 5 * N; i += blockDim.x)
         sh[i] = 0;
+    for (int d = threadIdx.x; d < N; d += blockDim.x)
+        sbase[d] = fr_cu_dslice(A, set, d);
     __syncthreads();
     if (s_bad)
         return;
     int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
+    FR_TR_DECL;
+    FR_TR();
     fr_ds_count(A, idx, T, start, sh);
     __syncthreads();
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
+    FR_TR();
     fr_ds_index(A, set, idx, start, end, sh);
     __syncthreads();
     if (blockIdx.x == 0) {
@@ -344,51 +348,28 @@ fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
         if (threadIdx.x == 0)
             A.ntok[set] = T;
     }
-    for (int t = start + (int)threadIdx.x; t < end; t += blockDim.x)
-        fr_ds_token(A, set, idx, t, sh + 4 * N);
+    for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
+        fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad);
     __syncthreads();
+    FR_TR();
     bool quant = L.fp8 && !x_scales;
     int chunks = quant ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
     int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = w; j < (end - start) * chunks; j += nw) {
+    for (int j = w; j < (end - start) * chunks && !s_bad; j += nw) {
         int t = start + j / chunks, c = j % chunks;
         const uint16_t *xrow = quant ? x + (size_t)t * L.H
                                      : (const uint16_t *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
         fr_ds_chunk<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd, xrow,
                          x_scales ? x_scales + (size_t)t * L.nscales : NULL, quant, c);
     }
-    fr_ds_finish(A, set, s_epoch, sh);
+    FR_TR();
+    fr_ds_finish(A, set, s_epoch, sh, sbase);
+    FR_TR();
+    FR_TR_PRINT("dsend count,index+token,pack,finish", s_epoch);
 }
 
 /* ---------------------------------------------------------------------- */
 /* dispatch_recv                                                          */
-
-/* The header fields of record i: pair, nexp, local experts (16-byte loads). */
-static __device__ __forceinline__ int fr_dr_rec(const uint8_t *rec, uint32_t hdr,
-                                                uint32_t *token, uint32_t *pair, uint16_t *les)
-{
-    const uint4 *v = (const uint4 *)rec;
-    /* every header load issued before any is used */
-    uint4 h0 = v[0], h1 = hdr > 16 ? v[1] : make_uint4(0, 0, 0, 0);
-    uint4 h2 = hdr > 32 ? v[2] : make_uint4(0, 0, 0, 0);
-    int nexp = (int)(h0.z & 0xffff);
-    *token = h0.x;
-    *pair = h0.y;
-    /* le[] starts at byte 12: h0.w holds le[0], le[1] */
-    les[0] = (uint16_t)(h0.w & 0xffff);
-    les[1] = (uint16_t)(h0.w >> 16);
-    if (nexp > 2) {
-        uint32_t ws[4] = {h1.x, h1.y, h1.z, h1.w};
-        for (int q = 0; q < 8; q++)
-            les[2 + q] = (uint16_t)(ws[q / 2] >> (16 * (q & 1)));
-        if (nexp > 10) {
-            uint32_t ws2[4] = {h2.x, h2.y, h2.z, h2.w};
-            for (int q = 0; q < 6; q++)
-                les[10 + q] = (uint16_t)(ws2[q / 2] >> (16 * (q & 1)));
-        }
-    }
-    return nexp;
-}
 
 /* Wait for sender s and check its slice header (one thread). */
 static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
@@ -415,92 +396,138 @@ typedef struct fr_dr_out {
     int32_t *counts, *src_rank, *src_token;
 } fr_dr_out_t;
 
-/* One pass over sender s's records [lo, hi) of this warp, for the block's
- * experts le = y + i * G. Pass 0 counts each expert's rows into wc[i];
- * pass 1 gives rows from wc[i] on and copies the tokens. */
-static __device__ void fr_dr_pass(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
-                                  int lo, int hi, int npairs, int poff, int nmine,
-                                  int32_t *wc, int pass, const fr_dr_out_t &o)
+/* A (record, own expert) found in a chunk of a sender's records: its row. */
+typedef struct fr_dr_item {
+    int32_t i, row, j, pair, token;
+} fr_dr_item_t;
+#define FR_DR_ITEMS 1024 /* items per chunk */
+
+/* Records per chunk: every record has at most min(nmine, kmax) items. */
+static __host__ __device__ int fr_dr_chunk(int nmine, int kmax)
+{
+    int per = nmine < kmax ? nmine : kmax;
+    return FR_DR_ITEMS / (per < 1 ? 1 : per);
+}
+
+/* Finding: warp w takes the block's experts m = w, w + nw, ... (le = y +
+ * m G); for each, lanes read 32 records at a time and a ballot ranks the
+ * records holding le: rows run[m], run[m] + 1, ... in record order. Only
+ * that warp touches run[m]. Items go to the block's list. */
+static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *slice, int c0,
+                                  int c1, int npairs, int nmine, int32_t *run,
+                                  fr_dr_item_t *list, int *nlist)
 {
     const fr_layout_t &L = A.L;
-    int lane = threadIdx.x & 31, y = blockIdx.x, G = gridDim.x;
-    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
-    for (int base = lo; base < hi; base += 32) {
-        int i = base + lane, nexp = 0;
-        uint32_t token = 0, pair = 0;
-        uint16_t les[FR_MAX_TOPK];
-        const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)(i < hi ? i : lo));
-        if (i < hi) {
-            nexp = fr_dr_rec(rec, L.rec_hdr, &token, &pair, les);
-            bool bad = token >= (uint32_t)L.T || nexp < 1 || nexp > (int)L.kmax ||
-                       pair + (uint32_t)nexp > (uint32_t)npairs;
-            for (int j = 0; j < nexp && !bad; j++) {
-                bad = les[j] >= L.El;
-                for (int j2 = 0; j2 < j && !bad; j2++)
-                    bad = les[j2] == les[j];
-            }
-            if (bad) {
-                if (pass == 0)
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int y = blockIdx.x, G = gridDim.x;
+    for (int m = w; m < nmine; m += nw) {
+        int le = y + m * G;
+        for (int base = c0; base < c1; base += 32) {
+            int i = base + lane, jf = -1;
+            uint32_t tk = 0, pr = 0;
+            if (i < c1) {
+                const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
+                uint4 h0 = *(const uint4 *)rec;
+                int nexp = (int)(h0.z & 0xffff);
+                tk = h0.x;
+                pr = h0.y;
+                const uint16_t *les = ((const fr_rec_hdr_t *)rec)->le;
+                /* what indexing needs; the rest is checked by block 0 */
+                if (nexp < 1 || nexp > (int)L.kmax || pr + (uint32_t)nexp > (uint32_t)npairs ||
+                    tk >= (uint32_t)L.T) {
                     fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
-                nexp = 0;
+                    nexp = 0;
+                }
+                for (int j = 0; j < nexp; j++) {
+                    uint32_t v = j == 0 ? (h0.w & 0xffff) : j == 1 ? (h0.w >> 16) : les[j];
+                    jf = v == (uint32_t)le ? j : jf;
+                }
             }
-        }
-        for (int m = 0; m < nmine; m++) {
-            int le = y + m * G, jf = -1;
-            for (int j = 0; j < nexp; j++)
-                jf = les[j] == le ? j : jf;
             unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
             if (!bal)
                 continue;
-            int first = wc[m];
+            int r0 = run[m], pos = 0, below = __popc(bal & ((1u << lane) - 1));
+            if (lane == 0)
+                pos = atomicAdd(nlist, __popc(bal));
+            pos = __shfl_sync(0xffffffffu, pos, 0);
+            if (jf >= 0) {
+                fr_dr_item_t it = {i, (int32_t)((size_t)le * L.cap + r0 + below), jf, (int32_t)pr,
+                                   (int32_t)tk};
+                list[pos + below] = it;
+            }
             __syncwarp();
             if (lane == 0)
-                wc[m] = first + __popc(bal);
+                run[m] = r0 + __popc(bal);
             __syncwarp();
-            if (pass == 0)
-                continue;
-            /* rows first + rank; each found token copied by the whole warp */
-            while (bal) {
-                int src = __ffs(bal) - 1;
-                bal &= bal - 1;
-                int row_in = first++;
-                const uint8_t *r = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)rec, src);
-                int j = __shfl_sync(0xffffffffu, jf, src);
-                uint32_t tk = __shfl_sync(0xffffffffu, token, src);
-                uint32_t pr = __shfl_sync(0xffffffffu, pair, src);
-                size_t row = (size_t)le * L.cap + row_in;
-                fr_warp_copy(o.ex + row * L.tok_bytes, r + L.rec_hdr, L.tok_bytes);
-                const float *rs = (const float *)(r + L.rec_hdr + L.tok_bytes);
-                for (int c = lane; c < (int)L.nscales; c += 32)
-                    o.exs[row * L.nscales + c] = rs[c];
-                if (lane == 0) {
-                    if (o.src_rank)
-                        o.src_rank[row] = s;
-                    if (o.src_token)
-                        o.src_token[row] = (int32_t)tk;
-                    prow[pr + j] = (int32_t)row;
-                }
-            }
         }
     }
 }
 
-__global__ void __launch_bounds__(FR_DR_THREADS)
+/* Block 0 checks every record fully (experts in range, none repeated): a
+ * repeated expert would leave one of its pairs without a row. */
+static __device__ void fr_dr_check(const fr_cu_args_t &A, int s, const uint8_t *slice, int c0,
+                                   int c1)
+{
+    const fr_layout_t &L = A.L;
+    for (int i = c0 + (int)threadIdx.x; i < c1; i += blockDim.x) {
+        const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
+        int n = r->nexp < L.kmax ? r->nexp : (int)L.kmax;
+        bool bad = false;
+        for (int j = 0; j < n && !bad; j++) {
+            bad = r->le[j] >= L.El;
+            for (int j2 = 0; j2 < j && !bad; j2++)
+                bad = r->le[j2] == r->le[j];
+        }
+        if (bad)
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+    }
+}
+
+/* Copying: warp w takes items w, w + nw, ... */
+static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
+                                  int poff, const fr_dr_item_t *list, int n, const fr_dr_out_t &o)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
+    for (int e = w; e < n; e += nw) {
+        fr_dr_item_t it = list[e];
+        const uint8_t *r = slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr;
+        size_t row = (size_t)it.row;
+        fr_warp_copy(o.ex + row * L.tok_bytes, r, L.tok_bytes);
+        const float *rs = (const float *)(r + L.tok_bytes);
+        for (int c = lane; c < (int)L.nscales; c += 32)
+            o.exs[row * L.nscales + c] = rs[c];
+        if (lane == 0) {
+            if (o.src_rank)
+                o.src_rank[row] = s;
+            if (o.src_token)
+                o.src_token[row] = it.token;
+            prow[it.pair + it.j] = (int32_t)row;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(FR_DR_THREADS, 2)
 fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
 {
-    extern __shared__ int32_t wcnt[]; /* [nw + 1][nmine]: per warp, then running */
+    extern __shared__ int32_t run[]; /* [nmine, rounded up to 4], then the item list */
     const fr_layout_t &L = A.L;
     int N = A.N, y = blockIdx.x, G = gridDim.x;
-    int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
-    int32_t *run = wcnt + nw * nmine;
-    __shared__ int s_ok, s_count, s_np;
+    int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax);
+    fr_dr_item_t *list = (fr_dr_item_t *)(run + ((nmax + 3) & ~3));
+    __shared__ int s_ok, s_count, s_np, s_nlist;
     __shared__ unsigned long long s_epoch;
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         s_epoch = A.epoch[set];
+        s_nlist = 0;
+    }
     for (int i = threadIdx.x; i < nmine; i += blockDim.x)
         run[i] = 0;
     int poff = 0;
+    FR_TR_DECL;
+    FR_TR();
     for (int s = 0; s < N; s++) {
         if (threadIdx.x == 0) {
             s_ok = fr_dr_wait(A, set, s, s_epoch);
@@ -514,35 +541,34 @@ fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
                     A.pair_off[set * (N + 1) + N] = poff + s_np;
             }
         }
-        for (int i = threadIdx.x; i < nw * nmine; i += blockDim.x)
-            wcnt[i] = 0;
         __syncthreads();
+        if (s == 0)
+            FR_TR();
         if (!s_ok)
             return;
         const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
-        int count = s_count, seg = (count + nw - 1) / nw;
-        int lo = min(count, w * seg), hi = min(count, lo + seg);
-        fr_dr_pass(A, set, s, slice, lo, hi, s_np, poff, nmine, wcnt + w * nmine, 0, o);
-        __syncthreads();
-        if (fr_cu_failed(A))
-            return;
-        /* warp w's rows of expert m start after the earlier warps' */
-        for (int m = threadIdx.x; m < nmine; m += blockDim.x) {
-            int acc = run[m];
-            for (int q = 0; q < nw; q++) {
-                int c = wcnt[q * nmine + m];
-                wcnt[q * nmine + m] = acc;
-                acc += c;
-            }
-            run[m] = acc;
+        for (int c0 = 0; c0 < s_count; c0 += chunk) {
+            int c1 = min(s_count, c0 + chunk);
+            if (y == 0)
+                fr_dr_check(A, s, slice, c0, c1);
+            fr_dr_find(A, s, slice, c0, c1, s_np, nmine, run, list, &s_nlist);
+            __syncthreads();
+            if (s == 0 && c0 == 0)
+                FR_TR();
+            fr_dr_copy(A, set, s, slice, poff, list, s_nlist, o);
+            __syncthreads();
+            if (s == 0 && c0 == 0)
+                FR_TR();
+            if (threadIdx.x == 0)
+                s_nlist = 0;
+            __syncthreads();
         }
-        __syncthreads();
-        fr_dr_pass(A, set, s, slice, lo, hi, s_np, poff, nmine, wcnt + w * nmine, 1, o);
-        __syncthreads();
         poff += s_np;
     }
     for (int m = threadIdx.x; m < nmine; m += blockDim.x)
         o.counts[y + m * G] = run[m];
+    FR_TR();
+    FR_TR_PRINT("drecv wait0,find0,copy0,rest", s_epoch);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -556,7 +582,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    size_t smem = sizeof(int32_t) * 5 * (size_t)ep->N;
+    size_t smem = (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)ep->N;
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     if (vec)
         fr_cu_dsend<true><<<blocks, FR_DS_THREADS, smem, st>>>(
@@ -580,7 +606,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     int blocks = c->nblocks < (int)ep->L.El ? c->nblocks : (int)ep->L.El;
     blocks = blocks < 1 ? 1 : blocks;
     int nmine = ((int)ep->L.El + blocks - 1) / blocks;
-    size_t smem = sizeof(int32_t) * (FR_DR_THREADS / 32 + 1) * (size_t)nmine;
+    size_t smem = sizeof(int32_t) * (size_t)((nmine + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
     fr_cu_drecv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
