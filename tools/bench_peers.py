@@ -163,12 +163,13 @@ def rank_main(rank, N, port, args, q):
         dhint = max(dpe.Buffer.get_low_latency_rdma_size_hint(maxT, H, N, E) for _, (E, K, H) in plan)
         qps = max(E // N for _, (E, K, H) in plan)
         fbuf = fde.Buffer(group, 0, fhint, low_latency_mode=True, num_qps_per_rank=qps)
-        fbuf.num_sms = args.sms
+        if args.sms:
+            fbuf.num_sms = args.sms
         dbuf = dpe.Buffer(group, num_nvl_bytes=0, num_rdma_bytes=dhint, low_latency_mode=True,
                           num_qps_per_rank=qps, explicitly_destroy=True)
         if rank == 0:
             print(f"# EP{N} over NVLink, {torch.cuda.get_device_name()}, fp8 dispatch / bf16 combine, "
-                  f"ferry {args.sms} SMs, DeepEP LL ({os.path.dirname(dpe.__file__)}), "
+                  f"ferry {args.sms or 'default'} SMs, DeepEP LL ({os.path.dirname(dpe.__file__)}), "
                   f"{args.iters} iters after {args.warmup}; slowest rank's p50 (p99), us; "
                   f"ratio = ferry / DeepEP, p50", flush=True)
             print("# shape        T  maxT   ferry_disp      ferry_comb      deepep_disp     "
@@ -228,7 +229,9 @@ def main():
                     help="tokens per rank, comma-separated (the largest is num_max_dispatch_tokens)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--sms", type=int, default=32, help="ferry's num_sms (DeepEP LL takes what it needs)")
+    ap.add_argument("--sms", type=int, default=0,
+                    help="ferry's num_sms (default: ferry.deep_ep's, the GPU's SMs; "
+                         "DeepEP LL takes what it needs)")
     args = ap.parse_args()
     if args.gpus < 2:
         sys.exit("bench_peers: needs at least 2 GPUs (one process per GPU)")

@@ -129,8 +129,28 @@ class _Plan:
             raise FerryError(rc, self.last_error(self.ep._ep()).decode())
 
 
+def _default_sms(group):
+    """The SMs a context's kernels may use by default: the device's, shared
+    evenly among the group's ranks on the same GPU (ranks sharing a GPU
+    under MPS must leave room for each other's senders: waiting blocks
+    hold SMs). Collective."""
+    import socket
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    me = (socket.gethostname(), str(getattr(props, "uuid", dev)))
+    n = torch.distributed.get_world_size(group)
+    everyone = [None] * n
+    torch.distributed.all_gather_object(everyone, me, group=group)
+    sharing = max(1, sum(1 for o in everyone if o == me))
+    return max(1, props.multi_processor_count // sharing)
+
+
 class Buffer:
-    num_sms = 16
+    """num_sms: the blocks each ferry kernel may use; None (default) means
+    the GPU's multiprocessors divided by the ranks of the group on it
+    (DeepEP's low-latency kernels take the whole GPU). Set it on the class
+    or the instance (set_num_sms) before the first dispatch."""
+    num_sms = None
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
@@ -151,6 +171,15 @@ class Buffer:
         self.comm = Comm(group)
         self._eps = {}
         self._plans = {}
+        self._sms = _default_sms(group) if torch.cuda.is_available() else 16
+
+    @classmethod
+    def set_num_sms(cls, new_num_sms):
+        """DeepEP's name: the SMs ferry's kernels may use (contexts created
+        from then on)."""
+        if not isinstance(new_num_sms, int) or new_num_sms < 1:
+            raise ValueError(f"new_num_sms: expected a positive int, got {new_num_sms!r}")
+        cls.num_sms = new_num_sms
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
@@ -172,7 +201,7 @@ class Buffer:
         if ep is None:
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
-                    num_sms=self.num_sms)
+                    num_sms=self.num_sms if self.num_sms is not None else self._sms)
             self._eps[key] = ep
         return ep
 

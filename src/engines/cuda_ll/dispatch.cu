@@ -55,38 +55,40 @@ static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, i
 }
 
 /* Step 1. sh: [0,N) records before `start`, [N,2N) pairs before, [2N,3N)
- * records in all, [3N,4N) pairs in all. Indices outside 0..E-1 count
- * nowhere (step 3 reports them). */
+ * records in all, [3N,4N) pairs in all. A lane holds one token's row (all
+ * K loads in flight at once); per destination, ballots count the records
+ * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
+ * reports them). */
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
                                    int start, int32_t *sh)
 {
     const fr_layout_t &L = A.L;
-    int N = A.N, K = L.K;
+    int N = A.N, K = L.K, El = L.El;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int d0 = 0; d0 < N; d0 += 32) {
-        int d = d0 + lane;
-        int64_t lo = (int64_t)d * L.El, hi = lo + L.El;
-        int pr = 0, pp = 0, tr = 0, tp = 0;
-#pragma unroll 4
-        for (int t = w; t < T; t += nw) {
-            const int64_t *row = idx + (size_t)t * K;
-            int np = 0;
-            for (int k = 0; k < K; k++) {
-                int64_t e = row[k];
-                np += e >= lo && e < hi;
+    for (int t0 = w * 32; t0 < T; t0 += nw * 32) {
+        int t = t0 + lane;
+        int ek[FR_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < FR_MAX_TOPK; k++)
+            ek[k] = k < K && t < T ? (int)idx[(size_t)t * K + k] : -1;
+        bool before = t < start;
+        for (int d = 0; d < N; d++) {
+            int lo = d * El, hi = lo + El, np = 0;
+#pragma unroll
+            for (int k = 0; k < FR_MAX_TOPK; k++)
+                np += ek[k] >= lo && ek[k] < hi;
+            unsigned int has = __ballot_sync(0xffffffffu, np > 0);
+            if (!has)
+                continue;
+            unsigned int hb = __ballot_sync(0xffffffffu, np > 0 && before);
+            int sp = __reduce_add_sync(0xffffffffu, np);
+            int sb = __reduce_add_sync(0xffffffffu, before ? np : 0);
+            if (lane == 0) {
+                atomicAdd(&sh[d], __popc(hb));
+                atomicAdd(&sh[N + d], sb);
+                atomicAdd(&sh[2 * N + d], __popc(has));
+                atomicAdd(&sh[3 * N + d], sp);
             }
-            tr += np > 0;
-            tp += np;
-            if (t < start) {
-                pr += np > 0;
-                pp += np;
-            }
-        }
-        if (d < N && tp > 0) {
-            atomicAdd(&sh[d], pr);
-            atomicAdd(&sh[N + d], pp);
-            atomicAdd(&sh[2 * N + d], tr);
-            atomicAdd(&sh[3 * N + d], tp);
         }
     }
 }
@@ -266,12 +268,12 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
-    /* the barrier orders the block's stores before the fence of each
-     * thread that counts a destination (fences are cumulative) */
+    /* every thread's stores before its fence, all fences before the
+     * counts */
+    __threadfence_system();
     __syncthreads();
     for (int d = threadIdx.x; d < N; d += blockDim.x) {
         unsigned int *dd = A.ddone + (size_t)set * N + d;
-        __threadfence_system();
         if (atomicAdd(dd, 1u) != gridDim.x - 1)
             continue;
         __threadfence_system();
@@ -426,21 +428,25 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
             int i = base + lane, jf = -1;
             uint32_t tk = 0, pr = 0;
             if (i < c1) {
-                const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
-                uint4 h0 = *(const uint4 *)rec;
+                /* the whole header at once: token, pair, nexp, le[0..15] */
+                const uint4 *rec = (const uint4 *)(slice + fr_off_record(&L, (uint32_t)i));
+                uint4 h0 = rec[0];
+                uint4 h1 = L.rec_hdr > 16 ? rec[1] : make_uint4(0, 0, 0, 0);
+                uint4 h2 = L.rec_hdr > 32 ? rec[2] : make_uint4(0, 0, 0, 0);
                 int nexp = (int)(h0.z & 0xffff);
                 tk = h0.x;
                 pr = h0.y;
-                const uint16_t *les = ((const fr_rec_hdr_t *)rec)->le;
                 /* what indexing needs; the rest is checked by block 0 */
                 if (nexp < 1 || nexp > (int)L.kmax || pr + (uint32_t)nexp > (uint32_t)npairs ||
                     tk >= (uint32_t)L.T) {
                     fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
                     nexp = 0;
                 }
-                for (int j = 0; j < nexp; j++) {
-                    uint32_t v = j == 0 ? (h0.w & 0xffff) : j == 1 ? (h0.w >> 16) : les[j];
-                    jf = v == (uint32_t)le ? j : jf;
+                uint32_t wd[8] = {h0.w, h1.x, h1.y, h1.z, h1.w, h2.x, h2.y, h2.z};
+#pragma unroll
+                for (int j = 0; j < FR_MAX_TOPK; j++) {
+                    uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+                    jf = j < nexp && v == (uint32_t)le ? j : jf;
                 }
             }
             unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
@@ -529,6 +535,7 @@ fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
     FR_TR_DECL;
     FR_TR();
     for (int s = 0; s < N; s++) {
+        __syncthreads(); /* everyone has read the previous sender's s_count, s_np */
         if (threadIdx.x == 0) {
             s_ok = fr_dr_wait(A, set, s, s_epoch);
             const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
@@ -546,12 +553,13 @@ fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
             FR_TR();
         if (!s_ok)
             return;
+        int count = s_count, np = s_np;
         const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
-        for (int c0 = 0; c0 < s_count; c0 += chunk) {
-            int c1 = min(s_count, c0 + chunk);
+        for (int c0 = 0; c0 < count; c0 += chunk) {
+            int c1 = min(count, c0 + chunk);
             if (y == 0)
                 fr_dr_check(A, s, slice, c0, c1);
-            fr_dr_find(A, s, slice, c0, c1, s_np, nmine, run, list, &s_nlist);
+            fr_dr_find(A, s, slice, c0, c1, np, nmine, run, list, &s_nlist);
             __syncthreads();
             if (s == 0 && c0 == 0)
                 FR_TR();
@@ -563,7 +571,7 @@ fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
                 s_nlist = 0;
             __syncthreads();
         }
-        poff += s_np;
+        poff += np;
     }
     for (int m = threadIdx.x; m < nmine; m += blockDim.x)
         o.counts[y + m * G] = run[m];
