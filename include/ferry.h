@@ -114,9 +114,14 @@ typedef enum ferry_device {
 } ferry_device_t;
 
 /* How an EP moves tokens. Low latency (decode): buffers sized for the
- * worst case of max_tokens from every rank, no count exchange. */
+ * worst case of max_tokens from every rank, no count exchange; the calls
+ * under "Rounds". High throughput (prefill, training): ranks exchange
+ * counts first (ferry_route_create), outputs are exact, tokens stream
+ * through bounded rings per peer (memory independent of T); the calls
+ * under "High-throughput mode". */
 typedef enum ferry_mode {
-    FERRY_MODE_LOW_LATENCY = 0
+    FERRY_MODE_LOW_LATENCY = 0,
+    FERRY_MODE_HIGH_THROUGHPUT = 1
 } ferry_mode_t;
 
 #define FERRY_EP_CONFIG_MAGIC 0x46455031u /* "FEP1" */
@@ -133,13 +138,16 @@ typedef struct ferry_ep_config {
     ferry_device_t device;
     int num_sms;       /* CUDA: blocks the copy kernels use (0: 16) */
     ferry_mode_t mode; /* FERRY_MODE_LOW_LATENCY (0, the default) */
-    int reserved[6];
+    /* High throughput: tokens each peer's ring holds (0: 256); ring memory
+     * per rank is about 2 x N x ring_tokens x (2H + 128) bytes. */
+    int ring_tokens;
+    int reserved[5];
 } ferry_ep_config_t;
 
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
      0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
-     FERRY_MODE_LOW_LATENCY, {0}}
+     FERRY_MODE_LOW_LATENCY, 0, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
@@ -238,6 +246,85 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                    const ferry_dispatch_out_t *out, uint64_t *round);
 int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
                   const ferry_combine_out_t *out);
+
+/* ---------------------------------------------------------------------- */
+/* High-throughput mode (config.mode = FERRY_MODE_HIGH_THROUGHPUT)        */
+/* ---------------------------------------------------------------------- */
+
+/* A route: where this rank's tokens go and what it receives, from one
+ * topk_idx. Creating it is collective (ranks exchange their counts); it can
+ * then serve any number of dispatches and combines with the same routing
+ * (forward and backward passes) until destroyed. Received rows are laid
+ * out by source rank, then token. */
+typedef struct ferry_route *ferry_route_t;
+
+typedef struct ferry_route_in {
+    size_t size;               /* sizeof(ferry_route_in_t) */
+    int num_tokens;            /* T_r, 0..max_tokens */
+    const int64_t *topk_idx;   /* [T][K], -1 = no expert */
+    int expert_alignment;      /* per-expert counts rounded up to a multiple
+                                  of this (0 or 1: exact) */
+} ferry_route_in_t;
+
+/* Collective. */
+int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
+                       ferry_route_t *route);
+/* Rows this rank receives (num_recv), and optionally rows per local
+ * expert ([E_local], rounded up to expert_alignment). */
+int ferry_route_counts(ferry_route_t route, int *num_recv,
+                       int32_t *expert_counts);
+/* Not collective; the route must not be in use. */
+int ferry_route_destroy(ferry_route_t route);
+
+typedef struct ferry_ht_dispatch_in {
+    size_t size;               /* sizeof(ferry_ht_dispatch_in_t) */
+    const void *x;             /* [T][H] bf16, or fp8 when x_scales != NULL */
+    const float *x_scales;     /* [T][H/128], or NULL */
+    const float *topk_weights; /* [T][K], or NULL */
+} ferry_ht_dispatch_in_t;
+
+typedef struct ferry_ht_dispatch_out {
+    size_t size;               /* sizeof(ferry_ht_dispatch_out_t) */
+    void *recv_x;              /* [num_recv][H], dtype of x */
+    float *recv_x_scales;      /* [num_recv][H/128] when x is fp8 */
+    /* Optional (may be NULL): per row, the token's K slots as local expert
+     * ids (-1: not an expert of this rank) and their weights (0 there);
+     * the source rank and token index. */
+    int32_t *recv_topk_idx;    /* [num_recv][K] */
+    float *recv_topk_weights;  /* [num_recv][K]; needs in->topk_weights */
+    int32_t *recv_src_rank;    /* [num_recv] */
+    int32_t *recv_src_token;   /* [num_recv] */
+} ferry_ht_dispatch_out_t;
+
+typedef struct ferry_ht_combine_in {
+    size_t size;               /* sizeof(ferry_ht_combine_in_t) */
+    const void *y;             /* [num_recv][H] bf16: one row per received
+                                  token (its local experts' outputs, weighted
+                                  and summed by the caller) */
+    const float *topk_weights; /* [num_recv][K] or NULL: returned to the
+                                  source in out->topk_weights */
+} ferry_ht_combine_in_t;
+
+typedef struct ferry_ht_combine_out {
+    size_t size;               /* sizeof(ferry_ht_combine_out_t) */
+    void *out;                 /* [T][H] bf16: sum of the token's rows from
+                                  every rank it went to (fp32, rank order,
+                                  rounded once) */
+    float *topk_weights;       /* [T][K] or NULL: slot k from the rank of
+                                  expert k (0 for -1) */
+} ferry_ht_combine_out_t;
+
+/* Collective over the ranks; returns when this rank's rows have arrived
+ * (and its sends have been taken). Backward passes use the same calls on
+ * the same route: the gradient of a combine is a dispatch of the output's
+ * gradient (bf16), the gradient of a dispatch is a combine of recv_x's
+ * gradient (with topk_weights' gradient riding along). */
+int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route,
+                      const ferry_ht_dispatch_in_t *in,
+                      const ferry_ht_dispatch_out_t *out);
+int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route,
+                     const ferry_ht_combine_in_t *in,
+                     const ferry_ht_combine_out_t *out);
 
 /* ---------------------------------------------------------------------- */
 /* Settings                                                               */

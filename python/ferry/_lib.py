@@ -20,8 +20,8 @@ class EpConfig(C.Structure):
     _fields_ = [("size", C.c_size_t), ("magic", C.c_uint32), ("version", C.c_uint32),
                 ("num_experts", C.c_int), ("topk", C.c_int), ("hidden", C.c_int),
                 ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
-                ("num_sms", C.c_int), ("mode", C.c_int),
-                ("reserved", C.c_int * 6)]
+                ("num_sms", C.c_int), ("mode", C.c_int), ("ring_tokens", C.c_int),
+                ("reserved", C.c_int * 5)]
 
 
 class Layout(C.Structure):

@@ -67,11 +67,19 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
     if (c->device != FERRY_DEVICE_CPU && c->device != FERRY_DEVICE_CUDA)
         return FR_ERR(err, FERRY_ERR_INVALID, "device = %d: unknown",
                       (int)c->device);
+    if (c->mode != FERRY_MODE_LOW_LATENCY && c->mode != FERRY_MODE_HIGH_THROUGHPUT)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "mode = %d: unknown (FERRY_MODE_LOW_LATENCY = %d, "
+                      "FERRY_MODE_HIGH_THROUGHPUT = %d)", (int)c->mode,
+                      (int)FERRY_MODE_LOW_LATENCY, (int)FERRY_MODE_HIGH_THROUGHPUT);
     if (!fr_engine_find(c->device, c->mode))
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "mode = %d: unknown (FERRY_MODE_LOW_LATENCY = %d is the "
-                      "mode this build has)", (int)c->mode,
-                      (int)FERRY_MODE_LOW_LATENCY);
+                      "mode = %d with device = %d: not built yet (the "
+                      "high-throughput mode runs on CPU ranks so far)",
+                      (int)c->mode, (int)c->device);
+    if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
+        return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
+                      "(default) or 1..%d", c->ring_tokens, 1 << 20);
     uint64_t cap = (uint64_t)N * (uint64_t)c->max_tokens;
     if (cap > INT32_MAX || (uint64_t)c->max_tokens * c->topk > INT32_MAX)
         return FR_ERR(err, FERRY_ERR_INVALID,
@@ -83,7 +91,7 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
 /* What every rank contributes to the create-time exchange. */
 typedef struct fr_setup_msg {
     int32_t status;
-    int32_t E, K, H, T, dtype, device, mode;
+    int32_t E, K, H, T, dtype, device, mode, ring;
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -141,6 +149,7 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         msg.dtype = config->dispatch_dtype;
         msg.device = config->device;
         msg.mode = config->mode;
+        msg.ring = config->ring_tokens;
     }
     int rc = fr_boot_allgather(ep->comm->boot, &msg, all, sizeof(msg), err);
     if (rc == FERRY_OK && msg.status != FERRY_OK)
@@ -153,14 +162,14 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         } else if (all[i].E != msg.E || all[i].K != msg.K ||
                    all[i].H != msg.H || all[i].T != msg.T ||
                    all[i].dtype != msg.dtype || all[i].device != msg.device ||
-                   all[i].mode != msg.mode) {
+                   all[i].mode != msg.mode || all[i].ring != msg.ring) {
             rc = FR_ERR(err, FERRY_ERR_INVALID,
                         "config differs between ranks: rank %d has E=%d K=%d "
-                        "H=%d T=%d dtype=%d mode=%d, rank %d has E=%d K=%d "
-                        "H=%d T=%d dtype=%d mode=%d",
-                        me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, i,
-                        all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
-                        all[i].mode);
+                        "H=%d T=%d dtype=%d mode=%d ring_tokens=%d, rank %d has "
+                        "E=%d K=%d H=%d T=%d dtype=%d mode=%d ring_tokens=%d",
+                        me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, msg.ring,
+                        i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
+                        all[i].mode, all[i].ring);
         }
     }
     free(all);
