@@ -24,7 +24,7 @@ import sys
 
 from . import _lib
 
-__all__ = ["FerryError", "Comm", "EP", "version", "cuda_available"]
+__all__ = ["FerryError", "Comm", "EP", "Route", "version", "cuda_available"]
 
 _L = None
 
@@ -291,9 +291,11 @@ class EP:
     raise ValueError; closing twice is harmless."""
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
-                 device="cpu", num_sms=0):
+                 device="cpu", num_sms=0, mode="ll", ring_tokens=0):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
+        if mode not in _lib.MODES:
+            raise ValueError(f"mode={mode!r}: use 'll' (low latency) or 'ht' (high throughput)")
         if device not in _lib.DEVICES:
             raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
         if not isinstance(comm, Comm):
@@ -303,7 +305,8 @@ class EP:
         self._h = C.c_void_p()
         cfg = _lib.EpConfig(C.sizeof(_lib.EpConfig), _lib.FERRY_EP_CONFIG_MAGIC,
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
-                            _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms)
+                            _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
+                            _lib.MODES[mode], ring_tokens)
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -319,6 +322,7 @@ class EP:
             raise FerryError(rc, msg)
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
+        self.mode = mode
         self.num_ranks = lay.num_ranks
         self.rank = lay.rank
         self.num_local_experts = lay.num_local_experts
@@ -517,6 +521,70 @@ class EP:
         self.combine_send(round, expert_y, stream)
         self.combine_recv(round, topk_weights, out, stream)
 
+    # ------------------------------------------------------ high throughput
+
+    def route(self, topk_idx, expert_alignment=0):
+        """Collective (mode='ht'): where this rank's tokens go, from topk_idx
+        [T, K] int64 (T <= max_tokens). Returns a Route (num_recv,
+        expert_counts); usable for any number of ht_dispatch/ht_combine
+        calls (forward and backward) until closed."""
+        h = self._ep()
+        inf = _info(topk_idx, "topk_idx")
+        T = inf.shape[0] if len(inf.shape) == 2 else None
+        p = self._arr(topk_idx, "topk_idx", _I64, (T, self.topk), required=T != 0, inf=inf)
+        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment))
+        r = C.c_void_p()
+        self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
+        return Route(self, r, T or 0)
+
+    def ht_dispatch(self, route, x, x_scales=None, topk_weights=None):
+        """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
+        uint8 with x_scales [T, H/128] float32) to the ranks of their
+        experts. Returns a dict of numpy arrays: recv_x [num_recv, H],
+        recv_x_scales (fp8), recv_topk_idx [num_recv, K] int32 (local
+        expert or -1), recv_topk_weights (when topk_weights [T, K] float32
+        is given), recv_src_rank, recv_src_token [num_recv] int32. Rows
+        are ordered by source rank, then token."""
+        import numpy as np
+        h, rh = self._ep(), route._handle(self)
+        T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
+        fp8 = x_scales is not None
+        px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0)
+        ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False)
+        pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
+        o = dict(recv_x=np.zeros((n, H), np.uint8 if fp8 else np.uint16),
+                 recv_x_scales=np.zeros((n, H // 128), np.float32) if fp8 else None,
+                 recv_topk_idx=np.zeros((n, K), np.int32),
+                 recv_topk_weights=np.zeros((n, K), np.float32) if topk_weights is not None else None,
+                 recv_src_rank=np.zeros(n, np.int32), recv_src_token=np.zeros(n, np.int32))
+
+        def ptr(a):
+            return a.ctypes.data if a is not None else None
+        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw)
+        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *[ptr(o[k]) for k in (
+            "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_rank",
+            "recv_src_token")])
+        self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
+        return o
+
+    def ht_combine(self, route, y, topk_weights=None):
+        """Collective (mode='ht'): y [num_recv, H] bf16, one row per row this
+        rank received, back to the tokens' ranks and summed there. Returns
+        out [T, H] bf16 (uint16), and with topk_weights [num_recv, K]
+        float32 also the [T, K] weights gathered from the experts' ranks."""
+        import numpy as np
+        h, rh = self._ep(), route._handle(self)
+        T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
+        py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
+        pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
+        out = np.zeros((T, H), np.uint16)
+        wout = np.zeros((T, K), np.float32) if topk_weights is not None else None
+        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw)
+        cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), out.ctypes.data,
+                                 wout.ctypes.data if wout is not None else None)
+        self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
+        return (out, wout) if topk_weights is not None else out
+
     def sync(self, stream=None):
         """Wait for the stream (CUDA) and raise what the GPU reported."""
         self._check(_lib_handle().ferry_ep_sync(self._ep(), stream))
@@ -533,6 +601,40 @@ class EP:
                 self.comm._ep_closed()
             if rc:
                 raise FerryError(rc, "ferry_ep_destroy failed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Route:
+    """A high-throughput route (EP.route()): num_tokens, num_recv and
+    expert_counts (rows per local expert, padded to the alignment asked
+    for). close() frees it (not collective)."""
+
+    def __init__(self, ep, h, T):
+        import numpy as np
+        self.ep, self._h, self.num_tokens = ep, h, T
+        n = C.c_int()
+        counts = np.zeros(ep.num_local_experts, np.int32)
+        rc = _lib_handle().ferry_route_counts(h, C.byref(n), counts.ctypes.data)
+        if rc:
+            raise FerryError(rc, "ferry_route_counts failed")
+        self.num_recv, self.expert_counts = n.value, counts
+
+    def _handle(self, ep):
+        if not self._h:
+            raise ValueError("route: closed")
+        if ep is not self.ep:
+            raise ValueError("route: made on another EP")
+        return self._h
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, C.c_void_p()
+            _lib_handle().ferry_route_destroy(h)
 
     def __enter__(self):
         return self

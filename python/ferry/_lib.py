@@ -7,6 +7,7 @@ VERSION_CODE = 100
 
 DTYPES = {"bf16": 0, "fp8": 1}
 DEVICES = {"cpu": 0, "cuda": 1}
+MODES = {"ll": 0, "ht": 1}
 
 STATUS = {
     0: "FERRY_OK", -1: "FERRY_ERR_INVALID", -2: "FERRY_ERR_UNSUPPORTED",
@@ -54,6 +55,30 @@ class CombineOut(C.Structure):
                 ("stream", C.c_void_p)]
 
 
+class RouteIn(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("topk_idx", C.c_void_p),
+                ("expert_alignment", C.c_int)]
+
+
+class HtDispatchIn(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("x", C.c_void_p), ("x_scales", C.c_void_p),
+                ("topk_weights", C.c_void_p)]
+
+
+class HtDispatchOut(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("recv_x", C.c_void_p), ("recv_x_scales", C.c_void_p),
+                ("recv_topk_idx", C.c_void_p), ("recv_topk_weights", C.c_void_p),
+                ("recv_src_rank", C.c_void_p), ("recv_src_token", C.c_void_p)]
+
+
+class HtCombineIn(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("y", C.c_void_p), ("topk_weights", C.c_void_p)]
+
+
+class HtCombineOut(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("out", C.c_void_p), ("topk_weights", C.c_void_p)]
+
+
 ALLGATHER_FN = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_size_t, C.c_void_p)
 
 
@@ -93,6 +118,11 @@ def load():
         "ferry_combine_send": (i, [vp, u64, C.POINTER(CombineIn)]),
         "ferry_combine_recv": (i, [vp, u64, C.POINTER(CombineOut)]),
         "ferry_ep_sync": (i, [vp, vp]),
+        "ferry_route_create": (i, [vp, C.POINTER(RouteIn), C.POINTER(vp)]),
+        "ferry_route_counts": (i, [vp, C.POINTER(i), vp]),
+        "ferry_route_destroy": (i, [vp]),
+        "ferry_ht_dispatch": (i, [vp, vp, C.POINTER(HtDispatchIn), C.POINTER(HtDispatchOut)]),
+        "ferry_ht_combine": (i, [vp, vp, C.POINTER(HtCombineIn), C.POINTER(HtCombineOut)]),
         "ferry_cuda_available": (i, [cp, sz]),
     }
     for name, (res, args) in sigs.items():

@@ -15,7 +15,7 @@
 #include "core/config.h"
 #include "core/log.h"
 
-static int fr_ep_usable(ferry_ep_t ep)
+int fr_ep_usable(ferry_ep_t ep)
 {
     if (!ep->failed && ep->eng->check(ep) != FERRY_OK)
         return ep->failed ? ep->failed : FERRY_ERR_INVALID;
@@ -23,6 +23,17 @@ static int fr_ep_usable(ferry_ep_t ep)
         return fr_ep_fail(ep, ep->failed,
                           "the EP context failed earlier and cannot be used: "
                           "%.400s", ep->err.msg);
+    return FERRY_OK;
+}
+
+/* The round calls belong to the low-latency mode. */
+static int fr_ll_only(ferry_ep_t ep, const char *call)
+{
+    if (ep->eng->route_create)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "%s: this context is in high-throughput mode: use "
+                          "ferry_route_create, ferry_ht_dispatch and ferry_ht_combine",
+                          call);
     return FERRY_OK;
 }
 
@@ -96,7 +107,7 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     if (!ep)
         return FERRY_ERR_INVALID;
     int rc = fr_ep_usable(ep);
-    if (rc)
+    if (rc || (rc = fr_ll_only(ep, "dispatch_send")))
         return rc;
     const fr_layout_t *L = &ep->L;
     if (!in)
@@ -145,7 +156,7 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
                          fr_round_t **r)
 {
     int rc = fr_ep_usable(ep);
-    if (rc)
+    if (rc || (rc = fr_ll_only(ep, call)))
         return rc;
     if ((rc = fr_round_get(ep, round, state, call, r)))
         return rc;

@@ -43,7 +43,29 @@ typedef struct fr_engine {
     /* An error the device reported asynchronously, turned into the EP's
      * error (FERRY_OK when none). */
     int (*check)(ferry_ep_t ep);
+    /* High-throughput mode (NULL in low-latency engines). route_create is
+     * collective and fills the route's common fields and its priv. */
+    int (*route_create)(ferry_ep_t ep, const ferry_route_in_t *in,
+                        ferry_route_t route);
+    void (*route_free)(ferry_route_t route);
+    int (*ht_dispatch)(ferry_ep_t ep, ferry_route_t route,
+                       const ferry_ht_dispatch_in_t *in,
+                       const ferry_ht_dispatch_out_t *out);
+    int (*ht_combine)(ferry_ep_t ep, ferry_route_t route,
+                      const ferry_ht_combine_in_t *in,
+                      const ferry_ht_combine_out_t *out);
 } fr_engine_t;
+
+/* A route (public handle ferry_route_t): what the API layer checks
+ * against, and the engine's own part. */
+struct ferry_route {
+    ferry_ep_t ep;
+    uint64_t id;         /* 1, 2, 3... per context, the same on every rank */
+    int T;               /* this rank's tokens */
+    int num_recv;        /* rows this rank receives */
+    int32_t *ecnt;       /* [E_local] rows per local expert, padded */
+    void *priv;          /* the engine's */
+};
 
 /* The engine for (device, mode); NULL when there is none. */
 const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode);

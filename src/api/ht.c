@@ -1,0 +1,171 @@
+/*
+ * The high-throughput calls: routes, dispatch and combine on a context
+ * created with FERRY_MODE_HIGH_THROUGHPUT. Arguments are checked here,
+ * before anything is shared; then the engine.
+ */
+#include "api/api.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* A usable context in high-throughput mode. */
+static int fr_ht_usable(ferry_ep_t ep, const char *call)
+{
+    int rc = fr_ep_usable(ep);
+    if (rc)
+        return rc;
+    if (!ep->eng->route_create)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "%s: this context is in low-latency mode; create it with "
+                          "mode = FERRY_MODE_HIGH_THROUGHPUT", call);
+    return FERRY_OK;
+}
+
+int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, fr_err_t *err)
+{
+    if (in->size < sizeof(*in))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "in->size = %zu: set it to sizeof(ferry_route_in_t)", in->size);
+    int T = in->num_tokens;
+    if (T < 0 || T > L->T)
+        return FR_ERR(err, FERRY_ERR_INVALID, "num_tokens = %d: must be 0..max_tokens (%d)",
+                      T, L->T);
+    if (T > 0 && !in->topk_idx)
+        return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
+    if (in->expert_alignment < 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be >= 0",
+                      in->expert_alignment);
+    for (int t = 0; t < T; t++) {
+        const int64_t *row = in->topk_idx + (size_t)t * L->K;
+        for (int k = 0; k < L->K; k++) {
+            int64_t e = row[k];
+            if (e < -1 || e >= L->E)
+                return FR_ERR(err, FERRY_ERR_INVALID,
+                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d", t, k,
+                              (long long)e, L->E - 1);
+            for (int j = 0; j < k && e >= 0; j++)
+                if (row[j] == e)
+                    return FR_ERR(err, FERRY_ERR_INVALID,
+                                  "topk_idx[%d][%d] = %lld repeats topk_idx[%d][%d]", t, k,
+                                  (long long)e, t, j);
+        }
+    }
+    return FERRY_OK;
+}
+
+int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    int rc = fr_ht_usable(ep, "route_create");
+    if (rc)
+        return rc;
+    if (!in)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
+    if (!route)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL pointer");
+    *route = NULL;
+    fr_err_t aerr;
+    if ((rc = fr_check_route_args(&ep->L, in, &aerr)))
+        return fr_ep_fail(ep, rc, "%s", aerr.msg);
+    ferry_route_t r = calloc(1, sizeof(*r));
+    if (!r)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
+    r->ep = ep;
+    rc = ep->eng->route_create(ep, in, r);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    *route = r;
+    return FERRY_OK;
+}
+
+int ferry_route_counts(ferry_route_t route, int *num_recv, int32_t *expert_counts)
+{
+    if (!route || !route->priv)
+        return FERRY_ERR_INVALID;
+    if (num_recv)
+        *num_recv = route->num_recv;
+    if (expert_counts)
+        memcpy(expert_counts, route->ecnt, sizeof(int32_t) * (size_t)route->ep->L.El);
+    return FERRY_OK;
+}
+
+int ferry_route_destroy(ferry_route_t route)
+{
+    if (!route)
+        return FERRY_ERR_INVALID;
+    route->ep->eng->route_free(route);
+    free(route);
+    return FERRY_OK;
+}
+
+/* Common start of dispatch and combine: context, mode, route, structs. */
+static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t in_need,
+                      const char *in_type, const void *out, size_t out_need,
+                      const char *out_type, const char *call)
+{
+    int rc = fr_ht_usable(ep, call);
+    if (rc)
+        return rc;
+    if (!route || !route->priv)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL or destroyed");
+    if (route->ep != ep)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: made on another context");
+    if (!in)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
+    if (!out)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
+    if (*(const size_t *)in < in_need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "in->size = %zu: set it to sizeof(%s)",
+                          *(const size_t *)in, in_type);
+    if (*(const size_t *)out < out_need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)",
+                          *(const size_t *)out, out_type);
+    return FERRY_OK;
+}
+
+int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
+                      const ferry_ht_dispatch_out_t *out)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    int rc = fr_ht_call(ep, route, in, sizeof(*in), "ferry_ht_dispatch_in_t", out,
+                        sizeof(*out), "ferry_ht_dispatch_out_t", "ht_dispatch");
+    if (rc)
+        return rc;
+    if (route->T > 0 && !in->x)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
+    if (in->x_scales && ep->L.H % 128 != 0)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "x_scales: fp8 rows need hidden to be a multiple of 128 "
+                          "(hidden = %d)", ep->L.H);
+    if (route->num_recv > 0 && !out->recv_x)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "recv_x: NULL pointer (%d rows arrive)",
+                          route->num_recv);
+    if (route->num_recv > 0 && in->x_scales && !out->recv_x_scales)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "recv_x_scales: NULL pointer (x is fp8: x_scales given)");
+    if (out->recv_topk_weights && !in->topk_weights)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "recv_topk_weights: given, but in->topk_weights is NULL");
+    return ep->eng->ht_dispatch(ep, route, in, out);
+}
+
+int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
+                     const ferry_ht_combine_out_t *out)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    int rc = fr_ht_call(ep, route, in, sizeof(*in), "ferry_ht_combine_in_t", out,
+                        sizeof(*out), "ferry_ht_combine_out_t", "ht_combine");
+    if (rc)
+        return rc;
+    if (route->num_recv > 0 && !in->y)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",
+                          route->num_recv);
+    if (route->T > 0 && !out->out)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
+    return ep->eng->ht_combine(ep, route, in, out);
+}

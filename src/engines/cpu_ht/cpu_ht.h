@@ -1,0 +1,115 @@
+/*
+ * The CPU high-throughput engine: routes (a collective count exchange,
+ * exact sizes), and dispatch/combine streamed through bounded rings, one
+ * per (source, destination) pair in the destination's shared segment.
+ *
+ * Segment of each rank (POSIX shared memory, mapped by its node's peers):
+ *
+ *   [4 KB header: doorbell]
+ *   [notify]  [2 parity][N sources] { epoch, tokens, per-local-expert counts }
+ *   [dispatch rings] [N sources] { tail line, head line, ring_tokens records }
+ *   [combine rings]  [N sources] { tail line, head line, ring_tokens rows }
+ *
+ * A ring's tail (records written, cumulative over the context's life) is
+ * stored by the source into the destination's segment with a release
+ * store; its head (records consumed) by the destination, read by the
+ * source with an acquire load. Counters never reset, so a call never
+ * clears anything and calls follow each other without barriers.
+ */
+#ifndef FR_CPU_HT_H
+#define FR_CPU_HT_H
+
+#include "engines/engine.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FR_HT_RING_DEFAULT 256
+#define FR_HT_LINE 64
+
+typedef struct fr_ht_layout {
+    int N, El, K, H, RT;
+    uint64_t notify_entry;   /* bytes of one notify entry */
+    uint64_t off_notify;
+    uint64_t dhdr, drec;     /* dispatch record: header, whole record */
+    uint64_t chdr, crec;     /* combine record */
+    uint64_t dring, cring;   /* bytes of one ring (2 lines + records) */
+    uint64_t off_dring, off_cring;
+    uint64_t seg_bytes;
+} fr_ht_layout_t;
+
+/* A record's header on the dispatch ring: the source token, the local
+ * expert of each slot (-1: not here), the weights of those slots. */
+typedef struct fr_ht_dhdr {
+    int32_t token;
+    int32_t flags;           /* bit 0: fp8 data with scales */
+    /* int16 le[K], then float w[K] (at fr_ht_dw) */
+} fr_ht_dhdr_t;
+
+/* The engine's part of a route (route->priv); its notify parity is
+ * route->id & 1. */
+typedef struct fr_ht_route {
+    int32_t *idx;            /* [T][K] copy of topk_idx (int32) */
+    int32_t *dst_off;        /* [N + 1]: tokens per destination, CSR */
+    int32_t *dst_tok;        /* tokens going to each destination, in order */
+    int32_t *src_off;        /* [N + 1]: first row from each source */
+} fr_ht_route_t;
+
+typedef struct fr_cpu_ht {
+    fr_ht_layout_t H;
+    uint64_t routes;         /* routes created (collective, same on all) */
+    uint64_t *dtx, *drx;     /* [N] cumulative records sent / consumed */
+    uint64_t *ctx, *crx;
+    float *acc;              /* combine accumulator [acc_rows][H] */
+    size_t acc_rows;
+} fr_cpu_ht_t;
+
+static inline fr_cpu_ht_t *fr_cpu_ht(ferry_ep_t ep)
+{
+    return (fr_cpu_ht_t *)ep->eng_state;
+}
+
+/* Byte offsets in a segment. */
+static inline uint8_t *fr_ht_notify(const fr_ht_layout_t *h, uint8_t *seg, int parity,
+                                    int src)
+{
+    return seg + h->off_notify + ((uint64_t)parity * h->N + src) * h->notify_entry;
+}
+static inline uint8_t *fr_ht_dring(const fr_ht_layout_t *h, uint8_t *seg, int src)
+{
+    return seg + h->off_dring + (uint64_t)src * h->dring;
+}
+static inline uint8_t *fr_ht_cring(const fr_ht_layout_t *h, uint8_t *seg, int src)
+{
+    return seg + h->off_cring + (uint64_t)src * h->cring;
+}
+/* A ring's tail and head words, and slot i (cumulative index). */
+static inline uint64_t *fr_ht_tail(uint8_t *ring) { return (uint64_t *)ring; }
+static inline uint64_t *fr_ht_head(uint8_t *ring) { return (uint64_t *)(ring + FR_HT_LINE); }
+static inline uint8_t *fr_ht_slot(uint8_t *ring, uint64_t i, int RT, uint64_t rec)
+{
+    return ring + 2 * FR_HT_LINE + (i % (uint64_t)RT) * rec;
+}
+
+void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT);
+
+/* Waiting: spin, yield, then sleep; every 2 ms a dead peer this rank
+ * still needs (need[r] != 0; NULL: all) or the deadline (measured from the
+ * last progress) ends the call with an error naming the dead rank, or
+ * `rank` on the deadline ("what" says for what). FERRY_OK: go on. */
+int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t progress_ns,
+               int rank, const char *what, const uint8_t *need);
+
+int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route);
+void fr_ht_route_free(ferry_route_t route);
+int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
+                   const ferry_ht_dispatch_out_t *out);
+int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
+                  const ferry_ht_combine_out_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

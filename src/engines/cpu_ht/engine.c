@@ -1,0 +1,232 @@
+/*
+ * The CPU high-throughput engine's table, layout, setup and free, and its
+ * wait. Setup makes the rank's segment (notify area and rings, sized by
+ * ring_tokens, not by max_tokens) and maps the node's peers'.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engines/cpu_ht/cpu_ht.h"
+
+static uint64_t fr_ht_align(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
+{
+    memset(h, 0, sizeof(*h));
+    h->N = N;
+    h->El = El;
+    h->K = K;
+    h->H = H;
+    h->RT = RT;
+    h->notify_entry = fr_ht_align(16 + 4ull * El, FR_HT_LINE);
+    h->off_notify = 4096;
+    /* dispatch record: token, flags, le[K] (int16), w[K]; then the row
+     * (bf16, or fp8 plus its scales: never more than the bf16 row plus
+     * the scales) */
+    h->dhdr = fr_ht_align(8 + 2ull * K + 4ull * K, 16);
+    h->drec = fr_ht_align(h->dhdr + 2ull * H + 4ull * ((H + 127) / 128), 16);
+    h->chdr = fr_ht_align(4ull * K, 16);
+    h->crec = fr_ht_align(h->chdr + 2ull * H, 16);
+    h->dring = 2 * FR_HT_LINE + (uint64_t)RT * h->drec;
+    h->cring = 2 * FR_HT_LINE + (uint64_t)RT * h->crec;
+    h->off_dring = fr_ht_align(h->off_notify + 2ull * N * h->notify_entry, 4096);
+    h->off_cring = fr_ht_align(h->off_dring + (uint64_t)N * h->dring, 4096);
+    h->seg_bytes = fr_ht_align(h->off_cring + (uint64_t)N * h->cring, 4096);
+}
+
+int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t progress_ns,
+               int rank, const char *what, const uint8_t *need)
+{
+    fr_backoff(iter, ep->spin);
+    uint64_t now = fr_now_ns();
+    if (now - *last_check < 2000000ull)
+        return FERRY_OK;
+    *last_check = now;
+    /* a rank that died fails the call only if this rank still needs it:
+     * one that finished its part may have exited */
+    int dead = fr_boot_dead_rank(ep->comm->boot);
+    if (dead >= 0 && dead < ep->N && (!need || need[dead]))
+        return fr_ep_fail(ep, FERRY_ERR_PEER, "%s: rank %d died", what, dead);
+    for (int s = 0; s < ep->N; s++) {
+        if (ep->path[s] != FR_PATH_SHM || (need && !need[s]))
+            continue;
+        pid_t pid = ep->comm->peers[s].pid;
+        if (kill(pid, 0) != 0 && errno == ESRCH)
+            return fr_ep_fail(ep, FERRY_ERR_PEER, "%s: rank %d (pid %d) died", what, s,
+                              (int)pid);
+    }
+    if (now - progress_ns > (uint64_t)ep->timeout_ms * 1000000ull)
+        return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
+                          "%s: no progress with rank %d for %ld ms (FERRY_TIMEOUT_MS)",
+                          what, rank, ep->timeout_ms);
+    return FERRY_OK;
+}
+
+typedef struct fr_ht_hello {
+    int32_t status;
+    char seg_name[96];
+} fr_ht_hello_t;
+
+/* Create the own segment, learn the others' names, map the shm peers'. */
+static int fr_ht_segments(ferry_ep_t ep, int status, fr_err_t *err)
+{
+    int N = ep->N, me = ep->rank;
+    uint64_t bytes = fr_cpu_ht(ep) ? fr_cpu_ht(ep)->H.seg_bytes : 0;
+    fr_ht_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
+    memset(&mine, 0, sizeof(mine));
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "segment names");
+    mine.status = status;
+    fr_shm_sweep_dead("ferry-", '-');
+    if (status == FERRY_OK) {
+        snprintf(mine.seg_name, sizeof(mine.seg_name), "/ferry-%d-%llx-h%d-%llx",
+                 (int)getpid(), (unsigned long long)fr_pidns(), me,
+                 (unsigned long long)fr_now_ns());
+        snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", mine.seg_name);
+        mine.status = fr_shm_create(ep->seg_name, bytes, &ep->seg, err);
+    }
+    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    if (rc == FERRY_OK && mine.status != FERRY_OK)
+        rc = mine.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d failed to create its EP context (%s)",
+                        i, ferry_strerror(all[i].status));
+    ep->peer_seg[me] = ep->seg;
+    for (int i = 0; i < N && rc == FERRY_OK; i++) {
+        all[i].seg_name[sizeof(all[i].seg_name) - 1] = 0;
+        if (ep->path[i] == FR_PATH_SHM)
+            rc = fr_shm_map(all[i].seg_name, bytes, &ep->peer_seg[i], err);
+    }
+    free(all);
+    return rc;
+}
+
+static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
+{
+    const ferry_ep_config_t *c = &ep->cfg;
+    int N = ep->N, rc = FERRY_OK;
+    fr_layout_init(&ep->L, N, ep->rank, c->num_experts, c->topk, c->hidden,
+                   c->max_tokens, c->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    fr_cpu_ht_t *st = calloc(1, sizeof(*st));
+    ep->eng_state = st;
+    if (!st)
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "engine state");
+    if (rc == FERRY_OK && ep->nfabric > 0)
+        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                    "mode = high throughput: peers on the fabric path (other "
+                    "hosts, or FERRY_TRANSPORT=fabric) are not supported yet; "
+                    "this mode runs between ranks of one host");
+    if (rc == FERRY_OK) {
+        int RT = c->ring_tokens > 0 ? c->ring_tokens : FR_HT_RING_DEFAULT;
+        fr_ht_layout_init(&st->H, N, ep->L.El, c->topk, c->hidden, RT);
+        ep->L.seg_bytes = st->H.seg_bytes; /* what ferry_ep_get_layout reports */
+        ep->L.send_bytes = 0;
+        st->dtx = calloc((size_t)N, sizeof(uint64_t));
+        st->drx = calloc((size_t)N, sizeof(uint64_t));
+        st->ctx = calloc((size_t)N, sizeof(uint64_t));
+        st->crx = calloc((size_t)N, sizeof(uint64_t));
+        if (!st->dtx || !st->drx || !st->ctx || !st->crx)
+            rc = FR_ERR(err, FERRY_ERR_NOMEM, "ring counters");
+    }
+    return fr_ht_segments(ep, rc, err);
+}
+
+static void fr_ht_free(ferry_ep_t ep)
+{
+    fr_cpu_ht_t *c = fr_cpu_ht(ep);
+    uint64_t bytes = c ? c->H.seg_bytes : 0;
+    if (ep->peer_seg)
+        for (int i = 0; i < ep->N; i++)
+            if (ep->peer_seg[i] && ep->peer_seg[i] != ep->seg)
+                fr_shm_unmap(ep->peer_seg[i], bytes);
+    if (ep->seg) {
+        fr_shm_unmap(ep->seg, bytes);
+        if (ep->seg_name[0])
+            fr_shm_unlink(ep->seg_name);
+    }
+    ep->seg = NULL;
+    if (!c)
+        return;
+    free(c->dtx);
+    free(c->drx);
+    free(c->ctx);
+    free(c->crx);
+    free(c->acc);
+    free(c);
+    ep->eng_state = NULL;
+}
+
+static int fr_ht_not_ll(ferry_ep_t ep)
+{
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                      "this context is in high-throughput mode: use "
+                      "ferry_route_create, ferry_ht_dispatch and ferry_ht_combine");
+}
+
+static int fr_ht_dsend(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in)
+{
+    (void)r;
+    (void)in;
+    return fr_ht_not_ll(ep);
+}
+
+static int fr_ht_drecv(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_out_t *out)
+{
+    (void)r;
+    (void)out;
+    return fr_ht_not_ll(ep);
+}
+
+static int fr_ht_csend(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in)
+{
+    (void)r;
+    (void)in;
+    return fr_ht_not_ll(ep);
+}
+
+static int fr_ht_crecv(ferry_ep_t ep, fr_round_t *r, const ferry_combine_out_t *out)
+{
+    (void)r;
+    (void)out;
+    return fr_ht_not_ll(ep);
+}
+
+static int fr_ht_sync(ferry_ep_t ep, void *stream)
+{
+    (void)ep;
+    (void)stream;
+    return FERRY_OK;
+}
+
+static int fr_ht_check(ferry_ep_t ep)
+{
+    (void)ep;
+    return FERRY_OK;
+}
+
+const fr_engine_t fr_engine_cpu_ht = {
+    .size = sizeof(fr_engine_t),
+    .name = "cpu_ht",
+    .device = FERRY_DEVICE_CPU,
+    .mode = FERRY_MODE_HIGH_THROUGHPUT,
+    .setup = fr_ht_setup,
+    .free = fr_ht_free,
+    .dispatch_send = fr_ht_dsend,
+    .dispatch_recv = fr_ht_drecv,
+    .combine_send = fr_ht_csend,
+    .combine_recv = fr_ht_crecv,
+    .sync = fr_ht_sync,
+    .check = fr_ht_check,
+    .route_create = fr_ht_route_create,
+    .route_free = fr_ht_route_free,
+    .ht_dispatch = fr_ht_dispatch,
+    .ht_combine = fr_ht_combine,
+};

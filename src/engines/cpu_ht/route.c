@@ -1,0 +1,175 @@
+/*
+ * Routes: from topk_idx, the tokens each destination gets (in token
+ * order) and, through one exchange of counts, the rows each source sends
+ * here and how many rows each local expert gets. Each rank stores its
+ * counts into every destination's notify entry (release on the route's
+ * number), then waits for every source's entry in its own segment.
+ *
+ * Two entries per source (route number parity) are enough: a rank writes
+ * route k+2's counts only after its own route k+1 finished, which needed
+ * every rank's route k+1 counts, which each rank wrote after it had read
+ * route k's.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engines/cpu_ht/cpu_ht.h"
+
+void fr_ht_route_free(ferry_route_t route)
+{
+    fr_ht_route_t *p = route ? (fr_ht_route_t *)route->priv : NULL;
+    if (p) {
+        free(p->idx);
+        free(p->dst_off);
+        free(p->dst_tok);
+        free(p->src_off);
+        free(p);
+    }
+    if (route) {
+        free(route->ecnt);
+        route->priv = NULL;
+        route->ecnt = NULL;
+    }
+}
+
+/* Tokens per destination (CSR, token order) and, per destination, the
+ * count of each of its local experts: dcnt[d * El + le]. */
+static int fr_ht_route_local(ferry_ep_t ep, const ferry_route_in_t *in, fr_ht_route_t *p,
+                             int32_t *dcnt)
+{
+    int N = ep->N, K = ep->L.K, El = ep->L.El, T = in->num_tokens;
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k++)
+            p->idx[(size_t)t * K + k] = (int32_t)in->topk_idx[(size_t)t * K + k];
+    int32_t *n = calloc((size_t)N + 1, sizeof(int32_t));
+    if (!n)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    for (int pass = 0; pass < 2; pass++) {
+        for (int t = 0; t < T; t++) {
+            const int32_t *row = p->idx + (size_t)t * K;
+            for (int k = 0; k < K; k++) {
+                if (row[k] < 0)
+                    continue;
+                int d = row[k] / El, first = 1;
+                for (int j = 0; j < k && first; j++)
+                    first = !(row[j] >= 0 && row[j] / El == d);
+                if (pass == 0) {
+                    dcnt[(size_t)d * El + row[k] % El]++;
+                    n[d] += first;
+                } else if (first) {
+                    p->dst_tok[p->dst_off[d] + n[d]++] = t;
+                }
+            }
+        }
+        if (pass == 0) {
+            p->dst_off[0] = 0;
+            for (int d = 0; d < N; d++)
+                p->dst_off[d + 1] = p->dst_off[d] + n[d];
+            memset(n, 0, sizeof(int32_t) * (size_t)N);
+            p->dst_tok = malloc(sizeof(int32_t) * ((size_t)p->dst_off[N] + 1));
+            if (!p->dst_tok) {
+                free(n);
+                return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+            }
+        }
+    }
+    free(n);
+    return FERRY_OK;
+}
+
+/* Store this rank's counts into every destination's notify entry. */
+static void fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t *dcnt,
+                             uint64_t id)
+{
+    const fr_ht_layout_t *h = &fr_cpu_ht(ep)->H;
+    int El = h->El;
+    for (int d = 0; d < ep->N; d++) {
+        uint8_t *e = fr_ht_notify(h, ep->peer_seg[d], (int)(id & 1), ep->rank);
+        *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
+        memcpy(e + 16, dcnt + (size_t)d * El, sizeof(int32_t) * (size_t)El);
+        __atomic_store_n((uint64_t *)e, id, __ATOMIC_RELEASE);
+    }
+}
+
+/* Wait for every source's counts; rows per source and per local expert. */
+static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *p,
+                             int align)
+{
+    const fr_ht_layout_t *h = &fr_cpu_ht(ep)->H;
+    int N = ep->N, El = h->El;
+    uint64_t iter = 0, check = fr_now_ns(), progress = check;
+    size_t nn = (size_t)(N > 0 ? N : 1);
+    uint8_t *need = malloc(nn); /* sources whose counts are missing */
+    if (!need)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    memset(need, 1, nn);
+    p->src_off[0] = 0;
+    for (int s = 0; s < N; s++) {
+        const uint8_t *e = fr_ht_notify(h, ep->seg, (int)(route->id & 1), s);
+        for (;;) {
+            uint64_t v = __atomic_load_n((const uint64_t *)e, __ATOMIC_ACQUIRE);
+            if (v == route->id)
+                break;
+            int rc = v > route->id
+                         ? fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                      "route_create %llu: rank %d is at route %llu",
+                                      (unsigned long long)route->id, s, (unsigned long long)v)
+                         : fr_ht_idle(ep, &iter, &check, progress, s,
+                                      "route_create (count exchange)", need);
+            if (rc != FERRY_OK) {
+                free(need);
+                return rc;
+            }
+        }
+        progress = fr_now_ns();
+        need[s] = 0;
+        int32_t n = *(const int32_t *)(e + 8);
+        const int32_t *c = (const int32_t *)(e + 16);
+        if (n < 0 || n > ep->L.T) {
+            free(need);
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "route_create: rank %d sends %d tokens (max_tokens %d)", s, n,
+                              ep->L.T);
+        }
+        p->src_off[s + 1] = p->src_off[s] + n;
+        for (int le = 0; le < El; le++)
+            route->ecnt[le] += c[le];
+    }
+    free(need);
+    route->num_recv = p->src_off[N];
+    if (align > 1)
+        for (int le = 0; le < El; le++)
+            route->ecnt[le] = (route->ecnt[le] + align - 1) / align * align;
+    return FERRY_OK;
+}
+
+int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route)
+{
+    int N = ep->N, El = ep->L.El, K = ep->L.K, T = in->num_tokens;
+    fr_ht_route_t *p = calloc(1, sizeof(*p));
+    int32_t *dcnt = calloc((size_t)N * El, sizeof(int32_t));
+    route->priv = p;
+    route->ecnt = calloc((size_t)El, sizeof(int32_t));
+    if (p) {
+        p->idx = malloc(sizeof(int32_t) * ((size_t)T * K + 1));
+        p->dst_off = calloc((size_t)N + 1, sizeof(int32_t));
+        p->src_off = calloc((size_t)N + 1, sizeof(int32_t));
+    }
+    int rc = FERRY_OK;
+    if (!p || !dcnt || !route->ecnt || !p->idx || !p->dst_off || !p->src_off)
+        rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    /* the route number advances on every rank even when this one failed
+     * locally, so numbers stay in step; peers then time out naming it */
+    route->id = ++fr_cpu_ht(ep)->routes;
+    route->T = T;
+    if (rc == FERRY_OK)
+        rc = fr_ht_route_local(ep, in, p, dcnt);
+    if (rc == FERRY_OK) {
+        fr_ht_notify_all(ep, p, dcnt, route->id);
+        rc = fr_ht_notify_wait(ep, route, p, in->expert_alignment);
+    }
+    free(dcnt);
+    if (rc != FERRY_OK)
+        fr_ht_route_free(route);
+    return rc;
+}

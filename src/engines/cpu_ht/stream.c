@@ -1,0 +1,381 @@
+/*
+ * Dispatch and combine through the rings. One progress loop per call:
+ * fill every destination's ring as far as its head allows (publishing the
+ * tail every chunk), drain the sources' rings into the output (publishing
+ * the head), until this rank's rows are all sent and all received.
+ *
+ * Dispatch drains sources in any order: a row's place is fixed by the
+ * route. Combine sums a token's rows in ascending rank order (fp32, one
+ * rounding), so it drains destination rings strictly in rank order; this
+ * cannot deadlock because every rank keeps filling its own sends while it
+ * waits: rank 0's rows are drained first everywhere, then rank 1's, and
+ * so on.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/quant.h"
+#include "engines/cpu_ht/cpu_ht.h"
+
+#define FR_HT_CHUNK 8 /* records between tail publications */
+
+typedef struct fr_ht_call {
+    ferry_ep_t ep;
+    ferry_route_t route;
+    fr_ht_route_t *p;
+    const fr_ht_layout_t *h;
+    int fp8;
+    size_t rowb, nsc;            /* row bytes, scales per row */
+    int32_t *done_tx, *done_rx;  /* [N] per peer, this call */
+    uint8_t *need;               /* [N] peers this rank still needs */
+    int busy_rank;               /* the peer we last waited on */
+} fr_ht_call_t;
+
+static int fr_ht_call_init(fr_ht_call_t *c, ferry_ep_t ep, ferry_route_t route, int fp8)
+{
+    memset(c, 0, sizeof(*c));
+    c->ep = ep;
+    c->route = route;
+    c->p = (fr_ht_route_t *)route->priv;
+    c->h = &fr_cpu_ht(ep)->H;
+    c->fp8 = fp8;
+    c->rowb = fp8 ? (size_t)c->h->H : 2 * (size_t)c->h->H;
+    c->nsc = fp8 ? (size_t)(c->h->H / 128) : 0;
+    c->done_tx = calloc((size_t)ep->N, sizeof(int32_t));
+    c->done_rx = calloc((size_t)ep->N, sizeof(int32_t));
+    c->need = calloc((size_t)ep->N, 1);
+    c->busy_rank = ep->rank;
+    if (!c->done_tx || !c->done_rx || !c->need) {
+        free(c->done_tx);
+        free(c->done_rx);
+        free(c->need);
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "call state");
+    }
+    return FERRY_OK;
+}
+
+static void fr_ht_call_end(fr_ht_call_t *c)
+{
+    free(c->done_tx);
+    free(c->done_rx);
+    free(c->need);
+}
+
+/* Which peers this rank still needs: rows to send there (tx: per-peer
+ * totals in tx_off) or rows to take from there (rx_off). */
+static void fr_ht_need(fr_ht_call_t *c, const int32_t *tx_off, const int32_t *rx_off)
+{
+    for (int r = 0; r < c->ep->N; r++)
+        c->need[r] = c->done_tx[r] < tx_off[r + 1] - tx_off[r] ||
+                     c->done_rx[r] < rx_off[r + 1] - rx_off[r];
+    c->need[c->ep->rank] = 0;
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+/* A dispatch record's header for token t going to rank d. */
+static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
+                            int t, int d, uint8_t *rec)
+{
+    int K = c->h->K, El = c->h->El;
+    const int32_t *row = c->p->idx + (size_t)t * K;
+    fr_ht_dhdr_t *hd = (fr_ht_dhdr_t *)rec;
+    int16_t *le = (int16_t *)(rec + sizeof(*hd));
+    float *w = (float *)(rec + sizeof(*hd) + 2 * (size_t)K);
+    hd->token = t;
+    hd->flags = c->fp8;
+    for (int k = 0; k < K; k++) {
+        int local = row[k] >= 0 && row[k] / El == d;
+        le[k] = (int16_t)(local ? row[k] % El : -1);
+        w[k] = local && in->topk_weights ? in->topk_weights[(size_t)t * K + k] : 0.f;
+    }
+}
+
+/* Row `row` of the outputs from a record (header, data, scales). */
+static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+                          int64_t row, const uint8_t *rec, const uint8_t *data,
+                          const float *scales)
+{
+    int K = c->h->K;
+    const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
+    const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
+    const float *w = (const float *)(rec + sizeof(*hd) + 2 * (size_t)K);
+    memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
+    if (c->nsc)
+        memcpy(out->recv_x_scales + row * c->nsc, scales, c->nsc * sizeof(float));
+    for (int k = 0; k < K; k++) {
+        if (out->recv_topk_idx)
+            out->recv_topk_idx[row * K + k] = le[k];
+        if (out->recv_topk_weights)
+            out->recv_topk_weights[row * K + k] = w[k];
+    }
+    if (out->recv_src_rank)
+        out->recv_src_rank[row] = src;
+    if (out->recv_src_token)
+        out->recv_src_token[row] = hd->token;
+}
+
+/* This rank's own tokens: straight into its rows. */
+static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
+                                const ferry_ht_dispatch_out_t *out)
+{
+    int me = c->ep->rank;
+    uint8_t hdr[512];
+    const fr_ht_route_t *p = c->p;
+    for (int i = 0; i < p->dst_off[me + 1] - p->dst_off[me]; i++) {
+        int t = p->dst_tok[p->dst_off[me] + i];
+        fr_ht_dhdr_fill(c, in, t, me, hdr);
+        fr_ht_put_row(c, out, me, p->src_off[me] + i, hdr,
+                      (const uint8_t *)in->x + (size_t)t * c->rowb,
+                      c->nsc ? in->x_scales + (size_t)t * c->nsc : NULL);
+    }
+}
+
+/* Fill destination d's ring as far as it has room; 1 if anything moved. */
+static int fr_ht_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(c->ep);
+    const fr_ht_layout_t *h = c->h;
+    const fr_ht_route_t *p = c->p;
+    int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
+    uint8_t *ring = fr_ht_dring(h, c->ep->peer_seg[d], c->ep->rank);
+    uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
+    while (c->done_tx[d] < n && st->dtx[d] - head < (uint64_t)h->RT) {
+        int t = p->dst_tok[p->dst_off[d] + c->done_tx[d]];
+        uint8_t *rec = fr_ht_slot(ring, st->dtx[d], h->RT, h->drec);
+        fr_ht_dhdr_fill(c, in, t, d, rec);
+        memcpy(rec + h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
+        if (c->nsc)
+            memcpy(rec + h->dhdr + c->rowb, in->x_scales + (size_t)t * c->nsc,
+                   c->nsc * sizeof(float));
+        st->dtx[d]++;
+        c->done_tx[d]++;
+        if (++moved % FR_HT_CHUNK == 0)
+            __atomic_store_n(fr_ht_tail(ring), st->dtx[d], __ATOMIC_RELEASE);
+    }
+    if (moved)
+        __atomic_store_n(fr_ht_tail(ring), st->dtx[d], __ATOMIC_RELEASE);
+    return moved > 0;
+}
+
+/* Drain source s's ring into its rows; 1 if anything moved. */
+static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(c->ep);
+    const fr_ht_layout_t *h = c->h;
+    int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
+    uint8_t *ring = fr_ht_dring(h, c->ep->seg, s);
+    uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
+    while (c->done_rx[s] < n && st->drx[s] < tail) {
+        const uint8_t *rec = fr_ht_slot(ring, st->drx[s], h->RT, h->drec);
+        const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
+        if (hd->token < 0 || hd->token >= c->ep->L.T || (hd->flags & 1) != c->fp8)
+            return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
+                              "ht_dispatch: malformed record from rank %d (token %d, "
+                              "flags %d)", s, hd->token, hd->flags);
+        fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s], rec, rec + h->dhdr,
+                      (const float *)(rec + h->dhdr + c->rowb));
+        st->drx[s]++;
+        c->done_rx[s]++;
+        if (++moved % FR_HT_CHUNK == 0)
+            __atomic_store_n(fr_ht_head(ring), st->drx[s], __ATOMIC_RELEASE);
+    }
+    if (moved)
+        __atomic_store_n(fr_ht_head(ring), st->drx[s], __ATOMIC_RELEASE);
+    return moved;
+}
+
+int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
+                   const ferry_ht_dispatch_out_t *out)
+{
+    fr_ht_call_t c;
+    int rc = fr_ht_call_init(&c, ep, route, in->x_scales != NULL);
+    if (rc != FERRY_OK)
+        return rc;
+    int N = ep->N, me = ep->rank;
+    fr_ht_dispatch_self(&c, in, out);
+    uint64_t iter = 0, check = fr_now_ns(), progress = check;
+    for (;;) {
+        int moved = 0, left = 0;
+        for (int i = 1; i < N; i++) { /* rotated: not everyone at rank 0 first */
+            int d = (me + i) % N;
+            moved |= fr_ht_dispatch_tx(&c, in, d);
+            if (c.done_tx[d] < c.p->dst_off[d + 1] - c.p->dst_off[d]) {
+                left = 1;
+                c.busy_rank = d;
+            }
+        }
+        for (int i = 1; i < N && rc == FERRY_OK; i++) {
+            int s = (me + N - i) % N;
+            int m = fr_ht_dispatch_rx(&c, out, s);
+            if (m < 0 || ep->failed)
+                rc = ep->failed ? ep->failed : FERRY_ERR_PROTOCOL;
+            moved |= m > 0;
+            if (c.done_rx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
+                left = 1;
+                c.busy_rank = s;
+            }
+        }
+        if (rc != FERRY_OK || !left)
+            break;
+        if (moved) {
+            iter = 0;
+            progress = fr_now_ns();
+            continue;
+        }
+        fr_ht_need(&c, c.p->dst_off, c.p->src_off);
+        rc = fr_ht_idle(ep, &iter, &check, progress, c.busy_rank, "ht_dispatch", c.need);
+        if (rc != FERRY_OK)
+            break;
+    }
+    fr_ht_call_end(&c);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- combine */
+
+/* Fill source s's combine ring with the rows it sent here. */
+static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(c->ep);
+    const fr_ht_layout_t *h = c->h;
+    int K = h->K, n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
+    uint8_t *ring = fr_ht_cring(h, c->ep->peer_seg[s], c->ep->rank);
+    uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
+    while (c->done_tx[s] < n && st->ctx[s] - head < (uint64_t)h->RT) {
+        size_t row = (size_t)c->p->src_off[s] + (size_t)c->done_tx[s];
+        uint8_t *rec = fr_ht_slot(ring, st->ctx[s], h->RT, h->crec);
+        float *w = (float *)rec;
+        for (int k = 0; k < K; k++)
+            w[k] = in->topk_weights ? in->topk_weights[row * K + k] : 0.f;
+        memcpy(rec + h->chdr, (const uint8_t *)in->y + row * 2 * h->H, 2 * (size_t)h->H);
+        st->ctx[s]++;
+        c->done_tx[s]++;
+        if (++moved % FR_HT_CHUNK == 0)
+            __atomic_store_n(fr_ht_tail(ring), st->ctx[s], __ATOMIC_RELEASE);
+    }
+    if (moved)
+        __atomic_store_n(fr_ht_tail(ring), st->ctx[s], __ATOMIC_RELEASE);
+    return moved > 0;
+}
+
+/* Add one row from rank d for token t; slot k's weight from d's experts. */
+static void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
+                             int t, int d, const uint16_t *y, const float *w)
+{
+    int K = c->h->K, El = c->h->El, H = c->h->H;
+    float *a = acc + (size_t)t * H;
+    for (int i = 0; i < H; i++)
+        a[i] += fr_bf16_to_f32(y[i]);
+    if (!out->topk_weights)
+        return;
+    const int32_t *row = c->p->idx + (size_t)t * K;
+    for (int k = 0; k < K; k++)
+        if (row[k] >= 0 && row[k] / El == d)
+            out->topk_weights[(size_t)t * K + k] = w ? w[k] : 0.f;
+}
+
+/* Drain destination d's combine ring (rows for this rank's tokens). */
+static int fr_ht_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
+                            int d)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(c->ep);
+    const fr_ht_layout_t *h = c->h;
+    const fr_ht_route_t *p = c->p;
+    int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
+    uint8_t *ring = fr_ht_cring(h, c->ep->seg, d);
+    uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
+    while (c->done_rx[d] < n && st->crx[d] < tail) {
+        const uint8_t *rec = fr_ht_slot(ring, st->crx[d], h->RT, h->crec);
+        int t = p->dst_tok[p->dst_off[d] + c->done_rx[d]];
+        fr_ht_accumulate(c, out, acc, t, d, (const uint16_t *)(rec + h->chdr),
+                         (const float *)rec);
+        st->crx[d]++;
+        c->done_rx[d]++;
+        if (++moved % FR_HT_CHUNK == 0)
+            __atomic_store_n(fr_ht_head(ring), st->crx[d], __ATOMIC_RELEASE);
+    }
+    if (moved)
+        __atomic_store_n(fr_ht_head(ring), st->crx[d], __ATOMIC_RELEASE);
+    return moved > 0;
+}
+
+/* The fp32 accumulator, zeroed, and the weights output cleared. */
+static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(ep);
+    size_t H = (size_t)st->H.H, K = (size_t)st->H.K;
+    if (st->acc_rows < (size_t)T || !st->acc) {
+        free(st->acc);
+        st->acc = malloc(sizeof(float) * ((size_t)T * H + 1));
+        st->acc_rows = st->acc ? (size_t)T : 0;
+    }
+    if (!st->acc)
+        return NULL;
+    memset(st->acc, 0, sizeof(float) * (size_t)T * H);
+    if (out->topk_weights)
+        memset(out->topk_weights, 0, sizeof(float) * (size_t)T * K);
+    return st->acc;
+}
+
+int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
+                  const ferry_ht_combine_out_t *out)
+{
+    fr_ht_call_t c;
+    int rc = fr_ht_call_init(&c, ep, route, 0);
+    if (rc != FERRY_OK)
+        return rc;
+    int N = ep->N, me = ep->rank, K = c.h->K, H = c.h->H, T = route->T;
+    float *acc = fr_ht_acc(ep, T, out);
+    if (!acc) {
+        fr_ht_call_end(&c);
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine accumulator of %d x %d floats", T, H);
+    }
+    uint64_t iter = 0, check = fr_now_ns(), progress = check;
+    int cur = 0; /* the destination being drained, in rank order */
+    while (rc == FERRY_OK) {
+        int moved = 0, left = 0;
+        for (int i = 1; i < N; i++) {
+            int s = (me + i) % N;
+            moved |= fr_ht_combine_tx(&c, in, s);
+            if (c.done_tx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
+                left = 1;
+                c.busy_rank = s;
+            }
+        }
+        while (cur < N) {
+            int n = c.p->dst_off[cur + 1] - c.p->dst_off[cur];
+            if (cur == me) { /* own rows, read in place */
+                for (int i = 0; i < n; i++) {
+                    size_t row = (size_t)c.p->src_off[me] + (size_t)i;
+                    fr_ht_accumulate(&c, out, acc, c.p->dst_tok[c.p->dst_off[me] + i], me,
+                                     (const uint16_t *)in->y + row * H,
+                                     in->topk_weights ? in->topk_weights + row * K : NULL);
+                }
+                c.done_rx[me] = n;
+            } else {
+                moved |= fr_ht_combine_rx(&c, out, acc, cur);
+            }
+            if (c.done_rx[cur] < n)
+                break;
+            cur++;
+        }
+        if (cur < N || left) {
+            if (moved) {
+                iter = 0;
+                progress = fr_now_ns();
+                continue;
+            }
+            fr_ht_need(&c, c.p->src_off, c.p->dst_off);
+            rc = fr_ht_idle(ep, &iter, &check, progress, cur < N ? cur : c.busy_rank,
+                            "ht_combine", c.need);
+            continue;
+        }
+        break;
+    }
+    if (rc == FERRY_OK)
+        for (size_t i = 0; i < (size_t)T * H; i++)
+            ((uint16_t *)out->out)[i] = fr_f32_to_bf16(acc[i]);
+    fr_ht_call_end(&c);
+    return rc;
+}
