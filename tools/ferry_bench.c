@@ -44,6 +44,9 @@ static void usage(FILE *f)
             "      --sms N          CUDA: blocks the copy kernels use (default 16)\n"
             "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
             "                       modulo the visible GPUs)\n"
+            "      --mode ll|ht     low latency (default) or high throughput (route,\n"
+            "                       ht_dispatch, ht_combine; CPU ranks)\n"
+            "      --ring N         --mode ht: tokens per peer ring (default 256)\n"
             "      --launcher auto|mpirun|fork   how to start ranks (default auto)\n"
             "      --no-check       skip verification (prints #wrong as n/a)\n"
             "      --json FILE      write the result row as JSON\n"
@@ -60,7 +63,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"seed", 1, 0, 's'},    {"transport", 1, 0, 't'}, {"device", 1, 0, 'D'},
         {"launcher", 1, 0, 'L'}, {"no-check", 0, 0, 'C'}, {"json", 1, 0, 'j'},
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
-        {"gpu", 1, 0, 'G'},
+        {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
@@ -83,6 +86,15 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'v': o->vary = 1; break;
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
         case 'G': o->gpu = optarg; break;
+        case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
+        case 'M':
+            if (strcmp(optarg, "ll") == 0 || strcmp(optarg, "ht") == 0) {
+                o->ht = optarg[0] == 'h';
+            } else {
+                fprintf(stderr, "ferry-bench: --mode %s: use ll or ht\n", optarg);
+                return -1;
+            }
+            break;
         case 'C': o->check = 0; break;
         case 'q': o->quiet = 1; break;
         case 'j': o->json = optarg; break;
@@ -271,7 +283,14 @@ static int make_config(bench_t *b)
     cfg.dispatch_dtype = o->fp8 == 1 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
     cfg.device = strcmp(o->device, "cuda") == 0 ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
     cfg.num_sms = o->sms;
+    cfg.mode = o->ht ? FERRY_MODE_HIGH_THROUGHPUT : FERRY_MODE_LOW_LATENCY;
+    cfg.ring_tokens = o->ring;
     b->cfg = cfg;
+    if (o->ht && (cfg.device == FERRY_DEVICE_CUDA || o->fp8 == 2)) {
+        fprintf(stderr, "ferry-bench: --mode ht runs on CPU ranks with --dtype fp8 or bf16 "
+                "so far\n");
+        return 2;
+    }
     if (o->fp8 == 2 && cfg.device == FERRY_DEVICE_CUDA) {
         fprintf(stderr, "ferry-bench: --dtype mixed is for CPU ranks\n");
         return 2;
@@ -441,9 +460,12 @@ int main(int argc, char **argv)
     bench_t b = {.o = &o};
     int rc;
     if ((rc = open_comm(&b, &argc, &argv)) != 0 || (rc = make_config(&b)) != 0 ||
-        (rc = create_eps(&b)) != 0 || (rc = make_workload(&b)) != 0 ||
+        (rc = create_eps(&b)) != 0 || (!o.ht && (rc = make_workload(&b)) != 0) ||
         (rc = open_device(&b)) != 0 || (rc = prepare_rounds(&b)) != 0)
         return rc;
+    if (o.ht)
+        run_ht_rounds(&b); /* its own buffers: exact sizes, from the routes */
+    else
 #ifdef FERRY_HAVE_CUDA
     if (b.dv.on && !o.check)
         run_gpu_rounds(&b); /* warm-up and timed rounds back to back */

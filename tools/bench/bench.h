@@ -15,6 +15,7 @@
 typedef struct opts {
     int ranks, experts, topk, hidden, tokens, iters, warmup;
     int fp8, check, vary, sms;
+    int ht, ring;  /* --mode ht, --ring */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;
@@ -105,6 +106,9 @@ void run_rounds(bench_t *b, int from, int to);
 #ifdef FERRY_HAVE_CUDA
 void run_gpu_rounds(bench_t *b);
 #endif
+
+/* ht.c: --mode ht, warm-up and timed rounds */
+void run_ht_rounds(bench_t *b);
 
 /* report.c: gather every rank's timings, rank 0 prints the row (and the
  * JSON); returns the exit status the results call for. */
