@@ -236,6 +236,8 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
         (rc = fr_nics_groups(&ep->nics, ep->group_peers, ep->nfabric,
                              &ep->rsend, &ep->rseg, &ep->groups, err)))
         return rc;
+    if (ep->eng->route_create)
+        return FERRY_OK; /* high throughput: the engine drives the NICs itself */
     ep->gslices = fr_zalloc(sizeof(fr_slice_t) * (size_t)(N + 1));
     if (!ep->slices)
         ep->slices = fr_zalloc(sizeof(fr_slice_t) * 2 * FR_NSETS *

@@ -27,6 +27,7 @@ extern "C" {
 
 #define FR_HT_RING_DEFAULT 256
 #define FR_HT_LINE 64
+#define FR_HT_CHUNK 8 /* records per publication (shm) and per write (fabric) */
 
 typedef struct fr_ht_layout {
     int N, El, K, H, RT;
@@ -37,7 +38,30 @@ typedef struct fr_ht_layout {
     uint64_t dring, cring;   /* bytes of one ring (2 lines + records) */
     uint64_t off_dring, off_cring;
     uint64_t seg_bytes;
+    uint64_t stage;          /* send region bytes per fabric peer */
 } fr_ht_layout_t;
+
+/* Peers on the fabric path (fabric.c): rows go as writes of one chunk
+ * (up to FR_HT_CHUNK records at chunk-aligned slots of the peer's ring)
+ * with a 32-bit immediate: kind << 29 | source rank << 16 | chunk number
+ * (low 16 bits). The receiver marks the chunk landed when the immediate
+ * arrives (the data is visible then; writes may land out of order), takes
+ * chunks in order, and returns credits (cumulative chunks taken) as
+ * zero-byte writes. Counts of a route go as one write of the notify
+ * entry. */
+enum { FR_HT_IMM_NOTIFY = 1, FR_HT_IMM_DATA = 2, FR_HT_IMM_DCREDIT = 3,
+       FR_HT_IMM_COMB = 4, FR_HT_IMM_CCREDIT = 5 };
+
+typedef struct fr_ht_fab {
+    int W;                   /* chunks per ring */
+    int *gmem;               /* [N] member index in the peer's NIC group (-1: none yet) */
+    uint64_t *d_post, *d_credit, *d_take;   /* dispatch chunks: posted to, */
+    uint64_t *c_post, *c_credit, *c_take;   /* consumed by, taken from peer */
+    uint8_t *d_landed, *c_landed;           /* [N][W] */
+    uint32_t *notify_seen;   /* [2 parity][N] route number (low 16 bits) + 1 whose
+                                counts landed */
+    long pending;            /* writes posted and not completed */
+} fr_ht_fab_t;
 
 /* A record's header on the dispatch ring: the source token, the local
  * expert of each slot (-1: not here), the weights of those slots. */
@@ -63,6 +87,7 @@ typedef struct fr_cpu_ht {
     uint64_t *ctx, *crx;
     float *acc;              /* combine accumulator [acc_rows][H] */
     size_t acc_rows;
+    fr_ht_fab_t fab;         /* when peers are on the fabric */
 } fr_cpu_ht_t;
 
 static inline fr_cpu_ht_t *fr_cpu_ht(ferry_ep_t ep)
@@ -92,6 +117,27 @@ static inline uint8_t *fr_ht_slot(uint8_t *ring, uint64_t i, int RT, uint64_t re
     return ring + 2 * FR_HT_LINE + (i % (uint64_t)RT) * rec;
 }
 
+/* One dispatch or combine call in progress (stream.c, fabric.c). */
+typedef struct fr_ht_call {
+    ferry_ep_t ep;
+    ferry_route_t route;
+    fr_ht_route_t *p;
+    const fr_ht_layout_t *h;
+    int fp8;
+    size_t rowb, nsc;            /* row bytes, scales per row */
+    int32_t *done_tx, *done_rx;  /* [N] per peer, this call */
+    uint8_t *need;               /* [N] peers this rank still needs */
+    int busy_rank;               /* the peer we last waited on */
+} fr_ht_call_t;
+
+/* Record helpers shared by the shared-memory and fabric paths. */
+void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
+                     uint8_t *rec);
+void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+                   int64_t row, const uint8_t *rec, const uint8_t *data, const float *scales);
+void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
+                      int d, const uint16_t *y, const float *w);
+
 void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT);
 
 /* Waiting: spin, yield, then sleep; every 2 ms a dead peer this rank
@@ -100,6 +146,19 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT);
  * `rank` on the deadline ("what" says for what). FERRY_OK: go on. */
 int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t progress_ns,
                int rank, const char *what, const uint8_t *need);
+
+/* fabric.c */
+int fr_ht_fab_init(ferry_ep_t ep);                  /* at setup (nfabric > 0) */
+void fr_ht_fab_free(ferry_ep_t ep);
+int fr_ht_fab_poll(ferry_ep_t ep);                  /* completions; FERRY_OK or failed */
+int fr_ht_fab_notify(ferry_ep_t ep, int d, const uint8_t *entry, uint64_t id);
+int fr_ht_fab_notify_landed(ferry_ep_t ep, int s, uint64_t id);
+int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d);
+int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s);
+int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s);
+int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
+                         int d);
+int fr_ht_fab_drain(ferry_ep_t ep);                 /* wait for posted writes */
 
 int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route);
 void fr_ht_route_free(ferry_route_t route);

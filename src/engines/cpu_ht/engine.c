@@ -20,6 +20,7 @@ static uint64_t fr_ht_align(uint64_t v, uint64_t a)
 void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
 {
     memset(h, 0, sizeof(*h));
+    RT = (RT + FR_HT_CHUNK - 1) / FR_HT_CHUNK * FR_HT_CHUNK; /* whole chunks */
     h->N = N;
     h->El = El;
     h->K = K;
@@ -39,6 +40,9 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
     h->off_dring = fr_ht_align(h->off_notify + 2ull * N * h->notify_entry, 4096);
     h->off_cring = fr_ht_align(h->off_dring + (uint64_t)N * h->dring, 4096);
     h->seg_bytes = fr_ht_align(h->off_cring + (uint64_t)N * h->cring, 4096);
+    /* staging per fabric peer: its dispatch and combine rings, and a
+     * notify entry per route parity (one may still be in flight) */
+    h->stage = fr_ht_align((uint64_t)RT * (h->drec + h->crec) + 2 * h->notify_entry, 4096);
 }
 
 int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t progress_ns,
@@ -119,22 +123,32 @@ static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
     ep->eng_state = st;
     if (!st)
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "engine state");
-    if (rc == FERRY_OK && ep->nfabric > 0)
+    if (rc == FERRY_OK && ep->nfabric > 0 && N > 8192)
         rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                    "mode = high throughput: peers on the fabric path (other "
-                    "hosts, or FERRY_TRANSPORT=fabric) are not supported yet; "
-                    "this mode runs between ranks of one host");
+                    "mode = high throughput over the fabric: at most 8192 ranks");
     if (rc == FERRY_OK) {
         int RT = c->ring_tokens > 0 ? c->ring_tokens : FR_HT_RING_DEFAULT;
         fr_ht_layout_init(&st->H, N, ep->L.El, c->topk, c->hidden, RT);
         ep->L.seg_bytes = st->H.seg_bytes; /* what ferry_ep_get_layout reports */
-        ep->L.send_bytes = 0;
+        ep->L.send_bytes = st->H.stage * (uint64_t)ep->nfabric;
         st->dtx = calloc((size_t)N, sizeof(uint64_t));
         st->drx = calloc((size_t)N, sizeof(uint64_t));
         st->ctx = calloc((size_t)N, sizeof(uint64_t));
         st->crx = calloc((size_t)N, sizeof(uint64_t));
         if (!st->dtx || !st->drx || !st->ctx || !st->crx)
             rc = FR_ERR(err, FERRY_ERR_NOMEM, "ring counters");
+        if (rc == FERRY_OK && ep->nfabric > 0) {
+            /* staging for writes to fabric peers, registered by create */
+            if (posix_memalign((void **)&ep->send, 4096, ep->L.send_bytes) != 0) {
+                ep->send = NULL;
+                rc = FR_ERR(err, FERRY_ERR_NOMEM, "send region of %llu bytes",
+                            (unsigned long long)ep->L.send_bytes);
+            } else {
+                memset(ep->send, 0, ep->L.send_bytes);
+            }
+            if (rc == FERRY_OK && fr_ht_fab_init(ep) != FERRY_OK)
+                rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric tables");
+        }
     }
     return fr_ht_segments(ep, rc, err);
 }
@@ -153,8 +167,11 @@ static void fr_ht_free(ferry_ep_t ep)
             fr_shm_unlink(ep->seg_name);
     }
     ep->seg = NULL;
+    free(ep->send);
+    ep->send = NULL;
     if (!c)
         return;
+    fr_ht_fab_free(ep);
     free(c->dtx);
     free(c->drx);
     free(c->ctx);

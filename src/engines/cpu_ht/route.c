@@ -77,18 +77,27 @@ static int fr_ht_route_local(ferry_ep_t ep, const ferry_route_in_t *in, fr_ht_ro
     return FERRY_OK;
 }
 
-/* Store this rank's counts into every destination's notify entry. */
-static void fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t *dcnt,
-                             uint64_t id)
+/* Store this rank's counts into every destination's notify entry (a
+ * write with immediate for fabric peers). */
+static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t *dcnt,
+                            uint64_t id)
 {
     const fr_ht_layout_t *h = &fr_cpu_ht(ep)->H;
-    int El = h->El;
-    for (int d = 0; d < ep->N; d++) {
-        uint8_t *e = fr_ht_notify(h, ep->peer_seg[d], (int)(id & 1), ep->rank);
+    int El = h->El, rc = FERRY_OK;
+    uint8_t *tmp = ep->nfabric ? calloc(1, h->notify_entry) : NULL;
+    if (ep->nfabric && !tmp)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    for (int d = 0; d < ep->N && rc == FERRY_OK; d++) {
+        int fab = ep->path[d] == FR_PATH_FABRIC;
+        uint8_t *e = fab ? tmp : fr_ht_notify(h, ep->peer_seg[d], (int)(id & 1), ep->rank);
         *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
         memcpy(e + 16, dcnt + (size_t)d * El, sizeof(int32_t) * (size_t)El);
         __atomic_store_n((uint64_t *)e, id, __ATOMIC_RELEASE);
+        if (fab)
+            rc = fr_ht_fab_notify(ep, d, e, id);
     }
+    free(tmp);
+    return rc;
 }
 
 /* Wait for every source's counts; rows per source and per local expert. */
@@ -106,11 +115,19 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
     p->src_off[0] = 0;
     for (int s = 0; s < N; s++) {
         const uint8_t *e = fr_ht_notify(h, ep->seg, (int)(route->id & 1), s);
+        int fab = ep->path[s] == FR_PATH_FABRIC;
         for (;;) {
-            uint64_t v = __atomic_load_n((const uint64_t *)e, __ATOMIC_ACQUIRE);
+            int rc = fab ? fr_ht_fab_poll(ep) : FERRY_OK;
+            if (rc != FERRY_OK) {
+                free(need);
+                return rc;
+            }
+            uint64_t v = !fab || fr_ht_fab_notify_landed(ep, s, route->id)
+                             ? __atomic_load_n((const uint64_t *)e, __ATOMIC_ACQUIRE)
+                             : 0;
             if (v == route->id)
                 break;
-            int rc = v > route->id
+            rc = v > route->id
                          ? fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
                                       "route_create %llu: rank %d is at route %llu",
                                       (unsigned long long)route->id, s, (unsigned long long)v)
@@ -164,10 +181,12 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     route->T = T;
     if (rc == FERRY_OK)
         rc = fr_ht_route_local(ep, in, p, dcnt);
-    if (rc == FERRY_OK) {
-        fr_ht_notify_all(ep, p, dcnt, route->id);
+    if (rc == FERRY_OK)
+        rc = fr_ht_notify_all(ep, p, dcnt, route->id);
+    if (rc == FERRY_OK)
         rc = fr_ht_notify_wait(ep, route, p, in->expert_alignment);
-    }
+    if (rc == FERRY_OK && ep->nfabric)
+        rc = fr_ht_fab_drain(ep);
     free(dcnt);
     if (rc != FERRY_OK)
         fr_ht_route_free(route);

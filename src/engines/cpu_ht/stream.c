@@ -19,17 +19,6 @@
 
 #define FR_HT_CHUNK 8 /* records between tail publications */
 
-typedef struct fr_ht_call {
-    ferry_ep_t ep;
-    ferry_route_t route;
-    fr_ht_route_t *p;
-    const fr_ht_layout_t *h;
-    int fp8;
-    size_t rowb, nsc;            /* row bytes, scales per row */
-    int32_t *done_tx, *done_rx;  /* [N] per peer, this call */
-    uint8_t *need;               /* [N] peers this rank still needs */
-    int busy_rank;               /* the peer we last waited on */
-} fr_ht_call_t;
 
 static int fr_ht_call_init(fr_ht_call_t *c, ferry_ep_t ep, ferry_route_t route, int fp8)
 {
@@ -74,7 +63,7 @@ static void fr_ht_need(fr_ht_call_t *c, const int32_t *tx_off, const int32_t *rx
 /* ---------------------------------------------------------------- dispatch */
 
 /* A dispatch record's header for token t going to rank d. */
-static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
+void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
                             int t, int d, uint8_t *rec)
 {
     int K = c->h->K, El = c->h->El;
@@ -92,7 +81,7 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
 }
 
 /* Row `row` of the outputs from a record (header, data, scales). */
-static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
                           int64_t row, const uint8_t *rec, const uint8_t *data,
                           const float *scales)
 {
@@ -197,9 +186,15 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
     uint64_t iter = 0, check = fr_now_ns(), progress = check;
     for (;;) {
         int moved = 0, left = 0;
-        for (int i = 1; i < N; i++) { /* rotated: not everyone at rank 0 first */
+        if (ep->nfabric && (rc = fr_ht_fab_poll(ep)) != FERRY_OK)
+            break;
+        for (int i = 1; i < N && rc == FERRY_OK; i++) { /* rotated: not all at rank 0 */
             int d = (me + i) % N;
-            moved |= fr_ht_dispatch_tx(&c, in, d);
+            int m = ep->path[d] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_tx(&c, in, d)
+                                                  : fr_ht_dispatch_tx(&c, in, d);
+            if (m < 0)
+                rc = m;
+            moved |= m > 0;
             if (c.done_tx[d] < c.p->dst_off[d + 1] - c.p->dst_off[d]) {
                 left = 1;
                 c.busy_rank = d;
@@ -207,7 +202,8 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
         }
         for (int i = 1; i < N && rc == FERRY_OK; i++) {
             int s = (me + N - i) % N;
-            int m = fr_ht_dispatch_rx(&c, out, s);
+            int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_rx(&c, out, s)
+                                                  : fr_ht_dispatch_rx(&c, out, s);
             if (m < 0 || ep->failed)
                 rc = ep->failed ? ep->failed : FERRY_ERR_PROTOCOL;
             moved |= m > 0;
@@ -228,6 +224,8 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
         if (rc != FERRY_OK)
             break;
     }
+    if (rc == FERRY_OK && ep->nfabric)
+        rc = fr_ht_fab_drain(ep);
     fr_ht_call_end(&c);
     return rc;
 }
@@ -260,7 +258,7 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
 }
 
 /* Add one row from rank d for token t; slot k's weight from d's experts. */
-static void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
+void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
                              int t, int d, const uint16_t *y, const float *w)
 {
     int K = c->h->K, El = c->h->El, H = c->h->H;
@@ -335,9 +333,15 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     int cur = 0; /* the destination being drained, in rank order */
     while (rc == FERRY_OK) {
         int moved = 0, left = 0;
-        for (int i = 1; i < N; i++) {
+        if (ep->nfabric && (rc = fr_ht_fab_poll(ep)) != FERRY_OK)
+            break;
+        for (int i = 1; i < N && rc == FERRY_OK; i++) {
             int s = (me + i) % N;
-            moved |= fr_ht_combine_tx(&c, in, s);
+            int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_combine_tx(&c, in, s)
+                                                  : fr_ht_combine_tx(&c, in, s);
+            if (m < 0)
+                rc = m;
+            moved |= m > 0;
             if (c.done_tx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
                 left = 1;
                 c.busy_rank = s;
@@ -354,12 +358,20 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
                 }
                 c.done_rx[me] = n;
             } else {
-                moved |= fr_ht_combine_rx(&c, out, acc, cur);
+                int m = ep->path[cur] == FR_PATH_FABRIC ? fr_ht_fab_combine_rx(&c, out, acc, cur)
+                                                        : fr_ht_combine_rx(&c, out, acc, cur);
+                if (m < 0) {
+                    rc = m;
+                    break;
+                }
+                moved |= m > 0;
             }
             if (c.done_rx[cur] < n)
                 break;
             cur++;
         }
+        if (rc != FERRY_OK)
+            break;
         if (cur < N || left) {
             if (moved) {
                 iter = 0;
@@ -373,6 +385,8 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         }
         break;
     }
+    if (rc == FERRY_OK && ep->nfabric)
+        rc = fr_ht_fab_drain(ep);
     if (rc == FERRY_OK)
         for (size_t i = 0; i < (size_t)T * H; i++)
             ((uint16_t *)out->out)[i] = fr_f32_to_bf16(acc[i]);
