@@ -273,7 +273,8 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
  * expert ([E_local], rounded up to expert_alignment). */
 int ferry_route_counts(ferry_route_t route, int *num_recv,
                        int32_t *expert_counts);
-/* Not collective; the route must not be in use. */
+/* Not collective; the route must not be in use, and is gone after this
+ * (as it is when its context is destroyed first: destroy routes first). */
 int ferry_route_destroy(ferry_route_t route);
 
 typedef struct ferry_ht_dispatch_in {
@@ -314,8 +315,9 @@ typedef struct ferry_ht_combine_out {
                                   expert k (0 for -1) */
 } ferry_ht_combine_out_t;
 
-/* Collective over the ranks; returns when this rank's rows have arrived
- * (and its sends have been taken). Backward passes use the same calls on
+/* Collective over the ranks, on the same routes in the same order (a
+ * mismatch is FERRY_ERR_PROTOCOL naming the rank); returns when this
+ * rank's rows have arrived and its inputs may be reused. Backward passes use the same calls on
  * the same route: the gradient of a combine is a dispatch of the output's
  * gradient (bf16), the gradient of a dispatch is a combine of recv_x's
  * gradient (with topk_weights' gradient riding along). */

@@ -32,9 +32,9 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, fr_err
                       T, L->T);
     if (T > 0 && !in->topk_idx)
         return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
-    if (in->expert_alignment < 0)
-        return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be >= 0",
-                      in->expert_alignment);
+    if (in->expert_alignment < 0 || in->expert_alignment > (1 << 20))
+        return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be 0..%d",
+                      in->expert_alignment, 1 << 20);
     for (int t = 0; t < T; t++) {
         const int64_t *row = in->topk_idx + (size_t)t * L->K;
         for (int k = 0; k < L->K; k++) {
@@ -83,7 +83,7 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
 
 int ferry_route_counts(ferry_route_t route, int *num_recv, int32_t *expert_counts)
 {
-    if (!route || !route->priv)
+    if (!route)
         return FERRY_ERR_INVALID;
     if (num_recv)
         *num_recv = route->num_recv;
@@ -109,8 +109,8 @@ static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t
     int rc = fr_ht_usable(ep, call);
     if (rc)
         return rc;
-    if (!route || !route->priv)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL or destroyed");
+    if (!route)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL pointer");
     if (route->ep != ep)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: made on another context");
     if (!in)

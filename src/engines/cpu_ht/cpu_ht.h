@@ -61,15 +61,33 @@ typedef struct fr_ht_fab {
     uint32_t *notify_seen;   /* [2 parity][N] route number (low 16 bits) + 1 whose
                                 counts landed */
     long pending;            /* writes posted and not completed */
+    int32_t *pending_to;     /* [N] of them per destination */
 } fr_ht_fab_t;
 
 /* A record's header on the dispatch ring: the source token, the local
  * expert of each slot (-1: not here), the weights of those slots. */
 typedef struct fr_ht_dhdr {
     int32_t token;
-    int32_t flags;           /* bit 0: fp8 data with scales */
-    /* int16 le[K], then float w[K] (at fr_ht_dw) */
+    int32_t flags;           /* bit 0: fp8 data with scales; bits 8-15: the
+                                route's number (low 8 bits), so ranks calling
+                                on different routes fail instead of mixing */
+    /* int16 le[K], then float w[K] at fr_ht_woff(K) */
 } fr_ht_dhdr_t;
+
+/* Where a dispatch record's weights start (4-byte aligned for odd K). */
+static inline size_t fr_ht_woff(int K)
+{
+    return 8 + ((2 * (size_t)K + 3) & ~(size_t)3);
+}
+
+/* A failure after shared state was touched: the context cannot go on
+ * (the message is already set). */
+static inline int fr_ht_fatal(ferry_ep_t ep, int rc)
+{
+    if (!ep->failed)
+        ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
+    return ep->failed;
+}
 
 /* The engine's part of a route (route->priv); its notify parity is
  * route->id & 1. */
@@ -112,6 +130,10 @@ static inline uint8_t *fr_ht_cring(const fr_ht_layout_t *h, uint8_t *seg, int sr
 /* A ring's tail and head words, and slot i (cumulative index). */
 static inline uint64_t *fr_ht_tail(uint8_t *ring) { return (uint64_t *)ring; }
 static inline uint64_t *fr_ht_head(uint8_t *ring) { return (uint64_t *)(ring + FR_HT_LINE); }
+/* Chunks per ring on the fabric path: slot numbers travel in 16 bits and
+ * credits are compared modulo 2^16. */
+#define FR_HT_MAX_CHUNKS 32767
+
 static inline uint8_t *fr_ht_slot(uint8_t *ring, uint64_t i, int RT, uint64_t rec)
 {
     return ring + 2 * FR_HT_LINE + (i % (uint64_t)RT) * rec;
@@ -135,6 +157,7 @@ void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, in
                      uint8_t *rec);
 void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
                    int64_t row, const uint8_t *rec, const uint8_t *data, const float *scales);
+int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s);
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
                       int d, const uint16_t *y, const float *w);
 

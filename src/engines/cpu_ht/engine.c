@@ -31,7 +31,7 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
     /* dispatch record: token, flags, le[K] (int16), w[K]; then the row
      * (bf16, or fp8 plus its scales: never more than the bf16 row plus
      * the scales) */
-    h->dhdr = fr_ht_align(8 + 2ull * K + 4ull * K, 16);
+    h->dhdr = fr_ht_align(fr_ht_woff(K) + 4ull * K, 16);
     h->drec = fr_ht_align(h->dhdr + 2ull * H + 4ull * ((H + 127) / 128), 16);
     h->chdr = fr_ht_align(4ull * K, 16);
     h->crec = fr_ht_align(h->chdr + 2ull * H, 16);
@@ -126,6 +126,10 @@ static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
     if (rc == FERRY_OK && ep->nfabric > 0 && N > 8192)
         rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                     "mode = high throughput over the fabric: at most 8192 ranks");
+    if (rc == FERRY_OK && ep->nfabric > 0 && c->ring_tokens / FR_HT_CHUNK > FR_HT_MAX_CHUNKS)
+        rc = FR_ERR(err, FERRY_ERR_INVALID,
+                    "ring_tokens = %d: at most %d with peers on the fabric path",
+                    c->ring_tokens, FR_HT_MAX_CHUNKS * FR_HT_CHUNK);
     if (rc == FERRY_OK) {
         int RT = c->ring_tokens > 0 ? c->ring_tokens : FR_HT_RING_DEFAULT;
         fr_ht_layout_init(&st->H, N, ep->L.El, c->topk, c->hidden, RT);

@@ -37,8 +37,10 @@ int fr_ht_fab_init(ferry_ep_t ep)
     f->d_landed = calloc(N * (size_t)f->W, 1);
     f->c_landed = calloc(N * (size_t)f->W, 1);
     f->notify_seen = calloc(2 * N, sizeof(uint32_t));
+    f->pending_to = calloc(N, sizeof(int32_t));
     if (!f->gmem || !f->d_post || !f->d_credit || !f->d_take || !f->c_post ||
-        !f->c_credit || !f->c_take || !f->d_landed || !f->c_landed || !f->notify_seen)
+        !f->c_credit || !f->c_take || !f->d_landed || !f->c_landed || !f->notify_seen ||
+        !f->pending_to)
         return FERRY_ERR_NOMEM;
     for (size_t i = 0; i < N; i++)
         f->gmem[i] = -1;
@@ -58,6 +60,7 @@ void fr_ht_fab_free(ferry_ep_t ep)
     free(f->d_landed);
     free(f->c_landed);
     free(f->notify_seen);
+    free(f->pending_to);
     memset(f, 0, sizeof(*f));
 }
 
@@ -84,9 +87,11 @@ static int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, 
     fr_slice_t sl = {.src_off = src_off, .dst_off = dst_off, .len = len, .imm = imm};
     fr_err_t err;
     int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], i, &sl, (uint64_t)d, &err);
-    if (rc != FERRY_OK)
-        return fr_ep_fail(ep, rc, "ht: write to rank %d: %s", d, err.msg);
+    if (rc != FERRY_OK) /* shared state is ahead of the peer now: fatal */
+        return fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: write to rank %d: %s (%s)", d, err.msg,
+                          ferry_strerror(rc));
     fr_cpu_ht(ep)->fab.pending++;
+    fr_cpu_ht(ep)->fab.pending_to[d]++;
     return FERRY_OK;
 }
 
@@ -102,8 +107,13 @@ static int fr_ht_on_imm(ferry_ep_t ep, uint32_t imm)
     size_t w = (size_t)s * f->W;
     switch (kind) {
     case FR_HT_IMM_NOTIFY: f->notify_seen[(size_t)(v & 1) * ep->N + s] = v + 1; break;
-    case FR_HT_IMM_DATA: f->d_landed[w + v % (uint32_t)f->W] = 1; break;
-    case FR_HT_IMM_COMB: f->c_landed[w + v % (uint32_t)f->W] = 1; break;
+    case FR_HT_IMM_DATA: /* v: the chunk's slot in the ring */
+    case FR_HT_IMM_COMB:
+        if (v >= (uint32_t)f->W)
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL, "ht: chunk slot %u from rank %d (ring of %d)",
+                              v, s, f->W);
+        (kind == FR_HT_IMM_DATA ? f->d_landed : f->c_landed)[w + v] = 1;
+        break;
     case FR_HT_IMM_DCREDIT: fr_ht_advance(&f->d_credit[s], v); break;
     case FR_HT_IMM_CCREDIT: fr_ht_advance(&f->c_credit[s], v); break;
     default:
@@ -122,15 +132,26 @@ int fr_ht_fab_poll(ferry_ep_t ep)
             return fr_ep_fail(ep, n, "ht: %s", err.msg);
         for (int i = 0; i < n; i++) {
             int rc = FERRY_OK;
-            if (cqe[i].kind == FR_CQE_TX)
-                fr_cpu_ht(ep)->fab.pending--;
-            else if (cqe[i].kind == FR_CQE_RX)
+            fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
+            if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR) {
+                f->pending--;
+                if (cqe[i].ctx < (uint64_t)ep->N)
+                    f->pending_to[cqe[i].ctx]--;
+            }
+            if (cqe[i].kind == FR_CQE_RX) {
                 rc = fr_ht_on_imm(ep, cqe[i].imm);
-            else if (cqe[i].kind == FR_CQE_ERR)
-                rc = fr_ep_fail(ep, cqe[i].status ? cqe[i].status : FERRY_ERR_FABRIC,
-                                "ht: a write to rank %d failed", cqe[i].peer);
-            else
-                rc = fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a peer's write into this rank failed");
+            } else if (cqe[i].kind != FR_CQE_TX) {
+                /* a peer dying cuts writes to and from it: name it */
+                int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
+                                                                    : FERRY_ERR_FABRIC;
+                int dead = fr_boot_blame(ep->comm->boot, st);
+                rc = dead >= 0 ? fr_ep_fail(ep, FERRY_ERR_PEER, "ht: rank %d died", dead)
+                     : cqe[i].kind == FR_CQE_ERR
+                         ? fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a write to rank %d failed (%s)",
+                                      (int)cqe[i].ctx, ferry_strerror(st))
+                         : fr_ep_fail(ep, FERRY_ERR_FABRIC,
+                                      "ht: a peer's write into this rank failed");
+            }
             if (rc != FERRY_OK)
                 return rc;
         }
@@ -140,20 +161,28 @@ int fr_ht_fab_poll(ferry_ep_t ep)
 
 int fr_ht_fab_drain(ferry_ep_t ep)
 {
+    fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     uint64_t iter = 0, check = fr_now_ns(), progress = check;
-    while (fr_cpu_ht(ep)->fab.pending > 0) {
-        long before = fr_cpu_ht(ep)->fab.pending;
-        int rc = fr_ht_fab_poll(ep);
-        if (rc == FERRY_OK && fr_cpu_ht(ep)->fab.pending < before) {
+    uint8_t *need = malloc((size_t)ep->N);
+    if (!need)
+        return fr_ht_fatal(ep, fr_ep_fail(ep, FERRY_ERR_NOMEM, "ht: drain"));
+    int rc = FERRY_OK;
+    while (f->pending > 0 && rc == FERRY_OK) {
+        long before = f->pending;
+        rc = fr_ht_fab_poll(ep);
+        if (rc == FERRY_OK && f->pending < before) {
             progress = fr_now_ns();
             continue;
         }
+        int who = ep->rank; /* the peers our writes still go to */
+        for (int r = 0; r < ep->N; r++)
+            if ((need[r] = f->pending_to[r] > 0))
+                who = r;
         if (rc == FERRY_OK)
-            rc = fr_ht_idle(ep, &iter, &check, progress, ep->rank, "ht: writes completing", NULL);
-        if (rc != FERRY_OK)
-            return rc;
+            rc = fr_ht_idle(ep, &iter, &check, progress, who, "ht: writes completing", need);
     }
-    return FERRY_OK;
+    free(need);
+    return rc;
 }
 
 int fr_ht_fab_notify(ferry_ep_t ep, int d, const uint8_t *entry, uint64_t id)
@@ -200,7 +229,7 @@ int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int
         uint64_t dst = h->off_dring + (uint64_t)ep->rank * h->dring + 2 * FR_HT_LINE +
                        slot * h->drec;
         int rc = fr_ht_post(ep, d, stage + slot * h->drec, dst, (uint64_t)m * h->drec,
-                            fr_ht_imm(FR_HT_IMM_DATA, ep->rank, f->d_post[d]));
+                            fr_ht_imm(FR_HT_IMM_DATA, ep->rank, f->d_post[d] % (uint64_t)f->W));
         if (rc != FERRY_OK)
             return rc;
         f->d_post[d]++;
@@ -225,11 +254,8 @@ int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
         int m = n - c->done_rx[s] < FR_HT_CHUNK ? n - c->done_rx[s] : FR_HT_CHUNK;
         for (int j = 0; j < m; j++) {
             const uint8_t *rec = ring + 2 * FR_HT_LINE + (w * FR_HT_CHUNK + (size_t)j) * h->drec;
-            const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
-            if (hd->token < 0 || hd->token >= ep->L.T || (hd->flags & 1) != c->fp8)
-                return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
-                                  "ht_dispatch: malformed record from rank %d (token %d, "
-                                  "flags %d)", s, hd->token, hd->flags);
+            if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
+                return -1;
             fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s] + j, rec, rec + h->dhdr,
                           (const float *)(rec + h->dhdr + c->rowb));
         }
@@ -266,7 +292,7 @@ int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s
         uint64_t dst = h->off_cring + (uint64_t)ep->rank * h->cring + 2 * FR_HT_LINE +
                        slot * h->crec;
         int rc = fr_ht_post(ep, s, stage + slot * h->crec, dst, (uint64_t)m * h->crec,
-                            fr_ht_imm(FR_HT_IMM_COMB, ep->rank, f->c_post[s]));
+                            fr_ht_imm(FR_HT_IMM_COMB, ep->rank, f->c_post[s] % (uint64_t)f->W));
         if (rc != FERRY_OK)
             return rc;
         f->c_post[s]++;

@@ -10,6 +10,7 @@
  * every rank's route k+1 counts, which each rank wrote after it had read
  * route k's.
  */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,14 +150,21 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
                               ep->L.T);
         }
         p->src_off[s + 1] = p->src_off[s] + n;
-        for (int le = 0; le < El; le++)
+        for (int le = 0; le < El; le++) {
+            if (c[le] < 0 || c[le] > n || (int64_t)route->ecnt[le] + c[le] > INT32_MAX / 2) {
+                free(need);
+                return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                  "route_create: rank %d sends %d rows for local expert %d "
+                                  "(of %d tokens)", s, c[le], le, n);
+            }
             route->ecnt[le] += c[le];
+        }
     }
     free(need);
     route->num_recv = p->src_off[N];
     if (align > 1)
         for (int le = 0; le < El; le++)
-            route->ecnt[le] = (route->ecnt[le] + align - 1) / align * align;
+            route->ecnt[le] = (int32_t)(((int64_t)route->ecnt[le] + align - 1) / align * align);
     return FERRY_OK;
 }
 
@@ -188,7 +196,12 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
     free(dcnt);
-    if (rc != FERRY_OK)
+    if (rc != FERRY_OK) {
+        /* counts may be out already: this context is out of step with its
+         * peers, unless nothing was published (a bad argument is checked
+         * before, in the API layer) */
         fr_ht_route_free(route);
+        fr_ht_fatal(ep, rc);
+    }
     return rc;
 }

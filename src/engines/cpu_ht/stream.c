@@ -70,9 +70,9 @@ void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
     const int32_t *row = c->p->idx + (size_t)t * K;
     fr_ht_dhdr_t *hd = (fr_ht_dhdr_t *)rec;
     int16_t *le = (int16_t *)(rec + sizeof(*hd));
-    float *w = (float *)(rec + sizeof(*hd) + 2 * (size_t)K);
+    float *w = (float *)(rec + fr_ht_woff(K));
     hd->token = t;
-    hd->flags = c->fp8;
+    hd->flags = c->fp8 | (int32_t)((c->route->id & 0xffu) << 8);
     for (int k = 0; k < K; k++) {
         int local = row[k] >= 0 && row[k] / El == d;
         le[k] = (int16_t)(local ? row[k] % El : -1);
@@ -88,7 +88,7 @@ void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
     int K = c->h->K;
     const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
     const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
-    const float *w = (const float *)(rec + sizeof(*hd) + 2 * (size_t)K);
+    const float *w = (const float *)(rec + fr_ht_woff(K));
     memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
     if (c->nsc)
         memcpy(out->recv_x_scales + row * c->nsc, scales, c->nsc * sizeof(float));
@@ -104,12 +104,38 @@ void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
         out->recv_src_token[row] = hd->token;
 }
 
+/* A record from rank s before anything of it is used: its token, dtype,
+ * route and local expert ids. */
+int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s)
+{
+    const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
+    const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
+    int bad = hd->token < 0 || hd->token >= c->ep->L.T;
+    for (int k = 0; k < c->h->K && !bad; k++)
+        bad = le[k] < -1 || le[k] >= c->h->El;
+    if (bad)
+        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
+                          "ht_dispatch: malformed record from rank %d (token %d)", s, hd->token);
+    if ((hd->flags & 1) != c->fp8)
+        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
+                          "ht_dispatch: rank %d sends %s rows, this rank expects %s (every rank "
+                          "passes x_scales, or none does)", s, hd->flags & 1 ? "fp8" : "bf16",
+                          c->fp8 ? "fp8" : "bf16");
+    if (((uint32_t)hd->flags >> 8 & 0xffu) != (uint32_t)(c->route->id & 0xffu))
+        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
+                          "ht_dispatch: rank %d dispatches on route %u, this rank on route %u "
+                          "(every rank must use the same routes in the same order)", s,
+                          (unsigned)((uint32_t)hd->flags >> 8 & 0xffu),
+                          (unsigned)(c->route->id & 0xffu));
+    return FERRY_OK;
+}
+
 /* This rank's own tokens: straight into its rows. */
 static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
                                 const ferry_ht_dispatch_out_t *out)
 {
     int me = c->ep->rank;
-    uint8_t hdr[512];
+    uint8_t hdr[512] __attribute__((aligned(16)));
     const fr_ht_route_t *p = c->p;
     for (int i = 0; i < p->dst_off[me + 1] - p->dst_off[me]; i++) {
         int t = p->dst_tok[p->dst_off[me] + i];
@@ -157,11 +183,8 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
     while (c->done_rx[s] < n && st->drx[s] < tail) {
         const uint8_t *rec = fr_ht_slot(ring, st->drx[s], h->RT, h->drec);
-        const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
-        if (hd->token < 0 || hd->token >= c->ep->L.T || (hd->flags & 1) != c->fp8)
-            return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
-                              "ht_dispatch: malformed record from rank %d (token %d, "
-                              "flags %d)", s, hd->token, hd->flags);
+        if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
+            return -1;
         fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s], rec, rec + h->dhdr,
                       (const float *)(rec + h->dhdr + c->rowb));
         st->drx[s]++;
@@ -193,7 +216,7 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
             int m = ep->path[d] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_tx(&c, in, d)
                                                   : fr_ht_dispatch_tx(&c, in, d);
             if (m < 0)
-                rc = m;
+                rc = fr_ht_fatal(ep, m);
             moved |= m > 0;
             if (c.done_tx[d] < c.p->dst_off[d + 1] - c.p->dst_off[d]) {
                 left = 1;
@@ -205,7 +228,7 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
             int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_rx(&c, out, s)
                                                   : fr_ht_dispatch_rx(&c, out, s);
             if (m < 0 || ep->failed)
-                rc = ep->failed ? ep->failed : FERRY_ERR_PROTOCOL;
+                rc = fr_ht_fatal(ep, FERRY_ERR_PROTOCOL);
             moved |= m > 0;
             if (c.done_rx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
                 left = 1;
@@ -340,7 +363,7 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
             int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_combine_tx(&c, in, s)
                                                   : fr_ht_combine_tx(&c, in, s);
             if (m < 0)
-                rc = m;
+                rc = fr_ht_fatal(ep, m);
             moved |= m > 0;
             if (c.done_tx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
                 left = 1;
@@ -361,7 +384,7 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
                 int m = ep->path[cur] == FR_PATH_FABRIC ? fr_ht_fab_combine_rx(&c, out, acc, cur)
                                                         : fr_ht_combine_rx(&c, out, acc, cur);
                 if (m < 0) {
-                    rc = m;
+                    rc = fr_ht_fatal(ep, m);
                     break;
                 }
                 moved |= m > 0;
