@@ -332,6 +332,8 @@ class EP:
         self._cuda_index = _current_cuda_device() if device == "cuda" else None
         self._keep = {}
         self._rounds = {}  # round -> T (rows of topk_weights and out at combine)
+        self._routes = []  # open routes: closed before the context
+
 
     def _ep(self):
         if not self._h:
@@ -535,7 +537,9 @@ class EP:
         rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment))
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
-        return Route(self, r, T or 0)
+        route = Route(self, r, T or 0)
+        self._routes = [x for x in self._routes if x._h] + [route]
+        return route
 
     def ht_dispatch(self, route, x, x_scales=None, topk_weights=None):
         """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
@@ -592,6 +596,9 @@ class EP:
     def close(self):
         """Collective. Closes the Comm too when its close() was deferred."""
         if self._h:
+            for r in self._routes:  # a route does not outlive its context
+                r.close()
+            self._routes = []
             h, self._h = self._h, C.c_void_p()
             self._keep.clear()
             self._rounds.clear()

@@ -136,7 +136,14 @@ def rank_main(rank, N, port, q):
             raise AssertionError("a low-latency call on an HT context was accepted")
         except ferry.FerryError as e:
             check("high-throughput" in str(e), f"message: {e}")
+        left_open = ep.route(inputs(rank, 9, N)[1])  # closed by ep.close()
         ep.close()
+        check(not left_open._h, "a route outlived its context")
+        try:
+            ep.ht_dispatch(left_open, np.zeros((0, H), np.uint16))
+            raise AssertionError("a call on a closed context was accepted")
+        except ValueError:
+            pass
         comm.close()
         q.put((rank, None, sums))
     except Exception:
