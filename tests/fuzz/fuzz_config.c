@@ -2,15 +2,18 @@
  * libFuzzer target: EP configuration and dispatch-argument validation.
  * Input bytes become a config (world size, E, K, H, T, dtype, device) and,
  * when it is accepted, a routing table for dispatch_send's checks. Accepted
- * configurations must give a layout whose regions fit and do not overlap;
- * every rejection must come with a message.
+ * configurations must give a layout whose regions fit and do not overlap
+ * (both modes' layouts); every rejection must come with a message. The
+ * routing table also goes through the high-throughput route checks.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ep/ep.h"
+#include "api/api.h"
 #include "core/layout.h"
+#include "engines/cpu_ht/cpu_ht.h"
+#include "ep/ep.h"
 
 static uint32_t take(const uint8_t **p, size_t *n, int bytes)
 {
@@ -34,6 +37,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     c.device = (ferry_device_t)(take(&p, &n, 1) % 2 ? 2 : 0);
     if (take(&p, &n, 1) == 0x5a)
         c.magic ^= 1;
+    c.mode = (ferry_mode_t)(take(&p, &n, 1) % 3);
+    c.ring_tokens = (int)take(&p, &n, 3) - 4;
     fr_err_t err;
     err.msg[0] = 0;
     int rc = fr_ep_check_config(N, &c, &err);
@@ -52,6 +57,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fr_off_dsend(&L, 1, N - 1) + L.dslice > L.off_csend ||
         fr_off_csend(&L, 1, L.send_crows) > L.send_bytes)
         abort();
+    if (c.mode == FERRY_MODE_HIGH_THROUGHPUT) {
+        fr_ht_layout_t h;
+        int RT = c.ring_tokens > 0 ? c.ring_tokens : FR_HT_RING_DEFAULT;
+        fr_ht_layout_init(&h, N, L.El, c.topk, c.hidden, RT);
+        if (h.RT % FR_HT_CHUNK || h.RT < RT || h.drec % 16 || h.crec % 16 ||
+            fr_ht_woff(c.topk) + 4ull * c.topk > h.dhdr ||
+            h.dhdr + 2ull * c.hidden + 4ull * ((c.hidden + 127) / 128) > h.drec ||
+            h.chdr + 2ull * c.hidden > h.crec || 16 + 4ull * L.El > h.notify_entry ||
+            h.off_notify < 4096 || h.off_notify + 2ull * N * h.notify_entry > h.off_dring ||
+            h.off_dring + (uint64_t)N * h.dring > h.off_cring ||
+            h.off_cring + (uint64_t)N * h.cring > h.seg_bytes ||
+            (uint64_t)h.RT * (h.drec + h.crec) + 2 * h.notify_entry > h.stage)
+            abort();
+    }
     /* dispatch_send's checks on a routing table made of the rest */
     int T = (int)(take(&p, &n, 2) % (uint32_t)(L.T + 3)) - 1;
     size_t cells = (size_t)(T > 0 ? T : 0) * (size_t)L.K;
@@ -78,6 +97,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else if (rc != FERRY_ERR_INVALID || err.msg[0] == 0) {
         abort();
     }
+    /* the route checks accept exactly what dispatch_send's do */
+    ferry_route_in_t rin = {.size = sizeof(rin), .num_tokens = T, .topk_idx = idx,
+                            .expert_alignment = (int)take(&p, &n, 1) - 1};
+    fr_err_t err2;
+    err2.msg[0] = 0;
+    int rc2 = fr_check_route_args(&L, &rin, &err2);
+    if ((rc2 == FERRY_OK) != (rc == FERRY_OK && rin.expert_alignment >= 0) ||
+        (rc2 != FERRY_OK && (rc2 != FERRY_ERR_INVALID || err2.msg[0] == 0)))
+        abort();
     free(idx);
     return 0;
 }
