@@ -381,7 +381,7 @@ static int prepare_rounds(bench_t *b)
 {
     b->tm = calloc((size_t)b->o->iters * 5, sizeof(double));
 #ifdef FERRY_HAVE_MPI
-    if (b->have_base && base_init(&b->base, &b->s) != 0) {
+    if (b->have_base && !b->o->ht && base_init(&b->base, &b->s) != 0) {
         fprintf(stderr, "ferry-bench: rank %d: out of memory (baseline)\n", b->me);
         return 1;
     }
@@ -421,7 +421,8 @@ static int teardown(bench_t *b, int status)
     ferry_comm_destroy(b->comm);
 #ifdef FERRY_HAVE_MPI
     if (b->have_base) {
-        base_free(&b->base);
+        if (!b->o->ht)
+            base_free(&b->base);
         MPI_Finalize();
     }
 #endif

@@ -8,14 +8,32 @@
  * bf16(sum over d's slots of w_k f_e(x)) (fp32, k order), computed the
  * same way by whoever needs it, so combine's output (partials summed in
  * rank order in fp32, rounded once) is compared bit for bit.
+ *
+ * Under mpirun the same round also runs through MPI, the exchange users
+ * write without ferry: MPI_Alltoall of per-rank token counts, one
+ * MPI_Alltoallv of the rows (each token once per rank, with its slots and
+ * weights), and the partial rows back the same way, summed in rank order.
+ * Its outputs go through the same checks.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef FERRY_HAVE_MPI
+#include <mpi.h>
+#endif
+
 #include "bench.h"
 #include "core/quant.h"
+
+/* The MPI baseline's counts and buffers (under mpirun). */
+typedef struct ht_base {
+    int *sc, *rc, *sd, *rd;          /* counts and displacements (rows) */
+    int *scb, *rcb, *sdb, *rdb;      /* the same in bytes */
+    uint8_t *sbuf, *rbuf;
+    size_t scap, rcap;
+} ht_base_t;
 
 typedef struct ht_io {
     size_t rows;                 /* capacity of the receive buffers */
@@ -26,8 +44,10 @@ typedef struct ht_io {
     int32_t *ridx, *rsr, *rst;
     uint16_t *y, *out, *tmp16;
     float *acc, *f, *sc;
+    float *acc_all;              /* baseline: [T][H] sums */
     uint8_t *row;
     fw_input_t other;            /* another rank's inputs, regenerated */
+    ht_base_t base;
 } ht_io_t;
 
 static int ht_grow(ht_io_t *io, const fw_spec_t *s, size_t rows)
@@ -164,6 +184,164 @@ static long ht_check_combine(bench_t *b, ht_io_t *io)
     return wrong;
 }
 
+#ifdef FERRY_HAVE_MPI
+/* Bytes of one row with its header in the baseline's messages. */
+static size_t ht_base_item(const fw_spec_t *s)
+{
+    return 4 + 4 * (size_t)s->K + 4 * (size_t)s->K +
+           (s->fp8 ? (size_t)s->H + 4 * (size_t)(s->H / 128) : 2 * (size_t)s->H);
+}
+
+
+static int ht_base_grow(uint8_t **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap && *buf)
+        return 0;
+    free(*buf);
+    *cap = need + need / 4 + 64;
+    *buf = malloc(*cap);
+    return *buf ? 0 : -1;
+}
+
+/* Counts, displacements (and in bytes) from per-rank row counts. */
+static void ht_base_disp(int N, const int *c, int *d, int *cb, int *db, size_t item)
+{
+    for (int r = 0, o = 0; r < N; o += c[r], r++) {
+        d[r] = o;
+        cb[r] = (int)((size_t)c[r] * item);
+        db[r] = (int)((size_t)o * item);
+    }
+}
+
+/* The baseline's dispatch: rows into io's receive buffers, as ferry's. */
+static int ht_base_dispatch(bench_t *b, ht_io_t *io, ht_base_t *m, int *n_out)
+{
+    const fw_spec_t *s = &b->s;
+    int N = s->N, K = s->K, El = s->E / s->N;
+    size_t item = ht_base_item(s), rb = s->fp8 ? (size_t)s->H : 2 * (size_t)s->H;
+    size_t ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    for (int d = 0; d < N; d++) {
+        m->sc[d] = 0;
+        for (int t = 0; t < b->in.T; t++)
+            m->sc[d] += ht_goes(s, &b->in, t, d);
+    }
+    MPI_Alltoall(m->sc, 1, MPI_INT, m->rc, 1, MPI_INT, MPI_COMM_WORLD);
+    ht_base_disp(N, m->sc, m->sd, m->scb, m->sdb, item);
+    ht_base_disp(N, m->rc, m->rd, m->rcb, m->rdb, item);
+    int nsend = m->sd[N - 1] + m->sc[N - 1], n = m->rd[N - 1] + m->rc[N - 1];
+    if (ht_base_grow(&m->sbuf, &m->scap, (size_t)nsend * item) ||
+        ht_base_grow(&m->rbuf, &m->rcap, (size_t)n * item) || ht_grow(io, s, (size_t)n))
+        return -1;
+    uint8_t *p = m->sbuf;
+    for (int d = 0; d < N; d++)
+        for (int t = 0; t < b->in.T; t++) {
+            if (!ht_goes(s, &b->in, t, d))
+                continue;
+            int32_t *hd = (int32_t *)p;
+            float *w = (float *)(p + 4 + 4 * (size_t)K);
+            hd[0] = t;
+            for (int k = 0; k < K; k++) {
+                int64_t e = b->in.idx[(size_t)t * K + k];
+                int local = e >= 0 && e / El == d;
+                hd[1 + k] = local ? (int32_t)(e % El) : -1;
+                w[k] = local ? b->in.w[(size_t)t * K + k] : 0.f;
+            }
+            uint8_t *row = p + 4 + 8 * (size_t)K;
+            if (s->fp8) {
+                memcpy(row, io->q + (size_t)t * s->H, rb);
+                memcpy(row + rb, io->qs + (size_t)t * ns, 4 * ns);
+            } else {
+                memcpy(row, b->in.x + (size_t)t * s->H, rb);
+            }
+            p += item;
+        }
+    MPI_Alltoallv(m->sbuf, m->scb, m->sdb, MPI_BYTE, m->rbuf, m->rcb, m->rdb, MPI_BYTE,
+                  MPI_COMM_WORLD);
+    for (int src = 0, i = 0; src < N; src++)
+        for (int j = 0; j < m->rc[src]; j++, i++) {
+            const uint8_t *q = m->rbuf + (size_t)i * item;
+            const int32_t *hd = (const int32_t *)q;
+            io->rsr[i] = src;
+            io->rst[i] = hd[0];
+            memcpy(io->ridx + (size_t)i * K, hd + 1, 4 * (size_t)K);
+            memcpy(io->rw + (size_t)i * K, q + 4 + 4 * (size_t)K, 4 * (size_t)K);
+            memcpy(io->rx + (size_t)i * rb, q + 4 + 8 * (size_t)K, rb);
+            if (ns)
+                memcpy(io->rxs + (size_t)i * ns, q + 4 + 8 * (size_t)K + rb, 4 * ns);
+        }
+    *n_out = n;
+    return 0;
+}
+
+/* The baseline's combine: partial rows back, summed in rank order. */
+static int ht_base_combine(bench_t *b, ht_io_t *io, ht_base_t *m)
+{
+    const fw_spec_t *s = &b->s;
+    int N = s->N, H = s->H;
+    size_t row = 2 * (size_t)H;
+    /* send back what was received (rc rows per source), receive sc rows per dest */
+    ht_base_disp(N, m->rc, m->rd, m->rcb, m->rdb, row);
+    ht_base_disp(N, m->sc, m->sd, m->scb, m->sdb, row);
+    int nback = m->sd[N - 1] + m->sc[N - 1];
+    if (ht_base_grow(&m->sbuf, &m->scap, (size_t)nback * row))
+        return -1;
+    MPI_Alltoallv(io->y, m->rcb, m->rdb, MPI_BYTE, m->sbuf, m->scb, m->sdb, MPI_BYTE,
+                  MPI_COMM_WORLD);
+    memset(io->acc_all, 0, sizeof(float) * (size_t)b->in.T * H);
+    for (int d = 0; d < N; d++) { /* rank order, as ferry sums */
+        const uint16_t *y = (const uint16_t *)(m->sbuf + (size_t)m->sd[d] * row);
+        for (int t = 0, j = 0; t < b->in.T; t++) {
+            if (!ht_goes(s, &b->in, t, d))
+                continue;
+            float *a = io->acc_all + (size_t)t * H;
+            for (int h = 0; h < H; h++)
+                a[h] += fr_bf16_to_f32(y[(size_t)j * H + h]);
+            j++;
+        }
+    }
+    for (size_t i = 0; i < (size_t)b->in.T * H; i++)
+        io->out[i] = fr_f32_to_bf16(io->acc_all[i]);
+    return 0;
+}
+
+/* The same round through MPI: its times (us), its outputs checked. */
+static const char *ht_base_round(bench_t *b, ht_io_t *io, uint64_t round, double *bd, double *bc)
+{
+    ht_base_t *m = &io->base;
+    int N = b->s.N;
+    if (!m->sc) {
+        m->sc = calloc((size_t)N * 8, sizeof(int));
+        if (!m->sc)
+            return "memory";
+        m->rc = m->sc + N, m->sd = m->rc + N, m->rd = m->sd + N;
+        m->scb = m->rd + N, m->rcb = m->scb + N, m->sdb = m->rcb + N, m->rdb = m->sdb + N;
+    }
+    int n = 0;
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = now_us();
+    if (ht_base_dispatch(b, io, m, &n) != 0)
+        return "memory";
+    double t1 = now_us();
+    if (b->o->check)
+        b->wrong += ht_check_dispatch(b, round, io, n);
+    for (int i = 0, src = -1; i < n; i++) {
+        if (io->rsr[i] != src)
+            fw_generate(&b->s, round, src = io->rsr[i], &io->other);
+        ht_partial(&b->s, &io->other, io->rst[i], b->me, io, io->y + (size_t)i * b->s.H);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t2 = now_us();
+    if (ht_base_combine(b, io, m) != 0)
+        return "memory";
+    double t3 = now_us();
+    if (b->o->check)
+        b->wrong += ht_check_combine(b, io);
+    *bd = t1 - t0;
+    *bc = t3 - t2;
+    return NULL;
+}
+#endif
+
 /* One round; a timed one leaves its row in b->tm. */
 static const char *ht_round(bench_t *b, ht_io_t *io, int it)
 {
@@ -217,11 +395,18 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         return "ht_combine";
     if (b->o->check)
         b->wrong += ht_check_combine(b, io);
+    double bd = NAN, bc = NAN;
+#ifdef FERRY_HAVE_MPI
+    const char *f = b->have_base ? ht_base_round(b, io, round, &bd, &bc) : NULL;
+    if (f)
+        return f;
+#endif
     if (it >= b->o->warmup) {
         double *r = b->tm + (size_t)(it - b->o->warmup) * 5;
         r[0] = (t1 - t0) + (t3 - t2);
         r[1] = t5 - t4;
-        r[2] = r[3] = NAN;
+        r[2] = bd;
+        r[3] = bc;
         /* rows this rank sent to other ranks, both ways */
         double rb = (double)(s->fp8 ? s->H + 4 * ns : 2 * (size_t)s->H), bytes = 0;
         for (int t = 0; t < b->in.T; t++)
@@ -246,8 +431,10 @@ void run_ht_rounds(bench_t *b)
     io.f = malloc(H * sizeof(float));
     io.tmp16 = malloc(H * 2);
     io.row = malloc(H * 2);
+    io.acc_all = malloc(T * H * sizeof(float) + 4);
     io.sc = malloc((H / 128 + 1) * sizeof(float));
     if (!io.q || !io.qs || !io.out || !io.acc || !io.f || !io.tmp16 || !io.row || !io.sc ||
+        !io.acc_all ||
         fw_input_alloc(s, &io.other) != 0 || fw_input_alloc(s, &b->in) != 0) {
         b->fail = "memory";
         return;
@@ -269,6 +456,10 @@ void run_ht_rounds(bench_t *b)
     free(io.tmp16);
     free(io.row);
     free(io.sc);
+    free(io.acc_all);
+    free(io.base.sc);
+    free(io.base.sbuf);
+    free(io.base.rbuf);
     free(io.rx);
     free(io.rxs);
     free(io.rw);
