@@ -29,6 +29,8 @@ typedef struct fr_engine {
     int (*setup)(ferry_ep_t ep, fr_err_t *err);
     /* Free what setup made (also after a failed setup). */
     void (*free)(ferry_ep_t ep);
+    /* The round calls (NULL in high-throughput engines: the API refuses
+     * them before reaching the engine). */
     int (*dispatch_send)(ferry_ep_t ep, fr_round_t *r,
                          const ferry_dispatch_in_t *in);
     int (*dispatch_recv)(ferry_ep_t ep, fr_round_t *r,

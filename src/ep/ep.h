@@ -125,6 +125,14 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
     return (uint64_t *)(seg + fr_off_flag(L, phase, set, sender));
 }
 
+/* CPU engines' receive segment (seg.c): create this rank's (ep->L.seg_bytes,
+ * `tag` in its name), exchange names and statuses with every rank, map
+ * the shm peers' into ep->peer_seg. Collective; a rank whose `status` is
+ * not FERRY_OK still joins and everyone fails at once. */
+int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err);
+/* Unmap the peers' and the own segment, unlink its name if still there. */
+void fr_ep_segments_close(ferry_ep_t ep);
+
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -73,46 +73,6 @@ int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t pro
     return FERRY_OK;
 }
 
-typedef struct fr_ht_hello {
-    int32_t status;
-    char seg_name[96];
-} fr_ht_hello_t;
-
-/* Create the own segment, learn the others' names, map the shm peers'. */
-static int fr_ht_segments(ferry_ep_t ep, int status, fr_err_t *err)
-{
-    int N = ep->N, me = ep->rank;
-    uint64_t bytes = fr_cpu_ht(ep) ? fr_cpu_ht(ep)->H.seg_bytes : 0;
-    fr_ht_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
-    memset(&mine, 0, sizeof(mine));
-    if (!all)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "segment names");
-    mine.status = status;
-    fr_shm_sweep_dead("ferry-", '-');
-    if (status == FERRY_OK) {
-        snprintf(mine.seg_name, sizeof(mine.seg_name), "/ferry-%d-%llx-h%d-%llx",
-                 (int)getpid(), (unsigned long long)fr_pidns(), me,
-                 (unsigned long long)fr_now_ns());
-        snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", mine.seg_name);
-        mine.status = fr_shm_create(ep->seg_name, bytes, &ep->seg, err);
-    }
-    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-    if (rc == FERRY_OK && mine.status != FERRY_OK)
-        rc = mine.status;
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (all[i].status != FERRY_OK)
-            rc = FR_ERR(err, all[i].status, "rank %d failed to create its EP context (%s)",
-                        i, ferry_strerror(all[i].status));
-    ep->peer_seg[me] = ep->seg;
-    for (int i = 0; i < N && rc == FERRY_OK; i++) {
-        all[i].seg_name[sizeof(all[i].seg_name) - 1] = 0;
-        if (ep->path[i] == FR_PATH_SHM)
-            rc = fr_shm_map(all[i].seg_name, bytes, &ep->peer_seg[i], err);
-    }
-    free(all);
-    return rc;
-}
-
 static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
 {
     const ferry_ep_config_t *c = &ep->cfg;
@@ -154,23 +114,13 @@ static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
                 rc = FR_ERR(err, FERRY_ERR_NOMEM, "fabric tables");
         }
     }
-    return fr_ht_segments(ep, rc, err);
+    return fr_ep_segments(ep, 'h', rc, err);
 }
 
 static void fr_ht_free(ferry_ep_t ep)
 {
     fr_cpu_ht_t *c = fr_cpu_ht(ep);
-    uint64_t bytes = c ? c->H.seg_bytes : 0;
-    if (ep->peer_seg)
-        for (int i = 0; i < ep->N; i++)
-            if (ep->peer_seg[i] && ep->peer_seg[i] != ep->seg)
-                fr_shm_unmap(ep->peer_seg[i], bytes);
-    if (ep->seg) {
-        fr_shm_unmap(ep->seg, bytes);
-        if (ep->seg_name[0])
-            fr_shm_unlink(ep->seg_name);
-    }
-    ep->seg = NULL;
+    fr_ep_segments_close(ep); /* sized by ep->L.seg_bytes, set in setup */
     free(ep->send);
     ep->send = NULL;
     if (!c)
@@ -183,41 +133,6 @@ static void fr_ht_free(ferry_ep_t ep)
     free(c->acc);
     free(c);
     ep->eng_state = NULL;
-}
-
-static int fr_ht_not_ll(ferry_ep_t ep)
-{
-    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
-                      "this context is in high-throughput mode: use "
-                      "ferry_route_create, ferry_ht_dispatch and ferry_ht_combine");
-}
-
-static int fr_ht_dsend(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in)
-{
-    (void)r;
-    (void)in;
-    return fr_ht_not_ll(ep);
-}
-
-static int fr_ht_drecv(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_out_t *out)
-{
-    (void)r;
-    (void)out;
-    return fr_ht_not_ll(ep);
-}
-
-static int fr_ht_csend(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in)
-{
-    (void)r;
-    (void)in;
-    return fr_ht_not_ll(ep);
-}
-
-static int fr_ht_crecv(ferry_ep_t ep, fr_round_t *r, const ferry_combine_out_t *out)
-{
-    (void)r;
-    (void)out;
-    return fr_ht_not_ll(ep);
 }
 
 static int fr_ht_sync(ferry_ep_t ep, void *stream)
@@ -240,10 +155,7 @@ const fr_engine_t fr_engine_cpu_ht = {
     .mode = FERRY_MODE_HIGH_THROUGHPUT,
     .setup = fr_ht_setup,
     .free = fr_ht_free,
-    .dispatch_send = fr_ht_dsend,
-    .dispatch_recv = fr_ht_drecv,
-    .combine_send = fr_ht_csend,
-    .combine_recv = fr_ht_crecv,
+    /* no round calls: the API refuses them on this mode (api/round.c) */
     .sync = fr_ht_sync,
     .check = fr_ht_check,
     .route_create = fr_ht_route_create,

@@ -10,12 +10,6 @@
 
 #include "engines/cpu_ll/cpu_ll.h"
 
-/* What each rank tells the others at setup. */
-typedef struct fr_cpu_hello {
-    int32_t status;
-    char seg_name[96];
-} fr_cpu_hello_t;
-
 static int fr_cpu_alloc(ferry_ep_t ep, fr_cpu_ll_t *c, fr_err_t *err)
 {
     const fr_layout_t *L = &ep->L;
@@ -53,47 +47,6 @@ static int fr_cpu_alloc(ferry_ep_t ep, fr_cpu_ll_t *c, fr_err_t *err)
     return FERRY_OK;
 }
 
-/* Create the own segment, learn the others' names, map the shm peers'. */
-static int fr_cpu_segments(ferry_ep_t ep, int status, fr_err_t *err)
-{
-    int N = ep->N, me = ep->rank;
-    fr_cpu_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
-    memset(&mine, 0, sizeof(mine));
-    if (!all)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "segment names");
-    mine.status = status;
-    /* segments of ranks of an earlier job that was killed */
-    fr_shm_sweep_dead("ferry-", '-');
-    if (status == FERRY_OK) {
-        snprintf(mine.seg_name, sizeof(mine.seg_name),
-                 "/ferry-%d-%llx-r%d-%llx", (int)getpid(),
-                 (unsigned long long)fr_pidns(), me,
-                 (unsigned long long)fr_now_ns());
-        snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", mine.seg_name);
-        mine.status = fr_shm_create(ep->seg_name, ep->L.seg_bytes, &ep->seg,
-                                    err);
-    }
-    /* Everyone learns everyone's status, so a rank that failed fails
-     * everyone at once instead of leaving them waiting. */
-    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-    if (rc == FERRY_OK && mine.status != FERRY_OK)
-        rc = mine.status;
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (all[i].status != FERRY_OK)
-            rc = FR_ERR(err, all[i].status,
-                        "rank %d failed to create its EP context (%s)", i,
-                        ferry_strerror(all[i].status));
-    ep->peer_seg[me] = ep->seg;
-    for (int i = 0; i < N && rc == FERRY_OK; i++) {
-        all[i].seg_name[sizeof(all[i].seg_name) - 1] = 0;
-        if (ep->path[i] == FR_PATH_SHM)
-            rc = fr_shm_map(all[i].seg_name, ep->L.seg_bytes,
-                            &ep->peer_seg[i], err);
-    }
-    free(all);
-    return rc;
-}
-
 static int fr_cpu_setup(ferry_ep_t ep, fr_err_t *err)
 {
     const ferry_ep_config_t *c = &ep->cfg;
@@ -104,23 +57,13 @@ static int fr_cpu_setup(ferry_ep_t ep, fr_err_t *err)
     ep->eng_state = st;
     int rc = st ? fr_cpu_alloc(ep, st, err)
                 : FR_ERR(err, FERRY_ERR_NOMEM, "engine state");
-    return fr_cpu_segments(ep, rc, err);
+    return fr_ep_segments(ep, 'r', rc, err);
 }
 
 static void fr_cpu_free(ferry_ep_t ep)
 {
     fr_cpu_ll_t *c = fr_cpu_state(ep);
-    if (ep->peer_seg) {
-        for (int i = 0; i < ep->N; i++)
-            if (ep->peer_seg[i] && ep->peer_seg[i] != ep->seg)
-                fr_shm_unmap(ep->peer_seg[i], ep->L.seg_bytes);
-    }
-    if (ep->seg) {
-        fr_shm_unmap(ep->seg, ep->L.seg_bytes);
-        if (ep->seg_name[0])
-            fr_shm_unlink(ep->seg_name);
-    }
-    ep->seg = NULL;
+    fr_ep_segments_close(ep);
     free(ep->send);
     ep->send = NULL;
     if (!c)
