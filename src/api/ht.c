@@ -35,22 +35,7 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, fr_err
     if (in->expert_alignment < 0 || in->expert_alignment > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be 0..%d",
                       in->expert_alignment, 1 << 20);
-    for (int t = 0; t < T; t++) {
-        const int64_t *row = in->topk_idx + (size_t)t * L->K;
-        for (int k = 0; k < L->K; k++) {
-            int64_t e = row[k];
-            if (e < -1 || e >= L->E)
-                return FR_ERR(err, FERRY_ERR_INVALID,
-                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d", t, k,
-                              (long long)e, L->E - 1);
-            for (int j = 0; j < k && e >= 0; j++)
-                if (row[j] == e)
-                    return FR_ERR(err, FERRY_ERR_INVALID,
-                                  "topk_idx[%d][%d] = %lld repeats topk_idx[%d][%d]", t, k,
-                                  (long long)e, t, j);
-        }
-    }
-    return FERRY_OK;
+    return fr_check_topk(L, in->topk_idx, T, err);
 }
 
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
