@@ -152,12 +152,13 @@ typedef struct fr_ht_call {
     int busy_rank;               /* the peer we last waited on */
 } fr_ht_call_t;
 
-/* Record helpers shared by the shared-memory and fabric paths. */
-void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
+/* Record helpers shared by the shared-memory and fabric paths (stream.c). */
+void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
                      uint8_t *rec);
-void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
-                   int64_t row, const uint8_t *rec, const uint8_t *data, const float *scales);
-int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s);
+int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s,
+                    int64_t row, const uint8_t *rec);
+void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, size_t row,
+                     uint8_t *rec);
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
                       int d, const uint16_t *y, const float *w);
 

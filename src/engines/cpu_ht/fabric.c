@@ -219,12 +219,7 @@ int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int
         uint64_t slot = (f->d_post[d] % (uint64_t)f->W) * FR_HT_CHUNK;
         for (int j = 0; j < m; j++) {
             int t = p->dst_tok[p->dst_off[d] + c->done_tx[d] + j];
-            uint8_t *rec = ep->send + stage + (slot + (uint64_t)j) * h->drec;
-            fr_ht_dhdr_fill(c, in, t, d, rec);
-            memcpy(rec + h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
-            if (c->nsc)
-                memcpy(rec + h->dhdr + c->rowb, in->x_scales + (size_t)t * c->nsc,
-                       c->nsc * sizeof(float));
+            fr_ht_drec_fill(c, in, t, d, ep->send + stage + (slot + (uint64_t)j) * h->drec);
         }
         uint64_t dst = h->off_dring + (uint64_t)ep->rank * h->dring + 2 * FR_HT_LINE +
                        slot * h->drec;
@@ -254,10 +249,8 @@ int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
         int m = n - c->done_rx[s] < FR_HT_CHUNK ? n - c->done_rx[s] : FR_HT_CHUNK;
         for (int j = 0; j < m; j++) {
             const uint8_t *rec = ring + 2 * FR_HT_LINE + (w * FR_HT_CHUNK + (size_t)j) * h->drec;
-            if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
+            if (fr_ht_drec_take(c, out, s, c->p->src_off[s] + c->done_rx[s] + j, rec) != FERRY_OK)
                 return -1;
-            fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s] + j, rec, rec + h->dhdr,
-                          (const float *)(rec + h->dhdr + c->rowb));
         }
         c->done_rx[s] += m;
         f->d_take[s]++;
@@ -276,19 +269,14 @@ int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s
     ferry_ep_t ep = c->ep;
     fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     const fr_ht_layout_t *h = c->h;
-    int K = h->K, n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
+    int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
     uint64_t stage = (uint64_t)ep->group_index[s] * h->stage + (uint64_t)h->RT * h->drec;
     while (c->done_tx[s] < n && f->c_post[s] - f->c_credit[s] < (uint64_t)f->W) {
         int m = n - c->done_tx[s] < FR_HT_CHUNK ? n - c->done_tx[s] : FR_HT_CHUNK;
         uint64_t slot = (f->c_post[s] % (uint64_t)f->W) * FR_HT_CHUNK;
-        for (int j = 0; j < m; j++) {
-            size_t row = (size_t)c->p->src_off[s] + (size_t)c->done_tx[s] + (size_t)j;
-            uint8_t *rec = ep->send + stage + (slot + (uint64_t)j) * h->crec;
-            float *w = (float *)rec;
-            for (int k = 0; k < K; k++)
-                w[k] = in->topk_weights ? in->topk_weights[row * K + k] : 0.f;
-            memcpy(rec + h->chdr, (const uint8_t *)in->y + row * 2 * h->H, 2 * (size_t)h->H);
-        }
+        for (int j = 0; j < m; j++)
+            fr_ht_crec_fill(c, in, (size_t)c->p->src_off[s] + (size_t)c->done_tx[s] + (size_t)j,
+                            ep->send + stage + (slot + (uint64_t)j) * h->crec);
         uint64_t dst = h->off_cring + (uint64_t)ep->rank * h->cring + 2 * FR_HT_LINE +
                        slot * h->crec;
         int rc = fr_ht_post(ep, s, stage + slot * h->crec, dst, (uint64_t)m * h->crec,

@@ -63,7 +63,7 @@ static void fr_ht_need(fr_ht_call_t *c, const int32_t *tx_off, const int32_t *rx
 /* ---------------------------------------------------------------- dispatch */
 
 /* A dispatch record's header for token t going to rank d. */
-void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
+static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
                             int t, int d, uint8_t *rec)
 {
     int K = c->h->K, El = c->h->El;
@@ -81,7 +81,7 @@ void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
 }
 
 /* Row `row` of the outputs from a record (header, data, scales). */
-void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
                           int64_t row, const uint8_t *rec, const uint8_t *data,
                           const float *scales)
 {
@@ -106,7 +106,7 @@ void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
 
 /* A record from rank s before anything of it is used: its token, dtype,
  * route and local expert ids. */
-int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s)
+static int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s)
 {
     const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
     const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
@@ -128,6 +128,41 @@ int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s)
                           (unsigned)((uint32_t)hd->flags >> 8 & 0xffu),
                           (unsigned)(c->route->id & 0xffu));
     return FERRY_OK;
+}
+
+/* A whole dispatch record for token t going to rank d: header, row, scales
+ * (shared-memory ring slot or fabric staging). */
+void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
+                     uint8_t *rec)
+{
+    fr_ht_dhdr_fill(c, in, t, d, rec);
+    memcpy(rec + c->h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
+    if (c->nsc)
+        memcpy(rec + c->h->dhdr + c->rowb, in->x_scales + (size_t)t * c->nsc,
+               c->nsc * sizeof(float));
+}
+
+/* A record from rank s into output row `row`, checked first; FERRY_OK,
+ * else the error is set. */
+int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s,
+                    int64_t row, const uint8_t *rec)
+{
+    if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
+        return FERRY_ERR_PROTOCOL;
+    fr_ht_put_row(c, out, s, row, rec, rec + c->h->dhdr,
+                  (const float *)(rec + c->h->dhdr + c->rowb));
+    return FERRY_OK;
+}
+
+/* A combine record: the slot floats of received row `row`, then its y. */
+void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, size_t row,
+                     uint8_t *rec)
+{
+    int K = c->h->K;
+    float *w = (float *)rec;
+    for (int k = 0; k < K; k++)
+        w[k] = in->topk_weights ? in->topk_weights[row * K + k] : 0.f;
+    memcpy(rec + c->h->chdr, (const uint8_t *)in->y + row * 2 * c->h->H, 2 * (size_t)c->h->H);
 }
 
 /* This rank's own tokens: straight into its rows. */
@@ -157,12 +192,7 @@ static int fr_ht_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, 
     uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
     while (c->done_tx[d] < n && st->dtx[d] - head < (uint64_t)h->RT) {
         int t = p->dst_tok[p->dst_off[d] + c->done_tx[d]];
-        uint8_t *rec = fr_ht_slot(ring, st->dtx[d], h->RT, h->drec);
-        fr_ht_dhdr_fill(c, in, t, d, rec);
-        memcpy(rec + h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
-        if (c->nsc)
-            memcpy(rec + h->dhdr + c->rowb, in->x_scales + (size_t)t * c->nsc,
-                   c->nsc * sizeof(float));
+        fr_ht_drec_fill(c, in, t, d, fr_ht_slot(ring, st->dtx[d], h->RT, h->drec));
         st->dtx[d]++;
         c->done_tx[d]++;
         if (++moved % FR_HT_CHUNK == 0)
@@ -182,11 +212,9 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     uint8_t *ring = fr_ht_dring(h, c->ep->seg, s);
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
     while (c->done_rx[s] < n && st->drx[s] < tail) {
-        const uint8_t *rec = fr_ht_slot(ring, st->drx[s], h->RT, h->drec);
-        if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
+        if (fr_ht_drec_take(c, out, s, c->p->src_off[s] + c->done_rx[s],
+                            fr_ht_slot(ring, st->drx[s], h->RT, h->drec)) != FERRY_OK)
             return -1;
-        fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s], rec, rec + h->dhdr,
-                      (const float *)(rec + h->dhdr + c->rowb));
         st->drx[s]++;
         c->done_rx[s]++;
         if (++moved % FR_HT_CHUNK == 0)
@@ -260,16 +288,12 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
 {
     fr_cpu_ht_t *st = fr_cpu_ht(c->ep);
     const fr_ht_layout_t *h = c->h;
-    int K = h->K, n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
+    int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
     uint8_t *ring = fr_ht_cring(h, c->ep->peer_seg[s], c->ep->rank);
     uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
     while (c->done_tx[s] < n && st->ctx[s] - head < (uint64_t)h->RT) {
-        size_t row = (size_t)c->p->src_off[s] + (size_t)c->done_tx[s];
-        uint8_t *rec = fr_ht_slot(ring, st->ctx[s], h->RT, h->crec);
-        float *w = (float *)rec;
-        for (int k = 0; k < K; k++)
-            w[k] = in->topk_weights ? in->topk_weights[row * K + k] : 0.f;
-        memcpy(rec + h->chdr, (const uint8_t *)in->y + row * 2 * h->H, 2 * (size_t)h->H);
+        fr_ht_crec_fill(c, in, (size_t)c->p->src_off[s] + (size_t)c->done_tx[s],
+                        fr_ht_slot(ring, st->ctx[s], h->RT, h->crec));
         st->ctx[s]++;
         c->done_tx[s]++;
         if (++moved % FR_HT_CHUNK == 0)
