@@ -87,6 +87,14 @@ def _no_event():
     return _EVENT
 
 
+def _recv_or_hook(recv, return_recv_hook):
+    """DeepEP's receive hook: the receive to call later, or done now (None)."""
+    if return_recv_hook:
+        return recv
+    recv()
+    return None
+
+
 class _Plan:
     """One context's reusable state: the output tensors of each buffer set,
     the argument structs, and the C entry points (no per-call allocation)."""
@@ -272,11 +280,7 @@ class Buffer:
         def recv():
             ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token)
 
-        hook = None
-        if return_recv_hook:
-            hook = recv
-        else:
-            recv()
+        hook = _recv_or_hook(recv, return_recv_hook)
         handle = (ep, rnd, src_rank, src_token, T)
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
@@ -303,11 +307,7 @@ class Buffer:
         def recv():
             plan.check(plan.recv(h, rnd, dout))
 
-        hook = None
-        if return_recv_hook:
-            hook = recv
-        else:
-            recv()
+        hook = _recv_or_hook(recv, return_recv_hook)
         return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), hook
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
@@ -336,11 +336,7 @@ class Buffer:
         def recv():
             plan.check(plan.crecv(h, rnd, cout))
 
-        hook = None
-        if return_recv_hook:
-            hook = recv
-        else:
-            recv()
+        hook = _recv_or_hook(recv, return_recv_hook)
         return out, _no_event(), hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
@@ -398,11 +394,7 @@ class Buffer:
         def recv():
             ep.combine_recv(rnd, w, out)
 
-        hook = None
-        if return_recv_hook:
-            hook = recv
-        else:
-            recv()
+        hook = _recv_or_hook(recv, return_recv_hook)
         return out, EventOverlap(), hook
 
     def destroy(self):

@@ -5,13 +5,13 @@ the EP before a pointer reaches libferry, each failure a ValueError or
 TypeError naming the argument; a Comm closed while an EP is open is
 closed when the last EP closes; methods after close raise; closing twice
 is harmless. Usage: test_args.py [nranks ...]"""
-import multiprocessing as mp
 import os
-import socket
 import sys
 import traceback
 
 import numpy as np
+
+from ranks import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -220,28 +220,7 @@ def rank_main(rank, N, port, q):
 
 
 def run(N):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, q)) for r in range(N)]
-    for p in ps:
-        p.start()
-    res = {}
-    for _ in range(N):
-        try:
-            r, msg = q.get(timeout=120)
-        except Exception:
-            break
-        res[r] = msg
-    for p in ps:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-    crashed = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(ps)
-               if r not in res]
+    res, crashed = run_ranks(rank_main, N)
     bad = {r: m for r, m in res.items() if m != "ok"}
     if len(res) < N or bad:
         for r, m in bad.items():

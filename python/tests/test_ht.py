@@ -5,24 +5,15 @@ combine checked against a reference every rank computes for all ranks
 slots, empty ranks, bf16 and fp8 rows, expert alignment, a small ring
 (streaming), route reuse, and the backward identity <C(y), g> = <y, D(g)>.
 Usage: test_ht.py [nranks ...]"""
-import multiprocessing as mp
 import os
-import socket
 import sys
 import traceback
 
 import numpy as np
 
+from ranks import bf16, f32, run_ranks
+
 E_PER_RANK, K, H, T = 4, 4, 256, 48
-
-
-def bf16(a):
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def f32(b):
-    return (b.astype(np.uint32) << 16).view(np.float32)
 
 
 def inputs(rank, rnd, N):
@@ -145,25 +136,15 @@ def rank_main(rank, N, port, q):
         except ValueError:
             pass
         comm.close()
-        q.put((rank, None, sums))
+        q.put((rank, (None, sums)))
     except Exception:
-        q.put((rank, traceback.format_exc(), None))
+        q.put((rank, (traceback.format_exc(), None)))
 
 
 def run(N):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, q)) for r in range(N)]
-    for p in ps:
-        p.start()
-    res = [q.get(timeout=120) for _ in ps]
-    for p in ps:
-        p.join(30)
-    errs = [f"rank {r}: {e}" for r, e, _ in res if e]
+    got, crashed = run_ranks(rank_main, N)
+    res = [(r, e, sums) for r, (e, sums) in sorted(got.items())]
+    errs = [f"rank {r}: {e}" for r, e, _ in res if e] + crashed
     if not errs:  # backward identity: sum over ranks of both sides
         for rnd in range(4):
             lhs = sum(sums[rnd][0] for _, _, sums in res)

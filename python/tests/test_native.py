@@ -2,24 +2,15 @@
 """The native Python API across processes (numpy, CPU ranks): every round
 checked against a reference computed here, bad arguments raising
 FerryError with ferry's message. Usage: test_native.py [nranks ...]"""
-import multiprocessing as mp
 import os
-import socket
 import sys
 import traceback
 
 import numpy as np
 
+from ranks import bf16, f32, run_ranks
+
 E_PER_RANK, K, H, T = 4, 4, 256, 16
-
-
-def bf16(a):  # float32 -> bf16 bits, round to nearest even
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def f32(b):
-    return (b.astype(np.uint32) << 16).view(np.float32)
 
 
 def inputs(rank, rnd, N):
@@ -115,30 +106,13 @@ def rank_main(rank, N, port, q):
 
 
 def run(N):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, q)) for r in range(N)]
-    for p in ps:
-        p.start()
-    res = {}
-    for _ in range(N):
-        try:
-            r, msg = q.get(timeout=120)
-        except Exception:
-            break
-        res[r] = msg
-    for p in ps:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
+    res, crashed = run_ranks(rank_main, N)
     bad = {r: m for r, m in res.items() if m != "ok"}
     if len(res) < N or bad:
         for r, m in bad.items():
             print(f"rank {r}:\n{m}")
+        for c in crashed:
+            print(c)
         print(f"{N} ranks: FAILED ({len(res)} answered)")
         return False
     print(f"{N} ranks: 30 rounds checked, bad arguments rejected: ok")

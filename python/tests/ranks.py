@@ -1,0 +1,44 @@
+"""Shared by the numpy tests (test_native, test_args, test_ht): start N
+ranks as spawned processes and collect what each reports, and bf16 bits
+to and from float32."""
+import multiprocessing as mp
+import socket
+
+import numpy as np
+
+
+def bf16(a):  # float32 -> bf16 bits, round to nearest even
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f32(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_ranks(target, N, timeout=120):
+    """Run target(rank, N, port, q) in N processes; each puts (rank, result)
+    on q. Returns ({rank: result} of those that answered, [lines naming the
+    ranks that exited without answering]). Stuck ranks are killed."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(r, N, port, q)) for r in range(N)]
+    for p in ps:
+        p.start()
+    res = {}
+    for _ in range(N):
+        try:
+            r, msg = q.get(timeout=timeout)
+        except Exception:
+            break
+        res[r] = msg
+    for p in ps:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    crashed = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(ps) if r not in res]
+    return res, crashed
