@@ -49,6 +49,13 @@ static void usage(FILE *f)
             "      --ring N         --mode ht: tokens per peer ring (default 256)\n"
             "      --launcher auto|mpirun|fork   how to start ranks (default auto)\n"
             "      --no-check       skip verification (prints #wrong as n/a)\n"
+            "      --split          call dispatch_send/_recv and combine_send/_recv\n"
+            "                       (default: ferry_dispatch and ferry_combine, one\n"
+            "                       launch each on GPU ranks)\n"
+            "      --graph          CUDA with --no-check: rounds captured as a CUDA graph\n"
+            "                       of 20 (how engines run decode), replayed back to back\n"
+            "                       and timed per replay with no event between\n"
+            "                       operations; prints round time / 2 in both columns\n"
             "      --json FILE      write the result row as JSON\n"
             "  -q, --quiet          no header line\n");
 }
@@ -64,7 +71,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"launcher", 1, 0, 'L'}, {"no-check", 0, 0, 'C'}, {"json", 1, 0, 'j'},
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
-        {0, 0, 0, 0}};
+        {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
@@ -96,6 +103,8 @@ static int parse(int argc, char **argv, opts_t *o)
             }
             break;
         case 'C': o->check = 0; break;
+        case 'g': o->graph = 1; break;
+        case 'p': o->split = 1; break;
         case 'q': o->quiet = 1; break;
         case 'j': o->json = optarg; break;
         case 'L': o->launcher = optarg; break;
@@ -136,6 +145,10 @@ static int parse(int argc, char **argv, opts_t *o)
     }
     if (optind < argc) {
         fprintf(stderr, "ferry-bench: unexpected argument '%s'\n", argv[optind]);
+        return -1;
+    }
+    if (o->graph && (o->check || strcmp(o->device, "cuda") != 0 || o->ht)) {
+        fprintf(stderr, "ferry-bench: --graph needs --device cuda --no-check (low-latency mode)\n");
         return -1;
     }
     if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {

@@ -332,6 +332,7 @@ class EP:
         self._cuda_index = _current_cuda_device() if device == "cuda" else None
         self._keep = {}
         self._rounds = {}  # round -> T (rows of topk_weights and out at combine)
+        self._last_round = 0  # rounds are numbered 1, 2, 3... per context
         self._routes = []  # open routes: closed before the context
 
 
@@ -404,15 +405,8 @@ class EP:
                     expert_src_rank=torch.empty((El, cap), dtype=torch.int32, device=dev),
                     expert_src_token=torch.empty((El, cap), dtype=torch.int32, device=dev))
 
-    def dispatch_send(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None):
-        """Send tokens x [T, H] (bf16; fp8 with x_scales [T, H/128]) to the
-        ranks of their experts; topk_idx [T, K] int64, -1 = none; T <=
-        max_tokens. Returns the round. num_tokens: an int <= T (the first
-        num_tokens rows are sent; combine then takes num_tokens rows), or
-        (CUDA) an int32 device array of one element, read when the work
-        runs: then x and topk_idx have max_tokens rows, and so do
-        topk_weights and out at combine."""
-        h = self._ep()
+    def _din(self, x, topk_idx, x_scales, num_tokens, stream):
+        """dispatch_send's argument block, checked, and the round's rows."""
         H, K, Tmax = self.hidden, self.topk, self.max_tokens
         # rows: from topk_idx, else x; both absent is an empty round
         lead = topk_idx if topk_idx is not None else x
@@ -453,12 +447,28 @@ class EP:
             T = num_tokens
         din = _lib.DispatchIn(C.sizeof(_lib.DispatchIn), T, px, ps, pi,
                               _stream_of(x, stream), nt_dev)
+        return din, T
+
+    def _sent(self, r, T, x, topk_idx, x_scales, num_tokens):
+        # alive until the round ends
+        self._keep[r] = (x, topk_idx, x_scales, num_tokens)
+        self._rounds[r] = T
+        self._last_round = r
+        return r
+
+    def dispatch_send(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None):
+        """Send tokens x [T, H] (bf16; fp8 with x_scales [T, H/128]) to the
+        ranks of their experts; topk_idx [T, K] int64, -1 = none; T <=
+        max_tokens. Returns the round. num_tokens: an int <= T (the first
+        num_tokens rows are sent; combine then takes num_tokens rows), or
+        (CUDA) an int32 device array of one element, read when the work
+        runs: then x and topk_idx have max_tokens rows, and so do
+        topk_weights and out at combine."""
+        h = self._ep()
+        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
         r = C.c_uint64()
         self._check(_lib_handle().ferry_dispatch_send(h, C.byref(din), C.byref(r)))
-        # alive until the round ends
-        self._keep[r.value] = (x, topk_idx, x_scales, num_tokens)
-        self._rounds[r.value] = T
-        return r.value
+        return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
     def dispatch_recv(self, round, expert_x, expert_num_tokens, expert_x_scales=None,
                       expert_src_rank=None, expert_src_token=None, stream=None):
@@ -467,6 +477,12 @@ class EP:
         int32, optional expert_src_rank/expert_src_token [E_local, capacity]
         int32: see alloc()."""
         h = self._ep()
+        dout = self._dout(expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
+                          expert_src_token, stream)
+        self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
+
+    def _dout(self, expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
+              expert_src_token, stream):
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
         fp8 = self.dtype == "fp8"
         if not fp8 and expert_x_scales is not None:
@@ -484,15 +500,18 @@ class EP:
             self._arr(expert_src_token, "expert_src_token", _I32, (El, cap),
                       required=False, output=True),
             _stream_of(expert_x, stream))
-        self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
+        return dout
+
+    def _cin(self, expert_y, stream):
+        return _lib.CombineIn(C.sizeof(_lib.CombineIn),
+                              self._arr(expert_y, "expert_y", _BF16,
+                                        (self.num_local_experts, self.capacity, self.hidden)),
+                              _stream_of(expert_y, stream))
 
     def combine_send(self, round, expert_y, stream=None):
         """expert_y [E_local, capacity, H] bf16, the experts' outputs."""
         h = self._ep()
-        cin = _lib.CombineIn(C.sizeof(_lib.CombineIn),
-                             self._arr(expert_y, "expert_y", _BF16,
-                                       (self.num_local_experts, self.capacity, self.hidden)),
-                             _stream_of(expert_y, stream))
+        cin = self._cin(expert_y, stream)
         self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
@@ -501,6 +520,12 @@ class EP:
         """out [T, H] bf16 = sum_k topk_weights[t, k] * y_k[t] (fp32 sum);
         topk_weights [T, K] float32; T as at dispatch_send."""
         h = self._ep()
+        cout = self._cout(round, topk_weights, out, stream)
+        self._check(_lib_handle().ferry_combine_recv(h, round, C.byref(cout)))
+        self._keep.pop(round, None)
+        self._rounds.pop(round, None)
+
+    def _cout(self, round, topk_weights, out, stream):
         T = self._rounds.get(round)
         if T is None:  # not a round of this context in flight: ferry says why
             cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
@@ -510,18 +535,33 @@ class EP:
                 self._arr(topk_weights, "topk_weights", _F32, (T, self.topk), required=T > 0),
                 self._arr(out, "out", _BF16, (T, self.hidden), required=T > 0, output=True),
                 _stream_of(out, stream))
-        self._check(_lib_handle().ferry_combine_recv(h, round, C.byref(cout)))
-        self._keep.pop(round, None)
-        self._rounds.pop(round, None)
+        return cout
 
     def dispatch(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None, **out):
-        r = self.dispatch_send(x, topk_idx, x_scales, num_tokens, stream)
-        self.dispatch_recv(r, stream=stream, **out)
-        return r
+        """dispatch_send and dispatch_recv in one call (one kernel launch on
+        CUDA ranks); out: dispatch_recv's arguments. Returns the round."""
+        bad = set(out) - {"expert_x", "expert_num_tokens", "expert_x_scales",
+                          "expert_src_rank", "expert_src_token"}
+        if bad:
+            raise TypeError("dispatch: unexpected argument(s): " + ", ".join(sorted(bad)))
+        h = self._ep()
+        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
+        dout = self._dout(out.get("expert_x"), out.get("expert_num_tokens"),
+                          out.get("expert_x_scales"), out.get("expert_src_rank"),
+                          out.get("expert_src_token"), stream)
+        r = C.c_uint64()
+        self._check(_lib_handle().ferry_dispatch(h, C.byref(din), C.byref(dout), C.byref(r)))
+        return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
     def combine(self, round, expert_y, topk_weights, out, stream=None):
-        self.combine_send(round, expert_y, stream)
-        self.combine_recv(round, topk_weights, out, stream)
+        """combine_send and combine_recv in one call (one kernel launch on
+        CUDA ranks)."""
+        h = self._ep()
+        cin = self._cin(expert_y, stream)
+        cout = self._cout(round, topk_weights, out, stream)
+        self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))
+        self._keep.pop(round, None)
+        self._rounds.pop(round, None)
 
     # ------------------------------------------------------ high throughput
 

@@ -124,6 +124,7 @@ class _Plan:
         L = _lib_handle()
         self.send, self.recv = L.ferry_dispatch_send, L.ferry_dispatch_recv
         self.csend, self.crecv = L.ferry_combine_send, L.ferry_combine_recv
+        self.both, self.cboth = L.ferry_dispatch, L.ferry_combine
         self.last_error = L.ferry_ep_last_error
         self.stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -299,16 +300,27 @@ class Buffer:
         din.x = x.data_ptr()
         din.topk_idx = topk_idx.data_ptr()
         stream = din.stream = plan.raw_stream()
-        plan.check(plan.send(h, din, plan.round))
-        rnd = plan.round.value
+        ep = plan.ep
+        if return_recv_hook:
+            plan.check(plan.send(h, din, plan.round))
+            rnd = ep._last_round = plan.round.value
+            out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
+            dout.stream = stream
+
+            def recv():
+                plan.check(plan.recv(h, rnd, dout))
+
+            return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), recv
+        # one launch: the round's number (and so its buffer set) is the next
+        rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
         dout.stream = stream
-
-        def recv():
-            plan.check(plan.recv(h, rnd, dout))
-
-        hook = _recv_or_hook(recv, return_recv_hook)
-        return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), hook
+        plan.check(plan.both(h, din, dout, plan.round))
+        ep._last_round = plan.round.value
+        if plan.round.value != rnd:
+            raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
+                                 f"expected (rounds of this context were started elsewhere)")
+        return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), None
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
         plan, rnd, _, _, T = handle
@@ -328,16 +340,18 @@ class Buffer:
         cin, cout = plan.cin, plan.cout
         cin.expert_y = x.data_ptr()
         cin.stream = stream
-        plan.check(plan.csend(h, rnd, cin))
         cout.topk_weights = w.data_ptr()
         cout.out = out.data_ptr()
         cout.stream = stream
+        if not return_recv_hook:  # one launch
+            plan.check(plan.cboth(h, rnd, cin, cout))
+            return out, _no_event(), None
+        plan.check(plan.csend(h, rnd, cin))
 
         def recv():
             plan.check(plan.crecv(h, rnd, cout))
 
-        hook = _recv_or_hook(recv, return_recv_hook)
-        return out, _no_event(), hook
+        return out, _no_event(), recv
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,

@@ -68,8 +68,12 @@ def rank_main(rank, N, port, q):
         El = ep.num_local_experts
         for rnd in range(1, 31):
             x, idx, w = inputs(rank, rnd, N)
-            r = ep.dispatch_send(x, idx)
-            ep.dispatch_recv(r, **bufs)
+            one_call = rnd % 3 == 0  # ep.dispatch / ep.combine every third round
+            if one_call:
+                r = ep.dispatch(x, idx, **bufs)
+            else:
+                r = ep.dispatch_send(x, idx)
+                ep.dispatch_recv(r, **bufs)
             # expected rows: by source rank, then token
             exp = {le: [] for le in range(El)}
             for src in range(N):
@@ -88,8 +92,11 @@ def rank_main(rank, N, port, q):
                     assert np.array_equal(bufs["expert_x"][le, s], row)
                 y[le, :n] = expert_fn(rank * El + le, bufs["expert_x"][le, :n])
             out = np.zeros((len(x), H), np.uint16)
-            ep.combine_send(r, y)
-            ep.combine_recv(r, w, out)
+            if one_call:
+                ep.combine(r, y, w, out)
+            else:
+                ep.combine_send(r, y)
+                ep.combine_recv(r, w, out)
             ref = np.zeros((len(x), H), np.float64)
             for t in range(len(x)):
                 for k in range(K):

@@ -106,33 +106,28 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
-int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
-                        uint64_t *round)
+/* dispatch_send's checks and the round it would start (not yet taken). */
+static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const void *round,
+                         const char *call, fr_round_t **out)
 {
-    if (!ep)
-        return FERRY_ERR_INVALID;
     int rc = fr_ep_usable(ep);
-    if (rc || (rc = fr_ll_only(ep, "dispatch_send")))
+    if (rc || (rc = fr_ll_only(ep, call)))
         return rc;
-    const fr_layout_t *L = &ep->L;
     if (!in)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
     if (!round)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "round: NULL pointer");
     int on_gpu = ep->cfg.device == FERRY_DEVICE_CUDA;
-    {
-        fr_err_t aerr;
-        rc = fr_check_dispatch_args(L, in, on_gpu, &aerr);
-        if (rc)
-            return fr_ep_fail(ep, rc, "%s", aerr.msg);
-    }
-    int T = in->num_tokens;
+    fr_err_t aerr;
+    rc = fr_check_dispatch_args(&ep->L, in, on_gpu, &aerr);
+    if (rc)
+        return fr_ep_fail(ep, rc, "%s", aerr.msg);
     uint64_t epoch = ep->next_epoch + 1;
     fr_round_t *r = &ep->rounds[epoch % FR_NSETS];
     if (r->state != FR_ROUND_FREE)
         return fr_ep_fail(ep, FERRY_ERR_STATE,
-                          "dispatch_send: rounds %llu and %llu are both in "
-                          "flight; finish round %llu with combine_recv first",
+                          "%s: rounds %llu and %llu are both in "
+                          "flight; finish round %llu with combine_recv first", call,
                           (unsigned long long)r->epoch,
                           (unsigned long long)(epoch - 1),
                           (unsigned long long)r->epoch);
@@ -141,14 +136,27 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
         if (rc)
             return rc;
     }
-    ep->next_epoch = epoch;
     r->epoch = epoch;
-    r->T = T;
+    r->T = in->num_tokens;
+    *out = r;
+    return FERRY_OK;
+}
+
+int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+                        uint64_t *round)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    fr_round_t *r = NULL;
+    int rc = fr_send_begin(ep, in, round, "dispatch_send", &r);
+    if (rc)
+        return rc;
+    ep->next_epoch = r->epoch;
     rc = ep->eng->dispatch_send(ep, r, in);
     if (rc)
         return rc;
     r->state = FR_ROUND_SENT;
-    *round = epoch;
+    *round = r->epoch;
     return FERRY_OK;
 }
 
@@ -175,16 +183,8 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
     return FERRY_OK;
 }
 
-int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
-                        const ferry_dispatch_out_t *out)
+static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
 {
-    if (!ep)
-        return FERRY_ERR_INVALID;
-    fr_round_t *r = NULL;
-    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, sizeof(*out), "out",
-                           "ferry_dispatch_out_t", &r);
-    if (rc)
-        return rc;
     if (!out->expert_x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_x: NULL pointer");
     if (!out->expert_num_tokens)
@@ -193,6 +193,19 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     if (ep->L.fp8 && !out->expert_x_scales)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "expert_x_scales: NULL pointer (fp8 dispatch)");
+    return FERRY_OK;
+}
+
+int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
+                        const ferry_dispatch_out_t *out)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, sizeof(*out), "out",
+                           "ferry_dispatch_out_t", &r);
+    if (rc || (rc = fr_check_dispatch_out(ep, out)))
+        return rc;
     rc = ep->eng->dispatch_recv(ep, r, out);
     if (rc)
         return rc;
@@ -219,6 +232,16 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
     return FERRY_OK;
 }
 
+static int fr_check_combine_out(ferry_ep_t ep, const fr_round_t *r,
+                                const ferry_combine_out_t *out)
+{
+    if (r->T > 0 && !out->out)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
+    if (r->T > 0 && !out->topk_weights)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
+    return FERRY_OK;
+}
+
 int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
                        const ferry_combine_out_t *out)
 {
@@ -227,12 +250,8 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, sizeof(*out), "out",
                            "ferry_combine_out_t", &r);
-    if (rc)
+    if (rc || (rc = fr_check_combine_out(ep, r, out)))
         return rc;
-    if (r->T > 0 && !out->out)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
-    if (r->T > 0 && !out->topk_weights)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
     rc = ep->eng->combine_recv(ep, r, out);
     if (rc)
         return rc;
@@ -249,23 +268,79 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream)
     return ep->eng->sync(ep, stream);
 }
 
+/* The one-shot forms: the engine's one-launch operation where it has one
+ * (same checks as the two calls), else send then receive. */
+static int fr_check_out_size(ferry_ep_t ep, const void *args, size_t need, const char *name,
+                             const char *type)
+{
+    if (!args)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", name);
+    size_t have = *(const size_t *)args;
+    if (have < need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s->size = %zu: set it to sizeof(%s)", name,
+                          have, type);
+    return FERRY_OK;
+}
+
 int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                    const ferry_dispatch_out_t *out, uint64_t *round)
 {
-    uint64_t r = 0;
-    int rc = ferry_dispatch_send(ep, in, &r);
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    uint64_t rr = 0;
+    if (!ep->eng->dispatch) {
+        int rc = ferry_dispatch_send(ep, in, &rr);
+        if (rc)
+            return rc;
+        if (round)
+            *round = rr;
+        return ferry_dispatch_recv(ep, rr, out);
+    }
+    fr_round_t *r = NULL;
+    int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
+    if (rc || (rc = fr_check_out_size(ep, out, sizeof(*out), "out", "ferry_dispatch_out_t")) ||
+        (rc = fr_check_dispatch_out(ep, out)))
+        return rc;
+    if (out->stream != in->stream)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "out->stream differs from in->stream: ferry_dispatch runs on one "
+                          "stream (use dispatch_send and dispatch_recv for two)");
+    ep->next_epoch = r->epoch;
+    rc = ep->eng->dispatch(ep, r, in, out);
     if (rc)
         return rc;
+    r->state = FR_ROUND_RECVD;
     if (round)
-        *round = r;
-    return ferry_dispatch_recv(ep, r, out);
+        *round = r->epoch;
+    return FERRY_OK;
 }
 
 int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
                   const ferry_combine_out_t *out)
 {
-    int rc = ferry_combine_send(ep, round, in);
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    if (!ep->eng->combine) {
+        int rc = ferry_combine_send(ep, round, in);
+        if (rc)
+            return rc;
+        return ferry_combine_recv(ep, round, out);
+    }
+    fr_round_t *r = NULL;
+    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
+                           "ferry_combine_in_t", &r);
+    if (rc || (rc = fr_check_out_size(ep, out, sizeof(*out), "out", "ferry_combine_out_t")) ||
+        (rc = fr_check_combine_out(ep, r, out)))
+        return rc;
+    if (!in->expert_y)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if (out->stream != in->stream)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "out->stream differs from in->stream: ferry_combine runs on one "
+                          "stream (use combine_send and combine_recv for two)");
+    rc = ep->eng->combine(ep, r, in, out);
     if (rc)
         return rc;
-    return ferry_combine_recv(ep, round, out);
+    r->state = FR_ROUND_FREE;
+    return FERRY_OK;
 }

@@ -56,6 +56,13 @@ typedef struct fr_engine {
     int (*ht_combine)(ferry_ep_t ep, ferry_route_t route,
                       const ferry_ht_combine_in_t *in,
                       const ferry_ht_combine_out_t *out);
+    /* Optional: send and receive as one operation (one kernel launch on a
+     * GPU), behind ferry_dispatch and ferry_combine; NULL: the API calls
+     * the two halves. in and out share one stream. */
+    int (*dispatch)(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in,
+                    const ferry_dispatch_out_t *out);
+    int (*combine)(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                   const ferry_combine_out_t *out);
 } fr_engine_t;
 
 /* A route (public handle ferry_route_t): what the API layer checks

@@ -2,14 +2,19 @@
  * CUDA-rank tests (self-launching; exit 77 = skipped, with the reason).
  *   test_cuda_ep -n N graph     dispatch and combine captured once as CUDA
  *                               graphs and replayed with new inputs and a
- *                               token count read from device memory
+ *                               token count read from device memory (the
+ *                               send/recv calls, then the one-launch
+ *                               ferry_dispatch/ferry_combine)
  *   test_cuda_ep -n 2 timeout   rank 1 never sends: rank 0 gets
  *                               FERRY_ERR_TIMEOUT naming rank 1 within
  *                               FERRY_TIMEOUT_MS + 1 s, and its CUDA context
  *                               still works afterwards
  *   test_cuda_ep -n N twin      CUDA kernels against the CPU twins on the
- *                               same inputs (fp8 and bf16)
- *   test_cuda_ep -n 1 badidx    an expert index out of range found on the
+ *                               same inputs (fp8 and bf16; the one-launch
+ *                               ferry_dispatch/ferry_combine)
+ *   test_cuda_ep -n 1 badidx    ferry_dispatch/ferry_combine refuse a NULL
+ *                               out and two streams, then run a good round;
+ *                               an expert index out of range found on the
  *                               GPU comes back as FERRY_ERR_INVALID
  */
 #include <math.h>
@@ -101,7 +106,7 @@ static ferry_ep_t spec_ep(ferry_comm_t comm, const fw_spec_t *s,
     return rc == FERRY_OK ? ep : NULL;
 }
 
-static int run_graph(ferry_comm_t comm)
+static int run_graph(ferry_comm_t comm, int one_call)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     int E = 4 * N, K = 4, H = 256, T = 24;
@@ -131,16 +136,26 @@ static int run_graph(ferry_comm_t comm)
     cudaGraphExec_t x1, x2;
     uint64_t round = 0;
     CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    rc = ferry_dispatch_send(ep, &din, &round);
-    CHECK(rc == FERRY_OK, "capture dispatch_send: %s", ferry_ep_last_error(ep));
-    rc = ferry_dispatch_recv(ep, round, &dout);
-    CHECK(rc == FERRY_OK, "capture dispatch_recv: %s", ferry_ep_last_error(ep));
+    if (one_call) {
+        rc = ferry_dispatch(ep, &din, &dout, &round);
+        CHECK(rc == FERRY_OK, "capture dispatch: %s", ferry_ep_last_error(ep));
+    } else {
+        rc = ferry_dispatch_send(ep, &din, &round);
+        CHECK(rc == FERRY_OK, "capture dispatch_send: %s", ferry_ep_last_error(ep));
+        rc = ferry_dispatch_recv(ep, round, &dout);
+        CHECK(rc == FERRY_OK, "capture dispatch_recv: %s", ferry_ep_last_error(ep));
+    }
     CU(cudaStreamEndCapture(st, &g1));
     CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    rc = ferry_combine_send(ep, round, &cin);
-    CHECK(rc == FERRY_OK, "capture combine_send: %s", ferry_ep_last_error(ep));
-    rc = ferry_combine_recv(ep, round, &cout);
-    CHECK(rc == FERRY_OK, "capture combine_recv: %s", ferry_ep_last_error(ep));
+    if (one_call) {
+        rc = ferry_combine(ep, round, &cin, &cout);
+        CHECK(rc == FERRY_OK, "capture combine: %s", ferry_ep_last_error(ep));
+    } else {
+        rc = ferry_combine_send(ep, round, &cin);
+        CHECK(rc == FERRY_OK, "capture combine_send: %s", ferry_ep_last_error(ep));
+        rc = ferry_combine_recv(ep, round, &cout);
+        CHECK(rc == FERRY_OK, "capture combine_recv: %s", ferry_ep_last_error(ep));
+    }
     CU(cudaStreamEndCapture(st, &g2));
     CU(cudaGraphInstantiate(&x1, g1, 0));
     CU(cudaGraphInstantiate(&x2, g2, 0));
@@ -179,7 +194,8 @@ static int run_graph(ferry_comm_t comm)
         wrong += fw_check_combine(&s, (uint64_t)it, me, &in, b.hout, 3);
     }
     CHECK(wrong == 0, "%ld wrong after graph replays", wrong);
-    printf("rank %d: %d graph replays, %ld wrong\n", me, replays, wrong);
+    printf("rank %d: %d graph replays (%s), %ld wrong\n", me, replays,
+           one_call ? "ferry_dispatch/ferry_combine" : "send/recv calls", wrong);
     CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
     return fr_test_result();
 }
@@ -350,11 +366,37 @@ static int run_badidx(ferry_comm_t comm)
     fw_input_t in;
     fw_input_alloc(&s, &in);
     fw_generate(&s, 1, 0, &in);
-    in.idx[5] = 8; /* out of range */
     CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b.w, in.w, (size_t)s.T * s.K * 4, cudaMemcpyHostToDevice));
     ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = s.T, .x = b.x, .topk_idx = b.idx};
     uint64_t round;
+    /* the one-launch calls' own checks, then a good round on the same context */
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                 .expert_x_scales = b.exs, .expert_num_tokens = b.cnt,
+                                 .stream = st};
+    CHECK_RC(ferry_dispatch(ep, &din, NULL, &round), FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_ep_last_error(ep), "out") != NULL, "message names out: %s",
+          ferry_ep_last_error(ep));
+    CHECK_RC(ferry_dispatch(ep, &din, &dout, &round), FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_ep_last_error(ep), "out->stream") != NULL, "message names out->stream: %s",
+          ferry_ep_last_error(ep));
+    dout.stream = NULL;
+    CHECK_RC(ferry_dispatch(ep, &din, &dout, &round), FERRY_OK);
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey, .stream = st};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = b.w, .out = b.out};
+    CHECK_RC(ferry_combine(ep, round, &cin, &cout), FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_ep_last_error(ep), "out->stream") != NULL, "message names out->stream: %s",
+          ferry_ep_last_error(ep));
+    cin.stream = NULL;
+    CHECK_RC(ferry_combine(ep, round, &cin, NULL), FERRY_ERR_INVALID);
+    CHECK_RC(ferry_combine(ep, round, &cin, &cout), FERRY_OK);
+    CHECK_RC(ferry_ep_sync(ep, NULL), FERRY_OK);
+    cudaStreamDestroy(st);
+    in.idx[5] = 8; /* out of range */
+    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
     rc = ferry_dispatch_send(ep, &din, &round);
     if (rc == FERRY_OK)
         rc = ferry_ep_sync(ep, NULL);
@@ -399,7 +441,7 @@ int main(int argc, char **argv)
     else if (strcmp(mode, "twin") == 0)
         rc = run_twin(comm, 1) | run_twin(comm, 0);
     else
-        rc = run_graph(comm);
+        rc = run_graph(comm, 0) | run_graph(comm, 1);
     ferry_comm_destroy(comm);
     return rc;
 }

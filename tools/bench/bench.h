@@ -16,6 +16,8 @@ typedef struct opts {
     int ranks, experts, topk, hidden, tokens, iters, warmup;
     int fp8, check, vary, sms;
     int ht, ring;  /* --mode ht, --ring */
+    int graph;     /* --graph: rounds replayed from one CUDA graph */
+    int split;     /* --split: send and receive as two calls */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;

@@ -97,7 +97,10 @@ static void print_table(const bench_t *b, const summary_t *r)
                getenv("FI_PROVIDER") ? getenv("FI_PROVIDER") : "", o->routing,
                o->iters, o->warmup, (unsigned long long)o->seed,
                b->cfg.device == FERRY_DEVICE_CUDA && !o->check
-                   ? ", GPU rounds back to back, CUDA-event times, no check"
+                   ? (o->graph ? ", GPU rounds replayed back to back from CUDA graphs of 20 "
+                                 "rounds with no event inside: disp and comb columns both "
+                                 "= round time / 2, no check"
+                               : ", GPU rounds back to back, CUDA-event times, no check")
                    : "",
                "ranks", "E",
                "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",

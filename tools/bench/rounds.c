@@ -104,6 +104,26 @@ static const char *prepare_round(bench_t *b, int it, round_io_t *io)
     return NULL;
 }
 
+/* One operation as engines call it (ferry_dispatch / ferry_combine: one
+ * launch on GPU ranks), or with --split as its two halves. */
+static int bench_dispatch(bench_t *b, const ferry_dispatch_in_t *in,
+                          const ferry_dispatch_out_t *out, uint64_t *round)
+{
+    if (!b->o->split)
+        return ferry_dispatch(b->ep, in, out, round);
+    int rc = ferry_dispatch_send(b->ep, in, round);
+    return rc ? rc : ferry_dispatch_recv(b->ep, *round, out);
+}
+
+static int bench_combine(bench_t *b, uint64_t round, const ferry_combine_in_t *in,
+                         const ferry_combine_out_t *out)
+{
+    if (!b->o->split)
+        return ferry_combine(b->ep, round, in, out);
+    int rc = ferry_combine_send(b->ep, round, in);
+    return rc ? rc : ferry_combine_recv(b->ep, round, out);
+}
+
 /* Ferry's dispatch, timed after a barrier; then the rows are checked and
  * the experts run on them. */
 static const char *ferry_dispatch_step(bench_t *b, uint64_t round_id, round_io_t *io,
@@ -112,9 +132,7 @@ static const char *ferry_dispatch_step(bench_t *b, uint64_t round_id, round_io_t
     if ((b->rc = bench_barrier(b->comm, b->have_base)) != FERRY_OK)
         return "barrier";
     double t0 = now_us();
-    b->rc = ferry_dispatch_send(b->ep, &io->din, round);
-    if (b->rc == FERRY_OK)
-        b->rc = ferry_dispatch_recv(b->ep, *round, &io->dout);
+    b->rc = bench_dispatch(b, &io->din, &io->dout, round);
     if (b->rc == FERRY_OK)
         b->rc = ferry_ep_sync(b->ep, b->dv.stream); /* GPU: wait, then check */
     double t1 = now_us();
@@ -139,9 +157,7 @@ static const char *ferry_combine_step(bench_t *b, uint64_t round_id, uint64_t ro
     if ((b->rc = bench_barrier(b->comm, b->have_base)) != FERRY_OK)
         return "barrier";
     double t2 = now_us();
-    b->rc = ferry_combine_send(b->ep, round, &io->cin);
-    if (b->rc == FERRY_OK)
-        b->rc = ferry_combine_recv(b->ep, round, &io->cout);
+    b->rc = bench_combine(b, round, &io->cin, &io->cout);
     if (b->rc == FERRY_OK)
         b->rc = ferry_ep_sync(b->ep, b->dv.stream);
     double t3 = now_us();
@@ -229,7 +245,8 @@ void run_rounds(bench_t *b, int from, int to)
 }
 
 #ifdef FERRY_HAVE_CUDA
-/* Every round queued on the stream, each bracketed by three events. */
+/* Every round queued on the stream (or captured), each bracketed by three
+ * events (none when evs is NULL). */
 static void gpu_queue_rounds(bench_t *b, cudaEvent_t *evs, int total)
 {
     dev_t_ *dv = &b->dv;
@@ -242,22 +259,32 @@ static void gpu_queue_rounds(bench_t *b, cudaEvent_t *evs, int total)
     ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = dv->ey, .stream = dv->stream};
     ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = dv->w, .out = dv->out,
                                 .stream = dv->stream};
-    bench_barrier(b->comm, b->have_base);
     for (int it = 0; it < total && !b->fail; it++) {
         uint64_t round = 0;
-        cudaEventRecord(evs[it * 3], cst);
-        b->rc = ferry_dispatch_send(b->ep, &din, &round);
+        if (evs)
+            cudaEventRecord(evs[it * 3], cst);
+        b->rc = bench_dispatch(b, &din, &dout, &round);
+        if (evs)
+            cudaEventRecord(evs[it * 3 + 1], cst);
         if (b->rc == FERRY_OK)
-            b->rc = ferry_dispatch_recv(b->ep, round, &dout);
-        cudaEventRecord(evs[it * 3 + 1], cst);
-        if (b->rc == FERRY_OK)
-            b->rc = ferry_combine_send(b->ep, round, &cin);
-        if (b->rc == FERRY_OK)
-            b->rc = ferry_combine_recv(b->ep, round, &cout);
-        cudaEventRecord(evs[it * 3 + 2], cst);
+            b->rc = bench_combine(b, round, &cin, &cout);
+        if (evs)
+            cudaEventRecord(evs[it * 3 + 2], cst);
         if (b->rc != FERRY_OK)
             b->fail = "round";
     }
+}
+
+/* Payload to other ranks in a round: dispatch records, and (estimated by
+ * symmetry) as many combine rows as this rank's remote pairs. */
+static double gpu_round_bytes(const bench_t *b)
+{
+    size_t rec = b->lay.token_bytes + 4 * (size_t)b->lay.num_scales;
+    double bytes = dispatch_bytes(&b->in, b->s.K, (int)b->El, b->me, rec);
+    for (int i = 0; i < b->in.T * b->s.K; i++)
+        if (b->in.idx[i] >= 0 && b->in.idx[i] / (int)b->El != b->me)
+            bytes += 2.0 * b->o->hidden;
+    return bytes;
 }
 
 /* The timed rounds' rows from the events. */
@@ -272,15 +299,64 @@ static void gpu_read_times(bench_t *b, cudaEvent_t *evs, int total)
         r[0] = a * 1000.0;
         r[1] = b2 * 1000.0;
         r[2] = r[3] = NAN;
-        /* payload to other ranks: dispatch records, and (estimated by
-         * symmetry) as many combine rows as this rank's remote pairs */
-        size_t rec = b->lay.token_bytes + 4 * (size_t)b->lay.num_scales;
-        double bytes = dispatch_bytes(&b->in, b->s.K, (int)b->El, b->me, rec);
-        for (int i2 = 0; i2 < b->in.T * b->s.K; i2++)
-            if (b->in.idx[i2] >= 0 && b->in.idx[i2] / (int)b->El != b->me)
-                bytes += 2.0 * o->hidden;
-        r[4] = bytes;
+        r[4] = gpu_round_bytes(b);
     }
+}
+
+/* --graph: FR_GRAPH_ROUNDS rounds captured once as one CUDA graph with no
+ * event inside (an event between kernels costs microseconds, tens of them
+ * with many processes on one GPU under MPS), replayed back to back with
+ * events only between replays. A row's dispatch and combine columns both
+ * hold its replay's mean time per operation (round / 2). */
+#define FR_GRAPH_ROUNDS 20
+static void gpu_graph_rounds(bench_t *b)
+{
+    const opts_t *o = b->o;
+    cudaStream_t cst = (cudaStream_t)b->dv.stream;
+    int G = o->iters < FR_GRAPH_ROUNDS ? o->iters : FR_GRAPH_ROUNDS;
+    int warm = (o->warmup + G - 1) / G, reps = (o->iters + G - 1) / G;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    cudaEvent_t *evs = calloc((size_t)reps + 1, sizeof(cudaEvent_t));
+    for (int i = 0; i <= reps; i++)
+        cudaEventCreate(&evs[i]);
+    if (cudaStreamBeginCapture(cst, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+        b->fail = "cudaStreamBeginCapture";
+    if (!b->fail) {
+        gpu_queue_rounds(b, NULL, G);
+        if (cudaStreamEndCapture(cst, &g) != cudaSuccess && !b->fail)
+            b->fail = "cudaStreamEndCapture";
+    }
+    if (!b->fail && cudaGraphInstantiate(&x, g, 0) != cudaSuccess)
+        b->fail = "cudaGraphInstantiate";
+    if (!b->fail)
+        bench_barrier(b->comm, b->have_base);
+    for (int i = 0; i < warm + reps && !b->fail; i++) {
+        if (i >= warm)
+            cudaEventRecord(evs[i - warm], cst);
+        if (cudaGraphLaunch(x, cst) != cudaSuccess)
+            b->fail = "cudaGraphLaunch";
+    }
+    if (!b->fail)
+        cudaEventRecord(evs[reps], cst);
+    if (x && cudaStreamSynchronize(cst) != cudaSuccess && !b->fail)
+        b->fail = "round";
+    for (int it = 0; it < o->iters && !b->fail; it++) {
+        float ms = 0;
+        int rep = it / G;
+        cudaEventElapsedTime(&ms, evs[rep], evs[rep + 1]);
+        double *r = b->tm + (size_t)it * 5;
+        r[0] = r[1] = ms * 1000.0 / G / 2;
+        r[2] = r[3] = NAN;
+        r[4] = gpu_round_bytes(b);
+    }
+    for (int i = 0; i <= reps; i++)
+        cudaEventDestroy(evs[i]);
+    free(evs);
+    if (x)
+        cudaGraphExecDestroy(x);
+    if (g)
+        cudaGraphDestroy(g);
 }
 
 /* GPU ranks without checking: rounds back to back on the stream, timed
@@ -295,10 +371,16 @@ void run_gpu_rounds(bench_t *b)
     fw_generate(&b->s, 1, b->me, &b->in);
     if (dev_inputs(&b->dv, &b->s, &b->in) != 0)
         b->fail = "copy to GPU";
-    gpu_queue_rounds(b, evs, total);
+    if (b->o->graph && !b->fail) {
+        gpu_graph_rounds(b);
+    } else if (!b->fail) {
+        bench_barrier(b->comm, b->have_base);
+        gpu_queue_rounds(b, evs, total);
+    }
     if (!b->fail && ferry_ep_sync(b->ep, b->dv.stream) != FERRY_OK)
         b->fail = "round";
-    gpu_read_times(b, evs, total);
+    if (!b->o->graph)
+        gpu_read_times(b, evs, total);
     for (int i = 0; i < total * 3; i++)
         cudaEventDestroy(evs[i]);
     free(evs);

@@ -27,8 +27,8 @@
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
 
-__global__ void __launch_bounds__(FR_CS_THREADS, 2)
-fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
+static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
+                                                 const uint8_t *y)
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -59,6 +59,12 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
         }
     }
     __shared__ bool last;
+    if (A.nfabric == 0) {
+        __syncthreads();
+        if (!fr_cu_failed(A))
+            fr_cu_arrive(A, FR_PH_COMBINE, set);
+        return;
+    }
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0)
@@ -85,13 +91,19 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
     }
 }
 
+__global__ void __launch_bounds__(FR_CS_THREADS, 2)
+fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
+{
+    fr_cs_run(A, set, y);
+}
+
 /* Blocks take runs of B consecutive tokens: the rows of all B x K pairs
  * are looked up at once, then every thread sums 8 channels of one token
  * with the K row loads in flight (no per-token barrier or lookup chain). */
 #define FR_CR_PAIRS 256
-__global__ void __launch_bounds__(FR_CR_THREADS, 2)
-fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
-                   const uint8_t *self_y)
+static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
+                                                 const float *w, uint16_t *out,
+                                                 const uint8_t *self_y)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, H = L.H;
@@ -103,7 +115,7 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
         unsigned long long epoch = A.epoch[set];
         for (int s = 0; s < N && ok; s++)
             ok = fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_COMBINE, set, s)),
-                                 epoch, s, FR_CU_WHAT_COMBINE);
+                                 fr_cu_target(A, epoch), s, FR_CU_WHAT_COMBINE);
     }
     __syncthreads();
     if (!ok)
@@ -160,6 +172,23 @@ fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
         }
         __syncthreads();
     }
+}
+
+__global__ void __launch_bounds__(FR_CR_THREADS, 2)
+fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
+                   const uint8_t *self_y)
+{
+    fr_cr_run(A, set, w, out, self_y);
+}
+
+/* Both parts in one launch (the grid resident at once: blocks wait for
+ * the other blocks' sends). */
+__global__ void __launch_bounds__(FR_CS_THREADS, 2)
+fr_cu_combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out)
+{
+    fr_cs_run(A, set, y);
+    __syncthreads();
+    fr_cr_run(A, set, w, out, y);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -358,6 +387,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
         int nsm = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : 16;
         c->nblocks = nsm;
+        FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
+              fail);
     }
     free(all);
     return FERRY_OK;
@@ -469,4 +500,23 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                                           (uint16_t *)out->out,
                                                           (const uint8_t *)c->y[set]);
     return fr_cuda_launch_check(ep, "combine_recv");
+}
+
+extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                               const ferry_combine_out_t *out)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    c->y[set] = in->expert_y;
+    if (c->cgrid == 0) {
+        int per = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_combine, FR_CS_THREADS, 0);
+        c->cgrid = per * c->nsm;
+    }
+    int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
+    blocks = blocks < 1 ? 1 : blocks;
+    fr_cu_combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+                                                   out->topk_weights, (uint16_t *)out->out);
+    return fr_cuda_launch_check(ep, "combine");
 }

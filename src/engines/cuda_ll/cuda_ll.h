@@ -28,6 +28,12 @@ int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
 int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                          const ferry_combine_out_t *out);
 
+/* Send and receive in one launch (ferry_dispatch, ferry_combine). */
+int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in,
+                     const ferry_dispatch_out_t *out);
+int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                    const ferry_combine_out_t *out);
+
 /* Error a kernel reported (host-mapped word), turned into the EP's error. */
 int fr_cuda_check(ferry_ep_t ep);
 int fr_cuda_sync(ferry_ep_t ep, void *stream);

@@ -56,6 +56,9 @@ typedef struct fr_cu_args {
 struct fr_cuda_ep {
     fr_cu_args_t a;
     int device, nblocks;
+    int nsm;                 /* the GPU's SMs */
+    int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
+                                holds at once (0: not asked yet) */
     int host_seg;            /* segment is pinned host memory (fabric) */
     void *dev_seg, *dev_send, *dev_ring, *dev_slices; /* their GPU views */
     void *dmem;              /* one device allocation for the tables */
@@ -75,6 +78,13 @@ static __device__ __forceinline__ unsigned long long fr_ld_acquire(const unsigne
 {
     unsigned long long v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ unsigned long long fr_ld_relaxed(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
@@ -119,8 +129,9 @@ static __device__ bool fr_cu_wait_flag(const fr_cu_args_t &A, const unsigned lon
     unsigned long long t0 = fr_globaltimer();
     unsigned int n = 0;
     for (;;) {
-        unsigned long long v = fr_ld_acquire(flag);
-        if (v == epoch)
+        /* relaxed polls; one acquire once the value is there */
+        unsigned long long v = fr_ld_relaxed(flag);
+        if (v == epoch && fr_ld_acquire(flag) == epoch)
             return true;
         if (v > epoch) {
             fr_cu_fail(A, FERRY_ERR_PROTOCOL, sender, what, (int)v);
@@ -185,6 +196,44 @@ static __device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t 
     }
     for (; i < n; i += 32)
         d[i] = s[i];
+}
+
+/* Flags on the IPC path (self and CUDA-IPC peers) count arrivals: every
+ * block of a sender's grid adds its share to the receiver's flag for that
+ * (phase, set, sender) with a release at system scope once its own stores
+ * are done (block 0 adds FR_CU_ROUND - (G - 1), the others 1), so a round
+ * adds FR_CU_ROUND in all whatever the grid size, and the flag reaches
+ * FR_CU_ROUND times the set's round count exactly when the last block is
+ * in. One system fence per block, all in parallel, instead of a count of
+ * finished blocks followed by fences and a store in the last one. On the
+ * fabric path the proxy writes the epoch itself. */
+#define FR_CU_ROUND_SHIFT 20
+#define FR_CU_ROUND (1ull << FR_CU_ROUND_SHIFT)
+
+/* What a receiver waits for in (set)'s round of this epoch (set 1 counts
+ * epochs 1, 3, 5..., set 0 2, 4, 6...). */
+static __device__ __forceinline__ unsigned long long fr_cu_target(const fr_cu_args_t &A,
+                                                                  unsigned long long epoch)
+{
+    return A.nfabric > 0 ? epoch : ((epoch + 1) / 2) << FR_CU_ROUND_SHIFT;
+}
+
+/* This block's share of (phase, set) to every destination (IPC path);
+ * call after a barrier that follows the block's stores. One system fence
+ * per block (thread 0, after the barrier: it orders the whole block's
+ * stores, as a grid barrier does), then plain atomic adds: system fences
+ * are costly and, with many ranks on one GPU, contend with each other. */
+static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set)
+{
+    unsigned long long add = blockIdx.x == 0 ? FR_CU_ROUND - (gridDim.x - 1) : 1ull;
+    if (threadIdx.x == 0)
+        __threadfence_system();
+    __syncthreads();
+    for (int d = threadIdx.x; d < A.N; d += blockDim.x) {
+        unsigned long long *f =
+            (unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank));
+        asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(f), "l"(add) : "memory");
+    }
 }
 
 /* Publish (phase, set) to peer d: flag for self/IPC, a slice for the proxy

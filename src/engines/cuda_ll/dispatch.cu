@@ -302,10 +302,40 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
     }
 }
 
+/* Step 5 on the IPC path: block 0 writes the slice headers (every block
+ * has the exact counts), then every block adds its share to every
+ * destination's flag; the last block to finish advances the set's epoch
+ * (read by the next kernels). */
+static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
+                                        unsigned long long epoch, const int32_t *sh,
+                                        uint8_t *const *sbase)
+{
+    int N = A.N;
+    bool ok = !fr_cu_failed(A);
+    if (blockIdx.x == 0 && ok)
+        for (int d = threadIdx.x; d < N; d += blockDim.x) {
+            fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
+            h->magic = FR_SLICE_MAGIC;
+            h->sender = (uint32_t)A.rank;
+            h->epoch = epoch;
+            h->count = (uint32_t)sh[2 * N + d];
+            h->npairs = (uint32_t)sh[3 * N + d];
+            h->comb_off = (uint32_t)sh[4 * N + d];
+        }
+    __syncthreads();
+    if (ok)
+        fr_cu_arrive(A, FR_PH_DISPATCH, set);
+    if (threadIdx.x == 0 && atomicAdd(A.dpub + set, 1u) == gridDim.x - 1) {
+        A.dpub[set] = 0;
+        A.epoch[set] = epoch;
+    }
+}
+
+/* The send part; returns this round's epoch (the same in every thread). */
 template <bool VEC>
-__global__ void __launch_bounds__(FR_DS_THREADS, 2)
-fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
-            const int64_t *idx, int T_host, const int32_t *T_dev)
+static __device__ __forceinline__ unsigned long long
+fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
+          const int64_t *idx, int T_host, const int32_t *T_dev)
 {
     extern __shared__ uint8_t *sbase[]; /* [N] slice bases, then int32 [5][N] */
     const fr_layout_t &L = A.L;
@@ -328,8 +358,9 @@ fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
     for (int d = threadIdx.x; d < N; d += blockDim.x)
         sbase[d] = fr_cu_dslice(A, set, d);
     __syncthreads();
+    unsigned long long epoch = s_epoch;
     if (s_bad)
-        return;
+        return epoch;
     int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
     FR_TR_DECL;
@@ -365,9 +396,21 @@ fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
                          x_scales ? x_scales + (size_t)t * L.nscales : NULL, quant, c);
     }
     FR_TR();
-    fr_ds_finish(A, set, s_epoch, sh, sbase);
+    if (A.nfabric > 0)
+        fr_ds_finish(A, set, s_epoch, sh, sbase);
+    else
+        fr_ds_finish_ipc(A, set, s_epoch, sh, sbase);
     FR_TR();
-    FR_TR_PRINT("dsend count,index+token,pack,finish", s_epoch);
+    FR_TR_PRINT("dsend count,index+token,pack,finish", epoch);
+    return epoch;
+}
+
+template <bool VEC>
+__global__ void __launch_bounds__(FR_DS_THREADS, 2)
+fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+            const int64_t *idx, int T_host, const int32_t *T_dev)
+{
+    fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -380,7 +423,7 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
     const fr_layout_t &L = A.L;
     if (fr_cu_failed(A) ||
         !fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
-                         epoch, s, FR_CU_WHAT_DISPATCH))
+                         fr_cu_target(A, epoch), s, FR_CU_WHAT_DISPATCH))
         return false;
     const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
     if (h->magic != FR_SLICE_MAGIC || h->sender != (uint32_t)s || h->epoch != epoch ||
@@ -514,19 +557,25 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const u
     }
 }
 
-__global__ void __launch_bounds__(FR_DR_THREADS, 2)
-fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
+/* The receive part, for the round of `epoch`. Blocks past the experts
+ * (a grid larger than E_local, in the one-launch kernel) have nothing to
+ * do. */
+static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
+                                                 const fr_dr_out_t &o,
+                                                 unsigned long long epoch)
 {
     extern __shared__ int32_t run[]; /* [nmine, rounded up to 4], then the item list */
     const fr_layout_t &L = A.L;
     int N = A.N, y = blockIdx.x, G = gridDim.x;
+    if (y >= (int)L.El)
+        return;
     int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
     int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax);
     fr_dr_item_t *list = (fr_dr_item_t *)(run + ((nmax + 3) & ~3));
     __shared__ int s_ok, s_count, s_np, s_nlist;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
-        s_epoch = A.epoch[set];
+        s_epoch = epoch;
         s_nlist = 0;
     }
     for (int i = threadIdx.x; i < nmine; i += blockDim.x)
@@ -579,6 +628,25 @@ fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
     FR_TR_PRINT("drecv wait0,find0,copy0,rest", s_epoch);
 }
 
+__global__ void __launch_bounds__(FR_DR_THREADS, 2)
+fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
+{
+    fr_dr_run(A, set, o, A.epoch[set]);
+}
+
+/* Both parts in one launch: every block sends its tokens, then receives
+ * its experts. The grid must be resident at once (blocks wait for the
+ * other blocks' sends): the launcher caps it at what the GPU holds. */
+template <bool VEC>
+__global__ void __launch_bounds__(FR_DS_THREADS, 2)
+fr_cu_dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+               const int64_t *idx, int T_host, const int32_t *T_dev, fr_dr_out_t o)
+{
+    unsigned long long epoch = fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev);
+    __syncthreads(); /* the shared memory changes hands */
+    fr_dr_run(A, set, o, epoch);
+}
+
 /* ---------------------------------------------------------------------- */
 /* launchers                                                              */
 
@@ -619,4 +687,42 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                      out->expert_src_rank, out->expert_src_token};
     fr_cu_drecv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
     return fr_cuda_launch_check(ep, "dispatch_recv");
+}
+
+extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in,
+                                const ferry_dispatch_out_t *out)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
+    int blocks = c->nblocks;
+    size_t ssend = (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)ep->N;
+    int nmax = ((int)ep->L.El + blocks - 1) / blocks;
+    size_t srecv = sizeof(int32_t) * (size_t)((nmax + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+    size_t smem = ssend > srecv ? ssend : srecv;
+    if (c->dgrid == 0) {
+        /* blocks wait for each other: never more than the GPU holds */
+        int per = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_dispatch<true>, FR_DS_THREADS,
+                                                      smem);
+        c->dgrid = per * c->nsm;
+    }
+    if (blocks > c->dgrid) {
+        blocks = c->dgrid < 1 ? 1 : c->dgrid;
+        nmax = ((int)ep->L.El + blocks - 1) / blocks;
+        srecv = sizeof(int32_t) * (size_t)((nmax + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+        smem = ssend > srecv ? ssend : srecv;
+    }
+    fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
+                     out->expert_src_rank, out->expert_src_token};
+    if (vec)
+        fr_cu_dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
+            in->num_tokens_dev, o);
+    else
+        fr_cu_dispatch<false><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
+            in->num_tokens_dev, o);
+    return fr_cuda_launch_check(ep, "dispatch");
 }

@@ -15,4 +15,6 @@ const fr_engine_t fr_engine_cuda_ll = {
     .combine_recv = fr_cuda_combine_recv,
     .sync = fr_cuda_sync,
     .check = fr_cuda_check,
+    .dispatch = fr_cuda_dispatch,
+    .combine = fr_cuda_combine,
 };

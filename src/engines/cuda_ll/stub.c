@@ -37,6 +37,18 @@ int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r, const ferry_combine_out_t
     (void)r; (void)out;
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
+int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in,
+                     const ferry_dispatch_out_t *out)
+{
+    (void)r; (void)in; (void)out;
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
+}
+int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                    const ferry_combine_out_t *out)
+{
+    (void)r; (void)in; (void)out;
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
+}
 int fr_cuda_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
 int fr_cuda_sync(ferry_ep_t ep, void *stream) { (void)ep; (void)stream; return FERRY_OK; }
 #endif
