@@ -31,8 +31,13 @@ topk_weights in [0.1, 1), not normalised.
 Needs DeepEP importable (deep_ep on PYTHONPATH), ferry's library
 (FERRY_LIB) and python/ on the path (added here).
 
+With --graph R, each configuration is also run the way engines run decode:
+rounds (dispatch, then combine of a fixed expert output) captured as one
+CUDA graph of 10 rounds per library and replayed R times back to back, an
+event only between replays; time per round, p50 (p99) over the replays.
+
 Usage: python3 tools/bench_peers.py [--gpus N] [--shapes DeepSeek-V3,Qwen3-235B,Kimi-K2]
-                                    [--tokens 1,32,128,256,512] [--iters 50]
+                                    [--tokens 1,32,128,256,512] [--iters 50] [--graph R]
 """
 import argparse
 import os
@@ -146,6 +151,36 @@ def run_lib(buf, x, idx, w, maxT, E, El, rank, warmup, iters):
     return sorted(fd), sorted(fc), cnt.clone(), out.clone()
 
 
+def run_graph(buf, x, idx, w, maxT, E, reps, G=10):
+    """Rounds (dispatch, then combine of a fixed expert output: no expert
+    work) captured as one CUDA graph of G rounds and replayed back to back,
+    as engines run decode; an event between replays only. Returns the
+    sorted times per round (us)."""
+    (rq, _), _, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=True)
+    y = torch.full(rq.shape, 0.5, dtype=torch.bfloat16, device=x.device)
+    buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(G):
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=True)
+            buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    g.replay()  # warm-up
+    for i in range(reps):
+        ev[i].record()
+        g.replay()
+    ev[reps].record()
+    torch.cuda.synchronize()
+    t = sorted(ev[i].elapsed_time(ev[i + 1]) * 1000 / G for i in range(reps))
+    dist.barrier()
+    del g
+    return t
+
+
 def rank_main(rank, N, port, args, q):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -201,12 +236,29 @@ def rank_main(rank, N, port, args, q):
                 s = st.tolist()
                 wf, wd = wr.tolist()
                 r = (name, T, maxT, *s, s[0] / s[4], s[2] / s[6], (s[0] + s[2]) / (s[4] + s[6]), wf, wd)
+                if args.graph:
+                    gs = []
+                    for buf in (fbuf, dbuf):
+                        try:
+                            t = run_graph(buf, x, idx, w, maxT, E, args.graph)
+                        except Exception as e:  # noqa: BLE001 (reported, the run goes on)
+                            print(f"rank {rank}: graph run failed: {e}", flush=True)
+                            t = [float("nan")]
+                        gs += [pct(t, .5), pct(t, .99)]
+                    gt = torch.tensor(gs, dtype=torch.float64, device="cuda")
+                    dist.all_reduce(gt, op=dist.ReduceOp.MAX, group=group)
+                    r = r + tuple(gt.tolist())
                 rows.append(r)
                 if rank == 0:
                     print(f"  {name:11s} {T:4d} {maxT:5d}  {s[0]:6.1f} ({s[1]:6.1f})  "
                           f"{s[2]:6.1f} ({s[3]:6.1f})  {s[4]:6.1f} ({s[5]:6.1f})  "
                           f"{s[6]:6.1f} ({s[7]:6.1f})  {r[11]:4.2f}/{r[12]:4.2f}/{r[13]:4.2f}"
                           f"     {wf}/{wd}", flush=True)
+                    if args.graph:
+                        g = r[16:]
+                        print(f"  {'':11s} {'':4s} {'':5s}  graph: ferry round {g[0]:6.1f} ({g[1]:6.1f})"
+                              f"  DeepEP round {g[2]:6.1f} ({g[3]:6.1f})  ratio {g[0] / g[2]:4.2f}",
+                              flush=True)
         q.put((rank, rows))
         torch.cuda.synchronize()
         dist.barrier()
@@ -232,6 +284,10 @@ def main():
     ap.add_argument("--sms", type=int, default=0,
                     help="ferry's num_sms (default: ferry.deep_ep's, the GPU's SMs; "
                          "DeepEP LL takes what it needs)")
+    ap.add_argument("--graph", type=int, default=0, metavar="REPLAYS",
+                    help="also time rounds (dispatch + combine, no expert work) replayed "
+                         "back to back from a CUDA graph of 10 rounds, REPLAYS times per "
+                         "library (not checked: the same calls are checked above)")
     args = ap.parse_args()
     if args.gpus < 2:
         sys.exit("bench_peers: needs at least 2 GPUs (one process per GPU)")
@@ -263,9 +319,18 @@ def main():
     print("| shape | T | ferry dispatch p50 (p99) | ferry combine p50 (p99) | DeepEP dispatch p50 (p99) "
           "| DeepEP combine p50 (p99) | ferry/DeepEP dispatch, combine, round | #wrong ferry, DeepEP |")
     print("|---|---|---|---|---|---|---|---|")
-    for (name, T, maxT, fd, fd99, fc, fc99, dd, dd99, dc, dc99, rd, rc, rr, wf, wd) in rows:
+    for (name, T, maxT, fd, fd99, fc, fc99, dd, dd99, dc, dc99, rd, rc, rr, wf, wd) in \
+            (r[:16] for r in rows):
         print(f"| {name} | {T} | {fd:.1f} ({fd99:.1f}) | {fc:.1f} ({fc99:.1f}) | {dd:.1f} ({dd99:.1f}) "
               f"| {dc:.1f} ({dc99:.1f}) | {rd:.2f}, {rc:.2f}, {rr:.2f} | {wf}, {wd} |")
+    if args.graph:
+        print("\n| shape | T | ferry round in a CUDA graph p50 (p99) | DeepEP round p50 (p99) "
+              "| ferry/DeepEP |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            g = r[16:]
+            print(f"| {r[0]} | {r[1]} | {g[0]:.1f} ({g[1]:.1f}) | {g[2]:.1f} ({g[3]:.1f}) "
+                  f"| {g[0] / g[2]:.2f} |")
     wrong = sum(r[14] + r[15] for r in rows)
     print(f"\n# {'all verified' if not wrong else f'{wrong} wrong (tokens + expert counts)'}")
     sys.exit(1 if wrong else 0)

@@ -111,26 +111,84 @@ static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
     }
 }
 
-/* Step 2: a thread per destination walks the own tokens [start, end). */
+/* Step 2, all threads over the own tokens [start, end), a token per
+ * thread: for each group of FR_DS_GROUP destinations, warp ballots and
+ * sums count the records and pairs per (destination, warp), a thread per
+ * destination turns them into first indices (running from the counts of
+ * the tokens before `start`, sh[0, 2N)), and every token gets its record
+ * index and first pair there (the wire format: records in token order).
+ * A thread per destination walking the tokens one by one was a chain of
+ * dependent loads as long as the block's tokens. */
+#define FR_DS_GROUP 64
+static __host__ __device__ size_t fr_ds_smem(int N)
+{
+    return (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)N +
+           2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32);
+}
+
 static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t *idx,
-                                   int start, int end, const int32_t *sh)
+                                   int start, int end, int32_t *sh, int32_t *cw)
 {
     const fr_layout_t &L = A.L;
-    int N = A.N, K = L.K;
+    int N = A.N, K = L.K, El = L.El;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int32_t *pw = cw + FR_DS_GROUP * nw;
     int32_t *rec_idx = A.rec_idx + (size_t)set * L.T * N;
     int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
-    for (int d = threadIdx.x; d < N; d += blockDim.x) {
-        int64_t lo = (int64_t)d * L.El, hi = lo + L.El;
-        int run_r = sh[d], run_p = sh[N + d];
-#pragma unroll 4
-        for (int t = start; t < end; t++) {
-            const int64_t *row = idx + (size_t)t * K;
-            int np = 0;
-            for (int k = 0; k < K; k++)
-                np += row[k] >= lo && row[k] < hi;
-            rec_idx[(size_t)t * N + d] = np ? run_r++ : -1;
-            pbase[(size_t)t * N + d] = run_p;
-            run_p += np;
+    unsigned int lt = (1u << lane) - 1;
+    for (int c0 = start; c0 < end; c0 += blockDim.x) {
+        int t = c0 + (int)threadIdx.x;
+        int ek[FR_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < FR_MAX_TOPK; k++)
+            ek[k] = k < K && t < end ? (int)idx[(size_t)t * K + k] : -1;
+        for (int d0 = 0; d0 < N; d0 += FR_DS_GROUP) {
+            int dn = min(FR_DS_GROUP, N - d0);
+            for (int dd = 0; dd < dn; dd++) {
+                int lo = (d0 + dd) * El, np = 0;
+#pragma unroll
+                for (int k = 0; k < FR_MAX_TOPK; k++)
+                    np += ek[k] >= lo && ek[k] < lo + El;
+                unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
+                int sp = __reduce_add_sync(0xffffffffu, np);
+                if (lane == 0) {
+                    cw[dd * nw + w] = __popc(bal);
+                    pw[dd * nw + w] = sp;
+                }
+            }
+            __syncthreads();
+            for (int dd = threadIdx.x; dd < dn; dd += blockDim.x) {
+                int br = sh[d0 + dd], bp = sh[N + d0 + dd];
+                for (int w2 = 0; w2 < nw; w2++) {
+                    int r = cw[dd * nw + w2], q = pw[dd * nw + w2];
+                    cw[dd * nw + w2] = br;
+                    pw[dd * nw + w2] = bp;
+                    br += r;
+                    bp += q;
+                }
+                sh[d0 + dd] = br;
+                sh[N + d0 + dd] = bp;
+            }
+            __syncthreads();
+            for (int dd = 0; dd < dn; dd++) {
+                int lo = (d0 + dd) * El, np = 0;
+#pragma unroll
+                for (int k = 0; k < FR_MAX_TOPK; k++)
+                    np += ek[k] >= lo && ek[k] < lo + El;
+                unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
+                int x = np; /* pairs of the lanes before this one */
+                for (int o = 1; o < 32; o <<= 1) {
+                    int v = __shfl_up_sync(0xffffffffu, x, o);
+                    if (lane >= o)
+                        x += v;
+                }
+                if (t < end) {
+                    size_t at = (size_t)t * N + d0 + dd;
+                    rec_idx[at] = np ? cw[dd * nw + w] + __popc(bal & lt) : -1;
+                    pbase[at] = pw[dd * nw + w] + x - np;
+                }
+            }
+            __syncthreads(); /* cw, pw are reused by the next group */
         }
     }
 }
@@ -337,7 +395,7 @@ static __device__ __forceinline__ unsigned long long
 fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
           const int64_t *idx, int T_host, const int32_t *T_dev)
 {
-    extern __shared__ uint8_t *sbase[]; /* [N] slice bases, then int32 [5][N] */
+    extern __shared__ uint8_t *sbase[]; /* fr_ds_smem: [N] slice bases, int32 [5][N], counts */
     const fr_layout_t &L = A.L;
     int N = A.N;
     int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
@@ -370,7 +428,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
     FR_TR();
-    fr_ds_index(A, set, idx, start, end, sh);
+    fr_ds_index(A, set, idx, start, end, sh, sh + 5 * N);
     __syncthreads();
     if (blockIdx.x == 0) {
         for (int d = threadIdx.x; d < N; d += blockDim.x) {
@@ -446,69 +504,106 @@ typedef struct fr_dr_item {
     int32_t i, row, j, pair, token;
 } fr_dr_item_t;
 #define FR_DR_ITEMS 1024 /* items per chunk */
+#define FR_DR_GROUP 64   /* own experts ranked together */
 
-/* Records per chunk: every record has at most min(nmine, kmax) items. */
-static __host__ __device__ int fr_dr_chunk(int nmine, int kmax)
+/* Records per chunk: one record per thread, and every record has at most
+ * min(nmine, kmax) items. */
+static __host__ __device__ int fr_dr_chunk(int nmine, int kmax, int threads)
 {
     int per = nmine < kmax ? nmine : kmax;
-    return FR_DR_ITEMS / (per < 1 ? 1 : per);
+    int c = FR_DR_ITEMS / (per < 1 ? 1 : per);
+    return c < threads ? c : threads;
 }
 
-/* Finding: warp w takes the block's experts m = w, w + nw, ... (le = y +
- * m G); for each, lanes read 32 records at a time and a ballot ranks the
- * records holding le: rows run[m], run[m] + 1, ... in record order. Only
- * that warp touches run[m]. Items go to the block's list. */
+/* Dynamic shared memory of the receive part: run[] (rounded up to 4), the
+ * per-(expert, warp) counts, then the item list. */
+static __host__ __device__ size_t fr_dr_smem(int El, int G)
+{
+    int nmax = (El + G - 1) / G;
+    return sizeof(int32_t) * (size_t)((nmax + 3) & ~3) +
+           sizeof(int32_t) * FR_DR_GROUP * (FR_DR_THREADS / 32) +
+           sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+}
+
+/* Finding, all warps over the records of a chunk [c0, c1) (a record per
+ * thread): for each group of up to FR_DR_GROUP own experts (le = y + m G),
+ * a ballot per warp counts the records holding le, a thread per expert
+ * turns the warps' counts into first rows (records in order: warp, then
+ * lane), and every holding lane adds its item with row run[m] + the
+ * records before it. Rows of an expert come in record order, as the CPU
+ * engine orders them. */
 static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *slice, int c0,
-                                  int c1, int npairs, int nmine, int32_t *run,
+                                  int c1, int npairs, int nmine, int32_t *run, int32_t *cw,
                                   fr_dr_item_t *list, int *nlist)
 {
     const fr_layout_t &L = A.L;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int y = blockIdx.x, G = gridDim.x;
-    for (int m = w; m < nmine; m += nw) {
-        int le = y + m * G;
-        for (int base = c0; base < c1; base += 32) {
-            int i = base + lane, jf = -1;
-            uint32_t tk = 0, pr = 0;
-            if (i < c1) {
-                /* the whole header at once: token, pair, nexp, le[0..15] */
-                const uint4 *rec = (const uint4 *)(slice + fr_off_record(&L, (uint32_t)i));
-                uint4 h0 = rec[0];
-                uint4 h1 = L.rec_hdr > 16 ? rec[1] : make_uint4(0, 0, 0, 0);
-                uint4 h2 = L.rec_hdr > 32 ? rec[2] : make_uint4(0, 0, 0, 0);
-                int nexp = (int)(h0.z & 0xffff);
-                tk = h0.x;
-                pr = h0.y;
-                /* what indexing needs; the rest is checked by block 0 */
-                if (nexp < 1 || nexp > (int)L.kmax || pr + (uint32_t)nexp > (uint32_t)npairs ||
-                    tk >= (uint32_t)L.T) {
-                    fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
-                    nexp = 0;
-                }
-                uint32_t wd[8] = {h0.w, h1.x, h1.y, h1.z, h1.w, h2.x, h2.y, h2.z};
+    int i = c0 + (int)threadIdx.x, nexp = 0;
+    uint32_t tk = 0, pr = 0, wd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (i < c1) {
+        /* the whole header at once: token, pair, nexp, le[0..15] */
+        const uint4 *rec = (const uint4 *)(slice + fr_off_record(&L, (uint32_t)i));
+        uint4 h0 = rec[0];
+        uint4 h1 = L.rec_hdr > 16 ? rec[1] : make_uint4(0, 0, 0, 0);
+        uint4 h2 = L.rec_hdr > 32 ? rec[2] : make_uint4(0, 0, 0, 0);
+        nexp = (int)(h0.z & 0xffff);
+        tk = h0.x;
+        pr = h0.y;
+        /* what indexing needs; the rest is checked by block 0 */
+        if (nexp < 1 || nexp > (int)L.kmax || pr + (uint32_t)nexp > (uint32_t)npairs ||
+            tk >= (uint32_t)L.T) {
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+            nexp = 0;
+        }
+        wd[0] = h0.w, wd[1] = h1.x, wd[2] = h1.y, wd[3] = h1.z;
+        wd[4] = h1.w, wd[5] = h2.x, wd[6] = h2.y, wd[7] = h2.z;
+    }
+    for (int m0 = 0; m0 < nmine; m0 += FR_DR_GROUP) {
+        int mn = min(FR_DR_GROUP, nmine - m0);
+        for (int m = 0; m < mn; m++) {
+            int le = y + (m0 + m) * G, jf = -1;
 #pragma unroll
-                for (int j = 0; j < FR_MAX_TOPK; j++) {
-                    uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                    jf = j < nexp && v == (uint32_t)le ? j : jf;
-                }
+            for (int j = 0; j < FR_MAX_TOPK; j++) {
+                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+                jf = j < nexp && v == (uint32_t)le ? j : jf;
+            }
+            unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
+            if (lane == 0)
+                cw[m * nw + w] = __popc(bal);
+        }
+        __syncthreads();
+        for (int m = threadIdx.x; m < mn; m += blockDim.x) {
+            int base = run[m0 + m];
+            for (int w2 = 0; w2 < nw; w2++) {
+                int c = cw[m * nw + w2];
+                cw[m * nw + w2] = base;
+                base += c;
+            }
+            run[m0 + m] = base;
+        }
+        __syncthreads();
+        for (int m = 0; m < mn; m++) {
+            int le = y + (m0 + m) * G, jf = -1;
+#pragma unroll
+            for (int j = 0; j < FR_MAX_TOPK; j++) {
+                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+                jf = j < nexp && v == (uint32_t)le ? j : jf;
             }
             unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
             if (!bal)
                 continue;
-            int r0 = run[m], pos = 0, below = __popc(bal & ((1u << lane) - 1));
+            int pos = 0, below = __popc(bal & ((1u << lane) - 1));
             if (lane == 0)
                 pos = atomicAdd(nlist, __popc(bal));
             pos = __shfl_sync(0xffffffffu, pos, 0);
             if (jf >= 0) {
-                fr_dr_item_t it = {i, (int32_t)((size_t)le * L.cap + r0 + below), jf, (int32_t)pr,
-                                   (int32_t)tk};
+                fr_dr_item_t it = {i, (int32_t)((size_t)le * L.cap + cw[m * nw + w] + below),
+                                   jf, (int32_t)pr, (int32_t)tk};
                 list[pos + below] = it;
             }
-            __syncwarp();
-            if (lane == 0)
-                run[m] = r0 + __popc(bal);
-            __syncwarp();
         }
+        __syncthreads(); /* cw is reused by the next group */
     }
 }
 
@@ -532,28 +627,51 @@ static __device__ void fr_dr_check(const fr_cu_args_t &A, int s, const uint8_t *
     }
 }
 
-/* Copying: warp w takes items w, w + nw, ... */
+/* Copying, the whole block over (item, 16 bytes) pairs: every thread keeps
+ * FR_DR_UNROLL loads in flight (a warp per item left most of the block
+ * idle and every item a chain of dependent loads); then the scales, the
+ * sources and the combine map. */
+#define FR_DR_UNROLL 4
 static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
                                   int poff, const fr_dr_item_t *list, int n, const fr_dr_out_t &o)
 {
     const fr_layout_t &L = A.L;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
-    for (int e = w; e < n; e += nw) {
-        fr_dr_item_t it = list[e];
-        const uint8_t *r = slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr;
-        size_t row = (size_t)it.row;
-        fr_warp_copy(o.ex + row * L.tok_bytes, r, L.tok_bytes);
-        const float *rs = (const float *)(r + L.tok_bytes);
-        for (int c = lane; c < (int)L.nscales; c += 32)
-            o.exs[row * L.nscales + c] = rs[c];
-        if (lane == 0) {
-            if (o.src_rank)
-                o.src_rank[row] = s;
-            if (o.src_token)
-                o.src_token[row] = it.token;
-            prow[it.pair + it.j] = (int32_t)row;
+    int n16 = (int)(L.tok_bytes / 16), tot = n * n16, step = blockDim.x * FR_DR_UNROLL;
+    for (int b0 = threadIdx.x; b0 < tot; b0 += step) {
+        int4 v[FR_DR_UNROLL];
+        int4 *d[FR_DR_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FR_DR_UNROLL; u++) {
+            int f = b0 + u * (int)blockDim.x;
+            d[u] = NULL;
+            if (f < tot) {
+                int e = f / n16, c = f - e * n16;
+                fr_dr_item_t it = list[e];
+                v[u] = ((const int4 *)(slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr))[c];
+                d[u] = (int4 *)(o.ex + (size_t)it.row * L.tok_bytes) + c;
+            }
         }
+#pragma unroll
+        for (int u = 0; u < FR_DR_UNROLL; u++)
+            if (d[u])
+                *d[u] = v[u];
+    }
+    int ns = (int)L.nscales;
+    for (int f = threadIdx.x; f < n * ns; f += blockDim.x) {
+        int e = f / ns, c = f - e * ns;
+        fr_dr_item_t it = list[e];
+        const float *rs = (const float *)(slice + fr_off_record(&L, (uint32_t)it.i) +
+                                          L.rec_hdr + L.tok_bytes);
+        o.exs[(size_t)it.row * ns + c] = rs[c];
+    }
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        fr_dr_item_t it = list[e];
+        if (o.src_rank)
+            o.src_rank[it.row] = s;
+        if (o.src_token)
+            o.src_token[it.row] = it.token;
+        prow[it.pair + it.j] = it.row;
     }
 }
 
@@ -564,14 +682,15 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                                                  const fr_dr_out_t &o,
                                                  unsigned long long epoch)
 {
-    extern __shared__ int32_t run[]; /* [nmine, rounded up to 4], then the item list */
+    extern __shared__ int32_t run[]; /* fr_dr_smem: run[nmine], counts, items */
     const fr_layout_t &L = A.L;
     int N = A.N, y = blockIdx.x, G = gridDim.x;
     if (y >= (int)L.El)
         return;
     int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
-    int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax);
-    fr_dr_item_t *list = (fr_dr_item_t *)(run + ((nmax + 3) & ~3));
+    int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax, blockDim.x);
+    int32_t *cw = run + ((nmax + 3) & ~3);
+    fr_dr_item_t *list = (fr_dr_item_t *)(cw + FR_DR_GROUP * (FR_DR_THREADS / 32));
     __shared__ int s_ok, s_count, s_np, s_nlist;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -608,7 +727,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             int c1 = min(count, c0 + chunk);
             if (y == 0)
                 fr_dr_check(A, s, slice, c0, c1);
-            fr_dr_find(A, s, slice, c0, c1, np, nmine, run, list, &s_nlist);
+            fr_dr_find(A, s, slice, c0, c1, np, nmine, run, cw, list, &s_nlist);
             __syncthreads();
             if (s == 0 && c0 == 0)
                 FR_TR();
@@ -658,7 +777,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    size_t smem = (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)ep->N;
+    size_t smem = fr_ds_smem(ep->N);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     if (vec)
         fr_cu_dsend<true><<<blocks, FR_DS_THREADS, smem, st>>>(
@@ -681,8 +800,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
      * SMs, so never more than num_sms of them */
     int blocks = c->nblocks < (int)ep->L.El ? c->nblocks : (int)ep->L.El;
     blocks = blocks < 1 ? 1 : blocks;
-    int nmine = ((int)ep->L.El + blocks - 1) / blocks;
-    size_t smem = sizeof(int32_t) * (size_t)((nmine + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+    size_t smem = fr_dr_smem((int)ep->L.El, blocks);
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
     fr_cu_drecv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
@@ -697,9 +815,8 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     int set = (int)(r->epoch % FR_NSETS);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     int blocks = c->nblocks;
-    size_t ssend = (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)ep->N;
-    int nmax = ((int)ep->L.El + blocks - 1) / blocks;
-    size_t srecv = sizeof(int32_t) * (size_t)((nmax + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+    size_t ssend = fr_ds_smem(ep->N);
+    size_t srecv = fr_dr_smem((int)ep->L.El, blocks);
     size_t smem = ssend > srecv ? ssend : srecv;
     if (c->dgrid == 0) {
         /* blocks wait for each other: never more than the GPU holds */
@@ -710,8 +827,7 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     }
     if (blocks > c->dgrid) {
         blocks = c->dgrid < 1 ? 1 : c->dgrid;
-        nmax = ((int)ep->L.El + blocks - 1) / blocks;
-        srecv = sizeof(int32_t) * (size_t)((nmax + 3) & ~3) + sizeof(fr_dr_item_t) * FR_DR_ITEMS;
+        srecv = fr_dr_smem((int)ep->L.El, blocks);
         smem = ssend > srecv ? ssend : srecv;
     }
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
