@@ -201,13 +201,20 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
+    /* the whole row at once (loads in flight together, fixed indices) */
     const int64_t *row = idx + (size_t)t * K;
+    int64_t r[FR_MAX_TOPK], e = -1;
+#pragma unroll
+    for (int j = 0; j < FR_MAX_TOPK; j++) {
+        r[j] = j < K ? row[j] : -1;
+        e = j == k ? r[j] : e;
+    }
     uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * K + k;
     int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K + k;
-    int64_t e = row[k];
     bool bad = e < -1 || e >= L.E;
-    for (int j = 0; j < k && !bad; j++)
-        bad = e >= 0 && row[j] == e;
+#pragma unroll
+    for (int j = 0; j < FR_MAX_TOPK; j++)
+        bad = bad || (j < k && e >= 0 && r[j] == e);
     *dr = NULL;
     if (bad) {
         fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
@@ -219,25 +226,60 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     }
     int d = (int)e / El, before = 0;
     int64_t lo = (int64_t)d * El, hi = lo + El;
-    for (int j = 0; j < k; j++)
-        before += row[j] >= lo && row[j] < hi;
-    int pb = A.pair_base[((size_t)set * L.T + t) * N + d];
+#pragma unroll
+    for (int j = 0; j < FR_MAX_TOPK; j++)
+        before += j < k && r[j] >= lo && r[j] < hi;
+    size_t at = ((size_t)set * L.T + t) * N + d;
+    int pb = A.pair_base[at], ri = A.rec_idx[at];
     *cpos = co[d] + pb + before;
     if (before)
         return;
-    uint8_t *rec = sbase[d] + fr_off_record(&L, (uint32_t)A.rec_idx[((size_t)set * L.T + t) * N + d]);
+    uint8_t *rec = sbase[d] + fr_off_record(&L, (uint32_t)ri);
     fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
     uint16_t n = 0;
-    for (int j = k; j < K; j++) {
-        int64_t ej = row[j];
-        if (ej >= lo && ej < hi)
-            h->le[n++] = (uint16_t)(ej - lo);
-    }
+#pragma unroll
+    for (int j = 0; j < FR_MAX_TOPK; j++)
+        if (j >= k && r[j] >= lo && r[j] < hi)
+            h->le[n++] = (uint16_t)(r[j] - lo);
     h->token = (uint32_t)t;
     h->pair = (uint32_t)pb;
     h->nexp = n;
     h->reserved = 0;
     *dr = rec + L.rec_hdr;
+}
+
+/* Quantise 16 channels per lane (a 128-channel block per 8 lanes: amax
+ * over the group, hardware e4m3 conversion) and store them, with the
+ * block's scale, into every record of the token. */
+static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8_t *mine,
+                                                    uint4 v0, uint4 v1, bool on, int g)
+{
+    const fr_layout_t &L = A.L;
+    uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    uint16_t m = 0;
+    for (int i = 0; i < 8; i++) {
+        uint16_t a = fr_bf16_finite_mag((uint16_t)(wv[i] & 0xffff));
+        uint16_t b = fr_bf16_finite_mag((uint16_t)(wv[i] >> 16));
+        m = a > m ? a : m;
+        m = b > m ? b : m;
+    }
+    for (int o = 4; o; o >>= 1) {
+        uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o, 8);
+        m = y > m ? y : m;
+    }
+    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+    uint4 q = make_uint4(fr_cu_e4m3x4(wv[0], wv[1], inv), fr_cu_e4m3x4(wv[2], wv[3], inv),
+                         fr_cu_e4m3x4(wv[4], wv[5], inv), fr_cu_e4m3x4(wv[6], wv[7], inv));
+    float sc = fr_fp8_scale(amax);
+    /* lane i holds the token's slot i (its record there, or NULL) */
+    for (int i = 0; i < A.kd; i++) {
+        uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
+        if (!p || !on)
+            continue;
+        ((uint4 *)p)[g] = q;
+        if ((g & 7) == 0)
+            ((float *)(p + L.tok_bytes))[g >> 3] = sc;
+    }
 }
 
 /* Step 4, one warp-task: 512 channels (quantised) or 512 bytes (copied) of
@@ -317,6 +359,28 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
         for (int s = lane; s < (int)L.nscales; s += 32)
             for (int i = 0; i < nd; i++)
                 ((float *)(dst[i] + L.tok_bytes))[s] = scl[s];
+}
+
+/* Step 4 for two warp-tasks at once (bf16 input quantised, 16-byte
+ * aligned): both tasks' loads are in flight before either is converted. */
+static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int set,
+                                                    const uint16_t *x, int start, int chunks,
+                                                    int j0, int j1)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31;
+    int t0 = start + j0 / chunks, c0 = j0 % chunks, t1 = start + j1 / chunks, c1 = j1 % chunks;
+    int g0 = c0 * 32 + lane, g1 = c1 * 32 + lane, hg = (int)(L.H / 16);
+    const uint4 *r0 = (const uint4 *)(x + (size_t)t0 * L.H);
+    const uint4 *r1 = (const uint4 *)(x + (size_t)t1 * L.H);
+    uint4 z = make_uint4(0, 0, 0, 0);
+    uint8_t *const *d0 = A.dst_rec + ((size_t)set * L.T + t0) * A.kd;
+    uint8_t *const *d1 = A.dst_rec + ((size_t)set * L.T + t1) * A.kd;
+    uint8_t *m0 = lane < A.kd ? d0[lane] : NULL, *m1 = lane < A.kd ? d1[lane] : NULL;
+    uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
+    uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
+    fr_ds_qstore(A, m0, a0, a1, g0 < hg, g0);
+    fr_ds_qstore(A, m1, b0, b1, g1 < hg, g1);
 }
 
 /* Step 5: this block is done with every destination; whoever finishes one
@@ -445,8 +509,12 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     FR_TR();
     bool quant = L.fp8 && !x_scales;
     int chunks = quant ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
-    int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = w; j < (end - start) * chunks && !s_bad; j += nw) {
+    int w = threadIdx.x >> 5, nw = blockDim.x >> 5, ntask = (end - start) * chunks;
+    int j = w;
+    if (VEC && quant)
+        for (; j + nw < ntask && !s_bad; j += 2 * nw)
+            fr_ds_quant2(A, set, x, start, chunks, j, j + nw);
+    for (; j < ntask && !s_bad; j += nw) {
         int t = start + j / chunks, c = j % chunks;
         const uint16_t *xrow = quant ? x + (size_t)t * L.H
                                      : (const uint16_t *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
@@ -558,6 +626,21 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
         }
         wd[0] = h0.w, wd[1] = h1.x, wd[2] = h1.y, wd[3] = h1.z;
         wd[4] = h1.w, wd[5] = h2.x, wd[6] = h2.y, wd[7] = h2.z;
+        /* one block (record i mod G) checks the experts fully: in range
+         * and none repeated (a repeated one would leave a pair rowless) */
+        if (i % G == y) {
+            bool bad = false;
+#pragma unroll
+            for (int j = 0; j < FR_MAX_TOPK; j++) {
+                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+                bad = bad || (j < nexp && v >= L.El);
+#pragma unroll
+                for (int j2 = 0; j2 < j; j2++)
+                    bad = bad || (j < nexp && v == ((wd[j2 >> 1] >> (16 * (j2 & 1))) & 0xffffu));
+            }
+            if (bad)
+                fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+        }
     }
     for (int m0 = 0; m0 < nmine; m0 += FR_DR_GROUP) {
         int mn = min(FR_DR_GROUP, nmine - m0);
@@ -604,26 +687,6 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
             }
         }
         __syncthreads(); /* cw is reused by the next group */
-    }
-}
-
-/* Block 0 checks every record fully (experts in range, none repeated): a
- * repeated expert would leave one of its pairs without a row. */
-static __device__ void fr_dr_check(const fr_cu_args_t &A, int s, const uint8_t *slice, int c0,
-                                   int c1)
-{
-    const fr_layout_t &L = A.L;
-    for (int i = c0 + (int)threadIdx.x; i < c1; i += blockDim.x) {
-        const fr_rec_hdr_t *r = (const fr_rec_hdr_t *)(slice + fr_off_record(&L, (uint32_t)i));
-        int n = r->nexp < L.kmax ? r->nexp : (int)L.kmax;
-        bool bad = false;
-        for (int j = 0; j < n && !bad; j++) {
-            bad = r->le[j] >= L.El;
-            for (int j2 = 0; j2 < j && !bad; j2++)
-                bad = r->le[j2] == r->le[j];
-        }
-        if (bad)
-            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
     }
 }
 
@@ -725,8 +788,6 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
         for (int c0 = 0; c0 < count; c0 += chunk) {
             int c1 = min(count, c0 + chunk);
-            if (y == 0)
-                fr_dr_check(A, s, slice, c0, c1);
             fr_dr_find(A, s, slice, c0, c1, np, nmine, run, cw, list, &s_nlist);
             __syncthreads();
             if (s == 0 && c0 == 0)
