@@ -4,14 +4,17 @@
  * src/engines/cpu_ll/, sharing the record layout (core/layout.h) and
  * number formats (core/quant.h).
  *
- *   combine_send  = rows of each source rank, one contiguous run, then
- *                   publish (last block)
- *   combine_recv  = wait for all flags, fp32 weighted sum, bf16 out
+ *   combine send part    = rows of each source rank, one contiguous run,
+ *                          then every block adds its share to the flags
+ *   combine receive part = wait for all flags, fp32 weighted sum, bf16 out
+ *   one launch (fr_cu_combine) runs both; combine_send / combine_recv one
+ *   each.
  *
- * Ordering: data stores, then __threadfence_system() in every block, then
- * an atomic count of finished blocks (per destination in dispatch); the
- * block that finishes writes headers, fences and publishes the epoch with
- * st.release.sys. Receivers poll with ld.acquire.sys. Waits are bounded by
+ * Ordering (IPC path): data stores, a block barrier, one system fence by
+ * thread 0, then relaxed system-scope adds to the destinations' flags
+ * (fr_cu_arrive: flags count arrivals). Fabric path: a count of finished
+ * blocks, and the block that finishes fills the slices for the proxy.
+ * Receivers poll relaxed and acquire once. Waits are bounded by
  * %globaltimer: on expiry the kernel writes an error word in host-mapped
  * memory and returns (never traps); every later kernel sees the word and
  * returns at once.

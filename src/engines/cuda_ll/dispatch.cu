@@ -1,34 +1,34 @@
 /*
- * Dispatch kernels of the CUDA low-latency engine: one launch to send, one
- * to receive.
+ * Dispatch of the CUDA low-latency engine: a send part and a receive part,
+ * one launch for both (fr_cu_dispatch, behind ferry_dispatch) or one each
+ * (fr_cu_dsend, fr_cu_drecv, behind dispatch_send / dispatch_recv).
  *
- * fr_cu_dsend (a grid of blocks, each owning a contiguous run of tokens):
+ * Send (a grid of blocks, each owning a contiguous run of tokens):
  *   1. every block counts, per destination rank, the records (distinct
  *      (token, rank)) and pairs ((token, expert)) over all tokens and over
  *      the tokens before its own (warps over tokens, lanes over ranks);
  *      sums commute, so every block gets the same exact numbers and no
  *      block waits for another;
- *   2. a thread per destination walks the block's own tokens in order and
- *      gives each its record index and first pair there (the wire format
- *      of core/layout.h: records in token order);
- *   3. a thread per own token checks its row, writes its record headers
- *      and combine positions, and lists its records (dst_rec);
+ *   2. the block's tokens, a token per thread, get their record index and
+ *      first pair per destination (warp ballots, a scan over the warps;
+ *      the wire format of core/layout.h: records in token order);
+ *   3. a thread per own (token, k) checks it, writes its record header and
+ *      combine position, and lists the token's records (dst_rec);
  *   4. all warps quantise and store: a warp takes 512 channels of one
  *      token (16 per lane, two 16-byte loads, amax over the 8 lanes of a
  *      128-channel block, hardware e4m3 conversion) and stores them with
  *      16-byte stores into every record of the token;
- *   5. per destination, a counter of finished blocks: the lane that
- *      finishes a destination writes its slice header and publishes it
- *      (flag store, or the proxy's slice); the last destination rings the
- *      proxy. No grid-wide barrier: a destination goes out as soon as the
- *      last block is done with it.
+ *   5. IPC path: block 0 writes the slice headers and every block adds its
+ *      share to each destination's flag (cuda_ll_dev.cuh, fr_cu_arrive);
+ *      fabric path: per destination a counter of finished blocks, the lane
+ *      that finishes one fills its slice, the last rings the proxy.
  *
- * fr_cu_drecv (a grid of blocks, block y owning local experts y, y + G,
- *   ...): for each sender in rank order, one lane waits for its flag; the
- *   block checks the slice, gives every (record, own expert) its row with
- *   warp ballots (rows of an expert ordered by sender, then token, as the
- *   CPU engine orders them), and the warp that found a row copies the
- *   token there at once. Blocks never wait for each other.
+ * Receive (block y owning local experts y, y + G, ...): for each sender in
+ *   rank order, one lane waits for its flag; per chunk of records (one per
+ *   thread) warp ballots and a scan over the warps give every (record, own
+ *   expert) its row (rows of an expert ordered by sender, then token, as
+ *   the CPU engine orders them), and the whole block copies the tokens
+ *   there. Blocks never wait for each other.
  */
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
 
