@@ -549,6 +549,8 @@ class EP:
         dout = self._dout(out.get("expert_x"), out.get("expert_num_tokens"),
                           out.get("expert_x_scales"), out.get("expert_src_rank"),
                           out.get("expert_src_token"), stream)
+        # one stream for both halves (an empty round's x may be None)
+        din.stream = dout.stream = din.stream or dout.stream
         r = C.c_uint64()
         self._check(_lib_handle().ferry_dispatch(h, C.byref(din), C.byref(dout), C.byref(r)))
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
@@ -559,6 +561,7 @@ class EP:
         h = self._ep()
         cin = self._cin(expert_y, stream)
         cout = self._cout(round, topk_weights, out, stream)
+        cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
         self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))
         self._keep.pop(round, None)
         self._rounds.pop(round, None)

@@ -106,7 +106,8 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
-/* dispatch_send's checks and the round it would start (not yet taken). */
+/* dispatch_send's checks and the round slot it would take; nothing is
+ * changed (fr_send_take does it once every check has passed). */
 static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const void *round,
                          const char *call, fr_round_t **out)
 {
@@ -136,10 +137,14 @@ static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const voi
         if (rc)
             return rc;
     }
-    r->epoch = epoch;
-    r->T = in->num_tokens;
     *out = r;
     return FERRY_OK;
+}
+
+static void fr_send_take(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in)
+{
+    r->epoch = ++ep->next_epoch;
+    r->T = in->num_tokens;
 }
 
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
@@ -151,7 +156,7 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     int rc = fr_send_begin(ep, in, round, "dispatch_send", &r);
     if (rc)
         return rc;
-    ep->next_epoch = r->epoch;
+    fr_send_take(ep, r, in);
     rc = ep->eng->dispatch_send(ep, r, in);
     if (rc)
         return rc;
@@ -305,7 +310,7 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_dispatch runs on one "
                           "stream (use dispatch_send and dispatch_recv for two)");
-    ep->next_epoch = r->epoch;
+    fr_send_take(ep, r, in);
     rc = ep->eng->dispatch(ep, r, in, out);
     if (rc)
         return rc;

@@ -63,9 +63,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     }
     __shared__ bool last;
     if (A.nfabric == 0) {
-        __syncthreads();
-        if (!fr_cu_failed(A))
-            fr_cu_arrive(A, FR_PH_COMBINE, set);
+        fr_cu_arrive(A, FR_PH_COMBINE, set); /* barrier first, then thread 0 */
         return;
     }
     __threadfence_system();
@@ -513,12 +511,25 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
     if (c->cgrid == 0) {
+        /* blocks wait for each other: never more than the GPU holds */
         int per = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_combine, FR_CS_THREADS, 0);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_combine, FR_CS_THREADS, 0) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            per = 0;
+        }
         c->cgrid = per * c->nsm;
+        if (c->cgrid < 1) {
+            c->cgrid = -1; /* two launches from now on */
+            FR_LOG_INFO(FR_SUB_EP, "combine: the one-launch kernel does not fit; "
+                                   "sending and receiving in two launches");
+        }
+    }
+    if (c->cgrid < 0) {
+        int rc = fr_cuda_combine_send(ep, r, in);
+        return rc ? rc : fr_cuda_combine_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
-    blocks = blocks < 1 ? 1 : blocks;
     fr_cu_combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
                                                    out->topk_weights, (uint16_t *)out->out);
     return fr_cuda_launch_check(ep, "combine");

@@ -218,18 +218,23 @@ static __device__ __forceinline__ unsigned long long fr_cu_target(const fr_cu_ar
     return A.nfabric > 0 ? epoch : ((epoch + 1) / 2) << FR_CU_ROUND_SHIFT;
 }
 
-/* This block's share of (phase, set) to every destination (IPC path);
- * call after a barrier that follows the block's stores. One system fence
- * per block (thread 0, after the barrier: it orders the whole block's
- * stores, as a grid barrier does), then plain atomic adds: system fences
- * are costly and, with many ranks on one GPU, contend with each other. */
+/* This block's share of (phase, set) to every destination (IPC path).
+ * Every thread of the block calls it after its stores; after a barrier,
+ * thread 0 alone fences at system scope (cumulative over the block's
+ * stores, ordered before it by the barrier, as a grid barrier's fence is)
+ * and then adds to every destination's flag: the fence and the adds in
+ * one thread make the release. One system fence per block: fences are
+ * costly and, with many ranks on one GPU, contend with each other. Nothing
+ * is added once the context has failed (thread 0 decides, so the whole
+ * block agrees). */
 static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set)
 {
-    unsigned long long add = blockIdx.x == 0 ? FR_CU_ROUND - (gridDim.x - 1) : 1ull;
-    if (threadIdx.x == 0)
-        __threadfence_system();
     __syncthreads();
-    for (int d = threadIdx.x; d < A.N; d += blockDim.x) {
+    if (threadIdx.x != 0 || fr_cu_failed(A))
+        return;
+    unsigned long long add = blockIdx.x == 0 ? FR_CU_ROUND - (gridDim.x - 1) : 1ull;
+    __threadfence_system();
+    for (int d = 0; d < A.N; d++) {
         unsigned long long *f =
             (unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank));
         asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(f), "l"(add) : "memory");

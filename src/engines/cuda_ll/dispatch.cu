@@ -433,8 +433,7 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
                                         uint8_t *const *sbase)
 {
     int N = A.N;
-    bool ok = !fr_cu_failed(A);
-    if (blockIdx.x == 0 && ok)
+    if (blockIdx.x == 0)
         for (int d = threadIdx.x; d < N; d += blockDim.x) {
             fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
             h->magic = FR_SLICE_MAGIC;
@@ -444,9 +443,7 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
             h->npairs = (uint32_t)sh[3 * N + d];
             h->comb_off = (uint32_t)sh[4 * N + d];
         }
-    __syncthreads();
-    if (ok)
-        fr_cu_arrive(A, FR_PH_DISPATCH, set);
+    fr_cu_arrive(A, FR_PH_DISPATCH, set); /* barrier first, then thread 0 */
     if (threadIdx.x == 0 && atomicAdd(A.dpub + set, 1u) == gridDim.x - 1) {
         A.dpub[set] = 0;
         A.epoch[set] = epoch;
@@ -628,7 +625,7 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
         wd[4] = h1.w, wd[5] = h2.x, wd[6] = h2.y, wd[7] = h2.z;
         /* one block (record i mod G) checks the experts fully: in range
          * and none repeated (a repeated one would leave a pair rowless) */
-        if (i % G == y) {
+        if (i % min(G, (int)L.El) == y) { /* blocks past E_local do not get here */
             bool bad = false;
 #pragma unroll
             for (int j = 0; j < FR_MAX_TOPK; j++) {
@@ -875,22 +872,35 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
-    int blocks = c->nblocks;
     size_t ssend = fr_ds_smem(ep->N);
+    if (c->dgrid == 0) {
+        /* Blocks wait for each other: never more than the GPU holds at
+         * once, for either variant, with the most shared memory the
+         * receive part can take (a grid of one). */
+        size_t worst = fr_dr_smem((int)ep->L.El, 1);
+        worst = worst > ssend ? worst : ssend;
+        int a = 0, b = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, fr_cu_dispatch<true>, FR_DS_THREADS,
+                                                          worst) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, fr_cu_dispatch<false>, FR_DS_THREADS,
+                                                          worst) != cudaSuccess) {
+            (void)cudaGetLastError();
+            a = b = 0;
+        }
+        c->dgrid = (a < b ? a : b) * c->nsm;
+        if (c->dgrid < 1) {
+            c->dgrid = -1; /* two launches from now on */
+            FR_LOG_INFO(FR_SUB_EP, "dispatch: the one-launch kernel does not fit; "
+                                   "sending and receiving in two launches");
+        }
+    }
+    if (c->dgrid < 0) {
+        int rc = fr_cuda_dispatch_send(ep, r, in);
+        return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
+    }
+    int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
     size_t srecv = fr_dr_smem((int)ep->L.El, blocks);
     size_t smem = ssend > srecv ? ssend : srecv;
-    if (c->dgrid == 0) {
-        /* blocks wait for each other: never more than the GPU holds */
-        int per = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_dispatch<true>, FR_DS_THREADS,
-                                                      smem);
-        c->dgrid = per * c->nsm;
-    }
-    if (blocks > c->dgrid) {
-        blocks = c->dgrid < 1 ? 1 : c->dgrid;
-        srecv = fr_dr_smem((int)ep->L.El, blocks);
-        smem = ssend > srecv ? ssend : srecv;
-    }
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
     if (vec)
