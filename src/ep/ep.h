@@ -40,13 +40,18 @@ typedef struct fr_round {
     int T;               /* tokens this rank sent */
 } fr_round_t;
 
-/* Request from the rank thread to its proxy (single producer/consumer). */
+/* Request from the rank thread (or the GPU send kernel) to its proxy
+ * (single producer/consumer): post (phase, set)'s slices to every fabric
+ * peer, or (peer1 = g + 1) to fabric peer g alone, as soon as its slice is
+ * packed. Slots start zeroed, so a producer that never sets peer1 asks
+ * for every peer. */
 typedef struct fr_proxy_req {
     int phase, set;
     uint64_t epoch;
+    int peer1;
 } fr_proxy_req_t;
 
-#define FR_PROXY_RING 16
+#define FR_PROXY_RING 64
 
 /* The doorbell ring: in host memory, mapped into the GPU for CUDA ranks
  * (the send kernel is the producer there). */
@@ -69,6 +74,8 @@ typedef struct fr_proxy {
     int rx_seen[2][FR_NSETS];
     uint32_t *xfer_ns[2];                  /* samples */
     int nxfer[2], stats;
+    int *gnic, *gpos;                      /* [nfabric]: fabric peer g's NIC and
+                                              place in that NIC's group */
 } fr_proxy_t;
 
 struct fr_engine;

@@ -1,10 +1,13 @@
 /*
  * The proxy: one thread per rank that owns the fabric transport.
  *
- * The rank thread (later: the GPU send kernel) packs a phase's slices into
+ * The rank thread (or the GPU send kernel) packs a phase's slices into
  * the send region, fills one fr_slice_t per fabric peer and rings the
- * doorbell by pushing {phase, set, epoch} into a single-producer ring. The
- * proxy posts the scatter, then polls completions:
+ * doorbell by pushing {phase, set, epoch, peer} into a single-producer
+ * ring: one request for every peer (the scatter), or one per peer as soon
+ * as that peer's slice is packed (a single write), so that writes start
+ * while later peers are still being packed. The proxy posts, then polls
+ * completions:
  *   RX  immediate (phase, epoch low bits, sender): the write, header
  *       included, has landed; the proxy publishes it by storing the full
  *       epoch into the same flag word a shared-memory peer would have
@@ -79,13 +82,40 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
     }
 }
 
+/* One fabric peer's write (request peer1 = g + 1). */
+static int fr_proxy_post_one(ferry_ep_t ep, const fr_proxy_req_t *q, const fr_slice_t *sl)
+{
+    fr_err_t err = {{0}};
+    int g = q->peer1 - 1;
+    if (g >= ep->nfabric) {
+        char msg[120];
+        snprintf(msg, sizeof(msg), "proxy request for fabric peer %d of %d", g, ep->nfabric);
+        fr_proxy_async_fail(ep, FERRY_ERR_INTERNAL, -1, msg);
+        return FERRY_ERR_INTERNAL;
+    }
+    int k = ep->proxy.gnic[g];
+    __atomic_add_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
+    int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], ep->proxy.gpos[g], &sl[g],
+                                     (uint64_t)q->set, &err);
+    if (rc != FERRY_OK) {
+        __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
+        fr_proxy_async_fail(ep, rc, -1, err.msg);
+        return rc;
+    }
+    ep->proxy.posted++;
+    return FERRY_OK;
+}
+
 static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
 {
-    if (ep->proxy.stats)
-        ep->proxy.t_pick[q->phase & 1][q->set & 1] = fr_now_ns();
+    uint64_t *pick = &ep->proxy.t_pick[q->phase & 1][q->set & 1];
+    if (ep->proxy.stats && (q->peer1 == 0 || *pick == 0))
+        *pick = fr_now_ns(); /* the phase's first request */
     fr_err_t err = {{0}};
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
+    if (q->peer1 > 0)
+        return fr_proxy_post_one(ep, q, sl);
     for (int k = 0; k < ep->nics.n; k++) {
         int n = ep->groups.n[k];
         if (n == 0)
@@ -176,6 +206,24 @@ int fr_proxy_start(ferry_ep_t ep)
     fr_proxy_ring_t *ring = p->ring;
     memset(p, 0, sizeof(*p));
     p->ring = ring;
+    /* where each fabric peer sits: its NIC, its place in that NIC's group */
+    int nf = ep->nfabric > 0 ? ep->nfabric : 1;
+    p->gnic = calloc((size_t)nf, sizeof(int));
+    p->gpos = calloc((size_t)nf, sizeof(int));
+    if (!p->gnic || !p->gpos) {
+        free(p->gnic);
+        free(p->gpos);
+        p->gnic = p->gpos = NULL;
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy peer tables");
+    }
+    for (int k = 0; k < ep->nics.n; k++)
+        for (int i = 0; i < ep->groups.n[k]; i++) {
+            int g = ep->groups.idx[k][i];
+            if (g >= 0 && g < ep->nfabric) {
+                p->gnic[g] = k;
+                p->gpos[g] = i;
+            }
+        }
     if (fr_cfg_str(FR_CFG_PROXY_STATS)[0]) {
         p->xfer_ns[0] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
         p->xfer_ns[1] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
@@ -198,6 +246,9 @@ int fr_proxy_stop(ferry_ep_t ep)
                       "endpoint destroy") != 0)
         return -1;
     p->running = 0;
+    free(p->gnic);
+    free(p->gpos);
+    p->gnic = p->gpos = NULL;
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
             int n = p->nxfer[ph];
@@ -224,7 +275,7 @@ int fr_proxy_stop(ferry_ep_t ep)
     return 0;
 }
 
-int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
+int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
 {
     fr_proxy_t *p = &ep->proxy;
     uint64_t iter = 0;
@@ -242,6 +293,7 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch)
     q->phase = phase;
     q->set = set;
     q->epoch = epoch;
+    q->peer1 = peer < 0 ? 0 : peer + 1;
     __atomic_store_n(&rg->tail, rg->tail + 1, __ATOMIC_RELEASE);
     return FERRY_OK;
 }

@@ -10,7 +10,9 @@ extern "C" {
 
 int fr_proxy_start(ferry_ep_t ep);
 int fr_proxy_stop(ferry_ep_t ep); /* -1: left running (fr_proxy_join) */
-int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch);
+/* Ask the proxy to post (phase, set)'s slices: to every fabric peer
+ * (peer < 0), or to fabric peer `peer` (its index in ep->slices) alone. */
+int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer);
 /* Wait until the proxy has no writes in flight from `set` (bounded). */
 int fr_proxy_wait_set(ferry_ep_t ep, int set);
 

@@ -4,8 +4,8 @@
  * combine_send: for every source rank s, the rows of expert_y holding s's
  * (token, expert) pairs, in the order s sent them, go as one contiguous run
  * to rows [comb_off_s, comb_off_s + pairs_s) of s's combine region: stored
- * directly (self, shared memory) or packed for one fabric write. Then the
- * flag is published (release), or the proxy is asked to write.
+ * directly (self, shared memory; then the flag is published, release) or
+ * packed for one fabric write that the proxy is asked to post at once.
  *
  * combine_recv: wait for every rank's flag; out[t] = sum_k w[t][k] * y,
  * accumulated in fp32 in k order, rounded once to bf16.
@@ -23,35 +23,38 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
     int N = ep->N, set = (int)(r->epoch % FR_NSETS);
     const uint8_t *y = (const uint8_t *)in->expert_y;
     uint64_t packed = 0; /* rows packed so far in the send region */
-    for (int s = 0; s < N; s++) {
-        uint32_t p0 = cr->pair_off[s], np = cr->pair_off[s + 1] - p0;
-        const int32_t *rows = cr->pair_row + p0;
-        if (ep->path[s] == FR_PATH_FABRIC) {
-            uint8_t *dst = ep->send + fr_off_csend(L, set, packed);
+    /* fabric peers first, each handed to the proxy as soon as it is
+     * packed (its write starts while the next is packed), then the local
+     * peers' direct stores */
+    for (int pass = 0; pass < 2; pass++)
+        for (int s = 0; s < N; s++) {
+            int fabric = ep->path[s] == FR_PATH_FABRIC;
+            if (fabric != (pass == 0))
+                continue;
+            uint32_t p0 = cr->pair_off[s], np = cr->pair_off[s + 1] - p0;
+            const int32_t *rows = cr->pair_row + p0;
+            uint8_t *dst = fabric ? ep->send + fr_off_csend(L, set, packed)
+                                  : ep->peer_seg[s] + fr_off_crecv(L, set, cr->comb_off[s]);
             for (uint32_t p = 0; p < np; p++)
-                memcpy(dst + (size_t)p * L->crow,
-                       y + (size_t)rows[p] * L->crow, L->crow);
-            fr_slice_t *sl = ep->slices +
-                             ((size_t)FR_PH_COMBINE * FR_NSETS + set) *
-                                 ep->nfabric + ep->group_index[s];
+                memcpy(dst + (size_t)p * L->crow, y + (size_t)rows[p] * L->crow, L->crow);
+            if (!fabric) {
+                __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[s], FR_PH_COMBINE, set, ep->rank),
+                                 r->epoch, __ATOMIC_RELEASE);
+                fr_doorbell_ring(ep->peer_seg[s]);
+                continue;
+            }
+            int g = ep->group_index[s];
+            fr_slice_t *sl =
+                ep->slices + ((size_t)FR_PH_COMBINE * FR_NSETS + set) * ep->nfabric + g;
             sl->src_off = fr_off_csend(L, set, packed);
             sl->dst_off = fr_off_crecv(L, set, cr->comb_off[s]);
             sl->len = (uint64_t)np * L->crow;
             sl->imm = fr_imm_make(FR_PH_COMBINE, r->epoch, ep->rank);
             packed += np;
-        } else {
-            uint8_t *dst = ep->peer_seg[s] + fr_off_crecv(L, set, cr->comb_off[s]);
-            for (uint32_t p = 0; p < np; p++)
-                memcpy(dst + (size_t)p * L->crow,
-                       y + (size_t)rows[p] * L->crow, L->crow);
-            __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[s], FR_PH_COMBINE,
-                                         set, ep->rank),
-                             r->epoch, __ATOMIC_RELEASE);
-            fr_doorbell_ring(ep->peer_seg[s]);
+            int rc = fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch, g);
+            if (rc)
+                return rc;
         }
-    }
-    if (ep->nfabric)
-        return fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch);
     return FERRY_OK;
 }
 

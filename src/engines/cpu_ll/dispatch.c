@@ -155,7 +155,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
         }
     }
     if (ep->nfabric)
-        return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch);
+        return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch, -1);
     return FERRY_OK;
 }
 
