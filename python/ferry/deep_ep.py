@@ -119,7 +119,10 @@ class _Plan:
             self.sets.append(((rx, sc) if fp8 else rx, cnt, sr, st, out, dout))
         self.din = _lib.DispatchIn(C.sizeof(_lib.DispatchIn), 0, None, None, None, None, None)
         self.cin = _lib.CombineIn(C.sizeof(_lib.CombineIn), None, None)
-        self.cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
+        # one per buffer set: a combine's receive hook may run after the
+        # next round's combine was sent (two rounds in flight)
+        self.couts = [_lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
+                      for _ in range(2)]
         self.round = C.c_uint64()
         L = _lib_handle()
         self.send, self.recv = L.ferry_dispatch_send, L.ferry_dispatch_recv
@@ -337,7 +340,7 @@ class Buffer:
             if T != plan.T:
                 out = out[:T]
         stream = plan.raw_stream()
-        cin, cout = plan.cin, plan.cout
+        cin, cout = plan.cin, plan.couts[rnd & 1]
         cin.expert_y = x.data_ptr()
         cin.stream = stream
         cout.topk_weights = w.data_ptr()
@@ -349,8 +352,12 @@ class Buffer:
         plan.check(plan.csend(h, rnd, cin))
 
         def recv():
+            # x, w and out (maybe converted copies) stay alive until the
+            # receive has been queued
             plan.check(plan.crecv(h, rnd, cout))
+            del keep[:]
 
+        keep = [x, w, out]
         return out, _no_event(), recv
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
