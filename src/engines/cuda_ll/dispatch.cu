@@ -1,7 +1,7 @@
 /*
  * Dispatch of the CUDA low-latency engine: a send part and a receive part,
  * one launch for both (fr_cu_dispatch, behind ferry_dispatch) or one each
- * (fr_cu_dsend, fr_cu_drecv, behind dispatch_send / dispatch_recv).
+ * (fr_cu_dispatch_send, fr_cu_dispatch_recv, behind dispatch_send / dispatch_recv).
  *
  * Send (a grid of blocks, each owning a contiguous run of tokens):
  *   1. every block counts, per destination rank, the records (distinct
@@ -530,7 +530,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
 
 template <bool VEC>
 __global__ void __launch_bounds__(FR_DS_THREADS, 2)
-fr_cu_dsend(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
+fr_cu_dispatch_send(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
             const int64_t *idx, int T_host, const int32_t *T_dev)
 {
     fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev);
@@ -806,7 +806,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
 }
 
 __global__ void __launch_bounds__(FR_DR_THREADS, 2)
-fr_cu_drecv(fr_cu_args_t A, int set, fr_dr_out_t o)
+fr_cu_dispatch_recv(fr_cu_args_t A, int set, fr_dr_out_t o)
 {
     fr_dr_run(A, set, o, A.epoch[set]);
 }
@@ -838,11 +838,11 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     size_t smem = fr_ds_smem(ep->N);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     if (vec)
-        fr_cu_dsend<true><<<blocks, FR_DS_THREADS, smem, st>>>(
+        fr_cu_dispatch_send<true><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
             in->num_tokens_dev);
     else
-        fr_cu_dsend<false><<<blocks, FR_DS_THREADS, smem, st>>>(
+        fr_cu_dispatch_send<false><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
             in->num_tokens_dev);
     return fr_cuda_launch_check(ep, "dispatch_send");
@@ -861,7 +861,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     size_t smem = fr_dr_smem((int)ep->L.El, blocks);
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
-    fr_cu_drecv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
+    fr_cu_dispatch_recv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
     return fr_cuda_launch_check(ep, "dispatch_recv");
 }
 
