@@ -273,8 +273,9 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream)
     return ep->eng->sync(ep, stream);
 }
 
-/* The one-shot forms: the engine's one-launch operation where it has one
- * (same checks as the two calls), else send then receive. */
+/* The one-shot forms: every check of both halves first (a bad `out` starts
+ * no round), then the engine's one-launch operation where it has one, else
+ * its send and receive. */
 static int fr_check_out_size(ferry_ep_t ep, const void *args, size_t need, const char *name,
                              const char *type)
 {
@@ -292,26 +293,27 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
 {
     if (!ep)
         return FERRY_ERR_INVALID;
+    /* every check of both halves before anything starts */
     uint64_t rr = 0;
-    if (!ep->eng->dispatch) {
-        int rc = ferry_dispatch_send(ep, in, &rr);
-        if (rc)
-            return rc;
-        if (round)
-            *round = rr;
-        return ferry_dispatch_recv(ep, rr, out);
-    }
     fr_round_t *r = NULL;
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
     if (rc || (rc = fr_check_out_size(ep, out, sizeof(*out), "out", "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, out)))
         return rc;
-    if (out->stream != in->stream)
+    if (ep->eng->dispatch && out->stream != in->stream)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_dispatch runs on one "
                           "stream (use dispatch_send and dispatch_recv for two)");
     fr_send_take(ep, r, in);
-    rc = ep->eng->dispatch(ep, r, in, out);
+    if (ep->eng->dispatch) {
+        rc = ep->eng->dispatch(ep, r, in, out);
+    } else {
+        rc = ep->eng->dispatch_send(ep, r, in);
+        if (rc == FERRY_OK) {
+            r->state = FR_ROUND_SENT;
+            rc = ep->eng->dispatch_recv(ep, r, out);
+        }
+    }
     if (rc)
         return rc;
     r->state = FR_ROUND_RECVD;
@@ -325,12 +327,7 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    if (!ep->eng->combine) {
-        int rc = ferry_combine_send(ep, round, in);
-        if (rc)
-            return rc;
-        return ferry_combine_recv(ep, round, out);
-    }
+    /* every check of both halves before anything starts */
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
                            "ferry_combine_in_t", &r);
@@ -339,11 +336,19 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
         return rc;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
-    if (out->stream != in->stream)
+    if (ep->eng->combine && out->stream != in->stream)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_combine runs on one "
                           "stream (use combine_send and combine_recv for two)");
-    rc = ep->eng->combine(ep, r, in, out);
+    if (ep->eng->combine) {
+        rc = ep->eng->combine(ep, r, in, out);
+    } else {
+        rc = ep->eng->combine_send(ep, r, in);
+        if (rc == FERRY_OK) {
+            r->state = FR_ROUND_COMBINED;
+            rc = ep->eng->combine_recv(ep, r, out);
+        }
+    }
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;

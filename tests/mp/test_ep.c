@@ -139,11 +139,28 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_combine_send(ep, 1, &cin), FERRY_ERR_INVALID);
     CHECK_RC(ferry_dispatch_recv(ep, 0, NULL), FERRY_ERR_INVALID);
 
-    /* nothing above consumed a round: a real round still works */
+    /* the one-shot form checks both halves before it starts a round */
     ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = ex,
                                  .expert_x_scales = exs, .expert_num_tokens = cnt};
     ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = in.w, .out = out};
+    CHECK_RC(ferry_dispatch(ep, &din, NULL, &round), FERRY_ERR_INVALID);
+    CHECK_MSG(ep, "out: NULL");
+    {
+        ferry_dispatch_out_t d0 = dout;
+        d0.expert_x = NULL;
+        CHECK_RC(ferry_dispatch(ep, &din, &d0, &round), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "expert_x");
+        d0 = dout;
+        d0.size = 8;
+        CHECK_RC(ferry_dispatch(ep, &din, &d0, &round), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "out->size");
+    }
+
+    /* nothing above consumed a round: a real round still works, and is
+     * round 1 */
+    round = 0;
     CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_OK);
+    CHECK(round == 1, "first round is %llu, want 1", (unsigned long long)round);
     CHECK_RC(ferry_combine_send(ep, round, &cin), FERRY_ERR_STATE); /* before recv */
     CHECK_MSG(ep, "dispatch_send");
     ferry_dispatch_out_t dbad = dout;
@@ -181,6 +198,15 @@ static int run_args(ferry_comm_t comm)
         free(idx2);
     }
     fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+    {
+        /* the one-shot combine checks `out` before sending */
+        ferry_combine_out_t c0 = cout;
+        c0.out = NULL;
+        CHECK_RC(ferry_combine(ep, round, &cin, NULL), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "out: NULL");
+        CHECK_RC(ferry_combine(ep, round, &cin, &c0), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "out->out");
+    }
     CHECK_RC(ferry_combine_send(ep, round, &cin), FERRY_OK);
     ferry_combine_out_t cbad = cout;
     cbad.topk_weights = NULL;
