@@ -1,4 +1,5 @@
-/* ferry-info: version, libfabric providers here, every FERRY_* setting. */
+/* ferry-info: version, libfabric providers here (and which offer FI_HMEM),
+ * every FERRY_* setting. */
 #include <rdma/fabric.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +32,15 @@ int main(int argc, char **argv)
                                   FI_MR_ALLOCATED | FI_MR_PROV_KEY |
                                   FI_MR_ENDPOINT;
     int rc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info);
-    printf("providers offering RDM endpoints with RMA writes:\n");
+    /* the same query asking for FI_HMEM (registration of device memory) */
+    struct fi_info *hinfo = NULL;
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM; /* registering device memory needs it */
+    if (fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &hinfo) != 0)
+        hinfo = NULL;
+    printf("providers offering RDM endpoints with RMA writes (FI_HMEM: the provider offers\n"
+           "device-memory registration; which device interfaces work shows only when one\n"
+           "is registered):\n");
     if (rc != 0) {
         printf("  none (%s)\n", fi_strerror(-rc));
     } else {
@@ -41,13 +50,21 @@ int main(int argc, char **argv)
             snprintf(line, sizeof(line), "%s (fabric %s, domain %s)",
                      i->fabric_attr->prov_name, i->fabric_attr->name,
                      i->domain_attr->name);
+            int hmem = 0;
+            for (struct fi_info *h = hinfo; h && !hmem; h = h->next)
+                hmem = strcmp(h->fabric_attr->prov_name, i->fabric_attr->prov_name) == 0 &&
+                       strcmp(h->domain_attr->name, i->domain_attr->name) == 0;
             if (strcmp(line, last) != 0)
-                printf("  %s\n", line);
+                printf("  %s  %s\n", line, hmem ? "FI_HMEM" : "no FI_HMEM");
             snprintf(last, sizeof(last), "%s", line);
         }
         fi_freeinfo(info);
     }
+    if (hinfo)
+        fi_freeinfo(hinfo);
     fi_freeinfo(hints);
+    printf("GPU ranks on the fabric path keep their send and receive regions in pinned\n"
+           "host memory (registering device memory through FI_HMEM is not built yet)\n");
     ferry_setting_t set[64];
     int n = ferry_settings(set, 64);
     printf("settings:\n");
