@@ -96,7 +96,8 @@ int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
 int ferry_comm_barrier(ferry_comm_t comm);
 /* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup).
  * Destroy every EP (and put-with-signal context) made on the communicator
- * first: they use it until they are destroyed. */
+ * first: they use it until they are destroyed; while any is left this
+ * returns FERRY_ERR_STATE (saying how many) and frees nothing. */
 int ferry_comm_destroy(ferry_comm_t comm);
 
 /* ---------------------------------------------------------------------- */

@@ -150,6 +150,13 @@ int ferry_comm_destroy(ferry_comm_t comm)
 {
     if (!comm)
         return FERRY_ERR_INVALID;
+    int users = __atomic_load_n(&comm->users, __ATOMIC_ACQUIRE);
+    if (users > 0)
+        return FR_ERR(&comm->err, FERRY_ERR_STATE,
+                      "ferry_comm_destroy: %d EP or put-with-signal context%s still "
+                      "use%s this communicator: destroy %s first (nothing was freed)",
+                      users, users == 1 ? "" : "s", users == 1 ? "s" : "",
+                      users == 1 ? "it" : "them");
     int rc = fr_boot_close(comm->boot, &comm->err);
     if (rc != FERRY_OK)
         FR_LOG_INFO(FR_SUB_BOOT, "close: %s", comm->err.msg);

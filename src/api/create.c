@@ -314,6 +314,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         FR_CHECK_GOTO(fr_create_fabric(ep, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_finish(ep, &err), rc, fail);
     *out = ep;
+    __atomic_add_fetch(&comm->users, 1, __ATOMIC_ACQ_REL);
     return FERRY_OK;
 fail:
     FR_LOG_INFO(FR_SUB_INIT, "ep_create: %s", err.msg);
@@ -348,7 +349,9 @@ int ferry_ep_destroy(ferry_ep_t ep)
         if (b != FERRY_OK && rc == FERRY_OK)
             rc = b;
     }
+    ferry_comm_t comm = ep->comm;
     fr_ep_free(ep);
+    __atomic_sub_fetch(&comm->users, 1, __ATOMIC_ACQ_REL);
     return rc;
 }
 

@@ -26,6 +26,8 @@ struct ferry_comm {
     int rank, size;
     fr_peer_info_t *peers; /* [size], exchanged at init */
     int nnodes;            /* distinct node ids */
+    int users;             /* atomic: EP and put-with-signal contexts made on it
+                              and not destroyed yet */
     fr_err_t err;
 };
 

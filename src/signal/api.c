@@ -278,6 +278,8 @@ int ferry_sig_destroy(ferry_sig_t s)
                 (unsigned long long)s->n_sig_writes,
                 (unsigned long long)s->n_credits,
                 (unsigned long long)s->n_held);
+    ferry_comm_t comm = s->comm;
     fr_sig_free(s);
+    __atomic_sub_fetch(&comm->users, 1, __ATOMIC_ACQ_REL);
     return rc;
 }

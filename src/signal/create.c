@@ -352,5 +352,6 @@ int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *cfg,
                 (unsigned long long)s->heap_bytes, s->nsig,
                 s->ops->provider(s->tp), s->cuda ? "CUDA" : "CPU");
     *out = s;
+    __atomic_add_fetch(&comm->users, 1, __ATOMIC_ACQ_REL);
     return FERRY_OK;
 }

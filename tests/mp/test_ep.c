@@ -1,6 +1,8 @@
 /*
  * EP API tests across processes (self-launching).
- *   test_ep -n N args        bad arguments and call sequences
+ *   test_ep -n N args        bad arguments and call sequences (the one-shot
+ *                            forms included; the communicator refused to close
+ *                            under an open context)
  *   test_ep -n N kill R P    rank R dies in phase P (dispatch|combine) of
  *                            round 5; every other rank must fail naming R
  *                            within FERRY_TIMEOUT_MS + 1 s
@@ -235,6 +237,11 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_combine_recv(ep, r3, &cout), FERRY_OK);
     CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r3 wrong");
 
+    /* the communicator is not freed under an open context, and still works */
+    CHECK_RC(ferry_comm_destroy(comm), FERRY_ERR_STATE);
+    CHECK(strstr(ferry_comm_last_error(comm), "1 EP or put-with-signal context still") != NULL,
+          "message: %s", ferry_comm_last_error(comm));
+    CHECK_RC(ferry_comm_barrier(comm), FERRY_OK);
     CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
     free(ex);
     free(exs);
