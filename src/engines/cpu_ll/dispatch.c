@@ -5,8 +5,9 @@
  * once per rank (deduplicated), quantising bf16 -> fp8 first when asked.
  * Records go straight into the peer's receive slice (self, shared memory:
  * the twin of NVLink stores) or into the send region for the proxy
- * (fabric). The slice header (count, pairs, where replies go) is written
- * last, then the flag is published with a release store.
+ * (fabric), destination by destination, fabric peers first. The slice
+ * header (count, pairs, where replies go) is written last, then the flag
+ * is published with a release store, or the proxy posts the write.
  *
  * dispatch_recv: wait for every sender's flag, validate each slice, lay the
  * tokens out per local expert in (sender, record, k) order.
@@ -44,6 +45,73 @@ static inline uint8_t *fr_dslice_dst(ferry_ep_t ep, int set, int d)
     if (ep->path[d] == FR_PATH_FABRIC)
         return ep->send + fr_off_dsend(L, set, d);
     return ep->peer_seg[d] + fr_off_drecv(L, set, ep->rank);
+}
+
+/* Destination d's records, in token order: a token's first expert on d
+ * emits the record, which lists the token's experts there in k order. */
+static void fr_pack_dest(ferry_ep_t ep, fr_cpu_round_t *cr, int d, int set,
+                         const int64_t *idx, int T, const uint8_t *tok, const float *scales)
+{
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    const fr_layout_t *L = &ep->L;
+    int K = L->K, El = L->El;
+    size_t scale_bytes = scales ? 4ull * L->nscales : 0;
+    uint8_t *base = fr_dslice_dst(ep, set, d);
+    for (int t = 0; t < T; t++) {
+        const int64_t *row = idx + (size_t)t * K;
+        int32_t *cp = cr->comb_pos + (size_t)t * K;
+        int k = 0;
+        while (k < K && (row[k] < 0 || row[k] / El != d))
+            k++;
+        if (k == K)
+            continue;
+        uint8_t *rec = base + fr_off_record(L, (uint32_t)c->rec_next[d]++);
+        fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
+        uint16_t n = 0;
+        h->pair = (uint32_t)(c->fill[d] - (int32_t)c->comb_base[d]);
+        for (int j = k; j < K; j++) {
+            if (row[j] < 0 || row[j] / El != d)
+                continue;
+            h->le[n++] = (uint16_t)(row[j] % El);
+            cp[j] = c->fill[d]++;
+        }
+        h->token = (uint32_t)t;
+        h->nexp = n;
+        h->reserved = 0;
+        memcpy(rec + L->rec_hdr, tok + (size_t)t * L->tok_bytes, L->tok_bytes);
+        if (scale_bytes)
+            memcpy(rec + L->rec_hdr + L->tok_bytes, scales + (size_t)t * L->nscales,
+                   scale_bytes);
+    }
+}
+
+/* Destination d's slice header, then its flag (local) or its write (the
+ * proxy, at once). */
+static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set)
+{
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    const fr_layout_t *L = &ep->L;
+    fr_slice_hdr_t *h = (fr_slice_hdr_t *)fr_dslice_dst(ep, set, d);
+    memset(h, 0, sizeof(*h));
+    h->magic = FR_SLICE_MAGIC;
+    h->sender = (uint32_t)ep->rank;
+    h->epoch = r->epoch;
+    h->count = (uint32_t)c->cnt_rank[d];
+    h->npairs = (uint32_t)c->pairs_rank[d];
+    h->comb_off = c->comb_base[d];
+    if (ep->path[d] != FR_PATH_FABRIC) {
+        __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH, set, ep->rank),
+                         r->epoch, __ATOMIC_RELEASE);
+        fr_doorbell_ring(ep->peer_seg[d]);
+        return FERRY_OK;
+    }
+    int g = ep->group_index[d];
+    fr_slice_t *s = ep->slices + ((size_t)FR_PH_DISPATCH * FR_NSETS + set) * ep->nfabric + g;
+    s->src_off = fr_off_dsend(L, set, d);
+    s->dst_off = fr_off_drecv(L, set, ep->rank);
+    s->len = fr_off_record(L, (uint32_t)c->cnt_rank[d]);
+    s->imm = fr_imm_make(FR_PH_DISPATCH, r->epoch, ep->rank);
+    return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch, g);
 }
 
 int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
@@ -93,69 +161,22 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
 
     /* Pack records: token-major, so each destination's records are in
      * token order; a record lists the token's local experts in k order. */
-    size_t scale_bytes = 4ull * L->nscales;
-    for (int t = 0; t < T; t++) {
-        const int64_t *row = idx + (size_t)t * K;
-        int32_t *cp = cr->comb_pos + (size_t)t * K;
-        for (int k = 0; k < K; k++)
-            cp[k] = -1;
-        for (int k = 0; k < K; k++) {
-            if (row[k] < 0)
+    for (int i = 0; i < T * K; i++)
+        cr->comb_pos[i] = -1;
+    /* Destination by destination, fabric peers first: a fabric peer's
+     * slice goes to the proxy as soon as it is packed (its write starts
+     * while the next is packed); local peers get direct stores and their
+     * flag. A destination's records are in token order either way. */
+    for (int pass = 0; pass < 2; pass++)
+        for (int d = 0; d < N; d++) {
+            int fabric = ep->path[d] == FR_PATH_FABRIC;
+            if (fabric != (pass == 0))
                 continue;
-            int d = (int)(row[k] / El);
-            if (!fr_first_on_rank(row, k, El))
-                continue;
-            /* First expert of token t on rank d: emit the record. */
-            uint8_t *rec = fr_dslice_dst(ep, set, d) +
-                           fr_off_record(L, (uint32_t)rec_next[d]++);
-            fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
-            uint16_t n = 0;
-            h->pair = (uint32_t)(fill[d] - (int32_t)h_comb_base[d]);
-            for (int j = k; j < K; j++) {
-                if (row[j] < 0 || row[j] / El != d)
-                    continue;
-                h->le[n++] = (uint16_t)(row[j] % El);
-                cp[j] = fill[d]++;
-            }
-            h->token = (uint32_t)t;
-            h->nexp = n;
-            h->reserved = 0;
-            memcpy(rec + L->rec_hdr, tok + (size_t)t * L->tok_bytes,
-                   L->tok_bytes);
-            if (scale_bytes)
-                memcpy(rec + L->rec_hdr + L->tok_bytes,
-                       scales + (size_t)t * L->nscales, scale_bytes);
+            fr_pack_dest(ep, cr, d, set, idx, T, tok, scales);
+            int rc = fr_publish_dest(ep, r, d, set);
+            if (rc)
+                return rc;
         }
-    }
-
-    /* Headers, then publish. */
-    for (int d = 0; d < N; d++) {
-        uint8_t *dst = fr_dslice_dst(ep, set, d);
-        fr_slice_hdr_t *h = (fr_slice_hdr_t *)dst;
-        memset(h, 0, sizeof(*h));
-        h->magic = FR_SLICE_MAGIC;
-        h->sender = (uint32_t)ep->rank;
-        h->epoch = r->epoch;
-        h->count = (uint32_t)cnt[d];
-        h->npairs = (uint32_t)pairs[d];
-        h->comb_off = h_comb_base[d];
-        if (ep->path[d] == FR_PATH_FABRIC) {
-            fr_slice_t *s = ep->slices +
-                            ((size_t)FR_PH_DISPATCH * FR_NSETS + set) *
-                                ep->nfabric + ep->group_index[d];
-            s->src_off = fr_off_dsend(L, set, d);
-            s->dst_off = fr_off_drecv(L, set, ep->rank);
-            s->len = fr_off_record(L, (uint32_t)cnt[d]);
-            s->imm = fr_imm_make(FR_PH_DISPATCH, r->epoch, ep->rank);
-        } else {
-            __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH,
-                                         set, ep->rank),
-                             r->epoch, __ATOMIC_RELEASE);
-            fr_doorbell_ring(ep->peer_seg[d]);
-        }
-    }
-    if (ep->nfabric)
-        return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch, -1);
     return FERRY_OK;
 }
 
