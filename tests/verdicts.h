@@ -12,6 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ferry.h"
+#include "launch.h"
+
 static char fr_vd_dir[256];
 
 /* Pick and create the folder; returns 1 under an outside launcher. */
@@ -69,6 +72,32 @@ static inline int fr_vd_collect(const char *test, const char *mode, int n,
     printf("%s %s: launcher status %d, %s\n", test, mode, launcher_status,
            bad ? "FAILED" : "passed");
     return bad;
+}
+
+/* The start every self-launching test shares: launch n ranks here (unless
+ * an outside launcher did), let the parent collect the verdicts (victim:
+ * the rank that must die, or -1) and give each rank its communicator.
+ * Returns 1 in a rank, with *comm set; else 0 and *status is what main
+ * returns (the parent's verdict, or 1 when the communicator failed). */
+static inline int fr_vd_start(const char *tag, const char *test, const char *mode, int n,
+                              int victim, ferry_comm_t *comm, int *status)
+{
+    int outside = fr_vd_init(tag);
+    int is_child = outside;
+    fr_err_t err = {{0}};
+    int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
+    if (!is_child) {
+        *status = fr_vd_collect(test, mode, n, victim, rc);
+        return 0;
+    }
+    char ebuf[512];
+    *comm = NULL;
+    if (ferry_comm_init_env(comm, ebuf, sizeof(ebuf)) != FERRY_OK) {
+        fprintf(stderr, "comm: %s\n", ebuf);
+        *status = 1;
+        return 0;
+    }
+    return 1;
 }
 
 #endif

@@ -332,22 +332,11 @@ int main(int argc, char **argv)
     const char *mode = argc >= 4 ? argv[3] : "args";
     int victim = argc >= 5 ? atoi(argv[4]) : -1;
     int in_combine = argc >= 6 && strcmp(argv[5], "combine") == 0;
-    int outside = fr_vd_init("ep");
-    int is_child = outside;
-    fr_err_t err = {{0}};
-    int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
-    if (!is_child) {
-        /* parent: read the verdicts */
-        return fr_vd_collect("test_ep", mode, n,
-                             strcmp(mode, "kill") == 0 ? victim : -1, rc);
-    }
-    char ebuf[512];
     ferry_comm_t comm = NULL;
-    rc = ferry_comm_init_env(&comm, ebuf, sizeof(ebuf));
-    if (rc != FERRY_OK) {
-        fprintf(stderr, "comm: %s\n", ebuf);
-        return 1;
-    }
+    int rc = 0;
+    if (!fr_vd_start("ep", "test_ep", mode, n, strcmp(mode, "kill") == 0 ? victim : -1, &comm,
+                     &rc))
+        return rc;
     int me = ferry_comm_rank(comm);
     if (strcmp(mode, "kill") == 0)
         return run_kill(comm, victim, in_combine);

@@ -1455,21 +1455,10 @@ int main(int argc, char **argv)
                         "args|kill R\n");
         return 2;
     }
-    int outside = fr_vd_init("ht");
-    int is_child = outside;
-    fr_err_t err = {{0}};
-    int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
-    if (!is_child) {
-        /* parent: read the verdicts */
-        return fr_vd_collect("test_ht", mode, n, is_kill ? arg1 : -1, rc);
-    }
-    char ebuf[512];
     ferry_comm_t comm = NULL;
-    rc = ferry_comm_init_env(&comm, ebuf, sizeof(ebuf));
-    if (rc != FERRY_OK) {
-        fprintf(stderr, "comm: %s\n", ebuf);
-        return 1;
-    }
+    int rc = 0;
+    if (!fr_vd_start("ht", "test_ht", mode, n, is_kill ? arg1 : -1, &comm, &rc))
+        return rc;
     int me = ferry_comm_rank(comm);
     if (is_kill)
         return run_kill(comm, arg1);

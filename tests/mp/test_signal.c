@@ -524,21 +524,10 @@ int main(int argc, char **argv)
         return 77;
     }
 #endif
-    int outside = fr_vd_init("sig");
-    int is_child = outside;
-    fr_err_t err = {{0}};
-    int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
-    if (!is_child) {
-        return fr_vd_collect("test_signal", mode, n, is_kill ? victim : -1,
-                             rc);
-    }
-    char ebuf[512];
     ferry_comm_t comm = NULL;
-    rc = ferry_comm_init_env(&comm, ebuf, sizeof(ebuf));
-    if (rc != FERRY_OK) {
-        fprintf(stderr, "comm: %s\n", ebuf);
-        return 1;
-    }
+    int rc = 0;
+    if (!fr_vd_start("sig", "test_signal", mode, n, is_kill ? victim : -1, &comm, &rc))
+        return rc;
     int me = ferry_comm_rank(comm);
     if (strcmp(mode, "args") == 0) {
         rc = run_args(comm);
