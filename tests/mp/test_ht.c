@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/quant.h"
 #include "ferry.h"
 #include "harness.h"
 #include "launch.h"
@@ -80,24 +81,6 @@ static uint64_t hkey(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
     return mix64(mix64(mix64(mix64(a) ^ b) ^ c) ^ d);
 }
 
-static float bf2f(uint16_t b)
-{
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* fp32 to bf16, round to nearest even (NaN stays NaN). */
-static uint16_t f2bf(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Equal bf16 values; +0 and -0 count as equal (a sum may start from +0). */
 static int bf_same(uint16_t a, uint16_t b)
@@ -125,7 +108,7 @@ static uint16_t gen_bf16(uint64_t *s, int kind)
     if (kind == K_BITS)
         return (uint16_t)r;
     if (kind == K_INT)
-        return f2bf((float)((int)(r % 9) - 4));
+        return fr_f32_to_bf16((float)((int)(r % 9) - 4));
     uint16_t sign = (r >> 20) & 1 ? 0x8000 : 0;
     uint16_t ex = (uint16_t)(107 + (r >> 8) % 41);
     return (uint16_t)(sign | ex << 7 | (r & 0x7f));
@@ -659,11 +642,11 @@ static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
                 continue;
             gen_y(c, d, r, me, t, row);
             for (int h = 0; h < H; h++)
-                acc[h] += bf2f(row[h]);
+                acc[h] += fr_bf16_to_f32(row[h]);
         }
         int h = 0, kbad = -1;
         const uint16_t *got = o->out + (size_t)t * H;
-        while (h < H && bf_same(got[h], f2bf(acc[h])))
+        while (h < H && bf_same(got[h], fr_f32_to_bf16(acc[h])))
             h++;
         for (int k = 0; o->w && k < K && kbad < 0; k++) {
             int r = slot_rank(w, me, t, k);
@@ -675,7 +658,7 @@ static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
             fprintf(stderr, "rank %d: %s: combine token %d wrong: out[%d] = "
                     "0x%04x want 0x%04x; topk_weights slot %d\n", me, what, t,
                     h < H ? h : 0, h < H ? got[h] : 0,
-                    h < H ? f2bf(acc[h]) : 0, kbad);
+                    h < H ? fr_f32_to_bf16(acc[h]) : 0, kbad);
     }
     if (!gintact(o->out, 2 * (size_t)T * H) ||
         !gintact(o->w, sizeof(float) * (size_t)T * K)) {
@@ -935,7 +918,7 @@ static void adjoint_parts(const world_t *w, const spec_t *c, const data_t *dg,
     for (int t = 0; t < w->T[me]; t++) {
         gen_x(c, dg, me, t, row, NULL);
         for (int h = 0; h < H; h++) {
-            double p = (double)bf2f(C->out[(size_t)t * H + h]) * bf2f(row[h]);
+            double p = (double)fr_bf16_to_f32(C->out[(size_t)t * H + h]) * fr_bf16_to_f32(row[h]);
             v[0] += p;
             v[2] += fabs(p);
         }
@@ -949,7 +932,7 @@ static void adjoint_parts(const world_t *w, const spec_t *c, const data_t *dg,
     for (int i = 0; i < w->nrecv; i++) {
         gen_y(c, dy, me, w->rs[i], w->rt[i], row);
         for (int h = 0; h < H; h++) {
-            double p = (double)bf2f(row[h]) * bf2f(rx[(size_t)i * H + h]);
+            double p = (double)fr_bf16_to_f32(row[h]) * fr_bf16_to_f32(rx[(size_t)i * H + h]);
             v[1] += p;
             v[3] += fabs(p);
         }
