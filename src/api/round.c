@@ -165,6 +165,20 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     return FERRY_OK;
 }
 
+/* An argument struct of at least `need` bytes (its first field is its
+ * size), named `name` in the message. */
+static int fr_check_args_size(ferry_ep_t ep, const void *args, size_t need, const char *name,
+                              const char *type)
+{
+    if (!args)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", name);
+    size_t have = *(const size_t *)args;
+    if (have < need)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s->size = %zu: set it to sizeof(%s)", name,
+                          have, type);
+    return FERRY_OK;
+}
+
 /* Common start of the calls on an existing round: a usable context, the
  * round in the expected state, an argument struct of at least `need`
  * bytes (its first field is its size). */
@@ -178,14 +192,7 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
         return rc;
     if ((rc = fr_round_get(ep, round, state, call, r)))
         return rc;
-    if (!args)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", args_name);
-    size_t have = *(const size_t *)args;
-    if (have < need)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "%s->size = %zu: set it to sizeof(%s)", args_name,
-                          have, type);
-    return FERRY_OK;
+    return fr_check_args_size(ep, args, need, args_name, type);
 }
 
 static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
@@ -276,18 +283,6 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream)
 /* The one-shot forms: every check of both halves first (a bad `out` starts
  * no round), then the engine's one-launch operation where it has one, else
  * its send and receive. */
-static int fr_check_out_size(ferry_ep_t ep, const void *args, size_t need, const char *name,
-                             const char *type)
-{
-    if (!args)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: NULL pointer", name);
-    size_t have = *(const size_t *)args;
-    if (have < need)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s->size = %zu: set it to sizeof(%s)", name,
-                          have, type);
-    return FERRY_OK;
-}
-
 int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                    const ferry_dispatch_out_t *out, uint64_t *round)
 {
@@ -297,7 +292,7 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     uint64_t rr = 0;
     fr_round_t *r = NULL;
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
-    if (rc || (rc = fr_check_out_size(ep, out, sizeof(*out), "out", "ferry_dispatch_out_t")) ||
+    if (rc || (rc = fr_check_args_size(ep, out, sizeof(*out), "out", "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, out)))
         return rc;
     if (ep->eng->dispatch && out->stream != in->stream)
@@ -331,7 +326,7 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
                            "ferry_combine_in_t", &r);
-    if (rc || (rc = fr_check_out_size(ep, out, sizeof(*out), "out", "ferry_combine_out_t")) ||
+    if (rc || (rc = fr_check_args_size(ep, out, sizeof(*out), "out", "ferry_combine_out_t")) ||
         (rc = fr_check_combine_out(ep, r, out)))
         return rc;
     if (!in->expert_y)
