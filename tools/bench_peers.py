@@ -36,8 +36,17 @@ rounds (dispatch, then combine of a fixed expert output) captured as one
 CUDA graph of 10 rounds per library and replayed R times back to back, an
 event only between replays; time per round, p50 (p99) over the replays.
 
+With --b2b R, each configuration is also run the way DeepEP's own
+tests/test_low_latency.py times it: R rounds (dispatch, then combine of a
+fixed expert output) called back to back from Python with no barrier or
+synchronize between them, (a) CUDA events around every call, and (b) the
+kernel time of each operation from the PyTorch profiler (CUDA kernels whose
+name holds "dispatch" or "combine", summed per round; any other kernel
+launched by the calls is reported as "other"); p50 (p99) per operation.
+
 Usage: python3 tools/bench_peers.py [--gpus N] [--shapes DeepSeek-V3,Qwen3-235B,Kimi-K2]
                                     [--tokens 1,32,128,256,512] [--iters 50] [--graph R]
+                                    [--b2b R]
 """
 import argparse
 import os
@@ -181,6 +190,64 @@ def run_graph(buf, x, idx, w, maxT, E, reps, G=10):
     return t
 
 
+def run_b2b(buf, x, idx, w, maxT, E, reps):
+    """R rounds called back to back (no barrier, no synchronize between
+    calls). Returns sorted per-call event times (dispatch, combine) and
+    sorted per-round profiler kernel times (dispatch, combine, other), us."""
+    from torch.profiler import ProfilerActivity, profile
+    (rq, _), _, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=True)
+    y = torch.full(rq.shape, 0.5, dtype=torch.bfloat16, device=x.device)
+    buf.low_latency_combine(y, idx, w, handle)
+
+    def rounds(n, ev=None):
+        for i in range(n):
+            if ev:
+                ev[2 * i].record()
+            _, _, h, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=True)
+            if ev:
+                ev[2 * i + 1].record()
+            buf.low_latency_combine(y, idx, w, h)
+        if ev:
+            ev[2 * n].record()
+
+    rounds(5)
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * reps + 1)]
+    rounds(reps, ev)
+    torch.cuda.synchronize()
+    td = sorted(ev[2 * i].elapsed_time(ev[2 * i + 1]) * 1000 for i in range(reps))
+    tc = sorted(ev[2 * i + 1].elapsed_time(ev[2 * i + 2]) * 1000 for i in range(reps))
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        rounds(reps)
+        torch.cuda.synchronize()
+    kd, kc, ko = 0.0, 0.0, 0.0
+    nd = nc = 0
+    kds, kcs = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n = e.name.lower()
+        t = e.time_range.elapsed_us()
+        if "dispatch" in n:
+            kds.append((e.time_range.start, t))
+        elif "combine" in n:
+            kcs.append((e.time_range.start, t))
+        elif "memcpy" not in n and "memset" not in n:
+            ko += t
+    # a round's kernels of one operation: consecutive in time, one or two
+    # kernels (send and receive) per operation; group them into reps rounds
+    kds.sort()
+    kcs.sort()
+    per = max(1, len(kds) // reps)
+    kd = sorted(sum(t for _, t in kds[i * per:(i + 1) * per]) for i in range(len(kds) // per))
+    per = max(1, len(kcs) // reps)
+    kc = sorted(sum(t for _, t in kcs[i * per:(i + 1) * per]) for i in range(len(kcs) // per))
+    dist.barrier()
+    return td, tc, kd or [float("nan")], kc or [float("nan")], ko / reps
+
+
 def rank_main(rank, N, port, args, q):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -248,6 +315,25 @@ def rank_main(rank, N, port, args, q):
                     gt = torch.tensor(gs, dtype=torch.float64, device="cuda")
                     dist.all_reduce(gt, op=dist.ReduceOp.MAX, group=group)
                     r = r + tuple(gt.tolist())
+                if args.b2b:
+                    bs = []
+                    for buf in (fbuf, dbuf):
+                        td, tc, kd, kc, ko = run_b2b(buf, x, idx, w, maxT, E, args.b2b)
+                        bs += [pct(td, .5), pct(td, .99), pct(tc, .5), pct(tc, .99),
+                               pct(kd, .5), pct(kd, .99), pct(kc, .5), pct(kc, .99), ko]
+                    bt = torch.tensor(bs, dtype=torch.float64, device="cuda")
+                    dist.all_reduce(bt, op=dist.ReduceOp.MAX, group=group)
+                    b = bt.tolist()
+                    if not args.graph:
+                        r = r + (float("nan"),) * 4
+                    r = r + tuple(b)
+                    if rank == 0:
+                        for lib, o in (("ferry", 0), ("DeepEP", 9)):
+                            print(f"  {'':11s} {'':4s} {'':5s}  back to back, {lib:6s}: events "
+                                  f"{b[o]:6.1f} ({b[o+1]:6.1f}) / {b[o+2]:6.1f} ({b[o+3]:6.1f}); "
+                                  f"kernels {b[o+4]:6.1f} ({b[o+5]:6.1f}) / {b[o+6]:6.1f} "
+                                  f"({b[o+7]:6.1f}); other kernels {b[o+8]:.1f} per round",
+                                  flush=True)
                 rows.append(r)
                 if rank == 0:
                     print(f"  {name:11s} {T:4d} {maxT:5d}  {s[0]:6.1f} ({s[1]:6.1f})  "
@@ -288,6 +374,10 @@ def main():
                     help="also time rounds (dispatch + combine, no expert work) replayed "
                          "back to back from a CUDA graph of 10 rounds, REPLAYS times per "
                          "library (not checked: the same calls are checked above)")
+    ap.add_argument("--b2b", type=int, default=0, metavar="ROUNDS",
+                    help="also time ROUNDS rounds called back to back (no barrier between "
+                         "calls): CUDA events around each call and profiler kernel time, "
+                         "as DeepEP's tests/test_low_latency.py reports them")
     args = ap.parse_args()
     if args.gpus < 2:
         sys.exit("bench_peers: needs at least 2 GPUs (one process per GPU)")
@@ -331,6 +421,18 @@ def main():
             g = r[16:]
             print(f"| {r[0]} | {r[1]} | {g[0]:.1f} ({g[1]:.1f}) | {g[2]:.1f} ({g[3]:.1f}) "
                   f"| {g[0] / g[2]:.2f} |")
+    if args.b2b:
+        print("\n| shape | T | library | dispatch, events | combine, events | dispatch kernel "
+              "| combine kernel | ferry/DeepEP: events d, c; kernels d, c |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            b = r[20:]
+            rat = (f"{b[0] / b[9]:.2f}, {b[2] / b[11]:.2f}; {b[4] / b[13]:.2f}, "
+                   f"{b[6] / b[15]:.2f}")
+            for lib, o in (("ferry", 0), ("DeepEP", 9)):
+                print(f"| {r[0]} | {r[1]} | {lib} | {b[o]:.1f} ({b[o+1]:.1f}) | {b[o+2]:.1f} "
+                      f"({b[o+3]:.1f}) | {b[o+4]:.1f} ({b[o+5]:.1f}) | {b[o+6]:.1f} "
+                      f"({b[o+7]:.1f}) | {rat if lib == 'ferry' else ''} |")
     wrong = sum(r[14] + r[15] for r in rows)
     print(f"\n# {'all verified' if not wrong else f'{wrong} wrong (tokens + expert counts)'}")
     sys.exit(1 if wrong else 0)

@@ -491,6 +491,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     FR_TR();
     fr_ds_index(A, set, idx, start, end, sh, sh + 5 * N);
     __syncthreads();
+    FR_TR();
     if (blockIdx.x == 0) {
         for (int d = threadIdx.x; d < N; d += blockDim.x) {
             A.cnt[set * N + d] = sh[2 * N + d];
@@ -524,7 +525,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     else
         fr_ds_finish_ipc(A, set, s_epoch, sh, sbase);
     FR_TR();
-    FR_TR_PRINT("dsend count,index+token,pack,finish", epoch);
+    FR_TR_PRINT("dsend count,index,token,pack,finish", epoch);
     return epoch;
 }
 
