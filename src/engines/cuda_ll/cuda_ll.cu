@@ -36,7 +36,8 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     const fr_layout_t &L = A.L;
     int N = A.N;
     unsigned int *done = A.done + FR_PH_COMBINE * FR_NSETS + set;
-    const int32_t *poff = A.pair_off + set * (N + 1);
+    const int32_t *pn = A.pair_n + set * N;
+    size_t pstride = (size_t)L.T * L.kmax; /* sender s's pairs start at s * pstride */
     __shared__ int s_fail;
     if (threadIdx.x == 0)
         s_fail = fr_cu_failed(A);
@@ -50,13 +51,15 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     for (int s = 0; s < N && !s_fail; s++) {
         if (s == A.rank)
             continue;
-        int p0 = poff[s], np = poff[s + 1] - p0;
+        int p0 = (int)(s * pstride), np = pn[s];
         const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
         uint8_t *dst = A.path[s] == FR_PATH_FABRIC
                            ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
                            : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
         for (int q = gw; q < np * cpr; q += nwg) {
             int p = q / cpr, c = q - p * cpr;
+            if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
+                continue;
             size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
             fr_warp_copy(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
         }
@@ -77,7 +80,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     unsigned long long epoch = A.epoch[set];
     bool ok = !fr_cu_failed(A);
     for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
-        int p0 = poff[d], np = poff[d + 1] - p0;
+        int p0 = (int)(d * pstride), np = pn[d];
         fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch, fr_off_csend(&L, set, (uint64_t)p0),
                       fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + d]),
                       (uint64_t)np * L.crow);
@@ -126,7 +129,7 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
     /* pairs this rank sent itself: rows [cs, cs + ns) of its combine region
      * were never copied; they are expert_y rows pair_row[ps + pos - cs] */
     int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
-    int ps = A.pair_off[set * (N + 1) + A.rank];
+    size_t ps = (size_t)A.rank * L.T * L.kmax;
     const int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
     int hc = H / 8; /* 8-channel chunks of a token */
     /* runs of B tokens: the tokens spread over the blocks, B x K pairs fit */
@@ -135,9 +138,10 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         int nb = min(B, T - tb);
         for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
             int pos = cpos[(size_t)tb * K + i];
-            srow[i] = pos < 0 ? NULL
+            int pr = pos >= cs && pos < cs + ns ? prow[ps + pos - cs] : 0;
+            srow[i] = pos < 0 || pr < 0 ? NULL
                       : pos >= cs && pos < cs + ns
-                          ? self_y + (size_t)prow[ps + pos - cs] * L.crow
+                          ? self_y + (size_t)pr * L.crow
                           : A.seg + fr_off_crecv(&L, set, (uint64_t)pos);
             sw[i] = w[(size_t)tb * K + i];
         }
@@ -325,8 +329,9 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(uint8_t *) * 2 * T * kd,
                        sizeof(unsigned int) * (2 * (size_t)N + 2),
                        sizeof(int32_t) * 2 * L->send_crows,
-                       sizeof(int32_t) * 2 * (N + 1), sizeof(int32_t) * 2 * N,
-                       sizeof(unsigned int) * 4, sizeof(int) * 4};
+                       sizeof(int32_t) * 2 * N, sizeof(int32_t) * 2 * N,
+                       sizeof(unsigned int) * 4, sizeof(int) * 4,
+                       sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El};
         size_t off[20], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
@@ -356,10 +361,12 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->ddone = (unsigned int *)(b + off[10]);
         A->dpub = A->ddone + 2 * (size_t)N;
         A->pair_row = (int32_t *)(b + off[11]);
-        A->pair_off = (int32_t *)(b + off[12]);
+        A->pair_n = (int32_t *)(b + off[12]);
         A->scomb_off = (int32_t *)(b + off[13]);
         A->done = (unsigned int *)(b + off[14]);
         A->dflag = (int *)(b + off[15]);
+        A->dst_scl = (float **)(b + off[16]);
+        A->self_run = (int32_t *)(b + off[17]);
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
         FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);

@@ -41,9 +41,11 @@ typedef struct fr_cu_args {
     int32_t *pair_base;      /* [2][T][N] */
     int32_t *comb_pos;       /* [2][T][K] */
     int32_t *cnt, *npairs, *comb_off; /* [2][N] */
-    uint8_t **dst_rec;       /* [2][T][K]: slot k: the record of the token on k's rank when k is its first expert there, else NULL */
-    int32_t *pair_row;       /* [2][N*T*kmax] */
-    int32_t *pair_off;       /* [2][N+1] */
+    uint8_t **dst_rec;       /* [2][T][K]: slot k: where the token's data goes for k: the record on k's rank when k is its first expert there, the own expert row when k is an own expert written in place, else NULL */
+    float **dst_scl;         /* [2][T][K]: where slot k's scales go (fp8), else NULL */
+    int32_t *self_run;       /* [2][E_local]: own tokens per own expert (rows written in place) */
+    int32_t *pair_row;       /* [2][N][T*kmax]: sender s's pairs at s*T*kmax: their expert rows */
+    int32_t *pair_n;         /* [2][N]: pairs received from each sender */
     int32_t *scomb_off;      /* [2][N] */
     unsigned int *done;      /* [2 phase][2 set] finished-block counters */
     unsigned int *ddone;     /* [2 set][N] blocks done with destination d */

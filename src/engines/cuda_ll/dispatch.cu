@@ -44,6 +44,12 @@
 #define FR_TR_PRINT(name, ep) do { } while (0)
 #endif
 
+typedef struct fr_dr_out {
+    uint8_t *ex;
+    float *exs;
+    int32_t *counts, *src_rank, *src_token;
+} fr_dr_out_t;
+
 #define FR_DS_THREADS 512
 #define FR_DR_THREADS 512
 
@@ -60,7 +66,7 @@ static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, i
  * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
  * reports them). */
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
-                                   int start, int32_t *sh)
+                                   int start, int32_t *sh, int32_t *hself, int32_t *hall)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -72,6 +78,22 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
         for (int k = 0; k < FR_MAX_TOPK; k++)
             ek[k] = k < K && t < T ? (int)idx[(size_t)t * K + k] : -1;
         bool before = t < start;
+        if (hself) {
+            /* own experts, in place: per expert, the own pairs before
+             * `start` (hself) and in all (hall). A repeated expert (an
+             * input error, reported by fr_ds_pair) counts twice here and
+             * in fr_ds_self alike; rows past the capacity are dropped. */
+            int lo = A.rank * El;
+#pragma unroll
+            for (int k = 0; k < FR_MAX_TOPK; k++) {
+                unsigned int le = (unsigned int)(ek[k] - lo);
+                if (ek[k] < 0 || le >= (unsigned int)El)
+                    continue;
+                if (before)
+                    atomicAdd(&hself[le], 1);
+                atomicAdd(&hall[le], 1);
+            }
+        }
         for (int d = 0; d < N; d++) {
             int lo = d * El, hi = lo + El, np = 0;
 #pragma unroll
@@ -124,6 +146,15 @@ static __host__ __device__ size_t fr_ds_smem(int N)
 {
     return (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)N +
            2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32);
+}
+
+/* Own experts written in place (the one-launch kernel, self on the IPC
+ * path, E_local up to FR_DS_DIRECT_MAX): hself[E_local] and hall[E_local]
+ * after fr_ds_smem's part. */
+#define FR_DS_DIRECT_MAX 4096
+static __host__ __device__ size_t fr_ds_smem_direct(int N, int El, int G)
+{
+    return fr_ds_smem(N) + 2 * sizeof(int32_t) * (size_t)El;
 }
 
 static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t *idx,
@@ -197,7 +228,8 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
  * position, and when k is the token's first expert on its rank, the
  * record header; dst_rec slot k is that record (else NULL). */
 static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t *idx, int t,
-                                  int k, const int32_t *co, uint8_t *const *sbase, int *s_bad)
+                                  int k, const int32_t *co, uint8_t *const *sbase, int *s_bad,
+                                  bool direct)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -210,12 +242,18 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
         e = j == k ? r[j] : e;
     }
     uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * K + k;
+    float **ds = A.dst_scl + ((size_t)set * L.T + t) * K + k;
     int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K + k;
     bool bad = e < -1 || e >= L.E;
 #pragma unroll
     for (int j = 0; j < FR_MAX_TOPK; j++)
         bad = bad || (j < k && e >= 0 && r[j] == e);
-    *dr = NULL;
+    /* an own expert written in place: fr_ds_self owns the slot */
+    bool mine = direct && e >= (int64_t)A.rank * El && e < (int64_t)(A.rank + 1) * El;
+    if (!mine) {
+        *dr = NULL;
+        *ds = NULL;
+    }
     if (bad) {
         fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_INPUT, t * K + k);
         *s_bad = 1;
@@ -232,7 +270,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     size_t at = ((size_t)set * L.T + t) * N + d;
     int pb = A.pair_base[at], ri = A.rec_idx[at];
     *cpos = co[d] + pb + before;
-    if (before)
+    if (before || mine)
         return;
     uint8_t *rec = sbase[d] + fr_off_record(&L, (uint32_t)ri);
     fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
@@ -246,15 +284,71 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     h->nexp = n;
     h->reserved = 0;
     *dr = rec + L.rec_hdr;
+    *ds = (float *)(rec + L.rec_hdr + L.tok_bytes);
+}
+
+/* Own experts in place, warp 0 over the block's (token, k) pairs in
+ * order, 32 at a time (the next 32's loads in flight): an own expert's
+ * pair takes the next row of that expert after the own pairs before it
+ * (hself, from fr_ds_count; lanes holding the same expert in lane order)
+ * and points the token's slot k there; the row map for combine and the
+ * sources go with it. Rows of an expert: own tokens first, in token
+ * order. */
+static __device__ void fr_ds_self(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
+                                  int end, int32_t *hself, const fr_dr_out_t &o)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31;
+    int64_t lo = (int64_t)A.rank * El;
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)A.rank * L.T * L.kmax;
+    int n = (end - start) * K, pmax = (int)(L.T * L.kmax);
+    unsigned int lt = (1u << lane) - 1;
+    const int64_t *base = idx + (size_t)start * K;
+    int f = lane;
+    int64_t e = f < n ? base[f] : -1;
+    for (int f0 = 0; f0 < n; f0 += 32, f += 32) {
+        int64_t en = f + 32 < n ? base[f + 32] : -1; /* the next pairs' loads */
+        int t = start + f / K, k = f - (t - start) * K;
+        bool in = f < n && e >= lo && e < lo + El;
+        /* own slots of the token before k (its row, from L1) */
+        int before = 0;
+        if (in)
+            for (int j = 0; j < k; j++) {
+                int64_t ej = idx[(size_t)t * K + j];
+                before += ej >= lo && ej < lo + El;
+            }
+        int pb = in ? A.pair_base[((size_t)set * L.T + t) * N + A.rank] : 0;
+        unsigned long long key = in ? (unsigned long long)e : ~0ull - lane;
+        unsigned int m = __match_any_sync(0xffffffffu, key);
+        int le = (int)(e - lo), pos = in ? hself[le] + __popc(m & lt) : 0;
+        __syncwarp();
+        if (in && 31 - __clz(m) == lane) /* the expert's last lane moves it on */
+            hself[le] += __popc(m);
+        __syncwarp();
+        if (in) {
+            size_t at = ((size_t)set * L.T + t) * K + k;
+            bool fits = pos < (int)L.cap;
+            size_t row = (size_t)le * L.cap + pos;
+            A.dst_rec[at] = fits ? o.ex + row * L.tok_bytes : NULL;
+            A.dst_scl[at] = fits && o.exs ? o.exs + row * L.nscales : NULL;
+            if (pb + before < pmax)
+                prow[pb + before] = fits ? (int32_t)row : -1;
+            if (fits && o.src_rank)
+                o.src_rank[row] = A.rank;
+            if (fits && o.src_token)
+                o.src_token[row] = t;
+        }
+        e = en;
+    }
 }
 
 /* Quantise 16 channels per lane (a 128-channel block per 8 lanes: amax
  * over the group, hardware e4m3 conversion) and store them, with the
  * block's scale, into every record of the token. */
 static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8_t *mine,
-                                                    uint4 v0, uint4 v1, bool on, int g)
+                                                    float *msc, uint4 v0, uint4 v1, bool on,
+                                                    int g)
 {
-    const fr_layout_t &L = A.L;
     uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
     uint16_t m = 0;
     for (int i = 0; i < 8; i++) {
@@ -271,33 +365,29 @@ static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8
     uint4 q = make_uint4(fr_cu_e4m3x4(wv[0], wv[1], inv), fr_cu_e4m3x4(wv[2], wv[3], inv),
                          fr_cu_e4m3x4(wv[4], wv[5], inv), fr_cu_e4m3x4(wv[6], wv[7], inv));
     float sc = fr_fp8_scale(amax);
-    /* lane i holds the token's slot i (its record there, or NULL) */
+    /* lane i holds the token's slot i (where its data goes, or NULL) */
     for (int i = 0; i < A.kd; i++) {
         uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
+        float *ps = (float *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
         if (!p || !on)
             continue;
         ((uint4 *)p)[g] = q;
         if ((g & 7) == 0)
-            ((float *)(p + L.tok_bytes))[g >> 3] = sc;
+            ps[g >> 3] = sc;
     }
 }
 
 /* Step 4, one warp-task: 512 channels (quantised) or 512 bytes (copied) of
- * token t, chunk c, into every record of the token. */
+ * token t, chunk c, to every place of the token (lane i holds slot i). */
 template <bool VEC>
 static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_t *const *dr,
-                                                   const uint16_t *xrow, const float *scl,
-                                                   bool quant, int c)
+                                                   float *const *ds, const uint16_t *xrow,
+                                                   const float *scl, bool quant, int c)
 {
     const fr_layout_t &L = A.L;
     int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
-    uint8_t *dst[FR_MAX_TOPK];
-    int nd = 0;
-    for (int i = 0; i < kd; i++) {
-        uint8_t *p = dr[i];
-        if (p)
-            dst[nd++] = p;
-    }
+    uint8_t *mine = lane < kd ? dr[lane] : NULL;
+    float *msc = lane < kd ? ds[lane] : NULL;
     if (quant) {
         bool on = g < (int)(L.H / 16);
         uint32_t wv[8];
@@ -312,36 +402,15 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
                                  ((uint32_t)xrow[16 * g + 2 * i + 1] << 16)
                            : 0u;
         }
-        uint16_t m = 0;
-        for (int i = 0; i < 8; i++) {
-            uint16_t a = fr_bf16_finite_mag((uint16_t)(wv[i] & 0xffff));
-            uint16_t b = fr_bf16_finite_mag((uint16_t)(wv[i] >> 16));
-            m = a > m ? a : m;
-            m = b > m ? b : m;
-        }
-        /* the 8 lanes of a 128-channel block; a chunk past the row is
-         * idle as a whole group of 8 (H is a multiple of 128) */
-        for (int o = 4; o; o >>= 1) {
-            uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o, 8);
-            m = y > m ? y : m;
-        }
-        float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
-        uint4 q = make_uint4(fr_cu_e4m3x4(wv[0], wv[1], inv), fr_cu_e4m3x4(wv[2], wv[3], inv),
-                             fr_cu_e4m3x4(wv[4], wv[5], inv), fr_cu_e4m3x4(wv[6], wv[7], inv));
-        float sc = fr_fp8_scale(amax);
-        if (!on)
-            return;
-        for (int i = 0; i < nd; i++) {
-            uint8_t *p = dst[i];
-            ((uint4 *)p)[g] = q;
-            if ((g & 7) == 0)
-                ((float *)(p + L.tok_bytes))[g >> 3] = sc;
-        }
+        /* a chunk past the row is idle as a whole group of 8 lanes (H is
+         * a multiple of 128) */
+        fr_ds_qstore(A, mine, msc, make_uint4(wv[0], wv[1], wv[2], wv[3]),
+                     make_uint4(wv[4], wv[5], wv[6], wv[7]), on, g);
         return;
     }
     int n16 = (int)(L.tok_bytes / 16);
+    uint4 v = make_uint4(0, 0, 0, 0);
     if (g < n16) {
-        uint4 v;
         if (VEC) {
             v = ((const uint4 *)xrow)[g];
         } else {
@@ -352,13 +421,16 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
                        ((uint32_t)s[4 * i + 2] << 16) | ((uint32_t)s[4 * i + 3] << 24);
             v = make_uint4(b[0], b[1], b[2], b[3]);
         }
-        for (int i = 0; i < nd; i++)
-            ((uint4 *)dst[i])[g] = v;
     }
-    if (scl && c == 0)
-        for (int s = lane; s < (int)L.nscales; s += 32)
-            for (int i = 0; i < nd; i++)
-                ((float *)(dst[i] + L.tok_bytes))[s] = scl[s];
+    for (int i = 0; i < kd; i++) {
+        uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
+        float *ps = (float *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
+        if (p && g < n16)
+            ((uint4 *)p)[g] = v;
+        if (ps && scl && c == 0)
+            for (int q = lane; q < (int)L.nscales; q += 32)
+                ps[q] = scl[q];
+    }
 }
 
 /* Step 4 for two warp-tasks at once (bf16 input quantised, 16-byte
@@ -374,13 +446,13 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
     const uint4 *r0 = (const uint4 *)(x + (size_t)t0 * L.H);
     const uint4 *r1 = (const uint4 *)(x + (size_t)t1 * L.H);
     uint4 z = make_uint4(0, 0, 0, 0);
-    uint8_t *const *d0 = A.dst_rec + ((size_t)set * L.T + t0) * A.kd;
-    uint8_t *const *d1 = A.dst_rec + ((size_t)set * L.T + t1) * A.kd;
-    uint8_t *m0 = lane < A.kd ? d0[lane] : NULL, *m1 = lane < A.kd ? d1[lane] : NULL;
+    size_t a0i = ((size_t)set * L.T + t0) * A.kd + lane, a1i = ((size_t)set * L.T + t1) * A.kd + lane;
+    uint8_t *m0 = lane < A.kd ? A.dst_rec[a0i] : NULL, *m1 = lane < A.kd ? A.dst_rec[a1i] : NULL;
+    float *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
     uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
     uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
-    fr_ds_qstore(A, m0, a0, a1, g0 < hg, g0);
-    fr_ds_qstore(A, m1, b0, b1, g1 < hg, g1);
+    fr_ds_qstore(A, m0, s0, a0, a1, g0 < hg, g0);
+    fr_ds_qstore(A, m1, s1, b0, b1, g1 < hg, g1);
 }
 
 /* Step 5: this block is done with every destination; whoever finishes one
@@ -454,12 +526,15 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
 template <bool VEC>
 static __device__ __forceinline__ unsigned long long
 fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
-          const int64_t *idx, int T_host, const int32_t *T_dev)
+          const int64_t *idx, int T_host, const int32_t *T_dev, const fr_dr_out_t *od)
 {
     extern __shared__ uint8_t *sbase[]; /* fr_ds_smem: [N] slice bases, int32 [5][N], counts */
     const fr_layout_t &L = A.L;
     int N = A.N;
     int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
+    /* od: own experts' rows written in place (fr_ds_smem_direct) */
+    int32_t *hself = od ? sh + 5 * N + 2 * FR_DS_GROUP * (FR_DS_THREADS / 32) : NULL;
+    int32_t *hall = od ? hself + L.El : NULL;
     __shared__ int s_T, s_bad;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -474,6 +549,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     for (int i = threadIdx.x; i < 5 * N; i += blockDim.x)
         sh[i] = 0;
+    for (int i = threadIdx.x; od && i < 2 * (int)L.El; i += blockDim.x)
+        hself[i] = 0; /* and hall */
     for (int d = threadIdx.x; d < N; d += blockDim.x)
         sbase[d] = fr_cu_dslice(A, set, d);
     __syncthreads();
@@ -484,8 +561,11 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
     FR_TR_DECL;
     FR_TR();
-    fr_ds_count(A, idx, T, start, sh);
+    fr_ds_count(A, idx, T, start, sh, hself, hall);
     __syncthreads();
+    for (int le = blockIdx.x + threadIdx.x * gridDim.x; od && le < (int)L.El;
+         le += blockDim.x * gridDim.x)
+        A.self_run[set * L.El + le] = min(hall[le], (int)L.cap);
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
     FR_TR();
@@ -500,9 +580,13 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         }
         if (threadIdx.x == 0)
             A.ntok[set] = T;
+        if (od && threadIdx.x == 0)
+            A.pair_n[set * N + A.rank] = sh[3 * N + A.rank];
     }
+    if (od && threadIdx.x < 32)
+        fr_ds_self(A, set, idx, start, end, hself, *od);
     for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
-        fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad);
+        fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad, od != NULL);
     __syncthreads();
     FR_TR();
     bool quant = L.fp8 && !x_scales;
@@ -516,7 +600,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         int t = start + j / chunks, c = j % chunks;
         const uint16_t *xrow = quant ? x + (size_t)t * L.H
                                      : (const uint16_t *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
-        fr_ds_chunk<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd, xrow,
+        fr_ds_chunk<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd,
+                         A.dst_scl + ((size_t)set * L.T + t) * A.kd, xrow,
                          x_scales ? x_scales + (size_t)t * L.nscales : NULL, quant, c);
     }
     FR_TR();
@@ -534,7 +619,7 @@ __global__ void __launch_bounds__(FR_DS_THREADS, 2)
 fr_cu_dispatch_send(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
             const int64_t *idx, int T_host, const int32_t *T_dev)
 {
-    fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev);
+    fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev, NULL);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -558,12 +643,6 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
     }
     return true;
 }
-
-typedef struct fr_dr_out {
-    uint8_t *ex;
-    float *exs;
-    int32_t *counts, *src_rank, *src_token;
-} fr_dr_out_t;
 
 /* A (record, own expert) found in a chunk of a sender's records: its row. */
 typedef struct fr_dr_item {
@@ -679,7 +758,10 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
                 pos = atomicAdd(nlist, __popc(bal));
             pos = __shfl_sync(0xffffffffu, pos, 0);
             if (jf >= 0) {
-                fr_dr_item_t it = {i, (int32_t)((size_t)le * L.cap + cw[m * nw + w] + below),
+                /* a row past the capacity (only after an input error a
+                 * sender reported) is dropped */
+                int r = cw[m * nw + w] + below;
+                fr_dr_item_t it = {i, r < (int)L.cap ? (int32_t)((size_t)le * L.cap + r) : -1,
                                    jf, (int32_t)pr, (int32_t)tk};
                 list[pos + below] = it;
             }
@@ -694,7 +776,7 @@ static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *s
  * sources and the combine map. */
 #define FR_DR_UNROLL 4
 static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
-                                  int poff, const fr_dr_item_t *list, int n, const fr_dr_out_t &o)
+                                  const fr_dr_item_t *list, int n, const fr_dr_out_t &o)
 {
     const fr_layout_t &L = A.L;
     int n16 = (int)(L.tok_bytes / 16), tot = n * n16, step = blockDim.x * FR_DR_UNROLL;
@@ -708,8 +790,10 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const u
             if (f < tot) {
                 int e = f / n16, c = f - e * n16;
                 fr_dr_item_t it = list[e];
-                v[u] = ((const int4 *)(slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr))[c];
-                d[u] = (int4 *)(o.ex + (size_t)it.row * L.tok_bytes) + c;
+                if (it.row >= 0) {
+                    v[u] = ((const int4 *)(slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr))[c];
+                    d[u] = (int4 *)(o.ex + (size_t)it.row * L.tok_bytes) + c;
+                }
             }
         }
 #pragma unroll
@@ -721,32 +805,36 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const u
     for (int f = threadIdx.x; f < n * ns; f += blockDim.x) {
         int e = f / ns, c = f - e * ns;
         fr_dr_item_t it = list[e];
+        if (it.row < 0)
+            continue;
         const float *rs = (const float *)(slice + fr_off_record(&L, (uint32_t)it.i) +
                                           L.rec_hdr + L.tok_bytes);
         o.exs[(size_t)it.row * ns + c] = rs[c];
     }
-    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + poff;
+    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)s * L.T * L.kmax;
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
         fr_dr_item_t it = list[e];
-        if (o.src_rank)
+        if (it.row >= 0 && o.src_rank)
             o.src_rank[it.row] = s;
-        if (o.src_token)
+        if (it.row >= 0 && o.src_token)
             o.src_token[it.row] = it.token;
         prow[it.pair + it.j] = it.row;
     }
 }
 
-/* The receive part, for the round of `epoch`. Blocks past the experts
- * (a grid larger than E_local, in the one-launch kernel) have nothing to
- * do. */
+/* The receive part, for the round of `epoch`. Senders in the order of
+ * the rows: this rank, then rank + 1, ... (mod N). direct: the send part
+ * of this kernel wrote this rank's own tokens in place (self_run rows per
+ * own expert). Blocks past the experts (a grid larger than E_local, in
+ * the one-launch kernel) have nothing to do. */
 static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                                                  const fr_dr_out_t &o,
-                                                 unsigned long long epoch)
+                                                 unsigned long long epoch, bool direct)
 {
     extern __shared__ int32_t run[]; /* fr_dr_smem: run[nmine], counts, items */
     const fr_layout_t &L = A.L;
     int N = A.N, y = blockIdx.x, G = gridDim.x;
-    if (y >= (int)L.El)
+    if (y >= (int)L.El || (direct && fr_cu_failed(A)))
         return;
     int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
     int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax, blockDim.x);
@@ -759,11 +847,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         s_nlist = 0;
     }
     for (int i = threadIdx.x; i < nmine; i += blockDim.x)
-        run[i] = 0;
-    int poff = 0;
+        run[i] = direct ? A.self_run[set * L.El + y + i * G] : 0;
     FR_TR_DECL;
     FR_TR();
-    for (int s = 0; s < N; s++) {
+    for (int si = direct ? 1 : 0; si < N; si++) {
+        int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
         __syncthreads(); /* everyone has read the previous sender's s_count, s_np */
         if (threadIdx.x == 0) {
             s_ok = fr_dr_wait(A, set, s, s_epoch);
@@ -771,14 +859,12 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             s_count = s_ok ? (int)h->count : 0;
             s_np = s_ok ? (int)h->npairs : 0;
             if (s_ok && y == 0) {
-                A.pair_off[set * (N + 1) + s] = poff;
+                A.pair_n[set * N + s] = s_np;
                 A.scomb_off[set * N + s] = (int32_t)h->comb_off;
-                if (s == N - 1)
-                    A.pair_off[set * (N + 1) + N] = poff + s_np;
             }
         }
         __syncthreads();
-        if (s == 0)
+        if (si == 0 || (direct && si == 1))
             FR_TR();
         if (!s_ok)
             return;
@@ -788,17 +874,16 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             int c1 = min(count, c0 + chunk);
             fr_dr_find(A, s, slice, c0, c1, np, nmine, run, cw, list, &s_nlist);
             __syncthreads();
-            if (s == 0 && c0 == 0)
+            if (si == (int)direct && c0 == 0)
                 FR_TR();
-            fr_dr_copy(A, set, s, slice, poff, list, s_nlist, o);
+            fr_dr_copy(A, set, s, slice, list, s_nlist, o);
             __syncthreads();
-            if (s == 0 && c0 == 0)
+            if (si == (int)direct && c0 == 0)
                 FR_TR();
             if (threadIdx.x == 0)
                 s_nlist = 0;
             __syncthreads();
         }
-        poff += np;
     }
     for (int m = threadIdx.x; m < nmine; m += blockDim.x)
         o.counts[y + m * G] = run[m];
@@ -809,7 +894,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
 __global__ void __launch_bounds__(FR_DR_THREADS, 2)
 fr_cu_dispatch_recv(fr_cu_args_t A, int set, fr_dr_out_t o)
 {
-    fr_dr_run(A, set, o, A.epoch[set]);
+    fr_dr_run(A, set, o, A.epoch[set], false);
 }
 
 /* Both parts in one launch: every block sends its tokens, then receives
@@ -818,11 +903,13 @@ fr_cu_dispatch_recv(fr_cu_args_t A, int set, fr_dr_out_t o)
 template <bool VEC>
 __global__ void __launch_bounds__(FR_DS_THREADS, 2)
 fr_cu_dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
-               const int64_t *idx, int T_host, const int32_t *T_dev, fr_dr_out_t o)
+               const int64_t *idx, int T_host, const int32_t *T_dev, fr_dr_out_t o,
+               bool direct)
 {
-    unsigned long long epoch = fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev);
+    unsigned long long epoch =
+        fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev, direct ? &o : NULL);
     __syncthreads(); /* the shared memory changes hands */
-    fr_dr_run(A, set, o, epoch);
+    fr_dr_run(A, set, o, epoch, direct);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -873,13 +960,15 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
-    size_t ssend = fr_ds_smem(ep->N);
+    /* own tokens straight into own expert rows: self on the IPC path */
+    bool direct = !c->host_seg && ep->L.El <= FR_DS_DIRECT_MAX;
     if (c->dgrid == 0) {
         /* Blocks wait for each other: never more than the GPU holds at
-         * once, for either variant, with the most shared memory the
-         * receive part can take (a grid of one). */
+         * once, for either variant, with the most shared memory either
+         * part can take (a grid of one). */
         size_t worst = fr_dr_smem((int)ep->L.El, 1);
-        worst = worst > ssend ? worst : ssend;
+        size_t sw = fr_ds_smem_direct(ep->N, (int)ep->L.El, 1);
+        worst = worst > sw ? worst : sw;
         int a = 0, b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, fr_cu_dispatch<true>, FR_DS_THREADS,
                                                           worst) != cudaSuccess ||
@@ -900,6 +989,7 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
+    size_t ssend = direct ? fr_ds_smem_direct(ep->N, (int)ep->L.El, blocks) : fr_ds_smem(ep->N);
     size_t srecv = fr_dr_smem((int)ep->L.El, blocks);
     size_t smem = ssend > srecv ? ssend : srecv;
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
@@ -907,10 +997,10 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     if (vec)
         fr_cu_dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev, o);
+            in->num_tokens_dev, o, direct);
     else
         fr_cu_dispatch<false><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev, o);
+            in->num_tokens_dev, o, direct);
     return fr_cuda_launch_check(ep, "dispatch");
 }
