@@ -74,9 +74,10 @@ def rank_main(rank, N, port, q):
             else:
                 r = ep.dispatch_send(x, idx)
                 ep.dispatch_recv(r, **bufs)
-            # expected rows: by source rank, then token
+            # expected rows: sources from this rank on, wrapping (rank,
+            # rank + 1, ..., N - 1, 0, ..., rank - 1), then token
             exp = {le: [] for le in range(El)}
-            for src in range(N):
+            for src in [(rank + i) % N for i in range(N)]:
                 xs, ids, _ = inputs(src, rnd, N)
                 for t in range(len(ids)):
                     for e in ids[t]:

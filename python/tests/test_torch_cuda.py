@@ -47,12 +47,14 @@ def make_inputs(rank, rnd, T, H, E, K, dev):
 
 
 def check_round(rank, N, E, K, x_all, idx_all, recv, count, src, fp8):
-    """Expected rows per local expert: by source rank, then token."""
+    """Expected rows per local expert: sources from this rank on, wrapping
+    (rank, rank + 1, ..., N - 1, 0, ..., rank - 1), then token."""
     El = E // N
     bad = 0
+    srcs = [(rank + i) % N for i in range(N)]
     for le in range(El):
         e = rank * El + le
-        exp = [(s, t) for s in range(N) for t in range(idx_all[s].shape[0])
+        exp = [(s, t) for s in srcs for t in range(idx_all[s].shape[0])
                if (idx_all[s][t] == e).any()]
         n = int(count[le])
         if n != len(exp):

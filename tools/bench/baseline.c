@@ -116,9 +116,12 @@ void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
     b->nrecv = roff;
     MPI_Alltoallv(b->sbuf, b->sb, b->sbd, MPI_BYTE, b->rbuf, b->rb, b->rbd,
                   MPI_BYTE, MPI_COMM_WORLD);
-    /* lay out per local expert, ordered by source rank then token */
+    /* lay out per local expert as ferry's low-latency mode does: sources
+     * from this rank on, wrapping (me, me + 1, ..., N - 1, 0, ..., me - 1),
+     * each in token order */
     memset(cnt, 0, sizeof(int32_t) * (size_t)El);
-    for (int src = 0; src < N; src++)
+    for (int i = 0; i < N; i++) {
+        int src = (b->me + i) % N;
         for (int j = b->rdsp[src]; j < b->rdsp[src] + b->rcnt[src]; j++) {
             const uint8_t *it = b->rbuf + (size_t)j * b->item;
             int32_t meta[2];
@@ -132,6 +135,7 @@ void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
             st[row] = meta[0];
             b->rrow[j] = (int32_t)row;
         }
+    }
 }
 
 void base_combine(base_t *b, const fw_spec_t *s, const fw_input_t *in,

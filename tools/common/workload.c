@@ -233,7 +233,10 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
     fw_input_alloc(s, &in);
     uint8_t *q = malloc(tb);
     float *sc = malloc(sizeof(float) * (ns + 1));
-    for (int src = 0; src < s->N; src++) {
+    /* rows of each expert: sources from this rank on, wrapping (rank,
+     * rank + 1, ..., N - 1, 0, ..., rank - 1), each in token order */
+    for (int i = 0; i < s->N; i++) {
+        int src = (rank + i) % s->N;
         fw_generate(s, round, src, &in);
         for (int t = 0; t < in.T; t++) {
             for (int k = 0; k < s->K; k++) {

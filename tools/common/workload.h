@@ -2,8 +2,9 @@
  * Deterministic workloads and their verification, shared by ferry-bench and
  * the tests. Every rank can regenerate every rank's inputs for any round
  * from the seed, so each receiver checks exactly what it got:
- *  - which tokens reached each local expert, in which order, byte for byte
- *    (fp8: the bytes and scales the reference quantiser gives);
+ *  - which tokens reached each local expert, in which order (low-latency
+ *    mode: sources from the receiver on, wrapping, then token order), byte
+ *    for byte (fp8: the bytes and scales the reference quantiser gives);
  *  - combine against an fp64 reference of sum_k w * f_e(x), where f_e is a
  *    different affine map per expert and the weights do not sum to 1.
  * Routing changes every round (uniform or Zipf-skewed), slots may be

@@ -12,7 +12,8 @@
 typedef struct fr_cpu_round {
     int32_t *comb_pos;   /* [T][K]: row of my combine region, or -1 */
     /* expert side (filled by dispatch_recv) */
-    int32_t *pair_row;   /* [N*T*kmax]: le*cap + slot, by sender, record, k */
+    int32_t *pair_row;   /* [N*T*kmax]: le*cap + slot, by sender (0 first,
+                            though rows start at this rank's), record, k */
     uint32_t *pair_off;  /* [N+1]: first pair of each sender */
     uint32_t *comb_off;  /* [N]: where each sender wants its replies */
 } fr_cpu_round_t;

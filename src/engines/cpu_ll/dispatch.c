@@ -10,7 +10,9 @@
  * is published with a release store, or the proxy posts the write.
  *
  * dispatch_recv: wait for every sender's flag, validate each slice, lay the
- * tokens out per local expert in (sender, record, k) order.
+ * tokens out per local expert in (sender, record, k) order, senders taken
+ * from this rank on: rank r's rows come from r, r + 1, ..., N - 1, 0, ...,
+ * r - 1 (its own tokens first).
  */
 #include <string.h>
 
@@ -194,6 +196,8 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     memset(efill, 0, sizeof(int32_t) * (size_t)L->El);
     uint8_t *ex = (uint8_t *)out->expert_x;
     size_t scale_bytes = 4ull * L->nscales;
+    /* Check every slice, and give each sender its run of pairs in the row
+     * map (by sender, record, k; combine_send walks it per sender). */
     uint32_t np = 0;
     for (int s = 0; s < N; s++) {
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
@@ -205,6 +209,17 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
         const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
         cr->pair_off[s] = np;
         cr->comb_off[s] = h->comb_off;
+        np += h->npairs; /* fr_slice_check: the records hold npairs pairs */
+    }
+    cr->pair_off[N] = np;
+    /* Rows of each local expert: senders from this rank on, wrapping
+     * (rank, rank + 1, ..., N - 1, 0, ..., rank - 1), each in record
+     * (token) order, then k order. */
+    for (int q = 0; q < N; q++) {
+        int s = (ep->rank + q) % N;
+        const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
+        const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
+        uint32_t p = cr->pair_off[s];
         for (uint32_t i = 0; i < h->count; i++) {
             const uint8_t *rec = slice + fr_off_record(L, i);
             const fr_rec_hdr_t *rh = (const fr_rec_hdr_t *)rec;
@@ -221,11 +236,10 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                     out->expert_src_rank[row] = s;
                 if (out->expert_src_token)
                     out->expert_src_token[row] = (int32_t)rh->token;
-                cr->pair_row[np++] = (int32_t)row;
+                cr->pair_row[p++] = (int32_t)row;
             }
         }
     }
-    cr->pair_off[N] = np;
     memcpy(out->expert_num_tokens, efill, sizeof(int32_t) * (size_t)L->El);
     return FERRY_OK;
 }
