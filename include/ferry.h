@@ -203,6 +203,9 @@ typedef struct ferry_dispatch_in {
 
 typedef struct ferry_dispatch_out {
     size_t size;               /* sizeof(ferry_dispatch_out_t) */
+    /* On rank r, each expert's rows come from source ranks r, r + 1, ...,
+     * N - 1, 0, ..., r - 1 (own tokens first, wrapping around), each
+     * source's in token order; the first expert_num_tokens rows are valid. */
     void *expert_x;            /* [E_local][capacity][token_bytes] */
     float *expert_x_scales;    /* [E_local][capacity][H/128]; fp8 only */
     int32_t *expert_num_tokens;/* [E_local] */

@@ -10,8 +10,9 @@
     y = experts(recv_x, recv_count)           # [E_local, N*T, H] bf16
     out, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
-Rows of each expert are ordered by source rank, then token. handle also
-carries (src_rank, src_token) per row.
+On rank r, the rows of each expert come from source ranks r, r + 1, ...,
+N - 1, 0, ..., r - 1 (its own tokens first, wrapping around), each in
+token order. handle also carries (src_rank, src_token) per row.
 
 Buffers: the tensors a call returns (recv_x, its scales, recv_count, the
 handle's src_rank/src_token, combine's output when `out` is not given)
