@@ -304,20 +304,27 @@ static __device__ void fr_ds_self(const fr_cu_args_t &A, int set, const int64_t 
     int n = (end - start) * K, pmax = (int)(L.T * L.kmax);
     unsigned int lt = (1u << lane) - 1;
     const int64_t *base = idx + (size_t)start * K;
+    const int32_t *pbase = A.pair_base + (size_t)set * L.T * N + A.rank;
+    bool whole = 32 % K == 0; /* a token's slots in one pass: lanes below k hold them */
     int f = lane;
     int64_t e = f < n ? base[f] : -1;
+    int pb = f < n ? pbase[(size_t)(start + f / K) * N] : 0;
     for (int f0 = 0; f0 < n; f0 += 32, f += 32) {
-        int64_t en = f + 32 < n ? base[f + 32] : -1; /* the next pairs' loads */
+        /* the next pairs' loads in flight while this pass works */
+        int64_t en = f + 32 < n ? base[f + 32] : -1;
+        int pbn = f + 32 < n ? pbase[(size_t)(start + (f + 32) / K) * N] : 0;
         int t = start + f / K, k = f - (t - start) * K;
         bool in = f < n && e >= lo && e < lo + El;
-        /* own slots of the token before k (its row, from L1) */
+        unsigned int inb = __ballot_sync(0xffffffffu, in);
+        /* own slots of the token before k */
         int before = 0;
-        if (in)
+        if (whole)
+            before = __popc(inb & lt & ~((1u << (lane - k)) - 1));
+        else if (in)
             for (int j = 0; j < k; j++) {
                 int64_t ej = idx[(size_t)t * K + j];
                 before += ej >= lo && ej < lo + El;
             }
-        int pb = in ? A.pair_base[((size_t)set * L.T + t) * N + A.rank] : 0;
         unsigned long long key = in ? (unsigned long long)e : ~0ull - lane;
         unsigned int m = __match_any_sync(0xffffffffu, key);
         int le = (int)(e - lo), pos = in ? hself[le] + __popc(m & lt) : 0;
@@ -339,6 +346,7 @@ static __device__ void fr_ds_self(const fr_cu_args_t &A, int set, const int64_t 
                 o.src_token[row] = t;
         }
         e = en;
+        pb = pbn;
     }
 }
 
