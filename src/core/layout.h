@@ -8,9 +8,13 @@
  *   [flags]      u64 flag[phase 2][set 2][sender N], one per 64 B line;
  *                a flag holds the epoch of the last slice that landed.
  *   [dispatch]   [set 2][sender N][dslice]
- *                dslice = slice header (64 B) + T records
- *                record = header (12 + 2*kmax B, padded to 16)
+ *                dslice = slice header (64 B) + the sender's rows per
+ *                         local expert (u32 [El], padded to 64 B) + T records
+ *                record = header (12 + 2*kmax B, then u32 pos[kmax]: the
+ *                         record's row among the sender's rows of each of
+ *                         its experts; padded to 16)
  *                         + token (H B fp8 | 2H B bf16) + scales (H/128 fp32)
+ *                (the CPU engine leaves the rows per expert and pos unset)
  *   [combine]    [set 2][T*K rows][2H B]   one bf16 row per (token, k);
  *                each expert rank writes one contiguous run of rows at the
  *                offset this rank named in its dispatch slice header.
@@ -53,6 +57,8 @@ typedef struct fr_layout {
     int fp8;         /* dispatch dtype is fp8 e4m3 */
     int kmax;        /* most experts of one rank one token can pick */
     uint32_t tok_bytes, nscales, rec_hdr, rec_bytes;
+    uint32_t rec_pos;   /* offset of pos[kmax] in a record header */
+    uint32_t slice_hdr; /* slice header + rows per local expert */
     uint64_t dslice;  /* bytes of one dispatch slice */
     uint64_t crow;    /* bytes of one combine row (2H) */
     uint64_t crows;   /* combine rows per set in the receive segment (T*K) */
@@ -102,10 +108,12 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
     L->kmax = K < L->El ? K : L->El;
     L->tok_bytes = (uint32_t)(fp8 ? H : 2 * H);
     L->nscales = (uint32_t)(fp8 ? H / 128 : 0);
-    L->rec_hdr = (uint32_t)fr_align(FR_REC_HDR_FIXED + 2 * (uint64_t)L->kmax, 16);
+    L->rec_pos = (uint32_t)fr_align(FR_REC_HDR_FIXED + 2 * (uint64_t)L->kmax, 4);
+    L->rec_hdr = (uint32_t)fr_align(L->rec_pos + 4 * (uint64_t)L->kmax, 16);
+    L->slice_hdr = (uint32_t)fr_align(FR_SLICE_HDR + 4 * (uint64_t)L->El, 64);
     L->rec_bytes = (uint32_t)fr_align(
         L->rec_hdr + L->tok_bytes + 4ull * L->nscales, 16);
-    L->dslice = FR_SLICE_HDR + (uint64_t)T * L->rec_bytes;
+    L->dslice = L->slice_hdr + (uint64_t)T * L->rec_bytes;
     L->crow = 2ull * H;
     L->crows = (uint64_t)T * K;
     L->cap = (uint64_t)N * T;
@@ -147,7 +155,7 @@ FR_HD uint64_t fr_off_csend(const fr_layout_t *L, int set, uint64_t row)
 }
 FR_HD uint64_t fr_off_record(const fr_layout_t *L, uint32_t i)
 {
-    return FR_SLICE_HDR + (uint64_t)i * L->rec_bytes;
+    return L->slice_hdr + (uint64_t)i * L->rec_bytes;
 }
 
 FR_HD uint32_t fr_imm_make(int phase, uint64_t epoch, int sender)

@@ -284,6 +284,10 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                    cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
     const fr_layout_t *L = &ep->L;
     int N = ep->N;
+    if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
+                      "count per expert in shared memory)", cfg->num_experts, FR_CU_EMAX);
     fr_ipc_msg_t mine, *all = NULL;
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
     if (!c)

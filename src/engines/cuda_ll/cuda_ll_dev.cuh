@@ -19,6 +19,10 @@
 #include "runtime/cuda_mem.h"
 
 
+/* Most experts of the CUDA engine: the send part keeps two counts per
+ * expert in shared memory. */
+#define FR_CU_EMAX 4096
+
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
        FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5 };
@@ -43,7 +47,7 @@ typedef struct fr_cu_args {
     int32_t *cnt, *npairs, *comb_off; /* [2][N] */
     uint8_t **dst_rec;       /* [2][T][K]: slot k: where the token's data goes for k: the record on k's rank when k is its first expert there, the own expert row when k is an own expert written in place, else NULL */
     float **dst_scl;         /* [2][T][K]: where slot k's scales go (fp8), else NULL */
-    int32_t *self_run;       /* [2][E_local]: own tokens per own expert (rows written in place) */
+    int32_t *self_run;       /* [2][E_local]: own pairs per own expert (rows written in place) */
     int32_t *pair_row;       /* [2][N][T*kmax]: sender s's pairs at s*T*kmax: their expert rows */
     int32_t *pair_n;         /* [2][N]: pairs received from each sender */
     int32_t *scomb_off;      /* [2][N] */

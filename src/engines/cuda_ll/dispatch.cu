@@ -66,7 +66,7 @@ static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, i
  * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
  * reports them). */
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
-                                   int start, int32_t *sh, int32_t *hself, int32_t *hall)
+                                   int start, int32_t *sh, int32_t *hb, int32_t *hall)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -78,21 +78,17 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
         for (int k = 0; k < FR_MAX_TOPK; k++)
             ek[k] = k < K && t < T ? (int)idx[(size_t)t * K + k] : -1;
         bool before = t < start;
-        if (hself) {
-            /* own experts, in place: per expert, the own pairs before
-             * `start` (hself) and in all (hall). A repeated expert (an
-             * input error, reported by fr_ds_pair) counts twice here and
-             * in fr_ds_self alike; rows past the capacity are dropped. */
-            int lo = A.rank * El;
+        /* per expert, this rank's pairs before `start` (hb) and in all
+         * (hall): rows of a peer's expert follow this rank's tokens in
+         * order. A repeated expert (an input error, reported by
+         * fr_ds_pair) counts twice here and in fr_ds_rank alike. */
 #pragma unroll
-            for (int k = 0; k < FR_MAX_TOPK; k++) {
-                unsigned int le = (unsigned int)(ek[k] - lo);
-                if (ek[k] < 0 || le >= (unsigned int)El)
-                    continue;
-                if (before)
-                    atomicAdd(&hself[le], 1);
-                atomicAdd(&hall[le], 1);
-            }
+        for (int k = 0; k < FR_MAX_TOPK; k++) {
+            if (ek[k] < 0 || ek[k] >= L.E)
+                continue;
+            if (before)
+                atomicAdd(&hb[ek[k]], 1);
+            atomicAdd(&hall[ek[k]], 1);
         }
         for (int d = 0; d < N; d++) {
             int lo = d * El, hi = lo + El, np = 0;
@@ -142,19 +138,11 @@ static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
  * A thread per destination walking the tokens one by one was a chain of
  * dependent loads as long as the block's tokens. */
 #define FR_DS_GROUP 64
-static __host__ __device__ size_t fr_ds_smem(int N)
+static __host__ __device__ size_t fr_ds_smem(int N, int E)
 {
     return (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)N +
-           2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32);
-}
-
-/* Own experts written in place (the one-launch kernel, self on the IPC
- * path, E_local up to FR_DS_DIRECT_MAX): hself[E_local] and hall[E_local]
- * after fr_ds_smem's part. */
-#define FR_DS_DIRECT_MAX 4096
-static __host__ __device__ size_t fr_ds_smem_direct(int N, int El, int G)
-{
-    return fr_ds_smem(N) + 2 * sizeof(int32_t) * (size_t)El;
+           2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32) +
+           2 * sizeof(int32_t) * (size_t)E; /* hb, hall */
 }
 
 static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t *idx,
@@ -287,63 +275,72 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     *ds = (float *)(rec + L.rec_hdr + L.tok_bytes);
 }
 
-/* Own experts in place, warp 0 over the block's (token, k) pairs in
- * order, 32 at a time (the next 32's loads in flight): an own expert's
- * pair takes the next row of that expert after the own pairs before it
- * (hself, from fr_ds_count; lanes holding the same expert in lane order)
- * and points the token's slot k there; the row map for combine and the
- * sources go with it. Rows of an expert: own tokens first, in token
- * order. */
-static __device__ void fr_ds_self(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
-                                  int end, int32_t *hself, const fr_dr_out_t &o)
+/* Step 3b, warp 0 over the block's (token, k) pairs in order, 32 at a
+ * time (the next 32's loads in flight): a pair's row among this rank's
+ * pairs of its expert, in token order (hb from fr_ds_count; lanes with
+ * the same expert in lane order). Peers' experts: the row goes into the
+ * record's pos[] (the receiver places it without a search). Own experts
+ * in place (od): the token's slot k points at that row of expert_x,
+ * with the combine row map and the sources. */
+static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
+                                  int end, int32_t *hb, uint8_t *const *sbase,
+                                  const fr_dr_out_t *od)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31;
-    int64_t lo = (int64_t)A.rank * El;
     int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)A.rank * L.T * L.kmax;
     int n = (end - start) * K, pmax = (int)(L.T * L.kmax);
     unsigned int lt = (1u << lane) - 1;
     const int64_t *base = idx + (size_t)start * K;
-    const int32_t *pbase = A.pair_base + (size_t)set * L.T * N + A.rank;
-    bool whole = 32 % K == 0; /* a token's slots in one pass: lanes below k hold them */
+    const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
+    const int32_t *ridx = A.rec_idx + (size_t)set * L.T * N;
+    bool whole = 32 % K == 0; /* a token's slots in one pass */
     int f = lane;
     int64_t e = f < n ? base[f] : -1;
-    int pb = f < n ? pbase[(size_t)(start + f / K) * N] : 0;
+    int pb = f < n ? pbase[(size_t)(start + f / K) * N + A.rank] : 0;
     for (int f0 = 0; f0 < n; f0 += 32, f += 32) {
-        /* the next pairs' loads in flight while this pass works */
         int64_t en = f + 32 < n ? base[f + 32] : -1;
-        int pbn = f + 32 < n ? pbase[(size_t)(start + (f + 32) / K) * N] : 0;
+        int pbn = f + 32 < n ? pbase[(size_t)(start + (f + 32) / K) * N + A.rank] : 0;
         int t = start + f / K, k = f - (t - start) * K;
-        bool in = f < n && e >= lo && e < lo + El;
-        unsigned int inb = __ballot_sync(0xffffffffu, in);
-        /* own slots of the token before k */
+        bool ok = f < n && e >= 0 && e < L.E;
+        int d = ok ? (int)(e / El) : -1;
+        /* the token's earlier slots on rank d: the pair's place in the
+         * record's list */
         int before = 0;
-        if (whole)
-            before = __popc(inb & lt & ~((1u << (lane - k)) - 1));
-        else if (in)
+        if (whole) {
+            unsigned long long kd = ok ? ((unsigned long long)t << 20) | (unsigned int)d
+                                       : ~0ull - lane;
+            before = __popc(__match_any_sync(0xffffffffu, kd) & lt);
+        } else if (ok) {
             for (int j = 0; j < k; j++) {
                 int64_t ej = idx[(size_t)t * K + j];
-                before += ej >= lo && ej < lo + El;
+                before += ej >= (int64_t)d * El && ej < (int64_t)(d + 1) * El;
             }
-        unsigned long long key = in ? (unsigned long long)e : ~0ull - lane;
-        unsigned int m = __match_any_sync(0xffffffffu, key);
-        int le = (int)(e - lo), pos = in ? hself[le] + __popc(m & lt) : 0;
+        }
+        unsigned int m = __match_any_sync(0xffffffffu, ok ? (unsigned long long)e : ~0ull - lane);
+        int pos = ok ? hb[e] + __popc(m & lt) : 0;
         __syncwarp();
-        if (in && 31 - __clz(m) == lane) /* the expert's last lane moves it on */
-            hself[le] += __popc(m);
+        if (ok && 31 - __clz(m) == lane) /* the expert's last lane moves it on */
+            hb[e] += __popc(m);
         __syncwarp();
-        if (in) {
+        if (ok && od && d == A.rank) {
+            int le = (int)e - A.rank * El;
             size_t at = ((size_t)set * L.T + t) * K + k;
             bool fits = pos < (int)L.cap;
             size_t row = (size_t)le * L.cap + pos;
-            A.dst_rec[at] = fits ? o.ex + row * L.tok_bytes : NULL;
-            A.dst_scl[at] = fits && o.exs ? o.exs + row * L.nscales : NULL;
+            A.dst_rec[at] = fits ? od->ex + row * L.tok_bytes : NULL;
+            A.dst_scl[at] = fits && od->exs ? od->exs + row * L.nscales : NULL;
             if (pb + before < pmax)
                 prow[pb + before] = fits ? (int32_t)row : -1;
-            if (fits && o.src_rank)
-                o.src_rank[row] = A.rank;
-            if (fits && o.src_token)
-                o.src_token[row] = t;
+            if (fits && od->src_rank)
+                od->src_rank[row] = A.rank;
+            if (fits && od->src_token)
+                od->src_token[row] = t;
+        } else if (ok) {
+            int ri = ridx[(size_t)t * N + d];
+            if (ri >= 0 && before < L.kmax)
+                ((uint32_t *)(sbase[d] + fr_off_record(&L, (uint32_t)ri) + L.rec_pos))[before] =
+                    (uint32_t)pos;
         }
         e = en;
         pb = pbn;
@@ -466,7 +463,8 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
 /* Step 5: this block is done with every destination; whoever finishes one
  * publishes it, whoever publishes the last rings the proxy. */
 static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned long long epoch,
-                                    const int32_t *sh, uint8_t *const *sbase)
+                                    const int32_t *sh, uint8_t *const *sbase,
+                                    const int32_t *hall)
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -482,6 +480,9 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
         *dd = 0;
         int cnt = sh[2 * N + d], np = sh[3 * N + d], co = sh[4 * N + d];
         if (!fr_cu_failed(A)) {
+            uint32_t *rows = (uint32_t *)(sbase[d] + FR_SLICE_HDR);
+            for (int le = 0; le < L.El; le++)
+                rows[le] = (uint32_t)hall[d * L.El + le];
             fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
             h->magic = FR_SLICE_MAGIC;
             h->sender = (uint32_t)A.rank;
@@ -504,15 +505,18 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
     }
 }
 
-/* Step 5 on the IPC path: block 0 writes the slice headers (every block
- * has the exact counts), then every block adds its share to every
- * destination's flag; the last block to finish advances the set's epoch
- * (read by the next kernels). */
+/* Step 5 on the IPC path: block 0 writes the slice headers and each
+ * destination's rows per expert (every block has the exact counts), then
+ * every block adds its share to every destination's flag; the last block
+ * to finish advances the set's epoch (read by the next kernels). */
 static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
                                         unsigned long long epoch, const int32_t *sh,
-                                        uint8_t *const *sbase)
+                                        uint8_t *const *sbase, const int32_t *hall)
 {
-    int N = A.N;
+    int N = A.N, El = A.L.El;
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < N * El; i += blockDim.x)
+            ((uint32_t *)(sbase[i / El] + FR_SLICE_HDR))[i % El] = (uint32_t)hall[i];
     if (blockIdx.x == 0)
         for (int d = threadIdx.x; d < N; d += blockDim.x) {
             fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
@@ -540,9 +544,9 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     const fr_layout_t &L = A.L;
     int N = A.N;
     int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
-    /* od: own experts' rows written in place (fr_ds_smem_direct) */
-    int32_t *hself = od ? sh + 5 * N + 2 * FR_DS_GROUP * (FR_DS_THREADS / 32) : NULL;
-    int32_t *hall = od ? hself + L.El : NULL;
+    /* od: own experts' rows written in place */
+    int32_t *hb = sh + 5 * N + 2 * FR_DS_GROUP * (FR_DS_THREADS / 32);
+    int32_t *hall = hb + L.E;
     __shared__ int s_T, s_bad;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -557,8 +561,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     for (int i = threadIdx.x; i < 5 * N; i += blockDim.x)
         sh[i] = 0;
-    for (int i = threadIdx.x; od && i < 2 * (int)L.El; i += blockDim.x)
-        hself[i] = 0; /* and hall */
+    for (int i = threadIdx.x; i < 2 * L.E; i += blockDim.x)
+        hb[i] = 0; /* and hall */
     for (int d = threadIdx.x; d < N; d += blockDim.x)
         sbase[d] = fr_cu_dslice(A, set, d);
     __syncthreads();
@@ -569,11 +573,11 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
     FR_TR_DECL;
     FR_TR();
-    fr_ds_count(A, idx, T, start, sh, hself, hall);
+    fr_ds_count(A, idx, T, start, sh, hb, hall);
     __syncthreads();
-    for (int le = blockIdx.x + threadIdx.x * gridDim.x; od && le < (int)L.El;
-         le += blockDim.x * gridDim.x)
-        A.self_run[set * L.El + le] = min(hall[le], (int)L.cap);
+    /* every block the same values: its receive part reads them back */
+    for (int le = threadIdx.x; od && le < L.El; le += blockDim.x)
+        A.self_run[set * L.El + le] = min(hall[A.rank * L.El + le], (int)L.cap);
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
     FR_TR();
@@ -591,8 +595,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         if (od && threadIdx.x == 0)
             A.pair_n[set * N + A.rank] = sh[3 * N + A.rank];
     }
-    if (od && threadIdx.x < 32)
-        fr_ds_self(A, set, idx, start, end, hself, *od);
+    if (threadIdx.x < 32)
+        fr_ds_rank(A, set, idx, start, end, hb, sbase, od);
     for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
         fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad, od != NULL);
     __syncthreads();
@@ -614,9 +618,9 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     FR_TR();
     if (A.nfabric > 0)
-        fr_ds_finish(A, set, s_epoch, sh, sbase);
+        fr_ds_finish(A, set, s_epoch, sh, sbase, hall);
     else
-        fr_ds_finish_ipc(A, set, s_epoch, sh, sbase);
+        fr_ds_finish_ipc(A, set, s_epoch, sh, sbase, hall);
     FR_TR();
     FR_TR_PRINT("dsend count,index,token,pack,finish", epoch);
     return epoch;
@@ -652,215 +656,97 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
     return true;
 }
 
-/* A (record, own expert) found in a chunk of a sender's records: its row. */
-typedef struct fr_dr_item {
-    int32_t i, row, j, pair, token;
-} fr_dr_item_t;
-#define FR_DR_ITEMS 1024 /* items per chunk */
-#define FR_DR_GROUP 64   /* own experts ranked together */
+/* Records a block places at once (its records y, y + G, ... of a sender). */
+#define FR_DR_RECS 64
 
-/* Records per chunk: one record per thread, and every record has at most
- * min(nmine, kmax) items. */
-static __host__ __device__ int fr_dr_chunk(int nmine, int kmax, int threads)
+/* Dynamic shared memory of the receive part: per local expert the rows
+ * before the current sender (base) and after it (run), then per record of
+ * a batch its rows. */
+static __host__ __device__ size_t fr_dr_smem(int El)
 {
-    int per = nmine < kmax ? nmine : kmax;
-    int c = FR_DR_ITEMS / (per < 1 ? 1 : per);
-    return c < threads ? c : threads;
+    return 2 * sizeof(int32_t) * (size_t)El +
+           sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 4);
 }
 
-/* Dynamic shared memory of the receive part: run[] (rounded up to 4), the
- * per-(expert, warp) counts, then the item list. */
-static __host__ __device__ size_t fr_dr_smem(int El, int G)
-{
-    int nmax = (El + G - 1) / G;
-    return sizeof(int32_t) * (size_t)((nmax + 3) & ~3) +
-           sizeof(int32_t) * FR_DR_GROUP * (FR_DR_THREADS / 32) +
-           sizeof(fr_dr_item_t) * FR_DR_ITEMS;
-}
-
-/* Finding, all warps over the records of a chunk [c0, c1) (a record per
- * thread): for each group of up to FR_DR_GROUP own experts (le = y + m G),
- * a ballot per warp counts the records holding le, a thread per expert
- * turns the warps' counts into first rows (records in order: warp, then
- * lane), and every holding lane adds its item with row run[m] + the
- * records before it. Rows of an expert come in record order, as the CPU
- * engine orders them. */
-static __device__ void fr_dr_find(const fr_cu_args_t &A, int s, const uint8_t *slice, int c0,
-                                  int c1, int npairs, int nmine, int32_t *run, int32_t *cw,
-                                  fr_dr_item_t *list, int *nlist)
-{
-    const fr_layout_t &L = A.L;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int y = blockIdx.x, G = gridDim.x;
-    int i = c0 + (int)threadIdx.x, nexp = 0;
-    uint32_t tk = 0, pr = 0, wd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (i < c1) {
-        /* the whole header at once: token, pair, nexp, le[0..15] */
-        const uint4 *rec = (const uint4 *)(slice + fr_off_record(&L, (uint32_t)i));
-        uint4 h0 = rec[0];
-        uint4 h1 = L.rec_hdr > 16 ? rec[1] : make_uint4(0, 0, 0, 0);
-        uint4 h2 = L.rec_hdr > 32 ? rec[2] : make_uint4(0, 0, 0, 0);
-        nexp = (int)(h0.z & 0xffff);
-        tk = h0.x;
-        pr = h0.y;
-        /* what indexing needs; the rest is checked by block 0 */
-        if (nexp < 1 || nexp > (int)L.kmax || pr + (uint32_t)nexp > (uint32_t)npairs ||
-            tk >= (uint32_t)L.T) {
-            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
-            nexp = 0;
-        }
-        wd[0] = h0.w, wd[1] = h1.x, wd[2] = h1.y, wd[3] = h1.z;
-        wd[4] = h1.w, wd[5] = h2.x, wd[6] = h2.y, wd[7] = h2.z;
-        /* one block (record i mod G) checks the experts fully: in range
-         * and none repeated (a repeated one would leave a pair rowless) */
-        if (i % min(G, (int)L.El) == y) { /* blocks past E_local do not get here */
-            bool bad = false;
-#pragma unroll
-            for (int j = 0; j < FR_MAX_TOPK; j++) {
-                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                bad = bad || (j < nexp && v >= L.El);
-#pragma unroll
-                for (int j2 = 0; j2 < j; j2++)
-                    bad = bad || (j < nexp && v == ((wd[j2 >> 1] >> (16 * (j2 & 1))) & 0xffffu));
-            }
-            if (bad)
-                fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
-        }
-    }
-    for (int m0 = 0; m0 < nmine; m0 += FR_DR_GROUP) {
-        int mn = min(FR_DR_GROUP, nmine - m0);
-        for (int m = 0; m < mn; m++) {
-            int le = y + (m0 + m) * G, jf = -1;
-#pragma unroll
-            for (int j = 0; j < FR_MAX_TOPK; j++) {
-                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                jf = j < nexp && v == (uint32_t)le ? j : jf;
-            }
-            unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
-            if (lane == 0)
-                cw[m * nw + w] = __popc(bal);
-        }
-        __syncthreads();
-        for (int m = threadIdx.x; m < mn; m += blockDim.x) {
-            int base = run[m0 + m];
-            for (int w2 = 0; w2 < nw; w2++) {
-                int c = cw[m * nw + w2];
-                cw[m * nw + w2] = base;
-                base += c;
-            }
-            run[m0 + m] = base;
-        }
-        __syncthreads();
-        for (int m = 0; m < mn; m++) {
-            int le = y + (m0 + m) * G, jf = -1;
-#pragma unroll
-            for (int j = 0; j < FR_MAX_TOPK; j++) {
-                uint32_t v = (wd[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-                jf = j < nexp && v == (uint32_t)le ? j : jf;
-            }
-            unsigned int bal = __ballot_sync(0xffffffffu, jf >= 0);
-            if (!bal)
-                continue;
-            int pos = 0, below = __popc(bal & ((1u << lane) - 1));
-            if (lane == 0)
-                pos = atomicAdd(nlist, __popc(bal));
-            pos = __shfl_sync(0xffffffffu, pos, 0);
-            if (jf >= 0) {
-                /* a row past the capacity (only after an input error a
-                 * sender reported) is dropped */
-                int r = cw[m * nw + w] + below;
-                fr_dr_item_t it = {i, r < (int)L.cap ? (int32_t)((size_t)le * L.cap + r) : -1,
-                                   jf, (int32_t)pr, (int32_t)tk};
-                list[pos + below] = it;
-            }
-        }
-        __syncthreads(); /* cw is reused by the next group */
-    }
-}
-
-/* Copying, the whole block over (item, 16 bytes) pairs: every thread keeps
- * FR_DR_UNROLL loads in flight (a warp per item left most of the block
- * idle and every item a chain of dependent loads); then the scales, the
- * sources and the combine map. */
+/* Copying a batch, the whole block over (record, 16 bytes) pairs, every
+ * thread with FR_DR_UNROLL loads in flight, each stored to the record's
+ * rows; then the scales. */
 #define FR_DR_UNROLL 4
-static __device__ void fr_dr_copy(const fr_cu_args_t &A, int set, int s, const uint8_t *slice,
-                                  const fr_dr_item_t *list, int n, const fr_dr_out_t &o)
+static __device__ void fr_dr_copy(const fr_cu_args_t &A, const uint8_t *slice, const int32_t *ri,
+                                  const int32_t *rn, const int32_t *rows, int nb,
+                                  const fr_dr_out_t &o)
 {
     const fr_layout_t &L = A.L;
-    int n16 = (int)(L.tok_bytes / 16), tot = n * n16, step = blockDim.x * FR_DR_UNROLL;
+    int n16 = (int)(L.tok_bytes / 16), tot = nb * n16, step = blockDim.x * FR_DR_UNROLL;
     for (int b0 = threadIdx.x; b0 < tot; b0 += step) {
         int4 v[FR_DR_UNROLL];
-        int4 *d[FR_DR_UNROLL];
 #pragma unroll
         for (int u = 0; u < FR_DR_UNROLL; u++) {
             int f = b0 + u * (int)blockDim.x;
-            d[u] = NULL;
             if (f < tot) {
-                int e = f / n16, c = f - e * n16;
-                fr_dr_item_t it = list[e];
-                if (it.row >= 0) {
-                    v[u] = ((const int4 *)(slice + fr_off_record(&L, (uint32_t)it.i) + L.rec_hdr))[c];
-                    d[u] = (int4 *)(o.ex + (size_t)it.row * L.tok_bytes) + c;
-                }
+                int q = f / n16, c = f - q * n16;
+                v[u] = ((const int4 *)(slice + fr_off_record(&L, (uint32_t)ri[q]) + L.rec_hdr))[c];
             }
         }
 #pragma unroll
-        for (int u = 0; u < FR_DR_UNROLL; u++)
-            if (d[u])
-                *d[u] = v[u];
+        for (int u = 0; u < FR_DR_UNROLL; u++) {
+            int f = b0 + u * (int)blockDim.x;
+            if (f < tot) {
+                int q = f / n16, c = f - q * n16;
+                for (int j = 0; j < rn[q]; j++) {
+                    int row = rows[q * FR_MAX_TOPK + j];
+                    if (row >= 0)
+                        ((int4 *)(o.ex + (size_t)row * L.tok_bytes))[c] = v[u];
+                }
+            }
+        }
     }
     int ns = (int)L.nscales;
-    for (int f = threadIdx.x; f < n * ns; f += blockDim.x) {
-        int e = f / ns, c = f - e * ns;
-        fr_dr_item_t it = list[e];
-        if (it.row < 0)
-            continue;
-        const float *rs = (const float *)(slice + fr_off_record(&L, (uint32_t)it.i) +
-                                          L.rec_hdr + L.tok_bytes);
-        o.exs[(size_t)it.row * ns + c] = rs[c];
-    }
-    int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)s * L.T * L.kmax;
-    for (int e = threadIdx.x; e < n; e += blockDim.x) {
-        fr_dr_item_t it = list[e];
-        if (it.row >= 0 && o.src_rank)
-            o.src_rank[it.row] = s;
-        if (it.row >= 0 && o.src_token)
-            o.src_token[it.row] = it.token;
-        prow[it.pair + it.j] = it.row;
+    for (int f = threadIdx.x; f < nb * ns; f += blockDim.x) {
+        int q = f / ns, c = f - q * ns;
+        float v = ((const float *)(slice + fr_off_record(&L, (uint32_t)ri[q]) + L.rec_hdr +
+                                   L.tok_bytes))[c];
+        for (int j = 0; j < rn[q]; j++) {
+            int row = rows[q * FR_MAX_TOPK + j];
+            if (row >= 0)
+                o.exs[(size_t)row * ns + c] = v;
+        }
     }
 }
 
 /* The receive part, for the round of `epoch`. Senders in the order of
  * the rows: this rank, then rank + 1, ... (mod N). direct: the send part
  * of this kernel wrote this rank's own tokens in place (self_run rows per
- * own expert). Blocks past the experts (a grid larger than E_local, in
- * the one-launch kernel) have nothing to do. */
+ * own expert). Per sender, one thread waits for its flag; the sender's
+ * rows per expert (after the slice header) give every expert's first row
+ * for it; then block y takes records y, y + G, ...: a thread per record
+ * checks its header and turns the positions the sender wrote (pos[]) into
+ * rows, and the whole block copies the records to all their rows. Work
+ * follows the records, not the experts, so a popular expert is spread
+ * over every block; blocks never wait for each other. */
 static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                                                  const fr_dr_out_t &o,
                                                  unsigned long long epoch, bool direct)
 {
-    extern __shared__ int32_t run[]; /* fr_dr_smem: run[nmine], counts, items */
+    extern __shared__ int32_t base[]; /* fr_dr_smem: base[El], run[El], batch */
     const fr_layout_t &L = A.L;
-    int N = A.N, y = blockIdx.x, G = gridDim.x;
-    if (y >= (int)L.El || (direct && fr_cu_failed(A)))
-        return;
-    int nmine = ((int)L.El - y + G - 1) / G; /* experts y, y + G, ... */
-    int nmax = ((int)L.El + G - 1) / G, chunk = fr_dr_chunk(nmax, (int)L.kmax, blockDim.x);
-    int32_t *cw = run + ((nmax + 3) & ~3);
-    fr_dr_item_t *list = (fr_dr_item_t *)(cw + FR_DR_GROUP * (FR_DR_THREADS / 32));
-    __shared__ int s_ok, s_count, s_np, s_nlist;
+    int N = A.N, El = L.El, y = blockIdx.x, G = gridDim.x;
+    int32_t *run = base + El;
+    int32_t *ri = run + El, *rn = ri + FR_DR_RECS, *rt = rn + FR_DR_RECS, *rp = rt + FR_DR_RECS;
+    int32_t *rows = rp + FR_DR_RECS;
+    __shared__ int s_ok, s_count, s_np;
     __shared__ unsigned long long s_epoch;
-    if (threadIdx.x == 0) {
+    if (direct && fr_cu_failed(A))
+        return;
+    if (threadIdx.x == 0)
         s_epoch = epoch;
-        s_nlist = 0;
-    }
-    for (int i = threadIdx.x; i < nmine; i += blockDim.x)
-        run[i] = direct ? A.self_run[set * L.El + y + i * G] : 0;
+    for (int le = threadIdx.x; le < El; le += blockDim.x)
+        run[le] = direct ? A.self_run[set * El + le] : 0;
     FR_TR_DECL;
     FR_TR();
     for (int si = direct ? 1 : 0; si < N; si++) {
         int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
-        __syncthreads(); /* everyone has read the previous sender's s_count, s_np */
+        __syncthreads(); /* everyone is done with the previous sender */
         if (threadIdx.x == 0) {
             s_ok = fr_dr_wait(A, set, s, s_epoch);
             const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
@@ -872,31 +758,69 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             }
         }
         __syncthreads();
-        if (si == 0 || (direct && si == 1))
+        if (si == (int)direct)
             FR_TR();
         if (!s_ok)
             return;
         int count = s_count, np = s_np;
         const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
-        for (int c0 = 0; c0 < count; c0 += chunk) {
-            int c1 = min(count, c0 + chunk);
-            fr_dr_find(A, s, slice, c0, c1, np, nmine, run, cw, list, &s_nlist);
+        const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
+        for (int le = threadIdx.x; le < El; le += blockDim.x) {
+            int b = run[le];
+            uint32_t c = srows[le];
+            base[le] = b;
+            run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+        }
+        __syncthreads();
+        int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)s * L.T * L.kmax;
+        for (int j0 = y; j0 < count; j0 += G * FR_DR_RECS) {
+            int nb = min(FR_DR_RECS, (count - j0 + G - 1) / G);
+            if (threadIdx.x < nb) {
+                /* a record: check its header, its rows from pos[] */
+                int q = threadIdx.x, i = j0 + q * G;
+                const uint8_t *rec = slice + fr_off_record(&L, (uint32_t)i);
+                const fr_rec_hdr_t *h = (const fr_rec_hdr_t *)rec;
+                const uint32_t *pos = (const uint32_t *)(rec + L.rec_pos);
+                uint32_t tk = h->token, pr = h->pair;
+                int nexp = h->nexp;
+                bool bad = nexp < 1 || nexp > L.kmax || pr + (uint32_t)nexp > (uint32_t)np ||
+                           tk >= (uint32_t)L.T;
+                nexp = bad ? 0 : nexp;
+                for (int j = 0; j < nexp; j++) {
+                    uint32_t le = h->le[j], p = pos[j];
+                    bool dup = false;
+                    for (int j2 = 0; j2 < j; j2++)
+                        dup = dup || h->le[j2] == le;
+                    /* a row inside what the sender said it has for le */
+                    bool okj = le < (uint32_t)El && !dup &&
+                               p < (uint32_t)(run[le] - base[le]);
+                    bad = bad || !okj;
+                    int row = okj ? (int)((size_t)le * L.cap + base[le] + p) : -1;
+                    rows[q * FR_MAX_TOPK + j] = row;
+                    prow[pr + j] = row;
+                    if (okj && o.src_rank)
+                        o.src_rank[row] = s;
+                    if (okj && o.src_token)
+                        o.src_token[row] = (int32_t)tk;
+                }
+                if (bad)
+                    fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, i);
+                ri[q] = i;
+                rn[q] = nexp;
+            }
             __syncthreads();
-            if (si == (int)direct && c0 == 0)
+            if (si == (int)direct && j0 == y)
                 FR_TR();
-            fr_dr_copy(A, set, s, slice, list, s_nlist, o);
+            fr_dr_copy(A, slice, ri, rn, rows, nb, o);
             __syncthreads();
-            if (si == (int)direct && c0 == 0)
+            if (si == (int)direct && j0 == y)
                 FR_TR();
-            if (threadIdx.x == 0)
-                s_nlist = 0;
-            __syncthreads();
         }
     }
-    for (int m = threadIdx.x; m < nmine; m += blockDim.x)
-        o.counts[y + m * G] = run[m];
+    for (int le = y + threadIdx.x * G; le < El; le += blockDim.x * G)
+        o.counts[le] = run[le];
     FR_TR();
-    FR_TR_PRINT("drecv wait0,find0,copy0,rest", s_epoch);
+    FR_TR_PRINT("drecv wait0,rows0,copy0,rest", s_epoch);
 }
 
 __global__ void __launch_bounds__(FR_DR_THREADS, 2)
@@ -931,7 +855,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    size_t smem = fr_ds_smem(ep->N);
+    size_t smem = fr_ds_smem(ep->N, ep->L.E);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     if (vec)
         fr_cu_dispatch_send<true><<<blocks, FR_DS_THREADS, smem, st>>>(
@@ -950,11 +874,10 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    /* a block per group of local experts; blocks that wait for peers hold
-     * SMs, so never more than num_sms of them */
-    int blocks = c->nblocks < (int)ep->L.El ? c->nblocks : (int)ep->L.El;
-    blocks = blocks < 1 ? 1 : blocks;
-    size_t smem = fr_dr_smem((int)ep->L.El, blocks);
+    /* blocks take records in turn; blocks that wait for peers hold SMs,
+     * so never more than num_sms of them */
+    int blocks = c->nblocks < 1 ? 1 : c->nblocks;
+    size_t smem = fr_dr_smem((int)ep->L.El);
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
     fr_cu_dispatch_recv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
@@ -969,14 +892,13 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     int set = (int)(r->epoch % FR_NSETS);
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     /* own tokens straight into own expert rows: self on the IPC path */
-    bool direct = !c->host_seg && ep->L.El <= FR_DS_DIRECT_MAX;
+    bool direct = !c->host_seg;
+    size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
+    size_t smem = ssend > srecv ? ssend : srecv;
     if (c->dgrid == 0) {
         /* Blocks wait for each other: never more than the GPU holds at
-         * once, for either variant, with the most shared memory either
-         * part can take (a grid of one). */
-        size_t worst = fr_dr_smem((int)ep->L.El, 1);
-        size_t sw = fr_ds_smem_direct(ep->N, (int)ep->L.El, 1);
-        worst = worst > sw ? worst : sw;
+         * once, for either variant, with the shared memory it takes. */
+        size_t worst = smem;
         int a = 0, b = 0;
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, fr_cu_dispatch<true>, FR_DS_THREADS,
                                                           worst) != cudaSuccess ||
@@ -997,9 +919,6 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
-    size_t ssend = direct ? fr_ds_smem_direct(ep->N, (int)ep->L.El, blocks) : fr_ds_smem(ep->N);
-    size_t srecv = fr_dr_smem((int)ep->L.El, blocks);
-    size_t smem = ssend > srecv ? ssend : srecv;
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token};
     if (vec)
