@@ -33,8 +33,12 @@ import torch
 
 from . import Comm, EP, FerryError
 from . import _fmt_shape, _lib, _lib_handle
+from ._compat import Config
 
-__all__ = ["Buffer", "EventOverlap"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+#: dtype of topk_idx (DeepEP's later versions name it; int64 everywhere here)
+topk_idx_t = torch.int64
 
 
 class EventOverlap:
@@ -175,8 +179,11 @@ class Buffer:
             raise NotImplementedError(
                 "ferry.deep_ep.Buffer: only low_latency_mode=True is supported "
                 "(normal/high-throughput mode is not implemented)")
-        if allow_mnnvl:
-            raise NotImplementedError("ferry.deep_ep.Buffer: allow_mnnvl=True is not supported")
+        # allow_mnnvl: DeepEP's "use multi-node NVLink if present". ferry has
+        # no multi-node NVLink path: ranks of this node use NVLink peer
+        # memory, others the fabric, whatever the flag says.
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.low_latency_mode = True
         self.group = group
         self.rank = torch.distributed.get_rank(group)
         self.group_size = torch.distributed.get_world_size(group)
@@ -203,10 +210,55 @@ class Buffer:
         K = 16  # upper bound on top-k
         El = num_experts // max(1, N)
         kmax = min(K, El)
-        rec = (((12 + 2 * kmax + 15) // 16) * 16 + 2 * H + (H // 128) * 4 + 15) // 16 * 16
-        dispatch = 2 * N * (64 + T * rec)
+
+        def up(v, a):
+            return (v + a - 1) // a * a
+        # core/layout.h: record header with le[kmax] and pos[kmax], the
+        # slice header with the sender's rows per local expert
+        rec_hdr = up(up(12 + 2 * kmax, 4) + 4 * kmax, 16)
+        rec = up(rec_hdr + 2 * H + (H // 128) * 4, 16)
+        dispatch = 2 * N * (up(64 + 4 * El, 64) + T * rec)
         combine = 2 * T * K * 2 * H
         return ((dispatch + combine + 4096 + 2 * 2 * N * 64) + (1 << 20) - 1) // (1 << 20) * (1 << 20)
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True when this libferry has GPU kernels and a GPU is visible
+        (ferry builds sm_90 and sm_100 code with PTX whenever nvcc is
+        found)."""
+        why = C.create_string_buffer(256)
+        return bool(_lib_handle().ferry_cuda_available(why, 256))
+
+    @staticmethod
+    def capture():
+        """An EventOverlap holding an event recorded on the current
+        stream."""
+        ev = torch.cuda.Event()
+        ev.record()
+        return EventOverlap(ev)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        raise NotImplementedError(
+            "ferry.deep_ep.Buffer.get_dispatch_config: normal (high-throughput) mode is not "
+            "implemented in ferry.deep_ep; use the low-latency calls")
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        raise NotImplementedError(
+            "ferry.deep_ep.Buffer.get_combine_config: normal (high-throughput) mode is not "
+            "implemented in ferry.deep_ep; use the low-latency calls")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Nothing to clean: ferry's flags count arrivals per round (a
+        flag left from an earlier round or shape never reads as this
+        round's), so buffers need no reset between shapes. The arguments
+        are checked as DeepEP's are."""
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                        ("hidden", hidden), ("num_experts", num_experts)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"clean_low_latency_buffer: {name}: expected a positive int, "
+                                 f"got {v!r}")
 
     def _ep(self, num_experts, topk, hidden, T, fp8, device):
         key = (num_experts, topk, hidden, T, fp8, device)

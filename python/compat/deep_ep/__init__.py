@@ -1,0 +1,18 @@
+"""The module `deep_ep` on ferry: DeepEP v1.2.1's public names (Buffer,
+Config, EventOverlap, and topk_idx_t of later versions), backed by
+ferry.deep_ep, for engines that import `deep_ep` (vLLM's deepep_* all2all
+backends, SGLang's --moe-a2a-backend deepep).
+
+Installed only by the package ferry-deep-ep (pip install ./python
+./python/compat); the package ferry alone never provides `deep_ep`, so it
+never shadows a real DeepEP. See docs/python.md for what each call does on
+ferry.
+"""
+import torch  # noqa: F401  (DeepEP's package imports torch first too)
+
+from ferry.deep_ep import Buffer, Config, EventOverlap, topk_idx_t
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+#: what this `deep_ep` runs on (a real DeepEP has no such attribute)
+backend = "ferry"

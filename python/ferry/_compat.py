@@ -1,0 +1,62 @@
+"""Pieces of DeepEP's API that need neither torch nor a GPU (ferry.deep_ep
+re-exports them; kept apart so they can be tested anywhere)."""
+
+__all__ = ["Config"]
+
+
+def _int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"Config: {name}: expected an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"Config: {name} = {v}: must be at least {lo}")
+    return v
+
+
+class Config:
+    """DeepEP's Config: the SMs and chunk sizes of its normal
+    (high-throughput) mode, with DeepEP's constraints (send chunk smaller
+    than the receive buffer; the RDMA receive buffer rounded up to a
+    multiple of the send chunk and at least twice it). ferry.deep_ep has no
+    normal mode yet, so a Config sizes nothing of ferry's: code that builds
+    or annotates with it runs, and asking it for buffer sizes says why it
+    cannot answer."""
+
+    def __init__(self, num_sms, num_max_nvl_chunked_send_tokens,
+                 num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
+                 num_max_rdma_chunked_recv_tokens):
+        self.num_sms = _int("num_sms", num_sms, 0)
+        ns = _int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
+        nr = _int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
+        rs = _int("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
+        rr = _int("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
+        if ns >= nr:
+            raise ValueError(f"Config: num_max_nvl_chunked_send_tokens ({ns}) must be smaller "
+                             f"than num_max_nvl_chunked_recv_tokens ({nr})")
+        rr = (rr + rs - 1) // rs * rs
+        if rs * 2 > rr:
+            raise ValueError(f"Config: num_max_rdma_chunked_send_tokens ({rs}) must be at most "
+                             f"half of num_max_rdma_chunked_recv_tokens ({rr}, rounded up to a "
+                             f"multiple of the send chunk)")
+        self.num_max_nvl_chunked_send_tokens = ns
+        self.num_max_nvl_chunked_recv_tokens = nr
+        self.num_max_rdma_chunked_send_tokens = rs
+        self.num_max_rdma_chunked_recv_tokens = rr
+
+    def __repr__(self):
+        return (f"Config(num_sms={self.num_sms}, "
+                f"num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+    def _no_normal_mode(self, what):
+        raise NotImplementedError(
+            f"Config.{what}: sizes the buffers of DeepEP's normal (high-throughput) mode, "
+            "which ferry.deep_ep does not implement; the low-latency mode sizes its own "
+            "(Buffer.get_low_latency_rdma_size_hint)")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        self._no_normal_mode("get_nvl_buffer_size_hint")
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        self._no_normal_mode("get_rdma_buffer_size_hint")

@@ -1,0 +1,87 @@
+#!/bin/bash
+# The compatibility package (python/compat: ferry-deep-ep, the module
+# deep_ep on ferry), in a fresh virtual environment: ferry alone installs
+# no deep_ep (a real DeepEP is never shadowed); ferry-deep-ep installs
+# deep_ep and nothing else; uninstalling it takes deep_ep away again.
+# DeepEP's Config (pure Python, no torch) is checked against DeepEP's
+# constraints. With torch present, `import deep_ep` gives ferry's classes;
+# without torch, importing it fails on torch and on nothing else.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+python3 -m venv --system-site-packages "$W/venv"
+PY="$W/venv/bin/python"
+"$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT/python"
+cd "$W"
+check() { env -u PYTHONPATH -u FERRY_LIB "$PY" - "$W/venv" "$@"; }
+check ferry-only <<'PY'
+import importlib.metadata as md, importlib.util as iu, os, sys
+venv, what = sys.argv[1], sys.argv[2]
+files = [str(f) for f in md.files("ferry")]
+bad = [f for f in files if f.split("/")[0] == "deep_ep"]
+assert not bad, f"the package ferry installs {bad}: it would shadow a real DeepEP"
+spec = iu.find_spec("deep_ep")
+assert spec is None or not os.path.realpath(spec.origin).startswith(os.path.realpath(venv)), \
+    f"deep_ep found in the venv after installing ferry alone: {spec.origin}"
+print(f"{what}: ferry installs {len(files)} files, no deep_ep"
+      + ("" if spec is None else f" (a deep_ep outside the venv: {spec.origin})"))
+# Config: DeepEP's constraints, errors naming the argument; no torch needed
+from ferry._compat import Config
+c = Config(24, 6, 256, 8, 128)
+assert (c.num_sms, c.num_max_rdma_chunked_recv_tokens) == (24, 128), c
+assert Config(20, 4, 8, 3, 10).num_max_rdma_chunked_recv_tokens == 12  # rounded up to 3s
+for args, name, exc in [((24, 8, 8, 6, 128), "num_max_nvl_chunked_send_tokens", ValueError),
+                        ((24, 6, 256, 6, 6), "num_max_rdma_chunked_send_tokens", ValueError),
+                        ((-1, 6, 256, 6, 128), "num_sms", ValueError),
+                        ((24, 0, 256, 6, 128), "num_max_nvl_chunked_send_tokens", ValueError),
+                        ((24, 6, 256.0, 6, 128), "num_max_nvl_chunked_recv_tokens", TypeError)]:
+    try:
+        Config(*args)
+    except exc as e:
+        assert name in str(e), f"Config{args}: {e!r} does not name {name}"
+    else:
+        raise AssertionError(f"Config{args}: no {exc.__name__}")
+try:
+    c.get_nvl_buffer_size_hint(7168 * 2, 8)
+except NotImplementedError as e:
+    assert "normal" in str(e), e
+else:
+    raise AssertionError("get_nvl_buffer_size_hint: no NotImplementedError")
+print("Config: DeepEP's constraints hold, errors name the argument")
+PY
+"$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT/python/compat"
+check with-compat <<'PY'
+import importlib.metadata as md, importlib.util as iu, os, sys
+venv, what = sys.argv[1], sys.argv[2]
+files = sorted(str(f) for f in md.files("ferry-deep-ep") if str(f).endswith(".py"))
+assert files == ["deep_ep/__init__.py", "deep_ep/utils.py"], files
+spec = iu.find_spec("deep_ep")
+assert spec and os.path.realpath(spec.origin).startswith(os.path.realpath(venv)), spec
+try:
+    import torch  # noqa: F401
+except ImportError:
+    try:
+        import deep_ep  # noqa: F401
+    except ModuleNotFoundError as e:
+        assert e.name == "torch", f"import deep_ep failed on {e.name}, not torch: {e}"
+    else:
+        raise AssertionError("import deep_ep worked without torch")
+    print(f"{what}: deep_ep from {spec.origin}; torch not installed: importing it fails on torch only")
+else:
+    import deep_ep, ferry.deep_ep as f
+    assert deep_ep.backend == "ferry"
+    for n in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
+        assert getattr(deep_ep, n) is getattr(f, n), n
+    from deep_ep.utils import EventOverlap
+    assert EventOverlap is f.EventOverlap
+    print(f"{what}: deep_ep from {spec.origin} gives ferry.deep_ep's Buffer, Config, EventOverlap, topk_idx_t")
+PY
+"$PY" -m pip uninstall -q -y ferry-deep-ep
+check uninstalled <<'PY'
+import importlib.util as iu, os, sys
+spec = iu.find_spec("deep_ep")
+assert spec is None or not os.path.realpath(spec.origin).startswith(os.path.realpath(sys.argv[1])), spec
+print(f"{sys.argv[2]}: deep_ep gone from the venv")
+PY
+echo "compat: ferry-deep-ep installs deep_ep on ferry, ferry alone does not"
