@@ -10,14 +10,16 @@ PyTorch-native (what a single-GPU MoE layer does today):
             index_select of the token rows into an expert-major buffer;
   combine:  weighted index_add_ of the expert rows into fp32 per token,
             then bf16.
-ferry: ferry_dispatch_send/recv and ferry_combine_send/recv on one stream.
+ferry: ferry_dispatch and ferry_combine (one launch each, own tokens
+written in place; --split: the four round calls, two launches each, own
+tokens staged) on one stream.
 
 Both are verified against each other every timed configuration: the rows
 each expert receives (fp8 bytes and scales) must be identical, and the
 combined outputs must agree within one bf16 rounding. Prints #wrong.
 
 Usage: python3 tools/bench_gpu_world1.py [--lib build-dev/libferry.so]
-       [--tokens 128,1024,4096,8192] [--iters 20]
+       [--tokens 128,1024,4096,8192] [--iters 20] [--split]
 """
 import argparse
 import ctypes as C
@@ -99,6 +101,9 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--split", action="store_true",
+                    help="time the four round calls (two launches per operation) instead of "
+                         "ferry_dispatch / ferry_combine")
     args = ap.parse_args()
     os.environ.setdefault("FERRY_RANK", "0")
     os.environ.setdefault("FERRY_WORLD_SIZE", "1")
@@ -158,14 +163,20 @@ def main():
 
         def f_dispatch():
             r = C.c_uint64()
-            check(lib, lib.ferry_dispatch_send(ep, C.byref(din), C.byref(r)), "dispatch_send", ep)
-            check(lib, lib.ferry_dispatch_recv(ep, r, C.byref(dout)), "dispatch_recv", ep)
+            if args.split:
+                check(lib, lib.ferry_dispatch_send(ep, C.byref(din), C.byref(r)), "dispatch_send", ep)
+                check(lib, lib.ferry_dispatch_recv(ep, r, C.byref(dout)), "dispatch_recv", ep)
+            else:
+                check(lib, lib.ferry_dispatch(ep, C.byref(din), C.byref(dout), C.byref(r)), "dispatch", ep)
             state["r"] = r
 
         def f_combine():
             r = state["r"]
-            check(lib, lib.ferry_combine_send(ep, r, C.byref(cin)), "combine_send", ep)
-            check(lib, lib.ferry_combine_recv(ep, r, C.byref(cout)), "combine_recv", ep)
+            if args.split:
+                check(lib, lib.ferry_combine_send(ep, r, C.byref(cin)), "combine_send", ep)
+                check(lib, lib.ferry_combine_recv(ep, r, C.byref(cout)), "combine_recv", ep)
+            else:
+                check(lib, lib.ferry_combine(ep, r, C.byref(cin), C.byref(cout)), "combine", ep)
 
         def f_round_dispatch():
             f_dispatch()
