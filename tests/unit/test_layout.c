@@ -13,6 +13,14 @@ static void check_shape(int N, int E, int K, int H, int T, int fp8)
     CHECK(L.El == E / N, "El");
     CHECK(L.kmax == (K < E / N ? K : E / N), "kmax %d", L.kmax);
     CHECK(L.rec_hdr % 16 == 0 && L.rec_hdr >= FR_REC_HDR_FIXED + 2 * (uint32_t)L.kmax, "rec_hdr %u", L.rec_hdr);
+    /* pos[kmax] (u32, 4-aligned) after le[kmax], inside the header */
+    CHECK(L.rec_pos % 4 == 0 && L.rec_pos >= FR_REC_HDR_FIXED + 2 * (uint32_t)L.kmax, "rec_pos %u", L.rec_pos);
+    CHECK(L.rec_hdr >= L.rec_pos + 4 * (uint32_t)L.kmax, "pos past the record header");
+    /* the sender's rows per local expert (u32 [El]) between the slice
+     * header and the first record, records 16-aligned */
+    CHECK(L.slice_hdr % 64 == 0 && L.slice_hdr >= FR_SLICE_HDR + 4 * (uint32_t)L.El, "slice_hdr %u", L.slice_hdr);
+    CHECK(fr_off_record(&L, 0) == L.slice_hdr, "first record");
+    CHECK(L.dslice == L.slice_hdr + (uint64_t)T * L.rec_bytes, "dslice");
     CHECK(L.rec_bytes % 16 == 0, "rec_bytes %u", L.rec_bytes);
     CHECK(L.rec_bytes >= L.rec_hdr + L.tok_bytes + 4 * L.nscales, "record too small");
     CHECK(L.tok_bytes == (uint32_t)(fp8 ? H : 2 * H), "tok_bytes");
