@@ -285,14 +285,35 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
-        if cumulative_local_expert_recv_stats is not None or round_scale or use_ue8m0 or \
-                dispatch_wait_recv_cost_stats is not None:
-            bad = [n for n, v in (("cumulative_local_expert_recv_stats",
-                                   cumulative_local_expert_recv_stats),
-                                  ("dispatch_wait_recv_cost_stats",
-                                   dispatch_wait_recv_cost_stats)) if v is not None]
+        if round_scale or use_ue8m0 or dispatch_wait_recv_cost_stats is not None:
+            bad = ["dispatch_wait_recv_cost_stats"] if dispatch_wait_recv_cost_stats is not None \
+                else []
             bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            # DeepEP's: int32 [num_local_experts] on the GPU, the received
+            # rows per local expert added in place every dispatch (EPLB)
+            _tensor(stats, "cumulative_local_expert_recv_stats", torch.int32,
+                    (num_experts // max(1, self.group_size),))
+            if not stats.is_cuda:
+                raise ValueError("cumulative_local_expert_recv_stats: expected a CUDA tensor")
+            r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                           num_experts, use_fp8, return_recv_hook)
+            cnt, hook = r[1], r[4]
+            if hook is None:
+                stats.add_(cnt)
+                return r
+
+            def recv_and_count():
+                hook()
+                stats.add_(cnt)
+            return r[:4] + (recv_and_count,)
+        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                          num_experts, use_fp8, return_recv_hook)
+
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              use_fp8, return_recv_hook):
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
         if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.is_cuda and \
                 x.dtype is torch.bfloat16 and topk_idx.dtype is torch.int64 and \
