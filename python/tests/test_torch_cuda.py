@@ -209,8 +209,40 @@ def check_args(ferry, deep_ep, N, dev):
            out=torch.empty(T // 2, H, dtype=torch.bfloat16, device=dev))
     expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
     buf.low_latency_combine(y, idx, w, handle)
+    # cumulative_local_expert_recv_stats: checked, then the counts added in
+    # place (one launch, and through the hook)
+    El = E // N
+    expect(msgs, TypeError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
+           x, idx, T, E, cumulative_local_expert_recv_stats=torch.zeros(El, device=dev))
+    expect(msgs, ValueError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
+           x, idx, T, E,
+           cumulative_local_expert_recv_stats=torch.zeros(El + 1, dtype=torch.int32, device=dev))
+    stats = torch.full((El,), 5, dtype=torch.int32, device=dev)
+    total = torch.full((El,), 5, dtype=torch.int32, device=dev)
+    for hooked in (False, True):
+        _, count, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, T, E, use_fp8=False, cumulative_local_expert_recv_stats=stats,
+            return_recv_hook=hooked)
+        if hook is not None:
+            hook()
+        total += count
+        buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.synchronize()
+    if not torch.equal(stats, total):
+        msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()} != 5 + the counts "
+                    f"{total.tolist()}")
+    cfg = deep_ep.Config(24, 6, 256, 8, 128)
+    if cfg.num_max_rdma_chunked_recv_tokens != 128 or not deep_ep.Buffer.is_sm90_compiled():
+        msgs.append(f"Config / is_sm90_compiled: {cfg!r}")
+    deep_ep.Buffer.capture().current_stream_wait()
+    buf.clean_low_latency_buffer(T, H, E)
     torch.cuda.synchronize()
     buf.destroy()
+    b2 = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True,
+                        allow_mnnvl=True)
+    if not (b2.allow_mnnvl and b2.low_latency_mode):
+        msgs.append("allow_mnnvl=True: not kept")
+    b2.destroy()
     return [f"argument checks: {m}" for m in msgs]
 
 
