@@ -405,26 +405,27 @@ def main():
     if bad:
         sys.exit(1)
     rows = res[0]
-    print()
-    print("| shape | T | ferry dispatch p50 (p99) | ferry combine p50 (p99) | DeepEP dispatch p50 (p99) "
-          "| DeepEP combine p50 (p99) | ferry/DeepEP dispatch, combine, round | #wrong ferry, DeepEP |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def header(*cols):
+        print("\n| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|")
+
+    header("shape", "T", "ferry dispatch p50 (p99)", "ferry combine p50 (p99)",
+           "DeepEP dispatch p50 (p99)", "DeepEP combine p50 (p99)",
+           "ferry/DeepEP dispatch, combine, round", "#wrong ferry, DeepEP")
     for (name, T, maxT, fd, fd99, fc, fc99, dd, dd99, dc, dc99, rd, rc, rr, wf, wd) in \
             (r[:16] for r in rows):
         print(f"| {name} | {T} | {fd:.1f} ({fd99:.1f}) | {fc:.1f} ({fc99:.1f}) | {dd:.1f} ({dd99:.1f}) "
               f"| {dc:.1f} ({dc99:.1f}) | {rd:.2f}, {rc:.2f}, {rr:.2f} | {wf}, {wd} |")
     if args.graph:
-        print("\n| shape | T | ferry round in a CUDA graph p50 (p99) | DeepEP round p50 (p99) "
-              "| ferry/DeepEP |")
-        print("|---|---|---|---|---|")
+        header("shape", "T", "ferry round in a CUDA graph p50 (p99)", "DeepEP round p50 (p99)",
+               "ferry/DeepEP")
         for r in rows:
             g = r[16:]
             print(f"| {r[0]} | {r[1]} | {g[0]:.1f} ({g[1]:.1f}) | {g[2]:.1f} ({g[3]:.1f}) "
                   f"| {g[0] / g[2]:.2f} |")
     if args.b2b:
-        print("\n| shape | T | library | dispatch, events | combine, events | dispatch kernel "
-              "| combine kernel | ferry/DeepEP: events d, c; kernels d, c |")
-        print("|---|---|---|---|---|---|---|---|")
+        header("shape", "T", "library", "dispatch, events", "combine, events", "dispatch kernel",
+               "combine kernel", "ferry/DeepEP: events d, c; kernels d, c")
         for r in rows:
             b = r[20:]
             rat = (f"{b[0] / b[9]:.2f}, {b[2] / b[11]:.2f}; {b[4] / b[13]:.2f}, "
