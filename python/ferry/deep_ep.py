@@ -129,12 +129,21 @@ class _Plan:
         self.couts = [_lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
                       for _ in range(2)]
         self.round = C.c_uint64()
+        self.ybufs = [None, None]  # zero-copy combine inputs, made on first use
         L = _lib_handle()
         self.send, self.recv = L.ferry_dispatch_send, L.ferry_dispatch_recv
         self.csend, self.crecv = L.ferry_combine_send, L.ferry_combine_recv
         self.both, self.cboth = L.ferry_dispatch, L.ferry_combine
         self.last_error = L.ferry_ep_last_error
         self.stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def ybuf(self, s):
+        """Buffer set s's zero-copy combine input (bf16 [E_local, N*T, H]),
+        allocated at the first call."""
+        if self.ybufs[s] is None:
+            self.ybufs[s] = torch.empty(self.yshape, dtype=torch.bfloat16,
+                                        device=torch.device("cuda", self.dev))
+        return self.ybufs[s]
 
     def raw_stream(self):
         if self.stream is not None:
@@ -437,11 +446,15 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
-        bad = [n for n, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy)) if v]
+        bad = ["use_logfmt"] if use_logfmt else []
         if combine_wait_recv_cost_stats is not None:
             bad.append("combine_wait_recv_cost_stats")
         if bad:
             raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if zero_copy:
+            # the experts wrote into get_next_low_latency_combine_buffer(handle):
+            # that buffer is the input, x is not read
+            x = self.get_next_low_latency_combine_buffer(handle)
         if type(handle) is tuple and len(handle) == 5 and type(handle[0]) is _Plan:
             plan, T = handle[0], handle[4]
             K = plan.ep.topk
@@ -491,6 +504,18 @@ class Buffer:
 
         hook = _recv_or_hook(recv, return_recv_hook)
         return out, EventOverlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """DeepEP's zero-copy combine: a bf16 [E_local, N*T, H] tensor to
+        write the experts' outputs into; low_latency_combine(...,
+        zero_copy=True) with this handle then reads it instead of x. One
+        per context and buffer set (reused two rounds later), allocated at
+        the first call."""
+        if not (type(handle) is tuple and len(handle) == 5 and type(handle[0]) is _Plan):
+            raise TypeError("handle: expected the handle of a low_latency_dispatch of CUDA "
+                            "bfloat16 x with int64 topk_idx (zero copy uses the context's "
+                            f"reusable buffers), got {type(handle).__name__}")
+        return handle[0].ybuf(handle[1] & 1)
 
     def destroy(self):
         self._plans.clear()

@@ -231,6 +231,19 @@ def check_args(ferry, deep_ep, N, dev):
     if not torch.equal(stats, total):
         msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()} != 5 + the counts "
                     f"{total.tolist()}")
+    # zero copy: the experts write into get_next_low_latency_combine_buffer;
+    # the same rounds with and without it combine to the same bytes
+    yv = torch.randn(y.shape, device=dev).to(torch.bfloat16)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    ref = buf.low_latency_combine(yv, idx, w, handle)[0].clone()
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    buf.get_next_low_latency_combine_buffer(handle).copy_(yv)
+    zc = buf.low_latency_combine(torch.zeros_like(yv), idx, w, handle, zero_copy=True)[0]
+    torch.cuda.synchronize()
+    if not torch.equal(zc, ref):
+        msgs.append(f"zero_copy: differs from the copied combine "
+                    f"(max {(zc.float() - ref.float()).abs().max().item()})")
+    expect(msgs, TypeError, "handle", buf.get_next_low_latency_combine_buffer, (1, 2))
     cfg = deep_ep.Config(24, 6, 256, 8, 128)
     if cfg.num_max_rdma_chunked_recv_tokens != 128 or not deep_ep.Buffer.is_sm90_compiled():
         msgs.append(f"Config / is_sm90_compiled: {cfg!r}")
