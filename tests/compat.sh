@@ -67,7 +67,24 @@ except ImportError:
         assert e.name == "torch", f"import deep_ep failed on {e.name}, not torch: {e}"
     else:
         raise AssertionError("import deep_ep worked without torch")
-    print(f"{what}: deep_ep from {spec.origin}; torch not installed: importing it fails on torch only")
+    # the names themselves, through a stand-in torch (what the modules
+    # touch at import: the module, torch.int64)
+    import types
+    for m in [m for m in sys.modules if m == "deep_ep" or m.startswith(("deep_ep.", "ferry"))]:
+        del sys.modules[m]
+    stub = types.ModuleType("torch")
+    stub.int64 = "int64"
+    stub.Tensor = type("Tensor", (), {})
+    sys.modules["torch"] = stub
+    import deep_ep, deep_ep.utils, ferry.deep_ep as f
+    assert deep_ep.backend == "ferry"
+    for n in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
+        assert getattr(deep_ep, n) is getattr(f, n), n
+    assert deep_ep.utils.EventOverlap is f.EventOverlap
+    assert deep_ep.topk_idx_t == "int64" and deep_ep.Config().num_sms == 20
+    print(f"{what}: deep_ep from {spec.origin}; without torch importing it fails on torch only, "
+          "and with a stand-in torch it gives ferry.deep_ep's Buffer, Config, EventOverlap, "
+          "topk_idx_t")
 else:
     import deep_ep, ferry.deep_ep as f
     assert deep_ep.backend == "ferry"

@@ -5,8 +5,13 @@ __all__ = ["Config"]
 
 
 def _int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"Config: {name}: expected an int, got {type(v).__name__}")
+    import operator
+    if isinstance(v, bool):
+        raise TypeError(f"Config: {name}: expected an int, got bool")
+    try:
+        v = operator.index(v)  # ints, numpy ints
+    except TypeError:
+        raise TypeError(f"Config: {name}: expected an int, got {type(v).__name__}") from None
     if v < lo:
         raise ValueError(f"Config: {name} = {v}: must be at least {lo}")
     return v
@@ -16,14 +21,15 @@ class Config:
     """DeepEP's Config: the SMs and chunk sizes of its normal
     (high-throughput) mode, with DeepEP's constraints (send chunk smaller
     than the receive buffer; the RDMA receive buffer rounded up to a
-    multiple of the send chunk and at least twice it). ferry.deep_ep has no
+    multiple of the send chunk and at least twice it) and DeepEP's defaults
+    (20 SMs, 6/256 NVLink and 6/256 RDMA tokens). ferry.deep_ep has no
     normal mode yet, so a Config sizes nothing of ferry's: code that builds
     or annotates with it runs, and asking it for buffer sizes says why it
     cannot answer."""
 
-    def __init__(self, num_sms, num_max_nvl_chunked_send_tokens,
-                 num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
-                 num_max_rdma_chunked_recv_tokens):
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
         self.num_sms = _int("num_sms", num_sms, 0)
         ns = _int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
         nr = _int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)

@@ -139,8 +139,13 @@ class _Plan:
 
     def ybuf(self, s):
         """Buffer set s's zero-copy combine input (bf16 [E_local, N*T, H]),
-        allocated at the first call."""
+        allocated at the first call (never inside a CUDA graph capture)."""
         if self.ybufs[s] is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise FerryError(-1, "ferry.deep_ep: the zero-copy combine buffer of this "
+                                     "context is made at the first "
+                                     "get_next_low_latency_combine_buffer call; make that call "
+                                     "(for two rounds: one per buffer set) before capturing")
             self.ybufs[s] = torch.empty(self.yshape, dtype=torch.bfloat16,
                                         device=torch.device("cuda", self.dev))
         return self.ybufs[s]
@@ -232,11 +237,14 @@ class Buffer:
 
     @staticmethod
     def is_sm90_compiled():
-        """True when this libferry has GPU kernels and a GPU is visible
-        (ferry builds sm_90 and sm_100 code with PTX whenever nvcc is
-        found)."""
+        """True when this libferry has GPU kernels (ferry builds sm_90 and
+        sm_100 code with PTX whenever nvcc is found) and, when a GPU is
+        visible, it is sm_90 or later. Unlike DeepEP's (a constant of the
+        build) it asks the CUDA runtime for the devices."""
         why = C.create_string_buffer(256)
-        return bool(_lib_handle().ferry_cuda_available(why, 256))
+        if _lib_handle().ferry_cuda_available(why, 256):
+            return torch.cuda.get_device_capability()[0] >= 9
+        return b"no CUDA kernels" not in why.value
 
     @staticmethod
     def capture():
@@ -305,18 +313,26 @@ class Buffer:
             # rows per local expert added in place every dispatch (EPLB)
             _tensor(stats, "cumulative_local_expert_recv_stats", torch.int32,
                     (num_experts // max(1, self.group_size),))
-            if not stats.is_cuda:
-                raise ValueError("cumulative_local_expert_recv_stats: expected a CUDA tensor")
+            if isinstance(x, torch.Tensor) and stats.device != x.device:
+                raise ValueError(f"cumulative_local_expert_recv_stats: expected a tensor on "
+                                 f"{x.device} (x's device), got one on {stats.device}")
             r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                            num_experts, use_fp8, return_recv_hook)
             cnt, hook = r[1], r[4]
             if hook is None:
                 stats.add_(cnt)
                 return r
+            # the receive is queued on the dispatch's stream: count there,
+            # whatever stream is current when the hook runs
+            st = torch.cuda.current_stream(x.device) if x.is_cuda else None
 
             def recv_and_count():
                 hook()
-                stats.add_(cnt)
+                if st is None:
+                    stats.add_(cnt)
+                    return
+                with torch.cuda.stream(st):
+                    stats.add_(cnt)
             return r[:4] + (recv_and_count,)
         return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                           num_experts, use_fp8, return_recv_hook)

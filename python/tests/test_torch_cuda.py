@@ -210,8 +210,14 @@ def check_args(ferry, deep_ep, N, dev):
     expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
     buf.low_latency_combine(y, idx, w, handle)
     # cumulative_local_expert_recv_stats: checked, then the counts added in
-    # place (one launch, and through the hook)
+    # place (one launch, and through the hook). Routing of its own: every
+    # token to K distinct experts, so counts and outputs are not zero.
     El = E // N
+    me = torch.distributed.get_rank()
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    idx = ((torch.arange(T, device=dev)[:, None] + 3 * torch.arange(K, device=dev)[None, :] + me)
+           % E).to(torch.int64)
+    w = 0.5 + torch.rand(T, K, device=dev)
     expect(msgs, TypeError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
            x, idx, T, E, cumulative_local_expert_recv_stats=torch.zeros(El, device=dev))
     expect(msgs, ValueError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
@@ -228,9 +234,9 @@ def check_args(ferry, deep_ep, N, dev):
         total += count
         buf.low_latency_combine(y, idx, w, handle)
     torch.cuda.synchronize()
-    if not torch.equal(stats, total):
-        msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()} != 5 + the counts "
-                    f"{total.tolist()}")
+    if not torch.equal(stats, total) or int(total.sum()) == 5 * El:
+        msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()}, want 5 + the "
+                    f"(nonzero) counts {total.tolist()}")
     # zero copy: the experts write into get_next_low_latency_combine_buffer;
     # the same rounds with and without it combine to the same bytes
     yv = torch.randn(y.shape, device=dev).to(torch.bfloat16)
@@ -240,9 +246,10 @@ def check_args(ferry, deep_ep, N, dev):
     buf.get_next_low_latency_combine_buffer(handle).copy_(yv)
     zc = buf.low_latency_combine(torch.zeros_like(yv), idx, w, handle, zero_copy=True)[0]
     torch.cuda.synchronize()
-    if not torch.equal(zc, ref):
-        msgs.append(f"zero_copy: differs from the copied combine "
-                    f"(max {(zc.float() - ref.float()).abs().max().item()})")
+    if not torch.equal(zc, ref) or not ref.abs().sum().item() > 0:
+        msgs.append(f"zero_copy: differs from the copied combine or is zero "
+                    f"(max diff {(zc.float() - ref.float()).abs().max().item()}, "
+                    f"|ref| {ref.float().abs().sum().item()})")
     expect(msgs, TypeError, "handle", buf.get_next_low_latency_combine_buffer, (1, 2))
     cfg = deep_ep.Config(24, 6, 256, 8, 128)
     if cfg.num_max_rdma_chunked_recv_tokens != 128 or not deep_ep.Buffer.is_sm90_compiled():
