@@ -288,6 +288,9 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
                       "count per expert in shared memory)", cfg->num_experts, FR_CU_EMAX);
+    rc = fr_cuda_dispatch_init(ep, err); /* the same on every rank of one GPU model */
+    if (rc != FERRY_OK)
+        return rc;
     fr_ipc_msg_t mine, *all = NULL;
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
     if (!c)

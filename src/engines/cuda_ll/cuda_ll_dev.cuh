@@ -76,6 +76,8 @@ struct fr_cuda_ep {
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what);
+/* The dispatch kernels' shared memory above 48 KB, or an error (dispatch.cu). */
+extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
 
 /* ---------------------------------------------------------------------- */
 /* device helpers                                                         */

@@ -265,7 +265,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     uint16_t n = 0;
 #pragma unroll
     for (int j = 0; j < FR_MAX_TOPK; j++)
-        if (j >= k && r[j] >= lo && r[j] < hi)
+        if (j >= k && r[j] >= lo && r[j] < hi && n < L.kmax) /* more only with a repeat (reported) */
             h->le[n++] = (uint16_t)(r[j] - lo);
     h->token = (uint32_t)t;
     h->pair = (uint32_t)pb;
@@ -639,20 +639,30 @@ fr_cu_dispatch_send(fr_cu_args_t A, int set, const uint16_t *x, const float *x_s
 
 /* Wait for sender s and check its slice header (one thread). */
 static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
-                                  unsigned long long epoch)
+                                  unsigned long long epoch, int *count, int *npairs,
+                                  int *comb_off)
 {
     const fr_layout_t &L = A.L;
     if (fr_cu_failed(A) ||
         !fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
                          fr_cu_target(A, epoch), s, FR_CU_WHAT_DISPATCH))
         return false;
-    const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
-    if (h->magic != FR_SLICE_MAGIC || h->sender != (uint32_t)s || h->epoch != epoch ||
-        h->count > (uint32_t)L.T || h->npairs > (uint64_t)L.T * L.kmax ||
-        (uint64_t)h->comb_off + h->npairs > L.crows) {
+    /* each field read once (a peer can write the header again): what is
+     * checked is what is used */
+    const volatile fr_slice_hdr_t *h =
+        (const volatile fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+    uint32_t magic = h->magic, sender = h->sender, cnt = h->count, np = h->npairs;
+    uint32_t co = h->comb_off;
+    unsigned long long ep = h->epoch;
+    if (magic != FR_SLICE_MAGIC || sender != (uint32_t)s || ep != epoch ||
+        cnt > (uint32_t)L.T || np > (uint64_t)L.T * L.kmax ||
+        (uint64_t)co + np > L.crows) {
         fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, -1);
         return false;
     }
+    *count = (int)cnt;
+    *npairs = (int)np;
+    *comb_off = (int)co;
     return true;
 }
 
@@ -734,12 +744,15 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     int32_t *run = base + El;
     int32_t *ri = run + El, *rn = ri + FR_DR_RECS, *rt = rn + FR_DR_RECS, *rp = rt + FR_DR_RECS;
     int32_t *rows = rp + FR_DR_RECS;
-    __shared__ int s_ok, s_count, s_np;
+    __shared__ int s_ok, s_count, s_np, s_co;
     __shared__ unsigned long long s_epoch;
-    if (direct && fr_cu_failed(A))
-        return;
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         s_epoch = epoch;
+        s_ok = !(direct && fr_cu_failed(A)); /* one read: the block returns as one */
+    }
+    __syncthreads();
+    if (!s_ok)
+        return;
     for (int le = threadIdx.x; le < El; le += blockDim.x)
         run[le] = direct ? A.self_run[set * El + le] : 0;
     FR_TR_DECL;
@@ -748,13 +761,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
         __syncthreads(); /* everyone is done with the previous sender */
         if (threadIdx.x == 0) {
-            s_ok = fr_dr_wait(A, set, s, s_epoch);
-            const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
-            s_count = s_ok ? (int)h->count : 0;
-            s_np = s_ok ? (int)h->npairs : 0;
+            s_count = s_np = s_co = 0;
+            s_ok = fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
             if (s_ok && y == 0) {
                 A.pair_n[set * N + s] = s_np;
-                A.scomb_off[set * N + s] = (int32_t)h->comb_off;
+                A.scomb_off[set * N + s] = s_co;
             }
         }
         __syncthreads();
@@ -783,8 +794,8 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                 const uint32_t *pos = (const uint32_t *)(rec + L.rec_pos);
                 uint32_t tk = h->token, pr = h->pair;
                 int nexp = h->nexp;
-                bool bad = nexp < 1 || nexp > L.kmax || pr + (uint32_t)nexp > (uint32_t)np ||
-                           tk >= (uint32_t)L.T;
+                bool bad = nexp < 1 || nexp > L.kmax ||
+                           (uint64_t)pr + (uint64_t)nexp > (uint64_t)np || tk >= (uint32_t)L.T;
                 nexp = bad ? 0 : nexp;
                 for (int j = 0; j < nexp; j++) {
                     uint32_t le = h->le[j], p = pos[j];
@@ -930,4 +941,48 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
             in->num_tokens_dev, o, direct);
     return fr_cuda_launch_check(ep, "dispatch");
+}
+
+/* Shared memory of the dispatch kernels above the 48 KB a launch gets by
+ * default (many ranks or experts): raised for every dispatch kernel here,
+ * at set-up, or refused with the sizes when the GPU offers less. */
+extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err)
+{
+    size_t ss = fr_ds_smem(ep->N, ep->L.E), sr = fr_dr_smem((int)ep->L.El);
+    size_t need = ss > sr ? ss : sr;
+    if (need <= 48 * 1024)
+        return FERRY_OK;
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess) {
+        (void)cudaGetLastError();
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "dispatch: cannot read the GPU's shared memory size");
+    }
+    if (need + 1024 > (size_t)optin) /* and the kernels' static shared memory */
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_experts %d over %d ranks: the CUDA dispatch needs %zu bytes of shared "
+                      "memory per block (a count per expert, slice bases per rank), this GPU "
+                      "offers %d",
+                      ep->L.E, ep->N, need + 1024, optin);
+    cudaError_t e = cudaFuncSetAttribute(fr_cu_dispatch<true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fr_cu_dispatch<false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fr_cu_dispatch_send<true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fr_cu_dispatch_send<false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fr_cu_dispatch_recv,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "dispatch: raising the kernels' shared memory to %zu "
+                      "bytes: %s", need, cudaGetErrorString(e));
+    }
+    return FERRY_OK;
 }
