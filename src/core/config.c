@@ -86,6 +86,11 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                              "random order with FERRY_FAULT_REORDER=1), so "
                              "a write may leave, and land, before an older "
                              "one. 0: off."},
+    [FR_CFG_FAULT_EP_BUSY] = {"FERRY_FAULT_EP_BUSY", "0",
+                              "Fault injection: the first N fabric endpoints "
+                              "this process opens fail as if no local address "
+                              "were free (FI_EADDRNOTAVAIL), which ferry "
+                              "retries. 0: off."},
     [FR_CFG_SIGNAL_MODE] = {"FERRY_SIGNAL_MODE", "counted",
                             "Put-with-signal ordering when the context's "
                             "config leaves mode at DEFAULT: fence, grouped, "

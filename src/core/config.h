@@ -28,6 +28,7 @@ typedef enum fr_cfg_id {
     FR_CFG_FAULT_REORDER,
     FR_CFG_FAULT_SEED,
     FR_CFG_FAULT_POSTS,
+    FR_CFG_FAULT_EP_BUSY,
     FR_CFG_SIGNAL_MODE,
     FR_CFG_SHM_SWEEP,
     FR_CFG_LOG,

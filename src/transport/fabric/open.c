@@ -25,6 +25,7 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 
+#include "core/config.h"
 #include "core/log.h"
 #include "runtime/rt.h"
 #include "transport/fabric/fab_int.h"
@@ -318,6 +319,43 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
     return FERRY_OK;
 }
 
+/* fi_endpoint, tried again while no local address or port is free: the
+ * tcp provider binds a socket per endpoint, and a machine running many
+ * jobs (or a test suite) can run out of ephemeral ports for a moment.
+ * Bounded: FR_EP_TRIES tries, FR_EP_WAIT_MS apart (about 2 s in all);
+ * FERRY_FAULT_EP_BUSY=N makes the first N attempts of the process fail
+ * that way (tests). */
+#define FR_EP_TRIES 20
+#define FR_EP_WAIT_MS 100
+static int fab_endpoint(fr_transport_t *t, struct fi_info *info)
+{
+    static long busy = -1; /* attempts still to fail (FERRY_FAULT_EP_BUSY) */
+    long b = __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    if (b < 0) {
+        long v = fr_cfg_int(FR_CFG_FAULT_EP_BUSY);
+        long neg = -1;
+        __atomic_compare_exchange_n(&busy, &neg, v > 0 ? v : 0, 0, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED);
+    }
+    int frc = 0;
+    for (int try = 1;; try++) {
+        long c = __atomic_load_n(&busy, __ATOMIC_RELAXED);
+        while (c > 0 && !__atomic_compare_exchange_n(&busy, &c, c - 1, 0, __ATOMIC_RELAXED,
+                                                     __ATOMIC_RELAXED))
+            ;
+        if (c > 0)
+            frc = -FI_EADDRNOTAVAIL;
+        else
+            frc = fi_endpoint(t->domain, info, &t->ep, NULL);
+        if ((frc != -FI_EADDRNOTAVAIL && frc != -FI_EADDRINUSE) || try == FR_EP_TRIES)
+            return frc;
+        FR_LOG_INFO(FR_SUB_NET, "fabric: fi_endpoint: %s; trying again in %d ms (%d of %d)",
+                    fi_strerror(-frc), FR_EP_WAIT_MS, try, FR_EP_TRIES);
+        struct timespec ts = {0, FR_EP_WAIT_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* Fabric, domain, completion queue, address vector and endpoint. */
 static int fab_open_ep(fr_transport_t *t, fr_err_t *err)
 {
@@ -339,8 +377,12 @@ static int fab_open_ep(fr_transport_t *t, fr_err_t *err)
     ava.count = (size_t)t->size;
     if ((frc = fi_av_open(t->domain, &ava, &t->av, NULL)))
         return fab_fail(err, "fi_av_open", frc);
-    if ((frc = fi_endpoint(t->domain, info, &t->ep, NULL)))
-        return fab_fail(err, "fi_endpoint", frc);
+    if ((frc = fab_endpoint(t, info)))
+        return fab_fail(err,
+                        frc == -FI_EADDRNOTAVAIL || frc == -FI_EADDRINUSE
+                            ? "fi_endpoint (20 tries over 2 s)"
+                            : "fi_endpoint",
+                        frc);
     if ((frc = fi_ep_bind(t->ep, &t->cq->fid, FI_TRANSMIT | FI_RECV)))
         return fab_fail(err, "fi_ep_bind(cq)", frc);
     if ((frc = fi_ep_bind(t->ep, &t->av->fid, 0)))
