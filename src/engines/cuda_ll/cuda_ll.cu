@@ -525,19 +525,8 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
     if (c->cgrid == 0) {
-        /* blocks wait for each other: never more than the GPU holds */
-        int per = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fr_cu_combine, FR_CS_THREADS, 0) !=
-            cudaSuccess) {
-            (void)cudaGetLastError();
-            per = 0;
-        }
-        c->cgrid = per * c->nsm;
-        if (c->cgrid < 1) {
-            c->cgrid = -1; /* two launches from now on */
-            FR_LOG_INFO(FR_SUB_EP, "combine: the one-launch kernel does not fit; "
-                                   "sending and receiving in two launches");
-        }
+        decltype(&fr_cu_combine) ks[] = {fr_cu_combine};
+        c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
     }
     if (c->cgrid < 0) {
         int rc = fr_cuda_combine_send(ep, r, in);

@@ -76,6 +76,31 @@ struct fr_cuda_ep {
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what);
+/* The one-launch kernels' grid: their blocks wait for each other, so
+ * never more than the GPU holds at once, for every kernel of `ks` with
+ * `threads` threads and `smem` bytes of dynamic shared memory. 0 or less
+ * (or a failed query): -1, two launches from now on. */
+template <typename K, int NK>
+static int fr_cu_grid(const struct fr_cuda_ep *c, K (&ks)[NK], int threads, size_t smem,
+                      const char *what)
+{
+    int per = -1;
+    for (int i = 0; i < NK; i++) {
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ks[i], threads, smem) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        per = per < 0 || n < per ? n : per;
+    }
+    if (per * c->nsm >= 1)
+        return per * c->nsm;
+    FR_LOG_INFO(FR_SUB_EP, "%s: the one-launch kernel does not fit; sending and receiving in "
+                           "two launches", what);
+    return -1;
+}
+
 /* The dispatch kernels' shared memory above 48 KB, or an error (dispatch.cu). */
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
 

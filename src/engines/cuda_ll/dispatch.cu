@@ -60,6 +60,16 @@ static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, i
     return A.peer[d] + fr_off_drecv(&A.L, set, A.rank);
 }
 
+/* Of a token's experts ek[], how many are on the rank owning [lo, lo + El). */
+static __device__ __forceinline__ int fr_ds_np(const int *ek, int lo, int El)
+{
+    int np = 0;
+#pragma unroll
+    for (int k = 0; k < FR_MAX_TOPK; k++)
+        np += ek[k] >= lo && ek[k] < lo + El;
+    return np;
+}
+
 /* Step 1. sh: [0,N) records before `start`, [N,2N) pairs before, [2N,3N)
  * records in all, [3N,4N) pairs in all. A lane holds one token's row (all
  * K loads in flight at once); per destination, ballots count the records
@@ -91,18 +101,15 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
             atomicAdd(&hall[ek[k]], 1);
         }
         for (int d = 0; d < N; d++) {
-            int lo = d * El, hi = lo + El, np = 0;
-#pragma unroll
-            for (int k = 0; k < FR_MAX_TOPK; k++)
-                np += ek[k] >= lo && ek[k] < hi;
+            int np = fr_ds_np(ek, d * El, El);
             unsigned int has = __ballot_sync(0xffffffffu, np > 0);
             if (!has)
                 continue;
-            unsigned int hb = __ballot_sync(0xffffffffu, np > 0 && before);
+            unsigned int hbal = __ballot_sync(0xffffffffu, np > 0 && before);
             int sp = __reduce_add_sync(0xffffffffu, np);
             int sb = __reduce_add_sync(0xffffffffu, before ? np : 0);
             if (lane == 0) {
-                atomicAdd(&sh[d], __popc(hb));
+                atomicAdd(&sh[d], __popc(hbal));
                 atomicAdd(&sh[N + d], sb);
                 atomicAdd(&sh[2 * N + d], __popc(has));
                 atomicAdd(&sh[3 * N + d], sp);
@@ -164,10 +171,7 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
         for (int d0 = 0; d0 < N; d0 += FR_DS_GROUP) {
             int dn = min(FR_DS_GROUP, N - d0);
             for (int dd = 0; dd < dn; dd++) {
-                int lo = (d0 + dd) * El, np = 0;
-#pragma unroll
-                for (int k = 0; k < FR_MAX_TOPK; k++)
-                    np += ek[k] >= lo && ek[k] < lo + El;
+                int np = fr_ds_np(ek, (d0 + dd) * El, El);
                 unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
                 int sp = __reduce_add_sync(0xffffffffu, np);
                 if (lane == 0) {
@@ -190,10 +194,7 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
             }
             __syncthreads();
             for (int dd = 0; dd < dn; dd++) {
-                int lo = (d0 + dd) * El, np = 0;
-#pragma unroll
-                for (int k = 0; k < FR_MAX_TOPK; k++)
-                    np += ek[k] >= lo && ek[k] < lo + El;
+                int np = fr_ds_np(ek, (d0 + dd) * El, El);
                 unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
                 int x = np; /* pairs of the lanes before this one */
                 for (int o = 1; o < 32; o <<= 1) {
@@ -236,7 +237,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
 #pragma unroll
     for (int j = 0; j < FR_MAX_TOPK; j++)
         bad = bad || (j < k && e >= 0 && r[j] == e);
-    /* an own expert written in place: fr_ds_self owns the slot */
+    /* an own expert written in place: fr_ds_rank owns the slot */
     bool mine = direct && e >= (int64_t)A.rank * El && e < (int64_t)(A.rank + 1) * El;
     if (!mine) {
         *dr = NULL;
@@ -349,7 +350,7 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
 
 /* Quantise 16 channels per lane (a 128-channel block per 8 lanes: amax
  * over the group, hardware e4m3 conversion) and store them, with the
- * block's scale, into every record of the token. */
+ * block's scale, to every place of the token (records, own rows). */
 static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8_t *mine,
                                                     float *msc, uint4 v0, uint4 v1, bool on,
                                                     int g)
@@ -540,11 +541,13 @@ static __device__ __forceinline__ unsigned long long
 fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
           const int64_t *idx, int T_host, const int32_t *T_dev, const fr_dr_out_t *od)
 {
-    extern __shared__ uint8_t *sbase[]; /* fr_ds_smem: [N] slice bases, int32 [5][N], counts */
+    /* fr_ds_smem: [N] slice bases, int32 [5][N] counts, fr_ds_index's
+     * per-warp counts, hb[E], hall[E]. od: own experts' rows written in
+     * place (the one-launch kernel), else NULL. */
+    extern __shared__ uint8_t *sbase[];
     const fr_layout_t &L = A.L;
     int N = A.N;
     int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
-    /* od: own experts' rows written in place */
     int32_t *hb = sh + 5 * N + 2 * FR_DS_GROUP * (FR_DS_THREADS / 32);
     int32_t *hall = hb + L.E;
     __shared__ int s_T, s_bad;
@@ -675,7 +678,7 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
 static __host__ __device__ size_t fr_dr_smem(int El)
 {
     return 2 * sizeof(int32_t) * (size_t)El +
-           sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 4);
+           sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 2);
 }
 
 /* Copying a batch, the whole block over (record, 16 bytes) pairs, every
@@ -742,8 +745,8 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     const fr_layout_t &L = A.L;
     int N = A.N, El = L.El, y = blockIdx.x, G = gridDim.x;
     int32_t *run = base + El;
-    int32_t *ri = run + El, *rn = ri + FR_DR_RECS, *rt = rn + FR_DR_RECS, *rp = rt + FR_DR_RECS;
-    int32_t *rows = rp + FR_DR_RECS;
+    int32_t *ri = run + El, *rn = ri + FR_DR_RECS; /* a batch's records, their row counts */
+    int32_t *rows = rn + FR_DR_RECS;
     __shared__ int s_ok, s_count, s_np, s_co;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -858,6 +861,13 @@ fr_cu_dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales
 /* ---------------------------------------------------------------------- */
 /* launchers                                                              */
 
+static fr_dr_out_t fr_dr_out_of(const ferry_dispatch_out_t *out)
+{
+    fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
+                     out->expert_src_rank, out->expert_src_token};
+    return o;
+}
+
 extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                                      const ferry_dispatch_in_t *in)
 {
@@ -889,8 +899,7 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
      * so never more than num_sms of them */
     int blocks = c->nblocks < 1 ? 1 : c->nblocks;
     size_t smem = fr_dr_smem((int)ep->L.El);
-    fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
-                     out->expert_src_rank, out->expert_src_token};
+    fr_dr_out_t o = fr_dr_out_of(out);
     fr_cu_dispatch_recv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
     return fr_cuda_launch_check(ep, "dispatch_recv");
 }
@@ -907,31 +916,15 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
     size_t smem = ssend > srecv ? ssend : srecv;
     if (c->dgrid == 0) {
-        /* Blocks wait for each other: never more than the GPU holds at
-         * once, for either variant, with the shared memory it takes. */
-        size_t worst = smem;
-        int a = 0, b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, fr_cu_dispatch<true>, FR_DS_THREADS,
-                                                          worst) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, fr_cu_dispatch<false>, FR_DS_THREADS,
-                                                          worst) != cudaSuccess) {
-            (void)cudaGetLastError();
-            a = b = 0;
-        }
-        c->dgrid = (a < b ? a : b) * c->nsm;
-        if (c->dgrid < 1) {
-            c->dgrid = -1; /* two launches from now on */
-            FR_LOG_INFO(FR_SUB_EP, "dispatch: the one-launch kernel does not fit; "
-                                   "sending and receiving in two launches");
-        }
+        decltype(&fr_cu_dispatch<true>) ks[] = {fr_cu_dispatch<true>, fr_cu_dispatch<false>};
+        c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, smem, "dispatch");
     }
     if (c->dgrid < 0) {
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
-    fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
-                     out->expert_src_rank, out->expert_src_token};
+    fr_dr_out_t o = fr_dr_out_of(out);
     if (vec)
         fr_cu_dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
