@@ -831,6 +831,9 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                 FR_TR();
         }
     }
+    /* run[] came from other threads (with no sender left to wait for, as
+     * in a world of one, no barrier of the loop ordered them) */
+    __syncthreads();
     for (int le = y + threadIdx.x * G; le < El; le += blockDim.x * G)
         o.counts[le] = run[le];
     FR_TR();
