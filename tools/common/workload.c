@@ -193,8 +193,12 @@ void fw_run_experts(const fw_spec_t *s, int rank, const void *expert_x,
     size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
     float *tmp = malloc(sizeof(float) * (size_t)s->H);
     for (int le = 0; le < El; le++) {
-        for (int i = 0; i < counts[le]; i++) {
-            size_t row = (size_t)le * cap + (size_t)i;
+        /* a count past the capacity is reported by the check, never
+         * followed past the buffers */
+        size_t n = counts[le] < 0 ? 0 : (size_t)counts[le];
+        n = n > cap ? cap : n;
+        for (size_t i = 0; i < n; i++) {
+            size_t row = (size_t)le * cap + i;
             fw_row_to_f32(s, (const uint8_t *)expert_x + row * tb,
                           expert_scales ? expert_scales + row * ns : NULL, tmp);
             fw_expert_row(s, rank * El + le, tmp, expert_y + row * (size_t)s->H);
