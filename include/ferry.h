@@ -140,7 +140,9 @@ typedef struct ferry_ep_config {
     int num_sms;       /* CUDA: blocks the copy kernels use (0: 16) */
     ferry_mode_t mode; /* FERRY_MODE_LOW_LATENCY (0, the default) */
     /* High throughput: tokens each peer's ring holds (0: 256); ring memory
-     * per rank is about 2 x N x ring_tokens x (2H + 128) bytes. */
+     * per rank is about 2 x N x ring_tokens x (2H + 128) bytes. CUDA: a
+     * ring per (channel, peer), so num_sms (channels) x that, default 64
+     * tokens. */
     int ring_tokens;
     int reserved[5];
 } ferry_ep_config_t;
@@ -259,7 +261,21 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * topk_idx. Creating it is collective (ranks exchange their counts); it can
  * then serve any number of dispatches and combines with the same routing
  * (forward and backward passes) until destroyed. Received rows are laid
- * out by source rank, then token. */
+ * out by source rank, then token.
+ *
+ * With FERRY_DEVICE_CUDA (ranks of one node, peers' memory through CUDA
+ * IPC; peers on the fabric path are refused at create), every pointer in
+ * the structs below is device memory, 16-byte aligned for x, recv_x, y and
+ * out. ferry_route_create runs its kernels on in->stream and waits for
+ * them once (it must return num_recv). ferry_ht_dispatch and
+ * ferry_ht_combine only enqueue work on in->stream and return: outputs are
+ * ready, and inputs may be reused, once the stream has run it; errors found
+ * on the GPU (a peer that did not arrive within FERRY_TIMEOUT_MS, a
+ * malformed record, routes used in a different order) come back from
+ * ferry_ep_sync or the next call, naming the rank. Calls follow each other
+ * on one stream without host synchronisation; ferry_route_destroy waits
+ * for the GPU. ring_tokens is per channel and peer on CUDA (default 64);
+ * num_sms is the channel count, one block each (0: 16). */
 typedef struct ferry_route *ferry_route_t;
 
 typedef struct ferry_route_in {
@@ -268,6 +284,10 @@ typedef struct ferry_route_in {
     const int64_t *topk_idx;   /* [T][K], -1 = no expert */
     int expert_alignment;      /* per-expert counts rounded up to a multiple
                                   of this (0 or 1: exact) */
+    void *stream;              /* CUDA: cudaStream_t (NULL: the legacy
+                                  default stream). A size of the struct
+                                  before this field (an older ferry.h)
+                                  is still taken: stream is then NULL */
 } ferry_route_in_t;
 
 /* Collective. */
@@ -286,6 +306,8 @@ typedef struct ferry_ht_dispatch_in {
     const void *x;             /* [T][H] bf16, or fp8 when x_scales != NULL */
     const float *x_scales;     /* [T][H/128], or NULL */
     const float *topk_weights; /* [T][K], or NULL */
+    void *stream;              /* CUDA: cudaStream_t (NULL: legacy default);
+                                  the outputs are written on it too */
 } ferry_ht_dispatch_in_t;
 
 typedef struct ferry_ht_dispatch_out {
@@ -308,6 +330,8 @@ typedef struct ferry_ht_combine_in {
                                   and summed by the caller) */
     const float *topk_weights; /* [num_recv][K] or NULL: returned to the
                                   source in out->topk_weights */
+    void *stream;              /* CUDA: cudaStream_t (NULL: legacy default);
+                                  the outputs are written on it too */
 } ferry_ht_combine_in_t;
 
 typedef struct ferry_ht_combine_out {

@@ -5,8 +5,15 @@
  */
 #include "api/api.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The HT argument structs are versioned by size: the current size or
+ * more, or exactly the size before `stream` was added (stream is then
+ * NULL); anything else is refused. */
+#define FR_HT_SIZE_OK(have, type) \
+    ((have) >= sizeof(type) || (have) == offsetof(type, stream))
 
 /* A usable context in high-throughput mode. */
 static int fr_ht_usable(ferry_ep_t ep, const char *call)
@@ -21,9 +28,10 @@ static int fr_ht_usable(ferry_ep_t ep, const char *call)
     return FERRY_OK;
 }
 
-int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, fr_err_t *err)
+int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
+                        fr_err_t *err)
 {
-    if (in->size < sizeof(*in))
+    if (!FR_HT_SIZE_OK(in->size, ferry_route_in_t))
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "in->size = %zu: set it to sizeof(ferry_route_in_t)", in->size);
     int T = in->num_tokens;
@@ -35,7 +43,8 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, fr_err
     if (in->expert_alignment < 0 || in->expert_alignment > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be 0..%d",
                       in->expert_alignment, 1 << 20);
-    return fr_check_topk(L, in->topk_idx, T, err);
+    /* on a GPU topk_idx is device memory: the route kernel checks it */
+    return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
@@ -51,13 +60,17 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL pointer");
     *route = NULL;
     fr_err_t aerr;
-    if ((rc = fr_check_route_args(&ep->L, in, &aerr)))
+    if ((rc = fr_check_route_args(&ep->L, in, ep->cfg.device == FERRY_DEVICE_CUDA, &aerr)))
         return fr_ep_fail(ep, rc, "%s", aerr.msg);
+    ferry_route_in_t cur; /* the engine sees the current struct */
+    memset(&cur, 0, sizeof(cur));
+    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
+    cur.size = sizeof(cur);
     ferry_route_t r = calloc(1, sizeof(*r));
     if (!r)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
     r->ep = ep;
-    rc = ep->eng->route_create(ep, in, r);
+    rc = ep->eng->route_create(ep, &cur, r);
     if (rc) {
         free(r);
         return rc;
@@ -86,9 +99,10 @@ int ferry_route_destroy(ferry_route_t route)
     return FERRY_OK;
 }
 
-/* Common start of dispatch and combine: context, mode, route, structs. */
+/* Common start of dispatch and combine: context, mode, route, structs
+ * (`in` of in_need bytes, or exactly in_old: the size before `stream`). */
 static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t in_need,
-                      const char *in_type, const void *out, size_t out_need,
+                      size_t in_old, const char *in_type, const void *out, size_t out_need,
                       const char *out_type, const char *call)
 {
     int rc = fr_ht_usable(ep, call);
@@ -102,7 +116,8 @@ static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
     if (!out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
-    if (*(const size_t *)in < in_need)
+    size_t have = *(const size_t *)in;
+    if (have < in_need && have != in_old)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in->size = %zu: set it to sizeof(%s)",
                           *(const size_t *)in, in_type);
     if (*(const size_t *)out < out_need)
@@ -116,10 +131,16 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ht_call(ep, route, in, sizeof(*in), "ferry_ht_dispatch_in_t", out,
-                        sizeof(*out), "ferry_ht_dispatch_out_t", "ht_dispatch");
+    int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_dispatch_in_t, stream),
+                        "ferry_ht_dispatch_in_t", out, sizeof(*out),
+                        "ferry_ht_dispatch_out_t", "ht_dispatch");
     if (rc)
         return rc;
+    ferry_ht_dispatch_in_t cur; /* the engine sees the current struct */
+    memset(&cur, 0, sizeof(cur));
+    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
+    cur.size = sizeof(cur);
+    in = &cur;
     if (route->T > 0 && !in->x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
     if (in->x_scales && ep->L.H % 128 != 0)
@@ -143,10 +164,16 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ht_call(ep, route, in, sizeof(*in), "ferry_ht_combine_in_t", out,
-                        sizeof(*out), "ferry_ht_combine_out_t", "ht_combine");
+    int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_combine_in_t, stream),
+                        "ferry_ht_combine_in_t", out, sizeof(*out),
+                        "ferry_ht_combine_out_t", "ht_combine");
     if (rc)
         return rc;
+    ferry_ht_combine_in_t cur; /* the engine sees the current struct */
+    memset(&cur, 0, sizeof(cur));
+    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
+    cur.size = sizeof(cur);
+    in = &cur;
     if (route->num_recv > 0 && !in->y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",
                           route->num_recv);

@@ -19,6 +19,7 @@
 #ifndef FR_CPU_HT_H
 #define FR_CPU_HT_H
 
+#include "core/ht_rec.h"
 #include "engines/engine.h"
 
 #ifdef __cplusplus
@@ -63,22 +64,6 @@ typedef struct fr_ht_fab {
     long pending;            /* writes posted and not completed */
     int32_t *pending_to;     /* [N] of them per destination */
 } fr_ht_fab_t;
-
-/* A record's header on the dispatch ring: the source token, the local
- * expert of each slot (-1: not here), the weights of those slots. */
-typedef struct fr_ht_dhdr {
-    int32_t token;
-    int32_t flags;           /* bit 0: fp8 data with scales; bits 8-15: the
-                                route's number (low 8 bits), so ranks calling
-                                on different routes fail instead of mixing */
-    /* int16 le[K], then float w[K] at fr_ht_woff(K) */
-} fr_ht_dhdr_t;
-
-/* Where a dispatch record's weights start (4-byte aligned for odd K). */
-static inline size_t fr_ht_woff(int K)
-{
-    return 8 + ((2 * (size_t)K + 3) & ~(size_t)3);
-}
 
 /* A failure after shared state was touched: the context cannot go on
  * (the message is already set). */

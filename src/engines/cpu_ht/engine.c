@@ -31,7 +31,7 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
     /* dispatch record: token, flags, le[K] (int16), w[K]; then the row
      * (bf16, or fp8 plus its scales: never more than the bf16 row plus
      * the scales) */
-    h->dhdr = fr_ht_align(fr_ht_woff(K) + 4ull * K, 16);
+    h->dhdr = fr_ht_dhdr_bytes(K);
     h->drec = fr_ht_align(h->dhdr + 2ull * H + 4ull * ((H + 127) / 128), 16);
     h->chdr = fr_ht_align(4ull * K, 16);
     h->crec = fr_ht_align(h->chdr + 2ull * H, 16);

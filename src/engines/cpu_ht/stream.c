@@ -72,7 +72,7 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
     int16_t *le = (int16_t *)(rec + sizeof(*hd));
     float *w = (float *)(rec + fr_ht_woff(K));
     hd->token = t;
-    hd->flags = c->fp8 | (int32_t)((c->route->id & 0xffu) << 8);
+    hd->flags = fr_ht_flags(c->fp8, c->route->id);
     for (int k = 0; k < K; k++) {
         int local = row[k] >= 0 && row[k] / El == d;
         le[k] = (int16_t)(local ? row[k] % El : -1);

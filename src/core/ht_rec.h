@@ -1,0 +1,50 @@
+/*
+ * High-throughput mode: the dispatch record header, shared by the CPU
+ * engine (engines/cpu_ht/) and the CUDA engine (engines/cuda_ht/) so the
+ * two cannot drift.
+ *
+ *   dispatch record = fr_ht_dhdr_t { token, flags }
+ *                     int16 le[K]        the token's local expert per slot
+ *                                        on the destination (-1: not there)
+ *                     float w[K]         at fr_ht_woff(K); 0 where le = -1
+ *                     (padded to 16 B: fr_ht_dhdr_bytes(K))
+ *                     row (H B fp8 | 2H B bf16), then H/128 fp32 scales
+ */
+#ifndef FR_HT_REC_H
+#define FR_HT_REC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hd.h"
+
+/* A record's header on the dispatch ring: the source token, the local
+ * expert of each slot (-1: not here), the weights of those slots. */
+typedef struct fr_ht_dhdr {
+    int32_t token;
+    int32_t flags;           /* bit 0: fp8 data with scales; bits 8-15: the
+                                route's number (low 8 bits), so ranks calling
+                                on different routes fail instead of mixing */
+    /* int16 le[K], then float w[K] at fr_ht_woff(K) */
+} fr_ht_dhdr_t;
+
+/* Where a dispatch record's weights start (4-byte aligned for odd K). */
+FR_HD size_t fr_ht_woff(int K)
+{
+    return 8 + ((2 * (size_t)K + 3) & ~(size_t)3);
+}
+
+/* Bytes of a dispatch record's header, padded so the row is 16-byte
+ * aligned. */
+FR_HD size_t fr_ht_dhdr_bytes(int K)
+{
+    return (fr_ht_woff(K) + 4 * (size_t)K + 15) & ~(size_t)15;
+}
+
+/* flags of a record: dtype bit and the route's number (low 8 bits) */
+FR_HD int32_t fr_ht_flags(int fp8, uint64_t route_id)
+{
+    return (int32_t)((fp8 ? 1u : 0u) | (uint32_t)((route_id & 0xffu) << 8));
+}
+
+#endif
