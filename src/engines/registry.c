@@ -5,11 +5,13 @@
 extern const fr_engine_t fr_engine_cpu_ll;  /* engines/cpu_ll/ */
 extern const fr_engine_t fr_engine_cuda_ll; /* engines/cuda_ll/ */
 extern const fr_engine_t fr_engine_cpu_ht;  /* engines/cpu_ht/ */
+extern const fr_engine_t fr_engine_cuda_ht; /* engines/cuda_ht/ */
 
 static const fr_engine_t *const fr_engines[] = {
     &fr_engine_cpu_ll,
     &fr_engine_cuda_ll,
     &fr_engine_cpu_ht,
+    &fr_engine_cuda_ht,
 };
 
 const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode)

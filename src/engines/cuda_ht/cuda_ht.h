@@ -1,0 +1,39 @@
+/*
+ * The CUDA high-throughput engine (ranks of one node, peers' segments
+ * mapped through CUDA IPC): set-up, routes, dispatch and combine. Built
+ * only when nvcc is present (FERRY_HAVE_CUDA); otherwise stub.c answers
+ * FERRY_ERR_UNSUPPORTED.
+ */
+#ifndef FR_CUDA_HT_H
+#define FR_CUDA_HT_H
+
+#include "engines/engine.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Collective: the segment (device memory: notify entries, ring counters,
+ * rings), the peers' mapped through CUDA IPC, the device tables. Peers on
+ * the fabric path are refused (FERRY_ERR_UNSUPPORTED). */
+int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err);
+void fr_cuht_free(ferry_ep_t ep);
+/* Wait for `stream` (NULL: the device), then the kernels' error word. */
+int fr_cuht_sync(ferry_ep_t ep, void *stream);
+/* The kernels' error word (host-mapped), turned into the EP's error. */
+int fr_cuht_check(ferry_ep_t ep);
+
+/* Collective: kernels on in->stream, one host synchronisation. */
+int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route);
+void fr_cuht_route_free(ferry_route_t route);
+/* Stream-ordered: enqueue and return. */
+int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
+                     const ferry_ht_dispatch_out_t *out);
+int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
+                    const ferry_ht_combine_out_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

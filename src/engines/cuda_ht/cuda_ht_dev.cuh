@@ -1,0 +1,219 @@
+/*
+ * The CUDA high-throughput engine's device side, shared by its kernel
+ * files (setup.cu, route.cu, stream.cu): the segment geometry, the
+ * kernels' argument blocks, the engine's state, the error word and the
+ * bounded wait.
+ *
+ * Segment of each rank (device memory, mapped by the node's peers through
+ * CUDA IPC; G = geometry below, C channels, N ranks, RT = ring_tokens):
+ *
+ *   [notify]   [2 parity][N sources] { u64 route id, i32 tokens (-1: the
+ *              source's topk_idx was bad), i32 0, i32 per channel [C],
+ *              i32 per local expert [El] } (128 B aligned)
+ *   [counters] [4 kinds][C][N] u64, one per 64 B:
+ *              DTAIL[c][s]  dispatch records source s wrote into ring (c, s)
+ *                           here (stored by s)
+ *              DHEAD[c][d]  records of this rank's ring (c) at d that d has
+ *                           taken (stored by d)
+ *              CTAIL[c][d]  combine records rank d wrote into ring (c, d)
+ *                           here (stored by d)
+ *              CHEAD[c][s]  records of this rank's combine ring (c) at s
+ *                           that s has taken (stored by s)
+ *   [dispatch rings] [C][N sources][RT] records (core/ht_rec.h)
+ *   [combine rings]  [C][N expert ranks][RT] records { i32 seq, u32 route
+ *              id, f32 w[K] (padded to 16 B), bf16 row [H] }
+ *
+ * Every counter is cumulative over the context's life (never reset): the
+ * writer keeps its own copy in device memory (ctr[], not shared), stores
+ * it into the peer's word with a release at system scope after a chunk of
+ * records, and the reader polls its own word (relaxed loads, then one
+ * acquire). Calls follow each other without barriers or clearing.
+ */
+#ifndef FR_CUDA_HT_DEV_CUH
+#define FR_CUDA_HT_DEV_CUH
+
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/ht_rec.h"
+#include "core/log.h"
+#include "core/quant.h"
+#include "engines/cuda_ht/cuda_ht.h"
+#include "runtime/cuda_mem.h"
+#include "runtime/cuda_sync.cuh"
+
+#define FR_CUHT_RING_DEFAULT 64  /* tokens per (channel, peer) ring */
+#define FR_CUHT_SMS_DEFAULT 16   /* channels (one block each) */
+#define FR_CUHT_MAX_CHANNELS 128
+#define FR_CUHT_MAX_RANKS 16     /* a warp per peer in each role */
+#define FR_CUHT_CHUNK 8          /* records between tail/head publications */
+#define FR_CUHT_LINE 64
+
+enum { FR_CUHT_DTAIL = 0, FR_CUHT_DHEAD = 1, FR_CUHT_CTAIL = 2, FR_CUHT_CHEAD = 3 };
+
+/* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
+enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE = 3,
+       FR_CUHT_WHAT_COUNTS = 4, FR_CUHT_WHAT_RECORD = 5, FR_CUHT_WHAT_ORDER = 6,
+       FR_CUHT_WHAT_DTYPE = 7, FR_CUHT_WHAT_OVERRUN = 8 };
+
+/* Geometry of every segment (the same on every rank). */
+typedef struct fr_cuht_geo {
+    int N, rank, E, El, K, H, T;  /* T: max_tokens */
+    int C, RT;                    /* channels, records per ring */
+    unsigned long long notify_entry, off_notify, off_ctr, off_drec, off_crec, seg_bytes;
+    unsigned long long dhdr, drec, chdr, crec;
+} fr_cuht_geo_t;
+
+/* What every kernel gets (by value). */
+typedef struct fr_cuht_args {
+    fr_cuht_geo_t G;
+    uint8_t *seg;                 /* own segment */
+    uint8_t *const *peer;         /* [N] segments (own at [rank]) */
+    unsigned long long *ctr;      /* [4 kinds][C][N] own copies of the counters
+                                     this rank writes or consumes */
+    int *dflag;                   /* device copy of err[0]: what kernels poll */
+    volatile int *err;            /* host-mapped [4] */
+    unsigned long long timeout_ns;
+} fr_cuht_args_t;
+
+/* A route on the device (route->priv's tables). */
+typedef struct fr_cuht_rdev {
+    int T;                        /* this rank's tokens */
+    unsigned int id;              /* route number (low 32 bits) */
+    const int32_t *idx;           /* [T][K] topk_idx as int32 (-1 where bad) */
+    const unsigned int *mask;     /* [T] bit d: the token goes to rank d */
+    const int32_t *tpos;          /* [T][N] place among channel tokens to d */
+    const int32_t *ccnt;          /* [N][C] own tokens to d per channel */
+    const int32_t *rcnt, *rbase;  /* [N][C] rows from s per channel, first row */
+} fr_cuht_rdev_t;
+
+/* The route's result the host reads after its one synchronisation
+ * (host-mapped): num_recv, the first source with a bad topk_idx (-1:
+ * none), the local experts' counts. */
+typedef struct fr_cuht_res {
+    int num_recv, bad_rank, pad[2];
+    int ecnt[1];                  /* [El] */
+} fr_cuht_res_t;
+
+struct fr_cuht_ep {
+    fr_cuht_args_t a;
+    int device, nsm;
+    unsigned long long routes;    /* routes created (the same on every rank) */
+    uint8_t **peer_host;          /* [N] IPC-opened pointers to close */
+    void *dmem;                   /* device tables: peer[N], ctr, dflag */
+    int *err_host;
+    void *err_dev;
+    fr_cuht_res_t *res_host;
+    void *res_dev;
+};
+
+/* The engine's part of a route. */
+typedef struct fr_cuht_route {
+    fr_cuht_rdev_t r;
+    void *mem;                    /* one device allocation for its tables */
+    int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
+} fr_cuht_route_t;
+
+static inline struct fr_cuht_ep *fr_cuht(ferry_ep_t ep)
+{
+    return (struct fr_cuht_ep *)ep->eng_state;
+}
+
+/* Byte offsets in a segment. */
+static __host__ __device__ __forceinline__ unsigned long long
+fr_cuht_off_notify(const fr_cuht_geo_t &G, int parity, int src)
+{
+    return G.off_notify + ((unsigned long long)parity * G.N + src) * G.notify_entry;
+}
+static __host__ __device__ __forceinline__ unsigned long long
+fr_cuht_off_ctr(const fr_cuht_geo_t &G, int kind, int c, int r)
+{
+    return G.off_ctr + (((unsigned long long)kind * G.C + c) * G.N + r) * FR_CUHT_LINE;
+}
+/* Ring (c, r) of a segment: `kind` 0 dispatch, 1 combine. */
+static __host__ __device__ __forceinline__ unsigned long long
+fr_cuht_off_ring(const fr_cuht_geo_t &G, int combine, int c, int r)
+{
+    unsigned long long rec = combine ? G.crec : G.drec;
+    return (combine ? G.off_crec : G.off_drec) +
+           ((unsigned long long)c * G.N + r) * (unsigned long long)G.RT * rec;
+}
+/* The own copy of counter (kind, c, r). */
+static __device__ __forceinline__ unsigned long long *fr_cuht_my_ctr(const fr_cuht_args_t &A,
+                                                                     int kind, int c, int r)
+{
+    return A.ctr + ((size_t)kind * A.G.C + c) * A.G.N + r;
+}
+/* Channel c's tokens of T: [t0, t1) (contiguous, in token order). */
+static __host__ __device__ __forceinline__ int fr_cuht_chan_lo(int T, int C, int c)
+{
+    return (int)((long long)T * c / C);
+}
+
+/* ---------------------------------------------------------------------- */
+/* errors and waits                                                       */
+
+/* The first error wins a CAS on the device flag, then is copied to
+ * host-mapped memory (details first, status last). Kernels poll the
+ * device flag only. */
+static __device__ void fr_cuht_fail(const fr_cuht_args_t &A, int status, int rank, int what,
+                                    int detail)
+{
+    if (atomicCAS(A.dflag, 0, status) == 0) {
+        A.err[1] = rank;
+        A.err[2] = what;
+        A.err[3] = detail;
+        __threadfence_system();
+        A.err[0] = status;
+        __threadfence_system();
+    }
+}
+
+static __device__ __forceinline__ bool fr_cuht_failed(const fr_cuht_args_t &A)
+{
+    return *(volatile int *)A.dflag != 0;
+}
+
+/* One thread waits until the counter *w reaches `target` (counters only
+ * grow): relaxed polls, one acquire once it is there. Bounded by the
+ * timeout (error naming `rank`, for `what`); false after any failure. */
+static __device__ bool fr_cuht_wait_ge(const fr_cuht_args_t &A, const unsigned long long *w,
+                                       unsigned long long target, int rank, int what,
+                                       unsigned long long *seen)
+{
+    unsigned long long t0 = fr_sys_timer();
+    unsigned int n = 0;
+    for (;;) {
+        if (fr_sys_ld_relaxed(w) >= target) {
+            *seen = fr_sys_ld_acquire(w);
+            return true;
+        }
+        if ((++n & 255) == 0) {
+            if (fr_cuht_failed(A))
+                return false;
+            if (fr_sys_timer() - t0 > A.timeout_ns) {
+                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, rank, what, 0);
+                return false;
+            }
+        }
+    }
+}
+
+/* Publish counter value v into a peer's word: the warp's stores before
+ * this are ordered by the warp barrier, then lane 0 fences at system
+ * scope and stores with release. */
+static __device__ __forceinline__ void fr_cuht_publish(unsigned long long *w,
+                                                       unsigned long long v)
+{
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        __threadfence_system();
+        fr_sys_st_release(w, v);
+    }
+}
+
+/* Host: the last launch's error, then the kernels' error word. */
+int fr_cuht_launch_check(ferry_ep_t ep, const char *what);
+
+#endif

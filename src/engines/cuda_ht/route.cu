@@ -1,0 +1,362 @@
+/*
+ * Routes on CUDA ranks: two kernels on the caller's stream, then one host
+ * synchronisation (the caller must learn num_recv to size recv_x).
+ *
+ *   layout (a block per channel): topk_idx checked and copied as int32,
+ *          per token the mask of ranks it goes to and its place among the
+ *          channel's tokens to each rank (block scans, token order), per
+ *          (rank, channel) the token count, per (rank, local expert) the
+ *          row count (atomics).
+ *   notify (one block): this rank's counts stored into every peer's notify
+ *          entry [route parity][this rank], then the route number with a
+ *          release at system scope; then every source's entry here waited
+ *          for (relaxed polls, one acquire, bounded by the timeout naming
+ *          the source), checked, and laid out: rows from source s, channel
+ *          c start at rbase[s][c] (by source rank, then token, as the CPU
+ *          engine lays them out); num_recv and the local experts' counts
+ *          go to host-mapped memory.
+ *
+ * Two entries per source (route number parity) are enough, as in the CPU
+ * engine: a rank stores route k+2's counts only after its route k+1
+ * finished (host synchronisation), which needed every rank's route k+1
+ * counts, which each rank stored after its route k had finished.
+ *
+ * A bad topk_idx (out of range, or an expert twice in a token) does not
+ * leave peers waiting: the rank stores -1 tokens in its entries, every
+ * rank's route_create fails with FERRY_ERR_INVALID naming it, and the
+ * context stays usable (route numbers advanced everywhere alike).
+ */
+#include <limits.h>
+#include <stdlib.h>
+
+#include "engines/cuda_ht/cuda_ht_dev.cuh"
+
+#define FR_RL_THREADS 256
+/* the bad-entry word before any: what a 0x7f byte memset leaves (above
+ * any t * K + k, as T * K <= 2^24) */
+#define FR_CUHT_NOBAD 0x7f7f7f7f
+#define FR_RN_THREADS 256
+
+__global__ void __launch_bounds__(FR_RL_THREADS)
+fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsigned int *mask,
+               int32_t *tpos, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int N = G.N, K = G.K, El = G.El, c = blockIdx.x;
+    int t0 = fr_cuht_chan_lo(T, G.C, c), t1 = fr_cuht_chan_lo(T, G.C, c + 1);
+    __shared__ int run[FR_CUHT_MAX_RANKS];
+    __shared__ int wsum[FR_RL_THREADS / 32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x < N)
+        run[threadIdx.x] = 0;
+    __syncthreads();
+    for (int base = t0; base < t1; base += blockDim.x) {
+        int t = base + (int)threadIdx.x;
+        bool valid = t < t1;
+        unsigned int m = 0;
+        if (valid) {
+            const int64_t *row = topk + (size_t)t * K;
+            for (int k = 0; k < K; k++) {
+                int64_t e = row[k];
+                bool ok = e >= -1 && e < G.E;
+                for (int j = 0; j < k && ok && e >= 0; j++)
+                    ok = row[j] != e;
+                if (!ok) {
+                    atomicMin(bad, t * K + k);
+                    e = -1;
+                }
+                idx[(size_t)t * K + k] = (int32_t)e;
+                if (e >= 0) {
+                    int d = (int)(e / El);
+                    m |= 1u << d;
+                    atomicAdd(&dcnt[(size_t)d * El + (int)(e % El)], 1);
+                }
+            }
+            mask[t] = m;
+        }
+        /* place of each token among the channel's tokens to d */
+        for (int d = 0; d < N; d++) {
+            bool f = valid && (m >> d & 1u);
+            unsigned int bal = __ballot_sync(0xffffffffu, f);
+            if (lane == 0)
+                wsum[warp] = __popc(bal);
+            __syncthreads();
+            int before = run[d];
+            for (int w = 0; w < warp; w++)
+                before += wsum[w];
+            if (valid)
+                tpos[(size_t)t * N + d] =
+                    f ? before + __popc(bal & ((1u << lane) - 1u)) : -1;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int tot = 0;
+                for (int w = 0; w < (int)(blockDim.x >> 5); w++)
+                    tot += wsum[w];
+                run[d] += tot;
+            }
+            __syncthreads();
+        }
+    }
+    if (threadIdx.x < N)
+        ccnt[(size_t)threadIdx.x * G.C + c] = run[threadIdx.x];
+}
+
+__global__ void __launch_bounds__(FR_RN_THREADS)
+fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
+               const int32_t *dcnt, const int32_t *bad, int32_t *rcnt, int32_t *rbase,
+               fr_cuht_res_t *res)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int N = G.N, C = G.C, El = G.El, me = G.rank, parity = (int)(id & 1);
+    bool isbad = *bad != FR_CUHT_NOBAD;
+    __shared__ int ok;
+    /* this rank's counts into every peer's entry, then the route number */
+    for (int d = 0; d < N; d++) {
+        uint8_t *e = A.peer[d] + fr_cuht_off_notify(G, parity, me);
+        int32_t *cc = (int32_t *)(e + 16), *ec = cc + C;
+        for (int i = threadIdx.x; i < C; i += blockDim.x)
+            cc[i] = isbad ? 0 : ccnt[(size_t)d * C + i];
+        for (int i = threadIdx.x; i < El; i += blockDim.x)
+            ec[i] = isbad ? 0 : dcnt[(size_t)d * El + i];
+        if (threadIdx.x == 0) {
+            int n = 0;
+            for (int i = 0; i < C; i++)
+                n += ccnt[(size_t)d * C + i];
+            ((int32_t *)(e + 8))[0] = isbad ? -1 : n;
+            ((int32_t *)(e + 8))[1] = 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ok = !fr_cuht_failed(A);
+        __threadfence_system(); /* every thread's stores, ordered by the barrier */
+        for (int d = 0; d < N && ok; d++)
+            fr_sys_st_release((unsigned long long *)(A.peer[d] + fr_cuht_off_notify(G, parity, me)),
+                              id);
+    }
+    __syncthreads();
+    if (!ok)
+        return;
+    /* every source's entry here: a thread per source polls */
+    for (int s = threadIdx.x; s < N; s += blockDim.x) {
+        const unsigned long long *w =
+            (const unsigned long long *)(A.seg + fr_cuht_off_notify(G, parity, s));
+        unsigned long long t0 = fr_sys_timer(), v;
+        unsigned int n = 0;
+        for (;;) {
+            v = fr_sys_ld_relaxed(w);
+            if (v == id && fr_sys_ld_acquire(w) == id)
+                break;
+            if (v > id) { /* a route this rank has not created */
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_ROUTE, (int)v);
+                break;
+            }
+            if ((++n & 255) == 0) {
+                if (fr_cuht_failed(A))
+                    break;
+                if (fr_sys_timer() - t0 > A.timeout_ns) {
+                    fr_cuht_fail(A, FERRY_ERR_TIMEOUT, s, FR_CUHT_WHAT_ROUTE, 0);
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        ok = !fr_cuht_failed(A);
+    __syncthreads();
+    if (!ok)
+        return;
+    /* counts checked before use; rows by source rank, then channel */
+    if (threadIdx.x == 0) {
+        int total = 0, badr = -1;
+        for (int s = 0; s < N && ok; s++) {
+            const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
+            int n = ((const int32_t *)(e + 8))[0], sum = 0;
+            const int32_t *cc = (const int32_t *)(e + 16);
+            if (n == -1 && badr < 0)
+                badr = s;
+            if (n == -1)
+                n = 0;
+            if (n < 0 || n > G.T) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, n);
+                ok = 0;
+                break;
+            }
+            for (int i = 0; i < C; i++) {
+                int v = cc[i];
+                if (v < 0 || v > n - sum) {
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, i);
+                    ok = 0;
+                    break;
+                }
+                rcnt[(size_t)s * C + i] = v;
+                rbase[(size_t)s * C + i] = total + sum;
+                sum += v;
+            }
+            if (ok && sum != n) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, sum);
+                ok = 0;
+            }
+            total += n;
+        }
+        res->num_recv = total;
+        res->bad_rank = badr;
+    }
+    __syncthreads();
+    if (!ok)
+        return;
+    for (int le = threadIdx.x; le < El; le += blockDim.x) {
+        int sum = 0;
+        for (int s = 0; s < N; s++) {
+            const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
+            int n = ((const int32_t *)(e + 8))[0];
+            int v = ((const int32_t *)(e + 16))[C + le];
+            if (v < 0 || v > (n < 0 ? 0 : n)) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, C + le);
+                break;
+            }
+            sum += v;
+        }
+        res->ecnt[le] = sum;
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* host side                                                              */
+
+extern "C" void fr_cuht_route_free(ferry_route_t route)
+{
+    fr_cuht_route_t *p = route ? (fr_cuht_route_t *)route->priv : NULL;
+    if (p) {
+        /* kernels of this route may still be queued: wait for the GPU */
+        cudaDeviceSynchronize();
+        if (p->mem)
+            cudaFree(p->mem);
+        free(p);
+    }
+    if (route) {
+        free(route->ecnt);
+        route->priv = NULL;
+        route->ecnt = NULL;
+    }
+}
+
+/* The route's device tables in one allocation. */
+static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t **ccnt,
+                             int32_t **dcnt)
+{
+    const fr_cuht_geo_t *G = &fr_cuht(ep)->a.G;
+    size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
+    size_t sz[] = {4 * t * K, 4 * t, 4 * t * N, 4 * N * C, 4 * N * (size_t)G->El,
+                   4 * N * C, 4 * N * C, 16};
+    size_t off[8], tot = 0;
+    for (int i = 0; i < 8; i++) {
+        off[i] = tot;
+        tot += (sz[i] + 255) & ~(size_t)255;
+    }
+    cudaError_t e = cudaMalloc(&p->mem, tot);
+    if (e != cudaSuccess) {
+        p->mem = NULL;
+        (void)cudaGetLastError();
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables: cudaMalloc of %zu bytes: %s",
+                          tot, cudaGetErrorString(e));
+    }
+    uint8_t *b = (uint8_t *)p->mem;
+    p->r.idx = (const int32_t *)(b + off[0]);
+    p->r.mask = (const unsigned int *)(b + off[1]);
+    p->r.tpos = (const int32_t *)(b + off[2]);
+    *ccnt = (int32_t *)(b + off[3]);
+    p->r.ccnt = *ccnt;
+    *dcnt = (int32_t *)(b + off[4]);
+    p->r.rcnt = (const int32_t *)(b + off[5]);
+    p->r.rbase = (const int32_t *)(b + off[6]);
+    p->bad = (int32_t *)(b + off[7]);
+    return FERRY_OK;
+}
+
+/* After the synchronisation: a bad topk_idx here or at a peer. */
+static int fr_cuht_route_bad(ferry_ep_t ep, const ferry_route_in_t *in, fr_cuht_route_t *p,
+                             int bad_rank)
+{
+    int32_t first = FR_CUHT_NOBAD;
+    int K = ep->L.K;
+    if (cudaMemcpy(&first, p->bad, sizeof(first), cudaMemcpyDeviceToHost) != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "route_create: reading its result: %s",
+                          cudaGetErrorString(cudaGetLastError()));
+    if (first != FR_CUHT_NOBAD) {
+        int64_t v = 0;
+        cudaMemcpy(&v, in->topk_idx + first, sizeof(v), cudaMemcpyDeviceToHost);
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "topk_idx[%d][%d] = %lld (checked on the GPU): must be -1 or 0..%d "
+                          "and not repeat an expert of its token (no route was made; every "
+                          "rank's route_create fails)", first / K, first % K, (long long)v,
+                          ep->L.E - 1);
+    }
+    return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                      "route_create: rank %d passed a bad topk_idx (checked on its GPU; no "
+                      "route was made)", bad_rank);
+}
+
+extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
+                                    ferry_route_t route)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    const fr_cuht_geo_t *G = &c->a.G;
+    int T = in->num_tokens, El = G->El, rc = FERRY_OK;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    fr_cuht_route_t *p = (fr_cuht_route_t *)calloc(1, sizeof(*p));
+    route->priv = p;
+    route->ecnt = (int32_t *)calloc((size_t)El + 1, sizeof(int32_t));
+    /* the route number advances on every rank even when this one failed
+     * locally, so numbers stay in step; peers then time out naming it */
+    route->id = ++c->routes;
+    route->T = T;
+    int32_t *ccnt = NULL, *dcnt = NULL;
+    if (!p || !route->ecnt)
+        rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    if (rc == FERRY_OK)
+        rc = fr_cuht_route_mem(ep, p, T, &ccnt, &dcnt);
+    if (rc == FERRY_OK) {
+        p->r.T = T;
+        p->r.id = (unsigned int)route->id;
+        fr_cuht_res_t *res = c->res_host;
+        res->num_recv = -1;
+        res->bad_rank = -1;
+        cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
+        cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
+        fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+            c->a, T, in->topk_idx, (int32_t *)p->r.idx, (unsigned int *)p->r.mask,
+            (int32_t *)p->r.tpos, ccnt, dcnt, p->bad);
+        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
+            c->a, (unsigned long long)route->id, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
+            (int32_t *)p->r.rbase, (fr_cuht_res_t *)c->res_dev);
+        rc = fr_cuht_launch_check(ep, "route_create");
+    }
+    if (rc == FERRY_OK) {
+        /* the one host synchronisation */
+        cudaError_t e = cudaStreamSynchronize(st);
+        rc = e != cudaSuccess ? fr_ep_fail(ep, FERRY_ERR_SYSTEM, "route_create: %s",
+                                           cudaGetErrorString(e))
+                              : fr_cuht_check(ep);
+    }
+    if (rc == FERRY_OK) {
+        volatile fr_cuht_res_t *res = c->res_host;
+        if (res->bad_rank >= 0) { /* this rank's own entries say -1 too */
+            rc = fr_cuht_route_bad(ep, in, p, res->bad_rank);
+            fr_cuht_route_free(route);
+            return rc; /* the context stays usable */
+        }
+        route->num_recv = res->num_recv;
+        int align = in->expert_alignment;
+        for (int le = 0; le < El; le++) {
+            int64_t v = res->ecnt[le];
+            route->ecnt[le] = (int32_t)(align > 1 ? (v + align - 1) / align * align : v);
+        }
+        return FERRY_OK;
+    }
+    fr_cuht_route_free(route);
+    if (!ep->failed) /* counts may be out already: out of step with the peers */
+        ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
+    return rc;
+}

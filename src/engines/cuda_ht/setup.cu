@@ -1,0 +1,283 @@
+/*
+ * The CUDA high-throughput engine: set-up (geometry, segment in device
+ * memory shared through CUDA IPC, device tables, error word), free, and
+ * the error word turned into messages. Routes: route.cu; dispatch and
+ * combine: stream.cu.
+ */
+#include <stdlib.h>
+
+#include "engines/cuda_ht/cuda_ht_dev.cuh"
+
+#define FR_CU(call, err, label)                                                \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "%s: %s", #call,                \
+                        cudaGetErrorString(e_));                               \
+            goto label;                                                        \
+        }                                                                      \
+    } while (0)
+
+static unsigned long long fr_cuht_align(unsigned long long v, unsigned long long a)
+{
+    return (v + a - 1) / a * a;
+}
+
+/* The segment's geometry from the config (every rank computes the same). */
+static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int RT)
+{
+    const ferry_ep_config_t *cfg = &ep->cfg;
+    memset(G, 0, sizeof(*G));
+    G->N = ep->N;
+    G->rank = ep->rank;
+    G->E = cfg->num_experts;
+    G->El = cfg->num_experts / ep->N;
+    G->K = cfg->topk;
+    G->H = cfg->hidden;
+    G->T = cfg->max_tokens;
+    G->C = C;
+    G->RT = RT;
+    G->notify_entry = fr_cuht_align(16 + 4ull * C + 4ull * G->El, 128);
+    G->off_notify = 0;
+    G->off_ctr = fr_cuht_align(2ull * G->N * G->notify_entry, 4096);
+    /* a dispatch record holds a bf16 row or an fp8 row with its scales */
+    G->dhdr = fr_ht_dhdr_bytes(G->K);
+    G->drec = fr_cuht_align(G->dhdr + 2ull * G->H + 4ull * ((G->H + 127) / 128), 16);
+    G->chdr = fr_cuht_align(8 + 4ull * G->K, 16);
+    G->crec = fr_cuht_align(G->chdr + 2ull * G->H, 16);
+    G->off_drec = fr_cuht_align(G->off_ctr + 4ull * C * G->N * FR_CUHT_LINE, 4096);
+    G->off_crec = fr_cuht_align(G->off_drec + (unsigned long long)C * G->N * RT * G->drec, 4096);
+    G->seg_bytes = fr_cuht_align(G->off_crec + (unsigned long long)C * G->N * RT * G->crec, 4096);
+}
+
+typedef struct fr_cuht_msg {
+    cudaIpcMemHandle_t h;
+    int status;        /* this rank's set-up so far */
+    int channels;      /* must agree: they shape every segment */
+} fr_cuht_msg_t;
+
+/* Checks and the own segment; FERRY_OK or the status every rank learns. */
+static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *mine,
+                         fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    const fr_cuht_geo_t *G = &c->a.G;
+    if (ep->nfabric > 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "mode = high throughput with device = cuda: peers on the fabric path "
+                      "(another node, or FERRY_TRANSPORT=fabric) are not supported yet; the "
+                      "CUDA high-throughput engine runs the GPUs of one node (CUDA IPC)");
+    if (ep->N > FR_CUHT_MAX_RANKS)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "mode = high throughput with device = cuda: %d ranks, at most %d",
+                      ep->N, FR_CUHT_MAX_RANKS);
+    if (G->E > 32767)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "num_experts = %d: the high-throughput records hold 16-bit expert ids",
+                      G->E);
+    FR_CU(cudaGetDevice(&c->device), err, fail);
+    FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
+          fail);
+    FR_CU(cudaMalloc((void **)&ep->seg, G->seg_bytes), err, fail);
+    FR_CU(cudaMemset(ep->seg, 0, G->seg_bytes), err, fail);
+    FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
+fail:
+    return rc;
+}
+
+/* Peers' segments, the device tables and the host-mapped words. */
+static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg_t *all,
+                          fr_err_t *err)
+{
+    int rc = FERRY_OK, N = ep->N;
+    fr_cuht_args_t *A = &c->a;
+    uint8_t **peer = NULL;
+    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    if (!c->peer_host || !peer) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
+        goto fail;
+    }
+    for (int i = 0; i < N; i++) {
+        if (ep->path[i] == FR_PATH_SELF) {
+            peer[i] = ep->seg;
+        } else {
+            void *p = NULL;
+            FR_CU(cudaIpcOpenMemHandle(&p, all[i].h, cudaIpcMemLazyEnablePeerAccess), err,
+                  fail);
+            c->peer_host[i] = (uint8_t *)p;
+            peer[i] = (uint8_t *)p;
+        }
+    }
+    {
+        size_t nctr = 4 * (size_t)A->G.C * N;
+        size_t o_ctr = ((size_t)N * sizeof(uint8_t *) + 255) & ~(size_t)255;
+        size_t o_flag = o_ctr + ((nctr * 8 + 255) & ~(size_t)255);
+        FR_CU(cudaMalloc(&c->dmem, o_flag + 256), err, fail);
+        FR_CU(cudaMemset(c->dmem, 0, o_flag + 256), err, fail);
+        uint8_t *b = (uint8_t *)c->dmem;
+        A->peer = (uint8_t *const *)b;
+        A->ctr = (unsigned long long *)(b + o_ctr);
+        A->dflag = (int *)(b + o_flag);
+        FR_CU(cudaMemcpy(b, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice), err, fail);
+    }
+    {
+        void *h;
+        rc = fr_cuda_host_alloc(sizeof(int) * 4, &h, &c->err_dev, err);
+        if (rc != FERRY_OK)
+            goto fail;
+        c->err_host = (int *)h;
+        A->err = (volatile int *)c->err_dev;
+        rc = fr_cuda_host_alloc(sizeof(fr_cuht_res_t) + sizeof(int) * (size_t)A->G.El, &h,
+                                &c->res_dev, err);
+        if (rc != FERRY_OK)
+            goto fail;
+        c->res_host = (fr_cuht_res_t *)h;
+    }
+    A->seg = ep->seg;
+    A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
+fail:
+    free(peer);
+    return rc;
+}
+
+extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
+{
+    int rc = FERRY_OK, N = ep->N;
+    const ferry_ep_config_t *cfg = &ep->cfg;
+    fr_layout_init(&ep->L, N, ep->rank, cfg->num_experts, cfg->topk, cfg->hidden,
+                   cfg->max_tokens, cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    struct fr_cuht_ep *c = (struct fr_cuht_ep *)calloc(1, sizeof(*c));
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
+    ep->eng_state = c;
+    int C = cfg->num_sms > 0 ? cfg->num_sms : FR_CUHT_SMS_DEFAULT;
+    C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
+    int RT = cfg->ring_tokens > 0 ? cfg->ring_tokens : FR_CUHT_RING_DEFAULT;
+    fr_cuht_geo_init(&c->a.G, ep, C, RT);
+    ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
+    ep->L.send_bytes = 0;
+    /* A rank whose checks or segment failed still joins the exchange with
+     * its status, so every rank fails at once. */
+    fr_cuht_msg_t mine, *all = NULL;
+    memset(&mine, 0, sizeof(mine));
+    mine.channels = C;
+    mine.status = fr_cuht_local(ep, c, &mine, err);
+    all = (fr_cuht_msg_t *)calloc((size_t)N, sizeof(*all));
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
+    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    if (rc == FERRY_OK)
+        rc = mine.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++) {
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU segment (%s)", i,
+                        ferry_strerror(all[i].status));
+        else if (all[i].channels != C)
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "num_sms differs between ranks: rank %d uses %d channels, rank %d "
+                        "uses %d (every rank passes the same num_sms)", ep->rank, C, i,
+                        all[i].channels);
+    }
+    if (rc == FERRY_OK)
+        rc = fr_cuht_tables(ep, c, all, err);
+    free(all);
+    if (rc == FERRY_OK)
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: %d channels, rings of %d tokens, segment %llu B",
+                    C, RT, (unsigned long long)c->a.G.seg_bytes);
+    return rc;
+}
+
+extern "C" void fr_cuht_free(ferry_ep_t ep)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    if (!c)
+        return;
+    cudaDeviceSynchronize();
+    if (c->peer_host)
+        for (int i = 0; i < ep->N; i++)
+            if (c->peer_host[i])
+                cudaIpcCloseMemHandle(c->peer_host[i]);
+    free(c->peer_host);
+    if (ep->seg)
+        cudaFree(ep->seg);
+    ep->seg = NULL;
+    if (c->dmem)
+        cudaFree(c->dmem);
+    if (c->err_host)
+        fr_cuda_host_free(c->err_host);
+    if (c->res_host)
+        fr_cuda_host_free(c->res_host);
+    free(c);
+    ep->eng_state = NULL;
+}
+
+static const char *fr_cuht_what(int what)
+{
+    switch (what) {
+    case FR_CUHT_WHAT_ROUTE:
+    case FR_CUHT_WHAT_COUNTS: return "route_create";
+    case FR_CUHT_WHAT_COMBINE: return "ht_combine";
+    default: return "ht_dispatch";
+    }
+}
+
+extern "C" int fr_cuht_check(ferry_ep_t ep)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    if (!c || !c->err_host)
+        return FERRY_OK;
+    volatile int *e = (volatile int *)c->err_host;
+    int st = e[0];
+    if (st == 0)
+        return FERRY_OK;
+    int rank = e[1], what = e[2], detail = e[3];
+    const char *call = fr_cuht_what(what);
+    switch (what) {
+    case FR_CUHT_WHAT_COUNTS:
+        return fr_ep_fail(ep, st, "route_create: rank %d sent malformed counts (item %d; "
+                          "checked on the GPU)", rank, detail);
+    case FR_CUHT_WHAT_RECORD:
+        return fr_ep_fail(ep, st, "GPU: malformed high-throughput record from rank %d "
+                          "(token %d)", rank, detail);
+    case FR_CUHT_WHAT_ORDER:
+        return fr_ep_fail(ep, st, "GPU: rank %d sends rows of route %d, this rank expects "
+                          "another (every rank must use the same routes in the same order)",
+                          rank, detail);
+    case FR_CUHT_WHAT_DTYPE:
+        return fr_ep_fail(ep, st, "ht_dispatch: rank %d sends %s rows, this rank expects the "
+                          "other dtype (every rank passes x_scales, or none does)", rank,
+                          detail ? "fp8" : "bf16");
+    case FR_CUHT_WHAT_OVERRUN:
+        return fr_ep_fail(ep, st, "GPU: rank %d wrote %d records past its ring's room", rank,
+                          detail);
+    default:
+        if (st == FERRY_ERR_TIMEOUT)
+            return fr_ep_fail(ep, st, "%s: no progress from rank %d after %ld ms "
+                              "(FERRY_TIMEOUT_MS; checked on the GPU)", call, rank,
+                              ep->timeout_ms);
+        if (what == FR_CUHT_WHAT_ROUTE)
+            return fr_ep_fail(ep, st, "route_create: rank %d is at route %d (every rank "
+                              "creates the same routes in the same order)", rank, detail);
+        return fr_ep_fail(ep, st, "%s: GPU reported %s for rank %d (%d)", call,
+                          ferry_strerror(st), rank, detail);
+    }
+}
+
+int fr_cuht_launch_check(ferry_ep_t ep, const char *what)
+{
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "launching %s: %s", what, cudaGetErrorString(e));
+    return fr_cuht_check(ep);
+}
+
+extern "C" int fr_cuht_sync(ferry_ep_t ep, void *stream)
+{
+    cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream)
+                           : cudaDeviceSynchronize();
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s",
+                          cudaGetErrorString(e));
+    return fr_cuht_check(ep);
+}
