@@ -45,8 +45,9 @@ static void usage(FILE *f)
             "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
             "                       modulo the visible GPUs)\n"
             "      --mode ll|ht     low latency (default) or high throughput (route,\n"
-            "                       ht_dispatch, ht_combine; CPU ranks)\n"
-            "      --ring N         --mode ht: tokens per peer ring (default 256)\n"
+            "                       ht_dispatch, ht_combine; CPU or CUDA ranks)\n"
+            "      --ring N         --mode ht: tokens per peer ring (default 256; CUDA:\n"
+            "                       per channel and peer, default 64)\n"
             "      --launcher auto|mpirun|fork   how to start ranks (default auto)\n"
             "      --no-check       skip verification (prints #wrong as n/a)\n"
             "      --split          call dispatch_send/_recv and combine_send/_recv\n"
@@ -299,9 +300,8 @@ static int make_config(bench_t *b)
     cfg.mode = o->ht ? FERRY_MODE_HIGH_THROUGHPUT : FERRY_MODE_LOW_LATENCY;
     cfg.ring_tokens = o->ring;
     b->cfg = cfg;
-    if (o->ht && (cfg.device == FERRY_DEVICE_CUDA || o->fp8 == 2)) {
-        fprintf(stderr, "ferry-bench: --mode ht runs on CPU ranks with --dtype fp8 or bf16 "
-                "so far\n");
+    if (o->ht && o->fp8 == 2) {
+        fprintf(stderr, "ferry-bench: --mode ht runs with --dtype fp8 or bf16\n");
         return 2;
     }
     if (o->fp8 == 2 && cfg.device == FERRY_DEVICE_CUDA) {
@@ -382,7 +382,8 @@ static int make_workload(bench_t *b)
 /* --device cuda: the GPU's copies of the buffers. */
 static int open_device(bench_t *b)
 {
-    if (b->cfg.device == FERRY_DEVICE_CUDA && dev_init(&b->dv, &b->s, &b->lay) != 0) {
+    /* --mode ht keeps its own (exact-size) GPU buffers (bench/ht.c) */
+    if (b->cfg.device == FERRY_DEVICE_CUDA && !b->o->ht && dev_init(&b->dv, &b->s, &b->lay) != 0) {
         fprintf(stderr, "ferry-bench: rank %d: GPU buffers\n", b->me);
         return 1;
     }

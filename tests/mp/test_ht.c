@@ -22,6 +22,11 @@
  *   test_ht -n N kill R         rank R dies right before the dispatch of
  *                               round 3; every other rank fails naming R
  *                               within FERRY_TIMEOUT_MS + 2 s
+ * With --device cuda (after -n N) the same modes run on CUDA ranks (GPU
+ * rank % visible GPUs): every input is copied to device memory, every
+ * output (poison and guard included) back after ferry_ep_sync, and the same
+ * exact checks run; the test prints "skipped: ..." and exits 77 where no GPU
+ * is usable.
  * Every rank regenerates every rank's inputs from a seed (splitmix64) and
  * checks its own outputs exactly against a reference it computes itself.
  * Output buffers are poisoned and guarded: unwritten rows and writes past
@@ -30,6 +35,7 @@
  */
 #include <math.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,6 +48,11 @@
 #include "harness.h"
 #include "launch.h"
 #include "verdicts.h"
+
+#ifdef FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#include <sys/wait.h>
+#endif
 
 static double now_ms(void)
 {
@@ -389,6 +400,106 @@ static void *obuf(size_t n, int want, int null0)
     return galloc(n);
 }
 
+/* ---------------------------------------------------------------------- */
+/* --device cuda: device copies of the host buffers                       */
+/* ---------------------------------------------------------------------- */
+
+static int g_cuda; /* the EPs are CUDA contexts */
+
+#ifdef FERRY_HAVE_CUDA
+/* A device copy of host buffer h of n bytes plus its guard (poison
+ * included), or NULL for NULL. */
+static void *dcopy(const void *h, size_t n)
+{
+    if (!h)
+        return NULL;
+    void *d = NULL;
+    if (cudaMalloc(&d, n + GUARD) != cudaSuccess ||
+        cudaMemcpy(d, h, n + GUARD, cudaMemcpyHostToDevice) != cudaSuccess) {
+        fprintf(stderr, "cudaMalloc/cudaMemcpy of %zu bytes: %s\n", n + GUARD,
+                cudaGetErrorString(cudaGetLastError()));
+        exit(1);
+    }
+    return d;
+}
+
+/* Back into h (n bytes and the guard: writes past the end show), then
+ * the device copy is freed. */
+static void dback(void *h, void *d, size_t n)
+{
+    if (!d)
+        return;
+    if (h && cudaMemcpy(h, d, n + GUARD, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        fprintf(stderr, "cudaMemcpy back: %s\n", cudaGetErrorString(cudaGetLastError()));
+        exit(1);
+    }
+    cudaFree(d);
+}
+
+/* This rank's GPU (rank % visible GPUs). */
+static void dpick(int me)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0)
+        cudaSetDevice(me % n);
+}
+
+/* Whether a GPU is usable, asked in a child process: CUDA must not be
+ * initialised in the parent before the ranks are forked. 1, or 0 with
+ * the reason in why. */
+static int dprobe(char *why, size_t len)
+{
+    int fd[2];
+    if (pipe(fd) != 0)
+        return snprintf(why, len, "pipe failed"), 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        char w[256] = "";
+        int ok = ferry_cuda_available(w, sizeof(w));
+        if (write(fd[1], w, strlen(w) + 1) < 0)
+            _exit(2);
+        _exit(ok ? 0 : 1);
+    }
+    close(fd[1]);
+    ssize_t got = read(fd[0], why, len - 1);
+    why[got > 0 ? got : 0] = 0;
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+#else
+static void *dcopy(const void *h, size_t n) { (void)n; return (void *)h; }
+static void dback(void *h, void *d, size_t n) { (void)h; (void)d; (void)n; }
+static void dpick(int me) { (void)me; }
+static int dprobe(char *why, size_t len)
+{
+    snprintf(why, len, "this build has no CUDA (nvcc was not found)");
+    return 0;
+}
+#endif
+
+/* ferry_route_create with topk_idx in device memory on a CUDA context
+ * (copied there when num_tokens is in range; a bad num_tokens is refused
+ * before anything is read). */
+static int route_call(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *rt,
+                      int max_tokens, int K)
+{
+    if (!g_cuda || !in || !in->topk_idx || in->num_tokens < 0 ||
+        in->num_tokens > max_tokens)
+        return ferry_route_create(ep, in, rt);
+    ferry_route_in_t d = *in;
+    size_t n = sizeof(int64_t) * (size_t)in->num_tokens * K;
+    int64_t *h = malloc(n + GUARD);
+    memcpy(h, in->topk_idx, n);
+    memset((uint8_t *)h + n, POISON, GUARD);
+    d.topk_idx = dcopy(h, n);
+    int rc = ferry_route_create(ep, &d, rt);
+    dback(NULL, (void *)d.topk_idx, n);
+    free(h);
+    return rc;
+}
+
 /* Options of one call. */
 enum {
     OPT_W = 1,      /* dispatch: in->topk_weights and recv_topk_weights */
@@ -398,6 +509,7 @@ enum {
     OPT_CW = 16,    /* combine: in->topk_weights and out->topk_weights */
     OPT_CWIN = 32,  /* combine: in->topk_weights only */
     OPT_NULL0 = 64, /* NULL for buffers of zero rows (x, recv_x, y, out) */
+    OPT_OLD = 128,  /* in->size of the struct before `stream` was added */
     OPT_ALL = OPT_W | OPT_IDX | OPT_SRC | OPT_CW
 };
 
@@ -414,7 +526,7 @@ static ferry_ep_t ep_make(ferry_comm_t comm, const spec_t *c, int max_tokens,
     cfg.hidden = c->H;
     cfg.max_tokens = max_tokens;
     cfg.dispatch_dtype = c->fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
-    cfg.device = FERRY_DEVICE_CPU;
+    cfg.device = g_cuda ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
     cfg.mode = FERRY_MODE_HIGH_THROUGHPUT;
     cfg.ring_tokens = c->ring;
     ferry_ep_t ep = NULL;
@@ -458,7 +570,7 @@ static int route_make(ferry_ep_t ep, const world_t *w, int align,
                            .topk_idx = T ? w->idx[w->me] : NULL,
                            .expert_alignment = align};
     *rt = NULL;
-    int rc = ferry_route_create(ep, &in, rt);
+    int rc = route_call(ep, &in, rt, T, w->K);
     if (rc != FERRY_OK) {
         fprintf(stderr, "rank %d: %s: ferry_route_create: %s: %s\n", w->me,
                 what, ferry_strerror(rc), ferry_ep_last_error(ep));
@@ -517,15 +629,43 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     o->w = obuf((size_t)nr * wb, (opts & OPT_W) != 0, null0);
     o->sr = obuf((size_t)nr * sizeof(int32_t), (opts & OPT_SRC) != 0, null0);
     o->st = obuf((size_t)nr * sizeof(int32_t), (opts & OPT_SRC) != 0, null0);
-    ferry_ht_dispatch_in_t in = {.size = sizeof(in), .x = x, .x_scales = xs,
-                                 .topk_weights = tw};
+    size_t rb = (size_t)nr * o->rowb, rs = (size_t)nr * sb, rk = (size_t)nr * wb;
+    size_t r4 = (size_t)nr * sizeof(int32_t);
+    ferry_ht_dispatch_in_t in = {
+        .size = opts & OPT_OLD ? offsetof(ferry_ht_dispatch_in_t, stream) : sizeof(in),
+        .x = x, .x_scales = xs, .topk_weights = tw};
     ferry_ht_dispatch_out_t out = {.size = sizeof(out), .recv_x = o->x,
                                    .recv_x_scales = o->xs,
                                    .recv_topk_idx = o->idx,
                                    .recv_topk_weights = o->w,
                                    .recv_src_rank = o->sr,
                                    .recv_src_token = o->st};
+    if (g_cuda) { /* the same buffers, poison and guards, on the device */
+        in.x = dcopy(x, (size_t)T * o->rowb);
+        in.x_scales = dcopy(xs, (size_t)T * sb);
+        in.topk_weights = dcopy(tw, (size_t)T * wb);
+        out.recv_x = dcopy(o->x, rb);
+        out.recv_x_scales = dcopy(o->xs, rs);
+        out.recv_topk_idx = dcopy(o->idx, rk);
+        out.recv_topk_weights = dcopy(o->w, rk);
+        out.recv_src_rank = dcopy(o->sr, r4);
+        out.recv_src_token = dcopy(o->st, r4);
+    }
     int rc = ferry_ht_dispatch(ep, rt, &in, &out);
+    if (g_cuda) {
+        int s2 = ferry_ep_sync(ep, NULL); /* the call only enqueued */
+        if (rc == FERRY_OK)
+            rc = s2;
+        dback(NULL, (void *)in.x, 0);
+        dback(NULL, (void *)in.x_scales, 0);
+        dback(NULL, (void *)in.topk_weights, 0);
+        dback(o->x, out.recv_x, rb);
+        dback(o->xs, out.recv_x_scales, rs);
+        dback(o->idx, out.recv_topk_idx, rk);
+        dback(o->w, out.recv_topk_weights, rk);
+        dback(o->sr, out.recv_src_rank, r4);
+        dback(o->st, out.recv_src_token, r4);
+    }
     free(x);
     free(xs);
     free(tw);
@@ -616,10 +756,27 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     }
     o->out = obuf((size_t)T * rowb, 1, null0);
     o->w = obuf((size_t)T * wb, (opts & OPT_CW) != 0, null0);
-    ferry_ht_combine_in_t in = {.size = sizeof(in), .y = y, .topk_weights = gw};
+    ferry_ht_combine_in_t in = {
+        .size = opts & OPT_OLD ? offsetof(ferry_ht_combine_in_t, stream) : sizeof(in),
+        .y = y, .topk_weights = gw};
     ferry_ht_combine_out_t out = {.size = sizeof(out), .out = o->out,
                                   .topk_weights = o->w};
+    if (g_cuda) { /* the same buffers, poison and guards, on the device */
+        in.y = dcopy(y, (size_t)nr * rowb);
+        in.topk_weights = dcopy(gw, (size_t)nr * wb);
+        out.out = dcopy(o->out, (size_t)T * rowb);
+        out.topk_weights = dcopy(o->w, (size_t)T * wb);
+    }
     int rc = ferry_ht_combine(ep, rt, &in, &out);
+    if (g_cuda) {
+        int s2 = ferry_ep_sync(ep, NULL); /* the call only enqueued */
+        if (rc == FERRY_OK)
+            rc = s2;
+        dback(NULL, (void *)in.y, 0);
+        dback(NULL, (void *)in.topk_weights, 0);
+        dback(o->out, out.out, (size_t)T * rowb);
+        dback(o->w, out.topk_weights, (size_t)T * wb);
+    }
     free(y);
     free(gw);
     return rc;
@@ -1113,6 +1270,7 @@ static void args_route_on_ll(ferry_comm_t comm, const spec_t *c,
     cfg.topk = c->K;
     cfg.hidden = c->H;
     cfg.max_tokens = c->T;
+    cfg.device = g_cuda ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
     ferry_ep_t ep = NULL;
     int rc = ferry_ep_create(comm, &cfg, &ep);
     CHECK(rc == FERRY_OK && ep, "low-latency create: %s",
@@ -1164,27 +1322,34 @@ static void args_route(ferry_ep_t ep, const world_t *w, const spec_t *c)
     CHECK_BAD(ep, ferry_route_create(ep, &good, NULL), "route");
     in = good;
     in.size = sizeof(in) - 1;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "size");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "size");
     in.size = 0;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "size");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "size");
+    in.size = offsetof(ferry_route_in_t, stream); /* an older ferry.h: taken */
+    int rc = route_call(ep, &in, &rt, c->T, K);
+    CHECK(rc == FERRY_OK, "route_create with the size before `stream`: %s: %s",
+          ferry_strerror(rc), ferry_ep_last_error(ep));
+    if (rc == FERRY_OK)
+        CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
+    rt = NULL;
     in = good;
     in.num_tokens = -1;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "num_tokens");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "num_tokens");
     in.num_tokens = c->T + 1;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "num_tokens");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "num_tokens");
     in = good;
     in.topk_idx = NULL;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "topk_idx");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "topk_idx");
     in = good;
     in.expert_alignment = -1;
-    CHECK_BAD(ep, ferry_route_create(ep, &in, &rt), "expert_alignment");
+    CHECK_BAD(ep, route_call(ep, &in, &rt, c->T, K), "expert_alignment");
     int64_t saved = idx[K + 1];
     idx[K + 1] = -2;
-    CHECK_BAD(ep, ferry_route_create(ep, &good, &rt), "topk_idx");
+    CHECK_BAD(ep, route_call(ep, &good, &rt, c->T, K), "topk_idx");
     idx[K + 1] = c->E;
-    CHECK_BAD(ep, ferry_route_create(ep, &good, &rt), "topk_idx");
+    CHECK_BAD(ep, route_call(ep, &good, &rt, c->T, K), "topk_idx");
     idx[K + 1] = idx[K]; /* token 1 names one expert twice */
-    CHECK_BAD(ep, ferry_route_create(ep, &good, &rt), "topk_idx");
+    CHECK_BAD(ep, route_call(ep, &good, &rt, c->T, K), "topk_idx");
     idx[K + 1] = saved;
     int nrecv = 0;
     CHECK_RC(ferry_route_counts(NULL, &nrecv, NULL), FERRY_ERR_INVALID);
@@ -1318,6 +1483,11 @@ static int run_args(ferry_comm_t comm)
         args_combine(ep, rt, &w, &c);
         if (rc == FERRY_OK)
             rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL, "args good combine");
+        /* structs of an older ferry.h (no stream) are still taken */
+        if (rc == FERRY_OK)
+            rc = do_disp(ep, rt, &w, &c, &dx, OPT_ALL | OPT_OLD, "args old-size dispatch");
+        if (rc == FERRY_OK)
+            rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL | OPT_OLD, "args old-size combine");
         CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
     }
     world_free(&w);
@@ -1424,6 +1594,20 @@ static int run_kill(ferry_comm_t comm, int victim)
 
 int main(int argc, char **argv)
 {
+    /* --device cuda (anywhere): taken out of argv */
+    for (int i = 1; i + 1 < argc; i++) {
+        if (strcmp(argv[i], "--device") != 0)
+            continue;
+        if (strcmp(argv[i + 1], "cuda") != 0 && strcmp(argv[i + 1], "cpu") != 0) {
+            fprintf(stderr, "test_ht: --device %s: use cpu or cuda\n", argv[i + 1]);
+            return 2;
+        }
+        g_cuda = strcmp(argv[i + 1], "cuda") == 0;
+        for (int j = i; j + 2 <= argc; j++)
+            argv[j] = argv[j + 2];
+        argc -= 2;
+        break;
+    }
     int n = 2;
     if (argc >= 3 && strcmp(argv[1], "-n") == 0)
         n = atoi(argv[2]);
@@ -1434,15 +1618,24 @@ int main(int argc, char **argv)
     if (strcmp(mode, "basic") && strcmp(mode, "chunk") &&
         strcmp(mode, "reuse") && strcmp(mode, "args") &&
         (!is_kill || arg1 < 0 || arg1 >= n)) {
-        fprintf(stderr, "usage: test_ht -n N basic|chunk [T] [ring]|reuse|"
-                        "args|kill R\n");
+        fprintf(stderr, "usage: test_ht -n N [--device cpu|cuda] basic|chunk [T] "
+                        "[ring]|reuse|args|kill R\n");
         return 2;
+    }
+    if (g_cuda) {
+        char why[256];
+        if (!dprobe(why, sizeof(why))) {
+            printf("skipped: no usable GPU: %s\n", why);
+            return 77;
+        }
     }
     ferry_comm_t comm = NULL;
     int rc = 0;
     if (!fr_vd_start("ht", "test_ht", mode, n, is_kill ? arg1 : -1, &comm, &rc))
         return rc;
     int me = ferry_comm_rank(comm);
+    if (g_cuda)
+        dpick(me);
     if (is_kill)
         return run_kill(comm, arg1);
     if (strcmp(mode, "basic") == 0)

@@ -14,6 +14,11 @@
  * MPI_Alltoallv of the rows (each token once per rank, with its slots and
  * weights), and the partial rows back the same way, summed in rank order.
  * Its outputs go through the same checks.
+ *
+ * --device cuda: inputs go to the GPU before the round and outputs come
+ * back after each call, outside the timing; the calls run on one stream
+ * and are timed up to ferry_ep_sync on it (route_create synchronises
+ * itself).
  */
 #include <math.h>
 #include <stdio.h>
@@ -22,6 +27,9 @@
 
 #ifdef FERRY_HAVE_MPI
 #include <mpi.h>
+#endif
+#ifdef FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
 #endif
 
 #include "bench.h"
@@ -34,6 +42,16 @@ typedef struct ht_base {
     uint8_t *sbuf, *rbuf;
     size_t scap, rcap;
 } ht_base_t;
+
+/* --device cuda: the GPU's copies (inputs [T], outputs [rows]); the
+ * calls run on `stream`, timed up to ferry_ep_sync on it. */
+typedef struct ht_dev {
+    int on;
+    void *stream;
+    size_t rows;
+    void *x, *xs, *w, *idx, *out;         /* [T] */
+    void *rx, *rxs, *rw, *ridx, *rsr, *rst, *y; /* [rows] */
+} ht_dev_t;
 
 typedef struct ht_io {
     size_t rows;                 /* capacity of the receive buffers */
@@ -48,7 +66,98 @@ typedef struct ht_io {
     uint8_t *row;
     fw_input_t other;            /* another rank's inputs, regenerated */
     ht_base_t base;
+    ht_dev_t dv;
 } ht_io_t;
+
+#ifdef FERRY_HAVE_CUDA
+#define HTDEV(call)                                                            \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            fprintf(stderr, "ferry-bench: %s: %s\n", #call,                    \
+                    cudaGetErrorString(e_));                                   \
+            return -1;                                                         \
+        }                                                                      \
+    } while (0)
+
+static int ht_dev_init(ht_dev_t *d, const fw_spec_t *s)
+{
+    size_t T = (size_t)(s->T > 0 ? s->T : 1), H = (size_t)s->H, K = (size_t)s->K;
+    HTDEV(cudaStreamCreateWithFlags((cudaStream_t *)&d->stream, cudaStreamNonBlocking));
+    HTDEV(cudaMalloc(&d->x, T * H * 2));
+    HTDEV(cudaMalloc(&d->xs, (T * H / 128 + 1) * 4));
+    HTDEV(cudaMalloc(&d->w, T * K * 4));
+    HTDEV(cudaMalloc(&d->idx, T * K * 8));
+    HTDEV(cudaMalloc(&d->out, T * H * 2));
+    d->on = 1;
+    return 0;
+}
+
+static int ht_dev_grow(ht_dev_t *d, const fw_spec_t *s, size_t rows)
+{
+    if (rows <= d->rows && d->rx)
+        return 0;
+    size_t H = (size_t)s->H, K = (size_t)s->K;
+    void *p[] = {d->rx, d->rxs, d->rw, d->ridx, d->rsr, d->rst, d->y};
+    for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
+        cudaFree(p[i]);
+    d->rows = rows + rows / 4 + 16;
+    HTDEV(cudaMalloc(&d->rx, d->rows * 2 * H));
+    HTDEV(cudaMalloc(&d->rxs, d->rows * (H / 128 + 1) * 4));
+    HTDEV(cudaMalloc(&d->rw, d->rows * K * 4));
+    HTDEV(cudaMalloc(&d->ridx, d->rows * K * 4));
+    HTDEV(cudaMalloc(&d->rsr, d->rows * 4));
+    HTDEV(cudaMalloc(&d->rst, d->rows * 4));
+    HTDEV(cudaMalloc(&d->y, d->rows * 2 * H));
+    return 0;
+}
+
+static int ht_dev_put(ht_dev_t *d, void *dst, const void *src, size_t n)
+{
+    if (n)
+        HTDEV(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)d->stream));
+    return 0;
+}
+
+static int ht_dev_get(ht_dev_t *d, void *dst, const void *src, size_t n)
+{
+    if (n)
+        HTDEV(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, (cudaStream_t)d->stream));
+    return 0;
+}
+
+static int ht_dev_wait(ht_dev_t *d)
+{
+    HTDEV(cudaStreamSynchronize((cudaStream_t)d->stream));
+    return 0;
+}
+
+static void ht_dev_free(ht_dev_t *d)
+{
+    if (!d->on)
+        return;
+    void *p[] = {d->x, d->xs, d->w, d->idx, d->out, d->rx, d->rxs, d->rw, d->ridx, d->rsr,
+                 d->rst, d->y};
+    for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
+        cudaFree(p[i]);
+    cudaStreamDestroy((cudaStream_t)d->stream);
+}
+#else
+static int ht_dev_init(ht_dev_t *d, const fw_spec_t *s)
+{
+    (void)d; (void)s;
+    fprintf(stderr, "ferry-bench: built without CUDA\n");
+    return -1;
+}
+static int ht_dev_grow(ht_dev_t *d, const fw_spec_t *s, size_t rows)
+{ (void)d; (void)s; (void)rows; return -1; }
+static int ht_dev_put(ht_dev_t *d, void *dst, const void *src, size_t n)
+{ (void)d; (void)dst; (void)src; (void)n; return -1; }
+static int ht_dev_get(ht_dev_t *d, void *dst, const void *src, size_t n)
+{ (void)d; (void)dst; (void)src; (void)n; return -1; }
+static int ht_dev_wait(ht_dev_t *d) { (void)d; return -1; }
+static void ht_dev_free(ht_dev_t *d) { (void)d; }
+#endif
 
 static int ht_grow(ht_io_t *io, const fw_spec_t *s, size_t rows)
 {
@@ -342,17 +451,51 @@ static const char *ht_base_round(bench_t *b, ht_io_t *io, uint64_t round, double
 }
 #endif
 
+/* --device cuda: this round's inputs onto the GPU (outside the timing). */
+static int ht_dev_inputs(bench_t *b, ht_io_t *io)
+{
+    const fw_spec_t *s = &b->s;
+    ht_dev_t *d = &io->dv;
+    size_t T = (size_t)b->in.T, H = (size_t)s->H, K = (size_t)s->K;
+    if (ht_dev_put(d, d->idx, b->in.idx, T * K * 8) ||
+        ht_dev_put(d, d->w, b->in.w, T * K * 4) ||
+        ht_dev_put(d, d->x, s->fp8 ? (const void *)io->q : (const void *)b->in.x,
+                   s->fp8 ? T * H : T * H * 2) ||
+        (s->fp8 && ht_dev_put(d, d->xs, io->qs, T * (H / 128) * 4)))
+        return -1;
+    return ht_dev_wait(d);
+}
+
+/* --device cuda: the dispatch's n rows back to the host. */
+static int ht_dev_recv(bench_t *b, ht_io_t *io, int n)
+{
+    const fw_spec_t *s = &b->s;
+    ht_dev_t *d = &io->dv;
+    size_t rn = (size_t)n, H = (size_t)s->H, K = (size_t)s->K;
+    if (ht_dev_get(d, io->rx, d->rx, rn * (s->fp8 ? H : 2 * H)) ||
+        (s->fp8 && ht_dev_get(d, io->rxs, d->rxs, rn * (H / 128) * 4)) ||
+        ht_dev_get(d, io->rw, d->rw, rn * K * 4) || ht_dev_get(d, io->ridx, d->ridx, rn * K * 4) ||
+        ht_dev_get(d, io->rsr, d->rsr, rn * 4) || ht_dev_get(d, io->rst, d->rst, rn * 4))
+        return -1;
+    return ht_dev_wait(d);
+}
+
 /* One round; a timed one leaves its row in b->tm. */
 static const char *ht_round(bench_t *b, ht_io_t *io, int it)
 {
     const fw_spec_t *s = &b->s;
     uint64_t round = (uint64_t)it + 1;
     size_t ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    int gpu = io->dv.on;
+    ht_dev_t *dv = &io->dv;
     fw_generate(s, round, b->me, &b->in);
     for (int t = 0; t < b->in.T && s->fp8; t++)
         ht_row(s, &b->in, t, io->q + (size_t)t * s->H, io->qs + (size_t)t * ns);
+    if (gpu && ht_dev_inputs(b, io) != 0)
+        return "GPU copies";
     ferry_route_in_t rin = {.size = sizeof(rin), .num_tokens = b->in.T,
-                            .topk_idx = b->in.idx};
+                            .topk_idx = gpu ? (const int64_t *)dv->idx : b->in.idx,
+                            .stream = dv->stream};
     ferry_route_t route = NULL;
     int n = 0;
     if ((b->rc = ferry_comm_barrier(b->comm)) != FERRY_OK)
@@ -362,7 +505,7 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         return "route_create";
     ferry_route_counts(route, &n, NULL);
     double t1 = now_us();
-    if (ht_grow(io, s, (size_t)n) != 0)
+    if (ht_grow(io, s, (size_t)n) != 0 || (gpu && ht_dev_grow(dv, s, (size_t)n) != 0))
         return "memory";
     ferry_ht_dispatch_in_t din = {.size = sizeof(din), .topk_weights = b->in.w,
                                   .x = s->fp8 ? (const void *)io->q : (const void *)b->in.x,
@@ -371,11 +514,27 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
                                     .recv_x_scales = s->fp8 ? io->rxs : NULL,
                                     .recv_topk_idx = io->ridx, .recv_topk_weights = io->rw,
                                     .recv_src_rank = io->rsr, .recv_src_token = io->rst};
+    if (gpu) {
+        din.x = dv->x;
+        din.x_scales = s->fp8 ? dv->xs : NULL;
+        din.topk_weights = dv->w;
+        din.stream = dv->stream;
+        dout.recv_x = dv->rx;
+        dout.recv_x_scales = s->fp8 ? dv->rxs : NULL;
+        dout.recv_topk_idx = dv->ridx;
+        dout.recv_topk_weights = dv->rw;
+        dout.recv_src_rank = dv->rsr;
+        dout.recv_src_token = dv->rst;
+    }
     double t2 = now_us();
     b->rc = ferry_ht_dispatch(b->ep, route, &din, &dout);
+    if (b->rc == FERRY_OK && gpu) /* enqueued only: timed until it ran */
+        b->rc = ferry_ep_sync(b->ep, dv->stream);
     double t3 = now_us();
     if (b->rc != FERRY_OK)
         return "ht_dispatch";
+    if (gpu && ht_dev_recv(b, io, n) != 0)
+        return "GPU copies";
     if (b->o->check)
         b->wrong += ht_check_dispatch(b, round, io, n);
     for (int i = 0, src = -1; i < n; i++) { /* the experts: a partial row per row */
@@ -385,14 +544,26 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
     }
     ferry_ht_combine_in_t cin = {.size = sizeof(cin), .y = io->y};
     ferry_ht_combine_out_t cout = {.size = sizeof(cout), .out = io->out};
+    if (gpu) {
+        if (ht_dev_put(dv, dv->y, io->y, (size_t)n * 2 * s->H) || ht_dev_wait(dv))
+            return "GPU copies";
+        cin.y = dv->y;
+        cin.stream = dv->stream;
+        cout.out = dv->out;
+    }
     if ((b->rc = ferry_comm_barrier(b->comm)) != FERRY_OK)
         return "barrier";
     double t4 = now_us();
     b->rc = ferry_ht_combine(b->ep, route, &cin, &cout);
+    if (b->rc == FERRY_OK && gpu)
+        b->rc = ferry_ep_sync(b->ep, dv->stream);
     double t5 = now_us();
     ferry_route_destroy(route);
     if (b->rc != FERRY_OK)
         return "ht_combine";
+    if (gpu && (ht_dev_get(dv, io->out, dv->out, (size_t)b->in.T * 2 * s->H) ||
+                ht_dev_wait(dv)))
+        return "GPU copies";
     if (b->o->check)
         b->wrong += ht_check_combine(b, io);
     double bd = NAN, bc = NAN;
@@ -439,6 +610,10 @@ void run_ht_rounds(bench_t *b)
         b->fail = "memory";
         return;
     }
+    if (b->cfg.device == FERRY_DEVICE_CUDA && ht_dev_init(&io.dv, s) != 0) {
+        b->fail = "GPU buffers";
+        return;
+    }
     int total = b->o->warmup + b->o->iters;
     for (int it = 0; it < total && !b->fail; it++) {
         b->fail = ht_round(b, &io, it);
@@ -467,5 +642,6 @@ void run_ht_rounds(bench_t *b)
     free(io.rsr);
     free(io.rst);
     free(io.y);
+    ht_dev_free(&io.dv);
     fw_input_free(&io.other);
 }
