@@ -574,6 +574,12 @@ class EP:
         expert_counts); usable for any number of ht_dispatch/ht_combine
         calls (forward and backward) until closed."""
         h = self._ep()
+        if self.device == "cuda":
+            # the C engine runs (ferry_route_create and ferry_ht_* with device
+            # pointers and a stream: include/ferry.h); these wrappers return
+            # numpy arrays and do not take CUDA tensors yet
+            raise NotImplementedError("EP(mode='ht', device='cuda') from Python: not yet; "
+                                      "use the C API or device='cpu'")
         inf = _info(topk_idx, "topk_idx")
         T = inf.shape[0] if len(inf.shape) == 2 else None
         p = self._arr(topk_idx, "topk_idx", _I64, (T, self.topk), required=T != 0, inf=inf)

@@ -57,12 +57,12 @@ class CombineOut(C.Structure):
 
 class RouteIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("topk_idx", C.c_void_p),
-                ("expert_alignment", C.c_int)]
+                ("expert_alignment", C.c_int), ("stream", C.c_void_p)]
 
 
 class HtDispatchIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("x", C.c_void_p), ("x_scales", C.c_void_p),
-                ("topk_weights", C.c_void_p)]
+                ("topk_weights", C.c_void_p), ("stream", C.c_void_p)]
 
 
 class HtDispatchOut(C.Structure):
@@ -72,7 +72,8 @@ class HtDispatchOut(C.Structure):
 
 
 class HtCombineIn(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("y", C.c_void_p), ("topk_weights", C.c_void_p)]
+    _fields_ = [("size", C.c_size_t), ("y", C.c_void_p), ("topk_weights", C.c_void_p),
+                ("stream", C.c_void_p)]
 
 
 class HtCombineOut(C.Structure):
