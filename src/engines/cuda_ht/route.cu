@@ -171,9 +171,10 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
     if (threadIdx.x == 0) {
         int total = 0, badr = -1;
         for (int s = 0; s < N && ok; s++) {
+            /* volatile: peers wrote these while this kernel ran */
             const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-            int n = ((const int32_t *)(e + 8))[0], sum = 0;
-            const int32_t *cc = (const int32_t *)(e + 16);
+            int n = ((const volatile int32_t *)(e + 8))[0], sum = 0;
+            const volatile int32_t *cc = (const volatile int32_t *)(e + 16);
             if (n == -1 && badr < 0)
                 badr = s;
             if (n == -1)
@@ -210,8 +211,8 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
         int sum = 0;
         for (int s = 0; s < N; s++) {
             const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-            int n = ((const int32_t *)(e + 8))[0];
-            int v = ((const int32_t *)(e + 16))[C + le];
+            int n = ((const volatile int32_t *)(e + 8))[0];
+            int v = ((const volatile int32_t *)(e + 16))[C + le];
             if (v < 0 || v > (n < 0 ? 0 : n)) {
                 fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, C + le);
                 break;
