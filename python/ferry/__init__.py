@@ -568,73 +568,90 @@ class EP:
 
     # ------------------------------------------------------ high throughput
 
-    def route(self, topk_idx, expert_alignment=0):
+    def route(self, topk_idx, expert_alignment=0, stream=None):
         """Collective (mode='ht'): where this rank's tokens go, from topk_idx
         [T, K] int64 (T <= max_tokens). Returns a Route (num_recv,
         expert_counts); usable for any number of ht_dispatch/ht_combine
-        calls (forward and backward) until closed."""
+        calls (forward and backward) until closed. On CUDA, topk_idx is a
+        GPU tensor, the work goes on `stream` (default: the tensor's
+        current stream) and the call waits once for the counts."""
         h = self._ep()
-        if self.device == "cuda":
-            # the C engine runs (ferry_route_create and ferry_ht_* with device
-            # pointers and a stream: include/ferry.h); these wrappers return
-            # numpy arrays and do not take CUDA tensors yet
-            raise NotImplementedError("EP(mode='ht', device='cuda') from Python: not yet; "
-                                      "use the C API or device='cpu'")
         inf = _info(topk_idx, "topk_idx")
         T = inf.shape[0] if len(inf.shape) == 2 else None
         p = self._arr(topk_idx, "topk_idx", _I64, (T, self.topk), required=T != 0, inf=inf)
-        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment))
+        st = _stream_of(topk_idx, stream) if self.device == "cuda" else None
+        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment), st)
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
         route = Route(self, r, T or 0)
         self._routes = [x for x in self._routes if x._h] + [route]
         return route
 
-    def ht_dispatch(self, route, x, x_scales=None, topk_weights=None):
-        """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
-        uint8 with x_scales [T, H/128] float32) to the ranks of their
-        experts. Returns a dict of numpy arrays: recv_x [num_recv, H],
-        recv_x_scales (fp8), recv_topk_idx [num_recv, K] int32 (local
-        expert or -1), recv_topk_weights (when topk_weights [T, K] float32
-        is given), recv_src_rank, recv_src_token [num_recv] int32. Rows
-        are ordered by source rank, then token."""
+    def _ht_new(self, like, shape, dtype):
+        """An output of an HT call: numpy on CPU contexts, a torch tensor on
+        `like`'s GPU on CUDA contexts (dtype: numpy name, torch name)."""
+        if self.device == "cuda":
+            import torch
+            return torch.empty(shape, dtype=getattr(torch, dtype[1]), device=like.device)
         import numpy as np
+        return np.zeros(shape, getattr(np, dtype[0]))
+
+    @staticmethod
+    def _ptr(a):
+        if a is None:
+            return None
+        return a.data_ptr() if hasattr(a, "data_ptr") else a.ctypes.data
+
+    def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None):
+        """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
+        uint8 or float8_e4m3fn with x_scales [T, H/128] float32) to the
+        ranks of their experts. Returns a dict: recv_x [num_recv, H] (x's
+        dtype), recv_x_scales (fp8), recv_topk_idx [num_recv, K] int32
+        (local expert or -1), recv_topk_weights (when topk_weights [T, K]
+        float32 is given), recv_src_rank, recv_src_token [num_recv] int32:
+        numpy arrays on CPU contexts, torch tensors on CUDA ones (queued on
+        `stream`, default x's current stream; no synchronisation). Rows are
+        ordered by source rank, then token."""
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         fp8 = x_scales is not None
-        px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0)
+        xinf = _info(x, "x")
+        px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0, inf=xinf)
         ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
-        o = dict(recv_x=np.zeros((n, H), np.uint8 if fp8 else np.uint16),
-                 recv_x_scales=np.zeros((n, H // 128), np.float32) if fp8 else None,
-                 recv_topk_idx=np.zeros((n, K), np.int32),
-                 recv_topk_weights=np.zeros((n, K), np.float32) if topk_weights is not None else None,
-                 recv_src_rank=np.zeros(n, np.int32), recv_src_token=np.zeros(n, np.int32))
-
-        def ptr(a):
-            return a.ctypes.data if a is not None else None
-        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw)
-        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *[ptr(o[k]) for k in (
+        xdt = (_FP8[0], xinf.dtype) if fp8 else _BF16
+        if self.device == "cuda" and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
+            xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
+        new = lambda shape, dt: self._ht_new(x, shape, dt)
+        o = dict(recv_x=new((n, H), xdt),
+                 recv_x_scales=new((n, H // 128), _F32) if fp8 else None,
+                 recv_topk_idx=new((n, K), _I32),
+                 recv_topk_weights=new((n, K), _F32) if topk_weights is not None else None,
+                 recv_src_rank=new((n,), _I32), recv_src_token=new((n,), _I32))
+        st = _stream_of(x, stream) if self.device == "cuda" else None
+        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st)
+        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *[self._ptr(o[k]) for k in (
             "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_rank",
             "recv_src_token")])
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
         return o
 
-    def ht_combine(self, route, y, topk_weights=None):
+    def ht_combine(self, route, y, topk_weights=None, stream=None):
         """Collective (mode='ht'): y [num_recv, H] bf16, one row per row this
         rank received, back to the tokens' ranks and summed there. Returns
-        out [T, H] bf16 (uint16), and with topk_weights [num_recv, K]
-        float32 also the [T, K] weights gathered from the experts' ranks."""
-        import numpy as np
+        out [T, H] bf16 (uint16 on CPU), and with topk_weights [num_recv, K]
+        float32 also the [T, K] weights gathered from the experts' ranks
+        (torch tensors on CUDA contexts, queued on `stream`)."""
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
-        out = np.zeros((T, H), np.uint16)
-        wout = np.zeros((T, K), np.float32) if topk_weights is not None else None
-        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw)
-        cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), out.ctypes.data,
-                                 wout.ctypes.data if wout is not None else None)
+        odt = _BF16 if self.device == "cuda" else ("uint16", "uint16")
+        out = self._ht_new(y, (T, H), odt)
+        wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
+        st = _stream_of(y, stream) if self.device == "cuda" else None
+        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st)
+        cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), self._ptr(out), self._ptr(wout))
         self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
         return (out, wout) if topk_weights is not None else out
 

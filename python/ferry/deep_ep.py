@@ -160,6 +160,31 @@ class _Plan:
             raise FerryError(rc, self.last_error(self.ep._ep()).decode())
 
 
+#: tokens per rank one normal-mode dispatch may carry (ferry's
+#: high-throughput buffers do not grow with it; FERRY_DEEP_EP_MAX_TOKENS)
+_HT_MAX_TOKENS = int(__import__("os").environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
+
+
+class _HtHandle:
+    """A normal-mode dispatch's handle: ferry's route (where each token went
+    and what this rank received), reusable for combine and for later
+    dispatches with the same routing (DeepEP's cached layout and the
+    backward pass). Its GPU tables are freed with it."""
+
+    def __init__(self, ep, route, T):
+        self.ep, self.route, self.T = ep, route, T
+
+    @property
+    def num_recv(self):
+        return self.route.num_recv
+
+    def __del__(self):
+        try:
+            self.route.close()
+        except Exception:
+            pass
+
+
 def _default_sms(group):
     """The SMs a context's kernels may use by default: the device's, shared
     evenly among the group's ranks on the same GPU (ranks sharing a GPU
@@ -189,15 +214,13 @@ class Buffer:
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
                             + ", ".join(sorted(unsupported)))
-        if not low_latency_mode:
-            raise NotImplementedError(
-                "ferry.deep_ep.Buffer: only low_latency_mode=True is supported "
-                "(normal/high-throughput mode is not implemented)")
         # allow_mnnvl: DeepEP's "use multi-node NVLink if present". ferry has
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
         self.allow_mnnvl = bool(allow_mnnvl)
-        self.low_latency_mode = True
+        # normal mode (low_latency_mode=False): ferry's high-throughput
+        # engine (EP(mode="ht")), one context per (experts, topk, hidden)
+        self.low_latency_mode = bool(low_latency_mode)
         self.group = group
         self.rank = torch.distributed.get_rank(group)
         self.group_size = torch.distributed.get_world_size(group)
@@ -256,15 +279,150 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        raise NotImplementedError(
-            "ferry.deep_ep.Buffer.get_dispatch_config: normal (high-throughput) mode is not "
-            "implemented in ferry.deep_ep; use the low-latency calls")
+        """A Config with DeepEP's defaults: accepted by dispatch (ferry's
+        high-throughput engine sizes its own rings: ring_tokens)."""
+        return Config()
 
     @staticmethod
     def get_combine_config(num_ranks):
-        raise NotImplementedError(
-            "ferry.deep_ep.Buffer.get_combine_config: normal (high-throughput) mode is not "
-            "implemented in ferry.deep_ep; use the low-latency calls")
+        """A Config with DeepEP's defaults (see get_dispatch_config)."""
+        return Config()
+
+    # ------------------------------------------------------------ normal mode
+
+    def _low_latency(self, what):
+        if not self.low_latency_mode:
+            raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: low-latency call on a buffer made "
+                               "with low_latency_mode=False")
+
+    def _normal(self, what):
+        if self.low_latency_mode:
+            raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: normal-mode call on a buffer made "
+                               "with low_latency_mode=True")
+
+    def _ht_ep(self, num_experts, topk, hidden):
+        key = ("ht", num_experts, topk, hidden)
+        ep = self._eps.get(key)
+        if ep is None:
+            ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
+                    max_tokens=_HT_MAX_TOKENS, dtype="bf16", device="cuda", mode="ht",
+                    num_sms=self.num_sms if self.num_sms is not None else self._sms)
+            self._eps[key] = ep
+        return ep
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
+                            async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's: (num_tokens_per_rank [N] int32, None (no RDMA ranks:
+        ferry's ranks across nodes are plain ranks), num_tokens_per_expert
+        [E] int32, is_token_in_rank [T, N] bool, event), on topk_idx's
+        device and stream."""
+        self._normal("get_dispatch_layout")
+        _tensor(topk_idx, "topk_idx", torch.int64, (None, None))
+        N = self.group_size
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
+            raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
+                             f"the group size {N}")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        T = topk_idx.shape[0]
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        e = torch.where(valid, topk_idx, torch.zeros_like(topk_idx))
+        in_rank = torch.zeros((T, N), dtype=torch.int32, device=topk_idx.device)
+        in_rank.scatter_add_(1, e // (num_experts // N), valid.to(torch.int32))
+        is_token_in_rank = in_rank > 0
+        per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        per_expert.scatter_add_(0, e.flatten(), valid.flatten().to(torch.int32))
+        return per_rank, None, per_expert, is_token_in_rank, \
+            (self.capture() if async_finish else _no_event())
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's normal-mode dispatch on ferry's high-throughput engine.
+        x: bf16 [T, H], or (fp8 [T, H], float32 scales [T, H/128]). Without
+        a handle, topk_idx [T, K] int64 makes the routing (collective, one
+        wait for the counts, as DeepEP's); returns (recv_x, recv_topk_idx
+        int64 (local ids, -1 elsewhere), recv_topk_weights, the rows per
+        local expert as a list (rounded up to expert_alignment), handle,
+        event). With a handle (cached layout), the same routing:
+        (recv_x, None, None, None, handle, event). The layout arguments
+        (num_tokens_per_rank ...) are what get_dispatch_layout returned;
+        ferry works them out itself and does not read them. Rows arrive by
+        source rank, then token."""
+        self._normal("dispatch")
+        if num_worst_tokens:
+            raise NotImplementedError("ferry.deep_ep.Buffer.dispatch: num_worst_tokens "
+                                      "(outputs padded for CUDA graphs) is not supported")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        fp8 = isinstance(x, tuple)
+        xt, xs = (x[0], x[1]) if fp8 else (x, None)
+        _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, (None, None))
+        if fp8:
+            _tensor(xs, "x[1] (scales)", torch.float32, (xt.shape[0], xt.shape[1] // 128))
+            xs = xs.contiguous()
+        xt = xt.contiguous()
+        cached = handle is not None
+        if not cached:
+            if topk_idx is None:
+                raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx is required without "
+                                "a handle")
+            _tensor(topk_idx, "topk_idx", torch.int64, (xt.shape[0], None))
+            N = self.group_size
+            E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
+                                                            torch.Tensor) else None
+            if E is None:
+                raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
+                                "get_dispatch_layout) is required without a handle: it gives "
+                                "the number of experts")
+            if E % N:
+                raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
+                                 f"group size {N}")
+            ep = self._ht_ep(E, topk_idx.shape[1], xt.shape[1])
+            route = ep.route(topk_idx.contiguous(), int(expert_alignment or 1))
+            handle = _HtHandle(ep, route, xt.shape[0])
+        elif not isinstance(handle, _HtHandle):
+            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                            f"{type(handle).__name__}")
+        ep, route = handle.ep, handle.route
+        if topk_weights is not None:
+            _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
+            topk_weights = topk_weights.contiguous()
+        if xt.shape[0] != handle.T:
+            raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
+        o = ep.ht_dispatch(route, xt, xs, topk_weights)
+        recv_x = (o["recv_x"], o["recv_x_scales"]) if fp8 else o["recv_x"]
+        ev = self.capture() if async_finish else _no_event()
+        if cached:
+            return recv_x, None, None, None, handle, ev
+        return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
+                [int(c) for c in route.expert_counts], handle, ev)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's normal-mode combine: x [num_recv, H] bf16 (one row per
+        row dispatch delivered, the local experts' outputs already weighted
+        and summed) back to the tokens' ranks, summed there in rank order in
+        fp32 and rounded once. Returns (combined_x [T, H] bf16,
+        combined_topk_weights [T, K] float32 or None, event)."""
+        self._normal("combine")
+        if bias is not None:
+            raise NotImplementedError("ferry.deep_ep.Buffer.combine: bias is not supported")
+        if not isinstance(handle, _HtHandle):
+            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                            f"{type(handle).__name__}")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        ep, route = handle.ep, handle.route
+        _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
+        if topk_weights is not None:
+            _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
+            out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous())
+        else:
+            out, w = ep.ht_combine(route, x.contiguous()), None
+        return out, w, (self.capture() if async_finish else _no_event())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Nothing to clean: ferry's flags count arrivals per round (a
@@ -302,6 +460,7 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
+        self._low_latency('low_latency_dispatch')
         if round_scale or use_ue8m0 or dispatch_wait_recv_cost_stats is not None:
             bad = ["dispatch_wait_recv_cost_stats"] if dispatch_wait_recv_cost_stats is not None \
                 else []
@@ -462,6 +621,7 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
+        self._low_latency('low_latency_combine')
         bad = ["use_logfmt"] if use_logfmt else []
         if combine_wait_recv_cost_stats is not None:
             bad.append("combine_wait_recv_cost_stats")
