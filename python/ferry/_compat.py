@@ -22,10 +22,11 @@ class Config:
     (high-throughput) mode, with DeepEP's constraints (send chunk smaller
     than the receive buffer; the RDMA receive buffer rounded up to a
     multiple of the send chunk and at least twice it) and DeepEP's defaults
-    (20 SMs, 6/256 NVLink and 6/256 RDMA tokens). ferry.deep_ep has no
-    normal mode yet, so a Config sizes nothing of ferry's: code that builds
-    or annotates with it runs, and asking it for buffer sizes says why it
-    cannot answer."""
+    (20 SMs, 6/256 NVLink and 6/256 RDMA tokens). ferry.deep_ep's normal
+    mode (ferry's high-throughput engine) sizes its own rings
+    (ring_tokens), so a Config sizes nothing of ferry's: code that builds,
+    passes or annotates with it runs, and asking it for buffer sizes says
+    why it cannot answer."""
 
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
@@ -57,8 +58,9 @@ class Config:
 
     def _no_normal_mode(self, what):
         raise NotImplementedError(
-            f"Config.{what}: sizes the buffers of DeepEP's normal (high-throughput) mode, "
-            "which ferry.deep_ep does not implement; the low-latency mode sizes its own "
+            f"Config.{what}: sizes the buffers of DeepEP's normal (high-throughput) mode; "
+            "ferry's normal mode sizes its own rings (ring_tokens, independent of the token "
+            "count) and its low-latency mode its own buffers "
             "(Buffer.get_low_latency_rdma_size_hint)")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
