@@ -596,6 +596,15 @@ class EP:
         import numpy as np
         return np.zeros(shape, getattr(np, dtype[0]))
 
+    def _given(self, like):
+        """A valid device pointer standing for an empty input that was
+        given (never read: it has no rows)."""
+        g = self._keep.get("given")
+        if g is None:
+            import torch
+            g = self._keep["given"] = torch.zeros(16, dtype=torch.uint8, device=like.device)
+        return g.data_ptr()
+
     @staticmethod
     def _ptr(a):
         if a is None:
@@ -619,6 +628,12 @@ class EP:
         px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0, inf=xinf)
         ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
+        if self.device == "cuda":
+            # an empty tensor (no tokens on this rank) has no storage: "given
+            # but empty" must still reach the library as given (fp8 rows,
+            # weights riding along), as every rank must say the same
+            ps = ps or (self._given(x) if x_scales is not None else None)
+            pw = pw or (self._given(x) if topk_weights is not None else None)
         xdt = (_FP8[0], xinf.dtype) if fp8 else _BF16
         if self.device == "cuda" and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
@@ -646,6 +661,8 @@ class EP:
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
+        if self.device == "cuda" and topk_weights is not None:
+            pw = pw or self._given(y)
         odt = _BF16 if self.device == "cuda" else ("uint16", "uint16")
         out = self._ht_new(y, (T, H), odt)
         wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
