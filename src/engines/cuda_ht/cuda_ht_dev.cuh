@@ -43,11 +43,19 @@
 #include "runtime/cuda_mem.h"
 #include "runtime/cuda_sync.cuh"
 
-#define FR_CUHT_RING_DEFAULT 64  /* tokens per (channel, peer) ring */
-#define FR_CUHT_SMS_DEFAULT 16   /* channels (one block each) */
+/* Defaults (setup.cu): channels = num_sms, or FR_CUHT_SMS_DEFAULT (one
+ * block, so one SM, per channel); ring_tokens, or FR_CUHT_RING_BUDGET / N
+ * records per (channel, peer) ring within [FR_CUHT_RING_MIN,
+ * FR_CUHT_RING_MAX] (a segment then holds at most 24 x 512 records of
+ * each kind whatever N: ~354 MB at H = 7168, ~177 MB at N = 2). */
+#define FR_CUHT_SMS_DEFAULT 24
+#define FR_CUHT_RING_BUDGET 512
+#define FR_CUHT_RING_MIN 32
+#define FR_CUHT_RING_MAX 128
 #define FR_CUHT_MAX_CHANNELS 128
-#define FR_CUHT_MAX_RANKS 16     /* a warp per peer in each role */
-#define FR_CUHT_CHUNK 8          /* records between tail/head publications */
+#define FR_CUHT_MAX_RANKS 16     /* at least a warp per peer in each role */
+#define FR_CUHT_STEP 4           /* records per warp between publications */
+#define FR_CUHT_CBATCH 64        /* most tokens per combine batch */
 #define FR_CUHT_LINE 64
 
 enum { FR_CUHT_DTAIL = 0, FR_CUHT_DHEAD = 1, FR_CUHT_CTAIL = 2, FR_CUHT_CHEAD = 3 };
@@ -84,6 +92,8 @@ typedef struct fr_cuht_rdev {
     const int32_t *idx;           /* [T][K] topk_idx as int32 (-1 where bad) */
     const unsigned int *mask;     /* [T] bit d: the token goes to rank d */
     const int32_t *tpos;          /* [T][N] place among channel tokens to d */
+    const int32_t *rtok;          /* [N][T] the inverse: channel c's i-th token
+                                     to d at [d][chan_lo(c) + i] */
     const int32_t *ccnt;          /* [N][C] own tokens to d per channel */
     const int32_t *rcnt, *rbase;  /* [N][C] rows from s per channel, first row */
 } fr_cuht_rdev_t;
@@ -200,17 +210,14 @@ static __device__ bool fr_cuht_wait_ge(const fr_cuht_args_t &A, const unsigned l
     }
 }
 
-/* Publish counter value v into a peer's word: the warp's stores before
- * this are ordered by the warp barrier, then lane 0 fences at system
- * scope and stores with release. */
+/* Publish counter value v into a peer's word (one thread, after the
+ * barrier that orders its group's stores before it): a system-scope
+ * fence, then a release store. */
 static __device__ __forceinline__ void fr_cuht_publish(unsigned long long *w,
                                                        unsigned long long v)
 {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) {
-        __threadfence_system();
-        fr_sys_st_release(w, v);
-    }
+    __threadfence_system();
+    fr_sys_st_release(w, v);
 }
 
 /* Host: the last launch's error, then the kernels' error word. */

@@ -4,7 +4,8 @@
  *
  *   layout (a block per channel): topk_idx checked and copied as int32,
  *          per token the mask of ranks it goes to and its place among the
- *          channel's tokens to each rank (block scans, token order), per
+ *          channel's tokens to each rank (block scans, token order) with
+ *          the inverse (the channel's i-th token to each rank), per
  *          (rank, channel) the token count, per (rank, local expert) the
  *          row count (atomics).
  *   notify (one block): this rank's counts stored into every peer's notify
@@ -39,7 +40,7 @@
 
 __global__ void __launch_bounds__(FR_RL_THREADS)
 fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsigned int *mask,
-               int32_t *tpos, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
+               int32_t *tpos, int32_t *rtok, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
 {
     const fr_cuht_geo_t &G = A.G;
     int N = G.N, K = G.K, El = G.El, c = blockIdx.x;
@@ -84,9 +85,12 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsig
             int before = run[d];
             for (int w = 0; w < warp; w++)
                 before += wsum[w];
-            if (valid)
-                tpos[(size_t)t * N + d] =
-                    f ? before + __popc(bal & ((1u << lane) - 1u)) : -1;
+            if (valid) {
+                int pos = f ? before + __popc(bal & ((1u << lane) - 1u)) : -1;
+                tpos[(size_t)t * N + d] = pos;
+                if (f) /* the inverse: the channel's pos-th token to d */
+                    rtok[(size_t)d * T + t0 + pos] = t;
+            }
             __syncthreads();
             if (threadIdx.x == 0) {
                 int tot = 0;
@@ -250,9 +254,9 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     const fr_cuht_geo_t *G = &fr_cuht(ep)->a.G;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
     size_t sz[] = {4 * t * K, 4 * t, 4 * t * N, 4 * N * C, 4 * N * (size_t)G->El,
-                   4 * N * C, 4 * N * C, 16};
-    size_t off[8], tot = 0;
-    for (int i = 0; i < 8; i++) {
+                   4 * N * C, 4 * N * C, 16, 4 * N * t};
+    size_t off[9], tot = 0;
+    for (int i = 0; i < 9; i++) {
         off[i] = tot;
         tot += (sz[i] + 255) & ~(size_t)255;
     }
@@ -273,6 +277,7 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     p->r.rcnt = (const int32_t *)(b + off[5]);
     p->r.rbase = (const int32_t *)(b + off[6]);
     p->bad = (int32_t *)(b + off[7]);
+    p->r.rtok = (const int32_t *)(b + off[8]);
     return FERRY_OK;
 }
 
@@ -328,7 +333,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
         cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
         fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
             c->a, T, in->topk_idx, (int32_t *)p->r.idx, (unsigned int *)p->r.mask,
-            (int32_t *)p->r.tpos, ccnt, dcnt, p->bad);
+            (int32_t *)p->r.tpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
         fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
             c->a, (unsigned long long)route->id, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
             (int32_t *)p->r.rbase, (fr_cuht_res_t *)c->res_dev);

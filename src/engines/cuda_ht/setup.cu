@@ -153,7 +153,13 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     ep->eng_state = c;
     int C = cfg->num_sms > 0 ? cfg->num_sms : FR_CUHT_SMS_DEFAULT;
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
-    int RT = cfg->ring_tokens > 0 ? cfg->ring_tokens : FR_CUHT_RING_DEFAULT;
+    /* the default ring: enough records per (channel, peer) to keep the
+     * links busy between publications, fewer as N grows so the segment
+     * stays bounded (cuda_ht_dev.cuh) */
+    int RT = FR_CUHT_RING_BUDGET / N;
+    RT = RT < FR_CUHT_RING_MIN ? FR_CUHT_RING_MIN : RT > FR_CUHT_RING_MAX ? FR_CUHT_RING_MAX : RT;
+    if (cfg->ring_tokens > 0)
+        RT = cfg->ring_tokens;
     fr_cuht_geo_init(&c->a.G, ep, C, RT);
     ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
     ep->L.send_bytes = 0;

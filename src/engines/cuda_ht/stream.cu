@@ -5,33 +5,50 @@
  * tokens, so its rows at a destination are one contiguous run and block c
  * of every rank only ever waits for block c of its peers.
  *
- * A block has two groups of W warps (W = 8, or 16 above 8 ranks): warp i
- * of the first sends to one peer, warp i of the second receives from one
- * (each ring has one writer warp and one reader warp; with a warp per
- * peer nobody waits on a ring while another ring it serves could move).
+ * A block has two roles of W warps (W = 8, or 16 above 8 ranks): senders
+ * and receivers. The W warps of a role are split among its rings: the
+ * senders' N - 1 peer rings, the receivers' N - 1 peer rings and the own
+ * tokens (a group each: at N = 2, 8 warps send, 4 receive, 4 copy the own
+ * tokens; at N = 8 one warp per ring), so every warp moves data whatever
+ * N. A group works in lockstep steps: its leader
+ * (lane 0 of its first warp) publishes the previous step's counter and
+ * waits, a named barrier (one per group) hands the outcome to the group,
+ * the warps copy the step's records round robin, and the next step's
+ * barrier orders their stores before the leader's fence and release
+ * store. Nothing else is shared, so a group waits on its own ring only.
+ * Copies keep 8 (4 in the combine's sums over two ranks) 16-byte loads
+ * per lane in flight (runtime/cuda_sync.cuh).
  *
- * dispatch  sender (c, d):   this channel's tokens that go to d, in token
- *                            order, as records (core/ht_rec.h: token, local
- *                            expert ids, weights, route number, dtype; the
- *                            row with 16-byte stores; fp8 scales) into
- *                            ring (c, this rank) of d's segment; the tail
- *                            published every FR_CUHT_CHUNK records and
- *                            before waiting for room (release, system
- *                            scope); room: d's head, polled here.
- *           receiver (c, s): lane 0 polls the tail of ring (c, s) here; the
- *                            records are checked (token, route, dtype,
- *                            expert ids) before use and copied to recv_x
- *                            row rbase[s][c] + i and the optional outputs;
- *                            the head is published back into s's segment.
- * combine   sender (c, s):   rows rbase[s][c].. of y (and the slot weights)
- *                            back into ring (c, this rank) of s's segment.
- *           receivers:       the group merges the channel's rings in token
- *                            order, in batches of up to min(ring, 32)
- *                            tokens: one thread per peer waits until the
- *                            batch's records are in, the warps sum each
- *                            token's rows in ascending rank order in fp32
- *                            and round once to bf16 (bit for bit the CPU
- *                            engine's result), the heads go back.
+ * dispatch  senders (c, d):  this channel's tokens that go to d, in token
+ *                            order (the route's rtok), as records
+ *                            (core/ht_rec.h: token, local expert ids,
+ *                            weights, route number, dtype; the row; fp8
+ *                            scales) into ring (c, this rank) of d's
+ *                            segment, FR_CUHT_STEP records per warp a step;
+ *                            room: d's head, polled here; a step's tail
+ *                            goes out while the next step is copied, or
+ *                            before the leader waits.
+ *                            The own tokens go straight from x to their
+ *                            rows (a receiver group): no ring, no counters.
+ *           receivers (c, s): the leader polls the tail of ring (c, s)
+ *                            here; the records are copied to recv_x row
+ *                            rbase[s][c] + i and checked (token, route,
+ *                            dtype, expert ids) before their fields are
+ *                            used; the head goes back into s's segment.
+ * combine   senders (c, s):  rows rbase[s][c].. of y (and the slot weights)
+ *                            back into ring (c, this rank) of s's segment
+ *                            (none for s = this rank).
+ *           receivers:       the role merges the channel's rings in token
+ *                            order, in batches of half a ring (at most
+ *                            FR_CUHT_CBATCH tokens): one thread per peer
+ *                            waits until the batch's records are in, the
+ *                            warps sum each token's rows (own rows straight
+ *                            from y) in ascending rank order in fp32 and
+ *                            round once to bf16 (bit for bit the CPU
+ *                            engine's result), the heads go back. A sender
+ *                            step plus a batch fit a ring, so a sender
+ *                            waiting for room and a batch waiting for its
+ *                            records cannot block each other.
  *
  * Counters are cumulative (cuda_ht_dev.cuh), so calls follow each other
  * with no reset and no barrier; a receiver takes exactly the records of
@@ -58,99 +75,192 @@ typedef struct fr_cuht_io {
     int fp8;
 } fr_cuht_io_t;
 
-/* Wait (lane 0) until the counter reaches `target`; the warp learns the
- * value seen, or returns false after a failure. */
-static __device__ __forceinline__ bool fr_cuht_warp_wait(const fr_cuht_args_t &A,
-                                                         const unsigned long long *w,
-                                                         unsigned long long target, int rank,
-                                                         int what, unsigned long long *seen)
+/* A ring's group of warps (a sender or receiver group of one ring, see
+ * the top): P warps, this warp's place j in it, the named barrier they
+ * share (none when P = 1: the warp's own) and two shared words through
+ * which the group's leader (lane 0 of warp 0) tells every warp what it
+ * waited for. Each word is written by the leader between the two
+ * barriers of a step and read after the second, so every warp reads the
+ * same value. */
+typedef struct fr_cuht_grp {
+    int j, P, bar;
+    volatile int *ok;
+    volatile int *lim;
+} fr_cuht_grp_t;
+
+static __device__ __forceinline__ void fr_cuht_gbar(const fr_cuht_grp_t &g)
 {
-    int ok = 1;
-    unsigned long long v = *seen;
-    if ((threadIdx.x & 31) == 0)
-        ok = fr_cuht_wait_ge(A, w, target, rank, what, &v);
-    ok = __shfl_sync(FR_FULL, ok, 0);
-    *seen = __shfl_sync(FR_FULL, v, 0);
-    return ok != 0;
+    if (g.P > 1)
+        fr_bar_sync(g.bar, g.P * 32);
+    else
+        __syncwarp();
+}
+
+static __device__ __forceinline__ bool fr_cuht_lead(const fr_cuht_grp_t &g)
+{
+    return g.j == 0 && (threadIdx.x & 31) == 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* senders (dispatch and combine)                                         */
+
+/* Sender group of ring (c, this rank) at peer d: n records, in steps of up
+ * to S (S <= ring: the leader waits for room for the whole step, then the
+ * group's warps write its records round robin). A step's tail goes out
+ * after the barrier that ends its copies (system fence, release store by
+ * the leader): while the next step is copied, or before the leader
+ * waits, so a waiting group has published everything it wrote.
+ *   dispatch: record i is the channel's i-th token to d (route's rtok)
+ *   combine:  record i is row rbase[d][c] + i of y with its K weights */
+template <bool COMB, int U>
+static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                    const fr_cuht_io_t &io, int c, int d, int S,
+                                    const fr_cuht_grp_t &g)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C, me = G.rank;
+    bool lead = fr_cuht_lead(g);
+    int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
+    int row0 = COMB ? R.rbase[(size_t)d * C + c] : 0;
+    const int32_t *tok_of = R.rtok + (size_t)d * R.T + fr_cuht_chan_lo(R.T, C, c);
+    size_t rowb = !COMB && io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
+    int nsc = !COMB && io.fp8 ? G.H / 128 : 0;
+    unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
+    size_t hdr = COMB ? G.chdr : G.dhdr;
+    int what = COMB ? FR_CUHT_WHAT_COMBINE : FR_CUHT_WHAT_DISPATCH;
+    uint8_t *ring = A.peer[d] + fr_cuht_off_ring(G, COMB, c, me);
+    unsigned long long *tailw = (unsigned long long *)(A.peer[d] + fr_cuht_off_ctr(
+                                    G, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, me));
+    const unsigned long long *headw = (const unsigned long long *)(A.seg + fr_cuht_off_ctr(
+                                          G, COMB ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c, d));
+    unsigned long long *mine = fr_cuht_my_ctr(A, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, d);
+    unsigned long long sent0 = *mine;
+    /* never more than RT records outstanding: d's head is at least this */
+    unsigned long long head = sent0 > RT ? sent0 - RT : 0;
+    int32_t flags = fr_ht_flags(io.fp8, R.id);
+    size_t woff = fr_ht_woff(K);
+    unsigned long long pub = sent0; /* the leader's */
+    for (int i0 = 0; i0 < n; i0 += S) {
+        int m = n - i0 < S ? n - i0 : S;
+        unsigned long long sent = sent0 + (unsigned long long)i0;
+        fr_cuht_gbar(g); /* the previous step's records are written */
+        if (lead) {
+            int ok = !fr_cuht_failed(A);
+            if (ok && sent + (unsigned long long)m - head > RT) {
+                if (sent > pub) { /* what is written can be taken meanwhile */
+                    fr_cuht_publish(tailw, sent);
+                    pub = sent;
+                }
+                ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT, d, what,
+                                     &head);
+                if (ok && head > sent) {
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
+                                 (int)(head - sent));
+                    ok = 0;
+                }
+            }
+            *g.ok = ok;
+        }
+        fr_cuht_gbar(g);
+        if (!*g.ok) /* the group leaves together */
+            return;
+        if (lead && sent > pub) { /* the previous step's tail, while the others copy */
+            fr_cuht_publish(tailw, sent);
+            pub = sent;
+        }
+        for (int k = g.j; k < m; k += g.P) {
+            int i = i0 + k;
+            uint8_t *rec = ring + ((sent + (unsigned long long)k) % RT) * recb;
+            const uint8_t *src;
+            if (COMB) {
+                size_t row = (size_t)row0 + (size_t)i;
+                if (lane == 0) {
+                    ((int32_t *)rec)[0] = i; /* its place among the channel's rows: checked */
+                    ((uint32_t *)rec)[1] = R.id;
+                }
+                if (lane < K)
+                    ((float *)(rec + 8))[lane] = io.w ? io.w[row * K + lane] : 0.f;
+                src = io.x + row * rowb;
+            } else {
+                int tok = tok_of[i];
+                if (lane == 0) {
+                    ((int32_t *)rec)[0] = tok;
+                    ((int32_t *)rec)[1] = flags;
+                }
+                if (lane < K) {
+                    int e = R.idx[(size_t)tok * K + lane];
+                    bool loc = e >= 0 && e / El == d;
+                    ((int16_t *)(rec + 8))[lane] = (int16_t)(loc ? e % El : -1);
+                    ((float *)(rec + woff))[lane] =
+                        loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
+                }
+                for (int q = lane; q < nsc; q += 32)
+                    ((float *)(rec + hdr + rowb))[q] = io.xs[(size_t)tok * nsc + q];
+                src = io.x + (size_t)tok * rowb;
+            }
+            fr_warp_copy16u<U, false>(rec + hdr, src, rowb);
+        }
+    }
+    fr_cuht_gbar(g);
+    if (lead) {
+        if (n > 0 && !fr_cuht_failed(A))
+            fr_cuht_publish(tailw, sent0 + (unsigned long long)n);
+        *mine = sent0 + (unsigned long long)n;
+    }
 }
 
 /* ---------------------------------------------------------------------- */
 /* dispatch                                                               */
 
-static __device__ void fr_cuht_dsend(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
-                                     const fr_cuht_io_t &io, int c, int d)
+/* The own tokens: straight from x into their rows (no ring, no
+ * counters); the group's warps take tokens round robin, nothing to wait
+ * for. The same values the receiver would write. */
+template <int U>
+static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                     const fr_cuht_io_t &io, int c, const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, me = G.rank;
-    int t0 = fr_cuht_chan_lo(R.T, G.C, c), t1 = fr_cuht_chan_lo(R.T, G.C, c + 1);
+    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C, me = G.rank;
+    int n = R.ccnt[(size_t)me * C + c], row0 = R.rbase[(size_t)me * C + c];
+    const int32_t *tok_of = R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c);
     size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
     int nsc = io.fp8 ? G.H / 128 : 0;
-    unsigned long long RT = (unsigned long long)G.RT;
-    uint8_t *ring = A.peer[d] + fr_cuht_off_ring(G, 0, c, me);
-    unsigned long long *tailw =
-        (unsigned long long *)(A.peer[d] + fr_cuht_off_ctr(G, FR_CUHT_DTAIL, c, me));
-    const unsigned long long *headw =
-        (const unsigned long long *)(A.seg + fr_cuht_off_ctr(G, FR_CUHT_DHEAD, c, d));
-    unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_DTAIL, c, d);
-    unsigned long long sent = *mine, pub = sent;
-    /* never more than RT records outstanding: d's head is at least this */
-    unsigned long long head = sent > RT ? sent - RT : 0;
-    int32_t flags = fr_ht_flags(io.fp8, R.id);
-    size_t woff = fr_ht_woff(K);
-    for (int base = t0; base < t1; base += 32) {
-        int t = base + lane;
-        unsigned int bal = __ballot_sync(FR_FULL, t < t1 && (R.mask[t] >> d & 1u));
-        while (bal) {
-            int tok = base + __ffs(bal) - 1;
-            bal &= bal - 1;
-            if (sent - head >= RT) {
-                if (sent > pub) { /* what is written can be taken meanwhile */
-                    fr_cuht_publish(tailw, sent);
-                    pub = sent;
-                }
-                if (!fr_cuht_warp_wait(A, headw, sent - RT + 1, d, FR_CUHT_WHAT_DISPATCH, &head))
-                    return;
-                if (head > sent) {
-                    if (lane == 0)
-                        fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
-                                     (int)(head - sent));
-                    return;
-                }
-            }
-            uint8_t *rec = ring + (sent % RT) * G.drec;
-            if (lane == 0) {
-                ((int32_t *)rec)[0] = tok;
-                ((int32_t *)rec)[1] = flags;
-            }
-            if (lane < K) {
-                int e = R.idx[(size_t)tok * K + lane];
-                bool loc = e >= 0 && e / El == d;
-                ((int16_t *)(rec + 8))[lane] = (int16_t)(loc ? e % El : -1);
-                ((float *)(rec + woff))[lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
-            }
-            fr_warp_copy16(rec + G.dhdr, io.x + (size_t)tok * rowb, rowb);
-            for (int j = lane; j < nsc; j += 32)
-                ((float *)(rec + G.dhdr + rowb))[j] = io.xs[(size_t)tok * nsc + j];
-            sent++;
-            if (sent - pub >= FR_CUHT_CHUNK) {
-                fr_cuht_publish(tailw, sent);
-                pub = sent;
-            }
+    for (int i = g.j; i < n; i += g.P) {
+        int tok = tok_of[i];
+        size_t row = (size_t)row0 + (size_t)i;
+        fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
+        for (int q = lane; q < nsc; q += 32)
+            io.rxs[row * nsc + q] = io.xs[(size_t)tok * nsc + q];
+        if (lane < K) {
+            int e = R.idx[(size_t)tok * K + lane];
+            bool loc = e >= 0 && e / El == me;
+            if (io.ridx)
+                io.ridx[row * K + lane] = loc ? e % El : -1;
+            if (io.rw)
+                io.rw[row * K + lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
         }
-        if (__any_sync(FR_FULL, fr_cuht_failed(A))) /* the warp leaves together */
-            return;
+        if (lane == 0 && io.rsr)
+            io.rsr[row] = me;
+        if (lane == 0 && io.rst)
+            io.rst[row] = tok;
     }
-    if (sent > pub)
-        fr_cuht_publish(tailw, sent);
-    if (lane == 0)
-        *mine = sent;
 }
 
+/* Receiver group of ring (c, s) here: this call's n records, in steps of
+ * what the tail shows (at most S): the leader waits for the tail, the
+ * warps take the step's records round robin; a step's head goes out
+ * after the barrier that ends its copies, while the next step is copied
+ * or before the leader waits. A record's
+ * header is loaded with its row, checked before any of its fields is
+ * used (a bad one fails the context, whose outputs are then not valid). */
+template <int U>
 static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
-                                     const fr_cuht_io_t &io, int c, int s)
+                                     const fr_cuht_io_t &io, int c, int s, int S,
+                                     const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
     int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C;
+    bool lead = fr_cuht_lead(g);
     size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
     int nsc = io.fp8 ? G.H / 128 : 0;
     unsigned long long RT = (unsigned long long)G.RT;
@@ -161,31 +271,48 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     unsigned long long *headw =
         (unsigned long long *)(A.peer[s] + fr_cuht_off_ctr(G, FR_CUHT_DHEAD, c, G.rank));
     unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s);
-    unsigned long long start = *mine, taken = start, end = start + (unsigned long long)n;
-    unsigned long long tail = start, pub = start;
+    unsigned long long start = *mine, tail = start;
+    int taken = 0, pub = 0; /* pub: the leader's */
     size_t woff = fr_ht_woff(K);
-    while (taken < end) {
-        if (tail <= taken) {
-            if (taken > pub) {
-                fr_cuht_publish(headw, taken);
-                pub = taken;
-            }
-            if (!fr_cuht_warp_wait(A, tailw, taken + 1, s, FR_CUHT_WHAT_DISPATCH, &tail))
-                return;
-            if (tail > pub + RT) { /* more than the ring holds */
-                if (lane == 0)
+    while (taken < n) {
+        fr_cuht_gbar(g); /* the previous step's records are copied */
+        if (lead) {
+            int ok = !fr_cuht_failed(A);
+            if (ok && tail <= start + (unsigned long long)taken) {
+                if (taken > pub) { /* what is taken can be refilled meanwhile */
+                    fr_cuht_publish(headw, start + (unsigned long long)taken);
+                    pub = taken;
+                }
+                ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1, s,
+                                     FR_CUHT_WHAT_DISPATCH, &tail);
+                if (ok && tail > start + (unsigned long long)pub + RT) { /* more than fits */
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN,
-                                 (int)(tail - pub - RT));
-                return;
+                                 (int)(tail - start - (unsigned long long)pub - RT));
+                    ok = 0;
+                }
             }
+            unsigned long long av = tail - start;
+            int lim = av < (unsigned long long)n ? (int)av : n;
+            *g.lim = lim < taken + S ? lim : taken + S;
+            *g.ok = ok;
         }
-        unsigned long long lim = tail < end ? tail : end;
-        for (; taken < lim; taken++) {
-            const uint8_t *rec = ring + (taken % RT) * G.drec;
-            /* the header is read once and checked before anything is used */
+        fr_cuht_gbar(g);
+        if (!*g.ok)
+            return;
+        if (lead && taken > pub) { /* the previous step's head, while the others copy */
+            fr_cuht_publish(headw, start + (unsigned long long)taken);
+            pub = taken;
+        }
+        int lim = *g.lim;
+        for (int k = taken + g.j; k < lim; k += g.P) {
+            const uint8_t *rec = ring + ((start + (unsigned long long)k) % RT) * G.drec;
             int tok = __ldcg((const int32_t *)rec), flags = __ldcg((const int32_t *)rec + 1);
             int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
             float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
+            size_t row = (size_t)row0 + (size_t)k;
+            fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + G.dhdr, rowb);
+            for (int q = lane; q < nsc; q += 32)
+                io.rxs[row * nsc + q] = __ldcg((const float *)(rec + G.dhdr + rowb) + q);
             int what = 0, detail = 0;
             if (tok < 0 || tok >= G.T) {
                 what = FR_CUHT_WHAT_RECORD;
@@ -200,15 +327,11 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 what = FR_CUHT_WHAT_RECORD;
                 detail = tok;
             }
-            if (what) {
+            if (what) { /* the leader sees the failure at the next step */
                 if (lane == 0)
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, what, detail);
-                return;
+                break;
             }
-            size_t row = (size_t)row0 + (size_t)(taken - start);
-            fr_warp_copy16_cg(io.rx + row * rowb, rec + G.dhdr, rowb);
-            for (int j = lane; j < nsc; j += 32)
-                io.rxs[row * nsc + j] = __ldcg((const float *)(rec + G.dhdr + rowb) + j);
             if (lane < K && io.ridx)
                 io.ridx[row * K + lane] = le;
             if (lane < K && io.rw)
@@ -217,109 +340,89 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 io.rsr[row] = s;
             if (lane == 0 && io.rst)
                 io.rst[row] = tok;
-            if (taken + 1 - pub >= FR_CUHT_CHUNK) {
-                fr_cuht_publish(headw, taken + 1);
-                pub = taken + 1;
-            }
         }
+        taken = lim;
     }
-    if (taken > pub)
-        fr_cuht_publish(headw, taken);
-    if (lane == 0)
-        *mine = taken;
+    fr_cuht_gbar(g);
+    if (lead) {
+        if (n > pub && !fr_cuht_failed(A))
+            fr_cuht_publish(headw, start + (unsigned long long)n);
+        *mine = start + (unsigned long long)n;
+    }
 }
 
+/* Warps per ring when a role's W warps serve `rings` rings: W / rings
+ * each (the rest idle when rings does not divide W). */
 template <int W>
-__global__ void __launch_bounds__(2 * W * 32)
+static __device__ __forceinline__ int fr_cuht_per_ring(int rings)
+{
+    return rings < W ? W / rings : 1;
+}
+
+/* The sender role serves the N - 1 peer rings (W / (N - 1) warps each;
+ * at N = 1 the own tokens). The receiver role serves the N - 1 peer rings
+ * and the own tokens (W / N warps each): the own tokens are a local copy,
+ * the peers' rings the links. */
+template <int W>
+__global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
+    constexpr int U = W <= 8 ? 8 : 2; /* loads in flight per lane (registers) */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
-    __shared__ int dead;
+    __shared__ int dead, gok[2][W], glim[2][W];
     if (threadIdx.x == 0)
         dead = fr_cuht_failed(A);
     __syncthreads();
     if (dead) /* the context failed earlier: nothing moves */
         return;
-    if (warp < W) { /* destinations rotated: not every rank at rank 0 first */
-        if (warp < N)
-            fr_cuht_dsend(A, R, io, c, (me + 1 + warp) % N);
-    } else if (warp - W < N) {
-        fr_cuht_drecv(A, R, io, c, (me + N - 1 - (warp - W)) % N);
+    int role = warp < W ? 0 : 1, rings = role == 0 && N > 1 ? N - 1 : N;
+    int P = fr_cuht_per_ring<W>(rings), r = (warp % W) / P;
+    if (r >= rings)
+        return;
+    /* named barriers (only when P > 1): senders 1..W/2, receivers
+     * W/2+1..W; a receiver group of several warps means N <= W / 2, so
+     * W = 8 and ids up to 8 */
+    fr_cuht_grp_t g = {(warp % W) % P, P, 1 + role * (W / 2) + r, &gok[role][r],
+                       &glim[role][r]};
+    if (role == 0 ? N == 1 : r == N - 1) {
+        if (role == 0 || N > 1)
+            fr_cuht_dself<U>(A, R, io, c, g);
+    } else if (role == 0) { /* destinations rotated: not every rank at rank 0 first */
+        int S = P * FR_CUHT_STEP < A.G.RT ? P * FR_CUHT_STEP : A.G.RT;
+        fr_cuht_send<false, U>(A, R, io, c, (me + 1 + r) % N, S, g);
+    } else {
+        fr_cuht_drecv<U>(A, R, io, c, (me + N - 1 - r) % N, P * FR_CUHT_STEP, g);
     }
 }
 
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
 
-static __device__ void fr_cuht_csend(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
-                                     const fr_cuht_io_t &io, int c, int s)
+/* Tokens per combine batch: half a ring (the senders fill the other half
+ * meanwhile), at most FR_CUHT_CBATCH. */
+static __device__ __forceinline__ int fr_cuht_cbatch(int RT)
 {
-    const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, C = G.C, me = G.rank;
-    size_t rowb = 2 * (size_t)G.H;
-    unsigned long long RT = (unsigned long long)G.RT;
-    int n = R.rcnt[(size_t)s * C + c], row0 = R.rbase[(size_t)s * C + c];
-    uint8_t *ring = A.peer[s] + fr_cuht_off_ring(G, 1, c, me);
-    unsigned long long *tailw =
-        (unsigned long long *)(A.peer[s] + fr_cuht_off_ctr(G, FR_CUHT_CTAIL, c, me));
-    const unsigned long long *headw =
-        (const unsigned long long *)(A.seg + fr_cuht_off_ctr(G, FR_CUHT_CHEAD, c, s));
-    unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_CTAIL, c, s);
-    unsigned long long sent = *mine, pub = sent;
-    unsigned long long head = sent > RT ? sent - RT : 0;
-    for (int i = 0; i < n; i++) {
-        if (sent - head >= RT) {
-            if (sent > pub) {
-                fr_cuht_publish(tailw, sent);
-                pub = sent;
-            }
-            if (!fr_cuht_warp_wait(A, headw, sent - RT + 1, s, FR_CUHT_WHAT_COMBINE, &head))
-                return;
-            if (head > sent) {
-                if (lane == 0)
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN,
-                                 (int)(head - sent));
-                return;
-            }
-        }
-        size_t row = (size_t)row0 + (size_t)i;
-        uint8_t *rec = ring + (sent % RT) * G.crec;
-        if (lane == 0) {
-            ((int32_t *)rec)[0] = i; /* its place among the channel's rows: checked */
-            ((uint32_t *)rec)[1] = R.id;
-        }
-        if (lane < K)
-            ((float *)(rec + 8))[lane] = io.w ? io.w[row * K + lane] : 0.f;
-        fr_warp_copy16(rec + G.chdr, io.x + row * rowb, rowb);
-        sent++;
-        if (sent - pub >= FR_CUHT_CHUNK) {
-            fr_cuht_publish(tailw, sent);
-            pub = sent;
-        }
-        if ((i & 31) == 31 && __any_sync(FR_FULL, fr_cuht_failed(A)))
-            return;
-    }
-    if (sent > pub)
-        fr_cuht_publish(tailw, sent);
-    if (lane == 0)
-        *mine = sent;
+    return RT >= 2 ? (RT / 2 < FR_CUHT_CBATCH ? RT / 2 : FR_CUHT_CBATCH) : 1;
 }
 
-/* The receiving group (W warps, named barrier 1): the channel's own tokens
- * in batches; per batch, the records of each peer it needs are waited for
- * (one thread per peer), summed, and their ring slots handed back. */
-template <int W>
+/* The receiving group (W warps, named barrier 15): the channel's own
+ * tokens in batches; per batch, the records of each peer it needs are
+ * waited for (one thread per peer), summed, and their ring slots handed
+ * back. The own rank's rows are read straight from y. */
+template <int W, int U>
 static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c)
 {
     const fr_cuht_geo_t &G = A.G;
-    int N = G.N, K = G.K, El = G.El, H = G.H, C = G.C;
+    int N = G.N, K = G.K, El = G.El, H = G.H, C = G.C, me = G.rank;
     int tid = threadIdx.x - W * 32, gw = tid >> 5, lane = threadIdx.x & 31;
     int t0 = fr_cuht_chan_lo(R.T, C, c), t1 = fr_cuht_chan_lo(R.T, C, c + 1);
     unsigned long long RT = (unsigned long long)G.RT;
+    size_t self0 = (size_t)R.rbase[(size_t)me * C + c]; /* own rows of y */
     __shared__ unsigned long long sbase[FR_CUHT_MAX_RANKS], stail[FR_CUHT_MAX_RANKS];
     __shared__ int sneed[FR_CUHT_MAX_RANKS], spub[FR_CUHT_MAX_RANKS];
     __shared__ const uint8_t *sring[FR_CUHT_MAX_RANKS];
+    __shared__ const int4 *sptr[W][FR_CUHT_MAX_RANKS]; /* a token's rows, by rank */
     /* failures seen while waiting, and while summing: two words, each
      * read only after the barrier that ends its phase and written again
      * only after the next barrier, so every warp reads the same value */
@@ -333,11 +436,12 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     }
     if (tid == 0)
         wok = sok = 1;
-    fr_bar_sync(1, W * 32);
-    int B = G.RT < 32 ? G.RT : 32; /* a batch's records of one peer fit its ring */
+    fr_bar_sync(15, W * 32);
+    int B = fr_cuht_cbatch(G.RT); /* a batch's records of one peer fit its ring */
+    int H8 = H / 8;
     for (int b0 = t0; b0 < t1; b0 += B) {
         int nb = t1 - b0 < B ? t1 - b0 : B;
-        if (tid < N) {
+        if (tid < N && tid != me) {
             int d = tid;
             for (int j = nb - 1; j >= 0; j--)
                 if (R.mask[b0 + j] >> d & 1u) {
@@ -358,98 +462,148 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 stail[d] = v;
             }
         }
-        fr_bar_sync(1, W * 32);
+        fr_bar_sync(15, W * 32);
         if (!wok)
             return;
         for (int j = gw; j < nb; j += W) {
             int t = b0 + j;
             unsigned int m = R.mask[t];
-            const uint8_t *rec[FR_CUHT_MAX_RANKS];
-            int bad = 0;
-            for (int d = 0; d < N; d++) {
-                rec[d] = NULL;
-                if (!(m >> d & 1u))
-                    continue;
-                int pos = R.tpos[(size_t)t * N + d];
-                rec[d] = sring[d] + ((sbase[d] + (unsigned long long)pos) % RT) * G.crec;
-                if (lane == 0 && !bad &&
-                    (__ldcg((const int32_t *)rec[d]) != pos ||
-                     __ldcg((const uint32_t *)rec[d] + 1) != R.id)) {
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d,
-                                 __ldcg((const uint32_t *)rec[d] + 1) != R.id
-                                     ? FR_CUHT_WHAT_ORDER
-                                     : FR_CUHT_WHAT_RECORD,
-                                 __ldcg((const uint32_t *)rec[d] + 1) != R.id
-                                     ? (int)__ldcg((const uint32_t *)rec[d] + 1)
-                                     : pos);
-                    bad = 1;
+            /* lane d: rank d's row of this token and its header */
+            const uint8_t *hrec = NULL;
+            const int4 *dp = NULL;
+            int pos = -1, hpos = 0;
+            unsigned int hid = 0;
+            if (lane < N && (m >> lane & 1u)) {
+                pos = R.tpos[(size_t)t * N + lane];
+                if (lane == me) {
+                    dp = (const int4 *)(io.x + (self0 + (size_t)pos) * 2 * (size_t)H);
+                } else {
+                    hrec = sring[lane] + ((sbase[lane] + (unsigned long long)pos) % RT) * G.crec;
+                    hpos = __ldcg((const int32_t *)hrec);
+                    hid = __ldcg((const uint32_t *)hrec + 1);
+                    dp = (const int4 *)(hrec + G.chdr);
                 }
             }
-            if (__any_sync(FR_FULL, bad)) {
+            unsigned int pres = __ballot_sync(FR_FULL, dp != NULL);
+            if (dp)
+                sptr[gw][__popc(pres & ((1u << lane) - 1u))] = dp;
+            __syncwarp();
+            int np = __popc(pres);
+            /* 8 channels a vector, U vectors per lane, two ranks' loads in
+             * flight together: fp32 sum in ascending rank order, one
+             * rounding (what the CPU engine computes) */
+            for (int h = lane; h < H8; h += 32 * U) {
+                float acc[U][8];
+#pragma unroll
+                for (int u = 0; u < U; u++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        acc[u][i] = 0.f;
+                for (int q = 0; q < np; q += 2) {
+                    bool two = q + 1 < np;
+                    const int4 *p0 = sptr[gw][q], *p1 = two ? sptr[gw][q + 1] : p0;
+                    int4 v0[U], v1[U];
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        if (h + 32 * u < H8) {
+                            v0[u] = __ldcg(p0 + h + 32 * u);
+                            v1[u] = two ? __ldcg(p1 + h + 32 * u) : make_int4(0, 0, 0, 0);
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        if (h + 32 * u < H8) {
+                            const uint16_t *y0 = (const uint16_t *)&v0[u];
+                            const uint16_t *y1 = (const uint16_t *)&v1[u];
+#pragma unroll
+                            for (int i = 0; i < 8; i++)
+                                acc[u][i] += fr_bf16_to_f32(y0[i]);
+                            if (two)
+#pragma unroll
+                                for (int i = 0; i < 8; i++)
+                                    acc[u][i] += fr_bf16_to_f32(y1[i]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (h + 32 * u < H8) {
+                        int4 o;
+                        uint16_t *ov = (uint16_t *)&o;
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            ov[i] = fr_f32_to_bf16(acc[u][i]);
+                        ((int4 *)(io.rx + (size_t)t * 2 * H))[h + 32 * u] = o;
+                    }
+                }
+            }
+            /* the headers (loaded before the sum) checked before their
+             * weights are used */
+            unsigned int badm = __ballot_sync(FR_FULL, hrec && (hpos != pos || hid != R.id));
+            if (badm) {
+                if (lane == __ffs(badm) - 1)
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, lane,
+                                 hid != R.id ? FR_CUHT_WHAT_ORDER : FR_CUHT_WHAT_RECORD,
+                                 hid != R.id ? (int)hid : pos);
                 sok = 0;
                 break;
             }
-            /* 8 channels per lane: fp32 sum in ascending rank order, one
-             * rounding (what the CPU engine computes) */
-            for (int h8 = lane; h8 < H / 8; h8 += 32) {
-                float acc[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    acc[i] = 0.f;
-                for (int d = 0; d < N; d++) {
-                    if (!rec[d])
-                        continue;
-                    int4 v = __ldcg((const int4 *)(rec[d] + G.chdr) + h8);
-                    const uint16_t *yv = (const uint16_t *)&v;
-#pragma unroll
-                    for (int i = 0; i < 8; i++)
-                        acc[i] += fr_bf16_to_f32(yv[i]);
-                }
-                int4 o;
-                uint16_t *ov = (uint16_t *)&o;
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    ov[i] = fr_f32_to_bf16(acc[i]);
-                ((int4 *)(io.rx + (size_t)t * 2 * H))[h8] = o;
-            }
             if (io.rw && lane < K) {
                 int e = R.idx[(size_t)t * K + lane];
-                io.rw[(size_t)t * K + lane] =
-                    e >= 0 ? __ldcg((const float *)(rec[e / El] + 8) + lane) : 0.f;
+                float w = 0.f;
+                if (e >= 0) {
+                    int d = e / El, p = R.tpos[(size_t)t * N + d];
+                    if (d == me)
+                        w = io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
+                    else
+                        w = __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
+                                                               RT) * G.crec + 8) + lane);
+                }
+                io.rw[(size_t)t * K + lane] = w;
             }
+            __syncwarp(); /* sptr is rewritten for the next token */
         }
-        fr_bar_sync(1, W * 32);
+        fr_bar_sync(15, W * 32);
         if (!sok)
             return;
-        if (tid < N && sneed[tid] > spub[tid]) { /* the batch's slots go back */
-            __threadfence_system();
-            fr_sys_st_release((unsigned long long *)(A.peer[tid] +
-                                                     fr_cuht_off_ctr(G, FR_CUHT_CHEAD, c, G.rank)),
-                              sbase[tid] + (unsigned long long)sneed[tid]);
+        if (tid < N && tid != me && sneed[tid] > spub[tid]) { /* the batch's slots go back */
+            fr_cuht_publish((unsigned long long *)(A.peer[tid] +
+                                                   fr_cuht_off_ctr(G, FR_CUHT_CHEAD, c, G.rank)),
+                            sbase[tid] + (unsigned long long)sneed[tid]);
             spub[tid] = sneed[tid];
         }
     }
-    if (tid < N)
+    if (tid < N && tid != me)
         *fr_cuht_my_ctr(A, FR_CUHT_CHEAD, c, tid) =
             sbase[tid] + (unsigned long long)R.ccnt[(size_t)tid * C + c];
 }
 
 template <int W>
-__global__ void __launch_bounds__(2 * W * 32)
+__global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
+    constexpr int U = W <= 8 ? 8 : 2, US = W <= 8 ? 4 : 1;
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
-    __shared__ int dead;
+    __shared__ int dead, gok[W];
     if (threadIdx.x == 0)
         dead = fr_cuht_failed(A);
     __syncthreads();
     if (dead)
         return;
-    if (warp < W) {
-        if (warp < N)
-            fr_cuht_csend(A, R, io, c, (me + 1 + warp) % N);
+    if (warp < W) { /* the N - 1 peer rings; own rows: read from y by the receivers */
+        int P = N > 1 ? fr_cuht_per_ring<W>(N - 1) : 1, r = warp / P;
+        if (r >= N - 1)
+            return;
+        int s = (me + 1 + r) % N;
+        /* barriers 1..W/2 (only when P > 1); the receivers use 15 */
+        fr_cuht_grp_t g = {warp % P, P, 1 + r, &gok[r], &gok[r]};
+        /* a step and a batch together fit a ring (liveness: see
+         * docs/architecture.md) */
+        int room = A.G.RT + 1 - fr_cuht_cbatch(A.G.RT);
+        int S = P * FR_CUHT_STEP < room ? P * FR_CUHT_STEP : room;
+        fr_cuht_send<true, U>(A, R, io, c, s, S, g);
     } else {
-        fr_cuht_crecv<W>(A, R, io, c);
+        fr_cuht_crecv<W, US>(A, R, io, c);
     }
 }
 
