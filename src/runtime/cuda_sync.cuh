@@ -2,7 +2,8 @@
  * Device-side helpers for kernels that talk to peers through memory:
  * 64-bit loads and stores with acquire/release at system scope (flags
  * read by other GPUs over NVLink or by the host), the global timer for
- * bounded waits, and a warp-wide 16-byte copy. Shared by the CUDA
+ * bounded waits, warp-wide 16-byte copies with many loads in flight, and
+ * named barriers. Shared by the CUDA
  * engines that include it (the low-latency engine keeps its own copies in
  * engines/cuda_ll/cuda_ll_dev.cuh for now).
  */
@@ -40,50 +41,51 @@ static __device__ __forceinline__ unsigned long long fr_sys_timer(void)
     return t;
 }
 
-/* One warp copies `bytes` (a multiple of 16; both ends 16-byte aligned):
- * every lane keeps up to 4 16-byte loads in flight. */
+/* One warp copies `bytes` (a multiple of 16; both ends 16-byte aligned)
+ * with U independent 16-byte loads per lane in flight before their stores
+ * (a 14 KB row is 896 vectors: 28 per lane, so U = 8 takes 4 round trips
+ * instead of 28). CG: read through L2 only (ld.global.cg), for memory
+ * other GPUs write while the kernel runs (rings), which the L1 does not
+ * see; otherwise the source must not change during the kernel (read
+ * through the read-only path, __ldg). */
+template <int U, bool CG>
+static __device__ __forceinline__ void fr_warp_copy16u(uint8_t *dst, const uint8_t *src,
+                                                       size_t bytes)
+{
+    const int4 *s = (const int4 *)src;
+    int4 *d = (int4 *)dst;
+    int n = (int)(bytes / 16), i = (int)(threadIdx.x & 31);
+    for (; i < n; i += 32 * U) {
+        int4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (i + 32 * u < n)
+                v[u] = CG ? __ldcg(s + i + 32 * u) : __ldg(s + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (i + 32 * u < n)
+                d[i + 32 * u] = v[u];
+    }
+}
+
 static __device__ __forceinline__ void fr_warp_copy16(uint8_t *dst, const uint8_t *src,
                                                       size_t bytes)
 {
-    const int4 *s = (const int4 *)src;
-    int4 *d = (int4 *)dst;
-    size_t n = bytes / 16, i = (size_t)(threadIdx.x & 31);
-    for (; i + 96 < n; i += 128) {
-        int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-        d[i] = a;
-        d[i + 32] = b;
-        d[i + 64] = c;
-        d[i + 96] = e;
-    }
-    for (; i < n; i += 32)
-        d[i] = s[i];
+    fr_warp_copy16u<8, false>(dst, src, bytes);
 }
 
-/* The same, reading through L2 only (ld.global.cg): for memory other GPUs
- * write while the kernel runs (rings), which the L1 does not see. */
 static __device__ __forceinline__ void fr_warp_copy16_cg(uint8_t *dst, const uint8_t *src,
                                                          size_t bytes)
 {
-    const int4 *s = (const int4 *)src;
-    int4 *d = (int4 *)dst;
-    size_t n = bytes / 16, i = (size_t)(threadIdx.x & 31);
-    for (; i + 96 < n; i += 128) {
-        int4 a = __ldcg(s + i), b = __ldcg(s + i + 32), c = __ldcg(s + i + 64),
-             e = __ldcg(s + i + 96);
-        d[i] = a;
-        d[i + 32] = b;
-        d[i + 64] = c;
-        d[i + 96] = e;
-    }
-    for (; i < n; i += 32)
-        d[i] = __ldcg(s + i);
+    fr_warp_copy16u<8, true>(dst, src, bytes);
 }
 
 /* A barrier of the `nthreads` threads (whole warps) that call it with
- * the same id (1..15; 0 is __syncthreads). */
+ * the same id (1..15; 0 is __syncthreads); the non-aligned form, so a
+ * warp that just left a branch of one lane need not have reconverged. */
 static __device__ __forceinline__ void fr_bar_sync(int id, int nthreads)
 {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 
 #endif
