@@ -141,6 +141,56 @@ fail:
     return rc;
 }
 
+/* The default channel count (num_sms = 0): FR_CUHT_SMS_DEFAULT, or fewer
+ * when ranks share a GPU, so that every rank's blocks (one per SM) are
+ * resident at once: the GPU's SMs divided by the most ranks on one GPU.
+ * Collective (every rank joins, whatever its own status); the same answer
+ * on every rank, or -1 on every rank. */
+typedef struct fr_cuht_gpu {
+    char bus[32];  /* PCI bus id of the rank's GPU ("" when unknown) */
+    int nsm;
+    int status;
+} fr_cuht_gpu_t;
+
+static int fr_cuht_default_channels(ferry_ep_t ep, fr_err_t *err)
+{
+    int N = ep->N, dev = 0;
+    fr_cuht_gpu_t mine, *all = (fr_cuht_gpu_t *)calloc((size_t)N, sizeof(*all));
+    memset(&mine, 0, sizeof(mine));
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetPCIBusId(mine.bus, (int)sizeof(mine.bus), dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&mine.nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mine.status = FERRY_ERR_SYSTEM;
+    }
+    if (!all) {
+        FR_ERR(err, FERRY_ERR_NOMEM, "GPU table");
+        return -1;
+    }
+    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    int C = FR_CUHT_SMS_DEFAULT;
+    for (int i = 0; i < N && rc == FERRY_OK; i++) {
+        if (all[i].status != FERRY_OK) {
+            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "rank %d cannot read its GPU's bus id and SM "
+                        "count", i);
+            break;
+        }
+        int share = 0;
+        for (int j = 0; j < N; j++)
+            share += strncmp(all[i].bus, all[j].bus, sizeof(all[i].bus)) == 0;
+        int fit = all[i].nsm / share;
+        C = fit < C ? fit : C;
+    }
+    free(all);
+    if (rc != FERRY_OK)
+        return -1;
+    C = C < 1 ? 1 : C;
+    if (C < FR_CUHT_SMS_DEFAULT)
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: ranks share a GPU: %d channels per rank by default "
+                    "(num_sms sets it)", C);
+    return C;
+}
+
 extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
 {
     int rc = FERRY_OK, N = ep->N;
@@ -151,7 +201,9 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     if (!c)
         return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
     ep->eng_state = c;
-    int C = cfg->num_sms > 0 ? cfg->num_sms : FR_CUHT_SMS_DEFAULT;
+    int C = cfg->num_sms > 0 ? cfg->num_sms : fr_cuht_default_channels(ep, err);
+    if (C < 0)
+        return FERRY_ERR_SYSTEM; /* err says why; every rank failed with it */
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
     /* the default ring: enough records per (channel, peer) to keep the
      * links busy between publications, fewer as N grows so the segment
