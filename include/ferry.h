@@ -137,12 +137,14 @@ typedef struct ferry_ep_config {
     int max_tokens;    /* T: most tokens any rank passes per round */
     ferry_dtype_t dispatch_dtype; /* bf16, or fp8 with block scales */
     ferry_device_t device;
-    int num_sms;       /* CUDA: blocks the copy kernels use (0: 16) */
+    int num_sms;       /* CUDA: blocks the kernels use (0: 16 in low-latency
+                          mode; 24 channels in high-throughput mode, fewer
+                          when ranks share a GPU) */
     ferry_mode_t mode; /* FERRY_MODE_LOW_LATENCY (0, the default) */
     /* High throughput: tokens each peer's ring holds (0: 256); ring memory
      * per rank is about 2 x N x ring_tokens x (2H + 128) bytes. CUDA: a
-     * ring per (channel, peer), so num_sms (channels) x that, default 64
-     * tokens. */
+     * ring per (channel, peer), so num_sms (channels) x that, default
+     * 512 / N tokens, within 32..128. */
     int ring_tokens;
     int reserved[5];
 } ferry_ep_config_t;
@@ -274,8 +276,10 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * malformed record, routes used in a different order) come back from
  * ferry_ep_sync or the next call, naming the rank. Calls follow each other
  * on one stream without host synchronisation; ferry_route_destroy waits
- * for the GPU. ring_tokens is per channel and peer on CUDA (default 64);
- * num_sms is the channel count, one block each (0: 16). */
+ * for the GPU. ring_tokens is per channel and peer on CUDA (default
+ * 512 / N, within 32..128); num_sms is the channel count, one block and
+ * one SM each (0: 24, or the GPU's SMs over the most ranks sharing one
+ * GPU when that is less). */
 typedef struct ferry_route *ferry_route_t;
 
 typedef struct ferry_route_in {
