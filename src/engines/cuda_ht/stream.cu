@@ -306,13 +306,18 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
         int lim = *g.lim;
         for (int k = taken + g.j; k < lim; k += g.P) {
             const uint8_t *rec = ring + ((start + (unsigned long long)k) % RT) * G.drec;
-            int tok = __ldcg((const int32_t *)rec), flags = __ldcg((const int32_t *)rec + 1);
+            /* one load, broadcast: every lane takes the same branch below even if the
+             * record were being rewritten (a split warp would deadlock between the
+             * __any_sync and the group's non-aligned barrier, with no timeout) */
+            int tok = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec), 0);
+            int flags = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec + 1), 0);
             int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
             float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
             size_t row = (size_t)row0 + (size_t)k;
             fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + G.dhdr, rowb);
             for (int q = lane; q < nsc; q += 32)
                 io.rxs[row * nsc + q] = __ldcg((const float *)(rec + G.dhdr + rowb) + q);
+            bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
             int what = 0, detail = 0;
             if (tok < 0 || tok >= G.T) {
                 what = FR_CUHT_WHAT_RECORD;
@@ -323,7 +328,7 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             } else if ((flags & 1) != io.fp8) {
                 what = FR_CUHT_WHAT_DTYPE;
                 detail = flags & 1;
-            } else if (__any_sync(FR_FULL, le < -1 || le >= El)) {
+            } else if (badle) {
                 what = FR_CUHT_WHAT_RECORD;
                 detail = tok;
             }
