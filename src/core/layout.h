@@ -176,12 +176,17 @@ FR_HD int fr_imm_sender(uint32_t imm)
 }
 
 /* Record decoding, shared by the engines and the fuzzer (layout.c):
- * validate one received slice. */
+ * validate one received slice. Its sender can still write it: every field
+ * is read once and what was checked is what fr_slice_check_hdr returns in
+ * *hdr (the caller uses that, never the slice's header again); fields a
+ * caller reads from the records again must be bounded again there. */
 #ifdef __cplusplus
 extern "C" {
 #endif
 int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
                    uint64_t epoch, fr_err_t *err);
+int fr_slice_check_hdr(const fr_layout_t *L, const uint8_t *slice, int sender,
+                       uint64_t epoch, fr_slice_hdr_t *hdr, fr_err_t *err);
 #ifdef __cplusplus
 }
 #endif

@@ -197,19 +197,24 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     uint8_t *ex = (uint8_t *)out->expert_x;
     size_t scale_bytes = 4ull * L->nscales;
     /* Check every slice, and give each sender its run of pairs in the row
-     * map (by sender, record, k; combine_send walks it per sender). */
-    uint32_t np = 0;
+     * map (by sender, record, k; combine_send walks it per sender). The
+     * slices stay writable by their senders: the headers are used as
+     * checked (fr_slice_check_hdr's copy), and what the placing loop reads
+     * from the records again is bounded again there, so a slice rewritten
+     * after its check is a protocol error, never a write past a buffer. */
+    uint32_t np = 0, *cnt = c->rcount;
     for (int s = 0; s < N; s++) {
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
         fr_err_t err;
-        rc = fr_slice_check(L, slice, s, r->epoch, &err);
+        fr_slice_hdr_t h;
+        rc = fr_slice_check_hdr(L, slice, s, r->epoch, &h, &err);
         if (rc)
             return fr_ep_fail(ep, rc, "dispatch round %llu: %s",
                               (unsigned long long)r->epoch, err.msg);
-        const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
         cr->pair_off[s] = np;
-        cr->comb_off[s] = h->comb_off;
-        np += h->npairs; /* fr_slice_check: the records hold npairs pairs */
+        cr->comb_off[s] = h.comb_off;
+        cnt[s] = h.count;
+        np += h.npairs; /* the records held npairs pairs when checked */
     }
     cr->pair_off[N] = np;
     /* Rows of each local expert: senders from this rank on, wrapping
@@ -218,13 +223,19 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     for (int q = 0; q < N; q++) {
         int s = (ep->rank + q) % N;
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
-        const fr_slice_hdr_t *h = (const fr_slice_hdr_t *)slice;
-        uint32_t p = cr->pair_off[s];
-        for (uint32_t i = 0; i < h->count; i++) {
+        uint32_t p = cr->pair_off[s], pend = cr->pair_off[s + 1];
+        for (uint32_t i = 0; i < cnt[s]; i++) {
             const uint8_t *rec = slice + fr_off_record(L, i);
-            const fr_rec_hdr_t *rh = (const fr_rec_hdr_t *)rec;
-            for (int j = 0; j < rh->nexp; j++) {
-                int le = rh->le[j];
+            const volatile fr_rec_hdr_t *rh = (const volatile fr_rec_hdr_t *)rec;
+            uint32_t nexp = rh->nexp, token = rh->token;
+            for (uint32_t j = 0; j < nexp; j++) {
+                uint32_t le = rh->le[j];
+                if (nexp > (uint32_t)L->kmax || le >= (uint32_t)L->El || p >= pend ||
+                    (uint64_t)efill[le] >= L->cap)
+                    return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                      "dispatch round %llu: slice from rank %d: record %u "
+                                      "changed after it was checked",
+                                      (unsigned long long)r->epoch, s, i);
                 int32_t slot = efill[le]++;
                 size_t row = (size_t)le * L->cap + (size_t)slot;
                 memcpy(ex + row * L->tok_bytes, rec + L->rec_hdr,
@@ -235,10 +246,16 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                 if (out->expert_src_rank)
                     out->expert_src_rank[row] = s;
                 if (out->expert_src_token)
-                    out->expert_src_token[row] = (int32_t)rh->token;
+                    out->expert_src_token[row] = (int32_t)token;
                 cr->pair_row[p++] = (int32_t)row;
             }
         }
+        if (p != pend)
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "dispatch round %llu: slice from rank %d changed after it was "
+                              "checked (%u pairs, %u when checked)",
+                              (unsigned long long)r->epoch, s, p - cr->pair_off[s],
+                              pend - cr->pair_off[s]);
     }
     memcpy(out->expert_num_tokens, efill, sizeof(int32_t) * (size_t)L->El);
     return FERRY_OK;
