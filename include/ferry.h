@@ -146,13 +146,17 @@ typedef struct ferry_ep_config {
      * ring per (channel, peer), so num_sms (channels) x that, default
      * 512 / N tokens, within 32..128. */
     int ring_tokens;
-    int reserved[5];
+    /* fp8 dispatch: 1 rounds each block's scale up to a power of two
+     * (DeepEP's round_scale: the scale is then exactly an 8-bit exponent,
+     * UE8M0, and dividing by it is exact); 0 (default): amax / 448. */
+    int fp8_round_scale;
+    int reserved[4];
 } ferry_ep_config_t;
 
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
      0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
-     FERRY_MODE_LOW_LATENCY, 0, {0}}
+     FERRY_MODE_LOW_LATENCY, 0, 0, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,

@@ -50,6 +50,8 @@ static void usage(FILE *f)
             "                       per channel and peer, default 64)\n"
             "      --launcher auto|mpirun|fork   how to start ranks (default auto)\n"
             "      --no-check       skip verification (prints #wrong as n/a)\n"
+            "      --round-scale    fp8: scales rounded up to powers of two (DeepEP's\n"
+            "                       round_scale; checked against the same reference)\n"
             "      --split          call dispatch_send/_recv and combine_send/_recv\n"
             "                       (default: ferry_dispatch and ferry_combine, one\n"
             "                       launch each on GPU ranks)\n"
@@ -72,7 +74,8 @@ static int parse(int argc, char **argv, opts_t *o)
         {"launcher", 1, 0, 'L'}, {"no-check", 0, 0, 'C'}, {"json", 1, 0, 'j'},
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
-        {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {0, 0, 0, 0}};
+        {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
+        {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
@@ -95,6 +98,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
+        case 'o': o->round_scale = 1; break;
         case 'M':
             if (strcmp(optarg, "ll") == 0 || strcmp(optarg, "ht") == 0) {
                 o->ht = optarg[0] == 'h';
@@ -288,7 +292,7 @@ static int make_config(bench_t *b)
     b->s = (fw_spec_t){.N = b->N, .E = o->experts, .K = o->topk, .H = o->hidden,
                        .T = o->tokens, .fp8 = o->fp8, .zipf_s = o->zipf,
                        .mask_p = o->mask, .vary_tokens = o->vary, .empty_p = o->empty,
-                       .seed = o->seed};
+                       .seed = o->seed, .round_scale = o->round_scale};
     ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
     cfg.num_experts = o->experts;
     cfg.topk = o->topk;
@@ -299,7 +303,12 @@ static int make_config(bench_t *b)
     cfg.num_sms = o->sms;
     cfg.mode = o->ht ? FERRY_MODE_HIGH_THROUGHPUT : FERRY_MODE_LOW_LATENCY;
     cfg.ring_tokens = o->ring;
+    cfg.fp8_round_scale = o->round_scale;
     b->cfg = cfg;
+    if (o->round_scale && (o->fp8 != 1 || o->ht)) {
+        fprintf(stderr, "ferry-bench: --round-scale needs --dtype fp8 in low-latency mode\n");
+        return 2;
+    }
     if (o->ht && o->fp8 == 2) {
         fprintf(stderr, "ferry-bench: --mode ht runs with --dtype fp8 or bf16\n");
         return 2;

@@ -77,6 +77,12 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
                       "mode = %d with device = %d: not built yet (the "
                       "high-throughput mode runs on CPU ranks so far)",
                       (int)c->mode, (int)c->device);
+    if (c->fp8_round_scale != 0 && c->fp8_round_scale != 1)
+        return FR_ERR(err, FERRY_ERR_INVALID, "fp8_round_scale = %d: must be 0 or 1",
+                      c->fp8_round_scale);
+    if (c->fp8_round_scale && c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fp8_round_scale = 1 needs dispatch_dtype fp8 (it rounds fp8 scales)");
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);

@@ -85,6 +85,26 @@ FR_HD uint8_t fr_f32_to_e4m3(float f)
 FR_HD float fr_fp8_scale(float amax) { return amax > 0.f ? amax / FR_FP8_MAX : 1.f; }
 FR_HD float fr_fp8_inv_scale(float amax) { return amax > 0.f ? FR_FP8_MAX / amax : 1.f; }
 
+/* With round (DeepEP's round_scale): amax / 448 rounded up to a power of
+ * two, at least 2^-126, so the scale is exactly its exponent byte (UE8M0)
+ * and its inverse is exact. Bit operations: the same on CPU and GPU. */
+FR_HD float fr_fp8_scale_r(float amax, int round)
+{
+    float s = fr_fp8_scale(amax);
+    if (!round)
+        return s;
+    uint32_t u;
+    memcpy(&u, &s, 4);
+    u = u < 0x00800000u ? 0x00800000u : u;
+    u = (u & 0x007fffffu) ? (u & 0x7f800000u) + 0x00800000u : u;
+    memcpy(&s, &u, 4);
+    return s;
+}
+FR_HD float fr_fp8_inv_scale_r(float amax, int round)
+{
+    return round ? 1.f / fr_fp8_scale_r(amax, 1) : fr_fp8_inv_scale(amax);
+}
+
 
 /* Magnitude bits of a bf16 value, 0 for Inf and NaN (they do not count
  * towards a block's amax). */
@@ -106,14 +126,19 @@ FR_HD float fr_bf16_amax(const uint16_t *x, int n)
     return fr_bf16_to_f32(m);
 }
 
-/* One 128-channel block: bf16 -> fp8 e4m3 codes and the block's scale. */
-FR_HD void fr_quant_block(const uint16_t *x, uint8_t *q, float *scale)
+/* One 128-channel block: bf16 -> fp8 e4m3 codes and the block's scale
+ * (round: rounded up to a power of two, fr_fp8_scale_r). */
+FR_HD void fr_quant_block_r(const uint16_t *x, uint8_t *q, float *scale, int round)
 {
     float amax = fr_bf16_amax(x, FR_FP8_BLOCK);
-    float inv = fr_fp8_inv_scale(amax);
+    float inv = fr_fp8_inv_scale_r(amax, round);
     for (int i = 0; i < FR_FP8_BLOCK; i++)
         q[i] = fr_f32_to_e4m3(fr_bf16_to_f32(x[i]) * inv);
-    *scale = fr_fp8_scale(amax);
+    *scale = fr_fp8_scale_r(amax, round);
+}
+FR_HD void fr_quant_block(const uint16_t *x, uint8_t *q, float *scale)
+{
+    fr_quant_block_r(x, q, scale, 0);
 }
 
 /* acc[i] += w * y[i] for a bf16 row. */

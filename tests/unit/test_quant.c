@@ -141,6 +141,39 @@ int main(void)
         CHECK(fr_bf16_to_f32(got) == fr_bf16_to_f32(got), "bf16 decode");
     }
     CHECK(isnan(fr_bf16_to_f32(fr_f32_to_bf16(NAN))), "bf16 NaN");
+
+    /* round_scale: a power of two, the least one >= amax / 448 (so no
+     * value saturates and the scale is its own exponent byte), exact
+     * inverse; tiny and zero blocks */
+    for (int e = -40; e <= 40; e++) {
+        for (int m = 0; m < 8; m++) {
+            float am = ldexpf(1.0f + m / 8.0f, e);
+            float s = fr_fp8_scale_r(am, 1), r = am / 448.0f;
+            int ex;
+            float fr = frexpf(s, &ex);
+            CHECK(fr == 0.5f, "round_scale(%g) = %g: not a power of two", am, s);
+            CHECK(s >= r && s < 2 * r, "round_scale(%g) = %g, am/448 = %g", am, s, r);
+            CHECK(fr_fp8_inv_scale_r(am, 1) * s == 1.0f, "inverse of %g", s);
+            CHECK(fr_f32_to_e4m3(am * fr_fp8_inv_scale_r(am, 1)) <= 0x7e, "no saturation");
+            CHECK(fr_fp8_scale_r(am, 0) == fr_fp8_scale(am), "round 0 is the plain scale");
+        }
+    }
+    CHECK(fr_fp8_scale_r(448.0f, 1) == 1.0f, "448 -> 1");
+    CHECK(fr_fp8_scale_r(0.0f, 1) == 1.0f, "zero block scale 1");
+    CHECK(fr_fp8_scale_r(1e-40f, 1) == ldexpf(1.0f, -126), "tiny block: 2^-126");
+    {
+        uint16_t blk[128];
+        uint8_t q[128];
+        float sc;
+        for (int i = 0; i < 128; i++)
+            blk[i] = fr_f32_to_bf16((float)(i - 64) * 0.37f);
+        fr_quant_block_r(blk, q, &sc, 1);
+        CHECK(sc == fr_fp8_scale_r(fr_bf16_amax(blk, 128), 1), "block scale rounded");
+        for (int i = 0; i < 128; i++)
+            CHECK(fabsf(fr_e4m3_to_f32(q[i]) * sc - fr_bf16_to_f32(blk[i])) <=
+                      fabsf(fr_bf16_to_f32(blk[i])) / 8 + sc / 512,
+                  "channel %d dequantises near its value", i);
+    }
     printf("test_quant: %d failures\n", fr_test_failures);
     return fr_test_result();
 }

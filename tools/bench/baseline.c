@@ -71,9 +71,9 @@ void base_dispatch(base_t *b, const fw_spec_t *s, const fw_input_t *in,
         /* the same quantiser ferry uses */
         for (int t = 0; t < T; t++)
             for (int bl = 0; bl < s->H / 128; bl++)
-                fr_quant_block(in->x + (size_t)t * s->H + bl * 128,
-                               b->q + (size_t)t * s->H + bl * 128,
-                               &b->qs[(size_t)t * ns + bl]);
+                fr_quant_block_r(in->x + (size_t)t * s->H + bl * 128,
+                                 b->q + (size_t)t * s->H + bl * 128,
+                                 &b->qs[(size_t)t * ns + bl], s->round_scale);
         tok = b->q;
         scl = b->qs;
     }

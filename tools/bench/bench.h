@@ -18,6 +18,7 @@ typedef struct opts {
     int ht, ring;  /* --mode ht, --ring */
     int graph;     /* --graph: rounds replayed from one CUDA graph */
     int split;     /* --split: send and receive as two calls */
+    int round_scale; /* --round-scale: fp8 scales rounded up to powers of two */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;

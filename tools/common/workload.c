@@ -217,10 +217,10 @@ static void fw_quant_row(const fw_spec_t *s, const uint16_t *x, uint8_t *q,
             float v = fabsf(fr_bf16_to_f32(x[b * 128 + i]));
             amax = isfinite(v) && v > amax ? v : amax; /* finite only */
         }
-        float inv = fr_fp8_inv_scale(amax);
+        float inv = fr_fp8_inv_scale_r(amax, s->round_scale);
         for (int i = 0; i < 128; i++)
             q[b * 128 + i] = fr_f32_to_e4m3(fr_bf16_to_f32(x[b * 128 + i]) * inv);
-        scales[b] = fr_fp8_scale(amax);
+        scales[b] = fr_fp8_scale_r(amax, s->round_scale);
     }
 }
 

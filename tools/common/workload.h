@@ -21,6 +21,7 @@
 typedef struct fw_spec {
     int N, E, K, H, T;
     int fp8;
+    int round_scale; /* fp8 scales rounded up to powers of two */
     double zipf_s;   /* 0: uniform routing; > 0: Zipf exponent */
     double mask_p;   /* probability a (token, k) slot is -1 */
     int vary_tokens; /* token count per (rank, round) random in 0..T */

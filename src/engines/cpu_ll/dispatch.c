@@ -21,14 +21,14 @@
 
 /* Quantise T tokens of bf16 into fp8 e4m3 with one scale per 128 channels. */
 static void fr_quantize_fp8(const fr_layout_t *L, int T, const uint16_t *x,
-                            uint8_t *q, float *scales)
+                            uint8_t *q, float *scales, int round)
 {
     int H = L->H, nb = H / FR_FP8_BLOCK;
     for (int t = 0; t < T; t++)
         for (int b = 0; b < nb; b++)
-            fr_quant_block(x + (size_t)t * H + b * FR_FP8_BLOCK,
-                           q + (size_t)t * H + b * FR_FP8_BLOCK,
-                           &scales[(size_t)t * nb + b]);
+            fr_quant_block_r(x + (size_t)t * H + b * FR_FP8_BLOCK,
+                             q + (size_t)t * H + b * FR_FP8_BLOCK,
+                             &scales[(size_t)t * nb + b], round);
 }
 
 /* Is row[k] the first of the token's experts that lives on rank d? */
@@ -130,7 +130,8 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scales = in->x_scales;
     if (L->fp8 && !in->x_scales && T > 0) {
-        fr_quantize_fp8(L, T, (const uint16_t *)in->x, c->qbuf, c->qscales);
+        fr_quantize_fp8(L, T, (const uint16_t *)in->x, c->qbuf, c->qscales,
+                        ep->cfg.fp8_round_scale);
         tok = c->qbuf;
         scales = c->qscales;
     }

@@ -364,6 +364,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->npairs = A->cnt + 2 * N;
         A->comb_off = A->cnt + 4 * N;
         A->kd = (int)kd;
+        A->round_scale = ep->cfg.fp8_round_scale;
         A->dst_rec = (uint8_t **)(b + off[9]);
         A->ddone = (unsigned int *)(b + off[10]);
         A->dpub = A->ddone + 2 * (size_t)N;

@@ -31,6 +31,7 @@ typedef struct fr_cu_args {
     fr_layout_t L;
     int rank, N;
     int kd;                  /* K: record slots of a token in dst_rec */
+    int round_scale;         /* fp8 scales rounded up to powers of two */
     uint8_t *seg;            /* own segment (device pointer) */
     uint8_t **peer;          /* [N] where to store for peer d (self/IPC) */
     uint8_t *send;           /* fabric send region (device pointer) or NULL */

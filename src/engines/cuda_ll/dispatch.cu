@@ -367,10 +367,10 @@ static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8
         uint16_t y = (uint16_t)__shfl_xor_sync(0xffffffffu, m, o, 8);
         m = y > m ? y : m;
     }
-    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale(amax);
+    float amax = fr_bf16_to_f32(m), inv = fr_fp8_inv_scale_r(amax, A.round_scale);
     uint4 q = make_uint4(fr_cu_e4m3x4(wv[0], wv[1], inv), fr_cu_e4m3x4(wv[2], wv[3], inv),
                          fr_cu_e4m3x4(wv[4], wv[5], inv), fr_cu_e4m3x4(wv[6], wv[7], inv));
-    float sc = fr_fp8_scale(amax);
+    float sc = fr_fp8_scale_r(amax, A.round_scale);
     /* lane i holds the token's slot i (where its data goes, or NULL) */
     for (int i = 0; i < A.kd; i++) {
         uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
