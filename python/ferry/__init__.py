@@ -288,10 +288,12 @@ class EP:
     libferry: device, dtype, shape and C-contiguity (outputs also writable);
     a mismatch raises TypeError (not an array, wrong dtype) or ValueError
     (shape, layout, device), naming the argument. Methods after close()
-    raise ValueError; closing twice is harmless."""
+    raise ValueError; closing twice is harmless. fp8_round_scale=True (fp8
+    only): block scales rounded up to powers of two (DeepEP's
+    round_scale)."""
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
-                 device="cpu", num_sms=0, mode="ll", ring_tokens=0):
+                 device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if mode not in _lib.MODES:
@@ -306,7 +308,7 @@ class EP:
         cfg = _lib.EpConfig(C.sizeof(_lib.EpConfig), _lib.FERRY_EP_CONFIG_MAGIC,
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
-                            _lib.MODES[mode], ring_tokens)
+                            _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)))
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -323,6 +325,7 @@ class EP:
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
         self.mode = mode
+        self.fp8_round_scale = bool(fp8_round_scale)
         self.num_ranks = lay.num_ranks
         self.rank = lay.rank
         self.num_local_experts = lay.num_local_experts

@@ -22,7 +22,7 @@ class EpConfig(C.Structure):
                 ("num_experts", C.c_int), ("topk", C.c_int), ("hidden", C.c_int),
                 ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
                 ("num_sms", C.c_int), ("mode", C.c_int), ("ring_tokens", C.c_int),
-                ("reserved", C.c_int * 5)]
+                ("fp8_round_scale", C.c_int), ("reserved", C.c_int * 4)]
 
 
 class Layout(C.Structure):

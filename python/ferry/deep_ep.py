@@ -100,6 +100,27 @@ def _recv_or_hook(recv, return_recv_hook):
     return None
 
 
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _ue8m0_buffer(sc):
+    """DeepEP's packed scales for fp8 [E_local, rows, H/128] float32 scales:
+    int32 [E_local, rows, H/512], column-major in the last two dims (for
+    TMA), four exponent bytes per int32 (block 4i + j in byte j)."""
+    El, rows, ns = sc.shape
+    return torch.empty((El, ns // 4, rows), dtype=torch.int32, device=sc.device).transpose(1, 2)
+
+
+def _ue8m0_pack(sc, out):
+    """Fill out (_ue8m0_buffer) from power-of-two float32 scales: each
+    scale's exponent byte (its UE8M0 code, exact with round_scale)."""
+    El, rows, ns = sc.shape
+    e = ((sc.view(torch.int32) >> 23) & 0xFF).view(El, rows, ns // 4, 4)
+    out.copy_(e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))
+
+
 class _Plan:
     """One context's reusable state: the output tensors of each buffer set,
     the argument structs, and the C entry points (no per-call allocation)."""
@@ -435,23 +456,24 @@ class Buffer:
                 raise ValueError(f"clean_low_latency_buffer: {name}: expected a positive int, "
                                  f"got {v!r}")
 
-    def _ep(self, num_experts, topk, hidden, T, fp8, device):
-        key = (num_experts, topk, hidden, T, fp8, device)
+    def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False):
+        key = (num_experts, topk, hidden, T, fp8, device, round_scale)
         ep = self._eps.get(key)
         if ep is None:
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
-                    num_sms=self.num_sms if self.num_sms is not None else self._sms)
+                    num_sms=self.num_sms if self.num_sms is not None else self._sms,
+                    fp8_round_scale=round_scale)
             self._eps[key] = ep
         return ep
 
-    def _plan(self, x, num_experts, K, H, T, fp8):
+    def _plan(self, x, num_experts, K, H, T, fp8, round_scale=False):
         """The context and its plan for this shape (created at the first
         call, collectively, like the contexts)."""
-        key = (num_experts, K, H, T, fp8, x.get_device())
+        key = (num_experts, K, H, T, fp8, x.get_device(), round_scale)
         plan = self._plans.get(key)
         if plan is None:
-            ep = self._ep(num_experts, K, H, T, fp8, "cuda")
+            ep = self._ep(num_experts, K, H, T, fp8, "cuda", round_scale)
             plan = self._plans[key] = _Plan(ep, fp8, x.device)
         return plan
 
@@ -461,11 +483,16 @@ class Buffer:
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         self._low_latency('low_latency_dispatch')
-        if round_scale or use_ue8m0 or dispatch_wait_recv_cost_stats is not None:
-            bad = ["dispatch_wait_recv_cost_stats"] if dispatch_wait_recv_cost_stats is not None \
-                else []
-            bad += [n for n, v in (("round_scale", round_scale), ("use_ue8m0", use_ue8m0)) if v]
-            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): "
+                                      "dispatch_wait_recv_cost_stats")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 "
+                             "holds power-of-two scales only)")
+        if use_ue8m0 and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] % 512:
+            raise ValueError(f"use_ue8m0=True: hidden must be a multiple of 512 (four scales "
+                             f"per int32), got {x.shape[1]}")
+        rs = bool(round_scale and use_fp8)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             # DeepEP's: int32 [num_local_experts] on the GPU, the received
@@ -475,29 +502,36 @@ class Buffer:
             if isinstance(x, torch.Tensor) and stats.device != x.device:
                 raise ValueError(f"cumulative_local_expert_recv_stats: expected a tensor on "
                                  f"{x.device} (x's device), got one on {stats.device}")
-            r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                           num_experts, use_fp8, return_recv_hook)
-            cnt, hook = r[1], r[4]
-            if hook is None:
+        r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                       num_experts, use_fp8, return_recv_hook, rs)
+        if stats is None and not use_ue8m0:
+            return r
+        out_x, cnt, handle, ev, hook = r
+        if use_ue8m0:
+            q, sc = out_x
+            packed = _ue8m0_buffer(sc)
+            out_x = (q, packed)
+        if hook is None:
+            if stats is not None:
                 stats.add_(cnt)
-                return r
-            # the receive is queued on the dispatch's stream: count there,
-            # whatever stream is current when the hook runs
-            st = torch.cuda.current_stream(x.device) if x.is_cuda else None
+            if use_ue8m0:
+                _ue8m0_pack(sc, packed)
+            return out_x, cnt, handle, ev, None
+        # the receive is queued on the dispatch's stream: count and pack
+        # there, whatever stream is current when the hook runs
+        st = torch.cuda.current_stream(x.device) if x.is_cuda else None
 
-            def recv_and_count():
-                hook()
-                if st is None:
+        def recv_and_finish():
+            hook()
+            with torch.cuda.stream(st) if st is not None else _nullcontext():
+                if stats is not None:
                     stats.add_(cnt)
-                    return
-                with torch.cuda.stream(st):
-                    stats.add_(cnt)
-            return r[:4] + (recv_and_count,)
-        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                          num_experts, use_fp8, return_recv_hook)
+                if use_ue8m0:
+                    _ue8m0_pack(sc, packed)
+        return out_x, cnt, handle, ev, recv_and_finish
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                              use_fp8, return_recv_hook):
+                              use_fp8, return_recv_hook, round_scale=False):
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
         if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.is_cuda and \
                 x.dtype is torch.bfloat16 and topk_idx.dtype is torch.int64 and \
@@ -506,7 +540,7 @@ class Buffer:
                 x.shape[0] <= num_max_dispatch_tokens_per_rank and \
                 topk_idx.get_device() == x.get_device():
             return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook)
+                                       num_experts, use_fp8, return_recv_hook, round_scale)
         _tensor(x, "x", torch.bfloat16)
         if x.dim() != 2:
             raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
@@ -527,7 +561,8 @@ class Buffer:
             raise TypeError(f"num_max_dispatch_tokens_per_rank, num_experts: expected ints "
                             f"({e})") from None
         dev = "cuda" if x.is_cuda else "cpu"
-        ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev)
+        ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev,
+                      round_scale)
         El, cap = ep.num_local_experts, ep.capacity
         d = x.device
         recv_x = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
@@ -547,10 +582,11 @@ class Buffer:
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
-    def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook):
+    def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook,
+                       round_scale=False):
         T, H = x.shape
         K = topk_idx.shape[1]
-        plan = self._plan(x, num_experts, K, H, Tmax, use_fp8)
+        plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale)
         if not x.is_contiguous():
             x = x.contiguous()
         if not topk_idx.is_contiguous():

@@ -25,6 +25,15 @@ def inputs(rank, rnd, N):
     return x, idx, w
 
 
+def e4m3(q):
+    """fp8 e4m3 codes (uint8) to float32."""
+    q = q.astype(np.int32)
+    s = np.where(q & 0x80, -1.0, 1.0)
+    ex, m = (q >> 3) & 0xF, q & 7
+    v = np.where(ex == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (ex - 7.0))
+    return (s * v).astype(np.float32)
+
+
 def expert_fn(e, rows):  # a different map per expert
     return bf16(f32(rows) * (0.5 + 0.125 * (e % 13)) + 0.0625 * ((e * 7) % 11 - 5))
 
@@ -106,6 +115,25 @@ def rank_main(rank, N, port, q):
                         ref[t] += w[t, k] * f32(expert_fn(e, x[t:t + 1]))[0]
             err = np.abs(f32(out) - ref)
             assert np.all(err <= np.abs(ref) / 256 + 1e-4), (rnd, float(err.max()))
+        ep.close()
+        # fp8 with scales rounded up to powers of two (DeepEP's round_scale)
+        ep = ferry.EP(comm, num_experts=E, topk=K, hidden=H, max_tokens=T, dtype="fp8",
+                      fp8_round_scale=True)
+        bufs = ep.alloc()
+        x, idx, w = inputs(rank, 7, N)
+        ep.dispatch(x, idx, **bufs)
+        for le in range(El):
+            for s in range(int(bufs["expert_num_tokens"][le])):
+                src, t = int(bufs["expert_src_rank"][le, s]), int(bufs["expert_src_token"][le, s])
+                row = f32(inputs(src, 7, N)[0][t]).reshape(-1, 128)
+                sc = bufs["expert_x_scales"][le, s]
+                amax = np.abs(row).max(axis=1)
+                mant, _ = np.frexp(sc)
+                assert np.all(mant == 0.5), ("scales not powers of two", sc)
+                assert np.all((sc >= amax / 448) & ((sc < 2 * amax / 448) | (amax == 0))), sc
+                deq = e4m3(bufs["expert_x"][le, s]).reshape(-1, 128) * sc[:, None]
+                assert np.all(np.abs(deq - row) <= np.abs(row) / 8 + sc[:, None] / 256), \
+                    float(np.abs(deq - row).max())
         ep.close()
         comm.close()
         q.put((rank, "ok"))

@@ -46,7 +46,7 @@ def make_inputs(rank, rnd, T, H, E, K, dev):
     return x.to(dev), idx.to(dev), w.float().to(dev)
 
 
-def check_round(rank, N, E, K, x_all, idx_all, recv, count, src, fp8):
+def check_round(rank, N, E, K, x_all, idx_all, recv, count, src, fp8, round_scale=False):
     """Expected rows per local expert: sources from this rank on, wrapping
     (rank, rank + 1, ..., N - 1, 0, ..., rank - 1), then token."""
     El = E // N
@@ -66,7 +66,7 @@ def check_round(rank, N, E, K, x_all, idx_all, recv, count, src, fp8):
             return f"expert {le}: rows in the wrong order or from the wrong tokens"
         rows = torch.stack([x_all[s][t] for s, t in exp])
         if fp8:
-            q, sc = quant_ref(rows)
+            q, sc = quant_ref(rows, round_scale)
             if not torch.equal(recv[0][le, :n].view(torch.uint8).cpu(), q.view(torch.uint8).cpu()) \
                     or not torch.equal(recv[1][le, :n].cpu(), sc.cpu()):
                 bad += 1
@@ -313,6 +313,35 @@ def rank_main(rank, N, port, q):
                 if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
                     msgs.append(f"combine fp8={fp8} hook={hook_mode}: "
                                 f"max error {(got - ref).abs().max().item():.3e}")
+        # round_scale with UE8M0 scales (packed int32, column-major), both
+        # forms of the call
+        for hook_mode in (False, True):
+            rnd += 1
+            x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+            xs = [None] * N
+            ids = [None] * N
+            torch.distributed.all_gather_object(xs, x.cpu())
+            torch.distributed.all_gather_object(ids, idx.cpu())
+            (q, packed), count, handle, ev, hook = buf.low_latency_dispatch(
+                x, idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=True,
+                return_recv_hook=hook_mode)
+            if hook_mode:
+                hook()
+            torch.cuda.synchronize()
+            El = E // N
+            if packed.dtype != torch.int32 or tuple(packed.shape) != (El, q.shape[1], H // 512) \
+                    or packed.stride()[1] != 1:
+                msgs.append(f"ue8m0: packed scales {packed.dtype} {tuple(packed.shape)} "
+                            f"strides {packed.stride()}")
+                continue
+            exps = torch.stack([(packed >> (8 * j)) & 0xFF for j in range(4)], dim=3)
+            scales = (exps.reshape(El, q.shape[1], H // 128) << 23).view(torch.float32)
+            err = check_round(rank, N, E, K, xs, ids, (q, scales), count, (handle[2], handle[3]),
+                              True, round_scale=True)
+            if err:
+                msgs.append(f"round_scale/ue8m0 hook={hook_mode}: {err}")
+            out, ev, hook = buf.low_latency_combine(torch.zeros(q.shape, dtype=torch.bfloat16,
+                                                                device=dev), idx, w, handle)
         msgs += deep_ep_graph(buf, rank, N, E, K, H, T, dev)
         buf.destroy()
 
