@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "err.h"
 #include "hd.h"
 
 /* A record's header on the dispatch ring: the source token, the local
@@ -46,5 +47,30 @@ FR_HD int32_t fr_ht_flags(int fp8, uint64_t route_id)
 {
     return (int32_t)((fp8 ? 1u : 0u) | (uint32_t)((route_id & 0xffu) << 8));
 }
+
+/* A dispatch record's header as this rank read it. Its sender can still
+ * write the ring slot: fr_ht_dhdr_check reads every field once (volatile)
+ * into this copy, checks the copy, and the caller uses only the copy (the
+ * row and scales are copied out of the slot once, by the caller). */
+#define FR_HT_MAX_K 16 /* top-k of a context, at most (FR_MAX_TOPK) */
+typedef struct fr_ht_dhdr_copy {
+    int32_t token, flags;
+    int16_t le[FR_HT_MAX_K];
+    float w[FR_HT_MAX_K];
+} fr_ht_dhdr_copy_t;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Record decoding, shared by the CPU engine and the fuzzer (ht_rec.c):
+ * the header of a record from rank `sender` (K slots; tokens below T,
+ * local expert ids below El or -1, the dtype bit fp8, the route's number)
+ * into *hd. FERRY_OK, or FERRY_ERR_PROTOCOL with a message naming the
+ * sender. */
+int fr_ht_dhdr_check(const uint8_t *rec, int K, int T, int El, int fp8, uint64_t route_id,
+                     int sender, fr_ht_dhdr_copy_t *hd, fr_err_t *err);
+#ifdef __cplusplus
+}
+#endif
 
 #endif

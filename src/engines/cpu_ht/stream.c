@@ -80,15 +80,14 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
     }
 }
 
-/* Row `row` of the outputs from a record (header, data, scales). */
+/* Row `row` of the outputs from a record's token, local expert ids and
+ * weights (this rank's own header, or the checked copy of a received one),
+ * its data and scales. */
 static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
-                          int64_t row, const uint8_t *rec, const uint8_t *data,
-                          const float *scales)
+                          int64_t row, int32_t token, const int16_t *le, const float *w,
+                          const uint8_t *data, const float *scales)
 {
     int K = c->h->K;
-    const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
-    const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
-    const float *w = (const float *)(rec + fr_ht_woff(K));
     memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
     if (c->nsc)
         memcpy(out->recv_x_scales + row * c->nsc, scales, c->nsc * sizeof(float));
@@ -101,33 +100,7 @@ static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *
     if (out->recv_src_rank)
         out->recv_src_rank[row] = src;
     if (out->recv_src_token)
-        out->recv_src_token[row] = hd->token;
-}
-
-/* A record from rank s before anything of it is used: its token, dtype,
- * route and local expert ids. */
-static int fr_ht_rec_check(const fr_ht_call_t *c, const uint8_t *rec, int s)
-{
-    const fr_ht_dhdr_t *hd = (const fr_ht_dhdr_t *)rec;
-    const int16_t *le = (const int16_t *)(rec + sizeof(*hd));
-    int bad = hd->token < 0 || hd->token >= c->ep->L.T;
-    for (int k = 0; k < c->h->K && !bad; k++)
-        bad = le[k] < -1 || le[k] >= c->h->El;
-    if (bad)
-        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
-                          "ht_dispatch: malformed record from rank %d (token %d)", s, hd->token);
-    if ((hd->flags & 1) != c->fp8)
-        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
-                          "ht_dispatch: rank %d sends %s rows, this rank expects %s (every rank "
-                          "passes x_scales, or none does)", s, hd->flags & 1 ? "fp8" : "bf16",
-                          c->fp8 ? "fp8" : "bf16");
-    if (((uint32_t)hd->flags >> 8 & 0xffu) != (uint32_t)(c->route->id & 0xffu))
-        return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
-                          "ht_dispatch: rank %d dispatches on route %u, this rank on route %u "
-                          "(every rank must use the same routes in the same order)", s,
-                          (unsigned)((uint32_t)hd->flags >> 8 & 0xffu),
-                          (unsigned)(c->route->id & 0xffu));
-    return FERRY_OK;
+        out->recv_src_token[row] = token;
 }
 
 /* A whole dispatch record for token t going to rank d: header, row, scales
@@ -143,13 +116,18 @@ void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, in
 }
 
 /* A record from rank s into output row `row`, checked first; FERRY_OK,
- * else the error is set. */
+ * else the error is set. The slot stays writable by s: its header is used
+ * as checked (fr_ht_dhdr_check's copy), the row is copied once. */
 int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s,
                     int64_t row, const uint8_t *rec)
 {
-    if (fr_ht_rec_check(c, rec, s) != FERRY_OK)
-        return FERRY_ERR_PROTOCOL;
-    fr_ht_put_row(c, out, s, row, rec, rec + c->h->dhdr,
+    fr_ht_dhdr_copy_t hd;
+    fr_err_t err;
+    int rc = fr_ht_dhdr_check(rec, c->h->K, c->ep->L.T, c->h->El, c->fp8, c->route->id, s,
+                              &hd, &err);
+    if (rc != FERRY_OK)
+        return fr_ep_fail(c->ep, rc, "ht_dispatch: %s", err.msg);
+    fr_ht_put_row(c, out, s, row, hd.token, hd.le, hd.w, rec + c->h->dhdr,
                   (const float *)(rec + c->h->dhdr + c->rowb));
     return FERRY_OK;
 }
@@ -165,6 +143,24 @@ void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, siz
     memcpy(rec + c->h->chdr, (const uint8_t *)in->y + row * 2 * c->h->H, 2 * (size_t)c->h->H);
 }
 
+/* A ring counter written by the peer: its tail (records it wrote, this
+ * rank took `mine`) or its head (records it took, this rank wrote `mine`).
+ * A correct peer's counter is never behind what this rank took nor ahead
+ * of what it wrote, and at most a ring apart from it; one moved backwards
+ * or far forward is a protocol error naming the peer, never a read of
+ * slots the peer did not write or a wait until the deadline. */
+static int fr_ht_ring_check(const fr_ht_call_t *c, const char *what, int peer, int tail,
+                            uint64_t v, uint64_t mine)
+{
+    if ((tail ? v - mine : mine - v) <= (uint64_t)c->h->RT)
+        return FERRY_OK;
+    return fr_ep_fail(c->ep, FERRY_ERR_PROTOCOL,
+                      "%s: rank %d moved the %s of its ring with this rank to %llu (this rank "
+                      "%s %llu records, ring of %d)", what, peer, tail ? "tail" : "head",
+                      (unsigned long long)v, tail ? "took" : "wrote", (unsigned long long)mine,
+                      c->h->RT);
+}
+
 /* This rank's own tokens: straight into its rows. */
 static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
                                 const ferry_ht_dispatch_out_t *out)
@@ -175,7 +171,9 @@ static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *i
     for (int i = 0; i < p->dst_off[me + 1] - p->dst_off[me]; i++) {
         int t = p->dst_tok[p->dst_off[me] + i];
         fr_ht_dhdr_fill(c, in, t, me, hdr);
-        fr_ht_put_row(c, out, me, p->src_off[me] + i, hdr,
+        fr_ht_put_row(c, out, me, p->src_off[me] + i, t,
+                      (const int16_t *)(hdr + sizeof(fr_ht_dhdr_t)),
+                      (const float *)(hdr + fr_ht_woff(c->h->K)),
                       (const uint8_t *)in->x + (size_t)t * c->rowb,
                       c->nsc ? in->x_scales + (size_t)t * c->nsc : NULL);
     }
@@ -190,6 +188,8 @@ static int fr_ht_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, 
     int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
     uint8_t *ring = fr_ht_dring(h, c->ep->peer_seg[d], c->ep->rank);
     uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
+    if (fr_ht_ring_check(c, "ht_dispatch", d, 0, head, st->dtx[d]) != FERRY_OK)
+        return FERRY_ERR_PROTOCOL;
     while (c->done_tx[d] < n && st->dtx[d] - head < (uint64_t)h->RT) {
         int t = p->dst_tok[p->dst_off[d] + c->done_tx[d]];
         fr_ht_drec_fill(c, in, t, d, fr_ht_slot(ring, st->dtx[d], h->RT, h->drec));
@@ -211,6 +211,8 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
     uint8_t *ring = fr_ht_dring(h, c->ep->seg, s);
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
+    if (fr_ht_ring_check(c, "ht_dispatch", s, 1, tail, st->drx[s]) != FERRY_OK)
+        return -1;
     while (c->done_rx[s] < n && st->drx[s] < tail) {
         if (fr_ht_drec_take(c, out, s, c->p->src_off[s] + c->done_rx[s],
                             fr_ht_slot(ring, st->drx[s], h->RT, h->drec)) != FERRY_OK)
@@ -291,6 +293,8 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
     int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
     uint8_t *ring = fr_ht_cring(h, c->ep->peer_seg[s], c->ep->rank);
     uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
+    if (fr_ht_ring_check(c, "ht_combine", s, 0, head, st->ctx[s]) != FERRY_OK)
+        return FERRY_ERR_PROTOCOL;
     while (c->done_tx[s] < n && st->ctx[s] - head < (uint64_t)h->RT) {
         fr_ht_crec_fill(c, in, (size_t)c->p->src_off[s] + (size_t)c->done_tx[s],
                         fr_ht_slot(ring, st->ctx[s], h->RT, h->crec));
@@ -330,6 +334,8 @@ static int fr_ht_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, 
     int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
     uint8_t *ring = fr_ht_cring(h, c->ep->seg, d);
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
+    if (fr_ht_ring_check(c, "ht_combine", d, 1, tail, st->crx[d]) != FERRY_OK)
+        return FERRY_ERR_PROTOCOL;
     while (c->done_rx[d] < n && st->crx[d] < tail) {
         const uint8_t *rec = fr_ht_slot(ring, st->crx[d], h->RT, h->crec);
         int t = p->dst_tok[p->dst_off[d] + c->done_rx[d]];
