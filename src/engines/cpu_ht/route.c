@@ -141,8 +141,10 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
         }
         progress = fr_now_ns();
         need[s] = 0;
-        int32_t n = *(const int32_t *)(e + 8);
-        const int32_t *c = (const int32_t *)(e + 16);
+        /* the entry stays writable by s: each count is read once (volatile)
+         * and used as checked */
+        int32_t n = *(const volatile int32_t *)(e + 8);
+        const volatile int32_t *c = (const volatile int32_t *)(e + 16);
         if (n < 0 || n > ep->L.T) {
             free(need);
             return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
@@ -151,13 +153,14 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
         }
         p->src_off[s + 1] = p->src_off[s] + n;
         for (int le = 0; le < El; le++) {
-            if (c[le] < 0 || c[le] > n || (int64_t)route->ecnt[le] + c[le] > INT32_MAX / 2) {
+            int32_t cl = c[le];
+            if (cl < 0 || cl > n || (int64_t)route->ecnt[le] + cl > INT32_MAX / 2) {
                 free(need);
                 return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
                                   "route_create: rank %d sends %d rows for local expert %d "
-                                  "(of %d tokens)", s, c[le], le, n);
+                                  "(of %d tokens)", s, cl, le, n);
             }
-            route->ecnt[le] += c[le];
+            route->ecnt[le] += cl;
         }
     }
     free(need);
