@@ -114,8 +114,17 @@ static int fr_ht_on_imm(ferry_ep_t ep, uint32_t imm)
                               v, s, f->W);
         (kind == FR_HT_IMM_DATA ? f->d_landed : f->c_landed)[w + v] = 1;
         break;
-    case FR_HT_IMM_DCREDIT: fr_ht_advance(&f->d_credit[s], v); break;
-    case FR_HT_IMM_CCREDIT: fr_ht_advance(&f->c_credit[s], v); break;
+    case FR_HT_IMM_DCREDIT: /* never for chunks this rank did not post */
+    case FR_HT_IMM_CCREDIT: {
+        uint64_t *credit = kind == FR_HT_IMM_DCREDIT ? &f->d_credit[s] : &f->c_credit[s];
+        uint64_t posted = kind == FR_HT_IMM_DCREDIT ? f->d_post[s] : f->c_post[s];
+        fr_ht_advance(credit, v);
+        if (*credit > posted)
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "ht: rank %d returned credits for %llu chunks, %llu were sent",
+                              s, (unsigned long long)*credit, (unsigned long long)posted);
+        break;
+    }
     default:
         return fr_ep_fail(ep, FERRY_ERR_PROTOCOL, "ht: immediate 0x%08x from rank %d", imm, s);
     }
