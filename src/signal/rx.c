@@ -36,22 +36,27 @@ static void fr_sig_apply_ready(ferry_sig_t s, int from)
         uint32_t slot = (uint32_t)(S->next_apply % FR_SIG_MBOX);
         if (!S->ready[slot])
             break;
-        const fr_sig_rec_t *r =
-            (const fr_sig_rec_t *)(s->mbox +
-                                   ((size_t)from * FR_SIG_MBOX + slot) *
-                                       FR_SIG_REC);
-        if (r->count > S->landed) {
+        /* the sender can still write its mailbox: each field is read once
+         * (volatile) and used as checked */
+        const volatile fr_sig_rec_t *r =
+            (const volatile fr_sig_rec_t *)(s->mbox +
+                                            ((size_t)from * FR_SIG_MBOX + slot) *
+                                                FR_SIG_REC);
+        uint64_t count = r->count;
+        if (count > S->landed) {
             s->n_held++;
             break;
         }
-        if (r->sig_index >= s->nsig || r->op > FERRY_SIG_ADD) {
+        uint32_t idx = r->sig_index, op = r->op;
+        uint64_t value = r->value;
+        if (idx >= s->nsig || op > FERRY_SIG_ADD) {
             fr_sig_async(s, FERRY_ERR_PROTOCOL, from,
                          "rank %d sent a signal record for word %u, op %u "
                          "(%u words here)",
-                         from, r->sig_index, r->op, s->nsig);
+                         from, idx, op, s->nsig);
             return;
         }
-        fr_sig_apply(s, r->sig_index, r->op, r->value);
+        fr_sig_apply(s, idx, op, value);
         S->ready[slot] = 0;
         S->next_apply++;
     }
@@ -94,10 +99,10 @@ static void fr_sig_rx_records(ferry_sig_t s, int from, uint32_t low)
                    ((low - (uint32_t)S->next_apply) & FR_SIG_SEQ_MASK);
     /* the write holds records #seq-n+1 .. #seq; its data is here */
     uint64_t n = 0;
-    if (seq - S->next_apply < FR_SIG_MBOX)
-        n = ((const fr_sig_rec_t *)(s->mbox +
-                                    ((size_t)from * FR_SIG_MBOX +
-                                     seq % FR_SIG_MBOX) * FR_SIG_REC))
+    if (seq - S->next_apply < FR_SIG_MBOX) /* read once (volatile) */
+        n = ((const volatile fr_sig_rec_t *)(s->mbox +
+                                             ((size_t)from * FR_SIG_MBOX +
+                                              seq % FR_SIG_MBOX) * FR_SIG_REC))
                 ->batch;
     int bad = n < 1 || n > FR_SIG_BATCH || seq - S->next_apply < n - 1 ||
               (seq - n + 1) % FR_SIG_MBOX > seq % FR_SIG_MBOX;
