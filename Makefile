@@ -123,7 +123,7 @@ FUZZ_CFLAGS := -g -O1 -std=c11 -D_GNU_SOURCE -fPIC -pthread -Iinclude -Isrc \
                $(FABRIC_CFLAGS) -fno-omit-frame-pointer $(FUZZ_SAN)
 FUZZ_LIB_SRCS := $(LIB_SRCS)
 FUZZ_OBJS := $(FUZZ_LIB_SRCS:%.c=$(FUZZ_BUILD)/obj/%.o)
-FUZZ_BINS := $(FUZZ_BUILD)/fuzz_config $(FUZZ_BUILD)/fuzz_records
+FUZZ_BINS := $(FUZZ_BUILD)/fuzz_config $(FUZZ_BUILD)/fuzz_records $(FUZZ_BUILD)/fuzz_ht_records
 .PHONY: fuzz
 fuzz: $(FUZZ_BINS)
 $(FUZZ_BUILD)/obj/%.o: %.c
