@@ -74,8 +74,7 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
                       (int)FERRY_MODE_LOW_LATENCY, (int)FERRY_MODE_HIGH_THROUGHPUT);
     if (!fr_engine_find(c->device, c->mode))
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "mode = %d with device = %d: not built yet (the "
-                      "high-throughput mode runs on CPU ranks so far)",
+                      "mode = %d with device = %d: this build has no engine for it",
                       (int)c->mode, (int)c->device);
     if (c->fp8_round_scale != 0 && c->fp8_round_scale != 1)
         return FR_ERR(err, FERRY_ERR_INVALID, "fp8_round_scale = %d: must be 0 or 1",
