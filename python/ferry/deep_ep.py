@@ -12,7 +12,8 @@
 
 On rank r, the rows of each expert come from source ranks r, r + 1, ...,
 N - 1, 0, ..., r - 1 (its own tokens first, wrapping around), each in
-token order. handle also carries (src_rank, src_token) per row.
+token order. handle is DeepEP's (recv_src_info, recv_layout_range, T, H,
+E); handle.src_rank gives each row's source rank.
 
 Buffers: the tensors a call returns (recv_x, its scales, recv_count, the
 handle's src_rank/src_token, combine's output when `out` is not given)
@@ -119,6 +120,51 @@ def _ue8m0_pack(sc, out):
     El, rows, ns = sc.shape
     e = ((sc.view(torch.int32) >> 23) & 0xFF).view(El, rows, ns // 4, 4)
     out.copy_(e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))
+
+
+class _LLHandle(tuple):
+    """A low-latency dispatch's handle, shaped as DeepEP's: (recv_src_info
+    int32 [E_local, N*T]: each row's token at its source; recv_layout_range
+    int64 [E_local, N]: begin << 32 | count of each source rank's rows;
+    num_max_dispatch_tokens_per_rank, hidden, num_experts). Rows of an
+    expert come from sources rank, rank + 1, ... (wrapping), so a source's
+    rows are one run. recv_layout_range is worked out from the rows'
+    sources when first read (a few small torch kernels); like recv_x, both
+    stay valid until the buffer set is reused two rounds later. ferry's
+    own state rides as attributes."""
+
+    def __new__(cls, plan, ep, rnd, src_rank, src_token, count, ntok, maxT, H, E):
+        h = tuple.__new__(cls, (src_token, None, maxT, H, E))
+        h.plan, h.ep, h.rnd, h.src_rank, h.count, h.ntok = plan, ep, rnd, src_rank, count, ntok
+        h._lr = None
+        return h
+
+    def _layout_range(self):
+        if self._lr is None:
+            sr, cnt, ep = self.src_rank, self.count, self.ep
+            N, r = ep.num_ranks, ep.rank
+            El, cap = sr.shape
+            valid = torch.arange(cap, device=sr.device).view(1, -1) < cnt.view(-1, 1)
+            src = torch.where(valid, sr.long(), torch.full_like(sr, N, dtype=torch.long))
+            counts = torch.zeros((El, N + 1), dtype=torch.int64, device=sr.device)
+            counts.scatter_add_(1, src, torch.ones_like(src))
+            counts = counts[:, :N]
+            order = torch.tensor([(r + q) % N for q in range(N)], device=sr.device)
+            c_rot = counts[:, order]
+            begin = torch.empty_like(counts)
+            begin[:, order] = torch.cumsum(c_rot, 1) - c_rot
+            self._lr = (begin << 32) | counts
+        return self._lr
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(5)))
+        if i in (1, -4):
+            return self._layout_range()
+        return tuple.__getitem__(self, i)
+
+    def __iter__(self):
+        return iter([self[j] for j in range(5)])
 
 
 class _Plan:
@@ -578,7 +624,8 @@ class Buffer:
             ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token)
 
         hook = _recv_or_hook(recv, return_recv_hook)
-        handle = (ep, rnd, src_rank, src_token, T)
+        handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
+                           num_max_dispatch_tokens_per_rank, H, num_experts)
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
@@ -607,7 +654,8 @@ class Buffer:
             def recv():
                 plan.check(plan.recv(h, rnd, dout))
 
-            return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), recv
+            return out_x, cnt, _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts), \
+                _no_event(), recv
         # one launch: the round's number (and so its buffer set) is the next
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
@@ -617,10 +665,11 @@ class Buffer:
         if plan.round.value != rnd:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
-        return out_x, cnt, (plan, rnd, sr, st, T), _no_event(), None
+        return out_x, cnt, _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts), \
+            _no_event(), None
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
-        plan, rnd, _, _, T = handle
+        plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep._ep()
         if not x.is_contiguous():
             x = x.contiguous()
@@ -667,8 +716,8 @@ class Buffer:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
             # that buffer is the input, x is not read
             x = self.get_next_low_latency_combine_buffer(handle)
-        if type(handle) is tuple and len(handle) == 5 and type(handle[0]) is _Plan:
-            plan, T = handle[0], handle[4]
+        if type(handle) is _LLHandle and handle.plan is not None:
+            plan, T = handle.plan, handle.ntok
             K = plan.ep.topk
             if type(x) is torch.Tensor and x.shape == plan.yshape and \
                     x.dtype is torch.bfloat16 and x.get_device() == plan.dev and \
@@ -694,10 +743,10 @@ class Buffer:
                                      f"device), got one on {t.device}")
             return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
                                       out, return_recv_hook)
-        if not (isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], EP)):
+        if type(handle) is not _LLHandle:
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
-        ep, rnd, _, _, T = handle
+        ep, rnd, T = handle.ep, handle.rnd, handle.ntok
         El, cap, H, K = ep.num_local_experts, ep.capacity, ep.hidden, ep.topk
         _tensor(x, "x", torch.bfloat16, (El, cap, H))
         _tensor(topk_idx, "topk_idx", None, (T, K))
@@ -723,11 +772,11 @@ class Buffer:
         zero_copy=True) with this handle then reads it instead of x. One
         per context and buffer set (reused two rounds later), allocated at
         the first call."""
-        if not (type(handle) is tuple and len(handle) == 5 and type(handle[0]) is _Plan):
+        if not (type(handle) is _LLHandle and handle.plan is not None):
             raise TypeError("handle: expected the handle of a low_latency_dispatch of CUDA "
                             "bfloat16 x with int64 topk_idx (zero copy uses the context's "
                             f"reusable buffers), got {type(handle).__name__}")
-        return handle[0].ybuf(handle[1] & 1)
+        return handle.plan.ybuf(handle.rnd & 1)
 
     def destroy(self):
         self._plans.clear()

@@ -293,9 +293,26 @@ def rank_main(rank, N, port, q):
                 if hook_mode:
                     hook()
                 torch.cuda.synchronize()
-                err = check_round(rank, N, E, K, xs, ids, recv, count, (handle[2], handle[3]), fp8)
+                err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]), fp8)
                 if err:
                     msgs.append(f"dispatch fp8={fp8} hook={hook_mode}: {err}")
+                # DeepEP's handle: [0] each row's source token, [1] begin << 32 | count
+                # per source rank, then T, H, E
+                lr = handle[1].cpu()
+                sr_h = handle.src_rank.cpu()
+                if len(handle) != 5 or tuple(handle[2:]) != (T, H, E) or \
+                        handle[1].dtype != torch.int64 or tuple(lr.shape) != (E // N, N):
+                    msgs.append(f"handle: {len(handle)} items, {tuple(handle[2:])}")
+                for le in range(E // N):
+                    n = int(count[le])
+                    if int((lr[le] & 0xFFFFFFFF).sum()) != n:
+                        msgs.append(f"handle[1] expert {le}: counts do not sum to {n}")
+                        break
+                    for j in range(N):
+                        b, c = int(lr[le, j] >> 32), int(lr[le, j] & 0xFFFFFFFF)
+                        if c and not bool((sr_h[le, b:b + c] == j).all()):
+                            msgs.append(f"handle[1] expert {le} rank {j}: rows {b}..{b + c} "
+                                        f"are not all from rank {j}")
                 El = E // N
                 rows = recv[0].float() * recv[1].repeat_interleave(128, 2) if fp8 else recv.float()
                 y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=dev)
@@ -336,7 +353,7 @@ def rank_main(rank, N, port, q):
                 continue
             exps = torch.stack([(packed >> (8 * j)) & 0xFF for j in range(4)], dim=3)
             scales = (exps.reshape(El, q.shape[1], H // 128) << 23).view(torch.float32)
-            err = check_round(rank, N, E, K, xs, ids, (q, scales), count, (handle[2], handle[3]),
+            err = check_round(rank, N, E, K, xs, ids, (q, scales), count, (handle.src_rank, handle[0]),
                               True, round_scale=True)
             if err:
                 msgs.append(f"round_scale/ue8m0 hook={hook_mode}: {err}")
