@@ -3,9 +3,7 @@
  * 64-bit loads and stores with acquire/release at system scope (flags
  * read by other GPUs over NVLink or by the host), the global timer for
  * bounded waits, warp-wide 16-byte copies with many loads in flight, and
- * named barriers. Shared by the CUDA
- * engines that include it (the low-latency engine keeps its own copies in
- * engines/cuda_ll/cuda_ll_dev.cuh for now).
+ * named barriers, and the error word. Shared by the CUDA engines.
  */
 #ifndef FR_CUDA_SYNC_CUH
 #define FR_CUDA_SYNC_CUH
@@ -78,6 +76,30 @@ static __device__ __forceinline__ void fr_warp_copy16_cg(uint8_t *dst, const uin
                                                          size_t bytes)
 {
     fr_warp_copy16u<8, true>(dst, src, bytes);
+}
+
+/* Errors, for an engine's kernel arguments A holding `int *dflag` (device)
+ * and `volatile int *err` ([4], host-mapped): the first error wins a CAS
+ * on dflag, then is copied to err (details first, status last). Kernels
+ * poll only dflag: reads of host memory cross PCIe, and thousands of them
+ * cost hundreds of microseconds. */
+template <class Args>
+static __device__ void fr_cu_err_set(const Args &A, int status, int rank, int what, int detail)
+{
+    if (atomicCAS(A.dflag, 0, status) == 0) {
+        A.err[1] = rank;
+        A.err[2] = what;
+        A.err[3] = detail;
+        __threadfence_system();
+        A.err[0] = status;
+        __threadfence_system();
+    }
+}
+
+template <class Args>
+static __device__ __forceinline__ bool fr_cu_err_seen(const Args &A)
+{
+    return *(volatile int *)A.dflag != 0;
 }
 
 /* A barrier of the `nthreads` threads (whole warps) that call it with

@@ -164,25 +164,16 @@ static __host__ __device__ __forceinline__ int fr_cuht_chan_lo(int T, int C, int
 /* ---------------------------------------------------------------------- */
 /* errors and waits                                                       */
 
-/* The first error wins a CAS on the device flag, then is copied to
- * host-mapped memory (details first, status last). Kernels poll the
- * device flag only. */
+/* The context's error word (runtime/cuda_sync.cuh). */
 static __device__ void fr_cuht_fail(const fr_cuht_args_t &A, int status, int rank, int what,
                                     int detail)
 {
-    if (atomicCAS(A.dflag, 0, status) == 0) {
-        A.err[1] = rank;
-        A.err[2] = what;
-        A.err[3] = detail;
-        __threadfence_system();
-        A.err[0] = status;
-        __threadfence_system();
-    }
+    fr_cu_err_set(A, status, rank, what, detail);
 }
 
 static __device__ __forceinline__ bool fr_cuht_failed(const fr_cuht_args_t &A)
 {
-    return *(volatile int *)A.dflag != 0;
+    return fr_cu_err_seen(A);
 }
 
 /* One thread waits until the counter *w reaches `target` (counters only

@@ -17,6 +17,7 @@
 #include "core/quant.h"
 #include "engines/cuda_ll/cuda_ll.h"
 #include "runtime/cuda_mem.h"
+#include "runtime/cuda_sync.cuh"
 
 
 /* Most experts of the CUDA engine: the send part keeps two counts per
@@ -106,66 +107,30 @@ static int fr_cu_grid(const struct fr_cuda_ep *c, K (&ks)[NK], int threads, size
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
 
 /* ---------------------------------------------------------------------- */
-/* device helpers                                                         */
+/* device helpers (flags, timer and the error word: runtime/cuda_sync.cuh) */
 
-static __device__ __forceinline__ unsigned long long fr_ld_acquire(const unsigned long long *p)
-{
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-static __device__ __forceinline__ unsigned long long fr_ld_relaxed(const unsigned long long *p)
-{
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-static __device__ __forceinline__ void fr_st_release(unsigned long long *p, unsigned long long v)
-{
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-static __device__ __forceinline__ unsigned long long fr_globaltimer(void)
-{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/* Errors: the first one wins a CAS on the device flag, then is copied to
- * host-mapped memory (details first, status last). Kernels poll only the
- * device flag: reads of host memory cross PCIe, and thousands of them cost
- * hundreds of microseconds. */
+/* The context's error word: the first error wins. */
 static __device__ void fr_cu_fail(const fr_cu_args_t &A, int status, int rank, int what,
                            int detail)
 {
-    if (atomicCAS(A.dflag, 0, status) == 0) {
-        A.err[1] = rank;
-        A.err[2] = what;
-        A.err[3] = detail;
-        __threadfence_system();
-        A.err[0] = status;
-        __threadfence_system();
-    }
+    fr_cu_err_set(A, status, rank, what, detail);
 }
 
 static __device__ __forceinline__ bool fr_cu_failed(const fr_cu_args_t &A)
 {
-    return *(volatile int *)A.dflag != 0;
+    return fr_cu_err_seen(A);
 }
 
 /* Wait until flag == epoch; false (error word set) on timeout. */
 static __device__ bool fr_cu_wait_flag(const fr_cu_args_t &A, const unsigned long long *flag,
                                 unsigned long long epoch, int sender, int what)
 {
-    unsigned long long t0 = fr_globaltimer();
+    unsigned long long t0 = fr_sys_timer();
     unsigned int n = 0;
     for (;;) {
         /* relaxed polls; one acquire once the value is there */
-        unsigned long long v = fr_ld_relaxed(flag);
-        if (v == epoch && fr_ld_acquire(flag) == epoch)
+        unsigned long long v = fr_sys_ld_relaxed(flag);
+        if (v == epoch && fr_sys_ld_acquire(flag) == epoch)
             return true;
         if (v > epoch) {
             fr_cu_fail(A, FERRY_ERR_PROTOCOL, sender, what, (int)v);
@@ -174,7 +139,7 @@ static __device__ bool fr_cu_wait_flag(const fr_cu_args_t &A, const unsigned lon
         if ((++n & 255) == 0) {
             if (fr_cu_failed(A))
                 return false;
-            if (fr_globaltimer() - t0 > A.timeout_ns) {
+            if (fr_sys_timer() - t0 > A.timeout_ns) {
                 fr_cu_fail(A, FERRY_ERR_TIMEOUT, sender, what, 0);
                 return false;
             }
@@ -288,7 +253,7 @@ static __device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, 
         s->len = len;
         s->imm = fr_imm_make(phase, epoch, A.rank);
     } else {
-        fr_st_release((unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank)),
+        fr_sys_st_release((unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank)),
                       epoch);
     }
 }
@@ -299,9 +264,9 @@ static __device__ void fr_cu_ring(const fr_cu_args_t &A, int phase, int set,
     fr_proxy_ring_t *rg = A.ring;
     volatile unsigned long long *head = (volatile unsigned long long *)&rg->head;
     unsigned long long tail = *(volatile unsigned long long *)&rg->tail;
-    unsigned long long t0 = fr_globaltimer();
+    unsigned long long t0 = fr_sys_timer();
     while (tail - *head >= FR_PROXY_RING) {
-        if (fr_globaltimer() - t0 > A.timeout_ns) {
+        if (fr_sys_timer() - t0 > A.timeout_ns) {
             fr_cu_fail(A, FERRY_ERR_TIMEOUT, A.rank, phase + 1, -1);
             return;
         }
@@ -311,7 +276,7 @@ static __device__ void fr_cu_ring(const fr_cu_args_t &A, int phase, int set,
     q->set = set;
     q->epoch = epoch;
     __threadfence_system();
-    fr_st_release((unsigned long long *)&rg->tail, tail + 1);
+    fr_sys_st_release((unsigned long long *)&rg->tail, tail + 1);
 }
 
 
