@@ -106,6 +106,21 @@ double now_us(void);
 
 /* rounds.c */
 void run_rounds(bench_t *b, int from, int to);
+
+/* A CUDA runtime call in a function returning int: on failure, say which
+ * and return -1 (the caller includes cuda_runtime_api.h and stdio.h). */
+#ifdef FERRY_HAVE_CUDA
+#define DEVCHK(call)                                                           \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            fprintf(stderr, "ferry-bench: %s: %s\n", #call,                    \
+                    cudaGetErrorString(e_));                                   \
+            return -1;                                                         \
+        }                                                                      \
+    } while (0)
+#endif
+
 #ifdef FERRY_HAVE_CUDA
 void run_gpu_rounds(bench_t *b);
 #endif

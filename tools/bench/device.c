@@ -13,16 +13,6 @@
 #include "bench.h"
 
 #ifdef FERRY_HAVE_CUDA
-#define DEVCHK(call)                                                           \
-    do {                                                                       \
-        cudaError_t e_ = (call);                                               \
-        if (e_ != cudaSuccess) {                                               \
-            fprintf(stderr, "ferry-bench: %s: %s\n", #call,                    \
-                    cudaGetErrorString(e_));                                   \
-            return -1;                                                         \
-        }                                                                      \
-    } while (0)
-
 /* The rank's index among the ranks of its host, as its launcher tells it
  * (the fork launcher's ranks are all local: the rank itself). */
 static int local_rank(int rank)

@@ -70,25 +70,15 @@ typedef struct ht_io {
 } ht_io_t;
 
 #ifdef FERRY_HAVE_CUDA
-#define HTDEV(call)                                                            \
-    do {                                                                       \
-        cudaError_t e_ = (call);                                               \
-        if (e_ != cudaSuccess) {                                               \
-            fprintf(stderr, "ferry-bench: %s: %s\n", #call,                    \
-                    cudaGetErrorString(e_));                                   \
-            return -1;                                                         \
-        }                                                                      \
-    } while (0)
-
 static int ht_dev_init(ht_dev_t *d, const fw_spec_t *s)
 {
     size_t T = (size_t)(s->T > 0 ? s->T : 1), H = (size_t)s->H, K = (size_t)s->K;
-    HTDEV(cudaStreamCreateWithFlags((cudaStream_t *)&d->stream, cudaStreamNonBlocking));
-    HTDEV(cudaMalloc(&d->x, T * H * 2));
-    HTDEV(cudaMalloc(&d->xs, (T * H / 128 + 1) * 4));
-    HTDEV(cudaMalloc(&d->w, T * K * 4));
-    HTDEV(cudaMalloc(&d->idx, T * K * 8));
-    HTDEV(cudaMalloc(&d->out, T * H * 2));
+    DEVCHK(cudaStreamCreateWithFlags((cudaStream_t *)&d->stream, cudaStreamNonBlocking));
+    DEVCHK(cudaMalloc(&d->x, T * H * 2));
+    DEVCHK(cudaMalloc(&d->xs, (T * H / 128 + 1) * 4));
+    DEVCHK(cudaMalloc(&d->w, T * K * 4));
+    DEVCHK(cudaMalloc(&d->idx, T * K * 8));
+    DEVCHK(cudaMalloc(&d->out, T * H * 2));
     d->on = 1;
     return 0;
 }
@@ -102,33 +92,33 @@ static int ht_dev_grow(ht_dev_t *d, const fw_spec_t *s, size_t rows)
     for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
         cudaFree(p[i]);
     d->rows = rows + rows / 4 + 16;
-    HTDEV(cudaMalloc(&d->rx, d->rows * 2 * H));
-    HTDEV(cudaMalloc(&d->rxs, d->rows * (H / 128 + 1) * 4));
-    HTDEV(cudaMalloc(&d->rw, d->rows * K * 4));
-    HTDEV(cudaMalloc(&d->ridx, d->rows * K * 4));
-    HTDEV(cudaMalloc(&d->rsr, d->rows * 4));
-    HTDEV(cudaMalloc(&d->rst, d->rows * 4));
-    HTDEV(cudaMalloc(&d->y, d->rows * 2 * H));
+    DEVCHK(cudaMalloc(&d->rx, d->rows * 2 * H));
+    DEVCHK(cudaMalloc(&d->rxs, d->rows * (H / 128 + 1) * 4));
+    DEVCHK(cudaMalloc(&d->rw, d->rows * K * 4));
+    DEVCHK(cudaMalloc(&d->ridx, d->rows * K * 4));
+    DEVCHK(cudaMalloc(&d->rsr, d->rows * 4));
+    DEVCHK(cudaMalloc(&d->rst, d->rows * 4));
+    DEVCHK(cudaMalloc(&d->y, d->rows * 2 * H));
     return 0;
 }
 
 static int ht_dev_put(ht_dev_t *d, void *dst, const void *src, size_t n)
 {
     if (n)
-        HTDEV(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)d->stream));
+        DEVCHK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)d->stream));
     return 0;
 }
 
 static int ht_dev_get(ht_dev_t *d, void *dst, const void *src, size_t n)
 {
     if (n)
-        HTDEV(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, (cudaStream_t)d->stream));
+        DEVCHK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, (cudaStream_t)d->stream));
     return 0;
 }
 
 static int ht_dev_wait(ht_dev_t *d)
 {
-    HTDEV(cudaStreamSynchronize((cudaStream_t)d->stream));
+    DEVCHK(cudaStreamSynchronize((cudaStream_t)d->stream));
     return 0;
 }
 
