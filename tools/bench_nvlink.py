@@ -14,12 +14,12 @@ Usage: python3 tools/bench_nvlink.py [--gpus N] [--tokens 128] [--iters 50]
 """
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _ranks import spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from ferry.reference import fp8_block_quant as quant  # noqa: E402
@@ -160,26 +160,7 @@ def main():
     ap.add_argument("--sms", type=int, default=32)
     args = ap.parse_args()
     N = args.gpus
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, args, q)) for r in range(N)]
-    for pr in ps:
-        pr.start()
-    res = {}
-    for _ in range(N):
-        r, v = q.get(timeout=300)
-        res[r] = v
-    for pr in ps:
-        pr.join(30)
-    bad = [r for r, v in res.items() if isinstance(v, str)]
-    for r in bad:
-        print(f"rank {r}:\n{res[r]}")
-    if bad:
-        sys.exit(1)
+    res = spawn_ranks(rank_main, N, args, timeout=300, join_s=30)
     mx = lambda i: max(v[i] for v in res.values())
     wrong = sum(v[6] for v in res.values())
     print(f"# EP{N} over NVLink, {torch.cuda.get_device_name()}, E={args.experts} K=8 H=7168 "

@@ -50,12 +50,12 @@ Usage: python3 tools/bench_peers.py [--gpus N] [--shapes DeepSeek-V3,Qwen3-235B,
 """
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _ranks import spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from ferry.reference import fp8_block_quant as quant  # noqa: E402
@@ -384,26 +384,7 @@ def main():
     if not args.tokens or min(args.tokens) < 1:
         sys.exit("bench_peers: --tokens: positive integers")
     N = args.gpus
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, args, q)) for r in range(N)]
-    for pr in ps:
-        pr.start()
-    res = {}
-    for _ in range(N):
-        r, v = q.get(timeout=1800)
-        res[r] = v
-    for pr in ps:
-        pr.join(60)
-    bad = [r for r, v in res.items() if isinstance(v, str)]
-    for r in bad:
-        print(f"rank {r}:\n{res[r]}")
-    if bad:
-        sys.exit(1)
+    res = spawn_ranks(rank_main, N, args, timeout=1800, join_s=60)
     rows = res[0]
 
     def header(*cols):

@@ -38,12 +38,12 @@ Needs DeepEP importable (deep_ep on PYTHONPATH) and ferry's library
 """
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _ranks import spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
@@ -217,26 +217,7 @@ def main():
         sys.exit("bench_peers_ht: up to 8 GPUs, 32768 tokens, hidden >= 128 (rows carry their "
                  "source in their last channels)")
     N = args.gpus
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, args, q)) for r in range(N)]
-    for pr in ps:
-        pr.start()
-    res = {}
-    for _ in range(N):
-        r, v = q.get(timeout=1800)
-        res[r] = v
-    for pr in ps:
-        pr.join(60)
-    bad = [r for r, v in res.items() if isinstance(v, str)]
-    for r in bad:
-        print(f"rank {r}:\n{res[r]}")
-    if bad:
-        sys.exit(1)
+    res = spawn_ranks(rank_main, N, args, timeout=1800, join_s=60)
     st, wr = res[0]
     print(f"# EP{N} normal mode, T={args.tokens} H={args.hidden} top-{args.topk} of "
           f"{args.experts}, {args.dtype}, {args.sms} SMs each, {args.iters} iters after "

@@ -1,10 +1,13 @@
-"""Shared by the numpy tests (test_native, test_args, test_ht): start N
-ranks as spawned processes and collect what each reports, and bf16 bits
-to and from float32."""
+"""Shared by the tests (test_native, test_args, test_ht; the torch tests
+use run_ranks only): start N ranks as spawned processes and collect what
+each reports, and bf16 bits to and from float32 (numpy)."""
 import multiprocessing as mp
 import socket
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # the torch tests need only run_ranks
+    np = None
 
 
 def bf16(a):  # float32 -> bf16 bits, round to nearest even

@@ -16,18 +16,17 @@ machine; ranks may share one GPU). Usage: test_torch_ht_cuda.py [nranks]
 Exit 77 (skipped) without torch or a usable GPU.
 """
 import os
-import socket
 import sys
 import traceback
 
 try:
     import torch
-    import torch.multiprocessing as mp
 except ImportError:
     print("skipped: torch is not installed")
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ranks import run_ranks  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -249,23 +248,14 @@ def main():
     if not torch.cuda.is_available():
         print("skipped: torch sees no CUDA device")
         sys.exit(77)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=rank_main, args=(r, N, port, q)) for r in range(N)]
-    for p in ps:
-        p.start()
-    fails = 0
-    for _ in range(N):
-        rank, msgs = q.get(timeout=600)
-        for m in msgs:
+    res, crashed = run_ranks(rank_main, N, timeout=600)
+    fails = N - len(res)  # the ranks in crashed
+    for line in crashed:
+        print(line)
+    for rank in sorted(res):
+        for m in res[rank]:
             print(f"rank {rank}: {m}")
-        fails += bool(msgs)
-    for p in ps:
-        p.join(30)
+        fails += bool(res[rank])
     print(f"test_torch_ht_cuda ({N} ranks): EP(mode='ht') on CUDA, deep_ep normal mode: "
           f"{'passed' if not fails else 'FAILED'}")
     sys.exit(1 if fails else 0)
