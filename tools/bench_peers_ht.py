@@ -68,6 +68,12 @@ def make_inputs(rank, T, E, K, H, seed):
     return x, idx.to(torch.int64), w.float()
 
 
+def dequant(recv_x):
+    """float32 rows from received (fp8 [n, H], float32 scales [n, H/128])."""
+    q, s = recv_x
+    return (q.float().view(q.shape[0], -1, 128) * s.view(s.shape[0], -1, 1)).view(q.shape)
+
+
 def pct(v, f):
     v = sorted(v)
     return v[min(len(v) - 1, int(f * len(v)))]
@@ -79,11 +85,7 @@ def check(rank, N, E, K, H, T, recv_x, counts, out, x, gathered, fp8):
     wrong = 0
     mine = (gathered >= rank * El) & (gathered < (rank + 1) * El)  # [N, T, K]
     want_rows = mine.any(2)  # [N, T]
-    if fp8:
-        q, s = recv_x
-        rx = (q.float().view(q.shape[0], -1, 128) * s.view(s.shape[0], -1, 1)).view(q.shape)
-    else:
-        rx = recv_x.float()
+    rx = dequant(recv_x) if fp8 else recv_x.float()
     if rx.shape[0] != int(want_rows.sum()):
         return 1 + abs(rx.shape[0] - int(want_rows.sum()))
     if rx.shape[0]:
@@ -132,9 +134,7 @@ def run_lib(buf, x, xs, idx, w, E, N, warmup, iters):
         ev[2].record(st)
         rx2, *_ = buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
         ev[3].record(st)
-        y = rx2 if xs is None else (rx2[0].float().view(rx2[0].shape[0], -1, 128) *
-                                    rx2[1].view(rx2[1].shape[0], -1, 1)).view(
-                                        rx2[0].shape).to(torch.bfloat16)
+        y = rx2 if xs is None else dequant(rx2).to(torch.bfloat16)
         torch.cuda.synchronize()
         dist.barrier()
         ev[4].record(st)

@@ -19,6 +19,18 @@ def f32(b):
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 
+def gather_all(N, *objs):
+    """torch tests: every rank's copy of each object (tensors as CPU
+    copies), one list of N per object; collective."""
+    import torch.distributed as dist
+    out = []
+    for o in objs:
+        got = [None] * N
+        dist.all_gather_object(got, o.cpu() if hasattr(o, "cpu") else o)
+        out.append(got)
+    return out
+
+
 def run_ranks(target, N, timeout=120):
     """Run target(rank, N, port, q) in N processes; each puts (rank, result)
     on q. Returns ({rank: result} of those that answered, [lines naming the

@@ -26,7 +26,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import run_ranks  # noqa: E402
+from ranks import gather_all, run_ranks  # noqa: E402
 from ferry.reference import fp8_block_quant as quant_ref  # noqa: E402
 
 
@@ -283,10 +283,7 @@ def rank_main(rank, N, port, q):
             for hook_mode in (False, True):
                 rnd += 1
                 x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
-                xs = [None] * N
-                ids = [None] * N
-                torch.distributed.all_gather_object(xs, x.cpu())
-                torch.distributed.all_gather_object(ids, idx.cpu())
+                xs, ids = gather_all(N, x, idx)
                 recv, count, handle, ev, hook = buf.low_latency_dispatch(
                     x, idx, T, E, use_fp8=fp8, return_recv_hook=hook_mode)
                 if hook_mode:
@@ -334,10 +331,7 @@ def rank_main(rank, N, port, q):
         for hook_mode in (False, True):
             rnd += 1
             x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
-            xs = [None] * N
-            ids = [None] * N
-            torch.distributed.all_gather_object(xs, x.cpu())
-            torch.distributed.all_gather_object(ids, idx.cpu())
+            xs, ids = gather_all(N, x, idx)
             (q, packed), count, handle, ev, hook = buf.low_latency_dispatch(
                 x, idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=True,
                 return_recv_hook=hook_mode)
@@ -389,10 +383,7 @@ def rank_main(rank, N, port, q):
             idx[:t].copy_(ii)
             w[:t].copy_(wi)
             ntok.fill_(t)
-            xs = [None] * N
-            ids = [None] * N
-            torch.distributed.all_gather_object(xs, xi.cpu())
-            torch.distributed.all_gather_object(ids, ii.cpu())
+            xs, ids = gather_all(N, xi, ii)
             torch.cuda.synchronize()
             g1.replay()
             ep.sync(s.cuda_stream)

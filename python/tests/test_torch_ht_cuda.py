@@ -26,7 +26,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import run_ranks  # noqa: E402
+from ranks import gather_all, run_ranks  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -74,10 +74,7 @@ def check_native(ferry, comm, rank, N, dev, msgs):
                   mode="ht", num_sms=4)
     for rnd in (1, 2):
         x, idx, w = inputs(rank, rnd, T, H, E, K)
-        xs, ids, wts = [None] * N, [None] * N, [None] * N
-        torch.distributed.all_gather_object(xs, x)
-        torch.distributed.all_gather_object(ids, idx)
-        torch.distributed.all_gather_object(wts, w)
+        xs, ids, wts = gather_all(N, x, idx, w)
         want = expected_rows(rank, N, El, xs, ids, wts)
         route = ep.route(idx.to(dev), expert_alignment=0)
         if route.num_recv != len(want):
@@ -121,10 +118,7 @@ def check_native(ferry, comm, rank, N, dev, msgs):
         out, wout = ep.ht_combine(route, y.contiguous(), yw)
         torch.cuda.synchronize()
         ep.sync()
-        ys, yws, wants = [None] * N, [None] * N, [None] * N
-        torch.distributed.all_gather_object(ys, y.cpu())
-        torch.distributed.all_gather_object(yws, yw.cpu())
-        torch.distributed.all_gather_object(wants, want)
+        ys, yws, wants = gather_all(N, y, yw, want)
         ref = torch.zeros(x.shape, dtype=torch.float32)
         wref = torch.zeros(w.shape, dtype=torch.float32)
         for d in range(N):
@@ -149,9 +143,7 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
     if buf.low_latency_mode:
         msgs.append("low_latency_mode should be False")
     x, idx, w = inputs(rank, 2, T, H, E, K)
-    xs, ids = [None] * N, [None] * N
-    torch.distributed.all_gather_object(xs, x)
-    torch.distributed.all_gather_object(ids, idx)
+    xs, ids = gather_all(N, x, idx)
     xd, idd, wd = x.to(dev), idx.to(dev), w.to(dev)
     per_rank, rdma, per_exp, in_rank, ev = buf.get_dispatch_layout(idd, E)
     want_in = torch.zeros((x.shape[0], N), dtype=torch.bool)
