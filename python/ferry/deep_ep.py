@@ -27,8 +27,10 @@ Tensors are checked before use (TypeError for a wrong type or dtype,
 ValueError for a wrong shape or device, naming the argument); inputs are
 made contiguous here (a copy when they are not), `out` must already be.
 """
+import contextlib
 import ctypes as C
 import operator
+import os
 
 import torch
 
@@ -99,11 +101,6 @@ def _recv_or_hook(recv, return_recv_hook):
         return recv
     recv()
     return None
-
-
-def _nullcontext():
-    import contextlib
-    return contextlib.nullcontext()
 
 
 def _ue8m0_buffer(sc):
@@ -229,7 +226,7 @@ class _Plan:
 
 #: tokens per rank one normal-mode dispatch may carry (ferry's
 #: high-throughput buffers do not grow with it; FERRY_DEEP_EP_MAX_TOKENS)
-_HT_MAX_TOKENS = int(__import__("os").environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
+_HT_MAX_TOKENS = int(os.environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
 
 
 class _HtHandle:
@@ -569,7 +566,7 @@ class Buffer:
 
         def recv_and_finish():
             hook()
-            with torch.cuda.stream(st) if st is not None else _nullcontext():
+            with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
                 if stats is not None:
                     stats.add_(cnt)
                 if use_ue8m0:
