@@ -232,12 +232,16 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
                       "engine %s set up no send region", ep->eng->name);
     /* NICs: FERRY_NICS_PER_RANK, or (0) as many as the node has, up to
      * FR_MAX_NICS. Opening NIC k is collective, present or not. */
+    /* seg and send in GPU memory (the engine says which device): the
+     * NICs open with FI_HMEM and register them as that device's */
+    int dev = ep->fab_device;
     if ((rc = fr_nics_open(&ep->nics, boot, "fabric",
-                           fr_cfg_int(FR_CFG_NICS_PER_RANK), 0, err)) ||
-        (rc = fr_nics_reg(&ep->nics, boot, ep->seg, L->seg_bytes, 1,
-                          &ep->rseg, err)) ||
-        (rc = fr_nics_reg(&ep->nics, boot, ep->send, L->send_bytes, 0,
-                          &ep->rsend, err)) ||
+                           fr_cfg_int(FR_CFG_NICS_PER_RANK),
+                           dev >= 0 ? FR_TP_OPEN_HMEM : 0, err)) ||
+        (rc = fr_nics_reg_dev(&ep->nics, boot, ep->seg, L->seg_bytes, 1, dev,
+                              &ep->rseg, err)) ||
+        (rc = fr_nics_reg_dev(&ep->nics, boot, ep->send, L->send_bytes, 0, dev,
+                              &ep->rsend, err)) ||
         (rc = fr_nics_groups(&ep->nics, ep->group_peers, ep->nfabric,
                              &ep->rsend, &ep->rseg, &ep->groups, err)))
         return rc;
@@ -308,6 +312,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->comm = comm;
     ep->N = comm->size;
     ep->rank = comm->rank;
+    ep->fab_device = -1;
     ep->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
@@ -315,6 +320,8 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     /* Step 3: the engine lays out and allocates its buffers, maps the
      * peers' (collective). */
     FR_CHECK_GOTO(ep->eng->setup(ep, &err), rc, fail);
+    if (!ep->flags)
+        ep->flags = ep->seg;
     if (ep->N > 1 && ep->nfabric > 0)
         FR_CHECK_GOTO(fr_create_fabric(ep, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_finish(ep, &err), rc, fail);

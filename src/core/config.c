@@ -62,6 +62,13 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
                               "(it yields first)."},
+    [FR_CFG_FABRIC_HMEM] = {"FERRY_FABRIC_HMEM", "auto",
+                            "GPU ranks on the fabric path: auto keeps the "
+                            "receive and send regions in GPU memory, "
+                            "registered with the provider (FI_HMEM), when "
+                            "the provider offers it, else in pinned host "
+                            "memory; on: GPU memory or an error naming the "
+                            "provider; off: host memory."},
     [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
                              "Set: each proxy prints, at exit, percentiles "
                              "of the time from picking up a request to the "

@@ -76,6 +76,8 @@ typedef struct fr_proxy {
     int nxfer[2], stats;
     int *gnic, *gpos;                      /* [nfabric]: fabric peer g's NIC and
                                               place in that NIC's group */
+    uint64_t *ready_seen;                  /* [2][2][nfabric]: doorbells taken
+                                              (when ep->ready is used) */
 } fr_proxy_t;
 
 struct fr_engine;
@@ -102,6 +104,16 @@ struct ferry_ep {
     uint8_t *seg;        /* own receive segment */
     char seg_name[96];   /* its name until every peer mapped it */
     uint8_t **peer_seg;  /* [N] mapped receive segments (self and shm peers) */
+    uint8_t *flags;      /* host memory holding the segment's header and
+                            flags (FR_SEG_HDR + flags): seg itself, unless
+                            the engine keeps seg in GPU memory */
+    int fab_device;      /* seg and send are memory of this CUDA device,
+                            registered with FI_HMEM (-1: host memory) */
+    int gdr_flush;       /* the proxy flushes the NIC's writes into GPU
+                            memory before publishing their flags */
+    uint64_t *ready;     /* [phase 2][set 2][nfabric] per-peer doorbells
+                            (the epoch whose slice is packed), when the
+                            engine uses them instead of the ring */
     uint8_t *send;       /* send region (when nfabric > 0) */
     fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */
     fr_proxy_ring_t *ring_mem; /* the engine's ring, or one owned here */

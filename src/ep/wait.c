@@ -37,7 +37,7 @@ static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 {
     const fr_layout_t *L = &ep->L;
     while (*next < ep->N) {
-        uint64_t v = __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, *next),
+        uint64_t v = __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, *next),
                                      __ATOMIC_ACQUIRE);
         if (v == epoch) {
             (*next)++;
@@ -80,14 +80,14 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
         }
         uint64_t now = fr_now_ns();
         if (now - last_check < 2000000ull && now < deadline) {
-            uint32_t seen = fr_doorbell_read(ep->seg);
-            fr_doorbell_sleepers_add(ep->seg, 1);
+            uint32_t seen = fr_doorbell_read(ep->flags);
+            fr_doorbell_sleepers_add(ep->flags, 1);
             st = fr_scan_flags(ep, phase, set, epoch, &next, what);
             if (st == 0) {
                 uint64_t left = deadline - now, nap = 2000000ull;
-                fr_doorbell_sleep(ep->seg, seen, left < nap ? left : nap);
+                fr_doorbell_sleep(ep->flags, seen, left < nap ? left : nap);
             }
-            fr_doorbell_sleepers_add(ep->seg, -1);
+            fr_doorbell_sleepers_add(ep->flags, -1);
             continue;
         }
         last_check = now;
@@ -106,7 +106,7 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
          * a round it finished can still complete */
         int dead = fr_boot_dead_rank(ep->comm->boot);
         if (dead >= 0 && dead < N &&
-            __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, dead),
+            __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, dead),
                             __ATOMIC_ACQUIRE) != epoch)
             return fr_ep_fail(ep, FERRY_ERR_PEER,
                               "%s round %llu: rank %d died", what,
@@ -116,7 +116,7 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                 continue;
             pid_t pid = ep->comm->peers[s].pid;
             if (kill(pid, 0) != 0 && errno == ESRCH &&
-                __atomic_load_n(fr_flag_ptr(L, ep->seg, phase, set, s),
+                __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, s),
                                 __ATOMIC_ACQUIRE) != epoch)
                 return fr_ep_fail(ep, FERRY_ERR_PEER,
                                   "%s round %llu: rank %d (pid %d) died", what,
@@ -129,7 +129,7 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
             list[0] = 0;
             for (int s = next; s < N; s++) {
                 uint64_t v = __atomic_load_n(
-                    fr_flag_ptr(L, ep->seg, phase, set, s), __ATOMIC_ACQUIRE);
+                    fr_flag_ptr(L, ep->flags, phase, set, s), __ATOMIC_ACQUIRE);
                 if (v == epoch)
                     continue;
                 missing++;

@@ -6,13 +6,16 @@
  * doorbell by pushing {phase, set, epoch, peer} into a single-producer
  * ring: one request for every peer (the scatter), or one per peer as soon
  * as that peer's slice is packed (a single write), so that writes start
- * while later peers are still being packed. The proxy posts, then polls
- * completions:
+ * while later peers are still being packed. GPU ranks, whose many blocks
+ * would contend for one ring, ring a doorbell word per (phase, set, peer)
+ * instead (ep->ready: the epoch whose slice is packed), which the proxy
+ * scans. The proxy posts, then polls completions:
  *   RX  immediate (phase, epoch low bits, sender): the write, header
  *       included, has landed; the proxy publishes it by storing the full
  *       epoch into the same flag word a shared-memory peer would have
  *       written (release order), so receivers wait the same way on every
- *       path. Completions are counted per (phase, set, sender), order-free.
+ *       path. Where a NIC writes GPU memory that its kernels do not see in
+ *       order, the batch's writes are flushed first (ep->gdr_flush). Completions are counted per (phase, set, sender), order-free.
  *   TX  a local write finished: the set's send slices may be reused.
  *   ERR a failed write: recorded as the EP's asynchronous error.
  * Idle, it yields, then sleeps up to FERRY_PROXY_IDLE_US.
@@ -26,6 +29,7 @@
 #include "core/config.h"
 #include "proxy/proxy.h"
 #include "core/log.h"
+#include "runtime/cuda_mem.h"
 
 #define FR_PROXY_STAT_MAX 65536
 
@@ -68,9 +72,9 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
         return;
     }
     *last = want;
-    __atomic_store_n(fr_flag_ptr(L, ep->seg, phase, set, sender), want,
+    __atomic_store_n(fr_flag_ptr(L, ep->flags, phase, set, sender), want,
                      __ATOMIC_RELEASE);
-    fr_doorbell_ring(ep->seg);
+    fr_doorbell_ring(ep->flags);
     ep->proxy.completed_rx++;
     fr_proxy_t *p = &ep->proxy;
     if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) {
@@ -137,6 +141,43 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
     return FERRY_OK;
 }
 
+/* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
+ * soon as its slice is packed, while the kernel packs the next peers.
+ * Returns whether anything was posted. */
+static int fr_proxy_scan_ready(ferry_ep_t ep)
+{
+    fr_proxy_t *p = &ep->proxy;
+    int nf = ep->nfabric, work = 0;
+    for (int i = 0; i < 2 * FR_NSETS * nf; i++) {
+        uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
+        if (v == p->ready_seen[i])
+            continue;
+        p->ready_seen[i] = v;
+        fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
+                            .epoch = v, .peer1 = i % nf + 1};
+        if (fr_proxy_post(ep, &q) != FERRY_OK)
+            return 1; /* the failure is the EP's asynchronous error now */
+        work = 1;
+    }
+    return work;
+}
+
+/* Arrivals of this batch: with a NIC writing GPU memory directly
+ * (GPUDirect RDMA) whose writes the GPU does not order for its kernels,
+ * flush them once before any of their flags is published. */
+static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
+{
+    if (!ep->gdr_flush)
+        return;
+    for (int i = 0; i < n; i++)
+        if (cqe[i].kind == FR_CQE_RX) {
+            if (fr_cuda_gdr_flush(ep->fab_device) != 0)
+                fr_proxy_async_fail(ep, FERRY_ERR_SYSTEM, -1,
+                                    "flushing GPUDirect RDMA writes failed");
+            return;
+        }
+}
+
 static void *fr_proxy_main(void *arg)
 {
     ferry_ep_t ep = arg;
@@ -155,6 +196,8 @@ static void *fr_proxy_main(void *arg)
             fr_proxy_post(ep, &q);
             work = 1;
         }
+        if (p->ready_seen)
+            work |= fr_proxy_scan_ready(ep);
         fr_err_t err = {{0}};
         int n = 0;
         for (int k = 0; k < ep->nics.n && n < 48; k++) {
@@ -165,6 +208,7 @@ static void *fr_proxy_main(void *arg)
             }
             n += got;
         }
+        fr_proxy_flush(ep, cqe, n);
         for (int i = 0; i < n; i++) {
             switch (cqe[i].kind) {
             case FR_CQE_RX:
@@ -224,6 +268,15 @@ int fr_proxy_start(ferry_ep_t ep)
                 p->gpos[g] = i;
             }
         }
+    if (ep->ready) {
+        p->ready_seen = calloc(2 * FR_NSETS * (size_t)nf, sizeof(uint64_t));
+        if (!p->ready_seen) {
+            free(p->gnic);
+            free(p->gpos);
+            p->gnic = p->gpos = NULL;
+            return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy doorbell table");
+        }
+    }
     if (fr_cfg_str(FR_CFG_PROXY_STATS)[0]) {
         p->xfer_ns[0] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
         p->xfer_ns[1] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
@@ -248,7 +301,9 @@ int fr_proxy_stop(ferry_ep_t ep)
     p->running = 0;
     free(p->gnic);
     free(p->gpos);
+    free(p->ready_seen);
     p->gnic = p->gpos = NULL;
+    p->ready_seen = NULL;
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
             int n = p->nxfer[ph];

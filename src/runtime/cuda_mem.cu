@@ -70,3 +70,32 @@ int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
     *val = v;
     return FERRY_OK;
 }
+
+int fr_cuda_gdr_flush_needed(int device)
+{
+    int order = 0, opts = 0;
+    if (cudaDeviceGetAttribute(&order, cudaDevAttrGPUDirectRDMAWritesOrdering, device) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&opts, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device) !=
+            cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return order < (int)cudaGPUDirectRDMAWritesOrderingOwner &&
+           (opts & (int)cudaFlushGPUDirectRDMAWritesOptionHost) != 0;
+}
+
+int fr_cuda_gdr_flush(int device)
+{
+    static __thread int bound = -1;
+    if (bound != device) {
+        if (cudaSetDevice(device) != cudaSuccess)
+            return -1;
+        bound = device;
+    }
+    return cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                              cudaFlushGPUDirectRDMAWritesToOwner) ==
+                   cudaSuccess
+               ? 0
+               : -1;
+}

@@ -1,7 +1,7 @@
 /*
  * Small CUDA memory helpers for contexts other than the EP (put-with-signal):
  * pinned host memory mapped into the GPU, a device word, a device-to-host
- * read. Without CUDA (cuda_mem_stub.c) they answer FERRY_ERR_UNSUPPORTED.
+ * read, the GPUDirect RDMA write flush. Without CUDA (cuda_mem_stub.c) they answer FERRY_ERR_UNSUPPORTED.
  */
 #ifndef FR_CUDA_MEM_H
 #define FR_CUDA_MEM_H
@@ -24,6 +24,14 @@ void fr_cuda_dev_free(void *dev);
 /* Read a 64-bit device word (synchronous). */
 int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
                      fr_err_t *err);
+
+/* GPUDirect RDMA: does a NIC's write into memory of `device` need a flush
+ * before a kernel on that device may read it (the device does not order
+ * such writes for its own kernels but can flush them from the host)? */
+int fr_cuda_gdr_flush_needed(int device);
+/* Flush the NIC writes into memory of `device` so far (the calling thread
+ * is bound to the device at its first call). 0 on success. */
+int fr_cuda_gdr_flush(int device);
 
 #ifdef __cplusplus
 }

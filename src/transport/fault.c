@@ -231,6 +231,17 @@ static int fault_fence_probe(char *why, size_t len)
     return 0;
 }
 
+static void fault_hmem_probe(int device, void *ptr, size_t len,
+                             fr_tp_hmem_t *out)
+{
+    (void)device;
+    (void)ptr;
+    (void)len;
+    memset(out, 0, sizeof(*out));
+    snprintf(out->why, sizeof(out->why), "fault injection wraps another "
+             "transport: probe that one (fr_transport_find)");
+}
+
 static void fault_group_free(fr_fault_t *f, fr_fault_group_t *g)
 {
     if (g->prev)
@@ -281,9 +292,9 @@ static void fault_close(fr_transport_t *t)
 /* regions and groups                                                  */
 /* ------------------------------------------------------------------ */
 
-static int fault_reg(fr_transport_t *t, void *ptr, size_t len,
-                     int remote_write, fr_mr_t **mrp, fr_mr_desc_t *desc,
-                     fr_err_t *err)
+static int fault_reg_dev(fr_transport_t *t, void *ptr, size_t len,
+                         int remote_write, int device, fr_mr_t **mrp,
+                         fr_mr_desc_t *desc, fr_err_t *err)
 {
     fr_fault_t *f = fault_of(t);
     *mrp = NULL;
@@ -291,7 +302,10 @@ static int fault_reg(fr_transport_t *t, void *ptr, size_t len,
     if (!m)
         return FR_ERR(err, FERRY_ERR_NOMEM, "%s: out of memory",
                       f->ops->name);
-    int rc = f->ops->reg(f->in, ptr, len, remote_write, &m->in, desc, err);
+    int rc = device < 0
+                 ? f->ops->reg(f->in, ptr, len, remote_write, &m->in, desc, err)
+                 : f->ops->reg_dev(f->in, ptr, len, remote_write, device,
+                                   &m->in, desc, err);
     if (rc != FERRY_OK) {
         free(m);
         return rc;
@@ -303,6 +317,13 @@ static int fault_reg(fr_transport_t *t, void *ptr, size_t len,
     f->mrs = m;
     *mrp = (fr_mr_t *)(void *)m;
     return FERRY_OK;
+}
+
+static int fault_reg(fr_transport_t *t, void *ptr, size_t len,
+                     int remote_write, fr_mr_t **mrp, fr_mr_desc_t *desc,
+                     fr_err_t *err)
+{
+    return fault_reg_dev(t, ptr, len, remote_write, -1, mrp, desc, err);
 }
 
 static void fault_dereg(fr_transport_t *t, fr_mr_t *mr)
@@ -628,4 +649,6 @@ const fr_transport_ops_t fr_transport_fault = {
     .iface = fault_iface,
     .fence_probe = fault_fence_probe,
     .write_fence = fault_write_fence,
+    .hmem_probe = fault_hmem_probe,
+    .reg_dev = fault_reg_dev,
 };

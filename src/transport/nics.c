@@ -40,6 +40,13 @@ int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
 int fr_nics_reg(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
                 int remote_write, fr_nic_region_t *r, fr_err_t *err)
 {
+    return fr_nics_reg_dev(x, boot, p, len, remote_write, -1, r, err);
+}
+
+int fr_nics_reg_dev(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
+                    int remote_write, int device, fr_nic_region_t *r,
+                    fr_err_t *err)
+{
     memset(r, 0, sizeof(*r));
     if (remote_write) {
         r->desc = calloc((size_t)x->n * x->N, sizeof(*r->desc));
@@ -49,18 +56,34 @@ int fr_nics_reg(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
     for (int k = 0; k < x->n; k++) {
         fr_mr_desc_t mine;
         memset(&mine, 0, sizeof(mine));
-        if (x->ops->has_peer(x->tp[k], x->rank)) {
-            int rc = x->ops->reg(x->tp[k], p, len, remote_write, &r->mr[k],
-                                 &mine, err);
+        int rc = FERRY_OK;
+        if (x->ops->has_peer(x->tp[k], x->rank))
+            rc = device < 0 ? x->ops->reg(x->tp[k], p, len, remote_write,
+                                          &r->mr[k], &mine, err)
+                            : x->ops->reg_dev(x->tp[k], p, len, remote_write,
+                                              device, &r->mr[k], &mine, err);
+        if (!remote_write) {
             if (rc != FERRY_OK)
                 return rc;
+            continue;
         }
-        if (remote_write) {
-            int rc = fr_boot_allgather(boot, &mine, r->desc + (size_t)k * x->N,
-                                       sizeof(mine), err);
-            if (rc != FERRY_OK)
-                return rc;
-        }
+        /* a rank that failed still joins the exchange (len 0 says so), so
+         * that every rank fails here instead of waiting for it */
+        if (rc != FERRY_OK)
+            memset(&mine, 0, sizeof(mine));
+        fr_err_t e2 = {{0}};
+        int rc2 = fr_boot_allgather(boot, &mine, r->desc + (size_t)k * x->N,
+                                    sizeof(mine), rc != FERRY_OK ? &e2 : err);
+        if (rc != FERRY_OK)
+            return rc;
+        if (rc2 != FERRY_OK)
+            return rc2;
+        for (int i = 0; i < x->N; i++)
+            if (i != x->rank && x->ops->has_peer(x->tp[k], i) &&
+                r->desc[(size_t)k * x->N + i].len == 0)
+                return FR_ERR(err, FERRY_ERR_FABRIC,
+                              "rank %d could not register its receive region "
+                              "with the fabric (its log says why)", i);
     }
     return FERRY_OK;
 }

@@ -52,6 +52,11 @@ int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
  * write into it, and every rank's descriptors are exchanged (collective). */
 int fr_nics_reg(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
                 int remote_write, fr_nic_region_t *r, fr_err_t *err);
+/* fr_nics_reg for memory of CUDA device `device` (-1: host memory); the
+ * NICs must have been opened with FR_TP_OPEN_HMEM. */
+int fr_nics_reg_dev(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
+                    int remote_write, int device, fr_nic_region_t *r,
+                    fr_err_t *err);
 void fr_nics_dereg(fr_nics_t *x, fr_nic_region_t *r);
 /* Groups of peers[0..npeers) sharded by NIC: writes go from `src` to each
  * peer's `dst` (a region registered with remote_write). */

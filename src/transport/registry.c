@@ -33,10 +33,10 @@ int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
     if (!o)
         return FR_ERR(err, FERRY_ERR_INVALID, "transport %s: unknown",
                       name ? name : "(null)");
-    if (flags && nic != 0)
+    if ((flags & ~FR_TP_OPEN_HMEM) && nic != 0)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "transport %s: open flags 0x%x only on NIC 0", name,
-                      flags);
+                      flags & ~FR_TP_OPEN_HMEM);
     if (fr_fault_on()) {
         *ops = &fr_transport_fault;
         return fr_fault_open(o, boot, nic, flags, t, err);

@@ -58,7 +58,17 @@ typedef struct fr_cqe {
     uint64_t ctx;  /* TX/ERR: the ctx passed when posting */
 } fr_cqe_t;
 
-enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2 };
+enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2, FR_TP_OPEN_HMEM = 4 };
+
+/* What hmem_probe found: the provider an endpoint opened without
+ * FR_TP_OPEN_HMEM would use, and whether it registers CUDA memory. */
+typedef struct fr_tp_hmem {
+    int ok;            /* the provider offers FI_HMEM for RDM RMA writes */
+    int copies;        /* it moves device memory with CUDA copies (shm,
+                          tcp: nothing to flush), not NIC DMA */
+    char prov[48];     /* its name */
+    char why[384];     /* how it was chosen, or why not */
+} fr_tp_hmem_t;
 
 typedef struct fr_transport_ops {
     size_t size; /* sizeof(fr_transport_ops_t): new ops go at the end */
@@ -72,8 +82,9 @@ typedef struct fr_transport_ops {
      * write's local completion means its data is visible at the target).
      * fabric: the provider FI_PROVIDER names when set; with
      * FR_TP_OPEN_FENCE the one fence_probe settles on (never libfabric's
-     * default). Callers open through fr_transport_open, not through this
-     * op. */
+     * default); FR_TP_OPEN_HMEM (any NIC): device memory may be registered
+     * (reg_dev), the provider the one hmem_probe names. Callers open
+     * through fr_transport_open, not through this op. */
     int (*open)(fr_boot_t *boot, int nic, int flags, fr_transport_t **t,
                 fr_err_t *err);
     /* Register memory; remote_write: peers may write into it. */
@@ -121,6 +132,17 @@ typedef struct fr_transport_ops {
     /* write_imm() carrying the fence flag. */
     int (*write_fence)(fr_transport_t *t, fr_group_t *g, int index,
                        const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
+    /* Would an instance opened with FR_TP_OPEN_HMEM register CUDA device
+     * memory? The provider is the one an open without it would choose
+     * (FI_PROVIDER, else libfabric's first usable offer): asking for
+     * FI_HMEM never changes the provider. With ptr, [ptr, ptr + len) of
+     * device `device` is registered on trial (a provider may offer FI_HMEM
+     * without CUDA). Local, no communication. */
+    void (*hmem_probe)(int device, void *ptr, size_t len, fr_tp_hmem_t *out);
+    /* reg() for memory of CUDA device `device` (>= 0; -1: host memory, as
+     * reg) on an instance opened with FR_TP_OPEN_HMEM. */
+    int (*reg_dev)(fr_transport_t *t, void *ptr, size_t len, int remote_write,
+                   int device, fr_mr_t **mr, fr_mr_desc_t *desc, fr_err_t *err);
 } fr_transport_ops_t;
 
 /* The libfabric transport (fabric/); callers find it by name through

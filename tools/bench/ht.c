@@ -218,6 +218,37 @@ static int ht_goes(const fw_spec_t *s, const fw_input_t *in, int t, int d)
     return 0;
 }
 
+/* The experts: a partial row per received row, from its source's
+ * regenerated inputs (rows come by source: regenerated once each). A row
+ * whose source rank or token is out of range (a wrong dispatch) gets a
+ * zero row and counts as wrong: the benchmark never indexes with it. */
+static void ht_experts(bench_t *b, ht_io_t *io, uint64_t round, int n)
+{
+    const fw_spec_t *s = &b->s;
+    for (int i = 0, src = -1; i < n; i++) {
+        uint16_t *y = io->y + (size_t)i * s->H;
+        int r = io->rsr[i], t = io->rst[i];
+        if (r < 0 || r >= s->N) {
+            memset(y, 0, 2 * (size_t)s->H);
+            if (b->wrong++ < 3)
+                fprintf(stderr, "ferry-bench: rank %d: received row %d names source rank %d\n",
+                        b->me, i, r);
+            continue;
+        }
+        if (r != src)
+            fw_generate(s, round, src = r, &io->other);
+        if (t < 0 || t >= io->other.T) {
+            memset(y, 0, 2 * (size_t)s->H);
+            if (b->wrong++ < 3)
+                fprintf(stderr, "ferry-bench: rank %d: received row %d names token %d of "
+                        "rank %d (it has %d)\n", b->me, i, t, r, io->other.T);
+            continue;
+        }
+        ht_partial(s, &io->other, t, b->me, io, y);
+    }
+}
+
+
 /* The received rows against every source's regenerated inputs. */
 static long ht_check_dispatch(bench_t *b, uint64_t round, ht_io_t *io, int n)
 {
@@ -423,11 +454,7 @@ static const char *ht_base_round(bench_t *b, ht_io_t *io, uint64_t round, double
     double t1 = now_us();
     if (b->o->check)
         b->wrong += ht_check_dispatch(b, round, io, n);
-    for (int i = 0, src = -1; i < n; i++) {
-        if (io->rsr[i] != src)
-            fw_generate(&b->s, round, src = io->rsr[i], &io->other);
-        ht_partial(&b->s, &io->other, io->rst[i], b->me, io, io->y + (size_t)i * b->s.H);
-    }
+    ht_experts(b, io, round, n);
     MPI_Barrier(MPI_COMM_WORLD);
     double t2 = now_us();
     if (ht_base_combine(b, io, m) != 0)
@@ -527,11 +554,7 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         return "GPU copies";
     if (b->o->check)
         b->wrong += ht_check_dispatch(b, round, io, n);
-    for (int i = 0, src = -1; i < n; i++) { /* the experts: a partial row per row */
-        if (io->rsr[i] != src) /* rows come by source: regenerate once each */
-            fw_generate(s, round, src = io->rsr[i], &io->other);
-        ht_partial(s, &io->other, io->rst[i], b->me, io, io->y + (size_t)i * s->H);
-    }
+    ht_experts(b, io, round, n);
     ferry_ht_combine_in_t cin = {.size = sizeof(cin), .y = io->y};
     ferry_ht_combine_out_t cout = {.size = sizeof(cout), .out = io->out};
     if (gpu) {

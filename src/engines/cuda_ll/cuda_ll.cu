@@ -13,7 +13,8 @@
  * Ordering (IPC path): data stores, a block barrier, one system fence by
  * thread 0, then relaxed system-scope adds to the destinations' flags
  * (fr_cu_arrive: flags count arrivals). Fabric path: a count of finished
- * blocks, and the block that finishes fills the slices for the proxy.
+ * blocks, and the block that finishes fills each peer's slice and rings
+ * its doorbell for the proxy.
  * Receivers poll relaxed and acquire once. Waits are bounded by
  * %globaltimer: on expiry the kernel writes an error word in host-mapped
  * memory and returns (never traps); every later kernel sees the word and
@@ -86,13 +87,8 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
                       (uint64_t)np * L.crow);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (ok && A.nfabric > 0) {
-            __threadfence_system();
-            fr_cu_ring(A, FR_PH_COMBINE, set, epoch);
-        }
+    if (threadIdx.x == 0)
         *done = 0;
-    }
 }
 
 __global__ void __launch_bounds__(FR_CS_THREADS, 2)
@@ -118,7 +114,7 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         ok = !fr_cu_failed(A);
         unsigned long long epoch = A.epoch[set];
         for (int s = 0; s < N && ok; s++)
-            ok = fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_COMBINE, set, s)),
+            ok = fr_cu_wait_flag(A, (const unsigned long long *)(A.flags + fr_off_flag(&L, FR_PH_COMBINE, set, s)),
                                  fr_cu_target(A, epoch), s, FR_CU_WHAT_COMBINE);
     }
     __syncthreads();
@@ -238,6 +234,78 @@ typedef struct fr_ipc_msg {
     int status;        /* this rank's segment set-up */
 } fr_ipc_msg_t;
 
+/* Where a rank whose peers are all on the fabric keeps its receive
+ * segment and send region (FERRY_FABRIC_HMEM): GPU memory registered with
+ * the provider (FI_HMEM) when it offers that, the flags beside it in
+ * pinned host memory (the proxy stores them; kernels poll them there);
+ * otherwise all of it in pinned host memory mapped into the GPU, which
+ * any provider can read. */
+static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    const fr_layout_t *L = &ep->L;
+    const char *want = fr_cfg_str(FR_CFG_FABRIC_HMEM);
+    int on = strcmp(want, "on") == 0 || strcmp(want, "1") == 0;
+    int off = strcmp(want, "off") == 0 || strcmp(want, "0") == 0;
+    if (!on && !off && strcmp(want, "auto") != 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "FERRY_FABRIC_HMEM=%s: use auto, on or off",
+                      want);
+    fr_tp_hmem_t h;
+    memset(&h, 0, sizeof(h));
+    const fr_transport_ops_t *tp = fr_transport_find("fabric");
+    void *hp;
+    if (!off && tp && tp->hmem_probe) {
+        tp->hmem_probe(c->device, NULL, 0, &h); /* which provider, and does it DMA */
+        if (!on && h.ok && h.copies) {
+            /* shm and tcp move GPU memory with CUDA copies in the proxy
+             * thread: measured far slower than host staging (and able to
+             * stall a queue of back-to-back rounds), so auto stages */
+            h.ok = 0;
+            snprintf(h.why, sizeof(h.why), "provider %s offers FI_HMEM but moves GPU memory "
+                     "with CUDA copies, slower than host staging (FERRY_FABRIC_HMEM=on forces "
+                     "it)", h.prov);
+        }
+    }
+    if (!off && h.ok) {
+        /* the segment itself is registered on trial */
+        FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
+        tp->hmem_probe(c->device, ep->seg, L->seg_bytes, &h);
+        if (!h.ok) {
+            cudaFree(ep->seg);
+            ep->seg = NULL;
+        }
+    }
+    if (on && !h.ok)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "FERRY_FABRIC_HMEM=on: the fabric cannot register GPU memory: %s", h.why);
+    if (h.ok) {
+        c->dev_mem = 1;
+        FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
+        FR_CU(cudaMalloc((void **)&ep->send, L->send_bytes), err, fail);
+        c->dev_seg = ep->seg;
+        c->dev_send = ep->send;
+        FR_CUH(fr_cuda_host_alloc(L->off_drecv, &hp, &c->dev_flags, err), fail);
+        ep->flags = (uint8_t *)hp;
+        ep->fab_device = c->device;
+        /* a NIC that DMAs into GPU memory: its writes flushed before their
+         * flags are published, where the GPU does not order them itself */
+        ep->gdr_flush = !h.copies && fr_cuda_gdr_flush_needed(c->device);
+        FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in GPU %d memory, "
+                    "registered with FI_HMEM (%s)%s", c->device, h.why,
+                    ep->gdr_flush ? "; NIC writes flushed before each flag" : "");
+        return FERRY_OK;
+    }
+    FR_CUH(fr_cuda_host_alloc(L->seg_bytes, &hp, &c->dev_seg, err), fail);
+    ep->seg = (uint8_t *)hp;
+    FR_CUH(fr_cuda_host_alloc(L->send_bytes, &hp, &c->dev_send, err), fail);
+    ep->send = (uint8_t *)hp;
+    c->dev_flags = c->dev_seg;
+    FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in pinned host memory "
+                "(FERRY_FABRIC_HMEM=%s%s%s)", want, off ? "" : ": ", off ? "" : h.why);
+fail:
+    return rc;
+}
+
 /* This rank's receive segment (device memory, or pinned host memory mapped
  * into the GPU when peers are on the fabric) and what peers need to map it. */
 static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
@@ -253,19 +321,17 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
                       "CUDA ranks with peers on both the IPC and fabric paths "
                       "are not supported yet");
     if (c->host_seg) {
-        /* pinned host memory mapped into the GPU (runtime/cuda_mem.h) */
+        rc = fr_cuda_fabric_mem(ep, c, err);
+        if (rc != FERRY_OK)
+            return rc;
+        /* the proxy's tables: pinned host memory mapped into the GPU
+         * (runtime/cuda_mem.h) */
         void *h;
-        size_t nsl = sizeof(fr_slice_t) * 2 * FR_NSETS * (size_t)ep->nfabric;
-        FR_CUH(fr_cuda_host_alloc(L->seg_bytes, &h, &c->dev_seg, err), fail);
-        ep->seg = (uint8_t *)h;
-        FR_CUH(fr_cuda_host_alloc(L->send_bytes, &h, &c->dev_send, err), fail);
-        ep->send = (uint8_t *)h;
-        FR_CUH(fr_cuda_host_alloc(sizeof(fr_proxy_ring_t), &h, &c->dev_ring, err),
-               fail);
-        ep->ring_mem = (fr_proxy_ring_t *)h;
-        ep->proxy.ring = ep->ring_mem;
-        FR_CUH(fr_cuda_host_alloc(nsl, &h, &c->dev_slices, err), fail);
+        size_t nsl = 2 * FR_NSETS * (size_t)ep->nfabric;
+        FR_CUH(fr_cuda_host_alloc(nsl * sizeof(fr_slice_t), &h, &c->dev_slices, err), fail);
         ep->slices = (fr_slice_t *)h;
+        FR_CUH(fr_cuda_host_alloc(nsl * sizeof(uint64_t), &h, &c->dev_ready, err), fail);
+        ep->ready = (uint64_t *)h;
     } else {
         FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
         FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
@@ -382,11 +448,12 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         if (c->host_seg) {
             A->seg = (uint8_t *)c->dev_seg;
             A->send = (uint8_t *)c->dev_send;
-            A->ring = (fr_proxy_ring_t *)c->dev_ring;
+            A->ready = (unsigned long long *)c->dev_ready;
             A->slices = (fr_slice_t *)c->dev_slices;
-            /* self goes through the fabric too when every peer does */
+            A->flags = (uint8_t *)c->dev_flags;
         } else {
             A->seg = ep->seg;
+            A->flags = ep->seg;
         }
         A->nfabric = ep->nfabric;
         uint8_t **peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
@@ -424,18 +491,25 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
             if (ep->path && ep->path[i] == FR_PATH_SHM && c->peer_host[i])
                 cudaIpcCloseMemHandle(c->peer_host[i]);
     free(c->peer_host);
-    if (c->host_seg) {
+    if (c->dev_mem) {
+        cudaFree(ep->seg);
+        cudaFree(ep->send);
+        fr_cuda_host_free(ep->flags);
+    } else if (c->host_seg) {
         fr_cuda_host_free(ep->seg);
         fr_cuda_host_free(ep->send);
-        fr_cuda_host_free(ep->ring_mem);
-        fr_cuda_host_free(ep->slices);
     } else if (ep->seg) {
         cudaFree(ep->seg);
     }
+    if (c->host_seg) {
+        fr_cuda_host_free(ep->slices);
+        fr_cuda_host_free(ep->ready);
+    }
     ep->seg = NULL;
     ep->send = NULL;
-    ep->ring_mem = NULL;
+    ep->flags = NULL;
     ep->slices = NULL;
+    ep->ready = NULL;
     if (c->dmem)
         cudaFree(c->dmem);
     if (c->err_host)

@@ -40,7 +40,11 @@ typedef struct fr_cu_args {
     const int *gidx;         /* [N] index among fabric peers */
     int nfabric;
     fr_slice_t *slices;      /* host-mapped [2][2][nfabric] */
-    fr_proxy_ring_t *ring;   /* host-mapped */
+    unsigned long long *ready; /* host-mapped [2][2][nfabric]: per-peer
+                                  doorbells, the epoch whose slice is packed */
+    uint8_t *flags;          /* own segment's header and flags: seg, or
+                                host-mapped when seg is GPU memory on the
+                                fabric path (the proxy stores the flags) */
     unsigned long long *epoch; /* [2] per set */
     int32_t *ntok;           /* [2] */
     int32_t *rec_idx;        /* [2][T][N] */
@@ -67,8 +71,10 @@ struct fr_cuda_ep {
     int nsm;                 /* the GPU's SMs */
     int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
                                 holds at once (0: not asked yet) */
-    int host_seg;            /* segment is pinned host memory (fabric) */
-    void *dev_seg, *dev_send, *dev_ring, *dev_slices; /* their GPU views */
+    int host_seg;            /* every peer on the fabric: buffers for the proxy */
+    int dev_mem;             /* ... with seg and send in GPU memory (FI_HMEM);
+                                else pinned host memory mapped into the GPU */
+    void *dev_seg, *dev_send, *dev_slices, *dev_flags, *dev_ready; /* GPU views */
     void *dmem;              /* one device allocation for the tables */
     uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
     int *err_host;
@@ -240,44 +246,27 @@ static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set)
     }
 }
 
-/* Publish (phase, set) to peer d: flag for self/IPC, a slice for the proxy
- * otherwise (the ring push happens once, after all peers). */
+/* Publish (phase, set) to peer d: flag for self/IPC; otherwise d's slice
+ * and then d's doorbell for the proxy, which posts d's write at once
+ * (while later destinations are still being packed). */
 static __device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, int d,
                               unsigned long long epoch, uint64_t src_off,
                               uint64_t dst_off, uint64_t len)
 {
     if (A.path[d] == FR_PATH_FABRIC) {
-        fr_slice_t *s = A.slices + ((size_t)phase * FR_NSETS + set) * A.nfabric + A.gidx[d];
+        size_t i = ((size_t)phase * FR_NSETS + set) * A.nfabric + A.gidx[d];
+        fr_slice_t *s = A.slices + i;
         s->src_off = src_off;
         s->dst_off = dst_off;
         s->len = len;
         s->imm = fr_imm_make(phase, epoch, A.rank);
+        __threadfence_system();
+        fr_sys_st_release(A.ready + i, epoch);
     } else {
-        fr_sys_st_release((unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank)),
+        uint8_t *seg = d == A.rank ? A.flags : A.peer[d];
+        fr_sys_st_release((unsigned long long *)(seg + fr_off_flag(&A.L, phase, set, A.rank)),
                       epoch);
     }
 }
-
-static __device__ void fr_cu_ring(const fr_cu_args_t &A, int phase, int set,
-                           unsigned long long epoch)
-{
-    fr_proxy_ring_t *rg = A.ring;
-    volatile unsigned long long *head = (volatile unsigned long long *)&rg->head;
-    unsigned long long tail = *(volatile unsigned long long *)&rg->tail;
-    unsigned long long t0 = fr_sys_timer();
-    while (tail - *head >= FR_PROXY_RING) {
-        if (fr_sys_timer() - t0 > A.timeout_ns) {
-            fr_cu_fail(A, FERRY_ERR_TIMEOUT, A.rank, phase + 1, -1);
-            return;
-        }
-    }
-    fr_proxy_req_t *q = &rg->req[tail % FR_PROXY_RING];
-    q->phase = phase;
-    q->set = set;
-    q->epoch = epoch;
-    __threadfence_system();
-    fr_sys_st_release((unsigned long long *)&rg->tail, tail + 1);
-}
-
 
 #endif

@@ -21,7 +21,7 @@
  *   5. IPC path: block 0 writes the slice headers and every block adds its
  *      share to each destination's flag (cuda_ll_dev.cuh, fr_cu_arrive);
  *      fabric path: per destination a counter of finished blocks, the lane
- *      that finishes one fills its slice, the last rings the proxy.
+ *      that finishes one fills its slice and rings that peer's doorbell.
  *
  * Receive (block y owning local experts y, y + G, ...): for each sender in
  *   rank order, one lane waits for its flag; per chunk of records (one per
@@ -462,7 +462,7 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
 }
 
 /* Step 5: this block is done with every destination; whoever finishes one
- * publishes it, whoever publishes the last rings the proxy. */
+ * publishes it (on the fabric path: rings that peer's doorbell). */
 static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned long long epoch,
                                     const int32_t *sh, uint8_t *const *sbase,
                                     const int32_t *hall)
@@ -498,10 +498,6 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
         if (atomicAdd(A.dpub + set, 1u) == (unsigned)N - 1) {
             A.dpub[set] = 0;
             A.epoch[set] = epoch;
-            if (!fr_cu_failed(A) && A.nfabric > 0) {
-                __threadfence_system();
-                fr_cu_ring(A, FR_PH_DISPATCH, set, epoch);
-            }
         }
     }
 }
@@ -647,7 +643,7 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
 {
     const fr_layout_t &L = A.L;
     if (fr_cu_failed(A) ||
-        !fr_cu_wait_flag(A, (const unsigned long long *)(A.seg + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
+        !fr_cu_wait_flag(A, (const unsigned long long *)(A.flags + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
                          fr_cu_target(A, epoch), s, FR_CU_WHAT_DISPATCH))
         return false;
     /* each field read once (a peer can write the header again): what is

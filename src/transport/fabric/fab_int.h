@@ -125,6 +125,7 @@ struct fr_transport {
     char *present;       /* [size]: which ranks opened this NIC */
     char iface[64];      /* domain (interface) name */
     int fence_caps;      /* opened with FI_FENCE in caps */
+    int hmem;            /* opened with FI_HMEM in caps: reg_dev works */
     size_t max_msg;      /* the provider's ep_attr->max_msg_size */
     uintptr_t pool_lo, pool_hi; /* address range of the pool's chunks */
 };
@@ -147,6 +148,9 @@ int fab_offer_ok(const struct fi_info *i, uint64_t caps, char *why,
                  size_t len);
 int fab_fence_pick(char *prov, size_t plen, char *why, size_t wlen);
 int fab_fence_probe(char *why, size_t len);
+void fab_hmem_probe(int device, void *ptr, size_t len, fr_tp_hmem_t *out);
+int fab_hmem_try(const char *prov, int device, void *ptr, size_t len, char *why,
+                 size_t wlen);
 
 /* open.c */
 int fab_fail(fr_err_t *err, const char *call, int rc);
@@ -155,6 +159,8 @@ void fab_close(fr_transport_t *t);
 /* mr.c */
 int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
             fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err);
+int fab_reg_dev(fr_transport_t *t, void *ptr, size_t len, int remote_write,
+                int device, fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err);
 void fab_dereg(fr_transport_t *t, fr_mr_t *m);
 int fab_group_create(fr_transport_t *t, const int *peers, int npeers,
                      fr_mr_t *src, const fr_mr_desc_t *remote,

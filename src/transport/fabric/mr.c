@@ -6,7 +6,10 @@
  * adds offsets. Both live on lists of the transport and are freed at close.
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
 
 #include <rdma/fi_errno.h>
 
@@ -16,7 +19,36 @@
 int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
             fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err)
 {
+    return fab_reg_dev(t, ptr, len, remote_write, -1, mrp, desc, err);
+}
+
+/* fi_mr_reg for host memory; device memory through fi_mr_regattr with
+ * the CUDA interface and the device ordinal (FI_HMEM endpoints only). */
+static int fab_mr_open(fr_transport_t *t, void *ptr, size_t len, uint64_t access,
+                       uint64_t req_key, int device, struct fid_mr **mr)
+{
+    if (device < 0)
+        return fi_mr_reg(t->domain, ptr, len, access, 0, req_key, 0, mr, NULL);
+    struct iovec iov = {ptr, len};
+    struct fi_mr_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = req_key;
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = device;
+    return fi_mr_regattr(t->domain, &attr, 0, mr);
+}
+
+int fab_reg_dev(fr_transport_t *t, void *ptr, size_t len, int remote_write,
+                int device, fr_mr_t **mrp, fr_mr_desc_t *desc, fr_err_t *err)
+{
     *mrp = NULL;
+    if (device >= 0 && !t->hmem)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: registering device memory (GPU %d) on an endpoint opened "
+                      "without FI_HMEM", device);
     if (!ptr || len == 0)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: registering %p, %zu bytes: need memory", ptr,
@@ -27,13 +59,13 @@ int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
     /* A remotely writable region may also serve as a source. */
     uint64_t access = remote_write ? (FI_REMOTE_WRITE | FI_WRITE) : FI_WRITE;
     uint64_t req_key = (t->mr_mode & FI_MR_PROV_KEY) ? 0 : t->next_key++;
-    int frc = fi_mr_reg(t->domain, ptr, len, access, 0, req_key, 0, &m->mr,
-                        NULL);
+    int frc = fab_mr_open(t, ptr, len, access, req_key, device, &m->mr);
     if (frc) {
         free(m);
         return FR_ERR(err, FERRY_ERR_FABRIC,
-                      "fabric: fi_mr_reg(%p, %zu bytes) failed: %s (%d)", ptr,
-                      len, fi_strerror(-frc), frc);
+                      "fabric: %s(%p, %zu bytes%s) failed: %s (%d)",
+                      device < 0 ? "fi_mr_reg" : "fi_mr_regattr", ptr, len,
+                      device < 0 ? "" : ", FI_HMEM_CUDA", fi_strerror(-frc), frc);
     }
     if (t->mr_mode & FI_MR_ENDPOINT) {
         if ((frc = fi_mr_bind(m->mr, &t->ep->fid, 0)) ||
@@ -47,6 +79,10 @@ int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
     m->len = len;
     m->desc = fi_mr_desc(m->mr);
     m->key = fi_mr_key(m->mr);
+    /* libfabric 2.x gives no key to a region peers cannot access (a send
+     * region): none is needed */
+    if (m->key == FI_KEY_NOTAVAIL && !remote_write)
+        m->key = 0;
     if (m->key == FI_KEY_NOTAVAIL) {
         fi_close(&m->mr->fid);
         free(m);
@@ -140,4 +176,57 @@ void fab_group_destroy(fr_transport_t *t, fr_group_t *g)
         g->next->prev = g->prev;
     free(g->peers);
     free(g);
+}
+
+/* Can provider `prov` register `len` bytes at `ptr`, memory of CUDA device
+ * `device`? A domain of its own, opened and closed here: an offer of
+ * FI_HMEM alone does not say so (a libfabric built without CUDA may still
+ * offer it, for host memory). 0 with the reason in why. */
+int fab_hmem_try(const char *prov, int device, void *ptr, size_t len, char *why,
+                 size_t wlen)
+{
+    struct fi_info *hints = fab_hints(FI_HMEM, prov), *list = NULL, *pick = NULL;
+    struct fid_fabric *fab = NULL;
+    struct fid_domain *dom = NULL;
+    struct fid_mr *mr = NULL;
+    int ok = 0, frc;
+    const char *step = "fi_getinfo";
+    char r[160];
+    if (!hints) {
+        snprintf(why, wlen, "out of memory");
+        return 0;
+    }
+    if ((frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list)) == 0) {
+        for (struct fi_info *i = list; i && !pick; i = i->next)
+            if (fab_offer_ok(i, FI_HMEM, r, sizeof(r)))
+                pick = i;
+        frc = pick ? 0 : -FI_ENODATA;
+    }
+    if (frc == 0 && (step = "fi_fabric", frc = fi_fabric(pick->fabric_attr, &fab, NULL)) == 0 &&
+        (step = "fi_domain", frc = fi_domain(fab, pick, &dom, NULL)) == 0) {
+        struct iovec iov = {ptr, len};
+        struct fi_mr_attr attr;
+        memset(&attr, 0, sizeof(attr));
+        attr.mr_iov = &iov;
+        attr.iov_count = 1;
+        attr.access = FI_REMOTE_WRITE | FI_WRITE;
+        attr.requested_key = 1;
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = device;
+        step = "fi_mr_regattr(FI_HMEM_CUDA)";
+        frc = fi_mr_regattr(dom, &attr, 0, &mr);
+        ok = frc == 0;
+    }
+    if (!ok)
+        snprintf(why, wlen, "%s: %s (%d)", step, fi_strerror(-frc), frc);
+    if (mr)
+        fi_close(&mr->fid);
+    if (dom)
+        fi_close(&dom->fid);
+    if (fab)
+        fi_close(&fab->fid);
+    if (list)
+        fi_freeinfo(list);
+    fi_freeinfo(hints);
+    return ok;
 }

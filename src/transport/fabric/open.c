@@ -244,6 +244,14 @@ static int fab_discover(fr_boot_t *boot, fr_transport_t *t, int nic,
             return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "fabric: FI_FENCE: %s",
                           how);
         prov = pick;
+    } else if (caps & FI_HMEM) {
+        fr_tp_hmem_t h;
+        fab_hmem_probe(-1, NULL, 0, &h);
+        if (!h.ok)
+            return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "fabric: FI_HMEM: %s", h.why);
+        snprintf(pick, sizeof(pick), "%s", h.prov);
+        snprintf(how, sizeof(how), "%s", h.why);
+        prov = pick;
     }
     struct fi_info *hints = fab_hints(caps, prov), *list = NULL;
     if (!hints)
@@ -252,9 +260,10 @@ static int fab_discover(fr_boot_t *boot, fr_transport_t *t, int nic,
     int rc, frc = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list);
     if (frc)
         rc = FR_ERR(err, FERRY_ERR_FABRIC,
-                    "fabric: fi_getinfo (FI_EP_RDM, FI_RMA%s, provider %s, "
+                    "fabric: fi_getinfo (FI_EP_RDM, FI_RMA%s%s, provider %s, "
                     "FI_PROVIDER=%s) failed: %s (%d)",
                     (caps & FI_FENCE) ? ", FI_FENCE" : "",
+                    (caps & FI_HMEM) ? ", FI_HMEM" : "",
                     prov ? prov : "any", envprov ? envprov : "(unset)",
                     fi_strerror(-frc), frc);
     else
@@ -487,7 +496,8 @@ static int fab_open(fr_boot_t *boot, int nic, int flags, fr_transport_t **tp,
     t->size = fr_boot_size(boot);
     t->next_key = 1;
     t->nic = nic;
-    uint64_t caps = (flags & FR_TP_OPEN_FENCE) ? FI_FENCE : 0;
+    uint64_t caps = ((flags & FR_TP_OPEN_FENCE) ? FI_FENCE : 0) |
+                    ((flags & FR_TP_OPEN_HMEM) ? FI_HMEM : 0);
     uint64_t op_flags =
         (flags & FR_TP_OPEN_DELIVERY) ? FI_DELIVERY_COMPLETE : 0;
     int rc = fab_discover(boot, t, nic, caps, err);
@@ -505,6 +515,7 @@ static int fab_open(fr_boot_t *boot, int nic, int flags, fr_transport_t **tp,
         return rc;
     }
     t->fence_caps = (flags & FR_TP_OPEN_FENCE) != 0;
+    t->hmem = (flags & FR_TP_OPEN_HMEM) != 0 && !t->absent;
     *tp = t;
     return FERRY_OK;
 }
@@ -578,4 +589,6 @@ const fr_transport_ops_t fr_transport_fabric = {
     .iface = fab_iface,
     .fence_probe = fab_fence_probe,
     .write_fence = fab_write_fence,
+    .hmem_probe = fab_hmem_probe,
+    .reg_dev = fab_reg_dev,
 };

@@ -70,6 +70,9 @@ struct fi_info *fab_hints(uint64_t caps, const char *prov)
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
                                   FI_MR_ALLOCATED | FI_MR_PROV_KEY |
                                   FI_MR_ENDPOINT;
+    /* device memory: ferry registers every buffer it hands the provider */
+    if (caps & FI_HMEM)
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
     if (!prov)
         prov = fab_env_single();
     if (prov) {
@@ -90,13 +93,13 @@ int fab_offer_ok(const struct fi_info *i, uint64_t caps, char *why,
     const uint64_t need = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | caps;
     const uint64_t mr_known = FI_MR_LOCAL | FI_MR_VIRT_ADDR |
                               FI_MR_ALLOCATED | FI_MR_PROV_KEY |
-                              FI_MR_ENDPOINT;
+                              FI_MR_ENDPOINT | FI_MR_HMEM;
     const uint64_t mode_known = FI_CONTEXT | FI_CONTEXT2;
     if ((i->caps & need) != need)
         snprintf(why, len, "no %s",
-                 (caps & FI_FENCE) && !(i->caps & FI_FENCE)
-                     ? "FI_FENCE"
-                     : "RMA writes (FI_RMA, FI_WRITE, FI_REMOTE_WRITE)");
+                 (caps & FI_FENCE) && !(i->caps & FI_FENCE)  ? "FI_FENCE"
+                 : (caps & FI_HMEM) && !(i->caps & FI_HMEM) ? "FI_HMEM"
+                 : "RMA writes (FI_RMA, FI_WRITE, FI_REMOTE_WRITE)");
     else if (!i->domain_attr || i->domain_attr->cq_data_size < 4)
         snprintf(why, len, "remote CQ data of %zu bytes (needs 4)",
                  i->domain_attr ? i->domain_attr->cq_data_size : 0);
@@ -124,7 +127,8 @@ int fab_offer_ok(const struct fi_info *i, uint64_t caps, char *why,
 static int fab_probe_one(const char *name, uint64_t caps, char *prov,
                          size_t plen, char *why, size_t wlen)
 {
-    struct fi_info *hints = fab_hints(0, name), *list = NULL;
+    /* FI_HMEM is a primary capability: offered only when asked for */
+    struct fi_info *hints = fab_hints(caps & FI_HMEM, name), *list = NULL;
     if (!hints) {
         snprintf(why, wlen, "out of memory");
         return 0;
@@ -211,4 +215,53 @@ int fab_fence_probe(char *why, size_t len)
 {
     char prov[FR_FAB_PROV_MAX];
     return fab_fence_pick(prov, sizeof(prov), why, len);
+}
+
+/* Providers that move device memory with CUDA copies in the host (a
+ * completed write is already in GPU memory); the others (efa, verbs) DMA
+ * into it from the NIC. */
+static int fab_hmem_copies(const char *prov)
+{
+    static const char *const copy[] = {"shm", "sm2", "tcp", "sockets", "udp"};
+    for (size_t i = 0; i < sizeof(copy) / sizeof(copy[0]); i++)
+        if (strncmp(prov, copy[i], strlen(copy[i])) == 0)
+            return 1;
+    return 0;
+}
+
+/* The provider an endpoint without FI_HMEM would use (FI_PROVIDER when it
+ * names one, else libfabric's first usable offer), and whether it offers
+ * FI_HMEM and registers [ptr, ptr + len) of CUDA device `device` (a trial
+ * in a domain of its own): asking for device memory never changes the
+ * provider, so ranks on other nodes (or with host staging) still meet on
+ * the same one. */
+void fab_hmem_probe(int device, void *ptr, size_t len, fr_tp_hmem_t *out)
+{
+    char r[160];
+    const char *single = fab_env_single();
+    memset(out, 0, sizeof(*out));
+    if (single) {
+        snprintf(out->prov, sizeof(out->prov), "%s", single);
+    } else if (!fab_probe_one(NULL, 0, out->prov, sizeof(out->prov), r, sizeof(r))) {
+        snprintf(out->why, sizeof(out->why), "no usable provider (%s)", r);
+        return;
+    }
+    out->copies = fab_hmem_copies(out->prov);
+    char tmp[FR_FAB_PROV_MAX];
+    const char *how = single ? "named by FI_PROVIDER" : "libfabric's first usable offer";
+    out->ok = fab_probe_one(out->prov, FI_HMEM, tmp, sizeof(tmp), r, sizeof(r));
+    if (out->ok && ptr && !fab_hmem_try(out->prov, device, ptr, len, r, sizeof(r))) {
+        out->ok = 0;
+        snprintf(out->why, sizeof(out->why), "provider %s (%s) offers FI_HMEM but cannot "
+                 "register GPU memory: %s (libfabric %u.%u, built without CUDA?)", out->prov,
+                 how, r, FI_MAJOR(fi_version()), FI_MINOR(fi_version()));
+        return;
+    }
+    if (out->ok)
+        snprintf(out->why, sizeof(out->why), "provider %s (%s) offers FI_HMEM", out->prov,
+                 how);
+    else
+        snprintf(out->why, sizeof(out->why), "provider %s (%s): %s (libfabric %u.%u)",
+                 out->prov, how, strcmp(r, "absent") == 0 ? "no FI_HMEM offer" : r,
+                 FI_MAJOR(fi_version()), FI_MINOR(fi_version()));
 }
