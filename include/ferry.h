@@ -296,17 +296,42 @@ typedef struct ferry_route_in {
                                   default stream). A size of the struct
                                   before this field (an older ferry.h)
                                   is still taken: stream is then NULL */
+    /* A bounded route (DeepEP's num_worst_tokens), when max_recv > 0: the
+     * caller's upper bound on the rows this rank receives. route_create
+     * then does not wait for the counts (on CUDA ranks it only enqueues,
+     * and create, dispatch, combine and destroy can be captured in a CUDA
+     * graph and replayed with new topk_idx and data in the same buffers);
+     * ferry_route_counts gives num_recv = max_recv; the dispatch outputs
+     * hold max_recv rows, rows past the real count being padding
+     * (recv_topk_idx -1, recv_topk_weights 0, recv_src_rank and
+     * recv_src_token -1; recv_x and its scales not written). More rows
+     * than max_recv is FERRY_ERR_INVALID naming max_recv, and fails the
+     * context (on CUDA ranks it is found on the GPU: from ferry_ep_sync or
+     * the next call). The sizes before these fields are still taken. */
+    int max_recv;
+    int32_t *num_recv_out;     /* bounded, optional: the real row count
+                                  ([1]; device memory on CUDA ranks, written
+                                  on the stream) */
+    int32_t *expert_counts_out; /* bounded, optional: rows per local expert
+                                  ([E_local], rounded up to
+                                  expert_alignment; device memory on CUDA
+                                  ranks) */
 } ferry_route_in_t;
 
 /* Collective. */
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                        ferry_route_t *route);
 /* Rows this rank receives (num_recv), and optionally rows per local
- * expert ([E_local], rounded up to expert_alignment). */
+ * expert ([E_local], rounded up to expert_alignment). A bounded route
+ * gives num_recv = max_recv, and its expert counts only through
+ * expert_counts_out (FERRY_ERR_STATE here). */
 int ferry_route_counts(ferry_route_t route, int *num_recv,
                        int32_t *expert_counts);
 /* Not collective; the route must not be in use, and is gone after this
- * (as it is when its context is destroyed first: destroy routes first). */
+ * (as it is when its context is destroyed first: destroy routes first).
+ * On CUDA ranks it waits for the GPU, except for a bounded route: its
+ * tables come from a pool of four, reused by the bounded route four
+ * creations later on the same stream (stream order keeps that safe). */
 int ferry_route_destroy(ferry_route_t route);
 
 typedef struct ferry_ht_dispatch_in {

@@ -332,25 +332,25 @@ def rank_main(rank, N, port, q):
             rnd += 1
             x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
             xs, ids = gather_all(N, x, idx)
-            (q, packed), count, handle, ev, hook = buf.low_latency_dispatch(
+            (qx, packed), count, handle, ev, hook = buf.low_latency_dispatch(
                 x, idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=True,
                 return_recv_hook=hook_mode)
             if hook_mode:
                 hook()
             torch.cuda.synchronize()
             El = E // N
-            if packed.dtype != torch.int32 or tuple(packed.shape) != (El, q.shape[1], H // 512) \
+            if packed.dtype != torch.int32 or tuple(packed.shape) != (El, qx.shape[1], H // 512) \
                     or packed.stride()[1] != 1:
                 msgs.append(f"ue8m0: packed scales {packed.dtype} {tuple(packed.shape)} "
                             f"strides {packed.stride()}")
                 continue
             exps = torch.stack([(packed >> (8 * j)) & 0xFF for j in range(4)], dim=3)
-            scales = (exps.reshape(El, q.shape[1], H // 128) << 23).view(torch.float32)
-            err = check_round(rank, N, E, K, xs, ids, (q, scales), count, (handle.src_rank, handle[0]),
+            scales = (exps.reshape(El, qx.shape[1], H // 128) << 23).view(torch.float32)
+            err = check_round(rank, N, E, K, xs, ids, (qx, scales), count, (handle.src_rank, handle[0]),
                               True, round_scale=True)
             if err:
                 msgs.append(f"round_scale/ue8m0 hook={hook_mode}: {err}")
-            out, ev, hook = buf.low_latency_combine(torch.zeros(q.shape, dtype=torch.bfloat16,
+            out, ev, hook = buf.low_latency_combine(torch.zeros(qx.shape, dtype=torch.bfloat16,
                                                                 device=dev), idx, w, handle)
         msgs += deep_ep_graph(buf, rank, N, E, K, H, T, dev)
         buf.destroy()

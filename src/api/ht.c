@@ -31,7 +31,8 @@ static int fr_ht_usable(ferry_ep_t ep, const char *call)
 int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
                         fr_err_t *err)
 {
-    if (!FR_HT_SIZE_OK(in->size, ferry_route_in_t))
+    if (!FR_HT_SIZE_OK(in->size, ferry_route_in_t) &&
+        in->size != offsetof(ferry_route_in_t, max_recv))
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "in->size = %zu: set it to sizeof(ferry_route_in_t)", in->size);
     int T = in->num_tokens;
@@ -43,6 +44,9 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
     if (in->expert_alignment < 0 || in->expert_alignment > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "expert_alignment = %d: must be 0..%d",
                       in->expert_alignment, 1 << 20);
+    if (in->size >= sizeof(ferry_route_in_t) && in->max_recv < 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "max_recv = %d: must be 0 (exact route) or "
+                      "the bound on rows received", in->max_recv);
     /* on a GPU topk_idx is device memory: the route kernel checks it */
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
@@ -70,6 +74,7 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     if (!r)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
     r->ep = ep;
+    r->bound = cur.max_recv;
     rc = ep->eng->route_create(ep, &cur, r);
     if (rc) {
         free(r);
@@ -83,8 +88,12 @@ int ferry_route_counts(ferry_route_t route, int *num_recv, int32_t *expert_count
 {
     if (!route)
         return FERRY_ERR_INVALID;
+    if (expert_counts && route->bound > 0)
+        return fr_ep_fail(route->ep, FERRY_ERR_STATE,
+                          "route_counts: expert_counts of a bounded route (max_recv %d) are "
+                          "written to its expert_counts_out", route->bound);
     if (num_recv)
-        *num_recv = route->num_recv;
+        *num_recv = route->bound > 0 ? route->bound : route->num_recv;
     if (expert_counts)
         memcpy(expert_counts, route->ecnt, sizeof(int32_t) * (size_t)route->ep->L.El);
     return FERRY_OK;
@@ -147,10 +156,11 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
         return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                           "x_scales: fp8 rows need hidden to be a multiple of 128 "
                           "(hidden = %d)", ep->L.H);
-    if (route->num_recv > 0 && !out->recv_x)
+    int rows = route->bound > 0 ? route->bound : route->num_recv;
+    if (rows > 0 && !out->recv_x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "recv_x: NULL pointer (%d rows arrive)",
-                          route->num_recv);
-    if (route->num_recv > 0 && in->x_scales && !out->recv_x_scales)
+                          rows);
+    if (rows > 0 && in->x_scales && !out->recv_x_scales)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "recv_x_scales: NULL pointer (x is fp8: x_scales given)");
     if (out->recv_topk_weights && !in->topk_weights)
@@ -174,9 +184,10 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
     cur.size = sizeof(cur);
     in = &cur;
-    if (route->num_recv > 0 && !in->y)
+    int rows = route->bound > 0 ? route->bound : route->num_recv;
+    if (rows > 0 && !in->y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",
-                          route->num_recv);
+                          rows);
     if (route->T > 0 && !out->out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     return ep->eng->ht_combine(ep, route, in, out);

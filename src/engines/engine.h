@@ -71,7 +71,9 @@ struct ferry_route {
     ferry_ep_t ep;
     uint64_t id;         /* 1, 2, 3... per context, the same on every rank */
     int T;               /* this rank's tokens */
-    int num_recv;        /* rows this rank receives */
+    int num_recv;        /* rows this rank receives (a bounded route on
+                            CUDA ranks: not known on the host, 0) */
+    int bound;           /* max_recv of a bounded route, else 0 */
     int32_t *ecnt;       /* [E_local] rows per local expert, padded */
     void *priv;          /* the engine's */
 };

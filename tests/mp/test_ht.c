@@ -405,6 +405,9 @@ static void *obuf(size_t n, int want, int null0)
 /* ---------------------------------------------------------------------- */
 
 static int g_cuda; /* the EPs are CUDA contexts */
+/* bounded routes (mode "bounded"): max_recv = num_recv + g_extra, outputs
+ * of max_recv rows; -1: exact routes */
+static int g_extra = -1;
 
 #ifdef FERRY_HAVE_CUDA
 /* A device copy of host buffer h of n bytes plus its guard (poison
@@ -537,8 +540,24 @@ static ferry_ep_t ep_make(ferry_comm_t comm, const spec_t *c, int max_tokens,
     return *rc == FERRY_OK ? ep : NULL;
 }
 
+/* A bounded route: num_recv reads back as the bound, expert counts only
+ * through expert_counts_out (checked by route_make). */
+static void check_counts_bounded(ferry_route_t rt, const world_t *w, const char *what)
+{
+    int n = -1, bound = w->nrecv + g_extra;
+    int32_t cnt[4];
+    CHECK_RC(ferry_route_counts(rt, &n, NULL), FERRY_OK);
+    CHECK(n == bound, "rank %d: %s: bounded route: num_recv %d, want max_recv %d", w->me,
+          what, n, bound);
+    CHECK_RC(ferry_route_counts(rt, &n, cnt), FERRY_ERR_STATE);
+}
+
 static void check_counts(ferry_route_t rt, const world_t *w, const char *what)
 {
+    if (g_extra >= 0) {
+        check_counts_bounded(rt, w, what);
+        return;
+    }
     int n = -1, El = w->El, bad = 0;
     int32_t *cnt = galloc(sizeof(int32_t) * (size_t)El);
     int rc = ferry_route_counts(rt, &n, cnt);
@@ -569,15 +588,44 @@ static int route_make(ferry_ep_t ep, const world_t *w, int align,
     ferry_route_in_t in = {.size = sizeof(in), .num_tokens = T,
                            .topk_idx = T ? w->idx[w->me] : NULL,
                            .expert_alignment = align};
+    int32_t *nout = NULL, *eout = NULL;
+    size_t eb = sizeof(int32_t) * (size_t)w->El;
+    if (g_extra >= 0) { /* bounded, with both outputs (device memory on GPUs) */
+        in.max_recv = w->nrecv + g_extra;
+        nout = galloc(sizeof(int32_t));
+        eout = galloc(eb);
+        in.num_recv_out = g_cuda ? dcopy(nout, sizeof(int32_t)) : nout;
+        in.expert_counts_out = g_cuda ? dcopy(eout, eb) : eout;
+    }
     *rt = NULL;
     int rc = route_call(ep, &in, rt, T, w->K);
+    if (rc == FERRY_OK && g_cuda && g_extra >= 0)
+        rc = ferry_ep_sync(ep, NULL); /* a bounded route only enqueued */
+    if (g_cuda && g_extra >= 0) {
+        dback(nout, in.num_recv_out, sizeof(int32_t));
+        dback(eout, in.expert_counts_out, eb);
+    }
     if (rc != FERRY_OK) {
         fprintf(stderr, "rank %d: %s: ferry_route_create: %s: %s\n", w->me,
                 what, ferry_strerror(rc), ferry_ep_last_error(ep));
+        free(nout);
+        free(eout);
         return rc;
     }
     CHECK(*rt != NULL, "%s: route_create returned no route", what);
     check_counts(*rt, w, what);
+    if (g_extra >= 0) {
+        CHECK(*nout == w->nrecv, "rank %d: %s: num_recv_out %d, want %d", w->me, what, *nout,
+              w->nrecv);
+        int bad = 0;
+        for (int le = 0; le < w->El; le++)
+            bad += eout[le] != w->cnt[le];
+        CHECK(bad == 0, "rank %d: %s: %d of expert_counts_out wrong", w->me, what, bad);
+        CHECK(gintact(nout, sizeof(int32_t)) && gintact(eout, eb),
+              "rank %d: %s: route outputs written past their end", w->me, what);
+    }
+    free(nout);
+    free(eout);
     return rc;
 }
 
@@ -606,7 +654,8 @@ static void dres_free(dres_t *o)
 static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
                    const spec_t *c, const data_t *d, int opts, dres_t *o)
 {
-    int me = w->me, T = w->T[me], K = w->K, nr = w->nrecv, H = c->H;
+    int me = w->me, T = w->T[me], K = w->K, H = c->H;
+    int nr = w->nrecv + (g_extra > 0 ? g_extra : 0); /* output rows */
     int null0 = (opts & OPT_NULL0) != 0;
     memset(o, 0, sizeof(*o));
     o->rowb = d->fp8 ? (size_t)H : 2 * (size_t)H;
@@ -708,7 +757,17 @@ static long check_disp(const world_t *w, const spec_t *c, const data_t *d,
     int K = w->K, n = o->n;
     uint8_t *want = malloc(o->rowb);
     float *ws = malloc(nz(sizeof(float) * (size_t)o->ns));
-    for (int i = 0; i < n; i++) {
+    for (int i = w->nrecv; i < n; i++) { /* a bounded route's padding */
+        int b = 0;
+        for (int k = 0; k < K; k++)
+            b |= (o->idx && o->idx[(size_t)i * K + k] != -1) ||
+                 (o->w && o->w[(size_t)i * K + k] != 0.f);
+        b |= (o->sr && o->sr[i] != -1) || (o->st && o->st[i] != -1);
+        if (b && bad++ < 3)
+            fprintf(stderr, "rank %d: %s: padding row %d (of %d past %d) not -1/0\n", w->me,
+                    what, i, n - w->nrecv, w->nrecv);
+    }
+    for (int i = 0; i < w->nrecv; i++) {
         int b = disp_row_bad(w, c, d, o, i, want, ws);
         if (b && bad++ < 3)
             fprintf(stderr, "rank %d: %s: dispatch row %d (rank %d token %d) "
@@ -744,12 +803,13 @@ typedef struct cres {
 static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
                    const spec_t *c, const data_t *d, int opts, cres_t *o)
 {
-    int me = w->me, T = w->T[me], K = w->K, nr = w->nrecv, H = c->H;
+    int me = w->me, T = w->T[me], K = w->K, H = c->H;
+    int nr = w->nrecv + (g_extra > 0 ? g_extra : 0); /* rows of y */
     int null0 = (opts & OPT_NULL0) != 0;
     size_t rowb = 2 * (size_t)H, wb = sizeof(float) * (size_t)K;
     uint16_t *y = obuf((size_t)nr * rowb, 1, null0);
     float *gw = obuf((size_t)nr * wb, (opts & (OPT_CW | OPT_CWIN)) != 0, 0);
-    for (int i = 0; i < nr; i++) {
+    for (int i = 0; i < w->nrecv; i++) {
         gen_y(c, d, me, w->rs[i], w->rt[i], y + (size_t)i * H);
         for (int k = 0; gw && k < K; k++)
             gw[(size_t)i * K + k] = gen_cw(d, me, w->rs[i], w->rt[i], k);
@@ -940,6 +1000,223 @@ static int run_basic(ferry_comm_t comm)
     }
     return fr_test_result();
 }
+
+/* ---------------------------------------------------------------------- */
+/* bounded                                                                */
+/* ---------------------------------------------------------------------- */
+
+/* Bounded routes (max_recv = num_recv + 1..3 per rank): the basic
+ * configurations again, outputs of max_recv rows, the padding checked,
+ * num_recv_out and expert_counts_out checked; with one rank, a bound
+ * below the real count fails naming max_recv. */
+static int run_bounded(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
+    static const int opts[2] = {OPT_ALL, OPT_WIN | OPT_SRC | OPT_CWIN};
+    g_extra = 1 + me % 3;
+    for (size_t i = 0; i < 4; i++) {
+        const basic_cfg_t *b = &basic_cfgs[i];
+        spec_t c = {.name = b->name, .N = N, .E = b->e_per_rank * N,
+                    .K = b->K, .H = b->H, .T = b->T, .fp8 = b->fp8,
+                    .align = b->align, .ring = b->ring, .zipf = b->zipf,
+                    .mask_p = b->mask_p, .empty_p = b->empty_p, .tmin = 1,
+                    .zero_rank = b->zero_last && N > 1 ? N - 1 : -1,
+                    .seed = 0xb0a7d000u + i};
+        if (c.K > c.E)
+            c.K = c.E;
+        ferry_ep_t ep = ep_make(comm, &c, c.T, &rc);
+        if (!ep)
+            return 1;
+        for (int r = 0; r < 2 && rc == FERRY_OK; r++)
+            rc = do_round(ep, &c, 20 * i + (uint64_t)r + 1, opts[r], me);
+        CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
+        if (rc != FERRY_OK)
+            return 1;
+    }
+    if (N == 1) { /* more rows than the bound: an error naming max_recv */
+        spec_t c = {.name = "bound too small", .N = 1, .E = 8, .K = 4, .H = 128, .T = 16,
+                    .align = 1, .tmin = 16, .zero_rank = -1, .seed = 0xb0a7d0ffu};
+        world_t w;
+        world_build(&w, &c, 1, me);
+        ferry_ep_t ep = ep_make(comm, &c, c.T, &rc);
+        if (!ep)
+            return 1;
+        ferry_route_in_t in = {.size = sizeof(in), .num_tokens = w.T[0], .topk_idx = w.idx[0],
+                               .max_recv = w.nrecv - 1};
+        ferry_route_t rt = NULL;
+        rc = route_call(ep, &in, &rt, c.T, c.K);
+        if (rc == FERRY_OK && g_cuda)
+            rc = ferry_ep_sync(ep, NULL); /* found on the GPU */
+        printf("bound %d for %d rows: %s: %s\n", in.max_recv, w.nrecv, ferry_strerror(rc),
+               ferry_ep_last_error(ep));
+        CHECK(rc == FERRY_ERR_INVALID, "bound below the rows: status %d, want "
+              "FERRY_ERR_INVALID", rc);
+        CHECK(strstr(ferry_ep_last_error(ep), "max_recv") != NULL,
+              "the message names max_recv: %s", ferry_ep_last_error(ep));
+        if (rt)
+            ferry_route_destroy(rt);
+        ferry_ep_destroy(ep);
+        world_free(&w);
+    }
+    g_extra = -1;
+    return fr_test_result();
+}
+
+/* ---------------------------------------------------------------------- */
+/* graph (CUDA)                                                           */
+/* ---------------------------------------------------------------------- */
+
+#ifdef FERRY_HAVE_CUDA
+#define GCU(x)                                                                 \
+    do {                                                                       \
+        cudaError_t e_ = (x);                                                  \
+        CHECK(e_ == cudaSuccess, "%s: %s", #x, cudaGetErrorString(e_));        \
+        if (e_ != cudaSuccess)                                                 \
+            return 1;                                                          \
+    } while (0)
+
+/* One bounded round (route_create, ht_dispatch, ht_combine with the
+ * received rows as y: an identity expert, route_destroy) captured once in
+ * a CUDA graph on a non-blocking stream, then replayed with new topk_idx,
+ * x and weights copied into the same buffers; every replay's outputs are
+ * checked: rows, padding, num_recv_out, and out[t] = bf16(m x[t]) for a
+ * token that went to m ranks. */
+static int run_graph(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
+    spec_t c = {.name = "graph", .N = N, .E = 8 * N, .K = 4, .H = 256, .T = 32,
+                .align = 1, .zipf = 0.8, .mask_p = 0.1, .tmin = 32, .zero_rank = -1,
+                .seed = 0x6a0f0000u};
+    int T = c.T, K = c.K, H = c.H, bound = N * T;
+    ferry_ep_t ep = ep_make(comm, &c, T, &rc);
+    if (!ep)
+        return 1;
+    void *idx_d, *x_d, *w_d, *rx_d, *ridx_d, *rw_d, *rsr_d, *rst_d, *out_d, *n_d;
+    GCU(cudaMalloc(&idx_d, (size_t)T * K * 8));
+    GCU(cudaMalloc(&x_d, (size_t)T * H * 2));
+    GCU(cudaMalloc(&w_d, (size_t)T * K * 4));
+    GCU(cudaMalloc(&rx_d, (size_t)bound * H * 2));
+    GCU(cudaMalloc(&ridx_d, (size_t)bound * K * 4));
+    GCU(cudaMalloc(&rw_d, (size_t)bound * K * 4));
+    GCU(cudaMalloc(&rsr_d, (size_t)bound * 4));
+    GCU(cudaMalloc(&rst_d, (size_t)bound * 4));
+    GCU(cudaMalloc(&out_d, (size_t)T * H * 2));
+    GCU(cudaMalloc(&n_d, 4));
+    cudaStream_t st;
+    GCU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ferry_route_in_t rin = {.size = sizeof(rin), .num_tokens = T, .topk_idx = idx_d,
+                            .stream = st, .max_recv = bound, .num_recv_out = n_d};
+    ferry_ht_dispatch_in_t din = {.size = sizeof(din), .x = x_d, .topk_weights = w_d,
+                                  .stream = st};
+    ferry_ht_dispatch_out_t dout = {.size = sizeof(dout), .recv_x = rx_d,
+                                    .recv_topk_idx = ridx_d, .recv_topk_weights = rw_d,
+                                    .recv_src_rank = rsr_d, .recv_src_token = rst_d};
+    ferry_ht_combine_in_t cin = {.size = sizeof(cin), .y = rx_d, .stream = st};
+    ferry_ht_combine_out_t cout = {.size = sizeof(cout), .out = out_d};
+    /* the whole round in one graph: nothing allocated, nothing waited for */
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    ferry_route_t rt = NULL;
+    GCU(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    int r1 = ferry_route_create(ep, &rin, &rt);
+    int r2 = r1 ? r1 : ferry_ht_dispatch(ep, rt, &din, &dout);
+    int r3 = r2 ? r2 : ferry_ht_combine(ep, rt, &cin, &cout);
+    if (rt)
+        ferry_route_destroy(rt);
+    cudaError_t ce = cudaStreamEndCapture(st, &g);
+    CHECK(r3 == FERRY_OK, "rank %d: a call failed while captured: %s: %s", me,
+          ferry_strerror(r3), ferry_ep_last_error(ep));
+    GCU(ce);
+    GCU(cudaGraphInstantiate(&ge, g, 0));
+    size_t xb = (size_t)T * H * 2, rb = (size_t)bound * H * 2;
+    uint16_t *x = malloc(xb), *rx = malloc(rb), *out = malloc(xb);
+    float *wt = malloc((size_t)T * K * 4), *rw = malloc((size_t)bound * K * 4);
+    int32_t *ridx = malloc((size_t)bound * K * 4), *rsr = malloc((size_t)bound * 4),
+            *rst = malloc((size_t)bound * 4), nrecv = -1;
+    uint8_t *want = malloc(2 * (size_t)H);
+    for (int r = 1; r <= 4 && fr_test_result() == 0; r++) {
+        world_t w;
+        world_build(&w, &c, 100 + (uint64_t)r, me);
+        data_t dx = {hkey(c.seed, 100 + (uint64_t)r, 1, 0), K_FIN, 0};
+        for (int t = 0; t < T; t++) {
+            gen_x(&c, &dx, me, t, x + (size_t)t * H, NULL);
+            for (int k = 0; k < K; k++)
+                wt[(size_t)t * K + k] = gen_wt(&dx, me, t, k);
+        }
+        GCU(cudaMemcpyAsync(idx_d, w.idx[me], (size_t)T * K * 8, cudaMemcpyHostToDevice, st));
+        GCU(cudaMemcpyAsync(x_d, x, xb, cudaMemcpyHostToDevice, st));
+        GCU(cudaMemcpyAsync(w_d, wt, (size_t)T * K * 4, cudaMemcpyHostToDevice, st));
+        GCU(cudaGraphLaunch(ge, st));
+        GCU(cudaStreamSynchronize(st));
+        rc = ferry_ep_sync(ep, st);
+        CHECK(rc == FERRY_OK, "rank %d: replay %d: %s: %s", me, r, ferry_strerror(rc),
+              ferry_ep_last_error(ep));
+        GCU(cudaMemcpy(&nrecv, n_d, 4, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(rx, rx_d, rb, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(ridx, ridx_d, (size_t)bound * K * 4, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(rw, rw_d, (size_t)bound * K * 4, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(rsr, rsr_d, (size_t)bound * 4, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(rst, rst_d, (size_t)bound * 4, cudaMemcpyDeviceToHost));
+        GCU(cudaMemcpy(out, out_d, xb, cudaMemcpyDeviceToHost));
+        CHECK(nrecv == w.nrecv, "rank %d: replay %d: num_recv_out %d, want %d", me, r, nrecv,
+              w.nrecv);
+        dres_t o = {.rowb = 2 * (size_t)H, .ns = 0, .n = bound, .x = (uint8_t *)rx, .w = rw,
+                    .idx = ridx, .sr = rsr, .st = rst};
+        long bad = 0;
+        for (int i = 0; i < w.nrecv && i < bound; i++)
+            bad += disp_row_bad(&w, &c, &dx, &o, i, want, NULL) != 0;
+        for (int i = w.nrecv; i < bound; i++)
+            bad += rsr[i] != -1 || rst[i] != -1 || ridx[(size_t)i * K] != -1 ||
+                   rw[(size_t)i * K] != 0.f;
+        CHECK(bad == 0, "rank %d: replay %d: %ld of %d dispatch rows wrong", me, r, bad,
+              bound);
+        long cbad = 0;
+        for (int t = 0; t < T; t++) {
+            int m = 0;
+            for (int d = 0; d < N; d++)
+                m += goes_to(&w, me, t, d);
+            for (int h = 0; h < H; h++) {
+                uint16_t xv = x[(size_t)t * H + h];
+                uint16_t wv = m ? fr_f32_to_bf16((float)m * fr_bf16_to_f32(xv)) : 0;
+                if (!bf_same(out[(size_t)t * H + h], wv)) {
+                    cbad++;
+                    break;
+                }
+            }
+        }
+        CHECK(cbad == 0, "rank %d: replay %d: %ld of %d combined tokens wrong", me, r, cbad,
+              T);
+        if (me == 0)
+            printf("replay %d: %d rows here (bound %d), dispatch and combine checked\n", r,
+                   w.nrecv, bound);
+        world_free(&w);
+    }
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+    void *bufs[] = {idx_d, x_d, w_d, rx_d, ridx_d, rw_d, rsr_d, rst_d, out_d, n_d};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        cudaFree(bufs[i]);
+    free(x);
+    free(rx);
+    free(out);
+    free(wt);
+    free(rw);
+    free(ridx);
+    free(rsr);
+    free(rst);
+    free(want);
+    CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
+    return fr_test_result();
+}
+#else
+static int run_graph(ferry_comm_t comm)
+{
+    (void)comm;
+    CHECK(0, "graph: this build has no CUDA");
+    return fr_test_result();
+}
+#endif
 
 /* ---------------------------------------------------------------------- */
 /* chunk                                                                  */
@@ -1615,11 +1892,16 @@ int main(int argc, char **argv)
     int arg1 = argc >= 5 ? atoi(argv[4]) : -1;
     int arg2 = argc >= 6 ? atoi(argv[5]) : -1;
     int is_kill = strcmp(mode, "kill") == 0;
+    if (strcmp(mode, "graph") == 0 && !g_cuda) {
+        fprintf(stderr, "test_ht: graph runs with --device cuda\n");
+        return 2;
+    }
     if (strcmp(mode, "basic") && strcmp(mode, "chunk") &&
-        strcmp(mode, "reuse") && strcmp(mode, "args") &&
+        strcmp(mode, "reuse") && strcmp(mode, "args") && strcmp(mode, "bounded") &&
+        strcmp(mode, "graph") &&
         (!is_kill || arg1 < 0 || arg1 >= n)) {
         fprintf(stderr, "usage: test_ht -n N [--device cpu|cuda] basic|chunk [T] "
-                        "[ring]|reuse|args|kill R\n");
+                        "[ring]|reuse|args|bounded|graph|kill R\n");
         return 2;
     }
     if (g_cuda) {
@@ -1644,6 +1926,10 @@ int main(int argc, char **argv)
         rc = run_chunk(comm, arg1 > 0 ? arg1 : 16384, arg2 > 0 ? arg2 : 8);
     else if (strcmp(mode, "reuse") == 0)
         rc = run_reuse(comm);
+    else if (strcmp(mode, "bounded") == 0)
+        rc = run_bounded(comm);
+    else if (strcmp(mode, "graph") == 0)
+        rc = run_graph(comm);
     else
         rc = run_args(comm);
     ferry_comm_destroy(comm);

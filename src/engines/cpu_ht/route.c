@@ -171,6 +171,22 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
     return FERRY_OK;
 }
 
+/* A bounded route: the counts within the caller's bound, and copied out
+ * where the caller asked. More rows than max_recv fails the context, as
+ * on CUDA ranks (where the GPU finds it after the counts went out). */
+static int fr_ht_route_bounded(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route)
+{
+    if (route->num_recv > route->bound)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "route_create: max_recv = %d, but this rank receives %d rows",
+                          route->bound, route->num_recv);
+    if (in->num_recv_out)
+        *in->num_recv_out = route->num_recv;
+    if (in->expert_counts_out)
+        memcpy(in->expert_counts_out, route->ecnt, sizeof(int32_t) * (size_t)ep->L.El);
+    return FERRY_OK;
+}
+
 int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route)
 {
     int N = ep->N, El = ep->L.El, K = ep->L.K, T = in->num_tokens;
@@ -198,6 +214,8 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
         rc = fr_ht_notify_wait(ep, route, p, in->expert_alignment);
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
+    if (rc == FERRY_OK && route->bound > 0)
+        rc = fr_ht_route_bounded(ep, in, route);
     free(dcnt);
     if (rc != FERRY_OK) {
         /* counts may be out already: this context is out of step with its

@@ -227,6 +227,24 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     return moved;
 }
 
+/* A bounded route's rows past the real count: padding (recv_topk_idx -1,
+ * weights 0, source rank and token -1; recv_x not written). */
+static void fr_ht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_out_t *out, int K)
+{
+    for (int row = route->num_recv; row < route->bound; row++) {
+        for (int k = 0; k < K; k++) {
+            if (out->recv_topk_idx)
+                out->recv_topk_idx[(size_t)row * K + k] = -1;
+            if (out->recv_topk_weights)
+                out->recv_topk_weights[(size_t)row * K + k] = 0.f;
+        }
+        if (out->recv_src_rank)
+            out->recv_src_rank[row] = -1;
+        if (out->recv_src_token)
+            out->recv_src_token[row] = -1;
+    }
+}
+
 int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
                    const ferry_ht_dispatch_out_t *out)
 {
@@ -279,6 +297,8 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
     }
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
+    if (rc == FERRY_OK)
+        fr_ht_pad_rows(route, out, ep->L.K);
     fr_ht_call_end(&c);
     return rc;
 }

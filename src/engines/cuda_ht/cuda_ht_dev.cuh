@@ -63,7 +63,8 @@ enum { FR_CUHT_DTAIL = 0, FR_CUHT_DHEAD = 1, FR_CUHT_CTAIL = 2, FR_CUHT_CHEAD = 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE = 3,
        FR_CUHT_WHAT_COUNTS = 4, FR_CUHT_WHAT_RECORD = 5, FR_CUHT_WHAT_ORDER = 6,
-       FR_CUHT_WHAT_DTYPE = 7, FR_CUHT_WHAT_OVERRUN = 8 };
+       FR_CUHT_WHAT_DTYPE = 7, FR_CUHT_WHAT_OVERRUN = 8, FR_CUHT_WHAT_BOUND = 9,
+       FR_CUHT_WHAT_BADIDX = 10 };
 
 /* Geometry of every segment (the same on every rank). */
 typedef struct fr_cuht_geo {
@@ -88,7 +89,12 @@ typedef struct fr_cuht_args {
 /* A route on the device (route->priv's tables). */
 typedef struct fr_cuht_rdev {
     int T;                        /* this rank's tokens */
-    unsigned int id;              /* route number (low 32 bits) */
+    unsigned int id;              /* route number (low 32 bits): read from
+                                     *idp by each kernel as it starts */
+    const unsigned long long *idp; /* the route number, written by notify
+                                     (device-side, so graph replays get a
+                                     new one each) */
+    const int32_t *nrecv;         /* rows received, written by notify */
     const int32_t *idx;           /* [T][K] topk_idx as int32 (-1 where bad) */
     const unsigned int *mask;     /* [T] bit d: the token goes to rank d */
     const int32_t *tpos;          /* [T][N] place among channel tokens to d */
@@ -102,14 +108,21 @@ typedef struct fr_cuht_rdev {
  * (host-mapped): num_recv, the first source with a bad topk_idx (-1:
  * none), the local experts' counts. */
 typedef struct fr_cuht_res {
-    int num_recv, bad_rank, pad[2];
+    int num_recv, bad_rank;
+    unsigned int id, pad;         /* the route number (low 32 bits) */
     int ecnt[1];                  /* [El] */
 } fr_cuht_res_t;
+
+#define FR_CUHT_POOL 4
 
 struct fr_cuht_ep {
     fr_cuht_args_t a;
     int device, nsm;
-    unsigned long long routes;    /* routes created (the same on every rank) */
+    unsigned long long *rseq;     /* device: routes created so far, counted by
+                                     the notify kernel (the same on every
+                                     rank) */
+    struct fr_cuht_route *pool[FR_CUHT_POOL]; /* bounded routes' tables */
+    int pool_used[FR_CUHT_POOL], pool_next;
     uint8_t **peer_host;          /* [N] IPC-opened pointers to close */
     void *dmem;                   /* device tables: peer[N], ctr, dflag */
     int *err_host;
@@ -123,7 +136,18 @@ typedef struct fr_cuht_route {
     fr_cuht_rdev_t r;
     void *mem;                    /* one device allocation for its tables */
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
+    int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */
+    int slot;                     /* bounded: its place in the pool, else -1 */
 } fr_cuht_route_t;
+
+/* The bounded routes' tables, sized for max_tokens, allocated at set-up
+ * (nothing is allocated or freed while a graph is captured). */
+extern "C" int fr_cuht_pool_init(ferry_ep_t ep);
+/* Enqueue the padding of a bounded route's rows past the real count
+ * (route.cu). */
+extern "C" void fr_cuht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_out_t *out,
+                                 void *stream);
+extern "C" void fr_cuht_pool_free(ferry_ep_t ep);
 
 static inline struct fr_cuht_ep *fr_cuht(ferry_ep_t ep)
 {

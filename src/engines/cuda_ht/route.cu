@@ -29,6 +29,7 @@
  */
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
@@ -105,14 +106,37 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsig
         ccnt[(size_t)threadIdx.x * G.C + c] = run[threadIdx.x];
 }
 
+/* Where notify's results go: the host-mapped result of an exact route, or
+ * (bounded) the route's own words and the caller's optional outputs. */
+typedef struct fr_cuht_nout {
+    fr_cuht_res_t *res;           /* exact route, else NULL */
+    int bound;                    /* max_recv of a bounded route */
+    int align;                    /* expert_alignment */
+    unsigned long long *idw;      /* the route's number */
+    int32_t *nrecv;               /* the route's row count */
+    int32_t *nrecv_out, *ecnt_out; /* the caller's, or NULL */
+} fr_cuht_nout_t;
+
 __global__ void __launch_bounds__(FR_RN_THREADS)
-fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
+fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
                const int32_t *dcnt, const int32_t *bad, int32_t *rcnt, int32_t *rbase,
-               fr_cuht_res_t *res)
+               fr_cuht_nout_t o)
 {
     const fr_cuht_geo_t &G = A.G;
+    /* the route number: counted here, on the device, so that a replayed
+     * graph makes a new route each time (every rank runs one notify per
+     * route_create, failed or not, so the numbers stay in step) */
+    unsigned long long id = *(volatile unsigned long long *)rseq + 1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *rseq = id;
+        *o.idw = id;
+        if (o.res)
+            o.res->id = (unsigned int)id;
+    }
     int N = G.N, C = G.C, El = G.El, me = G.rank, parity = (int)(id & 1);
     bool isbad = *bad != FR_CUHT_NOBAD;
+    fr_cuht_res_t *res = o.res;
     __shared__ int ok;
     /* this rank's counts into every peer's entry, then the route number */
     for (int d = 0; d < N; d++) {
@@ -205,8 +229,19 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
             }
             total += n;
         }
-        res->num_recv = total;
-        res->bad_rank = badr;
+        *o.nrecv = total;
+        if (res) {
+            res->num_recv = total;
+            res->bad_rank = badr;
+        } else if (ok && badr >= 0) { /* bounded: nobody reads res */
+            fr_cuht_fail(A, FERRY_ERR_INVALID, badr, FR_CUHT_WHAT_BADIDX, 0);
+            ok = 0;
+        } else if (ok && total > o.bound) {
+            fr_cuht_fail(A, FERRY_ERR_INVALID, o.bound, FR_CUHT_WHAT_BOUND, total);
+            ok = 0;
+        }
+        if (ok && o.nrecv_out)
+            *o.nrecv_out = total;
     }
     __syncthreads();
     if (!ok)
@@ -223,7 +258,30 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
             }
             sum += v;
         }
-        res->ecnt[le] = sum;
+        if (res)
+            res->ecnt[le] = sum;
+        if (o.ecnt_out)
+            o.ecnt_out[le] = o.align > 1 ? (sum + o.align - 1) / o.align * o.align : sum;
+    }
+}
+
+/* A bounded route's rows past the real count: padding. */
+static __global__ void fr_cuht_pad(const int32_t *nrecv, int bound, int K, int32_t *ridx, float *rw,
+                            int32_t *rsr, int32_t *rst)
+{
+    int n = *nrecv;
+    for (int row = n + (int)(blockIdx.x * blockDim.x + threadIdx.x); row < bound;
+         row += (int)(gridDim.x * blockDim.x)) {
+        for (int k = 0; k < K; k++) {
+            if (ridx)
+                ridx[(size_t)row * K + k] = -1;
+            if (rw)
+                rw[(size_t)row * K + k] = 0.f;
+        }
+        if (rsr)
+            rsr[row] = -1;
+        if (rst)
+            rst[row] = -1;
     }
 }
 
@@ -233,7 +291,11 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long id, const int32_t *ccnt,
 extern "C" void fr_cuht_route_free(ferry_route_t route)
 {
     fr_cuht_route_t *p = route ? (fr_cuht_route_t *)route->priv : NULL;
-    if (p) {
+    if (p && p->slot >= 0) {
+        /* pooled tables: reused by a later bounded route, after this one's
+         * kernels on the stream (no synchronisation: capturable) */
+        fr_cuht(route->ep)->pool_used[p->slot] = 0;
+    } else if (p) {
         /* kernels of this route may still be queued: wait for the GPU */
         cudaDeviceSynchronize();
         if (p->mem)
@@ -254,9 +316,9 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     const fr_cuht_geo_t *G = &fr_cuht(ep)->a.G;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
     size_t sz[] = {4 * t * K, 4 * t, 4 * t * N, 4 * N * C, 4 * N * (size_t)G->El,
-                   4 * N * C, 4 * N * C, 16, 4 * N * t};
-    size_t off[9], tot = 0;
-    for (int i = 0; i < 9; i++) {
+                   4 * N * C, 4 * N * C, 16, 4 * N * t, 16};
+    size_t off[10], tot = 0;
+    for (int i = 0; i < 10; i++) {
         off[i] = tot;
         tot += (sz[i] + 255) & ~(size_t)255;
     }
@@ -278,7 +340,41 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     p->r.rbase = (const int32_t *)(b + off[6]);
     p->bad = (int32_t *)(b + off[7]);
     p->r.rtok = (const int32_t *)(b + off[8]);
+    p->r.idp = (const unsigned long long *)(b + off[9]);
+    p->r.nrecv = (const int32_t *)(b + off[9] + 8);
+    p->ccnt = *ccnt;
+    p->dcnt = *dcnt;
     return FERRY_OK;
+}
+
+extern "C" int fr_cuht_pool_init(ferry_ep_t ep)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    int32_t *cc, *dc;
+    for (int i = 0; i < FR_CUHT_POOL; i++) {
+        fr_cuht_route_t *p = (fr_cuht_route_t *)calloc(1, sizeof(*p));
+        if (!p)
+            return fr_ep_fail(ep, FERRY_ERR_NOMEM, "bounded route tables");
+        c->pool[i] = p;
+        p->slot = i;
+        int rc = fr_cuht_route_mem(ep, p, c->a.G.T, &cc, &dc);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
+extern "C" void fr_cuht_pool_free(ferry_ep_t ep)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    for (int i = 0; i < FR_CUHT_POOL; i++) {
+        if (!c->pool[i])
+            continue;
+        if (c->pool[i]->mem)
+            cudaFree(c->pool[i]->mem);
+        free(c->pool[i]);
+        c->pool[i] = NULL;
+    }
 }
 
 /* After the synchronisation: a bad topk_idx here or at a peer. */
@@ -309,36 +405,60 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
     const fr_cuht_geo_t *G = &c->a.G;
-    int T = in->num_tokens, El = G->El, rc = FERRY_OK;
+    int T = in->num_tokens, El = G->El, rc = FERRY_OK, bounded = route->bound > 0;
     cudaStream_t st = (cudaStream_t)in->stream;
-    fr_cuht_route_t *p = (fr_cuht_route_t *)calloc(1, sizeof(*p));
-    route->priv = p;
-    route->ecnt = (int32_t *)calloc((size_t)El + 1, sizeof(int32_t));
-    /* the route number advances on every rank even when this one failed
-     * locally, so numbers stay in step; peers then time out naming it */
-    route->id = ++c->routes;
+    fr_cuht_route_t *p = NULL;
     route->T = T;
-    int32_t *ccnt = NULL, *dcnt = NULL;
+    route->ecnt = (int32_t *)calloc((size_t)El + 1, sizeof(int32_t));
+    if (bounded) { /* tables from the pool: nothing allocated (capturable) */
+        int k = c->pool_next % FR_CUHT_POOL;
+        if (c->pool_used[k]) {
+            free(route->ecnt);
+            route->ecnt = NULL;
+            return fr_ep_fail(ep, FERRY_ERR_STATE, "route_create: %d bounded routes are in "
+                              "use: destroy one first", FR_CUHT_POOL);
+        }
+        p = c->pool[k];
+        c->pool_used[k] = 1;
+        c->pool_next++;
+    } else if ((p = (fr_cuht_route_t *)calloc(1, sizeof(*p))) != NULL) {
+        p->slot = -1;
+    }
+    route->priv = p;
+    int32_t *ccnt = p ? p->ccnt : NULL, *dcnt = p ? p->dcnt : NULL;
     if (!p || !route->ecnt)
         rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
-    if (rc == FERRY_OK)
+    if (rc == FERRY_OK && !bounded)
         rc = fr_cuht_route_mem(ep, p, T, &ccnt, &dcnt);
     if (rc == FERRY_OK) {
         p->r.T = T;
-        p->r.id = (unsigned int)route->id;
-        fr_cuht_res_t *res = c->res_host;
-        res->num_recv = -1;
-        res->bad_rank = -1;
+        fr_cuht_nout_t o;
+        memset(&o, 0, sizeof(o));
+        o.bound = route->bound;
+        o.align = in->expert_alignment;
+        o.idw = (unsigned long long *)p->r.idp;
+        o.nrecv = (int32_t *)p->r.nrecv;
+        if (bounded) {
+            o.nrecv_out = in->num_recv_out;
+            o.ecnt_out = in->expert_counts_out;
+        } else {
+            fr_cuht_res_t *res = c->res_host;
+            res->num_recv = -1;
+            res->bad_rank = -1;
+            o.res = (fr_cuht_res_t *)c->res_dev;
+        }
         cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
         cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
         fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
             c->a, T, in->topk_idx, (int32_t *)p->r.idx, (unsigned int *)p->r.mask,
             (int32_t *)p->r.tpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
-        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
-            c->a, (unsigned long long)route->id, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
-            (int32_t *)p->r.rbase, (fr_cuht_res_t *)c->res_dev);
+        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(c->a, c->rseq, ccnt, dcnt, p->bad,
+                                                    (int32_t *)p->r.rcnt,
+                                                    (int32_t *)p->r.rbase, o);
         rc = fr_cuht_launch_check(ep, "route_create");
     }
+    if (rc == FERRY_OK && bounded)
+        return FERRY_OK; /* counts, bound and topk_idx are checked on the GPU */
     if (rc == FERRY_OK) {
         /* the one host synchronisation */
         cudaError_t e = cudaStreamSynchronize(st);
@@ -348,6 +468,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     }
     if (rc == FERRY_OK) {
         volatile fr_cuht_res_t *res = c->res_host;
+        route->id = res->id;
         if (res->bad_rank >= 0) { /* this rank's own entries say -1 too */
             rc = fr_cuht_route_bad(ep, in, p, res->bad_rank);
             fr_cuht_route_free(route);
@@ -365,4 +486,17 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     if (!ep->failed) /* counts may be out already: out of step with the peers */
         ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
     return rc;
+}
+
+extern "C" void fr_cuht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_out_t *out,
+                                 void *stream)
+{
+    fr_cuht_route_t *p = (fr_cuht_route_t *)route->priv;
+    if (route->bound <= 0 || (!out->recv_topk_idx && !out->recv_topk_weights &&
+                              !out->recv_src_rank && !out->recv_src_token))
+        return;
+    int blocks = (route->bound + 255) / 256;
+    fr_cuht_pad<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
+        p->r.nrecv, route->bound, route->ep->L.K, out->recv_topk_idx,
+        out->recv_topk_weights, out->recv_src_rank, out->recv_src_token);
 }

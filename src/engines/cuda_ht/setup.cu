@@ -119,6 +119,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg
         A->peer = (uint8_t *const *)b;
         A->ctr = (unsigned long long *)(b + o_ctr);
         A->dflag = (int *)(b + o_flag);
+        c->rseq = (unsigned long long *)(b + o_flag + 128);
         FR_CU(cudaMemcpy(b, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice), err, fail);
     }
     {
@@ -136,6 +137,9 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg
     }
     A->seg = ep->seg;
     A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
+    rc = fr_cuht_pool_init(ep);
+    if (rc != FERRY_OK)
+        rc = FR_ERR(err, rc, "%s", ep->err.msg);
 fail:
     free(peer);
     return rc;
@@ -257,6 +261,7 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
             if (c->peer_host[i])
                 cudaIpcCloseMemHandle(c->peer_host[i]);
     free(c->peer_host);
+    fr_cuht_pool_free(ep);
     if (ep->seg)
         cudaFree(ep->seg);
     ep->seg = NULL;
@@ -274,6 +279,8 @@ static const char *fr_cuht_what(int what)
 {
     switch (what) {
     case FR_CUHT_WHAT_ROUTE:
+    case FR_CUHT_WHAT_BOUND:
+    case FR_CUHT_WHAT_BADIDX:
     case FR_CUHT_WHAT_COUNTS: return "route_create";
     case FR_CUHT_WHAT_COMBINE: return "ht_combine";
     default: return "ht_dispatch";
@@ -295,6 +302,13 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
     case FR_CUHT_WHAT_COUNTS:
         return fr_ep_fail(ep, st, "route_create: rank %d sent malformed counts (item %d; "
                           "checked on the GPU)", rank, detail);
+    case FR_CUHT_WHAT_BOUND:
+        return fr_ep_fail(ep, st, "route_create: this rank receives %d rows, more than "
+                          "max_recv = %d (a bounded route; checked on the GPU)", detail, rank);
+    case FR_CUHT_WHAT_BADIDX:
+        return fr_ep_fail(ep, st, "route_create: rank %d passed a bad topk_idx to a bounded "
+                          "route (-1 or 0..num_experts-1, no expert twice in a token; "
+                          "checked on the GPU)", rank);
     case FR_CUHT_WHAT_RECORD:
         return fr_ep_fail(ep, st, "GPU: malformed high-throughput record from rank %d "
                           "(token %d)", rank, detail);

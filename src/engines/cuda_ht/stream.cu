@@ -373,6 +373,7 @@ __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
     constexpr int U = W <= 8 ? 8 : 2; /* loads in flight per lane (registers) */
+    R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[2][W], glim[2][W];
     if (threadIdx.x == 0)
@@ -587,6 +588,7 @@ template <int W>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
+    R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     constexpr int U = W <= 8 ? 8 : 2, US = W <= 8 ? 4 : 1;
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[W];
@@ -661,6 +663,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
         fr_cuht_dispatch_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else
         fr_cuht_dispatch_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    fr_cuht_pad_rows(route, out, in->stream);
     return fr_cuht_launch_check(ep, call);
 }
 
