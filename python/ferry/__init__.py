@@ -571,22 +571,41 @@ class EP:
 
     # ------------------------------------------------------ high throughput
 
-    def route(self, topk_idx, expert_alignment=0, stream=None):
+    def route(self, topk_idx, expert_alignment=0, stream=None, max_recv=0):
         """Collective (mode='ht'): where this rank's tokens go, from topk_idx
         [T, K] int64 (T <= max_tokens). Returns a Route (num_recv,
         expert_counts); usable for any number of ht_dispatch/ht_combine
         calls (forward and backward) until closed. On CUDA, topk_idx is a
         GPU tensor, the work goes on `stream` (default: the tensor's
-        current stream) and the call waits once for the counts."""
+        current stream) and the call waits once for the counts.
+
+        max_recv > 0 makes a bounded route (DeepEP's num_worst_tokens): no
+        wait for the counts (on CUDA the route, its dispatches and combines
+        can be captured in a CUDA graph); num_recv is max_recv, the
+        dispatch outputs have max_recv rows, those past the real count
+        being padding (recv_topk_idx -1, weights 0, sources -1); the real
+        count is route.num_recv_real and the per-expert counts
+        route.expert_counts (int32 tensors on the GPU, written on the
+        stream; numpy on CPU). More rows than max_recv is an error naming
+        max_recv (on CUDA from the next call or sync)."""
         h = self._ep()
         inf = _info(topk_idx, "topk_idx")
         T = inf.shape[0] if len(inf.shape) == 2 else None
         p = self._arr(topk_idx, "topk_idx", _I64, (T, self.topk), required=T != 0, inf=inf)
         st = _stream_of(topk_idx, stream) if self.device == "cuda" else None
-        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment), st)
+        max_recv = int(max_recv or 0)
+        if max_recv < 0:
+            raise ValueError(f"max_recv: {max_recv}: must be 0 (exact route) or the bound on "
+                             "rows received")
+        nout = eout = None
+        if max_recv:
+            new = lambda shape: self._ht_new(topk_idx, shape, _I32)
+            nout, eout = new((1,)), new((self.num_local_experts,))
+        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment), st,
+                           max_recv, self._ptr(nout), self._ptr(eout))
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
-        route = Route(self, r, T or 0)
+        route = Route(self, r, T or 0, (nout, eout) if max_recv else None)
         self._routes = [x for x in self._routes if x._h] + [route]
         return route
 
@@ -705,17 +724,23 @@ class EP:
 class Route:
     """A high-throughput route (EP.route()): num_tokens, num_recv and
     expert_counts (rows per local expert, padded to the alignment asked
-    for). close() frees it (not collective)."""
+    for); a bounded route also num_recv_real (num_recv is then its bound).
+    close() frees it (not collective)."""
 
-    def __init__(self, ep, h, T):
+    def __init__(self, ep, h, T, bounded=None):
         import numpy as np
         self.ep, self._h, self.num_tokens = ep, h, T
         n = C.c_int()
-        counts = np.zeros(ep.num_local_experts, np.int32)
-        rc = _lib_handle().ferry_route_counts(h, C.byref(n), counts.ctypes.data)
+        if bounded is not None:  # the counts are in the outputs the route wrote
+            rc = _lib_handle().ferry_route_counts(h, C.byref(n), None)
+            self.num_recv_real, self.expert_counts = bounded
+        else:
+            self.num_recv_real = None
+            self.expert_counts = np.zeros(ep.num_local_experts, np.int32)
+            rc = _lib_handle().ferry_route_counts(h, C.byref(n), self.expert_counts.ctypes.data)
         if rc:
             raise FerryError(rc, "ferry_route_counts failed")
-        self.num_recv, self.expert_counts = n.value, counts
+        self.num_recv = n.value
 
     def _handle(self, ep):
         if not self._h:

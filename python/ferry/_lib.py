@@ -57,7 +57,9 @@ class CombineOut(C.Structure):
 
 class RouteIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("topk_idx", C.c_void_p),
-                ("expert_alignment", C.c_int), ("stream", C.c_void_p)]
+                ("expert_alignment", C.c_int), ("stream", C.c_void_p),
+                ("max_recv", C.c_int), ("num_recv_out", C.c_void_p),
+                ("expert_counts_out", C.c_void_p)]
 
 
 class HtDispatchIn(C.Structure):

@@ -416,9 +416,11 @@ class Buffer:
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""
         self._normal("dispatch")
-        if num_worst_tokens:
-            raise NotImplementedError("ferry.deep_ep.Buffer.dispatch: num_worst_tokens "
-                                      "(outputs padded for CUDA graphs) is not supported")
+        if num_worst_tokens and isinstance(handle, _HtHandle) and \
+                num_worst_tokens != handle.route.num_recv:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens}, but the handle's routing "
+                             f"receives {handle.route.num_recv} rows (a cached dispatch keeps "
+                             f"the handle's routing)")
         if previous_event is not None:
             previous_event.current_stream_wait()
         fp8 = isinstance(x, tuple)
@@ -445,7 +447,8 @@ class Buffer:
                 raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
                                  f"group size {N}")
             ep = self._ht_ep(E, topk_idx.shape[1], xt.shape[1])
-            route = ep.route(topk_idx.contiguous(), int(expert_alignment or 1))
+            route = ep.route(topk_idx.contiguous(), int(expert_alignment or 1),
+                             max_recv=int(num_worst_tokens or 0))
             handle = _HtHandle(ep, route, xt.shape[0])
         elif not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
@@ -461,8 +464,12 @@ class Buffer:
         ev = self.capture() if async_finish else _no_event()
         if cached:
             return recv_x, None, None, None, handle, ev
+        # a bounded route (num_worst_tokens): rows padded to the bound, no
+        # host wait, so no per-expert list (DeepEP returns it empty too)
+        counts = [] if route.num_recv_real is not None else \
+            [int(c) for c in route.expert_counts]
         return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
-                [int(c) for c in route.expert_counts], handle, ev)
+                counts, handle, ev)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):

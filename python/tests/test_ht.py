@@ -3,7 +3,8 @@
 combine checked against a reference every rank computes for all ranks
 (the inputs are regenerated from seeds), with Zipf-skewed routing, masked
 slots, empty ranks, bf16 and fp8 rows, expert alignment, a small ring
-(streaming), route reuse, and the backward identity <C(y), g> = <y, D(g)>.
+(streaming), route reuse, the backward identity <C(y), g> = <y, D(g)>, and
+a bounded route (max_recv: padded outputs, counts in the route's outputs).
 Usage: test_ht.py [nranks ...]"""
 import os
 import sys
@@ -111,6 +112,43 @@ def run_round(ferry, ep, rank, N, rnd, align):
     return lhs, rhs
 
 
+def run_bounded(ep, rank, N, rnd):
+    """A bounded route (max_recv = rows + 2 + rank): num_recv is the bound,
+    the real count and the per-expert counts come in the route's outputs,
+    the dispatch rows past the real count are padding, combine as usual."""
+    El = E_PER_RANK
+    all_in = [inputs(s, rnd, N) for s in range(N)]
+    x, idx, w = all_in[rank][:3]
+    rows = expected_rows(rank, N, all_in)
+    bound = len(rows) + 2 + rank
+    route = ep.route(idx, max_recv=bound)
+    check(route.num_recv == bound and route.num_recv_real[0] == len(rows),
+          f"bounded: num_recv {route.num_recv}, real {route.num_recv_real}, rows {len(rows)}")
+    cnt = np.zeros(El, np.int64)
+    for s, t in rows:
+        for e in all_in[s][1][t]:
+            if e >= 0 and e // El == rank:
+                cnt[e % El] += 1
+    check(np.array_equal(route.expert_counts, cnt), f"bounded: expert_counts {route.expert_counts}")
+    o = ep.ht_dispatch(route, x, topk_weights=w)
+    check(o["recv_x"].shape[0] == bound, f"bounded: recv_x has {o['recv_x'].shape[0]} rows")
+    for i, (s, t) in enumerate(rows):
+        check(np.array_equal(o["recv_x"][i], all_in[s][0][t]) and o["recv_src_rank"][i] == s
+              and o["recv_src_token"][i] == t, f"bounded: row {i} wrong")
+    pad = slice(len(rows), bound)
+    check(np.all(o["recv_topk_idx"][pad] == -1) and np.all(o["recv_topk_weights"][pad] == 0) and
+          np.all(o["recv_src_rank"][pad] == -1) and np.all(o["recv_src_token"][pad] == -1),
+          "bounded: padding rows are not -1 / 0")
+    y = np.zeros((bound, H), np.uint16)
+    y[:len(rows)] = o["recv_x"][:len(rows)]
+    out = ep.ht_combine(route, y)  # identity experts: each token's x times its ranks
+    for t in range(x.shape[0]):
+        m = sum(any(e >= 0 and e // El == d for e in idx[t]) for d in range(N))
+        want = bf16(f32(x[t]) * m) if m else np.zeros(H, np.uint16)  # nowhere: +0
+        check(np.array_equal(out[t], want), f"bounded: combined token {t}")
+    route.close()
+
+
 def rank_main(rank, N, port, q):
     try:
         os.environ.update(FERRY_RANK=str(rank), FERRY_WORLD_SIZE=str(N),
@@ -122,6 +160,7 @@ def rank_main(rank, N, port, q):
         sums = []
         for rnd in range(4):
             sums.append(run_round(ferry, ep, rank, N, rnd, 16 if rnd % 2 else 0))
+        run_bounded(ep, rank, N, 5)
         try:
             ep.dispatch_send(np.zeros((1, H), np.uint16), np.zeros((1, K), np.int64))
             raise AssertionError("a low-latency call on an HT context was accepted")

@@ -12,7 +12,9 @@ machine; ranks may share one GPU). Usage: test_torch_ht_cuda.py [nranks]
   2. ferry.deep_ep.Buffer(low_latency_mode=False): get_dispatch_layout,
      dispatch (bf16 and fp8 tuple, expert_alignment), the cached dispatch
      with the handle, combine with weights; the low-latency calls refused
-     on it, num_worst_tokens refused.
+     on it; num_worst_tokens (outputs padded with -1 rows, an empty count
+     list, as DeepEP's test_intranode checks), refused with a handle whose
+     routing has another size.
 Exit 77 (skipped) without torch or a usable GPU.
 """
 import os
@@ -202,13 +204,30 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
     wz = torch.where(idx >= 0, w, torch.zeros_like(w))
     if cw is None or not torch.equal(cw.cpu(), wz):
         msgs.append("combine: weights did not come back")
+    # num_worst_tokens (a bounded route): DeepEP's test_intranode checks
+    worst = T * N
+    wx, widx, ww, empty, wh, _ = buf.dispatch(
+        xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_exp, topk_idx=idd, topk_weights=wd, num_worst_tokens=worst)
+    torch.cuda.synchronize()
+    n = rx.shape[0]
+    if len(empty) != 0 or wx.shape[0] != worst or widx.shape[0] != worst or \
+            ww.shape[0] != worst or not torch.equal(rx, wx[:n]) or \
+            not torch.equal(ridx, widx[:n]) or not torch.equal(rw, ww[:n]) or \
+            not bool(torch.all(widx[n:] == -1)):
+        msgs.append("num_worst_tokens: outputs not padded like DeepEP's")
+    wout, _, _ = buf.combine(wx, wh)
+    torch.cuda.synchronize()
+    if not torch.equal(wout.cpu(), (x.float() * nr).to(torch.bfloat16)):
+        msgs.append("num_worst_tokens: combine on the padded rows wrong")
+    del wh
     for name, fn in (("low_latency_dispatch", lambda: buf.low_latency_dispatch(xd, idd, T, E)),
                      ("num_worst_tokens", lambda: buf.dispatch(xd, handle=handle,
-                                                               num_worst_tokens=64))):
+                                                               num_worst_tokens=n + 1))):
         try:
             fn()
             msgs.append(f"{name}: not refused")
-        except (RuntimeError, NotImplementedError) as e:
+        except (RuntimeError, NotImplementedError, ValueError) as e:
             if name.split("_")[0] not in str(e):
                 msgs.append(f"{name}: message does not name it: {e}")
     del handle, h2
