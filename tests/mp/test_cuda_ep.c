@@ -7,8 +7,11 @@
  *                               ferry_dispatch/ferry_combine)
  *   test_cuda_ep -n 2 timeout   rank 1 never sends: rank 0 gets
  *                               FERRY_ERR_TIMEOUT naming rank 1 within
- *                               FERRY_TIMEOUT_MS + 1 s, and its CUDA context
+ *                               FERRY_TIMEOUT_MS + 2 s, and its CUDA context
  *                               still works afterwards
+ *   test_cuda_ep -n N kill      rank 1 dies after the context is made: the
+ *                               other ranks' round fails naming rank 1
+ *                               (FERRY_ERR_PEER or _TIMEOUT) in the same time
  *   test_cuda_ep -n N twin      CUDA kernels against the CPU twins on the
  *                               same inputs (fp8 and bf16; the one-launch
  *                               ferry_dispatch/ferry_combine)
@@ -305,7 +308,9 @@ static int run_twin(ferry_comm_t comm, int fp8)
     return fr_test_result();
 }
 
-static int run_timeout(ferry_comm_t comm)
+/* Rank 1 stays silent (kill 0) or dies (kill 1) after the context is
+ * made; rank 0's round fails within the timeout naming rank 1. */
+static int run_timeout(ferry_comm_t comm, int kill)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     fw_spec_t s = {.N = N, .E = 2 * N, .K = 2, .H = 128, .T = 8, .seed = 3};
@@ -313,7 +318,11 @@ static int run_timeout(ferry_comm_t comm)
     if (!ep)
         return 1;
     long timeout = strtol(getenv("FERRY_TIMEOUT_MS") ? getenv("FERRY_TIMEOUT_MS") : "30000", NULL, 10);
-    if (me == 1) {
+    if (kill) {
+        ferry_comm_barrier(comm); /* every context made */
+        if (me == 1)
+            _exit(0); /* no destroy, no goodbye */
+    } else if (me == 1) {
         /* stay alive but silent until rank 0 is done */
         ferry_comm_barrier(comm);
         ferry_ep_destroy(ep);
@@ -339,15 +348,20 @@ static int run_timeout(ferry_comm_t comm)
         rc = ferry_ep_sync(ep, NULL);
     double dt = now_ms() - t0;
     printf("rank 0: %s after %.0f ms: %s\n", ferry_strerror(rc), dt, ferry_ep_last_error(ep));
-    CHECK(rc == FERRY_ERR_TIMEOUT, "status %d, want FERRY_ERR_TIMEOUT", rc);
+    if (kill)
+        CHECK(rc == FERRY_ERR_TIMEOUT || rc == FERRY_ERR_PEER,
+              "status %d, want FERRY_ERR_PEER or FERRY_ERR_TIMEOUT", rc);
+    else
+        CHECK(rc == FERRY_ERR_TIMEOUT, "status %d, want FERRY_ERR_TIMEOUT", rc);
     CHECK(strstr(ferry_ep_last_error(ep), "rank 1") != NULL, "message names rank 1");
-    CHECK(dt <= timeout + 1000.0, "%.0f ms > timeout + 1 s", dt);
+    CHECK(dt <= timeout + 2000.0, "%.0f ms > timeout + 2 s", dt);
     /* the CUDA context survived: a plain copy still works */
     int v = 7, back = 0;
     CHECK(cudaMemcpy(b.ntok, &v, 4, cudaMemcpyHostToDevice) == cudaSuccess, "context dead");
     CHECK(cudaMemcpy(&back, b.ntok, 4, cudaMemcpyDeviceToHost) == cudaSuccess && back == 7,
           "context dead");
-    ferry_comm_barrier(comm);
+    if (!kill)
+        ferry_comm_barrier(comm);
     ferry_ep_destroy(ep);
     return fr_test_result();
 }
@@ -434,8 +448,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "comm: %s\n", ebuf);
         return 1;
     }
-    if (strcmp(mode, "timeout") == 0)
-        rc = run_timeout(comm);
+    if (strcmp(mode, "timeout") == 0 || strcmp(mode, "kill") == 0)
+        rc = run_timeout(comm, mode[0] == 'k');
     else if (strcmp(mode, "badidx") == 0)
         rc = run_badidx(comm);
     else if (strcmp(mode, "twin") == 0)
