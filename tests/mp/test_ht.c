@@ -972,32 +972,42 @@ static const basic_cfg_t basic_cfgs[] = {
      0},
 };
 
-static int run_basic(ferry_comm_t comm)
+/* The first ncfg basic configurations, an EP each, nopts rounds each (round
+ * r with opts[r]), seeds from seed0. */
+static int run_cfgs(ferry_comm_t comm, size_t ncfg, const int *opts, int nopts,
+                    uint32_t seed0)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
-    /* round 1: every optional output; round 2: none, NULL for empty
-     * buffers; round 3: weights in only, sources, NULL for empty */
-    static const int opts[3] = {OPT_ALL, OPT_NULL0,
-                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0};
-    for (size_t i = 0; i < sizeof(basic_cfgs) / sizeof(basic_cfgs[0]); i++) {
+    for (size_t i = 0; i < ncfg; i++) {
         const basic_cfg_t *b = &basic_cfgs[i];
         spec_t c = {.name = b->name, .N = N, .E = b->e_per_rank * N,
                     .K = b->K, .H = b->H, .T = b->T, .fp8 = b->fp8,
                     .align = b->align, .ring = b->ring, .zipf = b->zipf,
                     .mask_p = b->mask_p, .empty_p = b->empty_p, .tmin = 1,
                     .zero_rank = b->zero_last && N > 1 ? N - 1 : -1,
-                    .seed = 0xba51c000u + i};
+                    .seed = seed0 + i};
         if (c.K > c.E)
             c.K = c.E;
         ferry_ep_t ep = ep_make(comm, &c, c.T, &rc);
         if (!ep)
             return 1;
-        for (int r = 0; r < 3 && rc == FERRY_OK; r++)
+        for (int r = 0; r < nopts && rc == FERRY_OK; r++)
             rc = do_round(ep, &c, 10 * i + (uint64_t)r + 1, opts[r], me);
         CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
         if (rc != FERRY_OK)
             return 1;
     }
+    return FERRY_OK;
+}
+
+static int run_basic(ferry_comm_t comm)
+{
+    /* round 1: every optional output; round 2: none, NULL for empty
+     * buffers; round 3: weights in only, sources, NULL for empty */
+    static const int opts[3] = {OPT_ALL, OPT_NULL0,
+                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0};
+    if (run_cfgs(comm, sizeof(basic_cfgs) / sizeof(basic_cfgs[0]), opts, 3, 0xba51c000u))
+        return 1;
     return fr_test_result();
 }
 
@@ -1014,25 +1024,8 @@ static int run_bounded(ferry_comm_t comm)
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
     static const int opts[2] = {OPT_ALL, OPT_WIN | OPT_SRC | OPT_CWIN};
     g_extra = 1 + me % 3;
-    for (size_t i = 0; i < 4; i++) {
-        const basic_cfg_t *b = &basic_cfgs[i];
-        spec_t c = {.name = b->name, .N = N, .E = b->e_per_rank * N,
-                    .K = b->K, .H = b->H, .T = b->T, .fp8 = b->fp8,
-                    .align = b->align, .ring = b->ring, .zipf = b->zipf,
-                    .mask_p = b->mask_p, .empty_p = b->empty_p, .tmin = 1,
-                    .zero_rank = b->zero_last && N > 1 ? N - 1 : -1,
-                    .seed = 0xb0a7d000u + i};
-        if (c.K > c.E)
-            c.K = c.E;
-        ferry_ep_t ep = ep_make(comm, &c, c.T, &rc);
-        if (!ep)
-            return 1;
-        for (int r = 0; r < 2 && rc == FERRY_OK; r++)
-            rc = do_round(ep, &c, 20 * i + (uint64_t)r + 1, opts[r], me);
-        CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
-        if (rc != FERRY_OK)
-            return 1;
-    }
+    if (run_cfgs(comm, 4, opts, 2, 0xb0a7d000u))
+        return 1;
     if (N == 1) { /* more rows than the bound: an error naming max_recv */
         spec_t c = {.name = "bound too small", .N = 1, .E = 8, .K = 4, .H = 128, .T = 16,
                     .align = 1, .tmin = 16, .zero_rank = -1, .seed = 0xb0a7d0ffu};
