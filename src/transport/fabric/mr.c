@@ -23,7 +23,8 @@ int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
 }
 
 /* fi_mr_reg for host memory; device memory through fi_mr_regattr with
- * the CUDA interface and the device ordinal (FI_HMEM endpoints only). */
+ * the CUDA interface, the device ordinal and FI_HMEM_DEVICE_ONLY (FI_HMEM
+ * endpoints only). */
 static int fab_mr_open(fr_transport_t *t, void *ptr, size_t len, uint64_t access,
                        uint64_t req_key, int device, struct fid_mr **mr)
 {
@@ -38,7 +39,9 @@ static int fab_mr_open(fr_transport_t *t, void *ptr, size_t len, uint64_t access
     attr.requested_key = req_key;
     attr.iface = FI_HMEM_CUDA;
     attr.device.cuda = device;
-    return fi_mr_regattr(t->domain, &attr, 0, mr);
+    /* cudaMalloc memory: device only (shm then moves it by CUDA IPC, one
+     * device copy, instead of staging it through its host bounce buffers) */
+    return fi_mr_regattr(t->domain, &attr, FI_HMEM_DEVICE_ONLY, mr);
 }
 
 int fab_reg_dev(fr_transport_t *t, void *ptr, size_t len, int remote_write,
@@ -214,7 +217,7 @@ int fab_hmem_try(const char *prov, int device, void *ptr, size_t len, char *why,
         attr.iface = FI_HMEM_CUDA;
         attr.device.cuda = device;
         step = "fi_mr_regattr(FI_HMEM_CUDA)";
-        frc = fi_mr_regattr(dom, &attr, 0, &mr);
+        frc = fi_mr_regattr(dom, &attr, FI_HMEM_DEVICE_ONLY, &mr);
         ok = frc == 0;
     }
     if (!ok)
