@@ -273,14 +273,16 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * IPC; peers on the fabric path are refused at create), every pointer in
  * the structs below is device memory, 16-byte aligned for x, recv_x, y and
  * out. ferry_route_create runs its kernels on in->stream and waits for
- * them once (it must return num_recv). ferry_ht_dispatch and
+ * them once (it must return num_recv; a bounded route does not wait).
+ * Keep a context's routes and their calls on one stream: bounded routes
+ * rely on stream order alone. ferry_ht_dispatch and
  * ferry_ht_combine only enqueue work on in->stream and return: outputs are
  * ready, and inputs may be reused, once the stream has run it; errors found
  * on the GPU (a peer that did not arrive within FERRY_TIMEOUT_MS, a
  * malformed record, routes used in a different order) come back from
  * ferry_ep_sync or the next call, naming the rank. Calls follow each other
  * on one stream without host synchronisation; ferry_route_destroy waits
- * for the GPU. ring_tokens is per channel and peer on CUDA (default
+ * for the GPU (not for a bounded route). ring_tokens is per channel and peer on CUDA (default
  * 512 / N, within 32..128); num_sms is the channel count, one block and
  * one SM each (0: 24, or the GPU's SMs over the most ranks sharing one
  * GPU when that is less). */
@@ -330,8 +332,10 @@ int ferry_route_counts(ferry_route_t route, int *num_recv,
 /* Not collective; the route must not be in use, and is gone after this
  * (as it is when its context is destroyed first: destroy routes first).
  * On CUDA ranks it waits for the GPU, except for a bounded route: its
- * tables come from a pool of four, reused by the bounded route four
- * creations later on the same stream (stream order keeps that safe). */
+ * tables come from a pool of eight, given to a later bounded route on the
+ * same stream (stream order keeps that safe); tables of a route made while
+ * its stream was being captured stay with the graph. With every pooled
+ * table taken, a bounded route allocates its own (not capturable). */
 int ferry_route_destroy(ferry_route_t route);
 
 typedef struct ferry_ht_dispatch_in {

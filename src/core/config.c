@@ -66,8 +66,9 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "GPU ranks on the fabric path: auto keeps the "
                             "receive and send regions in GPU memory, "
                             "registered with the provider (FI_HMEM), when "
-                            "the provider offers it, else in pinned host "
-                            "memory; on: GPU memory or an error naming the "
+                            "the provider registers it and writes it by NIC "
+                            "DMA (efa, verbs), else in pinned host memory; "
+                            "on: GPU memory or an error naming the "
                             "provider; off: host memory."},
     [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
                              "Set: each proxy prints, at exit, percentiles "

@@ -283,9 +283,19 @@ int fr_proxy_start(ferry_ep_t ep)
         p->stats = p->xfer_ns[0] && p->xfer_ns[1];
     }
     int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
-    if (e != 0)
+    if (e != 0) {
+        free(p->gnic);
+        free(p->gpos);
+        free(p->ready_seen);
+        free(p->xfer_ns[0]);
+        free(p->xfer_ns[1]);
+        p->gnic = p->gpos = NULL;
+        p->ready_seen = NULL;
+        p->xfer_ns[0] = p->xfer_ns[1] = NULL;
+        p->stats = 0;
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
                           strerror(e));
+    }
     p->running = 1;
     return FERRY_OK;
 }

@@ -71,7 +71,7 @@ int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
     return FERRY_OK;
 }
 
-int fr_cuda_gdr_flush_needed(int device)
+int fr_cuda_gdr_order(int device)
 {
     int order = 0, opts = 0;
     if (cudaDeviceGetAttribute(&order, cudaDevAttrGPUDirectRDMAWritesOrdering, device) !=
@@ -79,10 +79,11 @@ int fr_cuda_gdr_flush_needed(int device)
         cudaDeviceGetAttribute(&opts, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device) !=
             cudaSuccess) {
         cudaGetLastError();
-        return 0;
+        return -1;
     }
-    return order < (int)cudaGPUDirectRDMAWritesOrderingOwner &&
-           (opts & (int)cudaFlushGPUDirectRDMAWritesOptionHost) != 0;
+    if (order >= (int)cudaGPUDirectRDMAWritesOrderingOwner)
+        return 0;
+    return (opts & (int)cudaFlushGPUDirectRDMAWritesOptionHost) != 0 ? 1 : -1;
 }
 
 int fr_cuda_gdr_flush(int device)

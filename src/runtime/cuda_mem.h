@@ -25,10 +25,12 @@ void fr_cuda_dev_free(void *dev);
 int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val,
                      fr_err_t *err);
 
-/* GPUDirect RDMA: does a NIC's write into memory of `device` need a flush
- * before a kernel on that device may read it (the device does not order
- * such writes for its own kernels but can flush them from the host)? */
-int fr_cuda_gdr_flush_needed(int device);
+/* GPUDirect RDMA: how a NIC's writes into memory of `device` become
+ * visible to the device's own kernels: 0 in order (nothing to do), 1 after
+ * a flush from the host (fr_cuda_gdr_flush), -1 neither (the device neither
+ * orders them nor offers a host flush: GPU memory is not safe to receive
+ * into). */
+int fr_cuda_gdr_order(int device);
 /* Flush the NIC writes into memory of `device` so far (the calling thread
  * is bound to the device at its first call). 0 on success. */
 int fr_cuda_gdr_flush(int device);

@@ -20,10 +20,10 @@ int fr_cuda_dev_read(const unsigned long long *dev, uint64_t *val, fr_err_t *err
     (void)dev; (void)val;
     return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
 }
-int fr_cuda_gdr_flush_needed(int device)
+int fr_cuda_gdr_order(int device)
 {
     (void)device;
-    return 0;
+    return -1;
 }
 int fr_cuda_gdr_flush(int device)
 {

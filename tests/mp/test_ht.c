@@ -1017,8 +1017,9 @@ static int run_basic(ferry_comm_t comm)
 
 /* Bounded routes (max_recv = num_recv + 1..3 per rank): the basic
  * configurations again, outputs of max_recv rows, the padding checked,
- * num_recv_out and expert_counts_out checked; with one rank, a bound
- * below the real count fails naming max_recv. */
+ * num_recv_out and expert_counts_out checked; nine routes alive at once
+ * (more than the CUDA engine's pool); with one rank, a bound below the
+ * real count fails naming max_recv. */
 static int run_bounded(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
@@ -1026,6 +1027,32 @@ static int run_bounded(ferry_comm_t comm)
     g_extra = 1 + me % 3;
     if (run_cfgs(comm, 4, opts, 2, 0xb0a7d000u))
         return 1;
+    { /* more live bounded routes than the CUDA engine's pool (eight): the
+       * ninth has tables of its own; the first and the last both work */
+        spec_t c = {.name = "nine live routes", .N = N, .E = 4 * N, .K = 4, .H = 256,
+                    .T = 16, .align = 1, .mask_p = 0.05, .tmin = 1, .zero_rank = -1,
+                    .seed = 0xb0a7d100u};
+        ferry_ep_t ep = ep_make(comm, &c, c.T, &rc);
+        if (!ep)
+            return 1;
+        world_t w;
+        world_build(&w, &c, 7, me);
+        ferry_route_t rt[9] = {NULL};
+        for (int i = 0; i < 9 && rc == FERRY_OK; i++)
+            rc = route_make(ep, &w, 1, &rt[i], "nine live routes");
+        data_t dx = {hkey(c.seed, 7, 1, 0), K_BITS, 0};
+        if (rc == FERRY_OK)
+            rc = do_disp(ep, rt[8], &w, &c, &dx, OPT_ALL, "the ninth live route");
+        if (rc == FERRY_OK)
+            rc = do_disp(ep, rt[0], &w, &c, &dx, OPT_ALL, "the first live route");
+        for (int i = 0; i < 9; i++)
+            if (rt[i])
+                CHECK_RC(ferry_route_destroy(rt[i]), FERRY_OK);
+        world_free(&w);
+        CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
+        if (rc != FERRY_OK)
+            return 1;
+    }
     if (N == 1) { /* more rows than the bound: an error naming max_recv */
         spec_t c = {.name = "bound too small", .N = 1, .E = 8, .K = 4, .H = 128, .T = 16,
                     .align = 1, .tmin = 16, .zero_rank = -1, .seed = 0xb0a7d0ffu};

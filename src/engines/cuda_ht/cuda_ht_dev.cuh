@@ -95,6 +95,7 @@ typedef struct fr_cuht_rdev {
                                      (device-side, so graph replays get a
                                      new one each) */
     const int32_t *nrecv;         /* rows received, written by notify */
+    int bound;                    /* max_recv of a bounded route, else 0 */
     const int32_t *idx;           /* [T][K] topk_idx as int32 (-1 where bad) */
     const unsigned int *mask;     /* [T] bit d: the token goes to rank d */
     const int32_t *tpos;          /* [T][N] place among channel tokens to d */
@@ -113,7 +114,7 @@ typedef struct fr_cuht_res {
     int ecnt[1];                  /* [El] */
 } fr_cuht_res_t;
 
-#define FR_CUHT_POOL 4
+#define FR_CUHT_POOL 8
 
 struct fr_cuht_ep {
     fr_cuht_args_t a;
@@ -138,6 +139,9 @@ typedef struct fr_cuht_route {
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
     int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */
     int slot;                     /* bounded: its place in the pool, else -1 */
+    int captured;                 /* made while its stream was captured: a
+                                     graph replays into these tables, so
+                                     the slot is never given out again */
 } fr_cuht_route_t;
 
 /* The bounded routes' tables, sized for max_tokens, allocated at set-up

@@ -1,6 +1,9 @@
 /*
  * Routes on CUDA ranks: two kernels on the caller's stream, then one host
- * synchronisation (the caller must learn num_recv to size recv_x).
+ * synchronisation (the caller must learn num_recv to size recv_x), except
+ * for a bounded route (max_recv): its counts stay on the device, and stream
+ * order alone orders its kernels and the route's calls (one stream per
+ * context for routes and their calls: see ferry.h).
  *
  *   layout (a block per channel): topk_idx checked and copied as int32,
  *          per token the mask of ranks it goes to and its place among the
@@ -293,8 +296,10 @@ extern "C" void fr_cuht_route_free(ferry_route_t route)
     fr_cuht_route_t *p = route ? (fr_cuht_route_t *)route->priv : NULL;
     if (p && p->slot >= 0) {
         /* pooled tables: reused by a later bounded route, after this one's
-         * kernels on the stream (no synchronisation: capturable) */
-        fr_cuht(route->ep)->pool_used[p->slot] = 0;
+         * kernels on the stream (no synchronisation: capturable); never
+         * when a graph replays into them */
+        if (!p->captured)
+            fr_cuht(route->ep)->pool_used[p->slot] = 0;
     } else if (p) {
         /* kernels of this route may still be queued: wait for the GPU */
         cudaDeviceSynchronize();
@@ -410,28 +415,41 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     fr_cuht_route_t *p = NULL;
     route->T = T;
     route->ecnt = (int32_t *)calloc((size_t)El + 1, sizeof(int32_t));
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cap) != cudaSuccess)
+        (void)cudaGetLastError();
+    int capturing = cap == cudaStreamCaptureStatusActive;
     if (bounded) { /* tables from the pool: nothing allocated (capturable) */
-        int k = c->pool_next % FR_CUHT_POOL;
-        if (c->pool_used[k]) {
-            free(route->ecnt);
-            route->ecnt = NULL;
-            return fr_ep_fail(ep, FERRY_ERR_STATE, "route_create: %d bounded routes are in "
-                              "use: destroy one first", FR_CUHT_POOL);
+        for (int i = 0; i < FR_CUHT_POOL && !p; i++) {
+            int k = (c->pool_next + i) % FR_CUHT_POOL;
+            if (!c->pool_used[k]) {
+                p = c->pool[k];
+                c->pool_used[k] = 1;
+                c->pool_next = k + 1;
+                p->captured = capturing;
+            }
         }
-        p = c->pool[k];
-        c->pool_used[k] = 1;
-        c->pool_next++;
-    } else if ((p = (fr_cuht_route_t *)calloc(1, sizeof(*p))) != NULL) {
-        p->slot = -1;
     }
+    int pooled = p != NULL;
+    if (!p && (p = (fr_cuht_route_t *)calloc(1, sizeof(*p))) != NULL)
+        p->slot = -1; /* an exact route, or every pooled slot in use */
     route->priv = p;
     int32_t *ccnt = p ? p->ccnt : NULL, *dcnt = p ? p->dcnt : NULL;
     if (!p || !route->ecnt)
         rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
-    if (rc == FERRY_OK && !bounded)
+    if (rc == FERRY_OK && !pooled && capturing)
+        /* a graph cannot allocate: this rank launches no notify, so its
+         * route numbers leave its peers' (they fail naming it) */
+        rc = fr_ep_fail(ep, FERRY_ERR_STATE, "route_create: captured in a CUDA graph, but "
+                        "%s (bounded routes take their tables from a pool of %d; routes "
+                        "captured in graphs keep theirs)",
+                        bounded ? "every pooled table is in use" : "not a bounded route "
+                        "(max_recv = 0 waits for the counts)", FR_CUHT_POOL);
+    if (rc == FERRY_OK && !pooled)
         rc = fr_cuht_route_mem(ep, p, T, &ccnt, &dcnt);
     if (rc == FERRY_OK) {
         p->r.T = T;
+        p->r.bound = route->bound;
         fr_cuht_nout_t o;
         memset(&o, 0, sizeof(o));
         o.bound = route->bound;
@@ -483,7 +501,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
         return FERRY_OK;
     }
     fr_cuht_route_free(route);
-    if (!ep->failed) /* counts may be out already: out of step with the peers */
+    if (!ep->failed) /* counts may be out already, or route numbers: out of step */
         ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
     return rc;
 }

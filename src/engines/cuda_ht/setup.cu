@@ -81,6 +81,11 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
     FR_CU(cudaMalloc((void **)&ep->seg, G->seg_bytes), err, fail);
     FR_CU(cudaMemset(ep->seg, 0, G->seg_bytes), err, fail);
     FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
+    /* the bounded routes' tables: before the exchange, so that a rank out
+     * of memory fails every rank at once */
+    rc = fr_cuht_pool_init(ep);
+    if (rc != FERRY_OK)
+        rc = FR_ERR(err, rc, "%s", ep->err.msg);
 fail:
     return rc;
 }
@@ -137,9 +142,6 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg
     }
     A->seg = ep->seg;
     A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
-    rc = fr_cuht_pool_init(ep);
-    if (rc != FERRY_OK)
-        rc = FR_ERR(err, rc, "%s", ep->err.msg);
 fail:
     free(peer);
     return rc;

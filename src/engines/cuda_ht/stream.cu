@@ -376,8 +376,15 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[2][W], glim[2][W];
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         dead = fr_cuht_failed(A);
+        /* a bounded route's rows must fit its outputs (notify fails the
+         * context otherwise; checked again here, where the rows go) */
+        if (!dead && R.bound > 0 && *R.nrecv > R.bound) {
+            fr_cuht_fail(A, FERRY_ERR_INVALID, R.bound, FR_CUHT_WHAT_BOUND, *R.nrecv);
+            dead = 1;
+        }
+    }
     __syncthreads();
     if (dead) /* the context failed earlier: nothing moves */
         return;

@@ -265,6 +265,14 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
                      "with CUDA copies, slower than host staging (FERRY_FABRIC_HMEM=on forces "
                      "it)", h.prov);
         }
+        if (h.ok && !h.copies && fr_cuda_gdr_order(c->device) < 0) {
+            /* a NIC writing GPU memory that the GPU neither orders for its
+             * kernels nor lets the host flush: a flag could be seen first */
+            h.ok = 0;
+            snprintf(h.why, sizeof(h.why), "provider %s writes GPU %d by DMA, but the GPU "
+                     "neither orders those writes for its kernels nor offers a host flush "
+                     "(cudaDevAttrGPUDirectRDMAWritesOrdering)", h.prov, c->device);
+        }
     }
     if (!off && h.ok) {
         /* the segment itself is registered on trial */
@@ -289,7 +297,7 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
         ep->fab_device = c->device;
         /* a NIC that DMAs into GPU memory: its writes flushed before their
          * flags are published, where the GPU does not order them itself */
-        ep->gdr_flush = !h.copies && fr_cuda_gdr_flush_needed(c->device);
+        ep->gdr_flush = !h.copies && fr_cuda_gdr_order(c->device) > 0;
         FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in GPU %d memory, "
                     "registered with FI_HMEM (%s)%s", c->device, h.why,
                     ep->gdr_flush ? "; NIC writes flushed before each flag" : "");
