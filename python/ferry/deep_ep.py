@@ -134,6 +134,8 @@ class _LLHandle(tuple):
         h = tuple.__new__(cls, (src_token, None, maxT, H, E))
         h.plan, h.ep, h.rnd, h.src_rank, h.count, h.ntok = plan, ep, rnd, src_rank, count, ntok
         h._lr = None
+        h.topk_idx = None  # the routing, for a second combine (fast path)
+        h.combined = False
         return h
 
     def _layout_range(self):
@@ -194,6 +196,13 @@ class _Plan:
                       for _ in range(2)]
         self.round = C.c_uint64()
         self.ybufs = [None, None]  # zero-copy combine inputs, made on first use
+        # per buffer set: a round dispatched and not combined yet (0: none),
+        # and whether its receive ran (see Buffer._settle)
+        self.pending, self.recvd = [0, 0], [True, True]
+        self.wzero = torch.zeros((self.T, K), dtype=torch.float32, device=dev)
+        self.xzero = torch.zeros((self.T, H), dtype=torch.bfloat16, device=dev)
+        self.dcin = _lib.CombineIn(C.sizeof(_lib.CombineIn), None, None)
+        self.dcout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
         L = _lib_handle()
         self.send, self.recv = L.ferry_dispatch_send, L.ferry_dispatch_recv
         self.csend, self.crecv = L.ferry_combine_send, L.ferry_combine_recv
@@ -649,18 +658,24 @@ class Buffer:
         din.topk_idx = topk_idx.data_ptr()
         stream = din.stream = plan.raw_stream()
         ep = plan.ep
+        # the round's number (and so its buffer set) is the next
+        s = (ep._last_round + 1) & 1
+        if plan.pending[s]:
+            self._settle(plan, s, stream)
         if return_recv_hook:
             plan.check(plan.send(h, din, plan.round))
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
             dout.stream = stream
+            plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
 
             def recv():
                 plan.check(plan.recv(h, rnd, dout))
+                plan.recvd[rnd & 1] = True
 
-            return out_x, cnt, _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts), \
-                _no_event(), recv
-        # one launch: the round's number (and so its buffer set) is the next
+            hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
+            hd.topk_idx = topk_idx
+            return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
         dout.stream = stream
@@ -669,12 +684,59 @@ class Buffer:
         if plan.round.value != rnd:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
-        return out_x, cnt, _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts), \
-            _no_event(), None
+        plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
+        hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
+        hd.topk_idx = topk_idx
+        return out_x, cnt, hd, _no_event(), None
+
+    @staticmethod
+    def _settle(plan, s, stream):
+        """Buffer set s is about to take a new round while the round there
+        was dispatched and never combined (DeepEP lets a handle be dropped):
+        that round is combined first, from scratch inputs into a scratch
+        output, because ferry's flags count every round of a set, combine
+        included. Every rank drops the same rounds, so every rank does the
+        same. One extra combine, only in this pattern."""
+        r0, plan.pending[s] = plan.pending[s], 0
+        h = plan.ep._ep()
+        out_x, _, _, _, out, dout = plan.sets[s]
+        if not plan.recvd[s]:
+            dout.stream = stream
+            plan.check(plan.recv(h, r0, dout))
+            plan.recvd[s] = True
+        y = plan.ybuf(s) if plan.fp8 else out_x  # any [E_local, N*T, H] bf16: not used
+        plan.dcin.expert_y, plan.dcin.stream = y.data_ptr(), stream
+        plan.dcout.topk_weights, plan.dcout.out = plan.wzero.data_ptr(), out.data_ptr()
+        plan.dcout.stream = stream
+        plan.check(plan.cboth(h, r0, plan.dcin, plan.dcout))
+
+    def _redispatch(self, handle, stream):
+        """A second combine of a handle (DeepEP's test combines each handle
+        twice): ferry's round ended with the first, so the handle's routing
+        is dispatched again (zeros as x: only the rows' places matter, and
+        they depend on the routing alone) and its new round is combined."""
+        plan, ep = handle.plan, handle.plan.ep
+        h = ep._ep()
+        s = (ep._last_round + 1) & 1
+        if plan.pending[s]:
+            self._settle(plan, s, stream)
+        din = plan.din
+        din.num_tokens = handle.ntok
+        din.x = plan.xzero.data_ptr()
+        din.topk_idx = handle.topk_idx.data_ptr()
+        din.stream = stream
+        dout = plan.sets[s][5]
+        dout.stream = stream
+        plan.check(plan.both(h, din, dout, plan.round))
+        rnd = ep._last_round = plan.round.value
+        plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
+        return rnd
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep._ep()
+        if handle.combined:  # a second combine of this handle
+            rnd = self._redispatch(handle, plan.raw_stream())
         if not x.is_contiguous():
             x = x.contiguous()
         w = topk_weights
@@ -695,8 +757,14 @@ class Buffer:
         cout.stream = stream
         if not return_recv_hook:  # one launch
             plan.check(plan.cboth(h, rnd, cin, cout))
+            handle.combined = True
+            if plan.pending[rnd & 1] == rnd:
+                plan.pending[rnd & 1] = 0
             return out, _no_event(), None
         plan.check(plan.csend(h, rnd, cin))
+        handle.combined = True
+        if plan.pending[rnd & 1] == rnd:
+            plan.pending[rnd & 1] = 0
 
         def recv():
             # x, w and out (maybe converted copies) stay alive until the

@@ -7,7 +7,8 @@ one GPU under MPS). Usage: test_torch_cuda.py [nranks]
      every expert's rows (bytes, scales, sources) and the combined output
      checked against a reference computed here.
      The same calls, experts included, captured in one CUDA graph and
-     replayed with new routing.
+     replayed with new routing. DeepEP's handle patterns: dispatch twice
+     and combine the second; combine a handle twice (then zero copy).
   2. The native API captured in a CUDA graph (dispatch + combine, token
      count in device memory), replayed with new inputs, checked each time.
   3. Argument checks on CUDA tensors (native and DeepEP API): wrong shapes,
@@ -122,6 +123,61 @@ def deep_ep_graph(buf, rank, N, E, K, H, T, dev):
         if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
             msgs.append(f"deep_ep graph replay {rep}: max error "
                         f"{(got - ref).abs().max().item():.3e}")
+    return msgs
+
+
+def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
+    """What DeepEP's tests/test_low_latency.py does with handles: dispatch
+    twice and combine only the second (the first handle is dropped), then
+    combine that handle twice, the second time with zero_copy=True from
+    get_next_low_latency_combine_buffer(handle); bf16 and fp8, one launch
+    and hooks; then a plain round, to see the rounds still in step."""
+    msgs = []
+    El = E // N
+    rnd = 200
+    for fp8 in (False, True):
+        for hook_mode in (False, True):
+            for _ in range(2):  # the first of the two is never combined
+                rnd += 1
+                x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+                recv, count, handle, ev, hook = buf.low_latency_dispatch(
+                    x, idx, T, E, use_fp8=fp8, return_recv_hook=hook_mode)
+                if hook_mode:
+                    hook()
+            torch.cuda.synchronize()
+            xs, ids = gather_all(N, x, idx)
+            err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]),
+                              fp8)
+            if err:
+                msgs.append(f"twice fp8={fp8} hook={hook_mode}: second dispatch: {err}")
+            rows = recv[0].float() * recv[1].repeat_interleave(128, 2) if fp8 else recv.float()
+            y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=dev)
+            for le in range(El):
+                n = int(count[le])
+                if n:
+                    y[le, :n] = expert_fn(rank * El + le, rows[le, :n])
+            ref = combine_ref(x, idx.cpu(), w.cpu(), fp8)
+            for zero_copy in (False, True):
+                if zero_copy:
+                    buf.get_next_low_latency_combine_buffer(handle)[:, :, :] = y
+                out = torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev)
+                out, ev, hook = buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy,
+                                                        return_recv_hook=hook_mode, out=out)
+                if hook_mode:
+                    hook()
+                torch.cuda.synchronize()
+                got = out.double().cpu()
+                if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
+                    msgs.append(f"twice fp8={fp8} hook={hook_mode} zero_copy={zero_copy}: "
+                                f"combine max error {(got - ref).abs().max().item():.3e}")
+    x, idx, w = make_inputs(rank, 299, T, H, E, K, dev)  # a plain round afterwards
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    buf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize()
+    xs, ids = gather_all(N, x, idx)
+    err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]), False)
+    if err:
+        msgs.append(f"the round after the twice-patterns: {err}")
     return msgs
 
 
@@ -353,6 +409,7 @@ def rank_main(rank, N, port, q):
             out, ev, hook = buf.low_latency_combine(torch.zeros(qx.shape, dtype=torch.bfloat16,
                                                                 device=dev), idx, w, handle)
         msgs += deep_ep_graph(buf, rank, N, E, K, H, T, dev)
+        msgs += deep_ep_twice(buf, rank, N, E, K, H, T, dev)
         buf.destroy()
 
         # native API captured in a CUDA graph and replayed
