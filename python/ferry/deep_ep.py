@@ -31,6 +31,7 @@ import contextlib
 import ctypes as C
 import operator
 import os
+import weakref
 
 import torch
 
@@ -119,6 +120,12 @@ def _ue8m0_pack(sc, out):
     out.copy_(e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))
 
 
+class _Tok:
+    """A handle's token: the plan keeps a weak reference to it, to tell a
+    dropped handle from one still held."""
+    __slots__ = ("__weakref__",)
+
+
 class _LLHandle(tuple):
     """A low-latency dispatch's handle, shaped as DeepEP's: (recv_src_info
     int32 [E_local, N*T]: each row's token at its source; recv_layout_range
@@ -136,6 +143,7 @@ class _LLHandle(tuple):
         h._lr = None
         h.topk_idx = None  # the routing, for a second combine (fast path)
         h.combined = False
+        h._tok = _Tok()    # alive while the handle is (a tuple cannot be weakly referenced)
         return h
 
     def _layout_range(self):
@@ -199,6 +207,7 @@ class _Plan:
         # per buffer set: a round dispatched and not combined yet (0: none),
         # and whether its receive ran (see Buffer._settle)
         self.pending, self.recvd = [0, 0], [True, True]
+        self.owner = [None, None]  # weak references to the pending rounds' handles
         self.wzero = torch.zeros((self.T, K), dtype=torch.float32, device=dev)
         self.xzero = torch.zeros((self.T, H), dtype=torch.bfloat16, device=dev)
         self.dcin = _lib.CombineIn(C.sizeof(_lib.CombineIn), None, None)
@@ -631,6 +640,9 @@ class Buffer:
         src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
         src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
         topk_idx = topk_idx.contiguous()
+        for plan in self._plans.values():  # a round the fast path left in the next set
+            if plan.ep is ep and plan.pending[(ep._last_round + 1) & 1]:
+                self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
 
         def recv():
@@ -667,14 +679,15 @@ class Buffer:
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
             dout.stream = stream
+            hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
+            hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
+            plan.owner[rnd & 1] = weakref.ref(hd._tok)
 
             def recv():
                 plan.check(plan.recv(h, rnd, dout))
                 plan.recvd[rnd & 1] = True
 
-            hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
-            hd.topk_idx = topk_idx
             return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
@@ -684,20 +697,33 @@ class Buffer:
         if plan.round.value != rnd:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
-        plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
         hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
         hd.topk_idx = topk_idx
+        plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
+        plan.owner[rnd & 1] = weakref.ref(hd._tok)
         return out_x, cnt, hd, _no_event(), None
 
     @staticmethod
     def _settle(plan, s, stream):
         """Buffer set s is about to take a new round while the round there
-        was dispatched and never combined (DeepEP lets a handle be dropped):
-        that round is combined first, from scratch inputs into a scratch
-        output, because ferry's flags count every round of a set, combine
-        included. Every rank drops the same rounds, so every rank does the
-        same. One extra combine, only in this pattern."""
-        r0, plan.pending[s] = plan.pending[s], 0
+        was dispatched and never combined. If its handle was dropped
+        (DeepEP allows that), the round is combined first, from scratch
+        inputs into a scratch output, because ferry's flags count every
+        round of a set, combine included; every rank drops the same rounds,
+        so every rank does the same. One extra combine, only in this
+        pattern (fp8 contexts allocate a bf16 [E_local, N*T, H] scratch
+        input the first time). A handle still held is an error, as before:
+        at most two rounds are in flight."""
+        r0, owner = plan.pending[s], plan.owner[s]
+        if owner is not None and owner() is not None:
+            raise FerryError(-1, f"ferry.deep_ep: round {r0} has not been combined and its "
+                                 f"handle is still held, but its buffer set is needed for the "
+                                 f"next round: combine it first (at most two rounds are in "
+                                 f"flight)")
+        if torch.cuda.is_current_stream_capturing():
+            raise FerryError(-1, f"ferry.deep_ep: round {r0} was dispatched and never "
+                                 f"combined; its buffer set is needed for the next round: "
+                                 f"combine it before capturing a CUDA graph")
         h = plan.ep._ep()
         out_x, _, _, _, out, dout = plan.sets[s]
         if not plan.recvd[s]:
@@ -709,8 +735,9 @@ class Buffer:
         plan.dcout.topk_weights, plan.dcout.out = plan.wzero.data_ptr(), out.data_ptr()
         plan.dcout.stream = stream
         plan.check(plan.cboth(h, r0, plan.dcin, plan.dcout))
+        plan.pending[s], plan.owner[s] = 0, None
 
-    def _redispatch(self, handle, stream):
+    def _redispatch(self, handle, x, stream):
         """A second combine of a handle (DeepEP's test combines each handle
         twice): ferry's round ended with the first, so the handle's routing
         is dispatched again (zeros as x: only the rows' places matter, and
@@ -718,6 +745,10 @@ class Buffer:
         plan, ep = handle.plan, handle.plan.ep
         h = ep._ep()
         s = (ep._last_round + 1) & 1
+        if not plan.fp8 and x.data_ptr() == plan.sets[s][0].data_ptr():
+            raise FerryError(-1, "ferry.deep_ep: a second combine of this handle dispatches "
+                                 "its routing again into the buffer set x lives in (a "
+                                 "dispatch's recv_x): pass a copy of it")
         if plan.pending[s]:
             self._settle(plan, s, stream)
         din = plan.din
@@ -729,14 +760,14 @@ class Buffer:
         dout.stream = stream
         plan.check(plan.both(h, din, dout, plan.round))
         rnd = ep._last_round = plan.round.value
-        plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
+        plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
         return rnd
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep._ep()
         if handle.combined:  # a second combine of this handle
-            rnd = self._redispatch(handle, plan.raw_stream())
+            rnd = self._redispatch(handle, x, plan.raw_stream())
         if not x.is_contiguous():
             x = x.contiguous()
         w = topk_weights

@@ -137,12 +137,12 @@ def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
     rnd = 200
     for fp8 in (False, True):
         for hook_mode in (False, True):
-            for _ in range(2):  # the first of the two is never combined
+            for i in range(2):  # the first of the two is never combined
                 rnd += 1
                 x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
                 recv, count, handle, ev, hook = buf.low_latency_dispatch(
                     x, idx, T, E, use_fp8=fp8, return_recv_hook=hook_mode)
-                if hook_mode:
+                if hook_mode and i == 1:  # the dropped round's receive never ran
                     hook()
             torch.cuda.synchronize()
             xs, ids = gather_all(N, x, idx)
@@ -170,14 +170,45 @@ def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
                 if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
                     msgs.append(f"twice fp8={fp8} hook={hook_mode} zero_copy={zero_copy}: "
                                 f"combine max error {(got - ref).abs().max().item():.3e}")
-    x, idx, w = make_inputs(rank, 299, T, H, E, K, dev)  # a plain round afterwards
-    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-    buf.low_latency_combine(recv, idx, w, handle)
+    # dispatch twice, combine the second once, dispatch again (the dropped
+    # round is settled by that dispatch), then a plain round: all checked
+    for rnd in (291, 292, 293, 295):
+        x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        if rnd == 291:
+            continue  # dropped
+        torch.cuda.synchronize()
+        xs, ids = gather_all(N, x, idx)
+        err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]),
+                          False)
+        if err:
+            msgs.append(f"round {rnd} after a dropped one: dispatch: {err}")
+        y = torch.zeros(recv.shape, dtype=torch.bfloat16, device=dev)
+        for le in range(El):
+            n = int(count[le])
+            if n:
+                y[le, :n] = expert_fn(rank * El + le, recv[le, :n])
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        torch.cuda.synchronize()
+        ref = combine_ref(x, idx.cpu(), w.cpu(), False)
+        got = out.double().cpu()
+        if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
+            msgs.append(f"round {rnd} after a dropped one: combine max error "
+                        f"{(got - ref).abs().max().item():.3e}")
+    # a held handle is not dropped: a third dispatch with two rounds in
+    # flight is refused, as before
+    x, idx, w = make_inputs(rank, 297, T, H, E, K, dev)
+    r1 = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    r2 = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    try:
+        buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        msgs.append("a third round with two handles held was not refused")
+    except Exception as e:  # noqa: BLE001
+        if "combine it first" not in str(e):
+            msgs.append(f"a third round with two handles held: unexpected error {e}")
+    for r in (r1, r2):
+        buf.low_latency_combine(r[0], idx, w, r[2])
     torch.cuda.synchronize()
-    xs, ids = gather_all(N, x, idx)
-    err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]), False)
-    if err:
-        msgs.append(f"the round after the twice-patterns: {err}")
     return msgs
 
 
