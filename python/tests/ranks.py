@@ -1,6 +1,6 @@
 """Shared by the tests (test_native, test_args, test_ht; the torch tests
-use run_ranks only): start N ranks as spawned processes and collect what
-each reports, and bf16 bits to and from float32 (numpy)."""
+use run_ranks through torch_main): start N ranks as spawned processes and
+collect what each reports, and bf16 bits to and from float32 (numpy)."""
 import multiprocessing as mp
 import socket
 
@@ -57,3 +57,24 @@ def run_ranks(target, N, timeout=120):
             p.kill()
     crashed = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(ps) if r not in res]
     return res, crashed
+
+
+def torch_main(rank_main, N, title, timeout=600):
+    """The torch GPU tests' verdict: run rank_main on N ranks, each
+    reporting a list of failure messages; print them, the ranks that died
+    and a last line `title: passed|FAILED`. Returns the exit status (77
+    when torch sees no GPU)."""
+    import torch
+    if not torch.cuda.is_available():
+        print("skipped: torch sees no CUDA device")
+        return 77
+    res, crashed = run_ranks(rank_main, N, timeout=timeout)
+    fails = N - len(res)  # the ranks in crashed
+    for line in crashed:
+        print(line)
+    for rank in sorted(res):
+        for m in res[rank]:
+            print(f"rank {rank}: {m}")
+        fails += bool(res[rank])
+    print(f"{title}: {'passed' if not fails else 'FAILED'}")
+    return 1 if fails else 0

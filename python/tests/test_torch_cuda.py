@@ -27,7 +27,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import gather_all, run_ranks  # noqa: E402
+from ranks import gather_all, torch_main  # noqa: E402
 from ferry.reference import fp8_block_quant as quant_ref  # noqa: E402
 
 
@@ -89,6 +89,27 @@ def combine_ref(x, idx, w, fp8):
     return out
 
 
+def expert_outputs(rank, El, recv, count, fp8, dev):
+    """The experts' outputs to combine: each local expert's valid rows
+    (dequantised when fp8) through expert_fn, zeros past them."""
+    rows = recv[0].float() * recv[1].repeat_interleave(128, 2) if fp8 else recv.float()
+    y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=dev)
+    for le in range(El):
+        n = int(count[le])
+        if n:
+            y[le, :n] = expert_fn(rank * El + le, rows[le, :n])
+    return y
+
+
+def combine_error(out, ref):
+    """None when the combined rows match the reference within bf16
+    rounding, else the largest error as text."""
+    got = out.double().cpu()
+    if torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
+        return None
+    return f"max error {(got - ref).abs().max().item():.3e}"
+
+
 def deep_ep_graph(buf, rank, N, E, K, H, T, dev):
     """DeepEP-style dispatch, the experts and combine captured in one CUDA
     graph and replayed with new tokens and routing: the calls allocate,
@@ -118,11 +139,9 @@ def deep_ep_graph(buf, rank, N, E, K, H, T, dev):
         torch.distributed.barrier()
         g.replay()
         torch.cuda.synchronize()
-        ref = combine_ref(xi, ii.cpu(), wi.cpu(), False)
-        got = out.double().cpu()
-        if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
-            msgs.append(f"deep_ep graph replay {rep}: max error "
-                        f"{(got - ref).abs().max().item():.3e}")
+        err = combine_error(out, combine_ref(xi, ii.cpu(), wi.cpu(), False))
+        if err:
+            msgs.append(f"deep_ep graph replay {rep}: {err}")
     return msgs
 
 
@@ -150,12 +169,7 @@ def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
                               fp8)
             if err:
                 msgs.append(f"twice fp8={fp8} hook={hook_mode}: second dispatch: {err}")
-            rows = recv[0].float() * recv[1].repeat_interleave(128, 2) if fp8 else recv.float()
-            y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=dev)
-            for le in range(El):
-                n = int(count[le])
-                if n:
-                    y[le, :n] = expert_fn(rank * El + le, rows[le, :n])
+            y = expert_outputs(rank, El, recv, count, fp8, dev)
             ref = combine_ref(x, idx.cpu(), w.cpu(), fp8)
             for zero_copy in (False, True):
                 if zero_copy:
@@ -166,10 +180,10 @@ def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
                 if hook_mode:
                     hook()
                 torch.cuda.synchronize()
-                got = out.double().cpu()
-                if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
+                err = combine_error(out, ref)
+                if err:
                     msgs.append(f"twice fp8={fp8} hook={hook_mode} zero_copy={zero_copy}: "
-                                f"combine max error {(got - ref).abs().max().item():.3e}")
+                                f"combine {err}")
     # dispatch twice, combine the second once, dispatch again (the dropped
     # round is settled by that dispatch), then a plain round: all checked
     for rnd in (291, 292, 293, 295):
@@ -183,18 +197,12 @@ def deep_ep_twice(buf, rank, N, E, K, H, T, dev):
                           False)
         if err:
             msgs.append(f"round {rnd} after a dropped one: dispatch: {err}")
-        y = torch.zeros(recv.shape, dtype=torch.bfloat16, device=dev)
-        for le in range(El):
-            n = int(count[le])
-            if n:
-                y[le, :n] = expert_fn(rank * El + le, recv[le, :n])
+        y = expert_outputs(rank, El, recv, count, False, dev)
         out, _, _ = buf.low_latency_combine(y, idx, w, handle)
         torch.cuda.synchronize()
-        ref = combine_ref(x, idx.cpu(), w.cpu(), False)
-        got = out.double().cpu()
-        if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
-            msgs.append(f"round {rnd} after a dropped one: combine max error "
-                        f"{(got - ref).abs().max().item():.3e}")
+        err = combine_error(out, combine_ref(x, idx.cpu(), w.cpu(), False))
+        if err:
+            msgs.append(f"round {rnd} after a dropped one: combine {err}")
     # a held handle is not dropped: a third dispatch with two rounds in
     # flight is refused, as before
     x, idx, w = make_inputs(rank, 297, T, H, E, K, dev)
@@ -396,23 +404,15 @@ def rank_main(rank, N, port, q):
                         if c and not bool((sr_h[le, b:b + c] == j).all()):
                             msgs.append(f"handle[1] expert {le} rank {j}: rows {b}..{b + c} "
                                         f"are not all from rank {j}")
-                El = E // N
-                rows = recv[0].float() * recv[1].repeat_interleave(128, 2) if fp8 else recv.float()
-                y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=dev)
-                for le in range(El):
-                    n = int(count[le])
-                    if n:
-                        y[le, :n] = expert_fn(rank * El + le, rows[le, :n])
+                y = expert_outputs(rank, E // N, recv, count, fp8, dev)
                 out, ev, hook = buf.low_latency_combine(y, idx, w, handle,
                                                         return_recv_hook=hook_mode)
                 if hook_mode:
                     hook()
                 torch.cuda.synchronize()
-                ref = combine_ref(x, idx.cpu(), w.cpu(), fp8)
-                got = out.double().cpu()
-                if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
-                    msgs.append(f"combine fp8={fp8} hook={hook_mode}: "
-                                f"max error {(got - ref).abs().max().item():.3e}")
+                err = combine_error(out, combine_ref(x, idx.cpu(), w.cpu(), fp8))
+                if err:
+                    msgs.append(f"combine fp8={fp8} hook={hook_mode}: {err}")
         # round_scale with UE8M0 scales (packed int32, column-major), both
         # forms of the call
         for hook_mode in (False, True):
@@ -489,10 +489,9 @@ def rank_main(rank, N, port, q):
             torch.distributed.barrier()
             g2.replay()
             ep.sync(s.cuda_stream)
-            ref = combine_ref(xi, ii.cpu(), wi.cpu(), False)
-            got = out[:t].double().cpu()
-            if not torch.all((got - ref).abs() <= ref.abs() / 128 + 1e-2):
-                msgs.append(f"graph replay {rep} combine: max error {(got - ref).abs().max().item():.3e}")
+            err = combine_error(out[:t], combine_ref(xi, ii.cpu(), wi.cpu(), False))
+            if err:
+                msgs.append(f"graph replay {rep} combine: {err}")
                 break
         ep.close()
         comm.close()
@@ -505,20 +504,9 @@ def rank_main(rank, N, port, q):
 
 def main():
     N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    if not torch.cuda.is_available():
-        print("skipped: torch sees no CUDA device")
-        sys.exit(77)
-    res, crashed = run_ranks(rank_main, N, timeout=600)
-    fails = N - len(res)  # the ranks in crashed
-    for line in crashed:
-        print(line)
-    for rank in sorted(res):
-        for m in res[rank]:
-            print(f"rank {rank}: {m}")
-        fails += bool(res[rank])
-    print(f"test_torch_cuda ({N} ranks): DeepEP API bf16/fp8 with and without hook, "
-          f"graph replays, argument checks: {'passed' if not fails else 'FAILED'}")
-    sys.exit(1 if fails else 0)
+    title = (f"test_torch_cuda ({N} ranks): DeepEP API bf16/fp8 with and without hook, "
+             "graph replays, argument checks")
+    sys.exit(torch_main(rank_main, N, title))
 
 
 if __name__ == "__main__":

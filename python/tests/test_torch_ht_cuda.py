@@ -28,7 +28,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import gather_all, run_ranks  # noqa: E402
+from ranks import gather_all, torch_main  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -256,20 +256,9 @@ def rank_main(rank, N, port, q):
 
 def main():
     N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    if not torch.cuda.is_available():
-        print("skipped: torch sees no CUDA device")
-        sys.exit(77)
-    res, crashed = run_ranks(rank_main, N, timeout=600)
-    fails = N - len(res)  # the ranks in crashed
-    for line in crashed:
-        print(line)
-    for rank in sorted(res):
-        for m in res[rank]:
-            print(f"rank {rank}: {m}")
-        fails += bool(res[rank])
-    print(f"test_torch_ht_cuda ({N} ranks): EP(mode='ht') on CUDA, deep_ep normal mode: "
-          f"{'passed' if not fails else 'FAILED'}")
-    sys.exit(1 if fails else 0)
+    title = (f"test_torch_ht_cuda ({N} ranks): EP(mode='ht') on CUDA, "
+             "deep_ep normal mode")
+    sys.exit(torch_main(rank_main, N, title))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
+/* Rows of a route's dispatch outputs (and combine inputs): the bound of a
+ * bounded route, else what arrives. */
+static int fr_route_rows(ferry_route_t route)
+{
+    return route->bound > 0 ? route->bound : route->num_recv;
+}
+
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
 {
     if (!ep)
@@ -93,7 +100,7 @@ int ferry_route_counts(ferry_route_t route, int *num_recv, int32_t *expert_count
                           "route_counts: expert_counts of a bounded route (max_recv %d) are "
                           "written to its expert_counts_out", route->bound);
     if (num_recv)
-        *num_recv = route->bound > 0 ? route->bound : route->num_recv;
+        *num_recv = fr_route_rows(route);
     if (expert_counts)
         memcpy(expert_counts, route->ecnt, sizeof(int32_t) * (size_t)route->ep->L.El);
     return FERRY_OK;
@@ -156,7 +163,7 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
         return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                           "x_scales: fp8 rows need hidden to be a multiple of 128 "
                           "(hidden = %d)", ep->L.H);
-    int rows = route->bound > 0 ? route->bound : route->num_recv;
+    int rows = fr_route_rows(route);
     if (rows > 0 && !out->recv_x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "recv_x: NULL pointer (%d rows arrive)",
                           rows);
@@ -184,7 +191,7 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
     cur.size = sizeof(cur);
     in = &cur;
-    int rows = route->bound > 0 ? route->bound : route->num_recv;
+    int rows = fr_route_rows(route);
     if (rows > 0 && !in->y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",
                           rows);

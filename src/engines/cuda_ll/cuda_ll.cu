@@ -254,6 +254,7 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
     memset(&h, 0, sizeof(h));
     const fr_transport_ops_t *tp = fr_transport_find("fabric");
     void *hp;
+    int order = 0; /* how NIC writes become visible (fr_cuda_gdr_order; 0: copies) */
     if (!off && tp && tp->hmem_probe) {
         tp->hmem_probe(c->device, NULL, 0, &h); /* which provider, and does it DMA */
         if (!on && h.ok && h.copies) {
@@ -265,7 +266,7 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
                      "with CUDA copies, slower than host staging (FERRY_FABRIC_HMEM=on forces "
                      "it)", h.prov);
         }
-        if (h.ok && !h.copies && fr_cuda_gdr_order(c->device) < 0) {
+        if (h.ok && !h.copies && (order = fr_cuda_gdr_order(c->device)) < 0) {
             /* a NIC writing GPU memory that the GPU neither orders for its
              * kernels nor lets the host flush: a flag could be seen first */
             h.ok = 0;
@@ -287,17 +288,16 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "FERRY_FABRIC_HMEM=on: the fabric cannot register GPU memory: %s", h.why);
     if (h.ok) {
-        c->dev_mem = 1;
+        ep->fab_device = c->device; /* first: fr_cuda_free frees by it */
         FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
         FR_CU(cudaMalloc((void **)&ep->send, L->send_bytes), err, fail);
         c->dev_seg = ep->seg;
         c->dev_send = ep->send;
         FR_CUH(fr_cuda_host_alloc(L->off_drecv, &hp, &c->dev_flags, err), fail);
         ep->flags = (uint8_t *)hp;
-        ep->fab_device = c->device;
         /* a NIC that DMAs into GPU memory: its writes flushed before their
          * flags are published, where the GPU does not order them itself */
-        ep->gdr_flush = !h.copies && fr_cuda_gdr_order(c->device) > 0;
+        ep->gdr_flush = order > 0;
         FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in GPU %d memory, "
                     "registered with FI_HMEM (%s)%s", c->device, h.why,
                     ep->gdr_flush ? "; NIC writes flushed before each flag" : "");
@@ -499,7 +499,7 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
             if (ep->path && ep->path[i] == FR_PATH_SHM && c->peer_host[i])
                 cudaIpcCloseMemHandle(c->peer_host[i]);
     free(c->peer_host);
-    if (c->dev_mem) {
+    if (ep->fab_device >= 0) {
         cudaFree(ep->seg);
         cudaFree(ep->send);
         fr_cuda_host_free(ep->flags);

@@ -71,9 +71,10 @@ struct fr_cuda_ep {
     int nsm;                 /* the GPU's SMs */
     int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
                                 holds at once (0: not asked yet) */
-    int host_seg;            /* every peer on the fabric: buffers for the proxy */
-    int dev_mem;             /* ... with seg and send in GPU memory (FI_HMEM);
-                                else pinned host memory mapped into the GPU */
+    int host_seg;            /* every peer on the fabric: buffers for the proxy
+                                (seg and send in GPU memory when
+                                ep->fab_device >= 0, else pinned host memory
+                                mapped into the GPU) */
     void *dev_seg, *dev_send, *dev_slices, *dev_flags, *dev_ready; /* GPU views */
     void *dmem;              /* one device allocation for the tables */
     uint8_t **peer_host;     /* [N] IPC-opened pointers to close */

@@ -25,11 +25,11 @@ int fab_reg(fr_transport_t *t, void *ptr, size_t len, int remote_write,
 /* fi_mr_reg for host memory; device memory through fi_mr_regattr with
  * the CUDA interface, the device ordinal and FI_HMEM_DEVICE_ONLY (FI_HMEM
  * endpoints only). */
-static int fab_mr_open(fr_transport_t *t, void *ptr, size_t len, uint64_t access,
+static int fab_mr_open(struct fid_domain *dom, void *ptr, size_t len, uint64_t access,
                        uint64_t req_key, int device, struct fid_mr **mr)
 {
     if (device < 0)
-        return fi_mr_reg(t->domain, ptr, len, access, 0, req_key, 0, mr, NULL);
+        return fi_mr_reg(dom, ptr, len, access, 0, req_key, 0, mr, NULL);
     struct iovec iov = {ptr, len};
     struct fi_mr_attr attr;
     memset(&attr, 0, sizeof(attr));
@@ -41,7 +41,7 @@ static int fab_mr_open(fr_transport_t *t, void *ptr, size_t len, uint64_t access
     attr.device.cuda = device;
     /* cudaMalloc memory: device only (shm then moves it by CUDA IPC, one
      * device copy, instead of staging it through its host bounce buffers) */
-    return fi_mr_regattr(t->domain, &attr, FI_HMEM_DEVICE_ONLY, mr);
+    return fi_mr_regattr(dom, &attr, FI_HMEM_DEVICE_ONLY, mr);
 }
 
 int fab_reg_dev(fr_transport_t *t, void *ptr, size_t len, int remote_write,
@@ -62,7 +62,7 @@ int fab_reg_dev(fr_transport_t *t, void *ptr, size_t len, int remote_write,
     /* A remotely writable region may also serve as a source. */
     uint64_t access = remote_write ? (FI_REMOTE_WRITE | FI_WRITE) : FI_WRITE;
     uint64_t req_key = (t->mr_mode & FI_MR_PROV_KEY) ? 0 : t->next_key++;
-    int frc = fab_mr_open(t, ptr, len, access, req_key, device, &m->mr);
+    int frc = fab_mr_open(t->domain, ptr, len, access, req_key, device, &m->mr);
     if (frc) {
         free(m);
         return FR_ERR(err, FERRY_ERR_FABRIC,
@@ -207,17 +207,8 @@ int fab_hmem_try(const char *prov, int device, void *ptr, size_t len, char *why,
     }
     if (frc == 0 && (step = "fi_fabric", frc = fi_fabric(pick->fabric_attr, &fab, NULL)) == 0 &&
         (step = "fi_domain", frc = fi_domain(fab, pick, &dom, NULL)) == 0) {
-        struct iovec iov = {ptr, len};
-        struct fi_mr_attr attr;
-        memset(&attr, 0, sizeof(attr));
-        attr.mr_iov = &iov;
-        attr.iov_count = 1;
-        attr.access = FI_REMOTE_WRITE | FI_WRITE;
-        attr.requested_key = 1;
-        attr.iface = FI_HMEM_CUDA;
-        attr.device.cuda = device;
-        step = "fi_mr_regattr(FI_HMEM_CUDA)";
-        frc = fi_mr_regattr(dom, &attr, FI_HMEM_DEVICE_ONLY, &mr);
+        step = "fi_mr_regattr(FI_HMEM_CUDA)"; /* as fab_reg_dev registers */
+        frc = fab_mr_open(dom, ptr, len, FI_REMOTE_WRITE | FI_WRITE, 1, device, &mr);
         ok = frc == 0;
     }
     if (!ok)
