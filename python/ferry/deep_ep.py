@@ -232,6 +232,13 @@ class _Plan:
                                         device=torch.device("cuda", self.dev))
         return self.ybufs[s]
 
+    def combined(self, handle, rnd):
+        """Round rnd of handle was combined (sent): no longer pending, and
+        a later combine of the handle dispatches its routing again."""
+        handle.combined = True
+        if self.pending[rnd & 1] == rnd:
+            self.pending[rnd & 1] = 0
+
     def raw_stream(self):
         if self.stream is not None:
             return self.stream(self.dev)
@@ -788,14 +795,10 @@ class Buffer:
         cout.stream = stream
         if not return_recv_hook:  # one launch
             plan.check(plan.cboth(h, rnd, cin, cout))
-            handle.combined = True
-            if plan.pending[rnd & 1] == rnd:
-                plan.pending[rnd & 1] = 0
+            plan.combined(handle, rnd)
             return out, _no_event(), None
         plan.check(plan.csend(h, rnd, cin))
-        handle.combined = True
-        if plan.pending[rnd & 1] == rnd:
-            plan.pending[rnd & 1] = 0
+        plan.combined(handle, rnd)
 
         def recv():
             # x, w and out (maybe converted copies) stay alive until the

@@ -15,7 +15,8 @@
  *       epoch into the same flag word a shared-memory peer would have
  *       written (release order), so receivers wait the same way on every
  *       path. Where a NIC writes GPU memory that its kernels do not see in
- *       order, the batch's writes are flushed first (ep->gdr_flush). Completions are counted per (phase, set, sender), order-free.
+ *       order, the batch's writes are flushed first (ep->gdr_flush).
+ *       Completions are counted per (phase, set, sender), order-free.
  *   TX  a local write finished: the set's send slices may be reused.
  *   ERR a failed write: recorded as the EP's asynchronous error.
  * Idle, it yields, then sleeps up to FERRY_PROXY_IDLE_US.
@@ -244,6 +245,20 @@ static void *fr_proxy_main(void *arg)
     return NULL;
 }
 
+/* The tables fr_proxy_start allocated (none of them is used after). */
+static void fr_proxy_tables_free(fr_proxy_t *p)
+{
+    free(p->gnic);
+    free(p->gpos);
+    free(p->ready_seen);
+    free(p->xfer_ns[0]);
+    free(p->xfer_ns[1]);
+    p->gnic = p->gpos = NULL;
+    p->ready_seen = NULL;
+    p->xfer_ns[0] = p->xfer_ns[1] = NULL;
+    p->stats = 0;
+}
+
 int fr_proxy_start(ferry_ep_t ep)
 {
     fr_proxy_t *p = &ep->proxy;
@@ -255,9 +270,7 @@ int fr_proxy_start(ferry_ep_t ep)
     p->gnic = calloc((size_t)nf, sizeof(int));
     p->gpos = calloc((size_t)nf, sizeof(int));
     if (!p->gnic || !p->gpos) {
-        free(p->gnic);
-        free(p->gpos);
-        p->gnic = p->gpos = NULL;
+        fr_proxy_tables_free(p);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy peer tables");
     }
     for (int k = 0; k < ep->nics.n; k++)
@@ -271,9 +284,7 @@ int fr_proxy_start(ferry_ep_t ep)
     if (ep->ready) {
         p->ready_seen = calloc(2 * FR_NSETS * (size_t)nf, sizeof(uint64_t));
         if (!p->ready_seen) {
-            free(p->gnic);
-            free(p->gpos);
-            p->gnic = p->gpos = NULL;
+            fr_proxy_tables_free(p);
             return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy doorbell table");
         }
     }
@@ -284,15 +295,7 @@ int fr_proxy_start(ferry_ep_t ep)
     }
     int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
     if (e != 0) {
-        free(p->gnic);
-        free(p->gpos);
-        free(p->ready_seen);
-        free(p->xfer_ns[0]);
-        free(p->xfer_ns[1]);
-        p->gnic = p->gpos = NULL;
-        p->ready_seen = NULL;
-        p->xfer_ns[0] = p->xfer_ns[1] = NULL;
-        p->stats = 0;
+        fr_proxy_tables_free(p);
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
                           strerror(e));
     }
@@ -309,11 +312,6 @@ int fr_proxy_stop(ferry_ep_t ep)
                       "endpoint destroy") != 0)
         return -1;
     p->running = 0;
-    free(p->gnic);
-    free(p->gpos);
-    free(p->ready_seen);
-    p->gnic = p->gpos = NULL;
-    p->ready_seen = NULL;
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
             int n = p->nxfer[ph];
@@ -333,10 +331,8 @@ int fr_proxy_stop(ferry_ep_t ep)
                         ep->rank, ph ? "combine" : "dispatch", v[n / 2] / 1e3,
                         v[(int)(0.99 * (n - 1))] / 1e3, n);
         }
-        free(p->xfer_ns[0]);
-        free(p->xfer_ns[1]);
-        p->stats = 0;
     }
+    fr_proxy_tables_free(p);
     return 0;
 }
 

@@ -302,10 +302,8 @@ static int fault_reg_dev(fr_transport_t *t, void *ptr, size_t len,
     if (!m)
         return FR_ERR(err, FERRY_ERR_NOMEM, "%s: out of memory",
                       f->ops->name);
-    int rc = device < 0
-                 ? f->ops->reg(f->in, ptr, len, remote_write, &m->in, desc, err)
-                 : f->ops->reg_dev(f->in, ptr, len, remote_write, device,
-                                   &m->in, desc, err);
+    int rc = f->ops->reg_dev(f->in, ptr, len, remote_write, device, &m->in,
+                             desc, err);
     if (rc != FERRY_OK) {
         free(m);
         return rc;

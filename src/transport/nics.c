@@ -58,10 +58,8 @@ int fr_nics_reg_dev(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
         memset(&mine, 0, sizeof(mine));
         int rc = FERRY_OK;
         if (x->ops->has_peer(x->tp[k], x->rank))
-            rc = device < 0 ? x->ops->reg(x->tp[k], p, len, remote_write,
-                                          &r->mr[k], &mine, err)
-                            : x->ops->reg_dev(x->tp[k], p, len, remote_write,
-                                              device, &r->mr[k], &mine, err);
+            rc = x->ops->reg_dev(x->tp[k], p, len, remote_write, device,
+                                 &r->mr[k], &mine, err);
         if (!remote_write) {
             if (rc != FERRY_OK)
                 return rc;

@@ -139,8 +139,8 @@ typedef struct fr_transport_ops {
      * device `device` is registered on trial (a provider may offer FI_HMEM
      * without CUDA). Local, no communication. */
     void (*hmem_probe)(int device, void *ptr, size_t len, fr_tp_hmem_t *out);
-    /* reg() for memory of CUDA device `device` (>= 0; -1: host memory, as
-     * reg) on an instance opened with FR_TP_OPEN_HMEM. */
+    /* reg() for memory of CUDA device `device` (>= 0, on an instance
+     * opened with FR_TP_OPEN_HMEM), or host memory (-1: exactly reg()). */
     int (*reg_dev)(fr_transport_t *t, void *ptr, size_t len, int remote_write,
                    int device, fr_mr_t **mr, fr_mr_desc_t *desc, fr_err_t *err);
 } fr_transport_ops_t;
