@@ -14,6 +14,7 @@
 
 #include "core/config.h"
 #include "core/log.h"
+#include "runtime/cuda_mem.h"
 
 int fr_ep_usable(ferry_ep_t ep)
 {
@@ -24,6 +25,20 @@ int fr_ep_usable(ferry_ep_t ep)
                           "the EP context failed earlier and cannot be used: "
                           "%.400s", ep->err.msg);
     return FERRY_OK;
+}
+
+/* A stream the context can run on. Where a fabric provider copies into
+ * GPU memory with cudaMemcpy on the legacy default stream (shm with
+ * FI_HMEM), a kernel waiting on a stream that waits for the legacy stream
+ * would hold back the very copies it waits for. */
+static int fr_check_stream(ferry_ep_t ep, void *stream, const char *name)
+{
+    if (ep->rx_flush != FR_RX_FLUSH_COPIES || fr_cuda_stream_nonblocking(stream) >= 1)
+        return FERRY_OK;
+    return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                      "%s: the fabric provider copies into this rank's GPU memory on the CUDA "
+                      "legacy default stream, so calls need a stream created with "
+                      "cudaStreamNonBlocking (or set FERRY_FABRIC_HMEM=off)", name);
 }
 
 /* The round calls belong to the low-latency mode. */
@@ -123,6 +138,8 @@ static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const voi
     rc = fr_check_dispatch_args(&ep->L, in, on_gpu, &aerr);
     if (rc)
         return fr_ep_fail(ep, rc, "%s", aerr.msg);
+    if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
+        return rc;
     uint64_t epoch = ep->next_epoch + 1;
     fr_round_t *r = &ep->rounds[epoch % FR_NSETS];
     if (r->state != FR_ROUND_FREE)
@@ -205,7 +222,7 @@ static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
     if (ep->L.fp8 && !out->expert_x_scales)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "expert_x_scales: NULL pointer (fp8 dispatch)");
-    return FERRY_OK;
+    return fr_check_stream(ep, out->stream, "out->stream");
 }
 
 int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
@@ -237,6 +254,8 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
         return rc;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
+        return rc;
     rc = ep->eng->combine_send(ep, r, in);
     if (rc)
         return rc;
@@ -251,7 +270,7 @@ static int fr_check_combine_out(ferry_ep_t ep, const fr_round_t *r,
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     if (r->T > 0 && !out->topk_weights)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
-    return FERRY_OK;
+    return fr_check_stream(ep, out->stream, "out->stream");
 }
 
 int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
@@ -331,6 +350,8 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
         return rc;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
+        return rc;
     if (ep->eng->combine && out->stream != in->stream)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_combine runs on one "

@@ -82,6 +82,14 @@ typedef struct fr_proxy {
 
 struct fr_engine;
 
+/* ep->rx_flush: what makes writes into GPU memory visible to kernels. */
+enum {
+    FR_RX_FLUSH_NONE = 0,  /* host memory, or a NIC whose writes the GPU orders */
+    FR_RX_FLUSH_GDR = 1,   /* a NIC's writes: cudaDeviceFlushGPUDirectRDMAWrites */
+    FR_RX_FLUSH_COPIES = 2 /* the provider's cudaMemcpy calls on the legacy
+                              default stream (shm): synchronize that stream */
+};
+
 struct ferry_ep {
     ferry_comm_t comm;
     ferry_ep_config_t cfg;
@@ -109,8 +117,9 @@ struct ferry_ep {
                             the engine keeps seg in GPU memory */
     int fab_device;      /* seg and send are memory of this CUDA device,
                             registered with FI_HMEM (-1: host memory) */
-    int gdr_flush;       /* the proxy flushes the NIC's writes into GPU
-                            memory before publishing their flags */
+    int rx_flush;        /* what the proxy does before publishing the
+                            flags of arrivals in GPU memory
+                            (FR_RX_FLUSH_*) */
     uint64_t *ready;     /* [phase 2][set 2][nfabric] per-peer doorbells
                             (the epoch whose slice is packed), when the
                             engine uses them instead of the ring */
@@ -155,6 +164,11 @@ void fr_ep_segments_close(ferry_ep_t ep);
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* A GPU wait of `call` that timed out on `rank` (the kernel's error
+ * word): what the host knows first, a dead rank (FERRY_ERR_PEER) or the
+ * proxy's error, else the timeout naming `rank`. */
+int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank);
 
 /* Wait until flag(phase, set, s) == epoch for every sender s; deadline,
  * dead peers and proxy errors turn into statuses naming the ranks. */

@@ -30,6 +30,22 @@ int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     return code;
 }
 
+int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)
+{
+    int dead = fr_boot_dead_rank(ep->comm->boot);
+    int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+    if (dead < 0 && st != FERRY_OK)
+        dead = fr_boot_blame(ep->comm->boot, st);
+    if (dead >= 0)
+        return fr_ep_fail(ep, FERRY_ERR_PEER, "%s: rank %d died (the GPU had no data from "
+                          "rank %d after %ld ms)", call, dead, rank, ep->timeout_ms);
+    if (st != FERRY_OK)
+        return fr_ep_fail(ep, st, "%s: %.300s (the GPU had no data from rank %d after %ld ms)",
+                          call, ep->async_msg, rank, ep->timeout_ms);
+    return fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "%s: no data from rank %d after %ld ms "
+                      "(FERRY_TIMEOUT_MS; checked on the GPU)", call, rank, ep->timeout_ms);
+}
+
 /* Senders below *next that have arrived are skipped; returns 1 when all
  * have, -1 on a protocol violation (message set), else 0. */
 static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,

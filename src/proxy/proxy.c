@@ -15,7 +15,10 @@
  *       epoch into the same flag word a shared-memory peer would have
  *       written (release order), so receivers wait the same way on every
  *       path. Where a NIC writes GPU memory that its kernels do not see in
- *       order, the batch's writes are flushed first (ep->gdr_flush).
+ *       order, the batch's writes are flushed first; where the provider
+ *       copies into GPU memory with cudaMemcpy (shm), which can return
+ *       before a device-to-device copy is done, those copies are waited
+ *       for first (ep->rx_flush).
  *       Completions are counted per (phase, set, sender), order-free.
  *   TX  a local write finished: the set's send slices may be reused.
  *   ERR a failed write: recorded as the EP's asynchronous error.
@@ -163,18 +166,24 @@ static int fr_proxy_scan_ready(ferry_ep_t ep)
     return work;
 }
 
-/* Arrivals of this batch: with a NIC writing GPU memory directly
- * (GPUDirect RDMA) whose writes the GPU does not order for its kernels,
- * flush them once before any of their flags is published. */
+/* Arrivals of this batch: make their bytes visible to the GPU's kernels
+ * once, before any of their flags is published. A NIC writing GPU memory
+ * directly (GPUDirect RDMA) whose writes the GPU does not order: flush
+ * them. A provider that copied them with cudaMemcpy on this process's
+ * legacy default stream (shm): wait for that stream. */
 static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
 {
-    if (!ep->gdr_flush)
+    if (ep->rx_flush == FR_RX_FLUSH_NONE)
         return;
     for (int i = 0; i < n; i++)
         if (cqe[i].kind == FR_CQE_RX) {
-            if (fr_cuda_gdr_flush(ep->fab_device) != 0)
+            int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
+            if ((gdr ? fr_cuda_gdr_flush(ep->fab_device)
+                     : fr_cuda_copies_wait(ep->fab_device)) != 0)
                 fr_proxy_async_fail(ep, FERRY_ERR_SYSTEM, -1,
-                                    "flushing GPUDirect RDMA writes failed");
+                                    gdr ? "flushing GPUDirect RDMA writes failed"
+                                        : "waiting for the provider's copies into GPU "
+                                          "memory failed");
             return;
         }
 }

@@ -86,7 +86,8 @@ int fr_cuda_gdr_order(int device)
     return (opts & (int)cudaFlushGPUDirectRDMAWritesOptionHost) != 0 ? 1 : -1;
 }
 
-int fr_cuda_gdr_flush(int device)
+/* Bind the calling thread to `device` once (the proxy thread's calls). */
+static int fr_cuda_bind(int device)
 {
     static __thread int bound = -1;
     if (bound != device) {
@@ -94,9 +95,44 @@ int fr_cuda_gdr_flush(int device)
             return -1;
         bound = device;
     }
+    return 0;
+}
+
+int fr_cuda_gdr_flush(int device)
+{
+    if (fr_cuda_bind(device) != 0)
+        return -1;
     return cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                               cudaFlushGPUDirectRDMAWritesToOwner) ==
                    cudaSuccess
                ? 0
                : -1;
+}
+
+int fr_cuda_copies_wait(int device)
+{
+    if (fr_cuda_bind(device) != 0)
+        return -1;
+    return cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess ? 0 : -1;
+}
+
+int fr_cuda_stream_nonblocking(void *stream)
+{
+    unsigned int flags = 0;
+    if (!stream || stream == (void *)cudaStreamLegacy)
+        return 0;
+    if (stream == (void *)cudaStreamPerThread)
+        return 1;
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    if (cs != cudaStreamCaptureStatusNone)
+        return 2; /* captured: the graph runs on the stream it is launched on */
+    if (cudaStreamGetFlags((cudaStream_t)stream, &flags) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return (flags & cudaStreamNonBlocking) != 0;
 }

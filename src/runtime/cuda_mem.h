@@ -34,6 +34,16 @@ int fr_cuda_gdr_order(int device);
 /* Flush the NIC writes into memory of `device` so far (the calling thread
  * is bound to the device at its first call). 0 on success. */
 int fr_cuda_gdr_flush(int device);
+/* Wait for the copies a provider issued on the CUDA legacy default stream
+ * of this process (shm's cudaMemcpy into GPU memory returns before a
+ * device-to-device copy is done). 0 on success. */
+int fr_cuda_copies_wait(int device);
+/* 1: `stream` does not wait for the legacy default stream (created with
+ * cudaStreamNonBlocking, or the per-thread stream); 0: it does (the
+ * legacy stream, or a blocking stream); 2: it is capturing a graph (which
+ * runs on whatever stream launches it: not known here); -1: not a
+ * stream. */
+int fr_cuda_stream_nonblocking(void *stream);
 
 #ifdef __cplusplus
 }

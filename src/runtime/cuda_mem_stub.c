@@ -30,4 +30,14 @@ int fr_cuda_gdr_flush(int device)
     (void)device;
     return -1;
 }
+int fr_cuda_copies_wait(int device)
+{
+    (void)device;
+    return -1;
+}
+int fr_cuda_stream_nonblocking(void *stream)
+{
+    (void)stream;
+    return -1;
+}
 #endif

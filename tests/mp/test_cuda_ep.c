@@ -109,6 +109,14 @@ static ferry_ep_t spec_ep(ferry_comm_t comm, const fw_spec_t *s,
     return rc == FERRY_OK ? ep : NULL;
 }
 
+/* A cudaMemcpy from pageable host memory can return before its DMA is
+ * done, and the context's kernels run on non-blocking streams, which do
+ * not wait for it: wait for the legacy stream before they read. */
+static cudaError_t h2d_done(void)
+{
+    return cudaStreamSynchronize(cudaStreamLegacy);
+}
+
 static int run_graph(ferry_comm_t comm, int one_call)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
@@ -134,6 +142,19 @@ static int run_graph(ferry_comm_t comm, int one_call)
     ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey, .stream = st};
     ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = b.w, .out = b.out,
                                 .stream = st};
+    if (getenv("FERRY_TEST_STREAM_REFUSED")) {
+        /* a provider copying on the legacy stream (shm with GPU memory):
+         * the legacy stream is refused, naming the argument, and the
+         * context stays usable (the replays below) */
+        ferry_dispatch_in_t bad = din;
+        bad.stream = NULL;
+        uint64_t r0 = 0;
+        rc = ferry_dispatch_send(ep, &bad, &r0);
+        printf("rank %d: legacy stream: %s: %s\n", me, ferry_strerror(rc), ferry_ep_last_error(ep));
+        CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "in->stream"),
+              "legacy stream with a copying provider: status %d, want FERRY_ERR_INVALID "
+              "naming in->stream", rc);
+    }
     /* capture */
     cudaGraph_t g1, g2;
     cudaGraphExec_t x1, x2;
@@ -173,6 +194,7 @@ static int run_graph(ferry_comm_t comm, int one_call)
         CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(b.ntok, &nt, 4, cudaMemcpyHostToDevice));
+        CU(h2d_done());
         CU(cudaGraphLaunch(x1, st));
         rc = ferry_ep_sync(ep, st);
         CHECK(rc == FERRY_OK, "replay %d dispatch: %s", it, ferry_ep_last_error(ep));
@@ -187,6 +209,7 @@ static int run_graph(ferry_comm_t comm, int one_call)
                                    b.hst, cap, 3);
         fw_run_experts(&s, me, b.hex, b.hexs, b.hcnt, cap, b.hey);
         CU(cudaMemcpy(b.ey, b.hey, lay.expert_y_bytes, cudaMemcpyHostToDevice));
+        CU(h2d_done());
         ferry_comm_barrier(comm); /* peers' inputs are in place */
         CU(cudaGraphLaunch(x2, st));
         rc = ferry_ep_sync(ep, st);
@@ -254,6 +277,7 @@ static int run_twin(ferry_comm_t comm, int fp8)
         CU(cudaMemcpy(b.x, in.x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
+        CU(h2d_done());
         ferry_dispatch_in_t gdin = {.size = sizeof(gdin), .num_tokens = in.T, .x = b.x,
                                     .topk_idx = b.idx};
         ferry_dispatch_out_t gdout = {.size = sizeof(gdout), .expert_x = b.ex,
@@ -278,6 +302,7 @@ static int run_twin(ferry_comm_t comm, int fp8)
                 bad_disp++;
         }
         CU(cudaMemcpy(b.ey, b.hey, lay.expert_y_bytes, cudaMemcpyHostToDevice));
+        CU(h2d_done());
         ferry_combine_in_t gcin = {.size = sizeof(gcin), .expert_y = b.ey};
         ferry_combine_out_t gco = {.size = sizeof(gco), .topk_weights = b.w, .out = b.out};
         CHECK_RC(ferry_combine(gpu, r, &gcin, &gco), FERRY_OK);
@@ -337,15 +362,20 @@ static int run_timeout(ferry_comm_t comm, int kill)
     fw_generate(&s, 1, me, &in);
     CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
-    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x, .topk_idx = b.idx};
-    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex, .expert_num_tokens = b.cnt};
+    CU(h2d_done());
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
+                               .topk_idx = b.idx, .stream = st};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                 .expert_num_tokens = b.cnt, .stream = st};
     uint64_t round;
     double t0 = now_ms();
     rc = ferry_dispatch_send(ep, &din, &round);
     CHECK(rc == FERRY_OK, "send: %s", ferry_ep_last_error(ep));
     rc = ferry_dispatch_recv(ep, round, &dout);
     if (rc == FERRY_OK)
-        rc = ferry_ep_sync(ep, NULL);
+        rc = ferry_ep_sync(ep, st);
     double dt = now_ms() - t0;
     printf("rank 0: %s after %.0f ms: %s\n", ferry_strerror(rc), dt, ferry_ep_last_error(ep));
     if (kill)
@@ -383,6 +413,7 @@ static int run_badidx(ferry_comm_t comm)
     CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
     CU(cudaMemcpy(b.w, in.w, (size_t)s.T * s.K * 4, cudaMemcpyHostToDevice));
+    CU(h2d_done());
     ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = s.T, .x = b.x, .topk_idx = b.idx};
     uint64_t round;
     /* the one-launch calls' own checks, then a good round on the same context */
@@ -411,6 +442,7 @@ static int run_badidx(ferry_comm_t comm)
     cudaStreamDestroy(st);
     in.idx[5] = 8; /* out of range */
     CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    CU(h2d_done());
     rc = ferry_dispatch_send(ep, &din, &round);
     if (rc == FERRY_OK)
         rc = ferry_ep_sync(ep, NULL);

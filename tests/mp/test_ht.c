@@ -418,7 +418,10 @@ static void *dcopy(const void *h, size_t n)
         return NULL;
     void *d = NULL;
     if (cudaMalloc(&d, n + GUARD) != cudaSuccess ||
-        cudaMemcpy(d, h, n + GUARD, cudaMemcpyHostToDevice) != cudaSuccess) {
+        cudaMemcpy(d, h, n + GUARD, cudaMemcpyHostToDevice) != cudaSuccess ||
+        /* a pageable copy's DMA can outlive cudaMemcpy; the kernels run
+         * on a non-blocking stream that does not wait for it */
+        cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) {
         fprintf(stderr, "cudaMalloc/cudaMemcpy of %zu bytes: %s\n", n + GUARD,
                 cudaGetErrorString(cudaGetLastError()));
         exit(1);

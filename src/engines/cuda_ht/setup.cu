@@ -327,9 +327,7 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
                           detail);
     default:
         if (st == FERRY_ERR_TIMEOUT)
-            return fr_ep_fail(ep, st, "%s: no progress from rank %d after %ld ms "
-                              "(FERRY_TIMEOUT_MS; checked on the GPU)", call, rank,
-                              ep->timeout_ms);
+            return fr_ep_fail_gpu_wait(ep, call, rank);
         if (what == FR_CUHT_WHAT_ROUTE)
             return fr_ep_fail(ep, st, "route_create: rank %d is at route %d (every rank "
                               "creates the same routes in the same order)", rank, detail);

@@ -295,12 +295,19 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
         c->dev_send = ep->send;
         FR_CUH(fr_cuda_host_alloc(L->off_drecv, &hp, &c->dev_flags, err), fail);
         ep->flags = (uint8_t *)hp;
-        /* a NIC that DMAs into GPU memory: its writes flushed before their
-         * flags are published, where the GPU does not order them itself */
-        ep->gdr_flush = order > 0;
+        /* before flags are published: a NIC's writes into GPU memory
+         * flushed where the GPU does not order them itself; a copying
+         * provider's cudaMemcpy calls waited for */
+        ep->rx_flush = h.copies ? FR_RX_FLUSH_COPIES
+                       : order > 0 ? FR_RX_FLUSH_GDR
+                                   : FR_RX_FLUSH_NONE;
         FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in GPU %d memory, "
                     "registered with FI_HMEM (%s)%s", c->device, h.why,
-                    ep->gdr_flush ? "; NIC writes flushed before each flag" : "");
+                    ep->rx_flush == FR_RX_FLUSH_GDR ? "; NIC writes flushed before each flag"
+                    : ep->rx_flush == FR_RX_FLUSH_COPIES
+                        ? "; the provider's copies waited for before each flag (calls need "
+                          "streams created with cudaStreamNonBlocking)"
+                        : "");
         return FERRY_OK;
     }
     FR_CUH(fr_cuda_host_alloc(L->seg_bytes, &hp, &c->dev_seg, err), fail);
@@ -344,6 +351,28 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
         FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
         FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
         FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
+    }
+fail:
+    return rc;
+}
+
+/* Every kernel of the engine loaded now, and the one-launch grids sized.
+ * Under CUDA's lazy loading (the default) a kernel is loaded at its first
+ * use, and loading may wait for the kernels running in the context: a
+ * first combine queued while a dispatch waits for data the proxy must
+ * deliver with CUDA calls (GPU memory on the fabric path) would wait for
+ * each other. */
+static int fr_cuda_load_kernels(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int rc = fr_cuda_dispatch_load(ep, c, err);
+    if (rc != FERRY_OK)
+        return rc;
+    decltype(&fr_cu_combine) ks[] = {fr_cu_combine};
+    c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
+    const void *fs[] = {(const void *)fr_cu_combine_send, (const void *)fr_cu_combine_recv};
+    for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++) {
+        struct cudaFuncAttributes fa;
+        FR_CU(cudaFuncGetAttributes(&fa, fs[i]), err, fail);
     }
 fail:
     return rc;
@@ -480,6 +509,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         c->nblocks = nsm;
         FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
               fail);
+        FR_CUH(fr_cuda_load_kernels(ep, c, err), fail);
     }
     free(all);
     return FERRY_OK;
@@ -549,9 +579,8 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
                           rank, detail);
     default:
         if (st == FERRY_ERR_TIMEOUT)
-            return fr_ep_fail(ep, st, "%s: no data from rank %d after %ld ms (FERRY_TIMEOUT_MS)",
-                              what == FR_CU_WHAT_COMBINE ? "combine" : "dispatch", rank,
-                              ep->timeout_ms);
+            return fr_ep_fail_gpu_wait(ep, what == FR_CU_WHAT_COMBINE ? "combine" : "dispatch",
+                                       rank);
         return fr_ep_fail(ep, st, "GPU reported %s for rank %d (%d)", ferry_strerror(st),
                           rank, detail);
     }
@@ -607,10 +636,6 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
-    if (c->cgrid == 0) {
-        decltype(&fr_cu_combine) ks[] = {fr_cu_combine};
-        c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
-    }
     if (c->cgrid < 0) {
         int rc = fr_cuda_combine_send(ep, r, in);
         return rc ? rc : fr_cuda_combine_recv(ep, r, out);

@@ -112,6 +112,8 @@ static int fr_cu_grid(const struct fr_cuda_ep *c, K (&ks)[NK], int threads, size
 
 /* The dispatch kernels' shared memory above 48 KB, or an error (dispatch.cu). */
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
+/* The dispatch kernels loaded and c->dgrid set, at set-up (dispatch.cu). */
+extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
 
 /* ---------------------------------------------------------------------- */
 /* device helpers (flags, timer and the error word: runtime/cuda_sync.cuh) */

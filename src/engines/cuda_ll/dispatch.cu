@@ -914,10 +914,6 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     bool direct = !c->host_seg;
     size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
     size_t smem = ssend > srecv ? ssend : srecv;
-    if (c->dgrid == 0) {
-        decltype(&fr_cu_dispatch<true>) ks[] = {fr_cu_dispatch<true>, fr_cu_dispatch<false>};
-        c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, smem, "dispatch");
-    }
     if (c->dgrid < 0) {
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
@@ -933,6 +929,26 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
             c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
             in->num_tokens_dev, o, direct);
     return fr_cuda_launch_check(ep, "dispatch");
+}
+
+/* The dispatch kernels loaded and the one-launch grid sized, at set-up
+ * (fr_cuda_load_kernels says why). */
+extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
+    size_t smem = ssend > srecv ? ssend : srecv;
+    decltype(&fr_cu_dispatch<true>) ks[] = {fr_cu_dispatch<true>, fr_cu_dispatch<false>};
+    c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, smem, "dispatch");
+    const void *fs[] = {(const void *)fr_cu_dispatch_send<true>,
+                        (const void *)fr_cu_dispatch_send<false>, (const void *)fr_cu_dispatch_recv};
+    for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++) {
+        struct cudaFuncAttributes fa;
+        cudaError_t e = cudaFuncGetAttributes(&fa, fs[i]);
+        if (e != cudaSuccess)
+            return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the dispatch kernels: %s",
+                          cudaGetErrorString(e));
+    }
+    return FERRY_OK;
 }
 
 /* Shared memory of the dispatch kernels above the 48 KB a launch gets by
