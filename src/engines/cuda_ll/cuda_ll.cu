@@ -258,13 +258,14 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
     if (!off && tp && tp->hmem_probe) {
         tp->hmem_probe(c->device, NULL, 0, &h); /* which provider, and does it DMA */
         if (!on && h.ok && h.copies) {
-            /* shm and tcp move GPU memory with CUDA copies in the proxy
-             * thread: measured far slower than host staging (and able to
-             * stall a queue of back-to-back rounds), so auto stages */
+            /* shm and tcp move GPU memory with cudaMemcpy in the proxy
+             * thread, on the legacy default stream: every call would need
+             * a non-blocking stream (docs/architecture.md), so auto stages */
             h.ok = 0;
             snprintf(h.why, sizeof(h.why), "provider %s offers FI_HMEM but moves GPU memory "
-                     "with CUDA copies, slower than host staging (FERRY_FABRIC_HMEM=on forces "
-                     "it)", h.prov);
+                     "with CUDA copies on the legacy default stream (FERRY_FABRIC_HMEM=on "
+                     "takes it: calls then need streams created with cudaStreamNonBlocking)",
+                     h.prov);
         }
         if (h.ok && !h.copies && (order = fr_cuda_gdr_order(c->device)) < 0) {
             /* a NIC writing GPU memory that the GPU neither orders for its
