@@ -221,6 +221,13 @@ typedef struct ferry_dispatch_out {
     int32_t *expert_src_rank;
     int32_t *expert_src_token;
     void *stream;              /* CUDA: cudaStream_t */
+    /* Optional (may be NULL; a struct of the size before this field, as
+     * older callers pass, is accepted without it): int64 [num_ranks], where the engine adds,
+     * per source rank, how long this receive waited for that source's data
+     * (the same memory as expert_x: device memory on CUDA ranks). CUDA:
+     * SM clock cycles (clock64, as DeepEP's wait-cost stats); CPU:
+     * nanoseconds. Adds, never clears: the caller zeroes it. */
+    int64_t *wait_cost;
 } ferry_dispatch_out_t;
 
 typedef struct ferry_combine_in {
@@ -234,6 +241,7 @@ typedef struct ferry_combine_out {
     const float *topk_weights; /* [T][K] as passed at dispatch's T */
     void *out;                 /* [T][H] bf16: sum_k w[t][k] * y_k[t] */
     void *stream;              /* CUDA: cudaStream_t */
+    int64_t *wait_cost;        /* optional, as ferry_dispatch_out_t's */
 } ferry_combine_out_t;
 
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,

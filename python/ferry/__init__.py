@@ -474,18 +474,21 @@ class EP:
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
     def dispatch_recv(self, round, expert_x, expert_num_tokens, expert_x_scales=None,
-                      expert_src_rank=None, expert_src_token=None, stream=None):
+                      expert_src_rank=None, expert_src_token=None, stream=None,
+                      wait_cost=None):
         """expert_x [E_local, capacity, H] (bf16, or fp8 with expert_x_scales
         [E_local, capacity, H/128] float32), expert_num_tokens [E_local]
         int32, optional expert_src_rank/expert_src_token [E_local, capacity]
-        int32: see alloc()."""
+        int32: see alloc(). Optional wait_cost [num_ranks] int64: adds, per
+        source rank, how long this receive waited for it (CUDA: SM clock
+        cycles; CPU: nanoseconds)."""
         h = self._ep()
         dout = self._dout(expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
-                          expert_src_token, stream)
+                          expert_src_token, stream, wait_cost)
         self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
 
     def _dout(self, expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
-              expert_src_token, stream):
+              expert_src_token, stream, wait_cost=None):
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
         fp8 = self.dtype == "fp8"
         if not fp8 and expert_x_scales is not None:
@@ -502,7 +505,9 @@ class EP:
                       output=True),
             self._arr(expert_src_token, "expert_src_token", _I32, (El, cap),
                       required=False, output=True),
-            _stream_of(expert_x, stream))
+            _stream_of(expert_x, stream),
+            self._arr(wait_cost, "wait_cost", _I64, (self.num_ranks,), required=False,
+                      output=True))
         return dout
 
     def _cin(self, expert_y, stream):
@@ -519,51 +524,54 @@ class EP:
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
 
-    def combine_recv(self, round, topk_weights, out, stream=None):
+    def combine_recv(self, round, topk_weights, out, stream=None, wait_cost=None):
         """out [T, H] bf16 = sum_k topk_weights[t, k] * y_k[t] (fp32 sum);
-        topk_weights [T, K] float32; T as at dispatch_send."""
+        topk_weights [T, K] float32; T as at dispatch_send; wait_cost as
+        dispatch_recv's."""
         h = self._ep()
-        cout = self._cout(round, topk_weights, out, stream)
+        cout = self._cout(round, topk_weights, out, stream, wait_cost)
         self._check(_lib_handle().ferry_combine_recv(h, round, C.byref(cout)))
         self._keep.pop(round, None)
         self._rounds.pop(round, None)
 
-    def _cout(self, round, topk_weights, out, stream):
+    def _cout(self, round, topk_weights, out, stream, wait_cost=None):
         T = self._rounds.get(round)
         if T is None:  # not a round of this context in flight: ferry says why
-            cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None)
+            cout = _lib.CombineOut(C.sizeof(_lib.CombineOut), None, None, None, None)
         else:
             cout = _lib.CombineOut(
                 C.sizeof(_lib.CombineOut),
                 self._arr(topk_weights, "topk_weights", _F32, (T, self.topk), required=T > 0),
                 self._arr(out, "out", _BF16, (T, self.hidden), required=T > 0, output=True),
-                _stream_of(out, stream))
+                _stream_of(out, stream),
+                self._arr(wait_cost, "wait_cost", _I64, (self.num_ranks,), required=False,
+                          output=True))
         return cout
 
     def dispatch(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None, **out):
         """dispatch_send and dispatch_recv in one call (one kernel launch on
         CUDA ranks); out: dispatch_recv's arguments. Returns the round."""
         bad = set(out) - {"expert_x", "expert_num_tokens", "expert_x_scales",
-                          "expert_src_rank", "expert_src_token"}
+                          "expert_src_rank", "expert_src_token", "wait_cost"}
         if bad:
             raise TypeError("dispatch: unexpected argument(s): " + ", ".join(sorted(bad)))
         h = self._ep()
         din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
         dout = self._dout(out.get("expert_x"), out.get("expert_num_tokens"),
                           out.get("expert_x_scales"), out.get("expert_src_rank"),
-                          out.get("expert_src_token"), stream)
+                          out.get("expert_src_token"), stream, out.get("wait_cost"))
         # one stream for both halves (an empty round's x may be None)
         din.stream = dout.stream = din.stream or dout.stream
         r = C.c_uint64()
         self._check(_lib_handle().ferry_dispatch(h, C.byref(din), C.byref(dout), C.byref(r)))
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
-    def combine(self, round, expert_y, topk_weights, out, stream=None):
+    def combine(self, round, expert_y, topk_weights, out, stream=None, wait_cost=None):
         """combine_send and combine_recv in one call (one kernel launch on
         CUDA ranks)."""
         h = self._ep()
         cin = self._cin(expert_y, stream)
-        cout = self._cout(round, topk_weights, out, stream)
+        cout = self._cout(round, topk_weights, out, stream, wait_cost)
         cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
         self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))
         self._keep.pop(round, None)

@@ -43,7 +43,8 @@ class DispatchIn(C.Structure):
 class DispatchOut(C.Structure):
     _fields_ = [("size", C.c_size_t), ("expert_x", C.c_void_p), ("expert_x_scales", C.c_void_p),
                 ("expert_num_tokens", C.c_void_p), ("expert_src_rank", C.c_void_p),
-                ("expert_src_token", C.c_void_p), ("stream", C.c_void_p)]
+                ("expert_src_token", C.c_void_p), ("stream", C.c_void_p),
+                ("wait_cost", C.c_void_p)]
 
 
 class CombineIn(C.Structure):
@@ -52,7 +53,7 @@ class CombineIn(C.Structure):
 
 class CombineOut(C.Structure):
     _fields_ = [("size", C.c_size_t), ("topk_weights", C.c_void_p), ("out", C.c_void_p),
-                ("stream", C.c_void_p)]
+                ("stream", C.c_void_p), ("wait_cost", C.c_void_p)]
 
 
 class RouteIn(C.Structure):

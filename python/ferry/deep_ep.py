@@ -317,6 +317,7 @@ class Buffer:
         self.comm = Comm(group)
         self._eps = {}
         self._plans = {}
+        self._wc = None  # the current call's wait-cost stats tensor (or None)
         self._sms = _default_sms(group) if torch.cuda.is_available() else 16
 
     @classmethod
@@ -558,9 +559,8 @@ class Buffer:
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         self._low_latency('low_latency_dispatch')
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): "
-                                      "dispatch_wait_recv_cost_stats")
+        self._wc = self._wait_cost(dispatch_wait_recv_cost_stats,
+                                   "dispatch_wait_recv_cost_stats", x)
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 "
                              "holds power-of-two scales only)")
@@ -604,6 +604,21 @@ class Buffer:
                 if use_ue8m0:
                     _ue8m0_pack(sc, packed)
         return out_x, cnt, handle, ev, recv_and_finish
+
+    def _wait_cost(self, t, name, x):
+        """DeepEP's wait-cost stats: int64 [num_ranks], contiguous, on x's
+        device; ferry's receive adds per source rank the SM clock cycles it
+        waited for that rank (one block's wait, as DeepEP counts one warp's
+        per expert). None passes."""
+        if t is None:
+            return None
+        _tensor(t, name, torch.int64, (self.group_size,))
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got a strided view")
+        if isinstance(x, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got one "
+                             f"on {t.device}")
+        return t
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               use_fp8, return_recv_hook, round_scale=False):
@@ -652,8 +667,10 @@ class Buffer:
                 self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
 
+        wc = self._wc
+
         def recv():
-            ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token)
+            ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token, wait_cost=wc)
 
         hook = _recv_or_hook(recv, return_recv_hook)
         handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
@@ -681,11 +698,12 @@ class Buffer:
         s = (ep._last_round + 1) & 1
         if plan.pending[s]:
             self._settle(plan, s, stream)
+        wc = self._wc.data_ptr() if self._wc is not None else None
         if return_recv_hook:
             plan.check(plan.send(h, din, plan.round))
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-            dout.stream = stream
+            dout.stream, dout.wait_cost = stream, wc
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
             hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
@@ -698,7 +716,7 @@ class Buffer:
             return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-        dout.stream = stream
+        dout.stream, dout.wait_cost = stream, wc
         plan.check(plan.both(h, din, dout, plan.round))
         ep._last_round = plan.round.value
         if plan.round.value != rnd:
@@ -734,7 +752,7 @@ class Buffer:
         h = plan.ep._ep()
         out_x, _, _, _, out, dout = plan.sets[s]
         if not plan.recvd[s]:
-            dout.stream = stream
+            dout.stream = stream  # its wait_cost: the dispatch's, as if its hook ran
             plan.check(plan.recv(h, r0, dout))
             plan.recvd[s] = True
         y = plan.ybuf(s) if plan.fp8 else out_x  # any [E_local, N*T, H] bf16: not used
@@ -764,7 +782,7 @@ class Buffer:
         din.topk_idx = handle.topk_idx.data_ptr()
         din.stream = stream
         dout = plan.sets[s][5]
-        dout.stream = stream
+        dout.stream, dout.wait_cost = stream, None  # not the caller's round: no stats
         plan.check(plan.both(h, din, dout, plan.round))
         rnd = ep._last_round = plan.round.value
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
@@ -793,6 +811,7 @@ class Buffer:
         cout.topk_weights = w.data_ptr()
         cout.out = out.data_ptr()
         cout.stream = stream
+        cout.wait_cost = self._wc.data_ptr() if self._wc is not None else None
         if not return_recv_hook:  # one launch
             plan.check(plan.cboth(h, rnd, cin, cout))
             plan.combined(handle, rnd)
@@ -813,11 +832,11 @@ class Buffer:
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
         self._low_latency('low_latency_combine')
-        bad = ["use_logfmt"] if use_logfmt else []
-        if combine_wait_recv_cost_stats is not None:
-            bad.append("combine_wait_recv_cost_stats")
-        if bad:
-            raise NotImplementedError("ferry.deep_ep: unsupported argument(s): " + ", ".join(bad))
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt: ferry.deep_ep does not support DeepEP's "
+                                      "LogFMT combine (ferry's combine sends bf16)")
+        self._wc = self._wait_cost(combine_wait_recv_cost_stats,
+                                   "combine_wait_recv_cost_stats", x)
         if zero_copy:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
             # that buffer is the input, x is not read
@@ -865,9 +884,10 @@ class Buffer:
         if w.dtype != torch.float32:
             w = w.float()
         ep.combine_send(rnd, x.contiguous())
+        wc = self._wc
 
         def recv():
-            ep.combine_recv(rnd, w, out)
+            ep.combine_recv(rnd, w, out, wait_cost=wc)
 
         hook = _recv_or_hook(recv, return_recv_hook)
         return out, EventOverlap(), hook

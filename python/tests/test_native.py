@@ -75,14 +75,15 @@ def rank_main(rank, N, port, q):
         except ValueError as e:  # checked by the binding, before libferry
             assert str(e).startswith("x:") and "max_tokens" in str(e), str(e)
         El = ep.num_local_experts
+        dwait, cwait = np.zeros(N, np.int64), np.zeros(N, np.int64)  # wait costs, ns
         for rnd in range(1, 31):
             x, idx, w = inputs(rank, rnd, N)
             one_call = rnd % 3 == 0  # ep.dispatch / ep.combine every third round
             if one_call:
-                r = ep.dispatch(x, idx, **bufs)
+                r = ep.dispatch(x, idx, wait_cost=dwait, **bufs)
             else:
                 r = ep.dispatch_send(x, idx)
-                ep.dispatch_recv(r, **bufs)
+                ep.dispatch_recv(r, wait_cost=dwait, **bufs)
             # expected rows: sources from this rank on, wrapping (rank,
             # rank + 1, ..., N - 1, 0, ..., rank - 1), then token
             exp = {le: [] for le in range(El)}
@@ -103,10 +104,10 @@ def rank_main(rank, N, port, q):
                 y[le, :n] = expert_fn(rank * El + le, bufs["expert_x"][le, :n])
             out = np.zeros((len(x), H), np.uint16)
             if one_call:
-                ep.combine(r, y, w, out)
+                ep.combine(r, y, w, out, wait_cost=cwait)
             else:
                 ep.combine_send(r, y)
-                ep.combine_recv(r, w, out)
+                ep.combine_recv(r, w, out, wait_cost=cwait)
             ref = np.zeros((len(x), H), np.float64)
             for t in range(len(x)):
                 for k in range(K):
@@ -115,6 +116,9 @@ def rank_main(rank, N, port, q):
                         ref[t] += w[t, k] * f32(expert_fn(e, x[t:t + 1]))[0]
             err = np.abs(f32(out) - ref)
             assert np.all(err <= np.abs(ref) / 256 + 1e-4), (rnd, float(err.max()))
+        # 30 rounds of waits added per source rank, in ns
+        assert (dwait >= 0).all() and (cwait >= 0).all() and dwait.sum() > 0 and \
+            cwait.sum() > 0, (dwait, cwait)
         ep.close()
         # fp8 with scales rounded up to powers of two (DeepEP's round_scale)
         ep = ferry.EP(comm, num_experts=E, topk=K, hidden=H, max_tokens=T, dtype="fp8",

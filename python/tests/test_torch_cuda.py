@@ -331,6 +331,41 @@ def check_args(ferry, deep_ep, N, dev):
     if not torch.equal(stats, total) or int(total.sum()) == 5 * El:
         msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()}, want 5 + the "
                     f"(nonzero) counts {total.tolist()}")
+    # wait-cost stats (DeepEP's int64 [num_ranks]): checked, then cycles
+    # added per source rank, through one launch and through the hooks;
+    # dispatch skips waiting for itself (own rows written in place), the
+    # combine waits for every rank, itself included
+    expect(msgs, TypeError, "dispatch_wait_recv_cost_stats", buf.low_latency_dispatch,
+           x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(N, device=dev))
+    expect(msgs, ValueError, "dispatch_wait_recv_cost_stats", buf.low_latency_dispatch,
+           x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(N + 1, dtype=torch.int64,
+                                                                   device=dev))
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    expect(msgs, ValueError, "combine_wait_recv_cost_stats", buf.low_latency_combine, y, idx, w,
+           handle, combine_wait_recv_cost_stats=torch.zeros((N, N), dtype=torch.int64,
+                                                            device=dev))
+    expect(msgs, NotImplementedError, "use_logfmt", buf.low_latency_combine, y, idx, w, handle,
+           use_logfmt=True)
+    buf.low_latency_combine(y, idx, w, handle)
+    for hooked in (False, True):
+        dws = torch.zeros(N, dtype=torch.int64, device=dev)
+        cws = torch.zeros(N, dtype=torch.int64, device=dev)
+        _, _, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, T, E, use_fp8=False, dispatch_wait_recv_cost_stats=dws,
+            return_recv_hook=hooked)
+        if hook is not None:
+            hook()
+        _, _, hook = buf.low_latency_combine(y, idx, w, handle,
+                                             combine_wait_recv_cost_stats=cws,
+                                             return_recv_hook=hooked)
+        if hook is not None:
+            hook()
+        torch.cuda.synchronize()
+        d, c = dws.tolist(), cws.tolist()
+        if any(v <= 0 for r, v in enumerate(d) if r != me) or d[me] != 0 or \
+                any(v <= 0 for v in c):
+            msgs.append(f"wait-cost stats (hook {hooked}): dispatch {d} (want > 0 for the "
+                        f"other ranks, 0 for rank {me}), combine {c} (want all > 0)")
     # zero copy: the experts write into get_next_low_latency_combine_buffer;
     # the same rounds with and without it combine to the same bytes
     yv = torch.randn(y.shape, device=dev).to(torch.bfloat16)

@@ -5,6 +5,7 @@
 #include "api/api.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -212,6 +213,19 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
     return fr_check_args_size(ep, args, need, args_name, type);
 }
 
+/* The output structs as the engines see them: the caller's copied into the
+ * current layout, fields it is too old to have zeroed (wait_cost came
+ * later; a struct without it is accepted). */
+#define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
+#define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
+static void fr_args_current(void *cur, size_t cur_size, const void *args)
+{
+    size_t have = *(const size_t *)args;
+    memset(cur, 0, cur_size);
+    memcpy(cur, args, have < cur_size ? have : cur_size);
+    *(size_t *)cur = cur_size;
+}
+
 static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
 {
     if (!out->expert_x)
@@ -231,11 +245,14 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     if (!ep)
         return FERRY_ERR_INVALID;
     fr_round_t *r = NULL;
-    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, sizeof(*out), "out",
+    int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, FR_DOUT_MIN, "out",
                            "ferry_dispatch_out_t", &r);
-    if (rc || (rc = fr_check_dispatch_out(ep, out)))
+    ferry_dispatch_out_t cur;
+    if (rc == FERRY_OK)
+        fr_args_current(&cur, sizeof(cur), out);
+    if (rc || (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
-    rc = ep->eng->dispatch_recv(ep, r, out);
+    rc = ep->eng->dispatch_recv(ep, r, &cur);
     if (rc)
         return rc;
     r->state = FR_ROUND_RECVD;
@@ -279,11 +296,14 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     if (!ep)
         return FERRY_ERR_INVALID;
     fr_round_t *r = NULL;
-    int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, sizeof(*out), "out",
+    int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, FR_COUT_MIN, "out",
                            "ferry_combine_out_t", &r);
-    if (rc || (rc = fr_check_combine_out(ep, r, out)))
+    ferry_combine_out_t cur;
+    if (rc == FERRY_OK)
+        fr_args_current(&cur, sizeof(cur), out);
+    if (rc || (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
-    rc = ep->eng->combine_recv(ep, r, out);
+    rc = ep->eng->combine_recv(ep, r, &cur);
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
@@ -311,8 +331,12 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     uint64_t rr = 0;
     fr_round_t *r = NULL;
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, sizeof(*out), "out", "ferry_dispatch_out_t")) ||
-        (rc = fr_check_dispatch_out(ep, out)))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")))
+        return rc;
+    ferry_dispatch_out_t cur;
+    fr_args_current(&cur, sizeof(cur), out);
+    out = &cur;
+    if ((rc = fr_check_dispatch_out(ep, out)))
         return rc;
     if (ep->eng->dispatch && out->stream != in->stream)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
@@ -345,8 +369,12 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
                            "ferry_combine_in_t", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, sizeof(*out), "out", "ferry_combine_out_t")) ||
-        (rc = fr_check_combine_out(ep, r, out)))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")))
+        return rc;
+    ferry_combine_out_t cur;
+    fr_args_current(&cur, sizeof(cur), out);
+    out = &cur;
+    if ((rc = fr_check_combine_out(ep, r, out)))
         return rc;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");

@@ -74,8 +74,26 @@ static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 /* Spin briefly; then sleep on the doorbell (a futex in this rank's
  * segment) so ranks sharing cores do not starve each other; every 2 ms
  * check for dead peers, proxy errors and the deadline. */
+/* Wait costs: each sender not seen yet whose flag is up now was seen at
+ * `now` (seen[s]: 1 + ns after the wait's start; 0 not yet). */
+static void fr_cost_sweep(ferry_ep_t ep, int phase, int set, uint64_t epoch, uint64_t start,
+                          uint64_t *seen)
+{
+    uint64_t now = 0;
+    for (int s = 0; s < ep->N; s++) {
+        if (seen[s] || __atomic_load_n(fr_flag_ptr(&ep->L, ep->flags, phase, set, s),
+                                       __ATOMIC_ACQUIRE) != epoch)
+            continue;
+        if (!now)
+            now = fr_now_ns();
+        seen[s] = 1 + (now - start);
+    }
+}
+
+#define FR_COST_MAX_RANKS 1024
+
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
-                  const char *what)
+                  const char *what, int64_t *cost)
 {
     const fr_layout_t *L = &ep->L;
     int N = ep->N;
@@ -83,10 +101,20 @@ int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
     uint64_t deadline = start + (uint64_t)ep->timeout_ms * 1000000ull;
     uint64_t iter = 0;
     int next = 0;
+    uint64_t seen_at[FR_COST_MAX_RANKS];
+    if (cost && N > FR_COST_MAX_RANKS)
+        cost = NULL; /* documented: not collected past this many ranks */
+    if (cost)
+        memset(seen_at, 0, sizeof(uint64_t) * (size_t)N);
     for (;;) {
         int st = fr_scan_flags(ep, phase, set, epoch, &next, what);
-        if (st > 0)
+        if (cost && st >= 0)
+            fr_cost_sweep(ep, phase, set, epoch, start, seen_at);
+        if (st > 0) {
+            for (int s = 0; cost && s < N; s++)
+                cost[s] += (int64_t)(seen_at[s] - 1);
             return FERRY_OK;
+        }
         if (st < 0)
             return FERRY_ERR_PROTOCOL;
         if (iter < (uint64_t)ep->spin) {

@@ -396,6 +396,92 @@ static int run_timeout(ferry_comm_t comm, int kill)
     return fr_test_result();
 }
 
+/* Wait costs on the GPU: the last rank starts each phase 100 ms late;
+ * every other rank's cost for it (SM clock cycles, at least 1 GHz) shows
+ * that wait, and its cost for itself stays below it. One-launch dispatch,
+ * two-launch combine (the receive parts are the same code either way). */
+static int run_waitcost(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    fw_spec_t s = {.N = N, .E = 4 * N, .K = 3, .H = 256, .T = 16, .fp8 = 1, .seed = 9};
+    ferry_ep_t ep = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 4);
+    if (!ep)
+        return 1;
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    bufs_t b;
+    bufs_init(&b, &s, &lay);
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    fw_generate(&s, 1, me, &in);
+    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b.w, in.w, (size_t)s.T * s.K * 4, cudaMemcpyHostToDevice));
+    int64_t *dc = NULL, *cc = NULL;
+    CU(cudaMalloc((void **)&dc, (size_t)N * 8));
+    CU(cudaMalloc((void **)&cc, (size_t)N * 8));
+    CU(cudaMemset(dc, 0, (size_t)N * 8));
+    CU(cudaMemset(cc, 0, (size_t)N * 8));
+    CU(h2d_done());
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
+                               .topk_idx = b.idx, .stream = st};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                 .expert_x_scales = b.exs, .expert_num_tokens = b.cnt,
+                                 .stream = st, .wait_cost = dc};
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey, .stream = st};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = b.w, .out = b.out,
+                                .stream = st, .wait_cost = cc};
+    int late = N - 1;
+    uint64_t round = 0;
+    if (me == late)
+        usleep(100000);
+    rc = ferry_dispatch(ep, &din, &dout, &round);
+    if (rc == FERRY_OK)
+        rc = ferry_ep_sync(ep, st);
+    CHECK(rc == FERRY_OK, "dispatch: %s", ferry_ep_last_error(ep));
+    size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    CU(cudaMemcpy(b.hcnt, b.cnt, El * 4, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(b.hex, b.ex, lay.expert_x_bytes, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(b.hexs, b.exs, lay.expert_scales_bytes, cudaMemcpyDeviceToHost));
+    long wrong = fw_check_dispatch(&s, 1, me, b.hex, b.hexs, b.hcnt, NULL, NULL, cap, 3);
+    fw_run_experts(&s, me, b.hex, b.hexs, b.hcnt, cap, b.hey);
+    CU(cudaMemcpy(b.ey, b.hey, lay.expert_y_bytes, cudaMemcpyHostToDevice));
+    CU(h2d_done());
+    if (me == late)
+        usleep(100000);
+    rc = ferry_combine_send(ep, round, &cin);
+    if (rc == FERRY_OK)
+        rc = ferry_combine_recv(ep, round, &cout);
+    if (rc == FERRY_OK)
+        rc = ferry_ep_sync(ep, st);
+    CHECK(rc == FERRY_OK, "combine: %s", ferry_ep_last_error(ep));
+    CU(cudaMemcpy(b.hout, b.out, (size_t)s.T * s.H * 2, cudaMemcpyDeviceToHost));
+    wrong += fw_check_combine(&s, 1, me, &in, b.hout, 3);
+    CHECK(wrong == 0, "%ld wrong", wrong);
+    int64_t hd[64], hc[64];
+    int n = N < 64 ? N : 64;
+    CU(cudaMemcpy(hd, dc, (size_t)n * 8, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(hc, cc, (size_t)n * 8, cudaMemcpyDeviceToHost));
+    printf("rank %d: wait cycles for rank %d: dispatch %lld, combine %lld; own %lld, %lld\n",
+           me, late, (long long)hd[late % 64], (long long)hc[late % 64],
+           (long long)hd[me % 64], (long long)hc[me % 64]);
+    for (int i = 0; i < n; i++)
+        CHECK(hd[i] >= 0 && hc[i] >= 0, "negative wait cost for rank %d", i);
+    if (me != late && late < 64) {
+        CHECK(hd[late] >= 50000000 && hc[late] >= 50000000,
+              "wait cycles for the late rank: %lld / %lld, want >= 5e7 (100 ms)",
+              (long long)hd[late], (long long)hc[late]);
+        CHECK(hd[me] < hd[late] && hc[me] < hc[late], "own wait cycles not below the late rank's");
+        CHECK(hc[me] > 0, "combine: own wait not recorded");
+    }
+    cudaFree(dc);
+    cudaFree(cc);
+    ferry_ep_destroy(ep);
+    return fr_test_result();
+}
+
 static int run_badidx(ferry_comm_t comm)
 {
     int rc;
@@ -484,6 +570,8 @@ int main(int argc, char **argv)
         rc = run_timeout(comm, mode[0] == 'k');
     else if (strcmp(mode, "badidx") == 0)
         rc = run_badidx(comm);
+    else if (strcmp(mode, "waitcost") == 0)
+        rc = run_waitcost(comm);
     else if (strcmp(mode, "twin") == 0)
         rc = run_twin(comm, 1) | run_twin(comm, 0);
     else

@@ -9,6 +9,7 @@
  * Each rank writes its verdict to $DIR/rank.<r>; the parent reads them.
  */
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,16 +227,66 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_dispatch_send(ep, &din, &r4), FERRY_ERR_STATE);
     CHECK_MSG(ep, "in flight");
     /* finish both, second one first for the receive side */
-    CHECK_RC(ferry_dispatch_recv(ep, r2, &dout), FERRY_OK);
-    fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
-    CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
-    CHECK_RC(ferry_combine_recv(ep, r2, &cout), FERRY_OK);
-    CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
+    {
+        /* structs of the size before wait_cost are accepted, and the field
+         * past their size is never read (a garbage pointer there) */
+        ferry_dispatch_out_t dold = dout;
+        ferry_combine_out_t cold = cout;
+        dold.size = offsetof(ferry_dispatch_out_t, wait_cost);
+        dold.wait_cost = (int64_t *)(uintptr_t)8;
+        cold.size = offsetof(ferry_combine_out_t, wait_cost);
+        cold.wait_cost = (int64_t *)(uintptr_t)8;
+        CHECK_RC(ferry_dispatch_recv(ep, r2, &dold), FERRY_OK);
+        fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+        CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
+        CHECK_RC(ferry_combine_recv(ep, r2, &cold), FERRY_OK);
+        CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
+    }
     CHECK_RC(ferry_dispatch_recv(ep, r3, &dout), FERRY_OK);
     fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
     CHECK_RC(ferry_combine_send(ep, r3, &cin), FERRY_OK);
     CHECK_RC(ferry_combine_recv(ep, r3, &cout), FERRY_OK);
     CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r3 wrong");
+
+    {
+        /* wait costs: the last rank starts each phase 100 ms late; every
+         * other rank's cost for it shows that wait, its own stays small */
+        int64_t *dc = calloc((size_t)N, sizeof(int64_t)), *cc = calloc((size_t)N, sizeof(int64_t));
+        ferry_dispatch_out_t dw = dout;
+        ferry_combine_out_t cw = cout;
+        dw.wait_cost = dc;
+        cw.wait_cost = cc;
+        int late = N - 1;
+        uint64_t r5 = 0;
+        fw_generate(&s, 3, me, &in);
+        if (me == late)
+            usleep(100000);
+        CHECK_RC(ferry_dispatch_send(ep, &din, &r5), FERRY_OK);
+        CHECK_RC(ferry_dispatch_recv(ep, r5, &dw), FERRY_OK);
+        CHECK(fw_check_dispatch(&s, 3, me, ex, exs, cnt, NULL, NULL,
+                                (size_t)lay.expert_capacity, 3) == 0, "dispatch r5 wrong");
+        fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+        if (me == late)
+            usleep(100000);
+        CHECK_RC(ferry_combine_send(ep, r5, &cin), FERRY_OK);
+        CHECK_RC(ferry_combine_recv(ep, r5, &cw), FERRY_OK);
+        CHECK(fw_check_combine(&s, 3, me, &in, out, 3) == 0, "combine r5 wrong");
+        for (int i = 0; i < N; i++)
+            CHECK(dc[i] >= 0 && cc[i] >= 0, "wait costs for rank %d: %lld, %lld", i,
+                  (long long)dc[i], (long long)cc[i]);
+        if (me != late) {
+            CHECK(dc[late] >= 50000000 && cc[late] >= 50000000,
+                  "wait costs for the late rank %d: %lld / %lld ns, want >= 50 ms", late,
+                  (long long)dc[late], (long long)cc[late]);
+            CHECK(dc[me] < dc[late] && cc[me] < cc[late], "own wait costs %lld / %lld ns not "
+                  "below the late rank's", (long long)dc[me], (long long)cc[me]);
+        }
+        printf("rank %d: wait costs (ns) for rank %d: dispatch %lld, combine %lld; own %lld, %lld\n",
+               me, late, (long long)dc[late], (long long)cc[late], (long long)dc[me],
+               (long long)cc[me]);
+        free(dc);
+        free(cc);
+    }
 
     /* the communicator is not freed under an open context, and still works */
     CHECK_RC(ferry_comm_destroy(comm), FERRY_ERR_STATE);

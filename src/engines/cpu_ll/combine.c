@@ -65,7 +65,7 @@ int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
     fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int set = (int)(r->epoch % FR_NSETS), H = L->H, K = L->K;
-    int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine");
+    int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine", out->wait_cost);
     if (rc)
         return rc;
     float *acc = c->acc;

@@ -190,7 +190,7 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
     int N = ep->N, set = (int)(r->epoch % FR_NSETS);
-    int rc = fr_wait_flags(ep, FR_PH_DISPATCH, set, r->epoch, "dispatch");
+    int rc = fr_wait_flags(ep, FR_PH_DISPATCH, set, r->epoch, "dispatch", out->wait_cost);
     if (rc)
         return rc;
     int32_t *efill = c->expert_fill;

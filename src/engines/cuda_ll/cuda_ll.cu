@@ -103,19 +103,31 @@ fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
 #define FR_CR_PAIRS 256
 static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
                                                  const float *w, uint16_t *out,
-                                                 const uint8_t *self_y)
+                                                 const uint8_t *self_y, long long *cost)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, H = L.H;
     __shared__ int ok;
     __shared__ const uint8_t *srow[FR_CR_PAIRS];
     __shared__ float sw[FR_CR_PAIRS];
-    if (threadIdx.x == 0) {
-        ok = !fr_cu_failed(A);
-        unsigned long long epoch = A.epoch[set];
-        for (int s = 0; s < N && ok; s++)
-            ok = fr_cu_wait_flag(A, (const unsigned long long *)(A.flags + fr_off_flag(&L, FR_PH_COMBINE, set, s)),
-                                 fr_cu_target(A, epoch), s, FR_CU_WHAT_COMBINE);
+    /* Every sender is needed before any token can be summed: the first
+     * warp's lanes wait for them at once (lane l for senders l, l + 32,
+     * ...), so the wait costs one poll latency, not N in a row; block 0's
+     * lanes add what each waited to the optional wait costs. */
+    if (threadIdx.x < 32) {
+        bool mine = !fr_cu_failed(A);
+        unsigned long long target = fr_cu_target(A, A.epoch[set]);
+        for (int s = threadIdx.x; s < N && mine; s += 32) {
+            long long t0 = clock64();
+            mine = fr_cu_wait_flag(A, (const unsigned long long *)(A.flags +
+                                                                  fr_off_flag(&L, FR_PH_COMBINE, set, s)),
+                                   target, s, FR_CU_WHAT_COMBINE);
+            if (mine && cost && blockIdx.x == 0)
+                atomicAdd((unsigned long long *)(cost + s), (unsigned long long)(clock64() - t0));
+        }
+        mine = __all_sync(0xffffffffu, mine);
+        if (threadIdx.x == 0)
+            ok = mine;
     }
     __syncthreads();
     if (!ok)
@@ -177,19 +189,20 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
 
 __global__ void __launch_bounds__(FR_CR_THREADS, 2)
 fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
-                   const uint8_t *self_y)
+                   const uint8_t *self_y, long long *cost)
 {
-    fr_cr_run(A, set, w, out, self_y);
+    fr_cr_run(A, set, w, out, self_y, cost);
 }
 
 /* Both parts in one launch (the grid resident at once: blocks wait for
  * the other blocks' sends). */
 __global__ void __launch_bounds__(FR_CS_THREADS, 2)
-fr_cu_combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out)
+fr_cu_combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out,
+              long long *cost)
 {
     fr_cs_run(A, set, y);
     __syncthreads();
-    fr_cr_run(A, set, w, out, y);
+    fr_cr_run(A, set, w, out, y, cost);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -626,7 +639,8 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     blocks = blocks < 1 ? 1 : blocks;
     fr_cu_combine_recv<<<blocks, FR_CR_THREADS, 0, st>>>(c->a, set, out->topk_weights,
                                                           (uint16_t *)out->out,
-                                                          (const uint8_t *)c->y[set]);
+                                                          (const uint8_t *)c->y[set],
+                                                          (long long *)out->wait_cost);
     return fr_cuda_launch_check(ep, "combine_recv");
 }
 
@@ -643,6 +657,7 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
     }
     int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
     fr_cu_combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
-                                                   out->topk_weights, (uint16_t *)out->out);
+                                                   out->topk_weights, (uint16_t *)out->out,
+                                                   (long long *)out->wait_cost);
     return fr_cuda_launch_check(ep, "combine");
 }

@@ -48,6 +48,7 @@ typedef struct fr_dr_out {
     uint8_t *ex;
     float *exs;
     int32_t *counts, *src_rank, *src_token;
+    long long *wait_cost; /* optional [N]: block 0's wait per sender, clock64 cycles */
 } fr_dr_out_t;
 
 #define FR_DS_THREADS 512
@@ -761,10 +762,14 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         __syncthreads(); /* everyone is done with the previous sender */
         if (threadIdx.x == 0) {
             s_count = s_np = s_co = 0;
+            long long t0 = clock64();
             s_ok = fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
             if (s_ok && y == 0) {
                 A.pair_n[set * N + s] = s_np;
                 A.scomb_off[set * N + s] = s_co;
+                if (o.wait_cost)
+                    atomicAdd((unsigned long long *)(o.wait_cost + s),
+                              (unsigned long long)(clock64() - t0));
             }
         }
         __syncthreads();
@@ -863,7 +868,8 @@ fr_cu_dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales
 static fr_dr_out_t fr_dr_out_of(const ferry_dispatch_out_t *out)
 {
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
-                     out->expert_src_rank, out->expert_src_token};
+                     out->expert_src_rank, out->expert_src_token,
+                     (long long *)out->wait_cost};
     return o;
 }
 
