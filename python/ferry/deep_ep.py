@@ -558,6 +558,17 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
+        r = self._ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats,
+                              dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
+                              return_recv_hook)
+        if async_finish:  # a real event, recorded after ferry's launches
+            r = (r[0], r[1], r[2], self.capture(), r[4])
+        return r
+
+    def _ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                     use_fp8, round_scale, use_ue8m0, return_recv_hook):
         self._low_latency('low_latency_dispatch')
         self._wc = self._wait_cost(dispatch_wait_recv_cost_stats,
                                    "dispatch_wait_recv_cost_stats", x)
@@ -831,6 +842,23 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
+        r = self._ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                             return_recv_hook, out, combine_wait_recv_cost_stats)
+        if async_finish:  # a real event, recorded after ferry's launches
+            r = (r[0], self.capture(), r[2])
+        return r
+
+    def get_comm_stream(self):
+        """DeepEP's communication stream: ferry runs on the caller's current
+        stream, so that is the stream returned."""
+        return torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        raise NotImplementedError("get_local_buffer_tensor: ferry.deep_ep keeps no DeepEP-style "
+                                  "raw NVL/RDMA buffer to view")
+
+    def _ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                    return_recv_hook, out, combine_wait_recv_cost_stats):
         self._low_latency('low_latency_combine')
         if use_logfmt:
             raise NotImplementedError("use_logfmt: ferry.deep_ep does not support DeepEP's "

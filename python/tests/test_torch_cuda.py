@@ -370,6 +370,18 @@ def check_args(ferry, deep_ep, N, dev):
             msgs.append(f"wait-cost stats (hook {hooked}): dispatch {d} (want > 0 for the "
                         f"other ranks, {'> 0' if hooked else '0'} for rank {me}), combine {c} "
                         f"(want all > 0)")
+    # async_finish: a real event, recorded after the launches
+    _, _, handle, ev, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False,
+                                                   async_finish=True)
+    ev.current_stream_wait()
+    o2, ev2, _ = buf.low_latency_combine(y, idx, w, handle, async_finish=True)
+    ev2.current_stream_wait()
+    if not (isinstance(ev.event, torch.cuda.Event) and isinstance(ev2.event, torch.cuda.Event)):
+        msgs.append(f"async_finish=True: events {ev.event!r}, {ev2.event!r}, want CUDA events")
+    if buf.get_comm_stream() != torch.cuda.current_stream():
+        msgs.append("get_comm_stream: not the current stream")
+    expect(msgs, NotImplementedError, "get_local_buffer_tensor", buf.get_local_buffer_tensor,
+           torch.bfloat16)
     # zero copy: the experts write into get_next_low_latency_combine_buffer;
     # the same rounds with and without it combine to the same bytes
     yv = torch.randn(y.shape, device=dev).to(torch.bfloat16)
