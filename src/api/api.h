@@ -14,8 +14,6 @@
 int fr_ep_check_config(int nranks, const ferry_ep_config_t *c, fr_err_t *err);
 int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
                            int on_gpu, fr_err_t *err);
-/* topk_idx [T][K]: every entry -1 or an expert, none repeated in a row. */
-int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err);
 /* on_gpu: topk_idx is device memory (checked by the engine's kernel). */
 int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
                         fr_err_t *err);

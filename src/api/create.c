@@ -317,6 +317,13 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
+    if (ep->nfabric > 0 && ep->eng->fabric_engine) {
+        /* the same on every rank: a rank with a peer on another node makes
+         * every rank's paths include the fabric (FERRY_TRANSPORT agrees) */
+        FR_LOG_INFO(FR_SUB_INIT, "engine %s for peers on the fabric path (instead of %s)",
+                    ep->eng->fabric_engine->name, ep->eng->name);
+        ep->eng = ep->eng->fabric_engine;
+    }
     /* Step 3: the engine lays out and allocates its buffers, maps the
      * peers' (collective). */
     FR_CHECK_GOTO(ep->eng->setup(ep, &err), rc, fail);

@@ -53,11 +53,6 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
 
 /* Rows of a route's dispatch outputs (and combine inputs): the bound of a
  * bounded route, else what arrives. */
-static int fr_route_rows(ferry_route_t route)
-{
-    return route->bound > 0 ? route->bound : route->num_recv;
-}
-
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
 {
     if (!ep)

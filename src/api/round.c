@@ -79,26 +79,6 @@ static int fr_round_get(ferry_ep_t ep, uint64_t round, int want_state,
     return FERRY_OK;
 }
 
-int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err)
-{
-    for (int t = 0; t < T; t++) {
-        const int64_t *row = idx + (size_t)t * L->K;
-        for (int k = 0; k < L->K; k++) {
-            int64_t e = row[k];
-            if (e < -1 || e >= L->E)
-                return FR_ERR(err, FERRY_ERR_INVALID,
-                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d",
-                              t, k, (long long)e, L->E - 1);
-            for (int j = 0; j < k && e >= 0; j++)
-                if (row[j] == e)
-                    return FR_ERR(err, FERRY_ERR_INVALID,
-                                  "topk_idx[%d][%d] = %lld repeats "
-                                  "topk_idx[%d][%d]", t, k, (long long)e, t, j);
-        }
-    }
-    return FERRY_OK;
-}
-
 int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
                            int on_gpu, fr_err_t *err)
 {

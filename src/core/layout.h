@@ -187,6 +187,10 @@ int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
                    uint64_t epoch, fr_err_t *err);
 int fr_slice_check_hdr(const fr_layout_t *L, const uint8_t *slice, int sender,
                        uint64_t epoch, fr_slice_hdr_t *hdr, fr_err_t *err);
+/* topk_idx [T][K] in host memory: every entry -1 or an expert, none
+ * repeated in a row (FERRY_ERR_INVALID naming the first bad entry). */
+int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err);
+
 #ifdef __cplusplus
 }
 #endif

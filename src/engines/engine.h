@@ -63,7 +63,16 @@ typedef struct fr_engine {
                     const ferry_dispatch_out_t *out);
     int (*combine)(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
                    const ferry_combine_out_t *out);
+    /* The engine that serves instead when this rank has peers on the
+     * fabric path (chosen at create, once the paths are known); NULL: this
+     * engine serves them itself, or refuses them in setup. */
+    const struct fr_engine *fabric_engine;
 } fr_engine_t;
+
+/* GPU ranks through a host engine (engines/staged): the CPU engine of the
+ * same mode runs the protocol on pinned host copies of the device
+ * buffers. The CUDA high-throughput engine's fabric_engine. */
+extern const fr_engine_t fr_engine_staged_ht;
 
 /* A route (public handle ferry_route_t): what the API layer checks
  * against, and the engine's own part. */
@@ -77,6 +86,13 @@ struct ferry_route {
     int32_t *ecnt;       /* [E_local] rows per local expert, padded */
     void *priv;          /* the engine's */
 };
+
+/* The rows a route's dispatch outputs hold: the bound of a bounded route,
+ * else the rows received. */
+static inline int fr_route_rows(const struct ferry_route *route)
+{
+    return route->bound > 0 ? route->bound : route->num_recv;
+}
 
 /* The engine for (device, mode); NULL when there is none. */
 const fr_engine_t *fr_engine_find(ferry_device_t device, ferry_mode_t mode);

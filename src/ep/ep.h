@@ -103,6 +103,7 @@ struct ferry_ep {
     /* the engine (chosen at create from device and mode) and its state */
     const struct fr_engine *eng;
     void *eng_state;
+    void *eng_aux;       /* a wrapping engine's own state (engines/staged) */
 
     int *path;           /* [N] enum fr_path */
     int nfabric;         /* peers on the fabric path */

@@ -136,3 +136,36 @@ int fr_cuda_stream_nonblocking(void *stream)
     }
     return (flags & cudaStreamNonBlocking) != 0;
 }
+
+int fr_cuda_copies(void *stream, int n, void *const *dst, const void *const *src,
+                   const size_t *len, fr_err_t *err)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    for (int i = 0; i < n; i++) {
+        if (!len[i])
+            continue;
+        cudaError_t e = cudaMemcpyAsync(dst[i], src[i], len[i], cudaMemcpyDefault, st);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            cudaStreamSynchronize(st); /* the copies queued so far */
+            return FR_ERR(err, FERRY_ERR_SYSTEM, "cudaMemcpyAsync of %zu bytes: %s", len[i],
+                          cudaGetErrorString(e));
+        }
+    }
+    cudaError_t e = cudaStreamSynchronize(st);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s", cudaGetErrorString(e));
+    }
+    return FERRY_OK;
+}
+
+int fr_cuda_capturing(void *stream)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return cs != cudaStreamCaptureStatusNone;
+}

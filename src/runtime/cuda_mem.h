@@ -44,6 +44,14 @@ int fr_cuda_copies_wait(int device);
  * runs on whatever stream launches it: not known here); -1: not a
  * stream. */
 int fr_cuda_stream_nonblocking(void *stream);
+/* Copies (any direction, cudaMemcpyDefault) queued on `stream` (NULL: the
+ * legacy default stream), then the stream waited for: FERRY_OK or
+ * FERRY_ERR_SYSTEM with the message in err. n copies of pairs dst[i],
+ * src[i], len[i] (a zero length is skipped). */
+int fr_cuda_copies(void *stream, int n, void *const *dst, const void *const *src,
+                   const size_t *len, fr_err_t *err);
+/* 1 when `stream` is capturing a CUDA graph, else 0. */
+int fr_cuda_capturing(void *stream);
 
 #ifdef __cplusplus
 }

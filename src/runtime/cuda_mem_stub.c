@@ -40,4 +40,15 @@ int fr_cuda_stream_nonblocking(void *stream)
     (void)stream;
     return -1;
 }
+int fr_cuda_copies(void *stream, int n, void *const *dst, const void *const *src,
+                   const size_t *len, fr_err_t *err)
+{
+    (void)stream; (void)n; (void)dst; (void)src; (void)len;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
+int fr_cuda_capturing(void *stream)
+{
+    (void)stream;
+    return 0;
+}
 #endif

@@ -16,4 +16,6 @@ const fr_engine_t fr_engine_cuda_ht = {
     .route_free = fr_cuht_route_free,
     .ht_dispatch = fr_cuht_dispatch,
     .ht_combine = fr_cuht_combine,
+    /* peers on the fabric path: through host copies (engines/staged) */
+    .fabric_engine = &fr_engine_staged_ht,
 };
