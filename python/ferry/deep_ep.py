@@ -96,6 +96,14 @@ def _no_event():
     return _EVENT
 
 
+def _event_after(x):
+    """async_finish: a real CUDA event recorded on the current stream after
+    ferry's launches, for CUDA tensors; CPU calls have finished (no event)."""
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        return Buffer.capture()
+    return _no_event()
+
+
 def _recv_or_hook(recv, return_recv_hook):
     """DeepEP's receive hook: the receive to call later, or done now (None)."""
     if return_recv_hook:
@@ -562,8 +570,8 @@ class Buffer:
                               cumulative_local_expert_recv_stats,
                               dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
                               return_recv_hook)
-        if async_finish:  # a real event, recorded after ferry's launches
-            r = (r[0], r[1], r[2], self.capture(), r[4])
+        if async_finish:
+            r = (r[0], r[1], r[2], _event_after(x), r[4])
         return r
 
     def _ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -573,10 +581,10 @@ class Buffer:
         self._wc = self._wait_cost(dispatch_wait_recv_cost_stats,
                                    "dispatch_wait_recv_cost_stats", x)
         if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 "
+            raise ValueError("use_ue8m0: True needs use_fp8=True and round_scale=True (UE8M0 "
                              "holds power-of-two scales only)")
         if use_ue8m0 and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] % 512:
-            raise ValueError(f"use_ue8m0=True: hidden must be a multiple of 512 (four scales "
+            raise ValueError(f"use_ue8m0: hidden must be a multiple of 512 (four scales "
                              f"per int32), got {x.shape[1]}")
         rs = bool(round_scale and use_fp8)
         stats = cumulative_local_expert_recv_stats
@@ -844,14 +852,14 @@ class Buffer:
                             out=None, combine_wait_recv_cost_stats=None):
         r = self._ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                              return_recv_hook, out, combine_wait_recv_cost_stats)
-        if async_finish:  # a real event, recorded after ferry's launches
-            r = (r[0], self.capture(), r[2])
+        if async_finish:
+            r = (r[0], _event_after(x), r[2])
         return r
 
     def get_comm_stream(self):
         """DeepEP's communication stream: ferry runs on the caller's current
-        stream, so that is the stream returned."""
-        return torch.cuda.current_stream()
+        stream, so that is the stream returned (None without CUDA)."""
+        return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         raise NotImplementedError("get_local_buffer_tensor: ferry.deep_ep keeps no DeepEP-style "

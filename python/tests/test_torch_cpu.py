@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""ferry.deep_ep on CPU ranks (torch CPU tensors, gloo), for CI: DeepEP's
+low-latency API with every argument ferry takes, each round checked
+against a reference computed here (the helpers of test_torch_cuda.py):
+
+  - bf16 and fp8, with and without the receive hook, async_finish, ranks
+    that send nothing, masked slots, weights that do not sum to 1, a
+    different transform per expert, changing routing every round;
+  - round_scale with use_ue8m0 (DeepEP's packed int32 scales);
+  - cumulative_local_expert_recv_stats (counts added in place) and the
+    wait-cost stats (nanoseconds on CPU ranks);
+  - get_next_low_latency_combine_buffer (zero copy) refused on CPU
+    tensors, naming the handle;
+  - argument errors naming the argument (TypeError / ValueError /
+    NotImplementedError), get_low_latency_rdma_size_hint, allow_mnnvl,
+    clean_low_latency_buffer, get_local_buffer_tensor.
+Usage: test_torch_cpu.py [nranks ...]. Exit 77 (skipped) without torch.
+"""
+import os
+import sys
+import traceback
+
+try:
+    import torch
+except ImportError:
+    print("skipped: torch is not installed (scripts/setup.sh installs it)")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import gather_all, run_ranks  # noqa: E402
+from test_torch_cuda import (check_round, combine_error, combine_ref, expect,  # noqa: E402
+                             expert_outputs, make_inputs)
+
+
+def ll_rounds(deep_ep, buf, rank, N, E, K, H, T):
+    """Rounds through every form of the calls, each checked."""
+    msgs, dev, El = [], torch.device("cpu"), E // N
+    stats = torch.full((El,), 3, dtype=torch.int32)
+    total = stats.clone()
+    dws, cws = torch.zeros(N, dtype=torch.int64), torch.zeros(N, dtype=torch.int64)
+    rnd = 0
+    for fp8 in (False, True):
+        for hook_mode in (False, True):
+            rnd += 1
+            x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+            xs, ids = gather_all(N, x, idx)
+            recv, count, handle, ev, hook = buf.low_latency_dispatch(
+                x, idx, T, E, use_fp8=fp8, return_recv_hook=hook_mode,
+                cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=dws,
+                async_finish=hook_mode)
+            if hook_mode:
+                hook()
+            ev.current_stream_wait()
+            total += count
+            err = check_round(rank, N, E, K, xs, ids, recv, count,
+                              (handle.src_rank, handle[0]), fp8)
+            if err:
+                msgs.append(f"dispatch fp8={fp8} hook={hook_mode}: {err}")
+            lr = handle[1]
+            for le in range(El):
+                if int((lr[le] & 0xFFFFFFFF).sum()) != int(count[le]):
+                    msgs.append(f"handle[1] expert {le}: counts do not sum to {int(count[le])}")
+                    break
+            y = expert_outputs(rank, El, recv, count, fp8, dev)
+            out, ev, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook_mode,
+                                                    combine_wait_recv_cost_stats=cws,
+                                                    async_finish=not hook_mode)
+            if hook_mode:
+                hook()
+            err = combine_error(out, combine_ref(x, idx, w, fp8))
+            if err:
+                msgs.append(f"combine fp8={fp8} hook={hook_mode}: {err}")
+    if not torch.equal(stats, total) or int(total.sum()) == 3 * El:
+        msgs.append(f"cumulative_local_expert_recv_stats: {stats.tolist()}, want 3 + the "
+                    f"counts {total.tolist()}")
+    if (dws < 0).any() or (cws < 0).any() or int(dws.sum()) <= 0 or int(cws.sum()) <= 0:
+        msgs.append(f"wait-cost stats (ns): dispatch {dws.tolist()}, combine {cws.tolist()}")
+    # round_scale with UE8M0 scales: packed int32 [E_local, rows, H/512],
+    # column-major in the last two dims, four exponent bytes each
+    rnd += 1
+    x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+    xs, ids = gather_all(N, x, idx)
+    (qx, packed), count, handle, _, _ = buf.low_latency_dispatch(
+        x, idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=True)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (El, qx.shape[1], H // 512) \
+            or packed.stride()[1] != 1:
+        msgs.append(f"ue8m0: packed scales {packed.dtype} {tuple(packed.shape)} "
+                    f"strides {packed.stride()}")
+    else:
+        exps = torch.stack([(packed >> (8 * j)) & 0xFF for j in range(4)], dim=3)
+        scales = (exps.reshape(El, qx.shape[1], H // 128) << 23).view(torch.float32)
+        err = check_round(rank, N, E, K, xs, ids, (qx, scales), count,
+                          (handle.src_rank, handle[0]), True, round_scale=True)
+        if err:
+            msgs.append(f"round_scale/ue8m0: {err}")
+    buf.low_latency_combine(torch.zeros(qx.shape, dtype=torch.bfloat16), idx, w, handle)
+    # zero copy uses the reusable buffers of CUDA contexts: on CPU tensors
+    # it is refused naming the handle, and the round still combines
+    rnd += 1
+    x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    y = expert_outputs(rank, El, recv, count, False, dev)
+    expect(msgs, TypeError, "handle", buf.get_next_low_latency_combine_buffer, handle)
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    err = combine_error(out, combine_ref(x, idx, w, False))
+    if err:
+        msgs.append(f"combine after the zero-copy refusal: {err}")
+    return msgs
+
+
+def ll_args(deep_ep, buf, rank, N, E, K, H, T):
+    """Bad arguments raise, naming the argument; the context stays usable."""
+    msgs, El = [], E // N
+    x, idx, w = make_inputs(rank + 1, 99, T, H, E, K, torch.device("cpu"))  # every rank sends
+    expect(msgs, TypeError, "x", buf.low_latency_dispatch, x.float(), idx, T, E)
+    expect(msgs, ValueError, "x", buf.low_latency_dispatch, x, idx, x.shape[0] - 1, E)
+    expect(msgs, ValueError, "topk_idx", buf.low_latency_dispatch, x, idx[:1], T, E)
+    expect(msgs, TypeError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
+           x, idx, T, E, cumulative_local_expert_recv_stats=torch.zeros(El))
+    expect(msgs, ValueError, "cumulative_local_expert_recv_stats", buf.low_latency_dispatch,
+           x, idx, T, E, cumulative_local_expert_recv_stats=torch.zeros(El + 1, dtype=torch.int32))
+    expect(msgs, TypeError, "dispatch_wait_recv_cost_stats", buf.low_latency_dispatch,
+           x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(N, dtype=torch.int32))
+    expect(msgs, ValueError, "dispatch_wait_recv_cost_stats", buf.low_latency_dispatch,
+           x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(N + 1, dtype=torch.int64))
+    expect(msgs, ValueError, "use_ue8m0", buf.low_latency_dispatch, x, idx, T, E,
+           use_ue8m0=True)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    y = torch.zeros(recv.shape, dtype=torch.bfloat16)
+    expect(msgs, ValueError, "x", buf.low_latency_combine, y[:, :1], idx, w, handle)
+    expect(msgs, ValueError, "topk_weights", buf.low_latency_combine, y, idx, w[:1], handle)
+    expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
+    expect(msgs, NotImplementedError, "use_logfmt", buf.low_latency_combine, y, idx, w, handle,
+           use_logfmt=True)
+    expect(msgs, ValueError, "combine_wait_recv_cost_stats", buf.low_latency_combine, y, idx, w,
+           handle, combine_wait_recv_cost_stats=torch.zeros((N, N), dtype=torch.int64))
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle)  # still usable
+    if out.shape != (x.shape[0], H) or out.abs().sum().item() != 0:
+        msgs.append("combine after the refused calls: wrong output")
+    expect(msgs, NotImplementedError, "get_local_buffer_tensor", buf.get_local_buffer_tensor,
+           torch.bfloat16)
+    if deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, N, E) <= 0:
+        msgs.append("get_low_latency_rdma_size_hint: not positive")
+    buf.clean_low_latency_buffer(T, H, E)
+    if not (buf.allow_mnnvl and buf.low_latency_mode and buf.group_size == N):
+        msgs.append("attributes: allow_mnnvl, low_latency_mode or group_size wrong")
+    return msgs
+
+
+def rank_main(rank, N, port, q):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          FERRY_TIMEOUT_MS="20000")
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=N)
+        from ferry import deep_ep
+        E, K, H, T = 8 * N, 4, 512, 16
+        buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True,
+                             allow_mnnvl=True)
+        msgs = ll_rounds(deep_ep, buf, rank, N, E, K, H, T)
+        msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
+        buf.destroy()
+        torch.distributed.destroy_process_group()
+        q.put((rank, msgs))
+    except Exception:
+        q.put((rank, [traceback.format_exc()]))
+
+
+def main():
+    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
+    failed = 0
+    for N in sizes:
+        res, crashed = run_ranks(rank_main, N, timeout=300)
+        bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
+        for line in bad:
+            print(line)
+        print(f"{N} ranks: DeepEP low-latency API on CPU tensors: "
+              f"{'FAILED' if bad or len(res) != N else 'passed'}")
+        failed += bool(bad) or len(res) != N
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
