@@ -278,7 +278,7 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * out by source rank, then token.
  *
  * With FERRY_DEVICE_CUDA (ranks of one node, peers' memory through CUDA
- * IPC; peers on the fabric path are refused at create), every pointer in
+ * IPC; for peers on the fabric path see the end of this comment), every pointer in
  * the structs below is device memory, 16-byte aligned for x, recv_x, y and
  * out. ferry_route_create runs its kernels on in->stream and waits for
  * them once (it must return num_recv; a bounded route does not wait).
@@ -293,7 +293,15 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * for the GPU (not for a bounded route). ring_tokens is per channel and peer on CUDA (default
  * 512 / N, within 32..128); num_sms is the channel count, one block and
  * one SM each (0: 24, or the GPU's SMs over the most ranks sharing one
- * GPU when that is less). */
+ * GPU when that is less).
+ *
+ * CUDA ranks with peers on the fabric path (other nodes, or
+ * FERRY_TRANSPORT=fabric) run the CPU engine's protocol on pinned host
+ * copies of the same device pointers: every call copies its inputs to the
+ * host on in->stream, waits, moves the data, copies the outputs back and
+ * waits again, so it returns with its outputs in place (slow: each row
+ * crosses PCIe twice); no call can be captured in a CUDA graph (refused,
+ * naming it), and ring_tokens follows the CPU rule (default 256 per peer). */
 typedef struct ferry_route *ferry_route_t;
 
 typedef struct ferry_route_in {

@@ -216,6 +216,9 @@ class _Plan:
         # and whether its receive ran (see Buffer._settle)
         self.pending, self.recvd = [0, 0], [True, True]
         self.owner = [None, None]  # weak references to the pending rounds' handles
+        # per buffer set: the wait-cost stats tensor a receive not yet
+        # enqueued (hook, or a dropped round's settle) writes into
+        self.wc_keep = [None, None]
         self.wzero = torch.zeros((self.T, K), dtype=torch.float32, device=dev)
         self.xzero = torch.zeros((self.T, H), dtype=torch.bfloat16, device=dev)
         self.dcin = _lib.CombineIn(C.sizeof(_lib.CombineIn), None, None)
@@ -723,6 +726,7 @@ class Buffer:
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
             dout.stream, dout.wait_cost = stream, wc
+            plan.wc_keep[rnd & 1] = self._wc  # alive until the receive is enqueued
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
             hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
@@ -731,6 +735,7 @@ class Buffer:
             def recv():
                 plan.check(plan.recv(h, rnd, dout))
                 plan.recvd[rnd & 1] = True
+                plan.wc_keep[rnd & 1] = None
 
             return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
@@ -774,6 +779,7 @@ class Buffer:
             dout.stream = stream  # its wait_cost: the dispatch's, as if its hook ran
             plan.check(plan.recv(h, r0, dout))
             plan.recvd[s] = True
+            plan.wc_keep[s] = None
         y = plan.ybuf(s) if plan.fp8 else out_x  # any [E_local, N*T, H] bf16: not used
         plan.dcin.expert_y, plan.dcin.stream = y.data_ptr(), stream
         plan.dcout.topk_weights, plan.dcout.out = plan.wzero.data_ptr(), out.data_ptr()
@@ -844,7 +850,7 @@ class Buffer:
             plan.check(plan.crecv(h, rnd, cout))
             del keep[:]
 
-        keep = [x, w, out]
+        keep = [x, w, out, self._wc]  # the stats tensor too: recv writes into it
         return out, _no_event(), recv
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,

@@ -34,8 +34,14 @@ int fr_ep_usable(ferry_ep_t ep)
  * would hold back the very copies it waits for. */
 static int fr_check_stream(ferry_ep_t ep, void *stream, const char *name)
 {
-    if (ep->rx_flush != FR_RX_FLUSH_COPIES || fr_cuda_stream_nonblocking(stream) >= 1)
+    if (ep->rx_flush != FR_RX_FLUSH_COPIES)
         return FERRY_OK;
+    int nb = fr_cuda_stream_nonblocking(stream);
+    if (nb >= 1)
+        return FERRY_OK;
+    if (nb < 0)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s: not a CUDA stream of this device "
+                          "(cudaStreamGetFlags failed)", name);
     return fr_ep_fail(ep, FERRY_ERR_INVALID,
                       "%s: the fabric provider copies into this rank's GPU memory on the CUDA "
                       "legacy default stream, so calls need a stream created with "
@@ -198,6 +204,18 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
  * later; a struct without it is accepted). */
 #define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
 #define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
+/* An output struct's size: the current one (or larger), or exactly the
+ * size before wait_cost; anything between would split a pointer. */
+static int fr_out_size_ok(ferry_ep_t ep, const void *out, size_t old, size_t cur,
+                          const char *type)
+{
+    size_t have = *(const size_t *)out;
+    if (have == old || have >= cur)
+        return FERRY_OK;
+    return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
+                      type);
+}
+
 static void fr_args_current(void *cur, size_t cur_size, const void *args)
 {
     size_t have = *(const size_t *)args;
@@ -228,7 +246,8 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, FR_DOUT_MIN, "out",
                            "ferry_dispatch_out_t", &r);
     ferry_dispatch_out_t cur;
-    if (rc == FERRY_OK)
+    if (rc == FERRY_OK && (rc = fr_out_size_ok(ep, out, FR_DOUT_MIN, sizeof(cur),
+                                               "ferry_dispatch_out_t")) == FERRY_OK)
         fr_args_current(&cur, sizeof(cur), out);
     if (rc || (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
@@ -279,7 +298,8 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, FR_COUT_MIN, "out",
                            "ferry_combine_out_t", &r);
     ferry_combine_out_t cur;
-    if (rc == FERRY_OK)
+    if (rc == FERRY_OK && (rc = fr_out_size_ok(ep, out, FR_COUT_MIN, sizeof(cur),
+                                               "ferry_combine_out_t")) == FERRY_OK)
         fr_args_current(&cur, sizeof(cur), out);
     if (rc || (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
@@ -311,7 +331,9 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     uint64_t rr = 0;
     fr_round_t *r = NULL;
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
+        (rc = fr_out_size_ok(ep, out, FR_DOUT_MIN, sizeof(ferry_dispatch_out_t),
+                             "ferry_dispatch_out_t")))
         return rc;
     ferry_dispatch_out_t cur;
     fr_args_current(&cur, sizeof(cur), out);
@@ -349,7 +371,9 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
                            "ferry_combine_in_t", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
+        (rc = fr_out_size_ok(ep, out, FR_COUT_MIN, sizeof(ferry_combine_out_t),
+                             "ferry_combine_out_t")))
         return rc;
     ferry_combine_out_t cur;
     fr_args_current(&cur, sizeof(cur), out);

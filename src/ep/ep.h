@@ -173,8 +173,8 @@ int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank);
 
 /* Wait until flag(phase, set, s) == epoch for every sender s; deadline,
  * dead peers and proxy errors turn into statuses naming the ranks. cost
- * (optional, [N], up to 1024 ranks): adds per sender the ns from the
- * wait's start until its flag was seen. */
+ * (optional, [N]): adds per sender the ns from the wait's start until
+ * its flag was seen. */
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                   const char *what, int64_t *cost);
 

@@ -90,22 +90,40 @@ static void fr_cost_sweep(ferry_ep_t ep, int phase, int set, uint64_t epoch, uin
     }
 }
 
-#define FR_COST_MAX_RANKS 1024
+#define FR_COST_MAX_RANKS 1024 /* on the stack; more ranks: calloc */
+
+static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                              const char *what, int64_t *cost, uint64_t *seen_at,
+                              uint64_t start);
 
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                   const char *what, int64_t *cost)
 {
+    int N = ep->N;
+    uint64_t start = fr_now_ns();
+    uint64_t seen_stack[FR_COST_MAX_RANKS], *seen_at = seen_stack;
+    if (cost && N > FR_COST_MAX_RANKS &&
+        !(seen_at = calloc((size_t)N, sizeof(uint64_t))))
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "%s: wait costs of %d ranks", what, N);
+    if (cost && seen_at == seen_stack)
+        memset(seen_at, 0, sizeof(uint64_t) * (size_t)N);
+    int rc = fr_wait_flags_loop(ep, phase, set, epoch, what, cost, seen_at, start);
+    if (seen_at != seen_stack)
+        free(seen_at);
+    return rc;
+}
+
+/* fr_wait_flags' loop (seen_at: [N] when cost is given). */
+static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
+                              const char *what, int64_t *cost, uint64_t *seen_at,
+                              uint64_t start)
+{
     const fr_layout_t *L = &ep->L;
     int N = ep->N;
-    uint64_t start = fr_now_ns(), last_check = start;
+    uint64_t last_check = start;
     uint64_t deadline = start + (uint64_t)ep->timeout_ms * 1000000ull;
     uint64_t iter = 0;
     int next = 0;
-    uint64_t seen_at[FR_COST_MAX_RANKS];
-    if (cost && N > FR_COST_MAX_RANKS)
-        cost = NULL; /* documented: not collected past this many ranks */
-    if (cost)
-        memset(seen_at, 0, sizeof(uint64_t) * (size_t)N);
     for (;;) {
         int st = fr_scan_flags(ep, phase, set, epoch, &next, what);
         if (cost && st >= 0)

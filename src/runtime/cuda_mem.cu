@@ -122,7 +122,7 @@ int fr_cuda_stream_nonblocking(void *stream)
     if (!stream || stream == (void *)cudaStreamLegacy)
         return 0;
     if (stream == (void *)cudaStreamPerThread)
-        return 1;
+        return 0; /* it synchronizes with the legacy stream (CUDA's rules) */
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
         cudaGetLastError();

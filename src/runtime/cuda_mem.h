@@ -39,8 +39,8 @@ int fr_cuda_gdr_flush(int device);
  * device-to-device copy is done). 0 on success. */
 int fr_cuda_copies_wait(int device);
 /* 1: `stream` does not wait for the legacy default stream (created with
- * cudaStreamNonBlocking, or the per-thread stream); 0: it does (the
- * legacy stream, or a blocking stream); 2: it is capturing a graph (which
+ * cudaStreamNonBlocking); 0: it does (the legacy stream, the per-thread
+ * default stream, or a blocking stream); 2: it is capturing a graph (which
  * runs on whatever stream launches it: not known here); -1: not a
  * stream. */
 int fr_cuda_stream_nonblocking(void *stream);

@@ -159,6 +159,17 @@ static int run_args(ferry_comm_t comm)
         CHECK_MSG(ep, "out->size");
     }
 
+    {
+        /* a size between the struct before wait_cost and the current one
+         * would split the pointer: refused, naming out->size */
+        ferry_dispatch_out_t d1 = dout;
+        ferry_combine_out_t c1 = cout;
+        d1.size = offsetof(ferry_dispatch_out_t, wait_cost) + 4;
+        CHECK_RC(ferry_dispatch(ep, &din, &d1, &round), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "out->size");
+        c1.size = offsetof(ferry_combine_out_t, wait_cost) + 4;
+        CHECK_RC(ferry_combine(ep, 7, &cin, &c1), FERRY_ERR_INVALID);
+    }
     /* nothing above consumed a round: a real round still works, and is
      * round 1 */
     round = 0;
@@ -241,6 +252,24 @@ static int run_args(ferry_comm_t comm)
         CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
         CHECK_RC(ferry_combine_recv(ep, r2, &cold), FERRY_OK);
         CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
+    }
+    {
+        /* the one-shot forms take the older size too, garbage past it unread */
+        ferry_dispatch_out_t dold = dout;
+        ferry_combine_out_t cold = cout;
+        dold.size = offsetof(ferry_dispatch_out_t, wait_cost);
+        dold.wait_cost = (int64_t *)(uintptr_t)8;
+        cold.size = offsetof(ferry_combine_out_t, wait_cost);
+        cold.wait_cost = (int64_t *)(uintptr_t)8;
+        uint64_t r6 = 0;
+        fw_generate(&s, 4, me, &in);
+        CHECK_RC(ferry_dispatch(ep, &din, &dold, &r6), FERRY_OK);
+        CHECK(fw_check_dispatch(&s, 4, me, ex, exs, cnt, NULL, NULL,
+                                (size_t)lay.expert_capacity, 3) == 0, "dispatch r6 wrong");
+        fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+        CHECK_RC(ferry_combine(ep, r6, &cin, &cold), FERRY_OK);
+        CHECK(fw_check_combine(&s, 4, me, &in, out, 3) == 0, "combine r6 wrong");
+        fw_generate(&s, 2, me, &in); /* the rounds below use round 2's inputs */
     }
     CHECK_RC(ferry_dispatch_recv(ep, r3, &dout), FERRY_OK);
     fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);

@@ -169,8 +169,12 @@ static int fr_staged_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     fr_stage_plan_t p = {0};
     int T = in->num_tokens;
     int ii = fr_stage_add(&p, in->topk_idx, (size_t)T * L->K * sizeof(int64_t));
-    int io = fr_stage_add(&p, in->num_recv_out, sizeof(int32_t));
-    int ic = fr_stage_add(&p, in->expert_counts_out, (size_t)L->El * sizeof(int32_t));
+    /* a bounded route's counts go to the caller's device memory; an exact
+     * route leaves them alone (as the GPU engine does) */
+    int bounded = in->max_recv > 0;
+    int io = fr_stage_add(&p, bounded ? in->num_recv_out : NULL, sizeof(int32_t));
+    int ic = fr_stage_add(&p, bounded ? in->expert_counts_out : NULL,
+                          (size_t)L->El * sizeof(int32_t));
     if ((rc = fr_stage_fit(ep, &p)) || (rc = fr_stage_copy(ep, &p, ii, ii + 1, 1, in->stream,
                                                           NULL)))
         return rc;
