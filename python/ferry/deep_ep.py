@@ -401,12 +401,12 @@ class Buffer:
             raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: normal-mode call on a buffer made "
                                "with low_latency_mode=True")
 
-    def _ht_ep(self, num_experts, topk, hidden):
-        key = ("ht", num_experts, topk, hidden)
+    def _ht_ep(self, num_experts, topk, hidden, device="cuda"):
+        key = ("ht", num_experts, topk, hidden, device)
         ep = self._eps.get(key)
         if ep is None:
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
-                    max_tokens=_HT_MAX_TOKENS, dtype="bf16", device="cuda", mode="ht",
+                    max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
                     num_sms=self.num_sms if self.num_sms is not None else self._sms)
             self._eps[key] = ep
         return ep
@@ -435,7 +435,7 @@ class Buffer:
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
         per_expert.scatter_add_(0, e.flatten(), valid.flatten().to(torch.int32))
         return per_rank, None, per_expert, is_token_in_rank, \
-            (self.capture() if async_finish else _no_event())
+            (_event_after(topk_idx) if async_finish else _no_event())
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -483,7 +483,7 @@ class Buffer:
             if E % N:
                 raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
                                  f"group size {N}")
-            ep = self._ht_ep(E, topk_idx.shape[1], xt.shape[1])
+            ep = self._ht_ep(E, topk_idx.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu")
             route = ep.route(topk_idx.contiguous(), int(expert_alignment or 1),
                              max_recv=int(num_worst_tokens or 0))
             handle = _HtHandle(ep, route, xt.shape[0])
@@ -498,7 +498,7 @@ class Buffer:
             raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
         o = ep.ht_dispatch(route, xt, xs, topk_weights)
         recv_x = (o["recv_x"], o["recv_x_scales"]) if fp8 else o["recv_x"]
-        ev = self.capture() if async_finish else _no_event()
+        ev = _event_after(xt) if async_finish else _no_event()
         if cached:
             return recv_x, None, None, None, handle, ev
         # a bounded route (num_worst_tokens): rows padded to the bound, no
@@ -530,7 +530,7 @@ class Buffer:
             out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous())
         else:
             out, w = ep.ht_combine(route, x.contiguous()), None
-        return out, w, (self.capture() if async_finish else _no_event())
+        return out, w, (_event_after(x) if async_finish else _no_event())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Nothing to clean: ferry's flags count arrivals per round (a

@@ -13,7 +13,11 @@ against a reference computed here (the helpers of test_torch_cuda.py):
     tensors, naming the handle;
   - argument errors naming the argument (TypeError / ValueError /
     NotImplementedError), get_low_latency_rdma_size_hint, allow_mnnvl,
-    clean_low_latency_buffer, get_local_buffer_tensor.
+    clean_low_latency_buffer, get_local_buffer_tensor;
+  - normal mode (get_dispatch_layout, dispatch, combine) on the CPU
+    high-throughput engine: rows, local expert ids and weights, counts
+    with expert_alignment, combine and the weights gathered back, a cached
+    handle, num_worst_tokens, fp8 tuples, argument errors.
 Usage: test_torch_cpu.py [nranks ...]. Exit 77 (skipped) without torch.
 """
 import os
@@ -29,7 +33,7 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import gather_all, run_ranks  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref, expect,  # noqa: E402
-                             expert_outputs, make_inputs)
+                             expert_fn, expert_outputs, make_inputs, quant_ref)
 
 
 def ll_rounds(deep_ep, buf, rank, N, E, K, H, T):
@@ -147,6 +151,94 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     return msgs
 
 
+def normal_mode(deep_ep, rank, N):
+    """DeepEP's normal mode on ferry's high-throughput engine: rows by
+    source rank, then token, with their local expert ids and weights;
+    per-expert counts rounded up to the alignment; the combine of the
+    experts' weighted outputs, and the weights gathered back; a cached
+    handle; num_worst_tokens (padded rows); fp8 tuples; argument errors."""
+    msgs, dev = [], torch.device("cpu")
+    E, K, H, T, align = 4 * N, 3, 256, 24, 4
+    El = E // N
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
+    for rnd, fp8 in ((1, False), (2, True)):
+        x, idx, w = make_inputs(rank, 200 + rnd, T, H, E, K, dev)
+        xs, ids, ws = gather_all(N, x, idx, w)
+        nr, nrdma, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+        exp_rows = [(s, t) for s in range(N) for t in range(ids[s].shape[0])
+                    if ((ids[s][t] >= rank * El) & (ids[s][t] < rank * El + El)).any()]
+        if nrdma is not None or int(nr.sum()) != int(inr.sum()) or int(ne.sum()) != int((idx >= 0).sum()):
+            msgs.append(f"get_dispatch_layout: {nr.tolist()} {ne.tolist()}")
+        xin = x
+        if fp8:
+            q8, sc = quant_ref(x)
+            xin = (q8, sc)
+        rx, ridx, rw, counts, handle, _ = buf.dispatch(
+            xin, topk_idx=idx, topk_weights=w, num_tokens_per_rank=nr, is_token_in_rank=inr,
+            num_tokens_per_expert=ne, expert_alignment=align, async_finish=True)
+        rows = rx[0] if fp8 else rx
+        if rows.shape[0] != len(exp_rows):
+            msgs.append(f"normal dispatch fp8={fp8}: {rows.shape[0]} rows, want {len(exp_rows)}")
+            continue
+        bad = 0
+        for j, (s, t) in enumerate(exp_rows):
+            row = quant_ref(xs[s][t:t + 1])[0][0].view(torch.uint8) if fp8 else xs[s][t]
+            got = rows[j].view(torch.uint8) if fp8 else rows[j]
+            loc = [int(e) - rank * El if rank * El <= int(e) < rank * El + El else -1
+                   for e in ids[s][t]]
+            wl = [float(ws[s][t][k]) if loc[k] >= 0 else 0.0 for k in range(K)]
+            bad += not torch.equal(got, row) or ridx[j].tolist() != loc or \
+                rw[j].tolist() != wl
+        want = [-(-sum(1 for s, t in exp_rows if (ids[s][t] == rank * El + le).any()) // align)
+                * align for le in range(El)]
+        if bad or counts != want or ridx.dtype != torch.int64:
+            msgs.append(f"normal dispatch fp8={fp8}: {bad} wrong rows, counts {counts} want {want}")
+        # the experts: each row's local experts, weighted and summed
+        rowsf = (rx[0].float() * rx[1].repeat_interleave(128, 1)) if fp8 else rx.float()
+        y = torch.zeros(rowsf.shape, dtype=torch.float32)
+        for j in range(rowsf.shape[0]):
+            for k in range(K):
+                if int(ridx[j, k]) >= 0:
+                    e = rank * El + int(ridx[j, k])
+                    y[j] += float(rw[j, k]) * expert_fn(e, rowsf[j:j + 1]).float()[0]
+        out, cw, _ = buf.combine(y.to(torch.bfloat16), handle, topk_weights=rw, async_finish=True)
+        err = combine_error(out, combine_ref(x, idx, w, fp8))
+        wref = torch.where(idx >= 0, w, torch.zeros_like(w))
+        if err or not torch.equal(cw, wref):
+            msgs.append(f"normal combine fp8={fp8}: {err or 'weights gathered back differ'}")
+        # the cached handle: the same routing, new data
+        if not fp8:
+            x2 = (x.float() * 2).to(torch.bfloat16)
+            r2 = buf.dispatch(x2, handle=handle)
+            if r2[1:4] != (None, None, None) or not torch.equal(r2[0], (rx.float() * 2).to(torch.bfloat16)):
+                msgs.append("normal dispatch with a cached handle: wrong rows or results")
+            out2, cw2, _ = buf.combine(y.to(torch.bfloat16), handle)
+            if not torch.equal(out2, out) or cw2 is not None:
+                msgs.append("normal combine again on the handle: differs")
+    # num_worst_tokens: rows padded to the bound, -1 past the real ones
+    x, idx, w = make_inputs(rank, 210, T, H, E, K, dev)
+    nr, _, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+    bound = N * T
+    rx, ridx, rw, counts, handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=ne, num_worst_tokens=bound)
+    real = int((ridx >= 0).any(1).sum())
+    if rx.shape[0] != bound or counts != [] or bool((ridx[real:] >= 0).any()):
+        msgs.append(f"num_worst_tokens: {rx.shape[0]} rows (want {bound}), counts {counts}")
+    buf.combine(torch.zeros(rx.shape, dtype=torch.bfloat16), handle)
+    expect(msgs, NotImplementedError, "ferry.deep_ep.Buffer.combine", buf.combine,
+           torch.zeros(rx.shape, dtype=torch.bfloat16), handle, bias=torch.zeros(T, H))
+    expect(msgs, TypeError, "handle", buf.combine, torch.zeros(1, H), (1, 2))
+    expect(msgs, ValueError, "x", buf.combine, torch.zeros(rx.shape[0] + 1, H,
+                                                          dtype=torch.bfloat16), handle)
+    expect(msgs, TypeError, "ferry.deep_ep.Buffer.dispatch", buf.dispatch, x, topk_idx=idx)
+    if N > 1:  # not a multiple of the group size
+        expect(msgs, ValueError, f"num_experts = {E + 1}", buf.get_dispatch_layout, idx, E + 1)
+    expect(msgs, RuntimeError, "ferry.deep_ep.Buffer.low_latency_dispatch",
+           buf.low_latency_dispatch, x, idx, T, E)
+    buf.destroy()
+    return msgs
+
+
 def rank_main(rank, N, port, q):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -159,6 +251,7 @@ def rank_main(rank, N, port, q):
         msgs = ll_rounds(deep_ep, buf, rank, N, E, K, H, T)
         msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
         buf.destroy()
+        msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:
@@ -173,7 +266,7 @@ def main():
         bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
         for line in bad:
             print(line)
-        print(f"{N} ranks: DeepEP low-latency API on CPU tensors: "
+        print(f"{N} ranks: DeepEP API (low latency and normal mode) on CPU tensors: "
               f"{'FAILED' if bad or len(res) != N else 'passed'}")
         failed += bool(bad) or len(res) != N
     return 1 if failed else 0
