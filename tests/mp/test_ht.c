@@ -593,18 +593,20 @@ static int route_make(ferry_ep_t ep, const world_t *w, int align,
                            .expert_alignment = align};
     int32_t *nout = NULL, *eout = NULL;
     size_t eb = sizeof(int32_t) * (size_t)w->El;
-    if (g_extra >= 0) { /* bounded, with both outputs (device memory on GPUs) */
+    /* bounded: both outputs (device memory on GPUs) written; exact: the
+     * same outputs given, and they must stay untouched (they belong to
+     * bounded routes) */
+    if (g_extra >= 0)
         in.max_recv = w->nrecv + g_extra;
-        nout = galloc(sizeof(int32_t));
-        eout = galloc(eb);
-        in.num_recv_out = g_cuda ? dcopy(nout, sizeof(int32_t)) : nout;
-        in.expert_counts_out = g_cuda ? dcopy(eout, eb) : eout;
-    }
+    nout = galloc(sizeof(int32_t));
+    eout = galloc(eb);
+    in.num_recv_out = g_cuda ? dcopy(nout, sizeof(int32_t)) : nout;
+    in.expert_counts_out = g_cuda ? dcopy(eout, eb) : eout;
     *rt = NULL;
     int rc = route_call(ep, &in, rt, T, w->K);
-    if (rc == FERRY_OK && g_cuda && g_extra >= 0)
+    if (rc == FERRY_OK && g_cuda)
         rc = ferry_ep_sync(ep, NULL); /* a bounded route only enqueued */
-    if (g_cuda && g_extra >= 0) {
+    if (g_cuda) {
         dback(nout, in.num_recv_out, sizeof(int32_t));
         dback(eout, in.expert_counts_out, eb);
     }
@@ -626,6 +628,14 @@ static int route_make(ferry_ep_t ep, const world_t *w, int align,
         CHECK(bad == 0, "rank %d: %s: %d of expert_counts_out wrong", w->me, what, bad);
         CHECK(gintact(nout, sizeof(int32_t)) && gintact(eout, eb),
               "rank %d: %s: route outputs written past their end", w->me, what);
+    } else {
+        int touched = 0;
+        for (size_t i = 0; i < sizeof(int32_t) + GUARD; i++)
+            touched |= ((const uint8_t *)nout)[i] != POISON;
+        for (size_t i = 0; i < eb + GUARD; i++)
+            touched |= ((const uint8_t *)eout)[i] != POISON;
+        CHECK(!touched, "rank %d: %s: an exact route wrote num_recv_out or expert_counts_out",
+              w->me, what);
     }
     free(nout);
     free(eout);
