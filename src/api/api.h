@@ -14,6 +14,10 @@
 int fr_ep_check_config(int nranks, const ferry_ep_config_t *c, fr_err_t *err);
 int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
                            int on_gpu, fr_err_t *err);
+/* An argument struct (first field its size) copied into `cur`, the
+ * current layout of `cur_size` bytes: fields past the caller's size
+ * zeroed, cur's size set to cur_size. The caller checked the size. */
+void fr_args_current(void *cur, size_t cur_size, const void *args);
 /* on_gpu: topk_idx is device memory (checked by the engine's kernel). */
 int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
                         fr_err_t *err);

@@ -51,8 +51,6 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
-/* Rows of a route's dispatch outputs (and combine inputs): the bound of a
- * bounded route, else what arrives. */
 int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *route)
 {
     if (!ep)
@@ -69,9 +67,7 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     if ((rc = fr_check_route_args(&ep->L, in, ep->cfg.device == FERRY_DEVICE_CUDA, &aerr)))
         return fr_ep_fail(ep, rc, "%s", aerr.msg);
     ferry_route_in_t cur; /* the engine sees the current struct */
-    memset(&cur, 0, sizeof(cur));
-    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
-    cur.size = sizeof(cur);
+    fr_args_current(&cur, sizeof(cur), in);
     ferry_route_t r = calloc(1, sizeof(*r));
     if (!r)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
@@ -148,9 +144,7 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
     if (rc)
         return rc;
     ferry_ht_dispatch_in_t cur; /* the engine sees the current struct */
-    memset(&cur, 0, sizeof(cur));
-    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
-    cur.size = sizeof(cur);
+    fr_args_current(&cur, sizeof(cur), in);
     in = &cur;
     if (route->T > 0 && !in->x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
@@ -182,9 +176,7 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     if (rc)
         return rc;
     ferry_ht_combine_in_t cur; /* the engine sees the current struct */
-    memset(&cur, 0, sizeof(cur));
-    memcpy(&cur, in, in->size < sizeof(cur) ? in->size : sizeof(cur));
-    cur.size = sizeof(cur);
+    fr_args_current(&cur, sizeof(cur), in);
     in = &cur;
     int rows = fr_route_rows(route);
     if (rows > 0 && !in->y)

@@ -199,29 +199,30 @@ static int fr_round_call(ferry_ep_t ep, uint64_t round, int state,
     return fr_check_args_size(ep, args, need, args_name, type);
 }
 
-/* The output structs as the engines see them: the caller's copied into the
- * current layout, fields it is too old to have zeroed (wait_cost came
- * later; a struct without it is accepted). */
-#define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
-#define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
-/* An output struct's size: the current one (or larger), or exactly the
- * size before wait_cost; anything between would split a pointer. */
-static int fr_out_size_ok(ferry_ep_t ep, const void *out, size_t old, size_t cur,
-                          const char *type)
-{
-    size_t have = *(const size_t *)out;
-    if (have == old || have >= cur)
-        return FERRY_OK;
-    return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
-                      type);
-}
-
-static void fr_args_current(void *cur, size_t cur_size, const void *args)
+void fr_args_current(void *cur, size_t cur_size, const void *args)
 {
     size_t have = *(const size_t *)args;
     memset(cur, 0, cur_size);
     memcpy(cur, args, have < cur_size ? have : cur_size);
     *(size_t *)cur = cur_size;
+}
+
+/* The output structs as the engines see them: the caller's (checked as at
+ * least `old` bytes) copied into `cur`, the current layout, fields it is
+ * too old to have zeroed. Its size must be the current one (or larger),
+ * or exactly `old`, the size before wait_cost: anything between would
+ * split a pointer. */
+#define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
+#define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
+static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, void *cur,
+                          size_t cur_size, const char *type)
+{
+    size_t have = *(const size_t *)out;
+    if (have != old && have < cur_size)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
+                          type);
+    fr_args_current(cur, cur_size, out);
+    return FERRY_OK;
 }
 
 static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
@@ -246,10 +247,9 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_round_call(ep, round, FR_ROUND_SENT, "dispatch_recv", out, FR_DOUT_MIN, "out",
                            "ferry_dispatch_out_t", &r);
     ferry_dispatch_out_t cur;
-    if (rc == FERRY_OK && (rc = fr_out_size_ok(ep, out, FR_DOUT_MIN, sizeof(cur),
-                                               "ferry_dispatch_out_t")) == FERRY_OK)
-        fr_args_current(&cur, sizeof(cur), out);
-    if (rc || (rc = fr_check_dispatch_out(ep, &cur)))
+    if (rc ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
     rc = ep->eng->dispatch_recv(ep, r, &cur);
     if (rc)
@@ -298,10 +298,9 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     int rc = fr_round_call(ep, round, FR_ROUND_COMBINED, "combine_recv", out, FR_COUT_MIN, "out",
                            "ferry_combine_out_t", &r);
     ferry_combine_out_t cur;
-    if (rc == FERRY_OK && (rc = fr_out_size_ok(ep, out, FR_COUT_MIN, sizeof(cur),
-                                               "ferry_combine_out_t")) == FERRY_OK)
-        fr_args_current(&cur, sizeof(cur), out);
-    if (rc || (rc = fr_check_combine_out(ep, r, &cur)))
+    if (rc ||
+        (rc = fr_out_current(ep, out, FR_COUT_MIN, &cur, sizeof(cur), "ferry_combine_out_t")) ||
+        (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
     rc = ep->eng->combine_recv(ep, r, &cur);
     if (rc)
@@ -331,15 +330,12 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     uint64_t rr = 0;
     fr_round_t *r = NULL;
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
-        (rc = fr_out_size_ok(ep, out, FR_DOUT_MIN, sizeof(ferry_dispatch_out_t),
-                             "ferry_dispatch_out_t")))
-        return rc;
     ferry_dispatch_out_t cur;
-    fr_args_current(&cur, sizeof(cur), out);
-    out = &cur;
-    if ((rc = fr_check_dispatch_out(ep, out)))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
+    out = &cur;
     if (ep->eng->dispatch && out->stream != in->stream)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_dispatch runs on one "
@@ -371,15 +367,12 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     fr_round_t *r = NULL;
     int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
                            "ferry_combine_in_t", &r);
-    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
-        (rc = fr_out_size_ok(ep, out, FR_COUT_MIN, sizeof(ferry_combine_out_t),
-                             "ferry_combine_out_t")))
-        return rc;
     ferry_combine_out_t cur;
-    fr_args_current(&cur, sizeof(cur), out);
-    out = &cur;
-    if ((rc = fr_check_combine_out(ep, r, out)))
+    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_COUT_MIN, &cur, sizeof(cur), "ferry_combine_out_t")) ||
+        (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
+    out = &cur;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
     if ((rc = fr_check_stream(ep, in->stream, "in->stream")))

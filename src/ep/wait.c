@@ -71,9 +71,6 @@ static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
     return 1;
 }
 
-/* Spin briefly; then sleep on the doorbell (a futex in this rank's
- * segment) so ranks sharing cores do not starve each other; every 2 ms
- * check for dead peers, proxy errors and the deadline. */
 /* Wait costs: each sender not seen yet whose flag is up now was seen at
  * `now` (seen[s]: 1 + ns after the wait's start; 0 not yet). */
 static void fr_cost_sweep(ferry_ep_t ep, int phase, int set, uint64_t epoch, uint64_t start,
@@ -90,26 +87,22 @@ static void fr_cost_sweep(ferry_ep_t ep, int phase, int set, uint64_t epoch, uin
     }
 }
 
-#define FR_COST_MAX_RANKS 1024 /* on the stack; more ranks: calloc */
-
 static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                               const char *what, int64_t *cost, uint64_t *seen_at,
                               uint64_t start);
 
+/* Spin briefly; then sleep on the doorbell (a futex in this rank's
+ * segment) so ranks sharing cores do not starve each other; every 2 ms
+ * check for dead peers, proxy errors and the deadline. With wait costs,
+ * when each sender was first seen is kept (only then: a table per call). */
 int fr_wait_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                   const char *what, int64_t *cost)
 {
-    int N = ep->N;
-    uint64_t start = fr_now_ns();
-    uint64_t seen_stack[FR_COST_MAX_RANKS], *seen_at = seen_stack;
-    if (cost && N > FR_COST_MAX_RANKS &&
-        !(seen_at = calloc((size_t)N, sizeof(uint64_t))))
-        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "%s: wait costs of %d ranks", what, N);
-    if (cost && seen_at == seen_stack)
-        memset(seen_at, 0, sizeof(uint64_t) * (size_t)N);
+    uint64_t start = fr_now_ns(), *seen_at = NULL;
+    if (cost && !(seen_at = calloc((size_t)ep->N, sizeof(uint64_t))))
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "%s: wait costs of %d ranks", what, ep->N);
     int rc = fr_wait_flags_loop(ep, phase, set, epoch, what, cost, seen_at, start);
-    if (seen_at != seen_stack)
-        free(seen_at);
+    free(seen_at);
     return rc;
 }
 

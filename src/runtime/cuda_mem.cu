@@ -116,6 +116,17 @@ int fr_cuda_copies_wait(int device)
     return cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess ? 0 : -1;
 }
 
+/* 1: `stream` is capturing a graph, 0: not, -1: the query failed. */
+static int fr_cuda_capture_status(void *stream)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return cs != cudaStreamCaptureStatusNone;
+}
+
 int fr_cuda_stream_nonblocking(void *stream)
 {
     unsigned int flags = 0;
@@ -123,13 +134,9 @@ int fr_cuda_stream_nonblocking(void *stream)
         return 0;
     if (stream == (void *)cudaStreamPerThread)
         return 0; /* it synchronizes with the legacy stream (CUDA's rules) */
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
-        cudaGetLastError();
-        return -1;
-    }
-    if (cs != cudaStreamCaptureStatusNone)
-        return 2; /* captured: the graph runs on the stream it is launched on */
+    int cap = fr_cuda_capture_status(stream);
+    if (cap != 0)
+        return cap < 0 ? -1 : 2; /* captured: the graph runs where it is launched */
     if (cudaStreamGetFlags((cudaStream_t)stream, &flags) != cudaSuccess) {
         cudaGetLastError();
         return -1;
@@ -162,10 +169,5 @@ int fr_cuda_copies(void *stream, int n, void *const *dst, const void *const *src
 
 int fr_cuda_capturing(void *stream)
 {
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return cs != cudaStreamCaptureStatusNone;
+    return fr_cuda_capture_status(stream) == 1;
 }

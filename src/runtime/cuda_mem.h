@@ -1,7 +1,9 @@
 /*
- * Small CUDA memory helpers for contexts other than the EP (put-with-signal):
- * pinned host memory mapped into the GPU, a device word, a device-to-host
- * read, the GPUDirect RDMA write flush. Without CUDA (cuda_mem_stub.c) they answer FERRY_ERR_UNSUPPORTED.
+ * Small CUDA helpers for C code (put-with-signal, the proxy, the API, the
+ * staged engine): pinned host memory mapped into the GPU, a device word, a
+ * device-to-host read, the GPUDirect RDMA write flush, waiting for a
+ * provider's copies, stream queries, copies through host memory. Without
+ * CUDA (cuda_mem_stub.c) they answer FERRY_ERR_UNSUPPORTED (or "no").
  */
 #ifndef FR_CUDA_MEM_H
 #define FR_CUDA_MEM_H

@@ -384,12 +384,7 @@ static int fr_cuda_load_kernels(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *e
     decltype(&fr_cu_combine) ks[] = {fr_cu_combine};
     c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
     const void *fs[] = {(const void *)fr_cu_combine_send, (const void *)fr_cu_combine_recv};
-    for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++) {
-        struct cudaFuncAttributes fa;
-        FR_CU(cudaFuncGetAttributes(&fa, fs[i]), err, fail);
-    }
-fail:
-    return rc;
+    return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "combine", err);
 }
 
 extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)

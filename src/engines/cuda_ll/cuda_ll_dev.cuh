@@ -70,7 +70,8 @@ struct fr_cuda_ep {
     int device, nblocks;
     int nsm;                 /* the GPU's SMs */
     int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
-                                holds at once (0: not asked yet) */
+                                holds at once, found at set-up (-1: they do
+                                not fit; send and receive go as two launches) */
     int host_seg;            /* every peer on the fabric: buffers for the proxy
                                 (seg and send in GPU memory when
                                 ep->fab_device >= 0, else pinned host memory
@@ -108,6 +109,20 @@ static int fr_cu_grid(const struct fr_cuda_ep *c, K (&ks)[NK], int threads, size
     FR_LOG_INFO(FR_SUB_EP, "%s: the one-launch kernel does not fit; sending and receiving in "
                            "two launches", what);
     return -1;
+}
+
+/* Kernels loaded now (cudaFuncGetAttributes loads a kernel under lazy
+ * loading): fs[0..n) of the engine's `what` kernels, or an error. */
+static int fr_cu_load(const void *const *fs, size_t n, const char *what, fr_err_t *err)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct cudaFuncAttributes fa;
+        cudaError_t e = cudaFuncGetAttributes(&fa, fs[i]);
+        if (e != cudaSuccess)
+            return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the %s kernels: %s", what,
+                          cudaGetErrorString(e));
+    }
+    return FERRY_OK;
 }
 
 /* The dispatch kernels' shared memory above 48 KB, or an error (dispatch.cu). */

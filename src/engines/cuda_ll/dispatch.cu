@@ -678,6 +678,14 @@ static __host__ __device__ size_t fr_dr_smem(int El)
            sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 2);
 }
 
+/* Dynamic shared memory of the one-launch dispatch (its send part, then
+ * its receive part, in the same blocks). */
+static size_t fr_d_smem(ferry_ep_t ep)
+{
+    size_t ss = fr_ds_smem(ep->N, ep->L.E), sr = fr_dr_smem((int)ep->L.El);
+    return ss > sr ? ss : sr;
+}
+
 /* Copying a batch, the whole block over (record, 16 bytes) pairs, every
  * thread with FR_DR_UNROLL loads in flight, each stored to the record's
  * rows; then the scales. */
@@ -918,8 +926,7 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
     bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
     /* own tokens straight into own expert rows: self on the IPC path */
     bool direct = !c->host_seg;
-    size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
-    size_t smem = ssend > srecv ? ssend : srecv;
+    size_t smem = fr_d_smem(ep);
     if (c->dgrid < 0) {
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
@@ -941,20 +948,11 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
  * (fr_cuda_load_kernels says why). */
 extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
 {
-    size_t ssend = fr_ds_smem(ep->N, ep->L.E), srecv = fr_dr_smem((int)ep->L.El);
-    size_t smem = ssend > srecv ? ssend : srecv;
     decltype(&fr_cu_dispatch<true>) ks[] = {fr_cu_dispatch<true>, fr_cu_dispatch<false>};
-    c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, smem, "dispatch");
+    c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, fr_d_smem(ep), "dispatch");
     const void *fs[] = {(const void *)fr_cu_dispatch_send<true>,
                         (const void *)fr_cu_dispatch_send<false>, (const void *)fr_cu_dispatch_recv};
-    for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++) {
-        struct cudaFuncAttributes fa;
-        cudaError_t e = cudaFuncGetAttributes(&fa, fs[i]);
-        if (e != cudaSuccess)
-            return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the dispatch kernels: %s",
-                          cudaGetErrorString(e));
-    }
-    return FERRY_OK;
+    return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "dispatch", err);
 }
 
 /* Shared memory of the dispatch kernels above the 48 KB a launch gets by
@@ -962,8 +960,7 @@ extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err
  * at set-up, or refused with the sizes when the GPU offers less. */
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err)
 {
-    size_t ss = fr_ds_smem(ep->N, ep->L.E), sr = fr_dr_smem((int)ep->L.El);
-    size_t need = ss > sr ? ss : sr;
+    size_t need = fr_d_smem(ep);
     if (need <= 48 * 1024)
         return FERRY_OK;
     int dev = 0, optin = 0;

@@ -48,7 +48,7 @@ static fr_staged_t *fr_staged(ferry_ep_t ep)
     return (fr_staged_t *)ep->eng_aux;
 }
 
-/* Add a piece (NULL device pointer or no bytes: nothing); its index. */
+/* Add a piece (a NULL device pointer: absent, nothing copied); its index. */
 static int fr_stage_add(fr_stage_plan_t *p, const void *dev, size_t len)
 {
     int i = p->n++;
@@ -59,8 +59,7 @@ static int fr_stage_add(fr_stage_plan_t *p, const void *dev, size_t len)
     return i;
 }
 
-/* The staging area holds the plan; its host address of piece i (NULL for
- * an absent piece). */
+/* The staging area grown to hold the plan. */
 static int fr_stage_fit(ferry_ep_t ep, const fr_stage_plan_t *p)
 {
     fr_staged_t *s = fr_staged(ep);
@@ -79,14 +78,16 @@ static int fr_stage_fit(ferry_ep_t ep, const fr_stage_plan_t *p)
     return FERRY_OK;
 }
 
+/* Piece i's host address in the staging area (NULL for an absent piece). */
 static void *fr_stage_host(ferry_ep_t ep, const fr_stage_plan_t *p, int i)
 {
     return p->dev[i] ? fr_staged(ep)->buf + p->off[i] : NULL;
 }
 
 /* Pieces [lo, hi) copied device -> host (to_host) or host -> device, on
- * `stream`, then waited for. rows_len: for pieces copied back, how many
- * bytes of each (<= len; the rest of the caller's buffer is not written). */
+ * `stream`, then waited for. part (optional): how many bytes of each
+ * piece to copy (at most its size; the rest of the caller's buffer is not
+ * written). */
 static int fr_stage_copy(ferry_ep_t ep, const fr_stage_plan_t *p, int lo, int hi, int to_host,
                          void *stream, const size_t *part)
 {
