@@ -622,11 +622,15 @@ class EP:
         self._routes = [x for x in self._routes if x._h] + [route]
         return route
 
+    def _torch_io(self, like):
+        """An HT call's outputs are torch tensors on `like`'s device: on CUDA
+        contexts always, on CPU ones when the inputs are torch tensors."""
+        return self.device == "cuda" or _torch_like(like)
+
     def _ht_new(self, like, shape, dtype):
-        """An output of an HT call: a torch tensor on `like`'s device when the
-        inputs are torch tensors (CUDA contexts always), else numpy (dtype:
-        numpy name, torch name)."""
-        if self.device == "cuda" or _torch_like(like):
+        """An output of an HT call: a torch tensor (_torch_io), else numpy
+        (dtype: numpy name, torch name)."""
+        if self._torch_io(like):
             import torch
             return torch.empty(shape, dtype=getattr(torch, dtype[1]), device=like.device)
         import numpy as np
@@ -664,14 +668,14 @@ class EP:
         px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0, inf=xinf)
         ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
-        if self.device == "cuda" or xinf.torch:
+        if self._torch_io(x):
             # an empty tensor (no tokens on this rank) has no storage: "given
             # but empty" must still reach the library as given (fp8 rows,
             # weights riding along), as every rank must say the same
             ps = ps or (self._given(x) if x_scales is not None else None)
             pw = pw or (self._given(x) if topk_weights is not None else None)
         xdt = (_FP8[0], xinf.dtype) if fp8 else _BF16
-        if (self.device == "cuda" or xinf.torch) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
+        if self._torch_io(x) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
         new = lambda shape, dt: self._ht_new(x, shape, dt)
         o = dict(recv_x=new((n, H), xdt),
@@ -697,9 +701,9 @@ class EP:
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
-        if (self.device == "cuda" or _torch_like(y)) and topk_weights is not None:
+        if self._torch_io(y) and topk_weights is not None:
             pw = pw or self._given(y)
-        odt = _BF16 if self.device == "cuda" or _torch_like(y) else ("uint16", "uint16")
+        odt = _BF16 if self._torch_io(y) else ("uint16", "uint16")
         out = self._ht_new(y, (T, H), odt)
         wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
         st = _stream_of(y, stream) if self.device == "cuda" else None

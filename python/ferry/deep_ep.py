@@ -328,7 +328,6 @@ class Buffer:
         self.comm = Comm(group)
         self._eps = {}
         self._plans = {}
-        self._wc = None  # the current call's wait-cost stats tensor (or None)
         self._sms = _default_sms(group) if torch.cuda.is_available() else 16
 
     @classmethod
@@ -581,8 +580,7 @@ class Buffer:
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                      use_fp8, round_scale, use_ue8m0, return_recv_hook):
         self._low_latency('low_latency_dispatch')
-        self._wc = self._wait_cost(dispatch_wait_recv_cost_stats,
-                                   "dispatch_wait_recv_cost_stats", x)
+        wc = self._wait_cost(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", x)
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0: True needs use_fp8=True and round_scale=True (UE8M0 "
                              "holds power-of-two scales only)")
@@ -600,7 +598,7 @@ class Buffer:
                 raise ValueError(f"cumulative_local_expert_recv_stats: expected a tensor on "
                                  f"{x.device} (x's device), got one on {stats.device}")
         r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook, rs)
+                                       num_experts, use_fp8, return_recv_hook, rs, wc)
         if stats is None and not use_ue8m0:
             return r
         out_x, cnt, handle, ev, hook = r
@@ -643,7 +641,8 @@ class Buffer:
         return t
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                              use_fp8, return_recv_hook, round_scale=False):
+                              use_fp8, return_recv_hook, round_scale=False, wc=None):
+        """wc: the wait-cost stats tensor (checked) or None."""
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
         if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.is_cuda and \
                 x.dtype is torch.bfloat16 and topk_idx.dtype is torch.int64 and \
@@ -652,7 +651,7 @@ class Buffer:
                 x.shape[0] <= num_max_dispatch_tokens_per_rank and \
                 topk_idx.get_device() == x.get_device():
             return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook, round_scale)
+                                       num_experts, use_fp8, return_recv_hook, round_scale, wc)
         _tensor(x, "x", torch.bfloat16)
         if x.dim() != 2:
             raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
@@ -689,8 +688,6 @@ class Buffer:
                 self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
 
-        wc = self._wc
-
         def recv():
             ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token, wait_cost=wc)
 
@@ -701,7 +698,7 @@ class Buffer:
         return out_x, count, handle, EventOverlap(), hook
 
     def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook,
-                       round_scale=False):
+                       round_scale=False, wc=None):
         T, H = x.shape
         K = topk_idx.shape[1]
         plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale)
@@ -720,13 +717,13 @@ class Buffer:
         s = (ep._last_round + 1) & 1
         if plan.pending[s]:
             self._settle(plan, s, stream)
-        wc = self._wc.data_ptr() if self._wc is not None else None
+        wcp = wc.data_ptr() if wc is not None else None
         if return_recv_hook:
             plan.check(plan.send(h, din, plan.round))
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-            dout.stream, dout.wait_cost = stream, wc
-            plan.wc_keep[rnd & 1] = self._wc  # alive until the receive is enqueued
+            dout.stream, dout.wait_cost = stream, wcp
+            plan.wc_keep[rnd & 1] = wc  # alive until the receive is enqueued
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
             hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
@@ -740,7 +737,7 @@ class Buffer:
             return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-        dout.stream, dout.wait_cost = stream, wc
+        dout.stream, dout.wait_cost = stream, wcp
         plan.check(plan.both(h, din, dout, plan.round))
         ep._last_round = plan.round.value
         if plan.round.value != rnd:
@@ -813,7 +810,7 @@ class Buffer:
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
         return rnd
 
-    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook):
+    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep._ep()
         if handle.combined:  # a second combine of this handle
@@ -836,7 +833,7 @@ class Buffer:
         cout.topk_weights = w.data_ptr()
         cout.out = out.data_ptr()
         cout.stream = stream
-        cout.wait_cost = self._wc.data_ptr() if self._wc is not None else None
+        cout.wait_cost = wc.data_ptr() if wc is not None else None
         if not return_recv_hook:  # one launch
             plan.check(plan.cboth(h, rnd, cin, cout))
             plan.combined(handle, rnd)
@@ -850,7 +847,7 @@ class Buffer:
             plan.check(plan.crecv(h, rnd, cout))
             del keep[:]
 
-        keep = [x, w, out, self._wc]  # the stats tensor too: recv writes into it
+        keep = [x, w, out, wc]  # the stats tensor too: recv writes into it
         return out, _no_event(), recv
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
@@ -877,8 +874,7 @@ class Buffer:
         if use_logfmt:
             raise NotImplementedError("use_logfmt: ferry.deep_ep does not support DeepEP's "
                                       "LogFMT combine (ferry's combine sends bf16)")
-        self._wc = self._wait_cost(combine_wait_recv_cost_stats,
-                                   "combine_wait_recv_cost_stats", x)
+        wc = self._wait_cost(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x)
         if zero_copy:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
             # that buffer is the input, x is not read
@@ -893,7 +889,7 @@ class Buffer:
                     (out is None or (type(out) is torch.Tensor and out.shape == (T, plan.ep.hidden)
                                      and out.dtype is torch.bfloat16 and out.is_contiguous()
                                      and out.get_device() == plan.dev)):
-                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook)
+                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc)
             # the checks below name what is wrong; what passes them is
             # made contiguous float32 and goes the same way
             ep, El, cap, H = plan.ep, *plan.yshape
@@ -909,7 +905,7 @@ class Buffer:
                     raise ValueError(f"{n}: expected a tensor on cuda:{plan.dev} (the context's "
                                      f"device), got one on {t.device}")
             return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
-                                      out, return_recv_hook)
+                                      out, return_recv_hook, wc)
         if type(handle) is not _LLHandle:
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -926,7 +922,6 @@ class Buffer:
         if w.dtype != torch.float32:
             w = w.float()
         ep.combine_send(rnd, x.contiguous())
-        wc = self._wc
 
         def recv():
             ep.combine_recv(rnd, w, out, wait_cost=wc)
