@@ -31,6 +31,15 @@ def gather_all(N, *objs):
     return out
 
 
+def torch_init(rank, N, port):
+    """torch tests: this rank's gloo process group on 127.0.0.1:port (from
+    run_ranks), with ferry's timeout at 20 s."""
+    import os
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FERRY_TIMEOUT_MS="20000")
+    dist.init_process_group("gloo", rank=rank, world_size=N)
+
+
 def run_ranks(target, N, timeout=120):
     """Run target(rank, N, port, q) in N processes; each puts (rank, result)
     on q. Returns ({rank: result} of those that answered, [lines naming the

@@ -31,7 +31,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import gather_all, run_ranks  # noqa: E402
+from ranks import gather_all, run_ranks, torch_init  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref, expect,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs, quant_ref)
 
@@ -241,9 +241,7 @@ def normal_mode(deep_ep, rank, N):
 
 def rank_main(rank, N, port, q):
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          FERRY_TIMEOUT_MS="20000")
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=N)
+        torch_init(rank, N, port)
         from ferry import deep_ep
         E, K, H, T = 8 * N, 4, 512, 16
         buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True,

@@ -27,7 +27,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import gather_all, torch_main  # noqa: E402
+from ranks import gather_all, torch_init, torch_main  # noqa: E402
 from ferry.reference import fp8_block_quant as quant_ref  # noqa: E402
 
 
@@ -413,9 +413,7 @@ def check_args(ferry, deep_ep, N, dev):
 
 def rank_main(rank, N, port, q):
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          FERRY_TIMEOUT_MS="20000")
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=N)
+        torch_init(rank, N, port)
         dev = torch.device("cuda")
         import ferry
         from ferry import deep_ep

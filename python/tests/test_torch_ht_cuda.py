@@ -28,7 +28,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import gather_all, torch_main  # noqa: E402
+from ranks import gather_all, torch_init, torch_main  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -236,10 +236,8 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
 
 def rank_main(rank, N, port, q):
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          FERRY_TIMEOUT_MS="20000")
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=N)
+        torch_init(rank, N, port)
         dev = torch.device("cuda", torch.cuda.current_device())
         import ferry
         from ferry import deep_ep

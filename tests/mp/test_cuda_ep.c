@@ -117,6 +117,16 @@ static cudaError_t h2d_done(void)
     return cudaStreamSynchronize(cudaStreamLegacy);
 }
 
+/* A round's inputs to the GPU (x, topk_idx and the weights, s->T rows),
+ * in place before any kernel reads them. */
+static void inputs_to_gpu(const bufs_t *b, const fw_spec_t *s, const fw_input_t *in)
+{
+    CU(cudaMemcpy(b->x, in->x, (size_t)s->T * s->H * 2, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b->idx, in->idx, (size_t)s->T * s->K * 8, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(b->w, in->w, (size_t)s->T * s->K * 4, cudaMemcpyHostToDevice));
+    CU(h2d_done());
+}
+
 static int run_graph(ferry_comm_t comm, int one_call)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
@@ -190,11 +200,8 @@ static int run_graph(ferry_comm_t comm, int one_call)
     for (int it = 1; it <= replays; it++) {
         fw_generate(&s, (uint64_t)it, me, &in);
         int32_t nt = in.T;
-        CU(cudaMemcpy(b.x, in.x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(b.ntok, &nt, 4, cudaMemcpyHostToDevice));
-        CU(h2d_done());
+        inputs_to_gpu(&b, &s, &in);
         CU(cudaGraphLaunch(x1, st));
         rc = ferry_ep_sync(ep, st);
         CHECK(rc == FERRY_OK, "replay %d dispatch: %s", it, ferry_ep_last_error(ep));
@@ -274,10 +281,7 @@ static int run_twin(ferry_comm_t comm, int fp8)
         ferry_combine_out_t co = {.size = sizeof(co), .topk_weights = in.w, .out = cout_};
         CHECK_RC(ferry_combine(cpu, r, &cin, &co), FERRY_OK);
         /* CUDA kernels on the same inputs */
-        CU(cudaMemcpy(b.x, in.x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(b.idx, in.idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(b.w, in.w, (size_t)T * K * 4, cudaMemcpyHostToDevice));
-        CU(h2d_done());
+        inputs_to_gpu(&b, &s, &in);
         ferry_dispatch_in_t gdin = {.size = sizeof(gdin), .num_tokens = in.T, .x = b.x,
                                     .topk_idx = b.idx};
         ferry_dispatch_out_t gdout = {.size = sizeof(gdout), .expert_x = b.ex,
@@ -360,9 +364,7 @@ static int run_timeout(ferry_comm_t comm, int kill)
     fw_input_t in;
     fw_input_alloc(&s, &in);
     fw_generate(&s, 1, me, &in);
-    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
-    CU(h2d_done());
+    inputs_to_gpu(&b, &s, &in);
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
@@ -414,15 +416,13 @@ static int run_waitcost(ferry_comm_t comm)
     fw_input_t in;
     fw_input_alloc(&s, &in);
     fw_generate(&s, 1, me, &in);
-    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy(b.w, in.w, (size_t)s.T * s.K * 4, cudaMemcpyHostToDevice));
+    inputs_to_gpu(&b, &s, &in);
     int64_t *dc = NULL, *cc = NULL;
     CU(cudaMalloc((void **)&dc, (size_t)N * 8));
     CU(cudaMalloc((void **)&cc, (size_t)N * 8));
     CU(cudaMemset(dc, 0, (size_t)N * 8));
     CU(cudaMemset(cc, 0, (size_t)N * 8));
-    CU(h2d_done());
+    CU(h2d_done()); /* the memsets too: the kernels' stream does not wait for them */
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
@@ -496,10 +496,7 @@ static int run_badidx(ferry_comm_t comm)
     fw_input_t in;
     fw_input_alloc(&s, &in);
     fw_generate(&s, 1, 0, &in);
-    CU(cudaMemcpy(b.x, in.x, (size_t)s.T * s.H * 2, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
-    CU(cudaMemcpy(b.w, in.w, (size_t)s.T * s.K * 4, cudaMemcpyHostToDevice));
-    CU(h2d_done());
+    inputs_to_gpu(&b, &s, &in);
     ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = s.T, .x = b.x, .topk_idx = b.idx};
     uint64_t round;
     /* the one-launch calls' own checks, then a good round on the same context */

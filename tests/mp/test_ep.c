@@ -238,29 +238,21 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_dispatch_send(ep, &din, &r4), FERRY_ERR_STATE);
     CHECK_MSG(ep, "in flight");
     /* finish both, second one first for the receive side */
-    {
-        /* structs of the size before wait_cost are accepted, and the field
-         * past their size is never read (a garbage pointer there) */
-        ferry_dispatch_out_t dold = dout;
-        ferry_combine_out_t cold = cout;
-        dold.size = offsetof(ferry_dispatch_out_t, wait_cost);
-        dold.wait_cost = (int64_t *)(uintptr_t)8;
-        cold.size = offsetof(ferry_combine_out_t, wait_cost);
-        cold.wait_cost = (int64_t *)(uintptr_t)8;
-        CHECK_RC(ferry_dispatch_recv(ep, r2, &dold), FERRY_OK);
-        fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
-        CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
-        CHECK_RC(ferry_combine_recv(ep, r2, &cold), FERRY_OK);
-        CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
-    }
+    /* structs of the size before wait_cost are accepted, and the field past
+     * their size is never read (a garbage pointer there) */
+    ferry_dispatch_out_t dold = dout;
+    ferry_combine_out_t cold = cout;
+    dold.size = offsetof(ferry_dispatch_out_t, wait_cost);
+    dold.wait_cost = (int64_t *)(uintptr_t)8;
+    cold.size = offsetof(ferry_combine_out_t, wait_cost);
+    cold.wait_cost = (int64_t *)(uintptr_t)8;
+    CHECK_RC(ferry_dispatch_recv(ep, r2, &dold), FERRY_OK);
+    fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+    CHECK_RC(ferry_combine_send(ep, r2, &cin), FERRY_OK);
+    CHECK_RC(ferry_combine_recv(ep, r2, &cold), FERRY_OK);
+    CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
     {
         /* the one-shot forms take the older size too, garbage past it unread */
-        ferry_dispatch_out_t dold = dout;
-        ferry_combine_out_t cold = cout;
-        dold.size = offsetof(ferry_dispatch_out_t, wait_cost);
-        dold.wait_cost = (int64_t *)(uintptr_t)8;
-        cold.size = offsetof(ferry_combine_out_t, wait_cost);
-        cold.wait_cost = (int64_t *)(uintptr_t)8;
         uint64_t r6 = 0;
         fw_generate(&s, 4, me, &in);
         CHECK_RC(ferry_dispatch(ep, &din, &dold, &r6), FERRY_OK);
