@@ -7,8 +7,8 @@
  *   combine send part    = rows of each source rank, one contiguous run,
  *                          then every block adds its share to the flags
  *   combine receive part = wait for all flags, fp32 weighted sum, bf16 out
- *   one launch (fr_cu_combine) runs both; combine_send / combine_recv one
- *   each.
+ *   one kernel (ferry::combine): one launch runs both parts;
+ *   combine_send / combine_recv launch it once per part.
  *
  * Ordering (IPC path): data stores, a block barrier, one system fence by
  * thread 0, then relaxed system-scope adds to the destinations' flags
@@ -89,12 +89,6 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     __syncthreads();
     if (threadIdx.x == 0)
         *done = 0;
-}
-
-__global__ void __launch_bounds__(FR_CS_THREADS, 2)
-fr_cu_combine_send(fr_cu_args_t A, int set, const uint8_t *y)
-{
-    fr_cs_run(A, set, y);
 }
 
 /* Blocks take runs of B consecutive tokens: the rows of all B x K pairs
@@ -187,23 +181,25 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
     }
 }
 
-__global__ void __launch_bounds__(FR_CR_THREADS, 2)
-fr_cu_combine_recv(fr_cu_args_t A, int set, const float *w, uint16_t *out,
-                   const uint8_t *self_y, long long *cost)
+/* The combine kernel: one for the operation, its parts chosen by `phases`
+ * (FR_PART_SEND, FR_PART_RECV or both: a split call launches it twice).
+ * Both parts in one launch need the grid resident at once (blocks wait
+ * for the other blocks' sends). self_y: this rank's own rows (the send's
+ * y; the receive alone gets the y its send part was given). */
+namespace ferry {
+__global__ void __launch_bounds__(FR_CS_THREADS, 2)
+combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out,
+        const uint8_t *self_y, long long *cost, int phases)
 {
+    if (phases & FR_PART_SEND)
+        fr_cs_run(A, set, y);
+    if (!(phases & FR_PART_RECV))
+        return;
+    if (phases & FR_PART_SEND)
+        __syncthreads();
     fr_cr_run(A, set, w, out, self_y, cost);
 }
-
-/* Both parts in one launch (the grid resident at once: blocks wait for
- * the other blocks' sends). */
-__global__ void __launch_bounds__(FR_CS_THREADS, 2)
-fr_cu_combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out,
-              long long *cost)
-{
-    fr_cs_run(A, set, y);
-    __syncthreads();
-    fr_cr_run(A, set, w, out, y, cost);
-}
+} /* namespace ferry */
 
 /* ---------------------------------------------------------------------- */
 /* host side                                                              */
@@ -381,9 +377,9 @@ static int fr_cuda_load_kernels(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *e
     int rc = fr_cuda_dispatch_load(ep, c, err);
     if (rc != FERRY_OK)
         return rc;
-    decltype(&fr_cu_combine) ks[] = {fr_cu_combine};
+    decltype(&ferry::combine) ks[] = {ferry::combine};
     c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
-    const void *fs[] = {(const void *)fr_cu_combine_send, (const void *)fr_cu_combine_recv};
+    const void *fs[] = {(const void *)ferry::combine};
     return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "combine", err);
 }
 
@@ -619,8 +615,8 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
-    fr_cu_combine_send<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set,
-                                                            (const uint8_t *)in->expert_y);
+    ferry::combine<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+                                                        NULL, NULL, NULL, NULL, FR_PART_SEND);
     return fr_cuda_launch_check(ep, "combine_send");
 }
 
@@ -632,10 +628,10 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    fr_cu_combine_recv<<<blocks, FR_CR_THREADS, 0, st>>>(c->a, set, out->topk_weights,
-                                                          (uint16_t *)out->out,
-                                                          (const uint8_t *)c->y[set],
-                                                          (long long *)out->wait_cost);
+    ferry::combine<<<blocks, FR_CR_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
+                                                    (uint16_t *)out->out,
+                                                    (const uint8_t *)c->y[set],
+                                                    (long long *)out->wait_cost, FR_PART_RECV);
     return fr_cuda_launch_check(ep, "combine_recv");
 }
 
@@ -651,8 +647,10 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
         return rc ? rc : fr_cuda_combine_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
-    fr_cu_combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
-                                                   out->topk_weights, (uint16_t *)out->out,
-                                                   (long long *)out->wait_cost);
+    ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+                                                    out->topk_weights, (uint16_t *)out->out,
+                                                    (const uint8_t *)in->expert_y,
+                                                    (long long *)out->wait_cost,
+                                                    FR_PART_SEND | FR_PART_RECV);
     return fr_cuda_launch_check(ep, "combine");
 }

@@ -125,6 +125,11 @@ static int fr_cu_load(const void *const *fs, size_t n, const char *what, fr_err_
     return FERRY_OK;
 }
 
+/* The parts of an operation's kernel (ferry::dispatch, ferry::combine) one
+ * launch runs: both for the one-shot calls, one each for the split calls. */
+#define FR_PART_SEND 1
+#define FR_PART_RECV 2
+
 /* The dispatch kernels' shared memory above 48 KB, or an error (dispatch.cu). */
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
 /* The dispatch kernels loaded and c->dgrid set, at set-up (dispatch.cu). */

@@ -1,7 +1,8 @@
 /*
  * Dispatch of the CUDA low-latency engine: a send part and a receive part,
- * one launch for both (fr_cu_dispatch, behind ferry_dispatch) or one each
- * (fr_cu_dispatch_send, fr_cu_dispatch_recv, behind dispatch_send / dispatch_recv).
+ * one kernel (ferry::dispatch) run as one launch for both (behind
+ * ferry_dispatch) or launched once per part (behind dispatch_send /
+ * dispatch_recv).
  *
  * Send (a grid of blocks, each owning a contiguous run of tokens):
  *   1. every block counts, per destination rank, the records (distinct
@@ -626,14 +627,6 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     return epoch;
 }
 
-template <bool VEC>
-__global__ void __launch_bounds__(FR_DS_THREADS, 2)
-fr_cu_dispatch_send(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
-            const int64_t *idx, int T_host, const int32_t *T_dev)
-{
-    fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev, NULL);
-}
-
 /* ---------------------------------------------------------------------- */
 /* dispatch_recv                                                          */
 
@@ -849,26 +842,31 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     FR_TR_PRINT("drecv wait0,rows0,copy0,rest", s_epoch);
 }
 
-__global__ void __launch_bounds__(FR_DR_THREADS, 2)
-fr_cu_dispatch_recv(fr_cu_args_t A, int set, fr_dr_out_t o)
-{
-    fr_dr_run(A, set, o, A.epoch[set], false);
-}
-
-/* Both parts in one launch: every block sends its tokens, then receives
- * its experts. The grid must be resident at once (blocks wait for the
- * other blocks' sends): the launcher caps it at what the GPU holds. */
+/* The dispatch kernel: one for the operation, its parts chosen by
+ * `phases` (FR_PART_SEND, FR_PART_RECV or both), so that a split call is the
+ * same kernel launched twice, as a profiler or a trace names it. Both
+ * parts in one launch: every block sends its tokens, then receives its
+ * records. The grid must be resident at once (blocks wait for the other
+ * blocks' sends): the launcher caps it at what the GPU holds. The receive
+ * alone takes the epoch the send stored (A.epoch[set]). */
+namespace ferry {
 template <bool VEC>
 __global__ void __launch_bounds__(FR_DS_THREADS, 2)
-fr_cu_dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales,
-               const int64_t *idx, int T_host, const int32_t *T_dev, fr_dr_out_t o,
-               bool direct)
+dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales, const int64_t *idx,
+         int T_host, const int32_t *T_dev, fr_dr_out_t o, bool direct, int phases)
 {
+    if (!(phases & FR_PART_SEND)) {
+        fr_dr_run(A, set, o, A.epoch[set], false);
+        return;
+    }
     unsigned long long epoch =
         fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev, direct ? &o : NULL);
+    if (!(phases & FR_PART_RECV))
+        return;
     __syncthreads(); /* the shared memory changes hands */
     fr_dr_run(A, set, o, epoch, direct);
 }
+} /* namespace ferry */
 
 /* ---------------------------------------------------------------------- */
 /* launchers                                                              */
@@ -881,24 +879,37 @@ static fr_dr_out_t fr_dr_out_of(const ferry_dispatch_out_t *out)
     return o;
 }
 
+/* One launch of ferry::dispatch: the send part with its loads vectorised
+ * where x allows it (the receive alone takes the vectorised kernel, so a
+ * split call launches one kernel twice). */
+static void fr_cu_dispatch_launch(int blocks, size_t smem, cudaStream_t st, struct fr_cuda_ep *c,
+                                  int set, const ferry_dispatch_in_t *in, fr_dr_out_t o,
+                                  bool direct, int phases)
+{
+    bool vec = !in || (((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0);
+    const uint16_t *x = in ? (const uint16_t *)in->x : NULL;
+    const float *xs = in ? in->x_scales : NULL;
+    const int64_t *idx = in ? in->topk_idx : NULL;
+    int T = in ? in->num_tokens : 0;
+    const int32_t *Td = in ? in->num_tokens_dev : NULL;
+    if (vec)
+        ferry::dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(c->a, set, x, xs, idx, T, Td,
+                                                                  o, direct, phases);
+    else
+        ferry::dispatch<false><<<blocks, FR_DS_THREADS, smem, st>>>(c->a, set, x, xs, idx, T, Td,
+                                                                   o, direct, phases);
+}
+
 extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                                      const ferry_dispatch_in_t *in)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    size_t smem = fr_ds_smem(ep->N, ep->L.E);
-    bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
-    if (vec)
-        fr_cu_dispatch_send<true><<<blocks, FR_DS_THREADS, smem, st>>>(
-            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev);
-    else
-        fr_cu_dispatch_send<false><<<blocks, FR_DS_THREADS, smem, st>>>(
-            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev);
+    fr_dr_out_t o = {};
+    fr_cu_dispatch_launch(blocks, fr_ds_smem(ep->N, ep->L.E), (cudaStream_t)in->stream, c, set,
+                          in, o, false, FR_PART_SEND);
     return fr_cuda_launch_check(ep, "dispatch_send");
 }
 
@@ -906,14 +917,12 @@ extern "C" int fr_cuda_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                                      const ferry_dispatch_out_t *out)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
     /* blocks take records in turn; blocks that wait for peers hold SMs,
      * so never more than num_sms of them */
     int blocks = c->nblocks < 1 ? 1 : c->nblocks;
-    size_t smem = fr_dr_smem((int)ep->L.El);
-    fr_dr_out_t o = fr_dr_out_of(out);
-    fr_cu_dispatch_recv<<<blocks, FR_DR_THREADS, smem, st>>>(c->a, set, o);
+    fr_cu_dispatch_launch(blocks, fr_dr_smem((int)ep->L.El), (cudaStream_t)out->stream, c, set,
+                          NULL, fr_dr_out_of(out), false, FR_PART_RECV);
     return fr_cuda_launch_check(ep, "dispatch_recv");
 }
 
@@ -921,26 +930,15 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
                                 const ferry_dispatch_out_t *out)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    bool vec = ((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0;
-    /* own tokens straight into own expert rows: self on the IPC path */
-    bool direct = !c->host_seg;
-    size_t smem = fr_d_smem(ep);
     if (c->dgrid < 0) {
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
-    fr_dr_out_t o = fr_dr_out_of(out);
-    if (vec)
-        fr_cu_dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(
-            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev, o, direct);
-    else
-        fr_cu_dispatch<false><<<blocks, FR_DS_THREADS, smem, st>>>(
-            c->a, set, (const uint16_t *)in->x, in->x_scales, in->topk_idx, in->num_tokens,
-            in->num_tokens_dev, o, direct);
+    /* own tokens straight into own expert rows: self on the IPC path */
+    fr_cu_dispatch_launch(blocks, fr_d_smem(ep), (cudaStream_t)in->stream, c, set, in,
+                          fr_dr_out_of(out), !c->host_seg, FR_PART_SEND | FR_PART_RECV);
     return fr_cuda_launch_check(ep, "dispatch");
 }
 
@@ -948,10 +946,9 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
  * (fr_cuda_load_kernels says why). */
 extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
 {
-    decltype(&fr_cu_dispatch<true>) ks[] = {fr_cu_dispatch<true>, fr_cu_dispatch<false>};
+    decltype(&ferry::dispatch<true>) ks[] = {ferry::dispatch<true>, ferry::dispatch<false>};
     c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, fr_d_smem(ep), "dispatch");
-    const void *fs[] = {(const void *)fr_cu_dispatch_send<true>,
-                        (const void *)fr_cu_dispatch_send<false>, (const void *)fr_cu_dispatch_recv};
+    const void *fs[] = {(const void *)ferry::dispatch<true>, (const void *)ferry::dispatch<false>};
     return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "dispatch", err);
 }
 
@@ -976,19 +973,10 @@ extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err)
                       "memory per block (a count per expert, slice bases per rank), this GPU "
                       "offers %d",
                       ep->L.E, ep->N, need + 1024, optin);
-    cudaError_t e = cudaFuncSetAttribute(fr_cu_dispatch<true>,
+    cudaError_t e = cudaFuncSetAttribute(ferry::dispatch<true>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(fr_cu_dispatch<false>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(fr_cu_dispatch_send<true>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(fr_cu_dispatch_send<false>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(fr_cu_dispatch_recv,
+        e = cudaFuncSetAttribute(ferry::dispatch<false>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
