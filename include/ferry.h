@@ -228,6 +228,14 @@ typedef struct ferry_dispatch_out {
      * SM clock cycles (clock64, as DeepEP's wait-cost stats); CPU:
      * nanoseconds. Adds, never clears: the caller zeroes it. */
     int64_t *wait_cost;
+    /* Optional (may be NULL; the two older sizes, before wait_cost and
+     * before this field, are accepted without it): int32 [E_local], same
+     * memory as expert_x, where the receive adds each local expert's row
+     * count (expert_num_tokens) once the rows are in: a running total
+     * for load balancing (DeepEP's cumulative_local_expert_recv_stats),
+     * added by the kernel itself on CUDA ranks, so it costs no launch and
+     * replays with a captured graph. Adds, never clears. */
+    int32_t *recv_stats;
 } ferry_dispatch_out_t;
 
 typedef struct ferry_combine_in {

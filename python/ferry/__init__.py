@@ -480,20 +480,21 @@ class EP:
 
     def dispatch_recv(self, round, expert_x, expert_num_tokens, expert_x_scales=None,
                       expert_src_rank=None, expert_src_token=None, stream=None,
-                      wait_cost=None):
+                      wait_cost=None, recv_stats=None):
         """expert_x [E_local, capacity, H] (bf16, or fp8 with expert_x_scales
         [E_local, capacity, H/128] float32), expert_num_tokens [E_local]
         int32, optional expert_src_rank/expert_src_token [E_local, capacity]
         int32: see alloc(). Optional wait_cost [num_ranks] int64: adds, per
         source rank, how long this receive waited for it (CUDA: SM clock
-        cycles; CPU: nanoseconds)."""
+        cycles; CPU: nanoseconds). Optional recv_stats [E_local] int32: adds
+        expert_num_tokens (a running total; on CUDA ranks by the kernel)."""
         h = self._ep()
         dout = self._dout(expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
-                          expert_src_token, stream, wait_cost)
+                          expert_src_token, stream, wait_cost, recv_stats)
         self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
 
     def _dout(self, expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
-              expert_src_token, stream, wait_cost=None):
+              expert_src_token, stream, wait_cost=None, recv_stats=None):
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
         fp8 = self.dtype == "fp8"
         if not fp8 and expert_x_scales is not None:
@@ -512,7 +513,8 @@ class EP:
                       required=False, output=True),
             _stream_of(expert_x, stream),
             self._arr(wait_cost, "wait_cost", _I64, (self.num_ranks,), required=False,
-                      output=True))
+                      output=True),
+            self._arr(recv_stats, "recv_stats", _I32, (El,), required=False, output=True))
         return dout
 
     def _cin(self, expert_y, stream):
@@ -557,14 +559,15 @@ class EP:
         """dispatch_send and dispatch_recv in one call (one kernel launch on
         CUDA ranks); out: dispatch_recv's arguments. Returns the round."""
         bad = set(out) - {"expert_x", "expert_num_tokens", "expert_x_scales",
-                          "expert_src_rank", "expert_src_token", "wait_cost"}
+                          "expert_src_rank", "expert_src_token", "wait_cost", "recv_stats"}
         if bad:
             raise TypeError("dispatch: unexpected argument(s): " + ", ".join(sorted(bad)))
         h = self._ep()
         din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
         dout = self._dout(out.get("expert_x"), out.get("expert_num_tokens"),
                           out.get("expert_x_scales"), out.get("expert_src_rank"),
-                          out.get("expert_src_token"), stream, out.get("wait_cost"))
+                          out.get("expert_src_token"), stream, out.get("wait_cost"),
+                          out.get("recv_stats"))
         # one stream for both halves (an empty round's x may be None)
         din.stream = dout.stream = din.stream or dout.stream
         r = C.c_uint64()

@@ -44,7 +44,7 @@ class DispatchOut(C.Structure):
     _fields_ = [("size", C.c_size_t), ("expert_x", C.c_void_p), ("expert_x_scales", C.c_void_p),
                 ("expert_num_tokens", C.c_void_p), ("expert_src_rank", C.c_void_p),
                 ("expert_src_token", C.c_void_p), ("stream", C.c_void_p),
-                ("wait_cost", C.c_void_p)]
+                ("wait_cost", C.c_void_p), ("recv_stats", C.c_void_p)]
 
 
 class CombineIn(C.Structure):

@@ -29,6 +29,7 @@ made contiguous here (a copy when they are not), `out` must already be.
 """
 import contextlib
 import ctypes as C
+import functools
 import operator
 import os
 import weakref
@@ -87,6 +88,26 @@ def _mismatch(t, name, dtype, shape):
 
 
 _EVENT = None
+
+
+#: torch's switch for __torch_function__ handling: under a mode such as
+#: torch.set_default_device's (DeepEP's tests set one), every tensor method
+#: call from Python goes through the mode (about 1 us each); the low-latency
+#: calls make a few dozen of them, so they run with it off. Every tensor they
+#: allocate names its device.
+_NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", None)
+
+
+def _plain_torch(fn):
+    """fn run with __torch_function__ handling off (see above)."""
+    if _NO_TORCH_FUNCTION is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with _NO_TORCH_FUNCTION():
+            return fn(*args, **kwargs)
+    return run
 
 
 def _no_event():
@@ -563,6 +584,7 @@ class Buffer:
             plan = self._plans[key] = _Plan(ep, fp8, x.device)
         return plan
 
+    @_plain_torch
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank,
                              num_experts, cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
@@ -597,32 +619,27 @@ class Buffer:
             if isinstance(x, torch.Tensor) and stats.device != x.device:
                 raise ValueError(f"cumulative_local_expert_recv_stats: expected a tensor on "
                                  f"{x.device} (x's device), got one on {stats.device}")
+        # the receive adds recv_count to the stats itself (in the kernel)
         r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook, rs, wc)
-        if stats is None and not use_ue8m0:
+                                       num_experts, use_fp8, return_recv_hook, rs, wc, stats)
+        if not use_ue8m0:
             return r
         out_x, cnt, handle, ev, hook = r
-        if use_ue8m0:
-            q, sc = out_x
-            packed = _ue8m0_buffer(sc)
-            out_x = (q, packed)
+        q, sc = out_x
+        packed = _ue8m0_buffer(sc)
+        out_x = (q, packed)
         if hook is None:
-            if stats is not None:
-                stats.add_(cnt)
-            if use_ue8m0:
-                _ue8m0_pack(sc, packed)
+            _ue8m0_pack(sc, packed)
             return out_x, cnt, handle, ev, None
-        # the receive is queued on the dispatch's stream: count and pack
-        # there, whatever stream is current when the hook runs
+        # the receive is queued on the dispatch's stream: pack there,
+        # whatever stream is current when the hook runs
         st = torch.cuda.current_stream(x.device) if x.is_cuda else None
 
+        @_plain_torch
         def recv_and_finish():
             hook()
             with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
-                if stats is not None:
-                    stats.add_(cnt)
-                if use_ue8m0:
-                    _ue8m0_pack(sc, packed)
+                _ue8m0_pack(sc, packed)
         return out_x, cnt, handle, ev, recv_and_finish
 
     def _wait_cost(self, t, name, x):
@@ -641,8 +658,10 @@ class Buffer:
         return t
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                              use_fp8, return_recv_hook, round_scale=False, wc=None):
-        """wc: the wait-cost stats tensor (checked) or None."""
+                              use_fp8, return_recv_hook, round_scale=False, wc=None,
+                              stats=None):
+        """wc: the wait-cost stats tensor (checked) or None; stats: the
+        receive-count stats (checked) or None."""
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
         if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.is_cuda and \
                 x.dtype is torch.bfloat16 and topk_idx.dtype is torch.int64 and \
@@ -651,7 +670,8 @@ class Buffer:
                 x.shape[0] <= num_max_dispatch_tokens_per_rank and \
                 topk_idx.get_device() == x.get_device():
             return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook, round_scale, wc)
+                                       num_experts, use_fp8, return_recv_hook, round_scale, wc,
+                                       stats)
         _tensor(x, "x", torch.bfloat16)
         if x.dim() != 2:
             raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
@@ -689,7 +709,8 @@ class Buffer:
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
 
         def recv():
-            ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token, wait_cost=wc)
+            ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token, wait_cost=wc,
+                             recv_stats=stats)
 
         hook = _recv_or_hook(recv, return_recv_hook)
         handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
@@ -698,7 +719,7 @@ class Buffer:
         return out_x, count, handle, EventOverlap(), hook
 
     def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook,
-                       round_scale=False, wc=None):
+                       round_scale=False, wc=None, stats=None):
         T, H = x.shape
         K = topk_idx.shape[1]
         plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale)
@@ -718,12 +739,13 @@ class Buffer:
         if plan.pending[s]:
             self._settle(plan, s, stream)
         wcp = wc.data_ptr() if wc is not None else None
+        rsp = stats.data_ptr() if stats is not None else None
         if return_recv_hook:
             plan.check(plan.send(h, din, plan.round))
             rnd = ep._last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-            dout.stream, dout.wait_cost = stream, wcp
-            plan.wc_keep[rnd & 1] = wc  # alive until the receive is enqueued
+            dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
+            plan.wc_keep[rnd & 1] = (wc, stats)  # alive until the receive is enqueued
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
             hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
@@ -737,7 +759,7 @@ class Buffer:
             return out_x, cnt, hd, _no_event(), recv
         rnd = ep._last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
-        dout.stream, dout.wait_cost = stream, wcp
+        dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
         plan.check(plan.both(h, din, dout, plan.round))
         ep._last_round = plan.round.value
         if plan.round.value != rnd:
@@ -773,7 +795,7 @@ class Buffer:
         h = plan.ep._ep()
         out_x, _, _, _, out, dout = plan.sets[s]
         if not plan.recvd[s]:
-            dout.stream = stream  # its wait_cost: the dispatch's, as if its hook ran
+            dout.stream = stream  # its stats: the dispatch's, as if its hook ran
             plan.check(plan.recv(h, r0, dout))
             plan.recvd[s] = True
             plan.wc_keep[s] = None
@@ -804,7 +826,7 @@ class Buffer:
         din.topk_idx = handle.topk_idx.data_ptr()
         din.stream = stream
         dout = plan.sets[s][5]
-        dout.stream, dout.wait_cost = stream, None  # not the caller's round: no stats
+        dout.stream, dout.wait_cost, dout.recv_stats = stream, None, None  # not the caller's round: no stats
         plan.check(plan.both(h, din, dout, plan.round))
         rnd = ep._last_round = plan.round.value
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
@@ -850,6 +872,7 @@ class Buffer:
         keep = [x, w, out, wc]  # the stats tensor too: recv writes into it
         return out, _no_event(), recv
 
+    @_plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):

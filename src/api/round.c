@@ -210,15 +210,17 @@ void fr_args_current(void *cur, size_t cur_size, const void *args)
 /* The output structs as the engines see them: the caller's (checked as at
  * least `old` bytes) copied into `cur`, the current layout, fields it is
  * too old to have zeroed. Its size must be the current one (or larger),
- * or exactly `old`, the size before wait_cost: anything between would
- * split a pointer. */
+ * or exactly `old`, the size before wait_cost, or `old2` (when not 0), the
+ * size before the field after it: anything between would split a
+ * pointer. */
 #define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
+#define FR_DOUT_WC offsetof(ferry_dispatch_out_t, recv_stats)
 #define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
-static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, void *cur,
+static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, size_t old2, void *cur,
                           size_t cur_size, const char *type)
 {
     size_t have = *(const size_t *)out;
-    if (have != old && have < cur_size)
+    if (have != old && (!old2 || have != old2) && have < cur_size)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
                           type);
     fr_args_current(cur, cur_size, out);
@@ -248,7 +250,7 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
                            "ferry_dispatch_out_t", &r);
     ferry_dispatch_out_t cur;
     if (rc ||
-        (rc = fr_out_current(ep, out, FR_DOUT_MIN, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
     rc = ep->eng->dispatch_recv(ep, r, &cur);
@@ -299,7 +301,7 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
                            "ferry_combine_out_t", &r);
     ferry_combine_out_t cur;
     if (rc ||
-        (rc = fr_out_current(ep, out, FR_COUT_MIN, &cur, sizeof(cur), "ferry_combine_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_COUT_MIN, 0, &cur, sizeof(cur), "ferry_combine_out_t")) ||
         (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
     rc = ep->eng->combine_recv(ep, r, &cur);
@@ -332,7 +334,7 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
     ferry_dispatch_out_t cur;
     if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
-        (rc = fr_out_current(ep, out, FR_DOUT_MIN, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
     out = &cur;
@@ -369,7 +371,7 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
                            "ferry_combine_in_t", &r);
     ferry_combine_out_t cur;
     if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
-        (rc = fr_out_current(ep, out, FR_COUT_MIN, &cur, sizeof(cur), "ferry_combine_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_COUT_MIN, 0, &cur, sizeof(cur), "ferry_combine_out_t")) ||
         (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
     out = &cur;

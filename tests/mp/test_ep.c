@@ -252,10 +252,14 @@ static int run_args(ferry_comm_t comm)
     CHECK_RC(ferry_combine_recv(ep, r2, &cold), FERRY_OK);
     CHECK(fw_check_combine(&s, 2, me, &in, out, 3) == 0, "combine r2 wrong");
     {
-        /* the one-shot forms take the older size too, garbage past it unread */
+        /* the one-shot forms take the older sizes too, garbage past them
+         * unread: this one with wait_cost and without recv_stats */
         uint64_t r6 = 0;
         fw_generate(&s, 4, me, &in);
-        CHECK_RC(ferry_dispatch(ep, &din, &dold, &r6), FERRY_OK);
+        ferry_dispatch_out_t dwc = dout;
+        dwc.size = offsetof(ferry_dispatch_out_t, recv_stats);
+        dwc.recv_stats = (int32_t *)(uintptr_t)8;
+        CHECK_RC(ferry_dispatch(ep, &din, &dwc, &r6), FERRY_OK);
         CHECK(fw_check_dispatch(&s, 4, me, ex, exs, cnt, NULL, NULL,
                                 (size_t)lay.expert_capacity, 3) == 0, "dispatch r6 wrong");
         fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
@@ -277,6 +281,12 @@ static int run_args(ferry_comm_t comm)
         ferry_combine_out_t cw = cout;
         dw.wait_cost = dc;
         cw.wait_cost = cc;
+        /* receive stats: added to what is there, never cleared */
+        int El = (int)lay.num_local_experts;
+        int32_t *rs = malloc(sizeof(int32_t) * (size_t)El);
+        for (int le = 0; le < El; le++)
+            rs[le] = 5 + le;
+        dw.recv_stats = rs;
         int late = N - 1;
         uint64_t r5 = 0;
         fw_generate(&s, 3, me, &in);
@@ -286,6 +296,10 @@ static int run_args(ferry_comm_t comm)
         CHECK_RC(ferry_dispatch_recv(ep, r5, &dw), FERRY_OK);
         CHECK(fw_check_dispatch(&s, 3, me, ex, exs, cnt, NULL, NULL,
                                 (size_t)lay.expert_capacity, 3) == 0, "dispatch r5 wrong");
+        for (int le = 0; le < El; le++)
+            CHECK(rs[le] == 5 + le + cnt[le], "recv_stats[%d] = %d, want %d + %d", le, rs[le],
+                  5 + le, cnt[le]);
+        free(rs);
         fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
         if (me == late)
             usleep(100000);

@@ -259,5 +259,8 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                               pend - cr->pair_off[s]);
     }
     memcpy(out->expert_num_tokens, efill, sizeof(int32_t) * (size_t)L->El);
+    if (out->recv_stats)
+        for (int64_t le = 0; le < L->El; le++)
+            out->recv_stats[le] += efill[le];
     return FERRY_OK;
 }

@@ -50,6 +50,7 @@ typedef struct fr_dr_out {
     float *exs;
     int32_t *counts, *src_rank, *src_token;
     long long *wait_cost; /* optional [N]: block 0's wait per sender, clock64 cycles */
+    int32_t *stats;       /* optional [El]: counts added (recv_stats) */
 } fr_dr_out_t;
 
 #define FR_DS_THREADS 512
@@ -836,8 +837,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     /* run[] came from other threads (with no sender left to wait for, as
      * in a world of one, no barrier of the loop ordered them) */
     __syncthreads();
-    for (int le = y + threadIdx.x * G; le < El; le += blockDim.x * G)
+    for (int le = y + threadIdx.x * G; le < El; le += blockDim.x * G) {
         o.counts[le] = run[le];
+        if (o.stats) /* one thread per expert in the grid: no atomics */
+            o.stats[le] += run[le];
+    }
     FR_TR();
     FR_TR_PRINT("drecv wait0,rows0,copy0,rest", s_epoch);
 }
@@ -875,7 +879,7 @@ static fr_dr_out_t fr_dr_out_of(const ferry_dispatch_out_t *out)
 {
     fr_dr_out_t o = {(uint8_t *)out->expert_x, out->expert_x_scales, out->expert_num_tokens,
                      out->expert_src_rank, out->expert_src_token,
-                     (long long *)out->wait_cost};
+                     (long long *)out->wait_cost, out->recv_stats};
     return o;
 }
 
