@@ -393,6 +393,12 @@ typedef struct ferry_ht_combine_in {
                                   source in out->topk_weights */
     void *stream;              /* CUDA: cudaStream_t (NULL: legacy default);
                                   the outputs are written on it too */
+    /* How out->topk_weights is made: 0, slot k from the row of the rank of
+     * expert k (the adjoint of dispatch's recv_topk_weights: backward
+     * passes); 1, slot k summed over the rows of every rank the token went
+     * to, in rank order (DeepEP's combined_topk_weights). The two sizes
+     * before stream and before this field are still taken (0 then). */
+    int weights_sum;
 } ferry_ht_combine_in_t;
 
 typedef struct ferry_ht_combine_out {
@@ -401,7 +407,8 @@ typedef struct ferry_ht_combine_out {
                                   every rank it went to (fp32, rank order,
                                   rounded once) */
     float *topk_weights;       /* [T][K] or NULL: slot k from the rank of
-                                  expert k (0 for -1) */
+                                  expert k (0 for -1), or summed over the
+                                  token's ranks (in->weights_sum) */
 } ferry_ht_combine_out_t;
 
 /* Collective over the ranks, on the same routes in the same order (a

@@ -694,12 +694,15 @@ class EP:
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
         return o
 
-    def ht_combine(self, route, y, topk_weights=None, stream=None):
+    def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False):
         """Collective (mode='ht'): y [num_recv, H] bf16, one row per row this
         rank received, back to the tokens' ranks and summed there. Returns
         out [T, H] bf16 (uint16 on CPU), and with topk_weights [num_recv, K]
         float32 also the [T, K] weights gathered from the experts' ranks
-        (torch tensors on CUDA contexts, queued on `stream`)."""
+        (slot k from the rank of expert k, the adjoint of ht_dispatch's
+        recv_topk_weights; weights_sum=True: slot k summed over every rank
+        the token went to, DeepEP's combined_topk_weights); torch tensors
+        on CUDA contexts, queued on `stream`."""
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
@@ -710,7 +713,7 @@ class EP:
         out = self._ht_new(y, (T, H), odt)
         wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
         st = _stream_of(y, stream) if self.device == "cuda" else None
-        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st)
+        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st, int(bool(weights_sum)))
         cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), self._ptr(out), self._ptr(wout))
         self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
         return (out, wout) if topk_weights is not None else out

@@ -290,10 +290,24 @@ class _HtHandle:
     """A normal-mode dispatch's handle: ferry's route (where each token went
     and what this rank received), reusable for combine and for later
     dispatches with the same routing (DeepEP's cached layout and the
-    backward pass). Its GPU tables are freed with it."""
+    backward pass). Its GPU tables are freed with it. Indexed like DeepEP's
+    6-tuple: [0] rank_prefix_matrix (int32 [N, N]: rows from sources 0..i
+    that rank j receives), [3] recv_src_idx (int32 [num_recv]: each row's
+    token at its source), [4] is_token_in_rank (bool [T, N]); the channel
+    matrices and send_head ([1], [2], [5]) are DeepEP's internals: None."""
 
-    def __init__(self, ep, route, T):
+    def __init__(self, ep, route, T, prefix=None, src_idx=None, in_rank=None):
         self.ep, self.route, self.T = ep, route, T
+        self._items = (prefix, None, None, src_idx, in_rank, None)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __len__(self):
+        return 6
+
+    def __iter__(self):
+        return iter(self._items)
 
     @property
     def num_recv(self):
@@ -488,12 +502,10 @@ class Buffer:
             xs = xs.contiguous()
         xt = xt.contiguous()
         cached = handle is not None
+        by_rank = False  # routed by is_token_in_rank alone (no top-k)
         if not cached:
-            if topk_idx is None:
-                raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx is required without "
-                                "a handle")
-            _tensor(topk_idx, "topk_idx", torch.int64, (xt.shape[0], None))
             N = self.group_size
+            T = xt.shape[0]
             E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
                                                             torch.Tensor) else None
             if E is None:
@@ -503,10 +515,34 @@ class Buffer:
             if E % N:
                 raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
                                  f"group size {N}")
-            ep = self._ht_ep(E, topk_idx.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu")
-            route = ep.route(topk_idx.contiguous(), int(expert_alignment or 1),
+            if topk_idx is None:
+                # DeepEP's dispatch without top-k: tokens go to the ranks
+                # is_token_in_rank names; ferry routes each to the first
+                # expert of those ranks (a context with top-k = N)
+                if is_token_in_rank is None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
+                                    "is_token_in_rank is required without a handle")
+                if topk_weights is not None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
+                                    "topk_idx")
+                _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
+                first = torch.arange(N, dtype=torch.int64, device=xt.device) * (E // N)
+                routing = torch.where(is_token_in_rank.to(xt.device), first.view(1, N),
+                                      torch.full_like(first, -1).view(1, N)).contiguous()
+                by_rank = True
+            else:
+                _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
+                routing = topk_idx.contiguous()
+            ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu")
+            route = ep.route(routing, 1 if by_rank else int(expert_alignment or 1),
                              max_recv=int(num_worst_tokens or 0))
-            handle = _HtHandle(ep, route, xt.shape[0])
+            in_rank = is_token_in_rank
+            if num_tokens_per_rank is None or in_rank is None:
+                per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
+                num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
+                    num_tokens_per_rank
+            handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
+                               None, in_rank)
         elif not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -521,12 +557,46 @@ class Buffer:
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:
             return recv_x, None, None, None, handle, ev
+        items = list(handle._items)
+        items[3] = o["recv_src_token"]
+        handle._items = tuple(items)
         # a bounded route (num_worst_tokens): rows padded to the bound, no
         # host wait, so no per-expert list (DeepEP returns it empty too)
-        counts = [] if route.num_recv_real is not None else \
-            [int(c) for c in route.expert_counts]
+        if route.num_recv_real is not None:
+            counts = []
+        elif by_rank:
+            # per expert from the callers' counts, as DeepEP's notify sums them
+            counts = self._expert_counts(num_tokens_per_expert, int(expert_alignment or 1))
+        else:
+            counts = [int(c) for c in route.expert_counts]
+        if by_rank:
+            return recv_x, None, None, counts, handle, ev
         return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
                 counts, handle, ev)
+
+    def _rank_prefix(self, per_rank, device):
+        """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks
+        0..i send to rank j (an all-gather of every rank's per-rank counts
+        over the group; collective, as the dispatch is)."""
+        import torch.distributed as dist
+        N = self.group_size
+        mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
+        if N == 1:
+            return mine.view(1, 1).clone()
+        parts = [torch.empty_like(mine) for _ in range(N)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
+
+    def _expert_counts(self, per_expert, align):
+        """Rows per local expert from every rank's num_tokens_per_expert (an
+        all-reduce over the group), rounded up to align, as a list."""
+        import torch.distributed as dist
+        tot = per_expert.to(torch.int32).clone()
+        if self.group_size > 1:
+            dist.all_reduce(tot, group=self.group)
+        El = tot.numel() // self.group_size
+        mine = tot[self.rank * El:(self.rank + 1) * El].tolist()
+        return [(c + align - 1) // align * align for c in mine]
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
@@ -547,7 +617,10 @@ class Buffer:
         _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
-            out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous())
+            # DeepEP's combined_topk_weights: slot k summed over the rows of
+            # every rank the token went to
+            out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
+                                   weights_sum=True)
         else:
             out, w = ep.ht_combine(route, x.contiguous()), None
         return out, w, (_event_after(x) if async_finish else _no_event())

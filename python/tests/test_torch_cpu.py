@@ -239,6 +239,79 @@ def normal_mode(deep_ep, rank, N):
     return msgs
 
 
+def normal_deepep_checks(deep_ep, rank, N):
+    """What DeepEP's tests/test_intranode.py checks of normal mode, on CPU
+    ranks: handle[0] (rank_prefix_matrix) bounds each source's rows;
+    combined_topk_weights sums the weights of every rank's row; dispatch
+    without top-k (is_token_in_rank alone), its per-expert counts, a cached
+    dispatch and the combine of its handle."""
+    msgs, dev = [], torch.device("cpu")
+    E, K, H, T = 4 * N, 3, 256, 20
+    El = E // N
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
+    _, idx, _ = make_inputs(rank, 300, T, H, E, K, dev)
+    T = idx.shape[0]  # some ranks have no tokens
+    x = torch.full((T, H), float(rank), dtype=torch.bfloat16)
+    w = torch.full((T, K), float(rank + 1), dtype=torch.float32)
+    nr, _, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+    nrs = [torch.zeros_like(nr) for _ in range(N)]
+    torch.distributed.all_gather(nrs, nr)
+    nes = [torch.zeros_like(ne) for _ in range(N)]
+    torch.distributed.all_gather(nes, ne)
+    want_prefix = torch.cumsum(torch.stack(nrs), 0, dtype=torch.int32)
+    want_counts = sum(nes)[rank * El:(rank + 1) * El].tolist()
+
+    def by_source(rows, prefix, what):
+        start = 0
+        for i in range(N):
+            end = int(prefix[i][rank])
+            if not bool((rows[start:end].float() == i).all()):
+                msgs.append(f"{what}: rows {start}..{end} are not all source {i}'s")
+            start = end
+        if start != rows.shape[0]:
+            msgs.append(f"{what}: {rows.shape[0]} rows, handle[0] says {start}")
+
+    for with_topk in (True, False):
+        args = dict(num_tokens_per_rank=nr, is_token_in_rank=inr, num_tokens_per_expert=ne)
+        if with_topk:
+            args.update(topk_idx=idx, topk_weights=w)
+        rx, ridx, rw, counts, handle, _ = buf.dispatch(x, **args)
+        what = f"dispatch {'with' if with_topk else 'without'} top-k"
+        prefix = handle[0]
+        if prefix.dtype != torch.int32 or not torch.equal(prefix, want_prefix):
+            msgs.append(f"{what}: handle[0] {prefix.tolist()}, want {want_prefix.tolist()}")
+            continue
+        by_source(rx, prefix, what)
+        if counts != want_counts:
+            msgs.append(f"{what}: counts {counts}, want {want_counts}")
+        src = handle[3]
+        if src is None or src.shape != (rx.shape[0],):
+            msgs.append(f"{what}: handle[3] (recv_src_idx) missing")
+        if with_topk:
+            # as the DeepEP test does: every slot of a row holds its source's weight
+            rw = torch.where(ridx == -1, rw.amax(1, keepdim=True).expand_as(rw), rw)
+            by_source(rw - 1, prefix, what + ", weights")
+        else:
+            if ridx is not None or rw is not None:
+                msgs.append(f"{what}: recv_topk_idx/weights should be None")
+            r2 = buf.dispatch(x, handle=handle)
+            if not torch.equal(r2[0], rx):
+                msgs.append(f"{what}: a cached dispatch gave other rows")
+        out, cw, _ = buf.combine(rx, handle, topk_weights=rw if with_topk else None)
+        nrank = inr.sum(1)
+        want = (x.float() * nrank.view(-1, 1)).to(torch.bfloat16)
+        if not torch.equal(out, want):
+            msgs.append(f"{what}: combine differs from x times the token's ranks")
+        if with_topk:
+            # DeepEP's combined_topk_weights: the K slots of every rank's row summed
+            cwant = w * nrank.view(-1, 1).float()
+            if cw is None or not torch.equal(cw, cwant):
+                msgs.append(f"{what}: combined_topk_weights {cw[:2].tolist() if cw is not None else None}"
+                            f", want {cwant[:2].tolist()}")
+    buf.destroy()
+    return msgs
+
+
 def rank_main(rank, N, port, q):
     try:
         torch_init(rank, N, port)
@@ -250,6 +323,7 @@ def rank_main(rank, N, port, q):
         msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
         buf.destroy()
         msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
+        msgs += [f"normal mode, DeepEP's checks: {m}" for m in normal_deepep_checks(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

@@ -135,6 +135,7 @@ typedef struct fr_ht_call {
     int32_t *done_tx, *done_rx;  /* [N] per peer, this call */
     uint8_t *need;               /* [N] peers this rank still needs */
     int busy_rank;               /* the peer we last waited on */
+    int wsum;                    /* combine: weights summed over ranks */
 } fr_ht_call_t;
 
 /* Record helpers shared by the shared-memory and fabric paths (stream.c). */

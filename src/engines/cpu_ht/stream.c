@@ -328,7 +328,8 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
     return moved > 0;
 }
 
-/* Add one row from rank d for token t; slot k's weight from d's experts. */
+/* Add one row from rank d for token t; slot k's weight from d's experts,
+ * or every slot's added (c->wsum; out->topk_weights starts at 0). */
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
                              int t, int d, const uint16_t *y, const float *w)
 {
@@ -338,6 +339,11 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
         a[i] += fr_bf16_to_f32(y[i]);
     if (!out->topk_weights)
         return;
+    if (c->wsum) {
+        for (int k = 0; k < K; k++)
+            out->topk_weights[(size_t)t * K + k] += w ? w[k] : 0.f;
+        return;
+    }
     const int32_t *row = c->p->idx + (size_t)t * K;
     for (int k = 0; k < K; k++)
         if (row[k] >= 0 && row[k] / El == d)
@@ -396,6 +402,7 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     int rc = fr_ht_call_init(&c, ep, route, 0);
     if (rc != FERRY_OK)
         return rc;
+    c.wsum = in->weights_sum != 0;
     int N = ep->N, me = ep->rank, K = c.h->K, H = c.h->H, T = route->T;
     float *acc = fr_ht_acc(ep, T, out);
     if (!acc) {

@@ -73,6 +73,7 @@ typedef struct fr_cuht_io {
     float *rw;               /* dispatch: recv_topk_weights; combine: out topk_weights */
     int32_t *rsr, *rst;
     int fp8;
+    int wsum;                /* combine: rw slot k summed over the token's ranks */
 } fr_cuht_io_t;
 
 /* A ring's group of warps (a sender or receiver group of one ring, see
@@ -561,7 +562,21 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 sok = 0;
                 break;
             }
-            if (io.rw && lane < K) {
+            if (io.rw && lane < K && io.wsum) {
+                /* slot `lane` of every rank's row, in rank order */
+                float w = 0.f;
+                for (int d = 0; d < N; d++) {
+                    if (!(m >> d & 1u))
+                        continue;
+                    int p = R.tpos[(size_t)t * N + d];
+                    if (d == me)
+                        w += io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
+                    else
+                        w += __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
+                                                                RT) * G.crec + 8) + lane);
+                }
+                io.rw[(size_t)t * K + lane] = w;
+            } else if (io.rw && lane < K) {
                 int e = R.idx[(size_t)t * K + lane];
                 float w = 0.f;
                 if (e >= 0) {
@@ -693,6 +708,7 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     io.w = in->topk_weights;
     io.rx = (uint8_t *)out->out;
     io.rw = out->topk_weights;
+    io.wsum = in->weights_sum != 0;
     cudaStream_t st = (cudaStream_t)in->stream;
     if (ep->N <= 8)
         fr_cuht_combine_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
