@@ -237,8 +237,9 @@ class _Plan:
         # and whether its receive ran (see Buffer._settle)
         self.pending, self.recvd = [0, 0], [True, True]
         self.owner = [None, None]  # weak references to the pending rounds' handles
-        # per buffer set: the wait-cost stats tensor a receive not yet
-        # enqueued (hook, or a dropped round's settle) writes into
+        # per buffer set: the stats tensors (wait costs, receive counts) a
+        # receive not yet enqueued (hook, or a dropped round's settle)
+        # writes into
         self.wc_keep = [None, None]
         self.wzero = torch.zeros((self.T, K), dtype=torch.float32, device=dev)
         self.xzero = torch.zeros((self.T, H), dtype=torch.bfloat16, device=dev)
@@ -296,18 +297,22 @@ class _HtHandle:
     token at its source), [4] is_token_in_rank (bool [T, N]); the channel
     matrices and send_head ([1], [2], [5]) are DeepEP's internals: None."""
 
-    def __init__(self, ep, route, T, prefix=None, src_idx=None, in_rank=None):
+    def __init__(self, ep, route, T, prefix=None, in_rank=None):
         self.ep, self.route, self.T = ep, route, T
-        self._items = (prefix, None, None, src_idx, in_rank, None)
+        self.prefix, self.in_rank = prefix, in_rank
+        self.src_idx = None  # set by the dispatch that made the route
+
+    def _items(self):
+        return (self.prefix, None, None, self.src_idx, self.in_rank, None)
 
     def __getitem__(self, i):
-        return self._items[i]
+        return self._items()[i]
 
     def __len__(self):
         return 6
 
     def __iter__(self):
-        return iter(self._items)
+        return iter(self._items())
 
     @property
     def num_recv(self):
@@ -542,7 +547,7 @@ class Buffer:
                 num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
                     num_tokens_per_rank
             handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
-                               None, in_rank)
+                               in_rank)
         elif not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -557,9 +562,7 @@ class Buffer:
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:
             return recv_x, None, None, None, handle, ev
-        items = list(handle._items)
-        items[3] = o["recv_src_token"]
-        handle._items = tuple(items)
+        handle.src_idx = o["recv_src_token"]
         # a bounded route (num_worst_tokens): rows padded to the bound, no
         # host wait, so no per-expert list (DeepEP returns it empty too)
         if route.num_recv_real is not None:
@@ -578,22 +581,20 @@ class Buffer:
         """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks
         0..i send to rank j (an all-gather of every rank's per-rank counts
         over the group; collective, as the dispatch is)."""
-        import torch.distributed as dist
         N = self.group_size
         mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
         if N == 1:
             return mine.view(1, 1).clone()
         parts = [torch.empty_like(mine) for _ in range(N)]
-        dist.all_gather(parts, mine, group=self.group)
+        torch.distributed.all_gather(parts, mine, group=self.group)
         return torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
 
     def _expert_counts(self, per_expert, align):
         """Rows per local expert from every rank's num_tokens_per_expert (an
         all-reduce over the group), rounded up to align, as a list."""
-        import torch.distributed as dist
         tot = per_expert.to(torch.int32).clone()
         if self.group_size > 1:
-            dist.all_reduce(tot, group=self.group)
+            torch.distributed.all_reduce(tot, group=self.group)
         El = tot.numel() // self.group_size
         mine = tot[self.rank * El:(self.rank + 1) * El].tolist()
         return [(c + align - 1) // align * align for c in mine]
@@ -899,7 +900,8 @@ class Buffer:
         din.topk_idx = handle.topk_idx.data_ptr()
         din.stream = stream
         dout = plan.sets[s][5]
-        dout.stream, dout.wait_cost, dout.recv_stats = stream, None, None  # not the caller's round: no stats
+        # not the caller's round: no stats
+        dout.stream, dout.wait_cost, dout.recv_stats = stream, None, None
         plan.check(plan.both(h, din, dout, plan.round))
         rnd = ep._last_round = plan.round.value
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None

@@ -239,26 +239,27 @@ def normal_mode(deep_ep, rank, N):
     return msgs
 
 
-def normal_deepep_checks(deep_ep, rank, N):
-    """What DeepEP's tests/test_intranode.py checks of normal mode, on CPU
-    ranks: handle[0] (rank_prefix_matrix) bounds each source's rows;
+def normal_deepep_checks(deep_ep, rank, N, dev=torch.device("cpu")):
+    """What DeepEP's tests/test_intranode.py checks of normal mode, on
+    tensors of `dev` (CPU ranks here, CUDA in test_torch_ht_cuda.py):
+    handle[0] (rank_prefix_matrix) bounds each source's rows;
     combined_topk_weights sums the weights of every rank's row; dispatch
     without top-k (is_token_in_rank alone), its per-expert counts, a cached
     dispatch and the combine of its handle."""
-    msgs, dev = [], torch.device("cpu")
+    msgs = []
     E, K, H, T = 4 * N, 3, 256, 20
     El = E // N
     buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
     _, idx, _ = make_inputs(rank, 300, T, H, E, K, dev)
     T = idx.shape[0]  # some ranks have no tokens
-    x = torch.full((T, H), float(rank), dtype=torch.bfloat16)
-    w = torch.full((T, K), float(rank + 1), dtype=torch.float32)
+    x = torch.full((T, H), float(rank), dtype=torch.bfloat16, device=dev)
+    w = torch.full((T, K), float(rank + 1), dtype=torch.float32, device=dev)
     nr, _, ne, inr, _ = buf.get_dispatch_layout(idx, E)
     nrs = [torch.zeros_like(nr) for _ in range(N)]
     torch.distributed.all_gather(nrs, nr)
     nes = [torch.zeros_like(ne) for _ in range(N)]
     torch.distributed.all_gather(nes, ne)
-    want_prefix = torch.cumsum(torch.stack(nrs), 0, dtype=torch.int32)
+    want_prefix = torch.cumsum(torch.stack(nrs), 0, dtype=torch.int32).cpu()
     want_counts = sum(nes)[rank * El:(rank + 1) * El].tolist()
 
     def by_source(rows, prefix, what):
@@ -278,7 +279,7 @@ def normal_deepep_checks(deep_ep, rank, N):
         rx, ridx, rw, counts, handle, _ = buf.dispatch(x, **args)
         what = f"dispatch {'with' if with_topk else 'without'} top-k"
         prefix = handle[0]
-        if prefix.dtype != torch.int32 or not torch.equal(prefix, want_prefix):
+        if prefix.dtype != torch.int32 or not torch.equal(prefix.cpu(), want_prefix):
             msgs.append(f"{what}: handle[0] {prefix.tolist()}, want {want_prefix.tolist()}")
             continue
         by_source(rx, prefix, what)
@@ -306,8 +307,8 @@ def normal_deepep_checks(deep_ep, rank, N):
             # DeepEP's combined_topk_weights: the K slots of every rank's row summed
             cwant = w * nrank.view(-1, 1).float()
             if cw is None or not torch.equal(cw, cwant):
-                msgs.append(f"{what}: combined_topk_weights {cw[:2].tolist() if cw is not None else None}"
-                            f", want {cwant[:2].tolist()}")
+                got = cw[:2].tolist() if cw is not None else None
+                msgs.append(f"{what}: combined_topk_weights {got}, want {cwant[:2].tolist()}")
     buf.destroy()
     return msgs
 
@@ -323,7 +324,8 @@ def rank_main(rank, N, port, q):
         msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
         buf.destroy()
         msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
-        msgs += [f"normal mode, DeepEP's checks: {m}" for m in normal_deepep_checks(deep_ep, rank, N)]
+        msgs += [f"normal mode, DeepEP's checks: {m}"
+                 for m in normal_deepep_checks(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

@@ -29,6 +29,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ranks import gather_all, torch_init, torch_main  # noqa: E402
+from test_torch_cpu import normal_deepep_checks  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -246,6 +247,8 @@ def rank_main(rank, N, port, q):
         check_native(ferry, comm, rank, N, dev, msgs)
         comm.close()
         check_deep_ep(deep_ep, rank, N, dev, msgs)
+        msgs += [f"deep_ep normal mode, DeepEP's checks: {m}"
+                 for m in normal_deepep_checks(deep_ep, rank, N, dev)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

@@ -207,6 +207,11 @@ void fr_args_current(void *cur, size_t cur_size, const void *args)
     *(size_t *)cur = cur_size;
 }
 
+int fr_args_size_taken(size_t have, size_t cur, size_t old, size_t old2)
+{
+    return have >= cur || have == old || (old2 && have == old2);
+}
+
 /* The output structs as the engines see them: the caller's (checked as at
  * least `old` bytes) copied into `cur`, the current layout, fields it is
  * too old to have zeroed. Its size must be the current one (or larger),
@@ -220,7 +225,7 @@ static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, size_t old
                           size_t cur_size, const char *type)
 {
     size_t have = *(const size_t *)out;
-    if (have != old && (!old2 || have != old2) && have < cur_size)
+    if (!fr_args_size_taken(have, cur_size, old, old2))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
                           type);
     fr_args_current(cur, cur_size, out);
@@ -250,7 +255,8 @@ int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
                            "ferry_dispatch_out_t", &r);
     ferry_dispatch_out_t cur;
     if (rc ||
-        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur),
+                             "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
     rc = ep->eng->dispatch_recv(ep, r, &cur);
@@ -334,7 +340,8 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
     ferry_dispatch_out_t cur;
     if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
-        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur), "ferry_dispatch_out_t")) ||
+        (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur),
+                             "ferry_dispatch_out_t")) ||
         (rc = fr_check_dispatch_out(ep, &cur)))
         return rc;
     out = &cur;

@@ -562,30 +562,23 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 sok = 0;
                 break;
             }
-            if (io.rw && lane < K && io.wsum) {
-                /* slot `lane` of every rank's row, in rank order */
-                float w = 0.f;
-                for (int d = 0; d < N; d++) {
-                    if (!(m >> d & 1u))
-                        continue;
-                    int p = R.tpos[(size_t)t * N + d];
+            if (io.rw && lane < K) {
+                /* slot `lane` of rank d's row of this token (at place p) */
+                auto slot = [&](int d, int p) -> float {
                     if (d == me)
-                        w += io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
-                    else
-                        w += __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
-                                                                RT) * G.crec + 8) + lane);
-                }
-                io.rw[(size_t)t * K + lane] = w;
-            } else if (io.rw && lane < K) {
-                int e = R.idx[(size_t)t * K + lane];
+                        return io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
+                    return __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
+                                                              RT) * G.crec + 8) + lane);
+                };
                 float w = 0.f;
-                if (e >= 0) {
-                    int d = e / El, p = R.tpos[(size_t)t * N + d];
-                    if (d == me)
-                        w = io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
-                    else
-                        w = __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
-                                                               RT) * G.crec + 8) + lane);
+                if (io.wsum) { /* every rank's row, in rank order */
+                    for (int d = 0; d < N; d++)
+                        if (m >> d & 1u)
+                            w += slot(d, R.tpos[(size_t)t * N + d]);
+                } else { /* the row of the rank of expert `lane` */
+                    int e = R.idx[(size_t)t * K + lane];
+                    if (e >= 0)
+                        w = slot(e / El, R.tpos[(size_t)t * N + e / El]);
                 }
                 io.rw[(size_t)t * K + lane] = w;
             }
