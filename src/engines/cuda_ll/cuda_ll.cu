@@ -25,7 +25,7 @@
  */
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
 
-#define FR_CR_THREADS 512
+/* threads per block of ferry::combine, whichever parts a launch runs */
 #define FR_CS_THREADS 512
 
 /* ---------------------------------------------------------------------- */
@@ -628,7 +628,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
-    ferry::combine<<<blocks, FR_CR_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
+    ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
                                                     (long long *)out->wait_cost, FR_PART_RECV);

@@ -53,8 +53,8 @@ typedef struct fr_dr_out {
     int32_t *stats;       /* optional [El]: counts added (recv_stats) */
 } fr_dr_out_t;
 
+/* threads per block of ferry::dispatch, whichever parts a launch runs */
 #define FR_DS_THREADS 512
-#define FR_DR_THREADS 512
 
 static __device__ __forceinline__ uint8_t *fr_cu_dslice(const fr_cu_args_t &A, int set, int d)
 {
