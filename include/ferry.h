@@ -150,13 +150,34 @@ typedef struct ferry_ep_config {
      * (DeepEP's round_scale: the scale is then exactly an 8-bit exponent,
      * UE8M0, and dividing by it is exact); 0 (default): amax / 448. */
     int fp8_round_scale;
-    int reserved[4];
+    /* Low latency, fp8: how expert_x_scales is laid out (ferry_scales_layout_t;
+     * 0, the default: FERRY_SCALES_ROWS). */
+    int scales_layout;
+    int reserved[3];
 } ferry_ep_config_t;
+
+/* Layouts of the low-latency expert_x_scales (fp8 dispatch), S = H/128
+ * scales per row, C = expert_capacity rows per local expert:
+ *   FERRY_SCALES_ROWS    float [E_local][C][S], a row's scales together;
+ *   FERRY_SCALES_COLS    float [E_local][S][C], a scale's rows together
+ *                        (MN-major, what TMA-fed grouped GEMMs read: DeepEP's
+ *                        layout, a [E_local][C][S] view with strides
+ *                        (S*C, 1, C));
+ *   FERRY_SCALES_UE8M0   int32 [E_local][S/4][C]: word (e, i, row) holds
+ *                        the exponent bytes (UE8M0) of the row's scales
+ *                        4i..4i+3, scale 4i+j in byte j (DeepEP's use_ue8m0
+ *                        layout); needs fp8_round_scale = 1 (the scales are
+ *                        powers of two) and H a multiple of 512. */
+typedef enum ferry_scales_layout {
+    FERRY_SCALES_ROWS = 0,
+    FERRY_SCALES_COLS = 1,
+    FERRY_SCALES_UE8M0 = 2
+} ferry_scales_layout_t;
 
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
      0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
-     FERRY_MODE_LOW_LATENCY, 0, 0, {0}}
+     FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
@@ -177,7 +198,8 @@ typedef struct ferry_ep_layout {
     size_t token_bytes;      /* bytes of one dispatched row (H or 2H) */
     int num_scales;          /* fp32 scales per row (H/128 for fp8, else 0) */
     size_t expert_x_bytes;   /* E_local * capacity * token_bytes */
-    size_t expert_scales_bytes; /* E_local * capacity * num_scales * 4 */
+    size_t expert_scales_bytes; /* E_local * capacity * num_scales * 4
+                                   (UE8M0: * 1) */
     size_t expert_y_bytes;   /* E_local * capacity * H * 2 (bf16) */
     size_t shm_bytes;        /* this rank's shared receive segment */
     size_t host_bytes;       /* other buffers this rank holds */
@@ -215,7 +237,8 @@ typedef struct ferry_dispatch_out {
      * N - 1, 0, ..., r - 1 (own tokens first, wrapping around), each
      * source's in token order; the first expert_num_tokens rows are valid. */
     void *expert_x;            /* [E_local][capacity][token_bytes] */
-    float *expert_x_scales;    /* [E_local][capacity][H/128]; fp8 only */
+    float *expert_x_scales;    /* [E_local][capacity][H/128]; fp8 only (the
+                                  layout config.scales_layout names) */
     int32_t *expert_num_tokens;/* [E_local] */
     /* Optional (may be NULL): which token each row is, [E_local][capacity]. */
     int32_t *expert_src_rank;

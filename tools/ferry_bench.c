@@ -52,6 +52,9 @@ static void usage(FILE *f)
             "      --no-check       skip verification (prints #wrong as n/a)\n"
             "      --round-scale    fp8: scales rounded up to powers of two (DeepEP's\n"
             "                       round_scale; checked against the same reference)\n"
+            "      --scales rows|cols|ue8m0   fp8, low latency: expert_x_scales layout\n"
+            "                       (default rows; cols: DeepEP's column-major; ue8m0:\n"
+            "                       DeepEP's packed exponents, needs --round-scale)\n"
             "      --split          call dispatch_send/_recv and combine_send/_recv\n"
             "                       (default: ferry_dispatch and ferry_combine, one\n"
             "                       launch each on GPU ranks)\n"
@@ -75,6 +78,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
+        {"scales", 1, 0, 'x'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
@@ -99,6 +103,18 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
         case 'o': o->round_scale = 1; break;
+        case 'x':
+            if (strcmp(optarg, "rows") == 0) {
+                o->scales = FERRY_SCALES_ROWS;
+            } else if (strcmp(optarg, "cols") == 0) {
+                o->scales = FERRY_SCALES_COLS;
+            } else if (strcmp(optarg, "ue8m0") == 0) {
+                o->scales = FERRY_SCALES_UE8M0;
+            } else {
+                fprintf(stderr, "ferry-bench: --scales %s: use rows, cols or ue8m0\n", optarg);
+                return -1;
+            }
+            break;
         case 'M':
             if (strcmp(optarg, "ll") == 0 || strcmp(optarg, "ht") == 0) {
                 o->ht = optarg[0] == 'h';
@@ -304,9 +320,19 @@ static int make_config(bench_t *b)
     cfg.mode = o->ht ? FERRY_MODE_HIGH_THROUGHPUT : FERRY_MODE_LOW_LATENCY;
     cfg.ring_tokens = o->ring;
     cfg.fp8_round_scale = o->round_scale;
+    cfg.scales_layout = o->scales;
     b->cfg = cfg;
     if (o->round_scale && (o->fp8 != 1 || o->ht)) {
         fprintf(stderr, "ferry-bench: --round-scale needs --dtype fp8 in low-latency mode\n");
+        return 2;
+    }
+    if (o->scales && (o->fp8 != 1 || o->ht)) {
+        fprintf(stderr, "ferry-bench: --scales needs --dtype fp8 in low-latency mode\n");
+        return 2;
+    }
+    if (o->scales == FERRY_SCALES_UE8M0 && !o->round_scale) {
+        fprintf(stderr, "ferry-bench: --scales ue8m0 needs --round-scale (UE8M0 holds "
+                        "powers of two only)\n");
         return 2;
     }
     if (o->ht && o->fp8 == 2) {
@@ -366,14 +392,19 @@ static int make_workload(bench_t *b)
     size_t rows = b->El * b->cap + 1;
     /* sized for the larger of the contexts (mixed: bf16 rows, fp8 scales) */
     b->ex = calloc(lay->expert_x_bytes + 1, 1);
-    b->exs = calloc(lay1->expert_scales_bytes + lay->expert_scales_bytes + 4, 1);
+    size_t exs_bytes = lay1->expert_scales_bytes + lay->expert_scales_bytes;
+    /* in rows, whatever layout dispatch wrote (UE8M0 is a quarter of it) */
+    size_t rows_bytes = b->El * b->cap * 4 * (size_t)lay->num_scales;
+    b->exs = calloc((exs_bytes > rows_bytes ? exs_bytes : rows_bytes) + 4, 1);
+    /* scales not in rows: dispatch writes them here, the check reads exs */
+    b->exs_raw = b->o->scales ? calloc(lay->expert_scales_bytes + 4, 1) : NULL;
     b->cnt = calloc(b->El, sizeof(int32_t));
     b->sr = calloc(rows, sizeof(int32_t));
     b->st = calloc(rows, sizeof(int32_t));
     b->ey = calloc(lay->expert_y_bytes / 2 + 1, 2);
     b->out = calloc((size_t)b->cfg.max_tokens * b->o->hidden + 1, 2);
     b->acc = calloc((size_t)b->o->hidden, sizeof(float));
-    if (!b->ex || !b->exs || !b->cnt || !b->sr || !b->st || !b->ey || !b->out ||
+    if (!b->ex || !b->exs || (b->o->scales && !b->exs_raw) || !b->cnt || !b->sr || !b->st || !b->ey || !b->out ||
         !b->acc || fw_input_alloc(&b->s, &b->in)) {
         fprintf(stderr, "ferry-bench: rank %d: out of memory\n", b->me);
         return 1;
@@ -381,7 +412,7 @@ static int make_workload(bench_t *b)
     /* Touch every page once, as an engine's long-lived tensors would be, so
      * no first-touch page faults land in whichever side runs first. */
     memset(b->ex, 1, lay->expert_x_bytes);
-    memset(b->exs, 1, lay1->expert_scales_bytes + lay->expert_scales_bytes);
+    memset(b->exs, 1, exs_bytes);
     memset(b->ey, 1, lay->expert_y_bytes);
     memset(b->sr, 1, rows * sizeof(int32_t));
     memset(b->st, 1, rows * sizeof(int32_t));
@@ -452,6 +483,7 @@ static int teardown(bench_t *b, int status)
     free(b->tm);
     free(b->ex);
     free(b->exs);
+    free(b->exs_raw);
     free(b->cnt);
     free(b->sr);
     free(b->st);

@@ -295,14 +295,23 @@ class EP:
     (shape, layout, device), naming the argument. Methods after close()
     raise ValueError; closing twice is harmless. fp8_round_scale=True (fp8
     only): block scales rounded up to powers of two (DeepEP's
-    round_scale)."""
+    round_scale). scales_layout (fp8, low latency): how expert_x_scales is
+    laid out, "rows" (default: float32 [E_local, capacity, S], C-contiguous),
+    "cols" (float32 [E_local, capacity, S] column-major in the last two
+    dims, as DeepEP returns them: a transposed view of a contiguous
+    [E_local, S, capacity]) or "ue8m0" (int32 [E_local, capacity, S/4],
+    column-major the same way, four exponent bytes per word: DeepEP's
+    use_ue8m0; needs fp8_round_scale and hidden a multiple of 512)."""
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
-                 device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False):
+                 device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False,
+                 scales_layout="rows"):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if mode not in _lib.MODES:
             raise ValueError(f"mode={mode!r}: use 'll' (low latency) or 'ht' (high throughput)")
+        if scales_layout not in _lib.SCALES:
+            raise ValueError(f"scales_layout={scales_layout!r}: use 'rows', 'cols' or 'ue8m0'")
         if device not in _lib.DEVICES:
             raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
         if not isinstance(comm, Comm):
@@ -313,7 +322,8 @@ class EP:
         cfg = _lib.EpConfig(C.sizeof(_lib.EpConfig), _lib.FERRY_EP_CONFIG_MAGIC,
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
-                            _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)))
+                            _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)),
+                            _lib.SCALES[scales_layout])
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -331,6 +341,7 @@ class EP:
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
         self.mode = mode
         self.fp8_round_scale = bool(fp8_round_scale)
+        self.scales_layout = scales_layout
         self.num_ranks = lay.num_ranks
         self.rank = lay.rank
         self.num_local_experts = lay.num_local_experts
@@ -399,7 +410,7 @@ class EP:
         if xp is None or xp.__name__ == "numpy":
             import numpy as np
             ex = np.zeros((El, cap, H), dtype=np.uint8 if self.dtype == "fp8" else np.uint16)
-            sc = np.zeros((El, cap, ns), dtype=np.float32)
+            sc = self._scales_new(np, np.float32, np.int32, dict(dtype=np.float32))
             return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
                         expert_num_tokens=np.zeros(El, dtype=np.int32),
                         expert_src_rank=np.zeros((El, cap), dtype=np.int32),
@@ -407,11 +418,39 @@ class EP:
         import torch
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else "cpu"
         ex = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if self.dtype == "fp8" else torch.bfloat16, device=dev)
-        sc = torch.empty((El, cap, ns), dtype=torch.float32, device=dev)
+        sc = self._scales_new(torch, torch.float32, torch.int32, dict(device=dev))
         return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
                     expert_num_tokens=torch.zeros(El, dtype=torch.int32, device=dev),
                     expert_src_rank=torch.empty((El, cap), dtype=torch.int32, device=dev),
                     expert_src_token=torch.empty((El, cap), dtype=torch.int32, device=dev))
+
+    def _scales_new(self, xp, f32, i32, kw):
+        """An expert_x_scales buffer in the context's layout (rows; or the
+        column-major view of a contiguous [E_local, S, capacity])."""
+        El, cap, ns = self.num_local_experts, self.capacity, max(1, self.num_scales)
+        kw = dict(kw)
+        if self.scales_layout == "rows":
+            kw["dtype"] = f32
+            return xp.zeros((El, cap, ns), **kw)
+        kw["dtype"] = f32 if self.scales_layout == "cols" else i32
+        S = ns if self.scales_layout == "cols" else ns // 4
+        return xp.zeros((El, S, cap), **kw).swapaxes(1, 2)
+
+    def _scales_ptr(self, a, required):
+        """expert_x_scales checked against the context's layout."""
+        El, cap, ns = self.num_local_experts, self.capacity, self.num_scales
+        if self.scales_layout == "rows":
+            return self._arr(a, "expert_x_scales", _F32, (El, cap, ns), required=required,
+                             output=True)
+        cols = self.scales_layout == "cols"
+        S = ns if cols else ns // 4
+        if a is None or getattr(a, "ndim", None) != 3 or not hasattr(a, "swapaxes"):
+            return self._arr(a, "expert_x_scales", _F32 if cols else _I32, (El, cap, S),
+                             required=True, output=True)
+        # column-major in the last two dims: its transpose is C-contiguous
+        return self._arr(a.swapaxes(1, 2), f"expert_x_scales.transpose(1, 2) (scales_layout="
+                         f"{self.scales_layout!r})", _F32 if cols else _I32, (El, S, cap),
+                         output=True)
 
     def _din(self, x, topk_idx, x_scales, num_tokens, stream):
         """dispatch_send's argument block, checked, and the round's rows."""
@@ -504,8 +543,7 @@ class EP:
             C.sizeof(_lib.DispatchOut),
             self._arr(expert_x, "expert_x", _FP8 if fp8 else _BF16, (El, cap, H),
                       output=True),
-            self._arr(expert_x_scales, "expert_x_scales", _F32, (El, cap, self.num_scales),
-                      required=fp8, output=True),
+            self._scales_ptr(expert_x_scales, fp8),
             self._arr(expert_num_tokens, "expert_num_tokens", _I32, (El,), output=True),
             self._arr(expert_src_rank, "expert_src_rank", _I32, (El, cap), required=False,
                       output=True),

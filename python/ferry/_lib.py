@@ -8,6 +8,8 @@ VERSION_CODE = 100
 DTYPES = {"bf16": 0, "fp8": 1}
 DEVICES = {"cpu": 0, "cuda": 1}
 MODES = {"ll": 0, "ht": 1}
+#: expert_x_scales layouts (ferry_scales_layout_t)
+SCALES = {"rows": 0, "cols": 1, "ue8m0": 2}
 
 STATUS = {
     0: "FERRY_OK", -1: "FERRY_ERR_INVALID", -2: "FERRY_ERR_UNSUPPORTED",
@@ -22,7 +24,8 @@ class EpConfig(C.Structure):
                 ("num_experts", C.c_int), ("topk", C.c_int), ("hidden", C.c_int),
                 ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
                 ("num_sms", C.c_int), ("mode", C.c_int), ("ring_tokens", C.c_int),
-                ("fp8_round_scale", C.c_int), ("reserved", C.c_int * 4)]
+                ("fp8_round_scale", C.c_int), ("scales_layout", C.c_int),
+                ("reserved", C.c_int * 3)]
 
 
 class Layout(C.Structure):

@@ -27,7 +27,6 @@ Tensors are checked before use (TypeError for a wrong type or dtype,
 ValueError for a wrong shape or device, naming the argument); inputs are
 made contiguous here (a copy when they are not), `out` must already be.
 """
-import contextlib
 import ctypes as C
 import functools
 import operator
@@ -133,22 +132,6 @@ def _recv_or_hook(recv, return_recv_hook):
     return None
 
 
-def _ue8m0_buffer(sc):
-    """DeepEP's packed scales for fp8 [E_local, rows, H/128] float32 scales:
-    int32 [E_local, rows, H/512], column-major in the last two dims (for
-    TMA), four exponent bytes per int32 (block 4i + j in byte j)."""
-    El, rows, ns = sc.shape
-    return torch.empty((El, ns // 4, rows), dtype=torch.int32, device=sc.device).transpose(1, 2)
-
-
-def _ue8m0_pack(sc, out):
-    """Fill out (_ue8m0_buffer) from power-of-two float32 scales: each
-    scale's exponent byte (its UE8M0 code, exact with round_scale)."""
-    El, rows, ns = sc.shape
-    e = ((sc.view(torch.int32) >> 23) & 0xFF).view(El, rows, ns // 4, 4)
-    out.copy_(e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))
-
-
 class _Tok:
     """A handle's token: the plan keeps a weak reference to it, to tell a
     dropped handle from one still held."""
@@ -216,7 +199,10 @@ class _Plan:
         for _ in range(2):
             rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                              device=dev)
-            sc = torch.empty((El, cap, H // 128), dtype=torch.float32, device=dev) if fp8 else None
+            # DeepEP's layout: column-major in the last two dims (float32, or
+            # UE8M0 words), written so by the kernel
+            sc = ep._scales_new(torch, torch.float32, torch.int32, dict(device=dev)) \
+                if fp8 else None
             cnt = torch.empty(El, dtype=torch.int32, device=dev)
             sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
             st = torch.empty((El, cap), dtype=torch.int32, device=dev)
@@ -637,24 +623,25 @@ class Buffer:
                 raise ValueError(f"clean_low_latency_buffer: {name}: expected a positive int, "
                                  f"got {v!r}")
 
-    def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False):
-        key = (num_experts, topk, hidden, T, fp8, device, round_scale)
+    def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False, ue8m0=False):
+        key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)
         ep = self._eps.get(key)
         if ep is None:
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
                     num_sms=self.num_sms if self.num_sms is not None else self._sms,
-                    fp8_round_scale=round_scale)
+                    fp8_round_scale=round_scale,
+                    scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows")
             self._eps[key] = ep
         return ep
 
-    def _plan(self, x, num_experts, K, H, T, fp8, round_scale=False):
+    def _plan(self, x, num_experts, K, H, T, fp8, round_scale=False, ue8m0=False):
         """The context and its plan for this shape (created at the first
         call, collectively, like the contexts)."""
-        key = (num_experts, K, H, T, fp8, x.get_device(), round_scale)
+        key = (num_experts, K, H, T, fp8, x.get_device(), round_scale, ue8m0)
         plan = self._plans.get(key)
         if plan is None:
-            ep = self._ep(num_experts, K, H, T, fp8, "cuda", round_scale)
+            ep = self._ep(num_experts, K, H, T, fp8, "cuda", round_scale, ue8m0)
             plan = self._plans[key] = _Plan(ep, fp8, x.device)
         return plan
 
@@ -693,28 +680,11 @@ class Buffer:
             if isinstance(x, torch.Tensor) and stats.device != x.device:
                 raise ValueError(f"cumulative_local_expert_recv_stats: expected a tensor on "
                                  f"{x.device} (x's device), got one on {stats.device}")
-        # the receive adds recv_count to the stats itself (in the kernel)
-        r = self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                       num_experts, use_fp8, return_recv_hook, rs, wc, stats)
-        if not use_ue8m0:
-            return r
-        out_x, cnt, handle, ev, hook = r
-        q, sc = out_x
-        packed = _ue8m0_buffer(sc)
-        out_x = (q, packed)
-        if hook is None:
-            _ue8m0_pack(sc, packed)
-            return out_x, cnt, handle, ev, None
-        # the receive is queued on the dispatch's stream: pack there,
-        # whatever stream is current when the hook runs
-        st = torch.cuda.current_stream(x.device) if x.is_cuda else None
-
-        @_plain_torch
-        def recv_and_finish():
-            hook()
-            with torch.cuda.stream(st) if st is not None else contextlib.nullcontext():
-                _ue8m0_pack(sc, packed)
-        return out_x, cnt, handle, ev, recv_and_finish
+        # the receive adds recv_count to the stats itself (in the kernel), and
+        # writes the scales in DeepEP's layout (UE8M0 words with use_ue8m0)
+        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                          num_experts, use_fp8, return_recv_hook, rs, wc, stats,
+                                          bool(use_ue8m0))
 
     def _wait_cost(self, t, name, x):
         """DeepEP's wait-cost stats: int64 [num_ranks], contiguous, on x's
@@ -733,7 +703,7 @@ class Buffer:
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               use_fp8, return_recv_hook, round_scale=False, wc=None,
-                              stats=None):
+                              stats=None, ue8m0=False):
         """wc: the wait-cost stats tensor (checked) or None; stats: the
         receive-count stats (checked) or None."""
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
@@ -745,7 +715,7 @@ class Buffer:
                 topk_idx.get_device() == x.get_device():
             return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                        num_experts, use_fp8, return_recv_hook, round_scale, wc,
-                                       stats)
+                                       stats, ue8m0)
         _tensor(x, "x", torch.bfloat16)
         if x.dim() != 2:
             raise ValueError(f"x: expected shape (T, H) bfloat16, got {_fmt_shape(tuple(x.shape))} "
@@ -767,12 +737,13 @@ class Buffer:
                             f"({e})") from None
         dev = "cuda" if x.is_cuda else "cpu"
         ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev,
-                      round_scale)
+                      round_scale, ue8m0)
         El, cap = ep.num_local_experts, ep.capacity
         d = x.device
         recv_x = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                              device=d)
-        scales = torch.empty((El, cap, H // 128), dtype=torch.float32, device=d) if use_fp8 else None
+        scales = ep._scales_new(torch, torch.float32, torch.int32, dict(device=d)) \
+            if use_fp8 else None
         count = torch.empty(El, dtype=torch.int32, device=d)
         src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
         src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
@@ -793,10 +764,10 @@ class Buffer:
         return out_x, count, handle, EventOverlap(), hook
 
     def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook,
-                       round_scale=False, wc=None, stats=None):
+                       round_scale=False, wc=None, stats=None, ue8m0=False):
         T, H = x.shape
         K = topk_idx.shape[1]
-        plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale)
+        plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale, ue8m0)
         if not x.is_contiguous():
             x = x.contiguous()
         if not topk_idx.is_contiguous():

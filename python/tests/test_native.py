@@ -13,7 +13,7 @@ from ranks import bf16, f32, run_ranks
 E_PER_RANK, K, H, T = 4, 4, 256, 16
 
 
-def inputs(rank, rnd, N):
+def inputs(rank, rnd, N, H=H):
     rng = np.random.default_rng(1000 * rnd + rank)
     E = E_PER_RANK * N
     t = int(rng.integers(0, T + 1)) if rank % 3 else (0 if rnd % 2 else T)  # empty ranks
@@ -139,6 +139,40 @@ def rank_main(rank, N, port, q):
                 assert np.all(np.abs(deq - row) <= np.abs(row) / 8 + sc[:, None] / 256), \
                     float(np.abs(deq - row).max())
         ep.close()
+        # one round into DeepEP's scale layouts, column-major float32 and
+        # UE8M0 words (four exponent bytes; H a multiple of 512; two words
+        # per row, so that rows and columns differ), beside
+        # rows: the same rows and scales
+        H2 = 1024
+        x, idx, w = inputs(rank, 8, N, H2)
+        ref = None
+        for layout in ("rows", "cols", "ue8m0"):
+            ep2 = ferry.EP(comm, num_experts=E, topk=K, hidden=H2, max_tokens=T, dtype="fp8",
+                           fp8_round_scale=True, scales_layout=layout)
+            b2 = ep2.alloc()
+            sc2, ns, cap = b2["expert_x_scales"], ep2.num_scales, ep2.capacity
+            S = ns if layout != "ue8m0" else ns // 4
+            assert sc2.shape == (El, cap, S), (layout, sc2.shape)
+            if layout != "rows":
+                assert sc2.swapaxes(1, 2).flags.c_contiguous, (layout, sc2.strides)
+                try:  # rows where columns are expected: refused, naming it
+                    ep2.dispatch(x, idx, **dict(b2, expert_x_scales=np.ascontiguousarray(sc2)))
+                    raise AssertionError(f"{layout}: C-contiguous expert_x_scales taken")
+                except ValueError as e:
+                    assert "expert_x_scales.transpose(1, 2)" in str(e), str(e)
+            ep2.dispatch(x, idx, **b2)
+            if layout == "ue8m0":
+                ex = np.stack([(sc2 >> (8 * j)) & 0xFF for j in range(4)], axis=3)
+                sc2 = np.ldexp(1.0, ex.reshape(El, cap, ns) - 127).astype(np.float32)
+            if ref is None:
+                ref = b2["expert_num_tokens"].copy(), b2["expert_x"].copy(), sc2.copy()
+            cnt, rx, rsc = ref
+            assert np.array_equal(b2["expert_num_tokens"], cnt), layout
+            for le in range(El):
+                n = int(cnt[le])
+                assert np.array_equal(b2["expert_x"][le, :n], rx[le, :n]), layout
+                assert np.array_equal(sc2[le, :n], rsc[le, :n]), (layout, le)
+            ep2.close()
         comm.close()
         q.put((rank, "ok"))
     except BaseException:

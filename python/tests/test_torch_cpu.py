@@ -58,6 +58,12 @@ def ll_rounds(deep_ep, buf, rank, N, E, K, H, T):
             total += count
             err = check_round(rank, N, E, K, xs, ids, recv, count,
                               (handle.src_rank, handle[0]), fp8)
+            # DeepEP's scale layout: [E_local, rows, H/128], column-major in
+            # the last two dims
+            sc = recv[1] if fp8 else None
+            if fp8 and sc.stride() != (sc.shape[1] * sc.shape[2], 1, sc.shape[1]):
+                msgs.append(f"fp8 scales: strides {sc.stride()}, want DeepEP's column-major "
+                            f"{(sc.shape[1] * sc.shape[2], 1, sc.shape[1])}")
             if err:
                 msgs.append(f"dispatch fp8={fp8} hook={hook_mode}: {err}")
             lr = handle[1]

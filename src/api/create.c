@@ -82,6 +82,24 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
     if (c->fp8_round_scale && c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fp8_round_scale = 1 needs dispatch_dtype fp8 (it rounds fp8 scales)");
+    if (c->scales_layout < FERRY_SCALES_ROWS || c->scales_layout > FERRY_SCALES_UE8M0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "scales_layout = %d: unknown (FERRY_SCALES_ROWS = %d, "
+                      "FERRY_SCALES_COLS = %d, FERRY_SCALES_UE8M0 = %d)", c->scales_layout,
+                      (int)FERRY_SCALES_ROWS, (int)FERRY_SCALES_COLS, (int)FERRY_SCALES_UE8M0);
+    if (c->scales_layout != FERRY_SCALES_ROWS &&
+        (c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3 || c->mode != FERRY_MODE_LOW_LATENCY))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "scales_layout = %d needs dispatch_dtype fp8 in low-latency mode "
+                      "(it lays out expert_x_scales)", c->scales_layout);
+    if (c->scales_layout == FERRY_SCALES_UE8M0 && !c->fp8_round_scale)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "scales_layout = FERRY_SCALES_UE8M0 needs fp8_round_scale = 1 (UE8M0 "
+                      "holds powers of two only)");
+    if (c->scales_layout == FERRY_SCALES_UE8M0 && c->hidden % 512)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "hidden = %d: FERRY_SCALES_UE8M0 packs four scales per int32, so "
+                      "hidden must be a multiple of 512", c->hidden);
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);
@@ -396,7 +414,8 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
     lay->token_bytes = L->tok_bytes;
     lay->num_scales = (int)L->nscales;
     lay->expert_x_bytes = (size_t)L->El * L->cap * L->tok_bytes;
-    lay->expert_scales_bytes = (size_t)L->El * L->cap * L->nscales * 4;
+    lay->expert_scales_bytes = (size_t)L->El * L->cap * L->nscales *
+                               (L->sfmt == FERRY_SCALES_UE8M0 ? 1 : 4);
     lay->expert_y_bytes = (size_t)L->El * L->cap * L->crow;
     lay->shm_bytes = L->seg_bytes;
     lay->host_bytes = (ep->send ? L->send_bytes : 0) +

@@ -29,6 +29,7 @@
 #define FR_LAYOUT_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "hd.h"
 #include "err.h"
@@ -56,6 +57,7 @@ typedef struct fr_layout {
     int T;           /* max tokens per rank */
     int fp8;         /* dispatch dtype is fp8 e4m3 */
     int kmax;        /* most experts of one rank one token can pick */
+    int sfmt;        /* expert_x_scales layout (ferry_scales_layout_t) */
     uint32_t tok_bytes, nscales, rec_hdr, rec_bytes;
     uint32_t rec_pos;   /* offset of pos[kmax] in a record header */
     uint32_t slice_hdr; /* slice header + rows per local expert */
@@ -105,6 +107,7 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
     L->H = H;
     L->T = T;
     L->fp8 = fp8;
+    L->sfmt = FERRY_SCALES_ROWS;
     L->kmax = K < L->El ? K : L->El;
     L->tok_bytes = (uint32_t)(fp8 ? H : 2 * H);
     L->nscales = (uint32_t)(fp8 ? H / 128 : 0);
@@ -194,5 +197,36 @@ int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err
 #ifdef __cplusplus
 }
 #endif
+
+/* Where a received row's scales go in expert_x_scales (the layout
+ * config.scales_layout names, ferry.h): fr_scl_row is scale 0 of expert_x
+ * row `row` (local expert * cap + position) from the buffer's base,
+ * fr_scl_put stores scale q of it there. */
+FR_HD uint8_t *fr_scl_row(const fr_layout_t *L, void *base, uint64_t row)
+{
+    uint64_t le = row / L->cap, pos = row - le * L->cap;
+    uint8_t *b = (uint8_t *)base;
+    if (L->sfmt == FERRY_SCALES_COLS)
+        return b + 4 * (le * L->nscales * L->cap + pos);
+    if (L->sfmt == FERRY_SCALES_UE8M0)
+        return b + 4 * (le * (L->nscales / 4) * L->cap + pos);
+    return b + 4 * row * L->nscales;
+}
+
+FR_HD void fr_scl_put(const fr_layout_t *L, uint8_t *p, uint32_t q, float v)
+{
+    if (L->sfmt == FERRY_SCALES_COLS) {
+        p += 4 * (uint64_t)q * L->cap;
+    } else if (L->sfmt == FERRY_SCALES_UE8M0) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        /* a positive power of two: its exponent byte is the whole value */
+        p[4 * (uint64_t)(q >> 2) * L->cap + (q & 3)] = (uint8_t)(u >> 23);
+        return;
+    } else {
+        p += 4 * (uint64_t)q;
+    }
+    memcpy(p, &v, 4);
+}
 
 #endif

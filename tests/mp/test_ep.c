@@ -86,6 +86,32 @@ static int run_args(ferry_comm_t comm)
         CHECK(strstr(ferry_comm_last_error(comm), "mode") != NULL, "msg %s",
               ferry_comm_last_error(comm));
     }
+    {
+        /* expert_x_scales layouts: refused where they cannot apply, naming
+         * the field (unknown; bf16; UE8M0 without powers of two, or with H
+         * not a multiple of 512) */
+        struct { int layout, dtype, round, H; const char *needle; } bad[] = {
+            {3, FERRY_DTYPE_FP8_E4M3, 0, 512, "scales_layout = 3"},
+            {FERRY_SCALES_COLS, FERRY_DTYPE_BF16, 0, 512, "scales_layout = 1"},
+            {FERRY_SCALES_UE8M0, FERRY_DTYPE_FP8_E4M3, 0, 512, "fp8_round_scale"},
+            {FERRY_SCALES_UE8M0, FERRY_DTYPE_FP8_E4M3, 1, 384, "hidden = 384"},
+        };
+        for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+            ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+            cfg.num_experts = 4 * N;
+            cfg.topk = 2;
+            cfg.hidden = bad[i].H;
+            cfg.max_tokens = 8;
+            cfg.dispatch_dtype = (ferry_dtype_t)bad[i].dtype;
+            cfg.fp8_round_scale = bad[i].round;
+            cfg.scales_layout = bad[i].layout;
+            ep = NULL;
+            rc = ferry_ep_create(comm, &cfg, &ep);
+            CHECK(rc == FERRY_ERR_INVALID && !ep, "scales case %zu: rc %d", i, rc);
+            CHECK(strstr(ferry_comm_last_error(comm), bad[i].needle) != NULL,
+                  "scales case %zu: msg %s", i, ferry_comm_last_error(comm));
+        }
+    }
 
     /* a good context */
     int E = 4 * N, K = 2, H = 256, T = 8;

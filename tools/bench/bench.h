@@ -19,6 +19,7 @@ typedef struct opts {
     int graph;     /* --graph: rounds replayed from one CUDA graph */
     int split;     /* --split: send and receive as two calls */
     int round_scale; /* --round-scale: fp8 scales rounded up to powers of two */
+    int scales;      /* --scales: expert_x_scales layout (ferry_scales_layout_t) */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;
@@ -38,8 +39,9 @@ typedef struct dev {
 int dev_bind(const char *gpu, int rank, int *chosen);
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay);
 int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in);
+/* whole_scales: expert_x_scales is not in rows (copied whole) */
 int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,
-                     float *exs, int32_t *cnt, int32_t *sr, int32_t *st_);
+                     float *exs, int whole_scales, int32_t *cnt, int32_t *sr, int32_t *st_);
 int dev_expert_y(dev_t_ *d, const ferry_ep_layout_t *lay, const int32_t *cnt,
                  const uint16_t *ey, int H);
 int dev_out(dev_t_ *d, uint16_t *out, int T, int H);
@@ -86,6 +88,7 @@ typedef struct bench {
     /* host buffers: expert rows, scales, counts, sources, expert outputs */
     uint8_t *ex;
     float *exs;
+    float *exs_raw; /* --scales cols|ue8m0: what dispatch wrote (exs: in rows) */
     int32_t *cnt, *sr, *st;
     uint16_t *ey, *out;
     float *acc;

@@ -80,18 +80,20 @@ int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in)
 
 /* expert rows back to the host: only the rows each expert filled */
 int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,
-                     float *exs, int32_t *cnt, int32_t *sr, int32_t *st_)
+                     float *exs, int whole_scales, int32_t *cnt, int32_t *sr, int32_t *st_)
 {
     cudaStream_t st = (cudaStream_t)d->stream;
     size_t El = (size_t)lay->num_local_experts, cap = (size_t)lay->expert_capacity;
     size_t tb = lay->token_bytes, ns = (size_t)lay->num_scales;
     DEVCHK(cudaMemcpy(cnt, d->cnt, El * 4, cudaMemcpyDeviceToHost));
+    if (ns && whole_scales)
+        DEVCHK(cudaMemcpyAsync(exs, d->exs, lay->expert_scales_bytes, cudaMemcpyDeviceToHost, st));
     for (size_t le = 0; le < El; le++) {
         size_t n = (size_t)cnt[le], o = le * cap;
         if (!n || n > cap)
             continue;
         DEVCHK(cudaMemcpyAsync(ex + o * tb, (uint8_t *)d->ex + o * tb, n * tb, cudaMemcpyDeviceToHost, st));
-        if (ns)
+        if (ns && !whole_scales)
             DEVCHK(cudaMemcpyAsync(exs + o * ns, (float *)d->exs + o * ns, n * ns * 4, cudaMemcpyDeviceToHost, st));
         DEVCHK(cudaMemcpyAsync(sr + o, (int32_t *)d->sr + o, n * 4, cudaMemcpyDeviceToHost, st));
         DEVCHK(cudaMemcpyAsync(st_ + o, (int32_t *)d->st + o, n * 4, cudaMemcpyDeviceToHost, st));
@@ -144,9 +146,9 @@ int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
 }
 int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in)
 { (void)d; (void)s; (void)in; return -1; }
-int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex, float *exs,
+int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex, float *exs, int whole,
                      int32_t *cnt, int32_t *sr, int32_t *st_)
-{ (void)d; (void)lay; (void)ex; (void)exs; (void)cnt; (void)sr; (void)st_; return -1; }
+{ (void)d; (void)lay; (void)ex; (void)exs; (void)whole; (void)cnt; (void)sr; (void)st_; return -1; }
 int dev_expert_y(dev_t_ *d, const ferry_ep_layout_t *lay, const int32_t *cnt,
                  const uint16_t *ey, int H)
 { (void)d; (void)lay; (void)cnt; (void)ey; (void)H; return -1; }

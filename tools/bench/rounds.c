@@ -78,7 +78,7 @@ static const char *prepare_round(bench_t *b, int it, round_io_t *io)
     io->din = (ferry_dispatch_in_t){.size = sizeof(io->din), .num_tokens = b->in.T,
                                     .x = b->in.x, .topk_idx = b->in.idx};
     io->dout = (ferry_dispatch_out_t){.size = sizeof(io->dout), .expert_x = b->ex,
-                                      .expert_x_scales = b->exs,
+                                      .expert_x_scales = b->exs_raw ? b->exs_raw : b->exs,
                                       .expert_num_tokens = b->cnt,
                                       .expert_src_rank = b->sr,
                                       .expert_src_token = b->st};
@@ -138,8 +138,12 @@ static const char *ferry_dispatch_step(bench_t *b, uint64_t round_id, round_io_t
     double t1 = now_us();
     if (b->rc != FERRY_OK)
         return "dispatch";
-    if (b->dv.on && dev_dispatch_out(&b->dv, &b->lay, b->ex, b->exs, b->cnt, b->sr, b->st) != 0)
+    if (b->dv.on && dev_dispatch_out(&b->dv, &b->lay, b->ex, b->exs_raw ? b->exs_raw : b->exs,
+                                     b->exs_raw != NULL, b->cnt, b->sr, b->st) != 0)
         return "copy from GPU";
+    if (b->exs_raw) /* the check and the experts read rows */
+        fw_scales_to_rows(b->o->scales, b->exs_raw, b->exs, b->El, b->cap,
+                          (size_t)b->lay.num_scales, b->cnt);
     if (b->o->check)
         b->wrong += fw_check_dispatch(&b->s, round_id, b->me, b->ex, b->exs, b->cnt,
                                       b->sr, b->st, b->cap, 3);

@@ -365,3 +365,25 @@ long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
     free(sc);
     return wrong;
 }
+
+void fw_scales_to_rows(int layout, const void *src, float *rows, size_t El, size_t cap,
+                       size_t ns, const int32_t *counts)
+{
+    const float *cf = (const float *)src;
+    const uint8_t *cb = (const uint8_t *)src;
+    for (size_t e = 0; e < El; e++) {
+        size_t n = counts[e] < 0 ? 0 : (size_t)counts[e];
+        for (size_t p = 0; p < n && p < cap; p++)
+            for (size_t q = 0; q < ns; q++) {
+                float v;
+                if (layout == 1) {
+                    v = cf[(e * ns + q) * cap + p];
+                } else {
+                    /* word (e, q / 4, p), byte q % 4: 2^(byte - 127) */
+                    uint32_t byte = cb[4 * ((e * (ns / 4) + q / 4) * cap + p) + q % 4];
+                    v = ldexpf(1.0f, (int)byte - 127);
+                }
+                rows[(e * cap + p) * ns + q] = v;
+            }
+    }
+}

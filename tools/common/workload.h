@@ -73,6 +73,13 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
 long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
                       const fw_input_t *in, const uint16_t *out, int verbose);
 
+/* expert_x_scales written in layout `layout` (ferry_scales_layout_t: 1
+ * columns, float [El][ns][cap]; 2 UE8M0, int32 [El][ns/4][cap] of exponent
+ * bytes) copied into rows (float [El][cap][ns]), the first counts[e] rows
+ * of each expert, so the row checks read them. */
+void fw_scales_to_rows(int layout, const void *src, float *rows, size_t El, size_t cap,
+                       size_t ns, const int32_t *counts);
+
 /* Bytes of one dispatched row / scales (what ferry moves per record). */
 size_t fw_token_bytes(const fw_spec_t *s);
 

@@ -241,9 +241,15 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                 size_t row = (size_t)le * L->cap + (size_t)slot;
                 memcpy(ex + row * L->tok_bytes, rec + L->rec_hdr,
                        L->tok_bytes);
-                if (scale_bytes)
-                    memcpy(out->expert_x_scales + row * L->nscales,
-                           rec + L->rec_hdr + L->tok_bytes, scale_bytes);
+                if (scale_bytes) {
+                    uint8_t *ps = fr_scl_row(L, out->expert_x_scales, row);
+                    const uint8_t *src = rec + L->rec_hdr + L->tok_bytes;
+                    for (uint32_t j2 = 0; j2 < L->nscales; j2++) {
+                        float v;
+                        memcpy(&v, src + 4 * j2, 4);
+                        fr_scl_put(L, ps, j2, v);
+                    }
+                }
                 if (out->expert_src_rank)
                     out->expert_src_rank[row] = s;
                 if (out->expert_src_token)

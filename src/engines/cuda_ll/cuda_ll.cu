@@ -390,6 +390,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
     fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
                    cfg->hidden, cfg->max_tokens,
                    cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    ep->L.sfmt = cfg->scales_layout;
     const fr_layout_t *L = &ep->L;
     int N = ep->N;
     if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
@@ -481,7 +482,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->scomb_off = (int32_t *)(b + off[13]);
         A->done = (unsigned int *)(b + off[14]);
         A->dflag = (int *)(b + off[15]);
-        A->dst_scl = (float **)(b + off[16]);
+        A->dst_scl = (uint8_t **)(b + off[16]);
         A->self_run = (int32_t *)(b + off[17]);
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);

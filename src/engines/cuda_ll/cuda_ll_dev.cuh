@@ -52,7 +52,10 @@ typedef struct fr_cu_args {
     int32_t *comb_pos;       /* [2][T][K] */
     int32_t *cnt, *npairs, *comb_off; /* [2][N] */
     uint8_t **dst_rec;       /* [2][T][K]: slot k: where the token's data goes for k: the record on k's rank when k is its first expert there, the own expert row when k is an own expert written in place, else NULL */
-    float **dst_scl;         /* [2][T][K]: where slot k's scales go (fp8), else NULL */
+    uint8_t **dst_scl;       /* [2][T][K]: where slot k's scales go (fp8), else NULL:
+                                a record's (float [S]), or an own row's scale 0 in
+                                expert_x_scales, tagged (fr_cu_scl_own) when its layout
+                                is not rows */
     int32_t *self_run;       /* [2][E_local]: own pairs per own expert (rows written in place) */
     int32_t *pair_row;       /* [2][N][T*kmax]: sender s's pairs at s*T*kmax: their expert rows */
     int32_t *pair_n;         /* [2][N]: pairs received from each sender */
@@ -290,6 +293,24 @@ static __device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, 
         fr_sys_st_release((unsigned long long *)(seg + fr_off_flag(&A.L, phase, set, A.rank)),
                       epoch);
     }
+}
+
+/* An own row's scale pointer in dst_scl: tagged in bit 0 when
+ * expert_x_scales is not laid out in rows (records' scales always are;
+ * both are 4-byte aligned), so a slot's writer needs no second lookup. */
+static __device__ __forceinline__ uint8_t *fr_cu_scl_own(const fr_layout_t &L, uint8_t *p)
+{
+    return L.sfmt == FERRY_SCALES_ROWS ? p : (uint8_t *)((uintptr_t)p | 1u);
+}
+
+/* Store scale q of slot pointer p (a dst_scl entry). */
+static __device__ __forceinline__ void fr_cu_scl_put(const fr_layout_t &L, uint8_t *p, int q,
+                                                     float v)
+{
+    if ((uintptr_t)p & 1u)
+        fr_scl_put(&L, (uint8_t *)((uintptr_t)p & ~(uintptr_t)1), (uint32_t)q, v);
+    else
+        ((float *)p)[q] = v;
 }
 
 #endif

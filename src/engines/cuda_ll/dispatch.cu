@@ -234,7 +234,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
         e = j == k ? r[j] : e;
     }
     uint8_t **dr = A.dst_rec + ((size_t)set * L.T + t) * K + k;
-    float **ds = A.dst_scl + ((size_t)set * L.T + t) * K + k;
+    uint8_t **ds = A.dst_scl + ((size_t)set * L.T + t) * K + k;
     int32_t *cpos = A.comb_pos + ((size_t)set * L.T + t) * K + k;
     bool bad = e < -1 || e >= L.E;
 #pragma unroll
@@ -276,7 +276,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     h->nexp = n;
     h->reserved = 0;
     *dr = rec + L.rec_hdr;
-    *ds = (float *)(rec + L.rec_hdr + L.tok_bytes);
+    *ds = rec + L.rec_hdr + L.tok_bytes;
 }
 
 /* Step 3b, warp 0 over the block's (token, k) pairs in order, 32 at a
@@ -333,7 +333,8 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
             bool fits = pos < (int)L.cap;
             size_t row = (size_t)le * L.cap + pos;
             A.dst_rec[at] = fits ? od->ex + row * L.tok_bytes : NULL;
-            A.dst_scl[at] = fits && od->exs ? od->exs + row * L.nscales : NULL;
+            A.dst_scl[at] = fits && od->exs ? fr_cu_scl_own(L, fr_scl_row(&L, od->exs, row))
+                                            : NULL;
             if (pb + before < pmax)
                 prow[pb + before] = fits ? (int32_t)row : -1;
             if (fits && od->src_rank)
@@ -355,7 +356,7 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
  * over the group, hardware e4m3 conversion) and store them, with the
  * block's scale, to every place of the token (records, own rows). */
 static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8_t *mine,
-                                                    float *msc, uint4 v0, uint4 v1, bool on,
+                                                    uint8_t *msc, uint4 v0, uint4 v1, bool on,
                                                     int g)
 {
     uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
@@ -377,12 +378,12 @@ static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8
     /* lane i holds the token's slot i (where its data goes, or NULL) */
     for (int i = 0; i < A.kd; i++) {
         uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
-        float *ps = (float *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
+        uint8_t *ps = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
         if (!p || !on)
             continue;
         ((uint4 *)p)[g] = q;
         if ((g & 7) == 0)
-            ps[g >> 3] = sc;
+            fr_cu_scl_put(A.L, ps, g >> 3, sc);
     }
 }
 
@@ -390,13 +391,13 @@ static __device__ __forceinline__ void fr_ds_qstore(const fr_cu_args_t &A, uint8
  * token t, chunk c, to every place of the token (lane i holds slot i). */
 template <bool VEC>
 static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_t *const *dr,
-                                                   float *const *ds, const uint16_t *xrow,
+                                                   uint8_t *const *ds, const uint16_t *xrow,
                                                    const float *scl, bool quant, int c)
 {
     const fr_layout_t &L = A.L;
     int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
     uint8_t *mine = lane < kd ? dr[lane] : NULL;
-    float *msc = lane < kd ? ds[lane] : NULL;
+    uint8_t *msc = lane < kd ? ds[lane] : NULL;
     if (quant) {
         bool on = g < (int)(L.H / 16);
         uint32_t wv[8];
@@ -433,12 +434,12 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
     }
     for (int i = 0; i < kd; i++) {
         uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
-        float *ps = (float *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
+        uint8_t *ps = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
         if (p && g < n16)
             ((uint4 *)p)[g] = v;
         if (ps && scl && c == 0)
             for (int q = lane; q < (int)L.nscales; q += 32)
-                ps[q] = scl[q];
+                fr_cu_scl_put(L, ps, q, scl[q]);
     }
 }
 
@@ -457,7 +458,7 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
     uint4 z = make_uint4(0, 0, 0, 0);
     size_t a0i = ((size_t)set * L.T + t0) * A.kd + lane, a1i = ((size_t)set * L.T + t1) * A.kd + lane;
     uint8_t *m0 = lane < A.kd ? A.dst_rec[a0i] : NULL, *m1 = lane < A.kd ? A.dst_rec[a1i] : NULL;
-    float *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
+    uint8_t *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
     uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
     uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
     fr_ds_qstore(A, m0, s0, a0, a1, g0 < hg, g0);
@@ -714,14 +715,17 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, const uint8_t *slice, c
         }
     }
     int ns = (int)L.nscales;
+    bool rowwise = L.sfmt == FERRY_SCALES_ROWS;
     for (int f = threadIdx.x; f < nb * ns; f += blockDim.x) {
-        int q = f / ns, c = f - q * ns;
+        /* neighbouring threads: one record's scales (rows), or one scale
+         * of neighbouring records (columns, whose rows lie together) */
+        int q = rowwise ? f / ns : f % nb, c = rowwise ? f - q * ns : f / nb;
         float v = ((const float *)(slice + fr_off_record(&L, (uint32_t)ri[q]) + L.rec_hdr +
                                    L.tok_bytes))[c];
         for (int j = 0; j < rn[q]; j++) {
             int row = rows[q * FR_MAX_TOPK + j];
             if (row >= 0)
-                o.exs[(size_t)row * ns + c] = v;
+                fr_scl_put(&L, fr_scl_row(&L, o.exs, (uint64_t)row), (uint32_t)c, v);
         }
     }
 }
