@@ -199,18 +199,26 @@ int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err
 #endif
 
 /* Where a received row's scales go in expert_x_scales (the layout
- * config.scales_layout names, ferry.h): fr_scl_row is scale 0 of expert_x
- * row `row` (local expert * cap + position) from the buffer's base,
- * fr_scl_put stores scale q of it there. */
-FR_HD uint8_t *fr_scl_row(const fr_layout_t *L, void *base, uint64_t row)
+ * config.scales_layout names, ferry.h): fr_scl_at is scale 0 of local
+ * expert le's row pos from the buffer's base (fr_scl_row: of expert_x row
+ * le * cap + pos), fr_scl_put stores scale q of it there. */
+FR_HD uint8_t *fr_scl_at(const fr_layout_t *L, void *base, uint64_t le, uint64_t pos)
 {
-    uint64_t le = row / L->cap, pos = row - le * L->cap;
     uint8_t *b = (uint8_t *)base;
     if (L->sfmt == FERRY_SCALES_COLS)
         return b + 4 * (le * L->nscales * L->cap + pos);
     if (L->sfmt == FERRY_SCALES_UE8M0)
         return b + 4 * (le * (L->nscales / 4) * L->cap + pos);
-    return b + 4 * row * L->nscales;
+    return b + 4 * (le * L->cap + pos) * L->nscales;
+}
+
+/* rows index expert_x's int32 row space (expert_x_scales is sized by it) */
+FR_HD uint8_t *fr_scl_row(const fr_layout_t *L, void *base, uint32_t row)
+{
+    if (L->sfmt == FERRY_SCALES_ROWS) /* no division */
+        return (uint8_t *)base + 4 * (uint64_t)row * L->nscales;
+    uint32_t cap = (uint32_t)L->cap, le = row / cap;
+    return fr_scl_at(L, base, le, row - le * cap);
 }
 
 FR_HD void fr_scl_put(const fr_layout_t *L, uint8_t *p, uint32_t q, float v)

@@ -242,7 +242,7 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                 memcpy(ex + row * L->tok_bytes, rec + L->rec_hdr,
                        L->tok_bytes);
                 if (scale_bytes) {
-                    uint8_t *ps = fr_scl_row(L, out->expert_x_scales, row);
+                    uint8_t *ps = fr_scl_at(L, out->expert_x_scales, le, (uint64_t)slot);
                     const uint8_t *src = rec + L->rec_hdr + L->tok_bytes;
                     for (uint32_t j2 = 0; j2 < L->nscales; j2++) {
                         float v;

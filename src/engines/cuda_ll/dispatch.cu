@@ -78,31 +78,54 @@ static __device__ __forceinline__ int fr_ds_np(const int *ek, int lo, int El)
  * K loads in flight at once); per destination, ballots count the records
  * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
  * reports them). */
+/* Token t's experts into ek[] (-1 past K or past T); 16-byte loads when
+ * the rows allow (K even, idx 16-byte aligned). */
+static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int T, int K,
+                                                 bool v16, int *ek)
+{
+    const int64_t *row = idx + (size_t)t * K;
+    if (v16) {
+#pragma unroll
+        for (int j = 0; j < FR_MAX_TOPK / 2; j++) {
+            longlong2 v = 2 * j < K && t < T ? ((const longlong2 *)row)[j]
+                                             : make_longlong2(-1, -1);
+            ek[2 * j] = (int)v.x;
+            ek[2 * j + 1] = (int)v.y;
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < FR_MAX_TOPK; k++)
+        ek[k] = k < K && t < T ? (int)row[k] : -1;
+}
+
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
                                    int start, int32_t *sh, int32_t *hb, int32_t *hall)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    bool v16 = K % 2 == 0 && ((uintptr_t)idx & 15) == 0;
+    /* the next group's rows are loaded while this one is counted */
+    int ek[FR_MAX_TOPK], en[FR_MAX_TOPK];
+    fr_ds_row(idx, w * 32 + lane, T, K, v16, en);
     for (int t0 = w * 32; t0 < T; t0 += nw * 32) {
         int t = t0 + lane;
-        int ek[FR_MAX_TOPK];
 #pragma unroll
         for (int k = 0; k < FR_MAX_TOPK; k++)
-            ek[k] = k < K && t < T ? (int)idx[(size_t)t * K + k] : -1;
+            ek[k] = en[k];
+        fr_ds_row(idx, t + nw * 32, T, K, v16, en);
         bool before = t < start;
-        /* per expert, this rank's pairs before `start` (hb) and in all
-         * (hall): rows of a peer's expert follow this rank's tokens in
-         * order. A repeated expert (an input error, reported by
+        /* per expert, this rank's pairs before `start` (hb) and from it
+         * on (hall, made the total by fr_ds_count_total): rows of a
+         * peer's expert follow this rank's tokens in order. One atomic
+         * per pair. A repeated expert (an input error, reported by
          * fr_ds_pair) counts twice here and in fr_ds_rank alike. */
+        int32_t *h = before ? hb : hall;
 #pragma unroll
-        for (int k = 0; k < FR_MAX_TOPK; k++) {
-            if (ek[k] < 0 || ek[k] >= L.E)
-                continue;
-            if (before)
-                atomicAdd(&hb[ek[k]], 1);
-            atomicAdd(&hall[ek[k]], 1);
-        }
+        for (int k = 0; k < FR_MAX_TOPK; k++)
+            if (ek[k] >= 0 && ek[k] < L.E)
+                atomicAdd(&h[ek[k]], 1);
         for (int d = 0; d < N; d++) {
             int np = fr_ds_np(ek, d * El, El);
             unsigned int has = __ballot_sync(0xffffffffu, np > 0);
@@ -119,6 +142,14 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
             }
         }
     }
+}
+
+/* After fr_ds_count (and a barrier): hall[e] += hb[e], the rank's pairs
+ * of expert e in all. */
+static __device__ __forceinline__ void fr_ds_count_total(int E, const int32_t *hb, int32_t *hall)
+{
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        hall[e] += hb[e];
 }
 
 /* Exclusive scan of pairs per destination: each destination's first row
@@ -279,35 +310,48 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     *ds = rec + L.rec_hdr + L.tok_bytes;
 }
 
-/* Step 3b, warp 0 over the block's (token, k) pairs in order, 32 at a
- * time (the next 32's loads in flight): a pair's row among this rank's
- * pairs of its expert, in token order (hb from fr_ds_count; lanes with
- * the same expert in lane order). Peers' experts: the row goes into the
- * record's pos[] (the receiver places it without a search). Own experts
- * in place (od): the token's slot k points at that row of expert_x,
- * with the combine row map and the sources. */
+/* Step 3b, the whole block over its (token, k) pairs in order,
+ * blockDim.x at a time: a pair's row among this rank's pairs of its
+ * expert, in token order: hb (fr_ds_count's pairs before the block) plus
+ * the same expert's pairs earlier in the pass (earlier warps' from shared
+ * memory, earlier lanes' by a match). Peers' experts: the row goes into
+ * the record's pos[] (the receiver places it without a search). Own
+ * experts in place (od): the token's slot k points at that row of
+ * expert_x, with the combine row map and the sources. solo (the block's
+ * pairs fit one warp): warp 0 alone, beside the others' fr_ds_pair, with
+ * warp barriers. Ends with a barrier (hb moved on past the pass). */
+static __device__ __forceinline__ void fr_ds_rank_sync(bool solo)
+{
+    if (solo)
+        __syncwarp();
+    else
+        __syncthreads();
+}
+
 static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
                                   int end, int32_t *hb, uint8_t *const *sbase,
-                                  const fr_dr_out_t *od)
+                                  const fr_dr_out_t *od, bool solo)
 {
     const fr_layout_t &L = A.L;
-    int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31;
+    int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __shared__ int s_e[FR_DS_THREADS]; /* the pass's experts (-1: none) */
     int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)A.rank * L.T * L.kmax;
     int n = (end - start) * K, pmax = (int)(L.T * L.kmax);
     unsigned int lt = (1u << lane) - 1;
     const int64_t *base = idx + (size_t)start * K;
     const int32_t *pbase = A.pair_base + (size_t)set * L.T * N;
     const int32_t *ridx = A.rec_idx + (size_t)set * L.T * N;
-    bool whole = 32 % K == 0; /* a token's slots in one pass */
-    int f = lane;
-    int64_t e = f < n ? base[f] : -1;
-    int pb = f < n ? pbase[(size_t)(start + f / K) * N + A.rank] : 0;
-    for (int f0 = 0; f0 < n; f0 += 32, f += 32) {
-        int64_t en = f + 32 < n ? base[f + 32] : -1;
-        int pbn = f + 32 < n ? pbase[(size_t)(start + (f + 32) / K) * N + A.rank] : 0;
+    bool whole = 32 % K == 0; /* a token's slots in one warp */
+    int step = solo ? 32 : (int)blockDim.x;
+    for (int f0 = 0; f0 < n; f0 += step) {
+        int f = f0 + (int)threadIdx.x;
+        int64_t e64 = f < n ? base[f] : -1;
         int t = start + f / K, k = f - (t - start) * K;
-        bool ok = f < n && e >= 0 && e < L.E;
-        int d = ok ? (int)(e / El) : -1;
+        bool ok = f < n && e64 >= 0 && e64 < L.E;
+        int e = ok ? (int)e64 : -1;
+        int d = ok ? e / El : -1;
+        int pb = ok ? pbase[(size_t)t * N + A.rank] : 0;
+        s_e[threadIdx.x] = e;
         /* the token's earlier slots on rank d: the pair's place in the
          * record's list */
         int before = 0;
@@ -321,19 +365,24 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
                 before += ej >= (int64_t)d * El && ej < (int64_t)(d + 1) * El;
             }
         }
-        unsigned int m = __match_any_sync(0xffffffffu, ok ? (unsigned long long)e : ~0ull - lane);
-        int pos = ok ? hb[e] + __popc(m & lt) : 0;
-        __syncwarp();
-        if (ok && 31 - __clz(m) == lane) /* the expert's last lane moves it on */
-            hb[e] += __popc(m);
-        __syncwarp();
+        unsigned int m = __match_any_sync(0xffffffffu, ok ? (unsigned int)e : ~0u - lane);
+        fr_ds_rank_sync(solo);
+        int pos = 0;
+        if (ok) {
+            pos = hb[e] + __popc(m & lt);
+            for (int j = 0; j < w * 32; j++) /* the same address warp-wide: broadcasts */
+                pos += s_e[j] == e;
+        }
+        fr_ds_rank_sync(solo);
+        if (ok)
+            atomicAdd(&hb[e], 1); /* after every pos of the pass was read */
         if (ok && od && d == A.rank) {
-            int le = (int)e - A.rank * El;
+            int le = e - A.rank * El;
             size_t at = ((size_t)set * L.T + t) * K + k;
             bool fits = pos < (int)L.cap;
             size_t row = (size_t)le * L.cap + pos;
             A.dst_rec[at] = fits ? od->ex + row * L.tok_bytes : NULL;
-            A.dst_scl[at] = fits && od->exs ? fr_cu_scl_own(L, fr_scl_row(&L, od->exs, row))
+            A.dst_scl[at] = fits && od->exs ? fr_cu_scl_own(L, fr_scl_at(&L, od->exs, le, pos))
                                             : NULL;
             if (pb + before < pmax)
                 prow[pb + before] = fits ? (int32_t)row : -1;
@@ -347,8 +396,7 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
                 ((uint32_t *)(sbase[d] + fr_off_record(&L, (uint32_t)ri) + L.rec_pos))[before] =
                     (uint32_t)pos;
         }
-        e = en;
-        pb = pbn;
+        fr_ds_rank_sync(solo); /* hb and s_e are read by the next pass */
     }
 }
 
@@ -578,6 +626,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     FR_TR();
     fr_ds_count(A, idx, T, start, sh, hb, hall);
     __syncthreads();
+    fr_ds_count_total(L.E, hb, hall);
+    __syncthreads();
     /* every block the same values: its receive part reads them back */
     for (int le = threadIdx.x; od && le < L.El; le += blockDim.x)
         A.self_run[set * L.El + le] = min(hall[A.rank * L.El + le], (int)L.cap);
@@ -598,8 +648,9 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         if (od && threadIdx.x == 0)
             A.pair_n[set * N + A.rank] = sh[3 * N + A.rank];
     }
-    if (threadIdx.x < 32)
-        fr_ds_rank(A, set, idx, start, end, hb, sbase, od);
+    bool solo = (end - start) * L.K <= 32;
+    if (!solo || threadIdx.x < 32)
+        fr_ds_rank(A, set, idx, start, end, hb, sbase, od, solo);
     for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
         fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad, od != NULL);
     __syncthreads();
@@ -725,7 +776,7 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, const uint8_t *slice, c
         for (int j = 0; j < rn[q]; j++) {
             int row = rows[q * FR_MAX_TOPK + j];
             if (row >= 0)
-                fr_scl_put(&L, fr_scl_row(&L, o.exs, (uint64_t)row), (uint32_t)c, v);
+                fr_scl_put(&L, fr_scl_row(&L, o.exs, (uint32_t)row), (uint32_t)c, v);
         }
     }
 }
