@@ -426,10 +426,23 @@ class Buffer:
             raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: normal-mode call on a buffer made "
                                "with low_latency_mode=True")
 
+    @staticmethod
+    def _not_capturing(what, key):
+        """A context is made at the first call of its shape (collective,
+        allocating): refused inside a CUDA-graph capture, where it would
+        break the capture, before anything reaches CUDA."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise FerryError(-1, f"ferry.deep_ep: {what} of a new shape {key} inside a CUDA "
+                                 f"graph capture: its first call creates a ferry context "
+                                 f"(collective, allocates memory), which a capture cannot "
+                                 f"hold; make one such call before capturing (an engine's "
+                                 f"warm-up does)")
+
     def _ht_ep(self, num_experts, topk, hidden, device="cuda"):
         key = ("ht", num_experts, topk, hidden, device)
         ep = self._eps.get(key)
         if ep is None:
+            self._not_capturing("dispatch", key[1:])
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
                     num_sms=self.num_sms if self.num_sms is not None else self._sms)
@@ -627,6 +640,9 @@ class Buffer:
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)
         ep = self._eps.get(key)
         if ep is None:
+            self._not_capturing("low_latency_dispatch",
+                                dict(num_experts=num_experts, topk=topk, hidden=hidden,
+                                     num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
                     num_sms=self.num_sms if self.num_sms is not None else self._sms,
@@ -641,6 +657,9 @@ class Buffer:
         key = (num_experts, K, H, T, fp8, x.get_device(), round_scale, ue8m0)
         plan = self._plans.get(key)
         if plan is None:
+            self._not_capturing("low_latency_dispatch",
+                                dict(num_experts=num_experts, topk=K, hidden=H,
+                                     num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))
             ep = self._ep(num_experts, K, H, T, fp8, "cuda", round_scale, ue8m0)
             plan = self._plans[key] = _Plan(ep, fp8, x.device)
         return plan

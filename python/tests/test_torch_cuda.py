@@ -130,6 +130,19 @@ def deep_ep_graph(buf, rank, N, E, K, H, T, dev):
             recv, count, handle, _, _ = buf.low_latency_dispatch(sx, si, T, E, use_fp8=False)
             y = (recv.float() * ea + eb).to(torch.bfloat16)
             out, _, _ = buf.low_latency_combine(y, si, sw, handle)
+    # a shape never called before: its context cannot be made inside a
+    # capture; refused by name before anything reaches CUDA (every rank)
+    g2 = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(gs):
+            with torch.cuda.graph(g2, stream=gs):
+                buf.low_latency_dispatch(sx[:, :H - 128].contiguous(), si, T, E, use_fp8=False)
+        msgs.append("a new shape's first dispatch inside a capture was not refused")
+    except Exception as e:  # the capture may add its own error on exit
+        text = f"{e!r} {e.__context__!r}"
+        if "inside a CUDA graph capture" not in text:
+            msgs.append(f"new shape inside a capture: {text}")
+    torch.cuda.synchronize()
     for rep in range(3):
         xi, ii, wi = make_inputs(rank, 103 + 2 * rep, T, H, E, K, dev)
         sx.copy_(xi)
