@@ -447,6 +447,32 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route,
                      const ferry_ht_combine_in_t *in,
                      const ferry_ht_combine_out_t *out);
 
+/* A routing's layout on its own, as DeepEP's get_dispatch_layout gives it
+ * (no context, nothing exchanged): from topk_idx [T][K] (-1 = no expert;
+ * an index outside 0..E-1 counts nowhere, as -1), for N ranks owning E/N
+ * experts each: per rank, the tokens with at least one expert there; per
+ * expert, its (token, k) slots; per token and rank, 1 if the token goes
+ * there, else 0 (one byte each: a torch.bool [T, N]). Every output is
+ * written whole. CUDA: device pointers, one memset and one kernel on
+ * `stream`, no host synchronisation (capturable in a CUDA graph). */
+typedef struct ferry_layout_args {
+    size_t size;                /* sizeof(ferry_layout_args_t) */
+    ferry_device_t device;
+    int num_tokens;             /* T >= 0 */
+    int topk;                   /* K, 1..16 */
+    int num_experts;            /* E, a multiple of num_ranks */
+    int num_ranks;              /* N >= 1 */
+    const int64_t *topk_idx;    /* [T][K] */
+    int32_t *tokens_per_rank;   /* [N] */
+    int32_t *tokens_per_expert; /* [E] */
+    uint8_t *token_in_rank;     /* [T][N] */
+    void *stream;               /* CUDA: cudaStream_t */
+} ferry_layout_args_t;
+
+/* Returns FERRY_ERR_INVALID naming the argument (message in errbuf, which
+ * may be NULL), or FERRY_ERR_UNSUPPORTED for CUDA in a build without it. */
+int ferry_dispatch_layout(const ferry_layout_args_t *args, char *errbuf, size_t errlen);
+
 /* ---------------------------------------------------------------------- */
 /* Settings                                                               */
 /* ---------------------------------------------------------------------- */

@@ -86,6 +86,14 @@ class HtCombineOut(C.Structure):
     _fields_ = [("size", C.c_size_t), ("out", C.c_void_p), ("topk_weights", C.c_void_p)]
 
 
+class LayoutArgs(C.Structure):
+    _fields_ = [("size", C.c_size_t), ("device", C.c_int), ("num_tokens", C.c_int),
+                ("topk", C.c_int), ("num_experts", C.c_int), ("num_ranks", C.c_int),
+                ("topk_idx", C.c_void_p), ("tokens_per_rank", C.c_void_p),
+                ("tokens_per_expert", C.c_void_p), ("token_in_rank", C.c_void_p),
+                ("stream", C.c_void_p)]
+
+
 ALLGATHER_FN = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_size_t, C.c_void_p)
 
 
@@ -134,6 +142,7 @@ def load():
         "ferry_ht_dispatch": (i, [vp, vp, C.POINTER(HtDispatchIn), C.POINTER(HtDispatchOut)]),
         "ferry_ht_combine": (i, [vp, vp, C.POINTER(HtCombineIn), C.POINTER(HtCombineOut)]),
         "ferry_cuda_available": (i, [cp, sz]),
+        "ferry_dispatch_layout": (i, [C.POINTER(LayoutArgs), cp, sz]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)

@@ -157,6 +157,34 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     return msgs
 
 
+def layout_error(buf, idx, E, N):
+    """get_dispatch_layout against a loop over the slots, on idx and on a
+    copy with an index past E, a -1 and a token whose experts share a rank
+    (the past-E slot counts nowhere), and on a non-contiguous view."""
+    El = E // N
+    bad = idx.clone()
+    if bad.shape[0] >= 3:
+        bad[0, 0] = E
+        bad[1, :] = -1
+        bad[2, 1] = bad[2, 0] if bad[2, 0] >= 0 else 0
+    for case, t in (("idx", idx), ("with bad slots", bad), ("strided", bad.t().contiguous().t())):
+        nr, _, ne, inr, _ = buf.get_dispatch_layout(t, E)
+        want_in = torch.zeros((t.shape[0], N), dtype=torch.bool)
+        want_ne = torch.zeros(E, dtype=torch.int32)
+        for i in range(t.shape[0]):
+            for e in t[i].tolist():
+                if 0 <= e < E:
+                    want_in[i, e // El] = True
+                    want_ne[e] += 1
+        if inr.dtype != torch.bool or not torch.equal(inr, want_in):
+            return f"{case}: is_token_in_rank {inr.int().tolist()}, want {want_in.int().tolist()}"
+        if not torch.equal(ne, want_ne):
+            return f"{case}: num_tokens_per_expert {ne.tolist()}, want {want_ne.tolist()}"
+        if not torch.equal(nr, want_in.sum(0, dtype=torch.int32)):
+            return f"{case}: num_tokens_per_rank {nr.tolist()}"
+    return None
+
+
 def normal_mode(deep_ep, rank, N):
     """DeepEP's normal mode on ferry's high-throughput engine: rows by
     source rank, then token, with their local expert ids and weights;
@@ -175,6 +203,9 @@ def normal_mode(deep_ep, rank, N):
                     if ((ids[s][t] >= rank * El) & (ids[s][t] < rank * El + El)).any()]
         if nrdma is not None or int(nr.sum()) != int(inr.sum()) or int(ne.sum()) != int((idx >= 0).sum()):
             msgs.append(f"get_dispatch_layout: {nr.tolist()} {ne.tolist()}")
+        err = layout_error(buf, idx, E, N)
+        if err:
+            msgs.append(f"get_dispatch_layout round {rnd}: {err}")
         xin = x
         if fp8:
             q8, sc = quant_ref(x)

@@ -9,7 +9,8 @@ machine; ranks may share one GPU). Usage: test_torch_ht_cuda.py [nranks]
      sources) and every combined token checked exactly against a reference
      built here from all ranks' inputs (rows by source rank, then token;
      sums in fp32 in rank order, rounded once).
-  2. ferry.deep_ep.Buffer(low_latency_mode=False): get_dispatch_layout,
+  2. ferry.deep_ep.Buffer(low_latency_mode=False): get_dispatch_layout
+     (also against the host code on a large routing with bad slots),
      dispatch (bf16 and fp8 tuple, expert_alignment), the cached dispatch
      with the handle, combine with weights; the low-latency calls refused
      on it; num_worst_tokens (outputs padded with -1 rows, an empty count
@@ -159,6 +160,20 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
             not torch.equal(per_rank.cpu(), want_in.sum(0).int()) or \
             not torch.equal(per_exp.cpu(), want_exp):
         msgs.append("get_dispatch_layout: wrong counts")
+    # the GPU kernel against the host code (checked in CI) on a large
+    # skewed routing with masked, out-of-range and same-rank slots, and on
+    # a non-contiguous view
+    g = torch.Generator().manual_seed(31 + rank)
+    big = torch.randint(0, E, (3000, K), generator=g) // (1 + (torch.rand(3000, K, generator=g) < 0.5).long() * 3)
+    big[torch.rand(3000, K, generator=g) < 0.1] = -1
+    big[5, 0], big[6, 1], big[7, 2] = E, E + 9, big[7, 0]
+    for case, t in (("contiguous", big), ("strided", big.t().contiguous().t())):
+        got = buf.get_dispatch_layout(t.to(dev), E)
+        ref = buf.get_dispatch_layout(t, E)
+        for j in (0, 2, 3):
+            if not torch.equal(got[j].cpu(), ref[j]):
+                msgs.append(f"get_dispatch_layout on the GPU ({case}): output {j} differs "
+                            f"from the host's")
     want = expected_rows(rank, N, El, xs, ids, None)
     rx, ridx, rw, counts, handle, ev = buf.dispatch(
         xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,

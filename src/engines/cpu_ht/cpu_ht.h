@@ -176,6 +176,8 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
                    const ferry_ht_dispatch_out_t *out);
 int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
                   const ferry_ht_combine_out_t *out);
+/* ferry_dispatch_layout on host memory (arguments checked by the API). */
+int fr_cpuht_dispatch_layout(const ferry_layout_args_t *a);
 
 #ifdef __cplusplus
 }

@@ -31,6 +31,9 @@ int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch
                      const ferry_ht_dispatch_out_t *out);
 int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
                     const ferry_ht_combine_out_t *out);
+/* ferry_dispatch_layout on device memory (arguments checked by the
+ * API): a memset and a kernel on a->stream. */
+int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *err);
 
 #ifdef __cplusplus
 }

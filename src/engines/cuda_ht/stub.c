@@ -17,6 +17,11 @@ int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
 void fr_cuht_route_free(ferry_route_t route) { (void)route; }
+int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *err)
+{
+    (void)a;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
 int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
                      const ferry_ht_dispatch_out_t *out)
 {

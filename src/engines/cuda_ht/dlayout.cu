@@ -1,0 +1,81 @@
+/*
+ * ferry_dispatch_layout on the GPU: a thread per token, shared-memory
+ * histograms per block (experts, then ranks) added to the outputs once per
+ * block, the token's row of token_in_rank written whole. One memset and
+ * one kernel on the caller's stream.
+ */
+#include "core/dlayout.h"
+#include "engines/cuda_ht/cuda_ht.h"
+
+#include <cuda_runtime.h>
+
+#define FR_DL_THREADS 256
+#define FR_DL_MAX_BLOCKS 132
+
+/* use_smem: the E + N counters fit shared memory; else global atomics */
+static __global__ void __launch_bounds__(FR_DL_THREADS)
+fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_rank,
+                int32_t *per_expert, uint8_t *in_rank, bool use_smem)
+{
+    extern __shared__ int32_t fr_dl_sm[];
+    int32_t *he = use_smem ? fr_dl_sm : per_expert;
+    int32_t *hr = use_smem ? fr_dl_sm + E : per_rank;
+    if (use_smem) {
+        for (int i = threadIdx.x; i < E + N; i += blockDim.x)
+            fr_dl_sm[i] = 0;
+        __syncthreads();
+    }
+    int El = E / N;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
+        int64_t row[FR_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < FR_MAX_TOPK; k++)
+            row[k] = k < K ? idx[(size_t)t * K + k] : -1;
+        int d[FR_MAX_TOPK];
+        int n = fr_dl_ranks(row, K, E, El, d);
+        uint8_t *ir = in_rank + (size_t)t * N;
+        for (int r = 0; r < N; r++)
+            ir[r] = 0;
+        for (int i = 0; i < n; i++) {
+            ir[d[i]] = 1;
+            atomicAdd(&hr[d[i]], 1);
+        }
+#pragma unroll
+        for (int k = 0; k < FR_MAX_TOPK; k++)
+            if (k < K && row[k] >= 0 && row[k] < E)
+                atomicAdd(&he[row[k]], 1);
+    }
+    if (!use_smem)
+        return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < E + N; i += blockDim.x)
+        if (fr_dl_sm[i])
+            atomicAdd(i < E ? &per_expert[i] : &per_rank[i - E], fr_dl_sm[i]);
+}
+
+extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *err)
+{
+    cudaStream_t st = (cudaStream_t)a->stream;
+    int T = a->num_tokens, E = a->num_experts, N = a->num_ranks;
+    /* the counters start from zero (kernels only add) */
+    cudaError_t ce = cudaMemsetAsync(a->tokens_per_rank, 0, sizeof(int32_t) * (size_t)N, st);
+    if (ce == cudaSuccess)
+        ce = cudaMemsetAsync(a->tokens_per_expert, 0, sizeof(int32_t) * (size_t)E, st);
+    if (ce != cudaSuccess)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: cudaMemsetAsync: %s",
+                      cudaGetErrorString(ce));
+    if (T == 0)
+        return FERRY_OK;
+    size_t smem = sizeof(int32_t) * ((size_t)E + (size_t)N);
+    bool use_smem = smem <= 48 * 1024;
+    int blocks = (T + FR_DL_THREADS - 1) / FR_DL_THREADS;
+    blocks = blocks < FR_DL_MAX_BLOCKS ? blocks : FR_DL_MAX_BLOCKS;
+    fr_cuht_dlayout<<<blocks, FR_DL_THREADS, use_smem ? smem : 0, st>>>(
+        a->topk_idx, T, a->topk, E, N, a->tokens_per_rank, a->tokens_per_expert,
+        a->token_in_rank, use_smem);
+    ce = cudaGetLastError();
+    if (ce != cudaSuccess)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: kernel launch: %s",
+                      cudaGetErrorString(ce));
+    return FERRY_OK;
+}
