@@ -273,6 +273,48 @@ class _Plan:
 _HT_MAX_TOKENS = int(os.environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
 
 
+#: CUDA tensors: get_dispatch_layout through ferry_dispatch_layout's kernel
+#: (1) or PyTorch ops (0, the default until the kernel has run on a GPU;
+#: the host code serves CPU tensors either way)
+_LAYOUT_KERNEL = os.environ.get("FERRY_DEEP_EP_LAYOUT_KERNEL", "0") == "1"
+
+
+def _layout_c(topk_idx, num_experts, N):
+    """(per rank, per expert, is_token_in_rank) from ferry_dispatch_layout:
+    the host loop, or one memset and one kernel on the current stream;
+    indices outside 0..E-1 count nowhere."""
+    T, K = topk_idx.shape
+    dev = topk_idx.device
+    idx = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+    per_rank = torch.empty(N, dtype=torch.int32, device=dev)
+    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
+    args = _lib.LayoutArgs(C.sizeof(_lib.LayoutArgs),
+                           _lib.DEVICES["cuda" if idx.is_cuda else "cpu"], T, K, num_experts,
+                           N, idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
+                           in_rank.data_ptr(),
+                           torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda else None)
+    msg = C.create_string_buffer(512)
+    rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
+    if rc != 0:
+        raise FerryError(rc, f"get_dispatch_layout: {msg.value.decode()}")
+    return per_rank, per_expert, in_rank
+
+
+def _layout_torch(topk_idx, num_experts, N):
+    """The same from PyTorch ops (about a dozen launches)."""
+    T = topk_idx.shape[0]
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    e = torch.where(valid, topk_idx, torch.zeros_like(topk_idx))
+    in_rank = torch.zeros((T, N), dtype=torch.int32, device=topk_idx.device)
+    in_rank.scatter_add_(1, e // (num_experts // N), valid.to(torch.int32))
+    is_token_in_rank = in_rank > 0
+    per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    per_expert.scatter_add_(0, e.flatten(), valid.flatten().to(torch.int32))
+    return per_rank, per_expert, is_token_in_rank
+
+
 class _HtHandle:
     """A normal-mode dispatch's handle: ferry's route (where each token went
     and what this rank received), reusable for combine and for later
@@ -463,24 +505,10 @@ class Buffer:
                              f"the group size {N}")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        T, K = topk_idx.shape
-        dev = topk_idx.device
-        idx = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
-        per_rank = torch.empty(N, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        is_token_in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
-        # one memset and one kernel on the current stream (C:
-        # ferry_dispatch_layout); indices outside 0..E-1 count nowhere
-        args = _lib.LayoutArgs(C.sizeof(_lib.LayoutArgs),
-                               _lib.DEVICES["cuda" if idx.is_cuda else "cpu"], T, K,
-                               num_experts, N, idx.data_ptr(), per_rank.data_ptr(),
-                               per_expert.data_ptr(), is_token_in_rank.data_ptr(),
-                               torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda
-                               else None)
-        msg = C.create_string_buffer(512)
-        rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
-        if rc != 0:
-            raise FerryError(rc, f"get_dispatch_layout: {msg.value.decode()}")
+        if topk_idx.is_cuda and not _LAYOUT_KERNEL:
+            per_rank, per_expert, is_token_in_rank = _layout_torch(topk_idx, num_experts, N)
+        else:
+            per_rank, per_expert, is_token_in_rank = _layout_c(topk_idx, num_experts, N)
         return per_rank, None, per_expert, is_token_in_rank, \
             (_event_after(topk_idx) if async_finish else _no_event())
 

@@ -182,6 +182,11 @@ def layout_error(buf, idx, E, N):
             return f"{case}: num_tokens_per_expert {ne.tolist()}, want {want_ne.tolist()}"
         if not torch.equal(nr, want_in.sum(0, dtype=torch.int32)):
             return f"{case}: num_tokens_per_rank {nr.tolist()}"
+        # the PyTorch-ops form (CUDA tensors' default) gives the same
+        from ferry import deep_ep as fde
+        tr = fde._layout_torch(t, E, N)
+        if not (torch.equal(tr[0], nr) and torch.equal(tr[1], ne) and torch.equal(tr[2], inr)):
+            return f"{case}: the PyTorch-ops layout differs"
     return None
 
 

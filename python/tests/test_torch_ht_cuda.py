@@ -167,13 +167,15 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
     big = torch.randint(0, E, (3000, K), generator=g) // (1 + (torch.rand(3000, K, generator=g) < 0.5).long() * 3)
     big[torch.rand(3000, K, generator=g) < 0.1] = -1
     big[5, 0], big[6, 1], big[7, 2] = E, E + 9, big[7, 0]
+    from ferry import deep_ep as fde
     for case, t in (("contiguous", big), ("strided", big.t().contiguous().t())):
-        got = buf.get_dispatch_layout(t.to(dev), E)
-        ref = buf.get_dispatch_layout(t, E)
-        for j in (0, 2, 3):
-            if not torch.equal(got[j].cpu(), ref[j]):
-                msgs.append(f"get_dispatch_layout on the GPU ({case}): output {j} differs "
-                            f"from the host's")
+        ref = fde._layout_c(t, E, N)  # the host code
+        for name, got in (("kernel", fde._layout_c(t.to(dev), E, N)),
+                          ("torch ops", fde._layout_torch(t.to(dev), E, N))):
+            for j in range(3):
+                if not torch.equal(got[j].cpu(), ref[j]):
+                    msgs.append(f"get_dispatch_layout on the GPU ({name}, {case}): output "
+                                f"{j} differs from the host's")
     want = expected_rows(rank, N, El, xs, ids, None)
     rx, ridx, rw, counts, handle, ev = buf.dispatch(
         xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
