@@ -496,6 +496,7 @@ static int teardown(bench_t *b, int status)
 
 int main(int argc, char **argv)
 {
+    fr_launch_drop_psm_handlers(); /* before anything can crash (launch.h) */
     opts_t o;
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (parse(argc, argv, &o) != 0)

@@ -111,6 +111,13 @@ def _find_library():
 
 
 def load():
+    # libinfinipath, which libfabric's psm provider links, installs at load
+    # a SIGSEGV/SIGABRT/... handler that calls backtrace() (which
+    # allocates): a process that crashes inside malloc then deadlocks
+    # instead of dying. These variables turn it off, read at load time
+    # only; a value already set is kept.
+    os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+    os.environ.setdefault("HFI_NO_BACKTRACE", "1")
     lib = C.CDLL(_find_library())
     vp, cp, sz, i = C.c_void_p, C.c_char_p, C.c_size_t, C.c_int
     u64 = C.c_uint64

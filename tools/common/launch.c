@@ -5,6 +5,7 @@
  * endpoint regions of any rank that died before closing them, and gives
  * the others a bounded grace after the first failure before killing them.
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
@@ -40,6 +41,31 @@ static void fr_launch_forward(int sig)
         if (p[i] > 0)
             kill(p[i], sig);
     errno = saved;
+}
+
+void fr_launch_drop_psm_handlers(void)
+{
+    static const int sigs[] = {SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGINT, SIGTERM, SIGFPE};
+    int dropped = 0;
+    for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+        struct sigaction sa;
+        if (sigaction(sigs[i], NULL, &sa) != 0)
+            continue;
+        void *h = (sa.sa_flags & SA_SIGINFO) ? (void *)sa.sa_sigaction : (void *)sa.sa_handler;
+        if (h == (void *)SIG_DFL || h == (void *)SIG_IGN)
+            continue;
+        Dl_info di;
+        if (!dladdr(h, &di) || !di.dli_fname)
+            continue;
+        if (strstr(di.dli_fname, "libinfinipath") || strstr(di.dli_fname, "libpsm")) {
+            signal(sigs[i], SIG_DFL);
+            dropped++;
+        }
+    }
+    if (dropped)
+        FR_LOG_INFO(FR_SUB_BOOT, "put back the default action of %d signal%s whose handler "
+                    "libinfinipath installed (it can deadlock a crashing rank)", dropped,
+                    dropped == 1 ? "" : "s");
 }
 
 /* A free loopback port: bind port 0, read it back, close. */
@@ -181,6 +207,7 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
                       "launch: n=%d ranks; want 1..%d", n, FR_LAUNCH_MAX);
     if (fr_launch_pids)
         return FR_ERR(err, FERRY_ERR_STATE, "launch: already launching");
+    fr_launch_drop_psm_handlers(); /* the ranks inherit the default actions */
     int port = 0, rc;
     char secret[65];
     if ((rc = fr_free_port(err, &port)) != FERRY_OK ||

@@ -11,6 +11,19 @@
 
 #include "core/err.h"
 
+/* libinfinipath (a dependency of libfabric's psm provider) installs, from
+ * a constructor, handlers for SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGINT,
+ * SIGTERM and SIGFPE that print a backtrace with backtrace(), which
+ * allocates: a rank that aborts inside malloc (a corrupted heap) then
+ * deadlocks in the handler instead of dying, and its job never ends.
+ * IPATH_NO_BACKTRACE=1 (HFI_NO_BACKTRACE=1 for psm2) prevents it, but
+ * only if set before the library loads, which for a program linked with
+ * ferry is before main. This puts back the default action of each of
+ * those signals whose handler lives in libinfinipath or libpsm (no other
+ * handler is touched); fr_launch_local calls it before forking, and the
+ * tools call it first thing in main. */
+void fr_launch_drop_psm_handlers(void);
+
 /* A fresh job secret: 32 random bytes as 64 hex digits (cap >= 65). */
 int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err);
 
