@@ -191,6 +191,13 @@ def rank_main(rank, N, port, q):
         ep8.dispatch_recv(r, **b8)
         ep8.combine_send(r, np.zeros((El, cap, H), np.uint16))
         ep8.combine_recv(r, w, out)
+        # scale layouts: unknown, on bf16, UE8M0 without power-of-two scales
+        expect(ValueError, "scales_layout='col'", ferry.EP, comm, num_experts=E, topk=K, hidden=H,
+               max_tokens=T, dtype="fp8", scales_layout="col")
+        expect(ferry.FerryError, "scales_layout", ferry.EP, comm, num_experts=E, topk=K,
+               hidden=H, max_tokens=T, dtype="bf16", scales_layout="cols")
+        expect(ferry.FerryError, "fp8_round_scale", ferry.EP, comm, num_experts=E, topk=K,
+               hidden=512, max_tokens=T, dtype="fp8", scales_layout="ue8m0")
 
         # close: the Comm is closed after the last EP; methods after close raise
         comm.close()          # two EPs still open: deferred
