@@ -453,7 +453,7 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route,
  * experts each: per rank, the tokens with at least one expert there; per
  * expert, its (token, k) slots; per token and rank, 1 if the token goes
  * there, else 0 (one byte each: a torch.bool [T, N]). Every output is
- * written whole. CUDA: device pointers, one memset and one kernel on
+ * written whole. CUDA: device pointers, two memsets and one kernel on
  * `stream`, no host synchronisation (capturable in a CUDA graph). */
 typedef struct ferry_layout_args {
     size_t size;                /* sizeof(ferry_layout_args_t) */

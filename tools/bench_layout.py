@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """DeepEP's get_dispatch_layout, two ways on the same tensors: ferry's
-ferry_dispatch_layout (one memset and one kernel) and the same layout in
+ferry_dispatch_layout (two memsets and one kernel) and the same layout in
 PyTorch ops (what ferry.deep_ep ran before), each checked against the
 other, p50/p99 over back-to-back calls timed with CUDA events.
 

@@ -27,6 +27,7 @@ Tensors are checked before use (TypeError for a wrong type or dtype,
 ValueError for a wrong shape or device, naming the argument); inputs are
 made contiguous here (a copy when they are not), `out` must already be.
 """
+import contextlib
 import ctypes as C
 import functools
 import operator
@@ -281,7 +282,7 @@ _LAYOUT_KERNEL = os.environ.get("FERRY_DEEP_EP_LAYOUT_KERNEL", "0") == "1"
 
 def _layout_c(topk_idx, num_experts, N):
     """(per rank, per expert, is_token_in_rank) from ferry_dispatch_layout:
-    the host loop, or one memset and one kernel on the current stream;
+    the host loop, or two memsets and one kernel on the current stream;
     indices outside 0..E-1 count nowhere."""
     T, K = topk_idx.shape
     dev = topk_idx.device
@@ -295,7 +296,9 @@ def _layout_c(topk_idx, num_experts, N):
                            in_rank.data_ptr(),
                            torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda else None)
     msg = C.create_string_buffer(512)
-    rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
+    # the memsets and the kernel run on the current device: topk_idx's
+    with torch.cuda.device(dev) if idx.is_cuda else contextlib.nullcontext():
+        rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
     if rc != 0:
         raise FerryError(rc, f"get_dispatch_layout: {msg.value.decode()}")
     return per_rank, per_expert, in_rank

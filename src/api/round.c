@@ -105,6 +105,11 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
     if (in->x_scales && !L->fp8)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "x_scales given but the dispatch dtype is bf16");
+    if (in->x_scales && L->sfmt == FERRY_SCALES_UE8M0)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_scales given with scales_layout = FERRY_SCALES_UE8M0: UE8M0 holds "
+                      "powers of two only, which the caller's scales need not be (pass bf16 x "
+                      "and let fp8_round_scale quantise)");
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 

@@ -112,6 +112,33 @@ static int run_args(ferry_comm_t comm)
                   "scales case %zu: msg %s", i, ferry_comm_last_error(comm));
         }
     }
+    {
+        /* UE8M0 rows take only the quantiser's power-of-two scales: a
+         * caller's x_scales is refused, naming it; the context stays
+         * usable for bf16 input (an empty round, every rank) */
+        ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+        cfg.num_experts = 4 * N;
+        cfg.topk = 2;
+        cfg.hidden = 512;
+        cfg.max_tokens = 8;
+        cfg.dispatch_dtype = FERRY_DTYPE_FP8_E4M3;
+        cfg.fp8_round_scale = 1;
+        cfg.scales_layout = FERRY_SCALES_UE8M0;
+        ferry_ep_t ue = NULL;
+        rc = ferry_ep_create(comm, &cfg, &ue);
+        CHECK(rc == FERRY_OK && ue, "UE8M0 create: %s", ferry_comm_last_error(comm));
+        if (ue) {
+            static uint8_t q[512];
+            static float qs[4] = {0.3f, 1, 1, 1};
+            static int64_t ti[2] = {0, 1};
+            ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = 1, .x = q,
+                                       .x_scales = qs, .topk_idx = ti};
+            uint64_t r = 0;
+            CHECK_RC(ferry_dispatch_send(ue, &din, &r), FERRY_ERR_INVALID);
+            CHECK_MSG(ue, "x_scales");
+            CHECK_RC(ferry_ep_destroy(ue), FERRY_OK);
+        }
+    }
 
     /* a good context */
     int E = 4 * N, K = 2, H = 256, T = 8;

@@ -1,8 +1,8 @@
 /*
  * ferry_dispatch_layout on the GPU: a thread per token, shared-memory
  * histograms per block (experts, then ranks) added to the outputs once per
- * block, the token's row of token_in_rank written whole. One memset and
- * one kernel on the caller's stream.
+ * block, the token's row of token_in_rank written whole. Two memsets
+ * and one kernel on the caller's stream.
  */
 #include "core/dlayout.h"
 #include "engines/cuda_ht/cuda_ht.h"

@@ -328,13 +328,18 @@ static __device__ __forceinline__ void fr_ds_rank_sync(bool solo)
         __syncthreads();
 }
 
+/* fr_ds_rank's s_e lives in fr_ds_index's per-warp counts */
+static_assert(2 * FR_DS_GROUP * (FR_DS_THREADS / 32) >= FR_DS_THREADS,
+              "fr_ds_rank: s_e does not fit the per-warp counts");
+
 static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
                                   int end, int32_t *hb, uint8_t *const *sbase,
-                                  const fr_dr_out_t *od, bool solo)
+                                  const fr_dr_out_t *od, bool solo, int *s_e)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    __shared__ int s_e[FR_DS_THREADS]; /* the pass's experts (-1: none) */
+    /* s_e [FR_DS_THREADS]: the pass's experts (-1: none), in fr_ds_index's
+     * per-warp counts (dynamic shared memory, free by now) */
     int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)A.rank * L.T * L.kmax;
     int n = (end - start) * K, pmax = (int)(L.T * L.kmax);
     unsigned int lt = (1u << lane) - 1;
@@ -650,7 +655,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     bool solo = (end - start) * L.K <= 32;
     if (!solo || threadIdx.x < 32)
-        fr_ds_rank(A, set, idx, start, end, hb, sbase, od, solo);
+        fr_ds_rank(A, set, idx, start, end, hb, sbase, od, solo, sh + 5 * N);
     for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
         fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad, od != NULL);
     __syncthreads();
