@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """DeepEP's get_dispatch_layout, two ways on the same tensors: ferry's
 ferry_dispatch_layout (two memsets and one kernel) and the same layout in
-PyTorch ops (what ferry.deep_ep ran before), each checked against the
-other, p50/p99 over back-to-back calls timed with CUDA events.
+PyTorch ops (ferry.deep_ep's _layout_torch, its default on CUDA tensors),
+each checked against the other, p50/p99 over back-to-back calls timed
+with CUDA events.
 
 Usage: python3 tools/bench_layout.py [--lib build-gpu/libferry.so]
        [--tokens 128,4096,16384] [--experts 256] [--topk 8] [--ranks 8]
@@ -15,19 +16,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-
-def torch_layout(idx, E, N):
-    T = idx.shape[0]
-    valid = (idx >= 0) & (idx < E)
-    e = torch.where(valid, idx, torch.zeros_like(idx))
-    in_rank = torch.zeros((T, N), dtype=torch.int32, device=idx.device)
-    in_rank.scatter_add_(1, e // (E // N), valid.to(torch.int32))
-    inr = in_rank > 0
-    per_rank = inr.sum(0, dtype=torch.int32)
-    per_exp = torch.zeros(E, dtype=torch.int32, device=idx.device)
-    per_exp.scatter_add_(0, e.flatten(), valid.flatten().to(torch.int32))
-    return per_rank, per_exp, inr
 
 
 def timed(fn, iters):
@@ -53,6 +41,7 @@ def main():
     a = ap.parse_args()
     os.environ["FERRY_LIB"] = a.lib
     from ferry import _lib, _lib_handle
+    from ferry.deep_ep import _layout_torch as torch_layout
     lib = _lib_handle()
     E, K, N = a.experts, a.topk, a.ranks
     print(f"# get_dispatch_layout, E={E} K={K} N={N}, us p50 (p99) over {a.iters} calls")

@@ -196,7 +196,6 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     int32_t *efill = c->expert_fill;
     memset(efill, 0, sizeof(int32_t) * (size_t)L->El);
     uint8_t *ex = (uint8_t *)out->expert_x;
-    size_t scale_bytes = 4ull * L->nscales;
     /* Check every slice, and give each sender its run of pairs in the row
      * map (by sender, record, k; combine_send walks it per sender). The
      * slices stay writable by their senders: the headers are used as
@@ -241,7 +240,7 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                 size_t row = (size_t)le * L->cap + (size_t)slot;
                 memcpy(ex + row * L->tok_bytes, rec + L->rec_hdr,
                        L->tok_bytes);
-                if (scale_bytes) {
+                if (L->nscales) {
                     uint8_t *ps = fr_scl_at(L, out->expert_x_scales, le, (uint64_t)slot);
                     const uint8_t *src = rec + L->rec_hdr + L->tok_bytes;
                     for (uint32_t j2 = 0; j2 < L->nscales; j2++) {

@@ -73,11 +73,6 @@ static __device__ __forceinline__ int fr_ds_np(const int *ek, int lo, int El)
     return np;
 }
 
-/* Step 1. sh: [0,N) records before `start`, [N,2N) pairs before, [2N,3N)
- * records in all, [3N,4N) pairs in all. A lane holds one token's row (all
- * K loads in flight at once); per destination, ballots count the records
- * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
- * reports them). */
 /* Token t's experts into ek[] (-1 past K or past T); 16-byte loads when
  * the rows allow (K even, idx 16-byte aligned). */
 static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int T, int K,
@@ -99,6 +94,11 @@ static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int 
         ek[k] = k < K && t < T ? (int)row[k] : -1;
 }
 
+/* Step 1. sh: [0,N) records before `start`, [N,2N) pairs before, [2N,3N)
+ * records in all, [3N,4N) pairs in all. A lane holds one token's row (all
+ * K loads in flight at once); per destination, ballots count the records
+ * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
+ * reports them). */
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
                                    int start, int32_t *sh, int32_t *hb, int32_t *hall)
 {
@@ -310,16 +310,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     *ds = rec + L.rec_hdr + L.tok_bytes;
 }
 
-/* Step 3b, the whole block over its (token, k) pairs in order,
- * blockDim.x at a time: a pair's row among this rank's pairs of its
- * expert, in token order: hb (fr_ds_count's pairs before the block) plus
- * the same expert's pairs earlier in the pass (earlier warps' from shared
- * memory, earlier lanes' by a match). Peers' experts: the row goes into
- * the record's pos[] (the receiver places it without a search). Own
- * experts in place (od): the token's slot k points at that row of
- * expert_x, with the combine row map and the sources. solo (the block's
- * pairs fit one warp): warp 0 alone, beside the others' fr_ds_pair, with
- * warp barriers. Ends with a barrier (hb moved on past the pass). */
+/* fr_ds_rank's barrier: the warp's alone (solo) or the block's. */
 static __device__ __forceinline__ void fr_ds_rank_sync(bool solo)
 {
     if (solo)
@@ -332,6 +323,16 @@ static __device__ __forceinline__ void fr_ds_rank_sync(bool solo)
 static_assert(2 * FR_DS_GROUP * (FR_DS_THREADS / 32) >= FR_DS_THREADS,
               "fr_ds_rank: s_e does not fit the per-warp counts");
 
+/* Step 3b, the whole block over its (token, k) pairs in order,
+ * blockDim.x at a time: a pair's row among this rank's pairs of its
+ * expert, in token order: hb (fr_ds_count's pairs before the block) plus
+ * the same expert's pairs earlier in the pass (earlier warps' from shared
+ * memory, earlier lanes' by a match). Peers' experts: the row goes into
+ * the record's pos[] (the receiver places it without a search). Own
+ * experts in place (od): the token's slot k points at that row of
+ * expert_x, with the combine row map and the sources. solo (the block's
+ * pairs fit one warp): warp 0 alone, beside the others' fr_ds_pair, with
+ * warp barriers. Ends with a barrier (hb moved on past the pass). */
 static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
                                   int end, int32_t *hb, uint8_t *const *sbase,
                                   const fr_dr_out_t *od, bool solo, int *s_e)
