@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """DeepEP's get_dispatch_layout, two ways on the same tensors: ferry's
 ferry_dispatch_layout (two memsets and one kernel) and the same layout in
-PyTorch ops (ferry.deep_ep's _layout_torch, its default on CUDA tensors),
-each checked against the other, p50/p99 over back-to-back calls timed
+PyTorch ops (ferry.deep_ep's _layout_torch, which FERRY_DEEP_EP_LAYOUT_KERNEL=0
+selects), each checked against the other, p50/p99 over back-to-back calls timed
 with CUDA events.
 
 Usage: python3 tools/bench_layout.py [--lib build-gpu/libferry.so]
