@@ -93,8 +93,9 @@ _EVENT = None
 #: torch's switch for __torch_function__ handling: under a mode such as
 #: torch.set_default_device's (DeepEP's tests set one), every tensor method
 #: call from Python goes through the mode (about 1 us each); the low-latency
-#: calls make a few dozen of them, so they run with it off. Every tensor they
-#: allocate names its device.
+#: calls and the normal mode's get_dispatch_layout, dispatch and combine make
+#: a few dozen of them, so they run with it off. Every tensor they allocate
+#: names its device.
 _NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", None)
 
 
@@ -495,6 +496,7 @@ class Buffer:
             self._eps[key] = ep
         return ep
 
+    @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's: (num_tokens_per_rank [N] int32, None (no RDMA ranks:
@@ -516,6 +518,7 @@ class Buffer:
         return per_rank, None, per_expert, is_token_in_rank, \
             (_event_after(topk_idx) if async_finish else _no_event())
 
+    @_plain_torch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
@@ -639,6 +642,7 @@ class Buffer:
         mine = tot[self.rank * El:(self.rank + 1) * El].tolist()
         return [(c + align - 1) // align * align for c in mine]
 
+    @_plain_torch
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's normal-mode combine: x [num_recv, H] bf16 (one row per

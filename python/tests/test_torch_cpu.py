@@ -368,6 +368,11 @@ def rank_main(rank, N, port, q):
         msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
         msgs += [f"normal mode, DeepEP's checks: {m}"
                  for m in normal_deepep_checks(deep_ep, rank, N)]
+        # as DeepEP's tests run: under a default-device mode (meta here, so
+        # anything made without naming its device would be on no real one)
+        with torch.device("meta"):
+            msgs += [f"normal mode under a default-device mode: {m}"
+                     for m in normal_deepep_checks(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

@@ -38,11 +38,12 @@ def expert_fn(e, rows):
 def make_inputs(rank, rnd, T, H, E, K, dev):
     g = torch.Generator().manual_seed(1000 * rnd + rank)
     t = T if rank % 3 else (T if rnd % 2 else 0)  # some ranks send nothing
-    x = torch.randn(t, H, generator=g).to(torch.bfloat16)
-    scores = torch.rand(t, E, generator=g) ** 4  # skewed
+    cpu = torch.device("cpu")  # made on the CPU whatever the default device
+    x = torch.randn(t, H, generator=g, device=cpu).to(torch.bfloat16)
+    scores = torch.rand(t, E, generator=g, device=cpu) ** 4  # skewed
     idx = scores.topk(K, dim=1).indices
-    idx[torch.rand(t, K, generator=g) < 0.05] = -1
-    w = 0.1 + 0.9 * torch.rand(t, K, generator=g)
+    idx[torch.rand(t, K, generator=g, device=cpu) < 0.05] = -1
+    w = 0.1 + 0.9 * torch.rand(t, K, generator=g, device=cpu)
     return x.to(dev), idx.to(dev), w.float().to(dev)
 
 

@@ -266,6 +266,11 @@ def rank_main(rank, N, port, q):
         check_deep_ep(deep_ep, rank, N, dev, msgs)
         msgs += [f"deep_ep normal mode, DeepEP's checks: {m}"
                  for m in normal_deepep_checks(deep_ep, rank, N, dev)]
+        # under torch.set_default_device's mode, as DeepEP's tests run (ferry
+        # turns the mode off inside its calls: what it makes names its device)
+        with torch.device(dev):
+            msgs += [f"deep_ep normal mode under a default device: {m}"
+                     for m in normal_deepep_checks(deep_ep, rank, N, dev)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:
