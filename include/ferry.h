@@ -288,6 +288,26 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
  * FERRY_OK, or the error a kernel reported (naming the rank). */
 int ferry_ep_sync(ferry_ep_t ep, void *stream);
 
+/* Masking ranks (low-latency mode; DeepEP's mask buffer). A masked rank
+ * is treated as gone: from the next round on, this rank sends it nothing,
+ * waits for nothing from it, and top-k slots whose expert lives on it count
+ * as -1 (no row there, nothing added by the combine). Every surviving rank
+ * must mask the same ranks before the same round: a rank that still
+ * expects data from a peer that masked it times out, naming that peer.
+ *
+ * ferry_ep_mask_rank: rank's entry set (masked 1) or cleared (0); not this
+ * rank itself; only between rounds (none in flight: FERRY_ERR_STATE).
+ * Clearing a mask after a round ran with it set is FERRY_ERR_STATE (the
+ * pair's flags are out of step: create a new context); clearing it before
+ * is allowed. CUDA: the entry is written on `stream` (a kernel: capturable
+ * in a CUDA graph, which then replays the write); a graph of rounds
+ * captured before reads the mask as it is when it runs. CPU: at once.
+ *
+ * ferry_ep_mask_query: int32 status[num_ranks] = 1 where masked, else 0
+ * (CUDA: device memory, copied on `stream`; CPU: host memory). */
+int ferry_ep_mask_rank(ferry_ep_t ep, int rank, int masked, void *stream);
+int ferry_ep_mask_query(ferry_ep_t ep, int32_t *status, void *stream);
+
 /* 1 when this build has CUDA kernels and a GPU is visible, else 0 (and a
  * reason in why). */
 int ferry_cuda_available(char *why, size_t len);

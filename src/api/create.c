@@ -144,6 +144,8 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->peer_seg);
     free(ep->group_peers);
     free(ep->group_index);
+    free(ep->mask);
+    free(ep->mask_since);
     free(ep->slices);
     free(ep->flag_last);
     free(ep->ring_mem);
@@ -216,7 +218,10 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
     ep->peer_seg = fr_zalloc(sizeof(uint8_t *) * (size_t)N);
     ep->group_index = fr_zalloc(sizeof(int) * (size_t)N);
     ep->group_peers = fr_zalloc(sizeof(int) * (size_t)N);
-    if (!ep->path || !ep->peer_seg || !ep->group_index || !ep->group_peers)
+    ep->mask = fr_zalloc(sizeof(int32_t) * (size_t)N);
+    ep->mask_since = fr_zalloc(sizeof(uint64_t) * (size_t)N);
+    if (!ep->path || !ep->peer_seg || !ep->group_index || !ep->group_peers || !ep->mask ||
+        !ep->mask_since)
         return FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
     for (int i = 0; i < N; i++) {
         ep->group_index[i] = -1;

@@ -67,6 +67,12 @@ typedef struct fr_engine {
      * fabric path (chosen at create, once the paths are known); NULL: this
      * engine serves them itself, or refuses them in setup. */
     const struct fr_engine *fabric_engine;
+    /* Optional (NULL: masking refused): the engine's copy of ep->mask,
+     * entry `rank` set to `masked` (CUDA: on `stream`), and the mask copied
+     * into status [N] (the context's memory kind, on `stream`). ep->mask is
+     * already updated when mask_write runs. */
+    int (*mask_write)(ferry_ep_t ep, int rank, int masked, void *stream);
+    int (*mask_read)(ferry_ep_t ep, int32_t *status, void *stream);
 } fr_engine_t;
 
 /* GPU ranks through a host engine (engines/staged): the CPU engine of the

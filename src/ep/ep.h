@@ -145,7 +145,20 @@ struct ferry_ep {
     /* round sequencing (the API layer) */
     fr_round_t rounds[FR_NSETS];
     uint64_t next_epoch;
+
+    /* masked ranks (ferry_ep_mask_rank): [N] 1 where masked, what the CPU
+     * engine reads (a CUDA engine keeps its own copy in device memory);
+     * mask_since[s]: the first round to run with s masked (the next round
+     * when the mask was set) */
+    int32_t *mask;
+    uint64_t *mask_since;
 };
+
+/* Is rank s masked (host view)? */
+static inline int fr_ep_masked(const struct ferry_ep *ep, int s)
+{
+    return ep->mask && ep->mask[s];
+}
 
 /* Flag word of (phase, set, sender) in a segment. */
 static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,

@@ -53,6 +53,10 @@ static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 {
     const fr_layout_t *L = &ep->L;
     while (*next < ep->N) {
+        if (fr_ep_masked(ep, *next)) { /* never waited for */
+            (*next)++;
+            continue;
+        }
         uint64_t v = __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, *next),
                                      __ATOMIC_ACQUIRE);
         if (v == epoch) {
@@ -78,7 +82,7 @@ static void fr_cost_sweep(ferry_ep_t ep, int phase, int set, uint64_t epoch, uin
 {
     uint64_t now = 0;
     for (int s = 0; s < ep->N; s++) {
-        if (seen[s] || __atomic_load_n(fr_flag_ptr(&ep->L, ep->flags, phase, set, s),
+        if (seen[s] || fr_ep_masked(ep, s) || __atomic_load_n(fr_flag_ptr(&ep->L, ep->flags, phase, set, s),
                                        __ATOMIC_ACQUIRE) != epoch)
             continue;
         if (!now)
@@ -123,7 +127,8 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
             fr_cost_sweep(ep, phase, set, epoch, start, seen_at);
         if (st > 0) {
             for (int s = 0; cost && s < N; s++)
-                cost[s] += (int64_t)(seen_at[s] - 1);
+                if (seen_at[s]) /* 0: masked, never waited for */
+                    cost[s] += (int64_t)(seen_at[s] - 1);
             return FERRY_OK;
         }
         if (st < 0)
@@ -160,14 +165,14 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
         /* a dead rank fails this wait only if its data is still missing:
          * a round it finished can still complete */
         int dead = fr_boot_dead_rank(ep->comm->boot);
-        if (dead >= 0 && dead < N &&
+        if (dead >= 0 && dead < N && !fr_ep_masked(ep, dead) &&
             __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, dead),
                             __ATOMIC_ACQUIRE) != epoch)
             return fr_ep_fail(ep, FERRY_ERR_PEER,
                               "%s round %llu: rank %d died", what,
                               (unsigned long long)epoch, dead);
         for (int s = next; s < N; s++) {
-            if (ep->path[s] != FR_PATH_SHM)
+            if (ep->path[s] != FR_PATH_SHM || fr_ep_masked(ep, s))
                 continue;
             pid_t pid = ep->comm->peers[s].pid;
             if (kill(pid, 0) != 0 && errno == ESRCH &&
@@ -185,7 +190,7 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
             for (int s = next; s < N; s++) {
                 uint64_t v = __atomic_load_n(
                     fr_flag_ptr(L, ep->flags, phase, set, s), __ATOMIC_ACQUIRE);
-                if (v == epoch)
+                if (v == epoch || fr_ep_masked(ep, s))
                     continue;
                 missing++;
                 if (n < sizeof(list) - 16)

@@ -49,6 +49,8 @@ void fw_input_free(fw_input_t *in)
 
 int fw_num_tokens(const fw_spec_t *s, uint64_t round, int rank)
 {
+    if (s->masked && s->masked[rank])
+        return 0;
     if (!s->vary_tokens)
         return s->T;
     uint64_t h = fw_hash(s->seed, round, (uint64_t)rank, 0x7070);
@@ -119,6 +121,9 @@ void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
         }
         for (int k = 0; k < s->K; k++)
             if (s->mask_p > 0 && fw_unit(fw_next(&rng)) < s->mask_p)
+                row[k] = -1;
+        for (int k = 0; s->masked && k < s->K; k++)
+            if (row[k] >= 0 && s->masked[row[k] / (s->E / s->N)])
                 row[k] = -1;
     }
     free(cdf);

@@ -27,6 +27,10 @@ typedef struct fw_spec {
     int vary_tokens; /* token count per (rank, round) random in 0..T */
     double empty_p;  /* with vary_tokens: probability of zero tokens */
     uint64_t seed;
+    /* [N] or NULL: ranks masked (ferry_ep_mask_rank) as the receiver sees
+     * them: they send no tokens, and slots whose expert lives on one are
+     * -1 (the routing is generated as without the mask, then cut) */
+    const int32_t *masked;
 } fw_spec_t;
 
 /* Everything one rank passes in one round (owned buffers). */

@@ -29,8 +29,8 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
     for (int pass = 0; pass < 2; pass++)
         for (int s = 0; s < N; s++) {
             int fabric = ep->path[s] == FR_PATH_FABRIC;
-            if (fabric != (pass == 0))
-                continue;
+            if (fabric != (pass == 0) || fr_ep_masked(ep, s))
+                continue; /* a masked rank sent nothing and gets nothing */
             uint32_t p0 = cr->pair_off[s], np = cr->pair_off[s + 1] - p0;
             const int32_t *rows = cr->pair_row + p0;
             uint8_t *dst = fabric ? ep->send + fr_off_csend(L, set, packed)

@@ -13,6 +13,9 @@
  * tokens out per local expert in (sender, record, k) order, senders taken
  * from this rank on: rank r's rows come from r, r + 1, ..., N - 1, 0, ...,
  * r - 1 (its own tokens first).
+ *
+ * A masked rank (ep->mask) is sent nothing and waited for never; slots
+ * whose expert lives there count as -1.
  */
 #include <string.h>
 
@@ -143,8 +146,8 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     for (int t = 0; t < T; t++) {
         const int64_t *row = idx + (size_t)t * K;
         for (int k = 0; k < K; k++) {
-            if (row[k] < 0)
-                continue;
+            if (row[k] < 0 || fr_ep_masked(ep, (int)(row[k] / El)))
+                continue; /* a masked rank's slots count as -1 */
             int d = (int)(row[k] / El);
             cnt[d] += fr_first_on_rank(row, k, El);
             pairs[d]++;
@@ -173,8 +176,8 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     for (int pass = 0; pass < 2; pass++)
         for (int d = 0; d < N; d++) {
             int fabric = ep->path[d] == FR_PATH_FABRIC;
-            if (fabric != (pass == 0))
-                continue;
+            if (fabric != (pass == 0) || fr_ep_masked(ep, d))
+                continue; /* a masked rank gets nothing, its slots stay -1 */
             fr_pack_dest(ep, cr, d, set, idx, T, tok, scales);
             int rc = fr_publish_dest(ep, r, d, set);
             if (rc)
@@ -207,11 +210,16 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
         fr_err_t err;
         fr_slice_hdr_t h;
+        cr->pair_off[s] = np;
+        if (fr_ep_masked(ep, s)) { /* nothing from a masked rank */
+            cr->comb_off[s] = 0;
+            cnt[s] = 0;
+            continue;
+        }
         rc = fr_slice_check_hdr(L, slice, s, r->epoch, &h, &err);
         if (rc)
             return fr_ep_fail(ep, rc, "dispatch round %llu: %s",
                               (unsigned long long)r->epoch, err.msg);
-        cr->pair_off[s] = np;
         cr->comb_off[s] = h.comb_off;
         cnt[s] = h.count;
         np += h.npairs; /* the records held npairs pairs when checked */

@@ -103,6 +103,23 @@ static int fr_cpu_check(ferry_ep_t ep)
     return FERRY_OK;
 }
 
+/* The CPU engine reads ep->mask itself (the API set it already). */
+static int fr_cpu_mask_write(ferry_ep_t ep, int rank, int masked, void *stream)
+{
+    (void)ep;
+    (void)rank;
+    (void)masked;
+    (void)stream;
+    return FERRY_OK;
+}
+
+static int fr_cpu_mask_read(ferry_ep_t ep, int32_t *status, void *stream)
+{
+    (void)stream;
+    memcpy(status, ep->mask, sizeof(int32_t) * (size_t)ep->N);
+    return FERRY_OK;
+}
+
 const fr_engine_t fr_engine_cpu_ll = {
     .size = sizeof(fr_engine_t),
     .name = "cpu_ll",
@@ -116,4 +133,6 @@ const fr_engine_t fr_engine_cpu_ll = {
     .combine_recv = fr_cpu_combine_recv,
     .sync = fr_cpu_sync,
     .check = fr_cpu_check,
+    .mask_write = fr_cpu_mask_write,
+    .mask_read = fr_cpu_mask_read,
 };

@@ -1,0 +1,331 @@
+/*
+ * Masking a rank (ferry_ep_mask_rank, ferry_ep_mask_query), on CPU ranks
+ * or CUDA ranks (self-launching; exit 77 = skipped, with the reason):
+ *   test_mask -n N kill V [fp8] [cuda]   rank V dies after round 2; the
+ *       others mask it and go on: rounds 3..7 (routing changing every
+ *       round, Zipf, masked slots, ranks with no tokens) are checked
+ *       against the reference with V masked (no rows from V, slots to V's
+ *       experts -1 in the combine), with the argument and state errors of
+ *       the mask calls on the way
+ *   test_mask -n N leave V [fp8] [cuda]  the same, V alive: it stops after
+ *       round 2 and waits in ferry_ep_destroy
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ferry.h"
+#include "harness.h"
+#include "launch.h"
+#include "verdicts.h"
+#include "workload.h"
+
+#ifdef FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static int on_gpu;
+
+/* Buffers in the context's memory: host memory, or device memory when
+ * on_gpu. */
+static void *dalloc(size_t n)
+{
+#ifdef FERRY_HAVE_CUDA
+    if (on_gpu) {
+        void *p = NULL;
+        if (cudaMalloc(&p, n + 16) != cudaSuccess || cudaMemset(p, 0, n + 16) != cudaSuccess) {
+            fprintf(stderr, "cudaMalloc(%zu) failed\n", n);
+            exit(1);
+        }
+        return p;
+    }
+#endif
+    void *p = calloc(n + 16, 1);
+    if (!p)
+        exit(1);
+    return p;
+}
+
+static void dfree(void *p)
+{
+#ifdef FERRY_HAVE_CUDA
+    if (on_gpu) {
+        cudaFree(p);
+        return;
+    }
+#endif
+    free(p);
+}
+
+static void h2d(void *d, const void *h, size_t n)
+{
+#ifdef FERRY_HAVE_CUDA
+    if (on_gpu) {
+        if (cudaMemcpy(d, h, n, cudaMemcpyHostToDevice) != cudaSuccess)
+            exit(1);
+        return;
+    }
+#endif
+    memcpy(d, h, n);
+}
+
+static void d2h(void *h, const void *d, size_t n)
+{
+#ifdef FERRY_HAVE_CUDA
+    if (on_gpu) {
+        if (cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost) != cudaSuccess)
+            exit(1);
+        return;
+    }
+#endif
+    memcpy(h, d, n);
+}
+
+typedef struct mbufs {
+    void *x, *idx, *ex, *exs, *cnt, *sr, *st, *ey, *w, *out, *q;
+    uint8_t *hex;
+    float *hexs;
+    int32_t *hcnt, *hsr, *hst, *hq;
+    uint16_t *hey, *hout;
+} mbufs_t;
+
+static void mbufs_init(mbufs_t *b, const fw_spec_t *s, const ferry_ep_layout_t *lay)
+{
+    size_t T = (size_t)s->T, El = (size_t)lay->num_local_experts;
+    size_t cap = (size_t)lay->expert_capacity;
+    b->x = dalloc(T * s->H * 2);
+    b->idx = dalloc(T * s->K * 8);
+    b->w = dalloc(T * s->K * 4);
+    b->out = dalloc(T * s->H * 2);
+    b->ex = dalloc(lay->expert_x_bytes);
+    b->exs = dalloc(lay->expert_scales_bytes);
+    b->cnt = dalloc(El * 4);
+    b->sr = dalloc(El * cap * 4);
+    b->st = dalloc(El * cap * 4);
+    b->ey = dalloc(lay->expert_y_bytes);
+    b->q = dalloc((size_t)s->N * 4);
+    b->hex = calloc(lay->expert_x_bytes + 16, 1);
+    b->hexs = calloc(lay->expert_scales_bytes + 16, 1);
+    b->hcnt = calloc(El + 1, 4);
+    b->hsr = calloc(El * cap + 1, 4);
+    b->hst = calloc(El * cap + 1, 4);
+    b->hey = calloc(lay->expert_y_bytes + 16, 1);
+    b->hout = calloc(T * s->H + 1, 2);
+    b->hq = calloc((size_t)s->N, 4);
+}
+
+static void mbufs_free(mbufs_t *b)
+{
+    void *d[] = {b->x, b->idx, b->w, b->out, b->ex, b->exs, b->cnt, b->sr, b->st, b->ey, b->q};
+    for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
+        dfree(d[i]);
+    free(b->hex);
+    free(b->hexs);
+    free(b->hcnt);
+    free(b->hsr);
+    free(b->hst);
+    free(b->hey);
+    free(b->hout);
+    free(b->hq);
+}
+
+/* The mask as ferry_ep_mask_query reports it, against want[N]. */
+static void check_query(ferry_ep_t ep, mbufs_t *b, int N, const int32_t *want, int me)
+{
+    int rc = ferry_ep_mask_query(ep, (int32_t *)b->q, NULL);
+    CHECK(rc == FERRY_OK, "rank %d: mask_query: %s", me, ferry_ep_last_error(ep));
+    if (on_gpu)
+        CHECK(ferry_ep_sync(ep, NULL) == FERRY_OK, "sync after mask_query");
+    d2h(b->hq, b->q, (size_t)N * 4);
+    for (int i = 0; i < N; i++)
+        CHECK(b->hq[i] == want[i], "rank %d: mask_query[%d] = %d, want %d", me, i, b->hq[i],
+              want[i]);
+}
+
+/* The mask calls' errors, between rounds and inside one. */
+static void check_mask_errors(ferry_ep_t ep, int N, int me, int victim)
+{
+    int rc = ferry_ep_mask_rank(ep, me, 1, NULL);
+    CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "this rank"),
+          "masking itself: %d %s", rc, ferry_ep_last_error(ep));
+    rc = ferry_ep_mask_rank(ep, N, 1, NULL);
+    CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "rank = "),
+          "rank out of range: %d %s", rc, ferry_ep_last_error(ep));
+    rc = ferry_ep_mask_rank(ep, victim, 2, NULL);
+    CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "masked = 2"),
+          "masked = 2: %d %s", rc, ferry_ep_last_error(ep));
+    rc = ferry_ep_mask_query(ep, NULL, NULL);
+    CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "status"),
+          "query NULL: %d %s", rc, ferry_ep_last_error(ep));
+    /* set and cleared before any round ran with it: allowed */
+    CHECK(ferry_ep_mask_rank(ep, victim, 1, NULL) == FERRY_OK, "mask: %s",
+          ferry_ep_last_error(ep));
+    CHECK(ferry_ep_mask_rank(ep, victim, 0, NULL) == FERRY_OK, "unmask before a round: %s",
+          ferry_ep_last_error(ep));
+}
+
+static int run(ferry_comm_t comm, int victim, int die, int fp8)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 24, .fp8 = fp8,
+                   .zipf_s = 0.8, .mask_p = 0.05, .vary_tokens = 1, .empty_p = 0.15,
+                   .seed = 77};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s.E;
+    cfg.topk = s.K;
+    cfg.hidden = s.H;
+    cfg.max_tokens = s.T;
+    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
+    ferry_ep_t ep = NULL;
+    if ((rc = ferry_ep_create(comm, &cfg, &ep)) != FERRY_OK) {
+        fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
+        return 1;
+    }
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    mbufs_t b;
+    mbufs_init(&b, &s, &lay);
+    fw_input_t in, in_m;
+    fw_input_alloc(&s, &in);
+    fw_input_alloc(&s, &in_m);
+    int32_t *mask = calloc((size_t)N, sizeof(int32_t)), *none = calloc((size_t)N, 4);
+    fw_spec_t sm = s; /* the reference: V masked from round 3 on */
+    for (int round_i = 1; round_i <= 7; round_i++) {
+        if (round_i == 3) {
+            if (me == victim) {
+                if (die) {
+                    usleep(300 * 1000); /* round 2's writes land first */
+                    raise(SIGKILL);
+                }
+                break; /* leaves: waits in ferry_ep_destroy */
+            }
+            check_query(ep, &b, N, none, me);
+            check_mask_errors(ep, N, me, victim);
+            CHECK(ferry_ep_mask_rank(ep, victim, 1, NULL) == FERRY_OK, "mask rank %d: %s",
+                  victim, ferry_ep_last_error(ep));
+            mask[victim] = 1;
+            sm.masked = mask;
+            check_query(ep, &b, N, mask, me);
+        }
+        fw_generate(&s, (uint64_t)round_i, me, &in);
+        fw_generate(&sm, (uint64_t)round_i, me, &in_m); /* the same tokens, cut routing */
+        h2d(b.x, in.x, (size_t)in.T * s.H * 2);
+        h2d(b.idx, in.idx, (size_t)in.T * s.K * 8);
+        h2d(b.w, in.w, (size_t)in.T * s.K * 4);
+        ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
+                                   .topk_idx = (const int64_t *)b.idx};
+        ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                     .expert_x_scales = fp8 ? (float *)b.exs : NULL,
+                                     .expert_num_tokens = (int32_t *)b.cnt,
+                                     .expert_src_rank = (int32_t *)b.sr,
+                                     .expert_src_token = (int32_t *)b.st};
+        uint64_t r = 0;
+        rc = ferry_dispatch_send(ep, &din, &r);
+        if (rc == FERRY_OK && round_i == 4) {
+            /* inside a round: refused, the round goes on */
+            int m = ferry_ep_mask_rank(ep, (me + 1) % N == victim ? (me + 2) % N : (me + 1) % N,
+                                       1, NULL);
+            CHECK(N < 3 || (m == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "in flight")),
+                  "mask inside a round: %d %s", m, ferry_ep_last_error(ep));
+        }
+        if (rc == FERRY_OK)
+            rc = ferry_dispatch_recv(ep, r, &dout);
+        if (rc == FERRY_OK && on_gpu)
+            rc = ferry_ep_sync(ep, NULL);
+        if (rc != FERRY_OK) {
+            fprintf(stderr, "rank %d: round %d dispatch: %s: %s\n", me, round_i,
+                    ferry_strerror(rc), ferry_ep_last_error(ep));
+            fr_test_failures++;
+            break;
+        }
+        d2h(b.hcnt, b.cnt, El * 4);
+        d2h(b.hex, b.ex, lay.expert_x_bytes);
+        if (fp8)
+            d2h(b.hexs, b.exs, lay.expert_scales_bytes);
+        d2h(b.hsr, b.sr, El * cap * 4);
+        d2h(b.hst, b.st, El * cap * 4);
+        long bad = fw_check_dispatch(&sm, (uint64_t)round_i, me, b.hex, fp8 ? b.hexs : NULL,
+                                     b.hcnt, b.hsr, b.hst, cap, 3);
+        CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round_i, bad);
+        for (size_t i = 0; i < El * cap && round_i >= 3; i++)
+            CHECK(b.hsr[i] != victim || (size_t)(i % cap) >= (size_t)b.hcnt[i / cap],
+                  "rank %d: round %d: a row from masked rank %d", me, round_i, victim);
+        fw_run_experts(&s, me, b.hex, fp8 ? b.hexs : NULL, b.hcnt, cap, b.hey);
+        h2d(b.ey, b.hey, lay.expert_y_bytes);
+        ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey};
+        ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b.w,
+                                    .out = b.out};
+        rc = ferry_combine_send(ep, r, &cin);
+        if (rc == FERRY_OK)
+            rc = ferry_combine_recv(ep, r, &cout);
+        if (rc == FERRY_OK && on_gpu)
+            rc = ferry_ep_sync(ep, NULL);
+        if (rc != FERRY_OK) {
+            fprintf(stderr, "rank %d: round %d combine: %s: %s\n", me, round_i,
+                    ferry_strerror(rc), ferry_ep_last_error(ep));
+            fr_test_failures++;
+            break;
+        }
+        d2h(b.hout, b.out, (size_t)in.T * s.H * 2);
+        bad = fw_check_combine(&sm, (uint64_t)round_i, me, &in_m, b.hout, 3);
+        CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round_i, bad);
+        if (round_i == 3) {
+            rc = ferry_ep_mask_rank(ep, victim, 0, NULL);
+            CHECK(rc == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "out of step"),
+                  "unmask after a round: %d %s", rc, ferry_ep_last_error(ep));
+        }
+    }
+    if (me != victim)
+        check_query(ep, &b, N, mask, me);
+    rc = ferry_ep_destroy(ep);
+    if (me != victim && !die)
+        CHECK(rc == FERRY_OK, "destroy: %s", ferry_strerror(rc));
+    mbufs_free(&b);
+    fw_input_free(&in);
+    fw_input_free(&in_m);
+    free(mask);
+    free(none);
+    return fr_test_result();
+}
+
+int main(int argc, char **argv)
+{
+    int n = 3;
+    if (argc >= 3 && strcmp(argv[1], "-n") == 0)
+        n = atoi(argv[2]);
+    const char *mode = argc >= 4 ? argv[3] : "kill";
+    int victim = argc >= 5 ? atoi(argv[4]) : 1, fp8 = 0;
+    for (int i = 5; i < argc; i++) {
+        fp8 |= strcmp(argv[i], "fp8") == 0;
+        on_gpu |= strcmp(argv[i], "cuda") == 0;
+    }
+    int die = strcmp(mode, "kill") == 0;
+    if (!die && strcmp(mode, "leave") != 0) {
+        fprintf(stderr, "usage: test_mask -n N kill|leave V [fp8] [cuda]\n");
+        return 2;
+    }
+    if (victim < 0 || victim >= n || n < 2) {
+        fprintf(stderr, "test_mask: victim %d of %d ranks\n", victim, n);
+        return 2;
+    }
+    if (on_gpu) {
+        char why[256];
+        if (!ferry_cuda_available(why, sizeof(why))) {
+            printf("skipped: %s\n", why);
+            return 77;
+        }
+    }
+    ferry_comm_t comm = NULL;
+    int rc = 0;
+    if (!fr_vd_start("mask", "test_mask", mode, n, die ? victim : -1, &comm, &rc))
+        return rc;
+    int me = ferry_comm_rank(comm);
+    rc = run(comm, victim, die, fp8);
+    ferry_comm_destroy(comm);
+    verdict(me, rc ? "bad" : "ok");
+    return rc;
+}
