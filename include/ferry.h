@@ -300,8 +300,12 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream);
  * Clearing a mask after a round ran with it set is FERRY_ERR_STATE (the
  * pair's flags are out of step: create a new context); clearing it before
  * is allowed. CUDA: the entry is written on `stream` (a kernel: capturable
- * in a CUDA graph, which then replays the write); a graph of rounds
- * captured before reads the mask as it is when it runs. CPU: at once.
+ * in a CUDA graph, which then replays the write). The dispatch launched
+ * while some rank is masked is the kernel that cuts; a CUDA graph of
+ * rounds captured while no rank was masked holds the kernel without the
+ * mask, and replayed after a mask is set it fails the round
+ * (FERRY_ERR_STATE, saying so: capture again after masking, in a new
+ * context), never running it unmasked. CPU: at once.
  *
  * ferry_ep_mask_query: int32 status[num_ranks] = 1 where masked, else 0
  * (CUDA: device memory, copied on `stream`; CPU: host memory). */

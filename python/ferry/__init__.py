@@ -760,6 +760,44 @@ class EP:
         """Wait for the stream (CUDA) and raise what the GPU reported."""
         self._check(_lib_handle().ferry_ep_sync(self._ep(), stream))
 
+    def mask_rank(self, rank, masked=True, stream=None):
+        """Low latency: treat `rank` as gone (masked=True) or back
+        (False) from the next round on: this rank sends it nothing, waits
+        for nothing from it, and top-k slots whose expert lives there count
+        as -1. Every surviving rank masks the same ranks before the same
+        round. Only between rounds; clearing a mask after a round ran with
+        it raises (FerryError, FERRY_ERR_STATE: create a new context). CUDA:
+        written on `stream` (default: the current stream), capturable."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
+        st = self._mask_stream(stream)
+        self._check(_lib_handle().ferry_ep_mask_rank(self._ep(), rank, int(bool(masked)), st))
+
+    def mask_query(self, out=None, stream=None):
+        """The mask: int32 [num_ranks], 1 where masked. CUDA contexts: a
+        torch tensor on the context's GPU (or `out`, int32 [num_ranks] there),
+        written on `stream`; CPU: a numpy array (or `out`)."""
+        N = self.num_ranks
+        if out is None:
+            if self.device == "cuda":
+                import torch
+                out = torch.empty(N, dtype=torch.int32,
+                                  device=torch.device("cuda", self._cuda_index))
+            else:
+                out = np.zeros(N, np.int32)
+        p = self._arr(out, "out", _I32, (N,), output=True)
+        st = self._mask_stream(stream)
+        self._check(_lib_handle().ferry_ep_mask_query(self._ep(), p, st))
+        return out
+
+    def _mask_stream(self, stream):
+        if self.device != "cuda":
+            return None
+        if stream is not None:
+            return _stream_of(None, stream)
+        import torch
+        return torch.cuda.current_stream(torch.device("cuda", self._cuda_index)).cuda_stream
+
     def close(self):
         """Collective. Closes the Comm too when its close() was deferred."""
         if self._h:

@@ -401,6 +401,7 @@ class Buffer:
         self.comm = Comm(group)
         self._eps = {}
         self._plans = {}
+        self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
         self._sms = _default_sms(group) if torch.cuda.is_available() else 16
 
     @classmethod
@@ -681,6 +682,46 @@ class Buffer:
                 raise ValueError(f"clean_low_latency_buffer: {name}: expected a positive int, "
                                  f"got {v!r}")
 
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """DeepEP's: mask (mask=True) or unmask a rank for the low-latency
+        calls: from the next round on this rank sends it nothing, waits for
+        nothing from it, and top-k slots on its experts count as -1 (no row
+        there, nothing added by the combine). Every surviving rank masks the
+        same ranks before the same round. Applies to every shape's context
+        (and to contexts made later: note that making one is collective, so
+        a shape first called after a rank died fails). Unmasking a rank
+        after a round ran with it masked raises ferry.FerryError
+        (FERRY_ERR_STATE): the pair's flags are out of step; make a new
+        Buffer. CUDA: written on the current stream (capturable)."""
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or \
+                not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask: {rank_to_mask!r}: expected a rank 0..."
+                             f"{self.group_size - 1}")
+        if rank_to_mask == self.rank:
+            raise ValueError(f"rank_to_mask: {rank_to_mask} is this rank (a rank masks its "
+                             f"peers, never itself)")
+        for ep in self._eps.values():
+            ep.mask_rank(rank_to_mask, bool(mask))
+        if mask:
+            self._masked.add(rank_to_mask)
+        else:
+            self._masked.discard(rank_to_mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """DeepEP's: mask_status int32 [num_ranks] gets 1 where a rank is
+        masked, else 0 (on its own device and current stream)."""
+        _tensor(mask_status, "mask_status", torch.int32, (self.group_size,))
+        mask_status.zero_()
+        for r in sorted(self._masked):
+            mask_status[r] = 1
+
+    def low_latency_clean_mask_buffer(self):
+        """DeepEP's: unmask every rank (low_latency_update_mask_buffer(r,
+        False) for each masked r, with its rule: refused once a round ran
+        with the mask)."""
+        for r in sorted(self._masked):
+            self.low_latency_update_mask_buffer(r, False)
+
     def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False, ue8m0=False):
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)
         ep = self._eps.get(key)
@@ -693,6 +734,8 @@ class Buffer:
                     num_sms=self.num_sms if self.num_sms is not None else self._sms,
                     fp8_round_scale=round_scale,
                     scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows")
+            for r in sorted(self._masked):  # before its first round: allowed
+                ep.mask_rank(r, True)
             self._eps[key] = ep
         return ep
 

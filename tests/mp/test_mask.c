@@ -9,6 +9,9 @@
  *       the mask calls on the way
  *   test_mask -n N leave V [fp8] [cuda]  the same, V alive: it stops after
  *       round 2 and waits in ferry_ep_destroy
+ *   test_mask -n 2 graph 0 cuda   a CUDA graph of a round captured with no
+ *       rank masked, replayed after masking: FERRY_ERR_STATE saying to
+ *       capture again (the kernel without the mask never runs masked)
  */
 #include <signal.h>
 #include <stdio.h>
@@ -292,6 +295,74 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
     return fr_test_result();
 }
 
+#ifdef FERRY_HAVE_CUDA
+/* A CUDA graph of a round captured with no rank masked, replayed after
+ * each rank masked the other: the round fails (FERRY_ERR_STATE, saying to
+ * capture again), on both ranks, without waiting for anyone. */
+static int run_graph(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 16, .seed = 5};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s.E;
+    cfg.topk = s.K;
+    cfg.hidden = s.H;
+    cfg.max_tokens = s.T;
+    cfg.device = FERRY_DEVICE_CUDA;
+    ferry_ep_t ep = NULL;
+    if (ferry_ep_create(comm, &cfg, &ep) != FERRY_OK) {
+        fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
+        return 1;
+    }
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    mbufs_t b;
+    mbufs_init(&b, &s, &lay);
+    fw_input_t in;
+    fw_input_alloc(&s, &in);
+    fw_generate(&s, 1, me, &in);
+    h2d(b.x, in.x, (size_t)in.T * s.H * 2);
+    h2d(b.idx, in.idx, (size_t)in.T * s.K * 8);
+    h2d(b.w, in.w, (size_t)in.T * s.K * 4);
+    cudaStream_t st;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
+                               .topk_idx = (const int64_t *)b.idx, .stream = st};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
+                                 .expert_num_tokens = (int32_t *)b.cnt, .stream = st};
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey, .stream = st};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b.w,
+                                .out = b.out, .stream = st};
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    uint64_t r = 0;
+    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "capture");
+    rc = ferry_dispatch(ep, &din, &dout, &r);
+    if (rc == FERRY_OK)
+        rc = ferry_combine(ep, r, &cin, &cout);
+    CHECK(rc == FERRY_OK, "rank %d: capture: %s", me, ferry_ep_last_error(ep));
+    CHECK(cudaStreamEndCapture(st, &g) == cudaSuccess, "end capture");
+    CHECK(cudaGraphInstantiate(&ge, g, 0) == cudaSuccess, "instantiate");
+    CHECK(cudaGraphLaunch(ge, st) == cudaSuccess, "launch");
+    rc = ferry_ep_sync(ep, st);
+    CHECK(rc == FERRY_OK, "rank %d: replay before masking: %s", me, ferry_ep_last_error(ep));
+    CHECK(ferry_ep_mask_rank(ep, (me + 1) % N, 1, st) == FERRY_OK, "mask: %s",
+          ferry_ep_last_error(ep));
+    CHECK(cudaGraphLaunch(ge, st) == cudaSuccess, "launch");
+    rc = ferry_ep_sync(ep, st);
+    CHECK(rc == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "capture the graph again"),
+          "rank %d: replay after masking: %s: %s", me, ferry_strerror(rc),
+          ferry_ep_last_error(ep));
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+    ferry_ep_destroy(ep);
+    mbufs_free(&b);
+    fw_input_free(&in);
+    return fr_test_result();
+}
+#endif
+
 int main(int argc, char **argv)
 {
     int n = 3;
@@ -303,28 +374,48 @@ int main(int argc, char **argv)
         fp8 |= strcmp(argv[i], "fp8") == 0;
         on_gpu |= strcmp(argv[i], "cuda") == 0;
     }
-    int die = strcmp(mode, "kill") == 0;
-    if (!die && strcmp(mode, "leave") != 0) {
-        fprintf(stderr, "usage: test_mask -n N kill|leave V [fp8] [cuda]\n");
+    int die = strcmp(mode, "kill") == 0, graph = strcmp(mode, "graph") == 0;
+    if (!die && !graph && strcmp(mode, "leave") != 0) {
+        fprintf(stderr, "usage: test_mask -n N kill|leave V [fp8] [cuda]; "
+                        "test_mask -n 2 graph 0 cuda\n");
         return 2;
+    }
+    if (graph && !on_gpu) {
+        printf("skipped: graph mode is for CUDA ranks (add cuda)\n");
+        return 77;
     }
     if (victim < 0 || victim >= n || n < 2) {
         fprintf(stderr, "test_mask: victim %d of %d ranks\n", victim, n);
         return 2;
     }
-    if (on_gpu) {
-        char why[256];
-        if (!ferry_cuda_available(why, sizeof(why))) {
-            printf("skipped: %s\n", why);
+    /* fr_vd_start's steps, with the GPU checked in the ranks: CUDA must
+     * not be initialised before fork */
+    int outside = fr_vd_init("mask"), is_child = outside;
+    fr_err_t err = {{0}};
+    int rc = outside ? 0 : fr_launch_local(n, &is_child, &err);
+    if (!is_child) {
+        if (rc == 77) {
+            printf("skipped: no usable GPU (see the ranks' message above)\n");
             return 77;
         }
+        return fr_vd_collect("test_mask", mode, n, die ? victim : -1, rc);
+    }
+    char why[512];
+    if (on_gpu && !ferry_cuda_available(why, sizeof(why))) {
+        printf("skipped: %s\n", why);
+        return 77;
     }
     ferry_comm_t comm = NULL;
-    int rc = 0;
-    if (!fr_vd_start("mask", "test_mask", mode, n, die ? victim : -1, &comm, &rc))
-        return rc;
+    if (ferry_comm_init_env(&comm, why, sizeof(why)) != FERRY_OK) {
+        fprintf(stderr, "comm: %s\n", why);
+        return 1;
+    }
     int me = ferry_comm_rank(comm);
+#ifdef FERRY_HAVE_CUDA
+    rc = graph ? run_graph(comm) : run(comm, victim, die, fp8);
+#else
     rc = run(comm, victim, die, fp8);
+#endif
     ferry_comm_destroy(comm);
     verdict(me, rc ? "bad" : "ok");
     return rc;

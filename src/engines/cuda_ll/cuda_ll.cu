@@ -40,8 +40,11 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     const int32_t *pn = A.pair_n + set * N;
     size_t pstride = (size_t)L.T * L.kmax; /* sender s's pairs start at s * pstride */
     __shared__ int s_fail;
-    if (threadIdx.x == 0)
+    __shared__ const int32_t *s_mk; /* the mask, NULL when no rank is masked */
+    if (threadIdx.x == 0) {
         s_fail = fr_cu_failed(A);
+        s_mk = A.mask[N] ? A.mask : NULL;
+    }
     __syncthreads();
     /* items of 4 KB (a warp's 8 x 16 bytes per lane) of every row, all
      * warps of the grid over each source's rows in turn; own rows are
@@ -67,7 +70,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     }
     __shared__ bool last;
     if (A.nfabric == 0) {
-        fr_cu_arrive(A, FR_PH_COMBINE, set); /* barrier first, then thread 0 */
+        fr_cu_arrive(A, FR_PH_COMBINE, set, s_mk); /* barrier first, then thread 0 */
         return;
     }
     __threadfence_system();
@@ -81,6 +84,8 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     unsigned long long epoch = A.epoch[set];
     bool ok = !fr_cu_failed(A);
     for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
+        if (s_mk && s_mk[d]) /* a masked rank is sent nothing */
+            continue;
         int p0 = (int)(d * pstride), np = pn[d];
         fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch, fr_off_csend(&L, set, (uint64_t)p0),
                       fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + d]),
@@ -111,7 +116,10 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
     if (threadIdx.x < 32) {
         bool mine = !fr_cu_failed(A);
         unsigned long long target = fr_cu_target(A, A.epoch[set]);
+        int nmask = A.mask[N]; /* loaded beside the two above */
         for (int s = threadIdx.x; s < N && mine; s += 32) {
+            if (nmask && A.mask[s]) /* sent nothing, waited for never */
+                continue;
             long long t0 = clock64();
             mine = fr_cu_wait_flag(A, (const unsigned long long *)(A.flags +
                                                                   fr_off_flag(&L, FR_PH_COMBINE, set, s)),
@@ -447,7 +455,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(int32_t) * 2 * L->send_crows,
                        sizeof(int32_t) * 2 * N, sizeof(int32_t) * 2 * N,
                        sizeof(unsigned int) * 4, sizeof(int) * 4,
-                       sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El};
+                       sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El,
+                       sizeof(int32_t) * ((size_t)N + 1)};
         size_t off[20], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
@@ -484,6 +493,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->dflag = (int *)(b + off[15]);
         A->dst_scl = (uint8_t **)(b + off[16]);
         A->self_run = (int32_t *)(b + off[17]);
+        A->mask = (int32_t *)(b + off[18]); /* no rank masked (zeroed above) */
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
         FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
@@ -576,6 +586,13 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
                           "topk_idx[%d][%d] (checked on the GPU of rank %d): must "
                           "be -1 or 0..%d and not repeat an expert of the token",
                           detail / ep->L.K, detail % ep->L.K, rank, ep->L.E - 1);
+    case FR_CU_WHAT_MASK:
+        fr_ep_fail(ep, st, "dispatch on the GPU of rank %d: %d rank(s) masked, but this launch "
+                   "is of the kernel without a mask (a CUDA graph captured before "
+                   "ferry_ep_mask_rank): the round did not run; capture the graph again "
+                   "after masking, in a new context", rank, detail);
+        ep->failed = st; /* the error word stays up: every later kernel returns */
+        return st;
     case FR_CU_WHAT_NTOK:
         return fr_ep_fail(ep, st,
                           "num_tokens_dev = %d (read on the GPU of rank %d): must "
@@ -607,6 +624,38 @@ extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
     if (e != cudaSuccess)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s", cudaGetErrorString(e));
     return fr_cuda_check(ep);
+}
+
+/* Entry `rank` of the device mask set to v and the count of masked ranks
+ * made again: one thread, on the stream (capturable). */
+static __global__ void fr_cu_mask_set(int32_t *mask, int N, int rank, int v)
+{
+    mask[rank] = v;
+    int n = 0;
+    for (int s = 0; s < N; s++)
+        n += mask[s] != 0;
+    mask[N] = n;
+}
+
+extern "C" int fr_cuda_mask_write(ferry_ep_t ep, int rank, int masked, void *stream)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    fr_cu_mask_set<<<1, 1, 0, (cudaStream_t)stream>>>(c->a.mask, ep->N, rank, masked);
+    int rc = fr_cuda_launch_check(ep, "ferry_ep_mask_rank");
+    if (rc == FERRY_OK)
+        c->masked += masked ? 1 : -1; /* the API calls this only on a change */
+    return rc;
+}
+
+extern "C" int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaError_t e = cudaMemcpyAsync(status, c->a.mask, sizeof(int32_t) * (size_t)ep->N,
+                                    cudaMemcpyDeviceToDevice, (cudaStream_t)stream);
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "ferry_ep_mask_query: status: not device "
+                          "memory of this GPU? (cudaMemcpyAsync: %s)", cudaGetErrorString(e));
+    return FERRY_OK;
 }
 
 extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,

@@ -26,7 +26,7 @@
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
-       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5 };
+       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5, FR_CU_WHAT_MASK = 6 };
 
 typedef struct fr_cu_args {
     fr_layout_t L;
@@ -66,6 +66,8 @@ typedef struct fr_cu_args {
     int *dflag;              /* device copy of err[0]: what kernels poll */
     volatile int *err;       /* host-mapped [4]: what the host reads */
     unsigned long long timeout_ns;
+    int32_t *mask;           /* [N + 1]: [s] 1 where rank s is masked
+                                (ferry_ep_mask_rank), [N] how many are */
 } fr_cu_args_t;
 
 struct fr_cuda_ep {
@@ -85,6 +87,8 @@ struct fr_cuda_ep {
     int *err_host;
     void *err_dev;
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
+    int masked;              /* ranks masked, as the host set them: the
+                                dispatch launches the kernel that cuts */
 };
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */
@@ -258,7 +262,8 @@ static __device__ __forceinline__ unsigned long long fr_cu_target(const fr_cu_ar
  * costly and, with many ranks on one GPU, contend with each other. Nothing
  * is added once the context has failed (thread 0 decides, so the whole
  * block agrees). */
-static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set)
+static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set,
+                                     const int32_t *mk)
 {
     __syncthreads();
     if (threadIdx.x != 0 || fr_cu_failed(A))
@@ -266,6 +271,8 @@ static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set)
     unsigned long long add = blockIdx.x == 0 ? FR_CU_ROUND - (gridDim.x - 1) : 1ull;
     __threadfence_system();
     for (int d = 0; d < A.N; d++) {
+        if (mk && mk[d]) /* a masked rank is told nothing */
+            continue;
         unsigned long long *f =
             (unsigned long long *)(A.peer[d] + fr_off_flag(&A.L, phase, set, A.rank));
         asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(f), "l"(add) : "memory");

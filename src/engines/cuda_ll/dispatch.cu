@@ -73,6 +73,16 @@ static __device__ __forceinline__ int fr_ds_np(const int *ek, int lo, int El)
     return np;
 }
 
+/* Expert e as the send part sees it: -1 when it lives on a masked rank
+ * (mk: the mask in shared memory); an index outside 0..E-1 stays as it is
+ * (reported by fr_ds_pair). MK false (no rank masked, the kernel's usual
+ * path): e itself, at no cost in the per-slot loops. */
+template <bool MK>
+static __device__ __forceinline__ int fr_ds_cut(int e, const int32_t *mk, int El, int E)
+{
+    return MK && e >= 0 && e < E && mk[e / El] ? -1 : e;
+}
+
 /* Token t's experts into ek[] (-1 past K or past T); 16-byte loads when
  * the rows allow (K even, idx 16-byte aligned). */
 static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int T, int K,
@@ -99,8 +109,10 @@ static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int 
  * K loads in flight at once); per destination, ballots count the records
  * and warp sums the pairs. Indices outside 0..E-1 count nowhere (step 3
  * reports them). */
+template <bool MK>
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
-                                   int start, int32_t *sh, int32_t *hb, int32_t *hall)
+                                   int start, int32_t *sh, int32_t *hb, int32_t *hall,
+                                   const int32_t *mk)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -113,7 +125,7 @@ static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, in
         int t = t0 + lane;
 #pragma unroll
         for (int k = 0; k < FR_MAX_TOPK; k++)
-            ek[k] = en[k];
+            ek[k] = fr_ds_cut<MK>(en[k], mk, El, L.E);
         fr_ds_row(idx, t + nw * 32, T, K, v16, en);
         bool before = t < start;
         /* per expert, this rank's pairs before `start` (hb) and from it
@@ -181,13 +193,15 @@ static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
 #define FR_DS_GROUP 64
 static __host__ __device__ size_t fr_ds_smem(int N, int E)
 {
-    return (sizeof(uint8_t *) + sizeof(int32_t) * 5) * (size_t)N +
+    return (sizeof(uint8_t *) + sizeof(int32_t) * 6) * (size_t)N +
            2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32) +
-           2 * sizeof(int32_t) * (size_t)E; /* hb, hall */
+           2 * sizeof(int32_t) * (size_t)E; /* hb, hall; then the mask [N] */
 }
 
+template <bool MK>
 static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t *idx,
-                                   int start, int end, int32_t *sh, int32_t *cw)
+                                   int start, int end, int32_t *sh, int32_t *cw,
+                                   const int32_t *mk)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -201,7 +215,7 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
         int ek[FR_MAX_TOPK];
 #pragma unroll
         for (int k = 0; k < FR_MAX_TOPK; k++)
-            ek[k] = k < K && t < end ? (int)idx[(size_t)t * K + k] : -1;
+            ek[k] = fr_ds_cut<MK>(k < K && t < end ? (int)idx[(size_t)t * K + k] : -1, mk, El, L.E);
         for (int d0 = 0; d0 < N; d0 += FR_DS_GROUP) {
             int dn = min(FR_DS_GROUP, N - d0);
             for (int dd = 0; dd < dn; dd++) {
@@ -250,9 +264,10 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
 /* Step 3: a thread per own (token, k): check the slot, write its combine
  * position, and when k is the token's first expert on its rank, the
  * record header; dst_rec slot k is that record (else NULL). */
+template <bool MK>
 static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t *idx, int t,
                                   int k, const int32_t *co, uint8_t *const *sbase, int *s_bad,
-                                  bool direct)
+                                  bool direct, const int32_t *mk)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -271,6 +286,10 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
 #pragma unroll
     for (int j = 0; j < FR_MAX_TOPK; j++)
         bad = bad || (j < k && e >= 0 && r[j] == e);
+    /* a masked rank's slot: -1 (its rank's other slots are cut alike, so
+     * the record lists and places below, which look at the slot's own
+     * rank only, never see one) */
+    e = bad ? e : (int64_t)fr_ds_cut<MK>((int)e, mk, El, L.E);
     /* an own expert written in place: fr_ds_rank owns the slot */
     bool mine = direct && e >= (int64_t)A.rank * El && e < (int64_t)(A.rank + 1) * El;
     if (!mine) {
@@ -333,9 +352,10 @@ static_assert(2 * FR_DS_GROUP * (FR_DS_THREADS / 32) >= FR_DS_THREADS,
  * expert_x, with the combine row map and the sources. solo (the block's
  * pairs fit one warp): warp 0 alone, beside the others' fr_ds_pair, with
  * warp barriers. Ends with a barrier (hb moved on past the pass). */
+template <bool MK>
 static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
                                   int end, int32_t *hb, uint8_t *const *sbase,
-                                  const fr_dr_out_t *od, bool solo, int *s_e)
+                                  const fr_dr_out_t *od, bool solo, int *s_e, const int32_t *mk)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -353,7 +373,7 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
         int f = f0 + (int)threadIdx.x;
         int64_t e64 = f < n ? base[f] : -1;
         int t = start + f / K, k = f - (t - start) * K;
-        bool ok = f < n && e64 >= 0 && e64 < L.E;
+        bool ok = f < n && e64 >= 0 && e64 < L.E && fr_ds_cut<MK>((int)e64, mk, El, L.E) >= 0;
         int e = ok ? (int)e64 : -1;
         int d = ok ? e / El : -1;
         int pb = ok ? pbase[(size_t)t * N + A.rank] : 0;
@@ -523,7 +543,7 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
  * publishes it (on the fabric path: rings that peer's doorbell). */
 static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned long long epoch,
                                     const int32_t *sh, uint8_t *const *sbase,
-                                    const int32_t *hall)
+                                    const int32_t *hall, const int32_t *mk)
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -538,7 +558,7 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
         __threadfence_system();
         *dd = 0;
         int cnt = sh[2 * N + d], np = sh[3 * N + d], co = sh[4 * N + d];
-        if (!fr_cu_failed(A)) {
+        if (!fr_cu_failed(A) && !(mk && mk[d])) { /* a masked rank is sent nothing */
             uint32_t *rows = (uint32_t *)(sbase[d] + FR_SLICE_HDR);
             for (int le = 0; le < L.El; le++)
                 rows[le] = (uint32_t)hall[d * L.El + le];
@@ -566,14 +586,19 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
  * to finish advances the set's epoch (read by the next kernels). */
 static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
                                         unsigned long long epoch, const int32_t *sh,
-                                        uint8_t *const *sbase, const int32_t *hall)
+                                        uint8_t *const *sbase, const int32_t *hall,
+                                        const int32_t *mk)
 {
     int N = A.N, El = A.L.El;
+    /* a masked rank's memory is never written (nor its flag, fr_cu_arrive) */
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < N * El; i += blockDim.x)
-            ((uint32_t *)(sbase[i / El] + FR_SLICE_HDR))[i % El] = (uint32_t)hall[i];
+            if (!mk || !mk[i / El])
+                ((uint32_t *)(sbase[i / El] + FR_SLICE_HDR))[i % El] = (uint32_t)hall[i];
     if (blockIdx.x == 0)
         for (int d = threadIdx.x; d < N; d += blockDim.x) {
+            if (mk && mk[d])
+                continue;
             fr_slice_hdr_t *h = (fr_slice_hdr_t *)sbase[d];
             h->magic = FR_SLICE_MAGIC;
             h->sender = (uint32_t)A.rank;
@@ -582,28 +607,32 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
             h->npairs = (uint32_t)sh[3 * N + d];
             h->comb_off = (uint32_t)sh[4 * N + d];
         }
-    fr_cu_arrive(A, FR_PH_DISPATCH, set); /* barrier first, then thread 0 */
+    fr_cu_arrive(A, FR_PH_DISPATCH, set, mk); /* barrier first, then thread 0 */
     if (threadIdx.x == 0 && atomicAdd(A.dpub + set, 1u) == gridDim.x - 1) {
         A.dpub[set] = 0;
         A.epoch[set] = epoch;
     }
 }
 
-/* The send part; returns this round's epoch (the same in every thread). */
-template <bool VEC>
+/* The send part; returns this round's epoch (the same in every thread).
+ * MK: some rank is masked (the launcher's choice, from the host's view of
+ * the mask): slots on masked ranks cut, nothing sent there. Without MK the
+ * mask must be empty; a graph captured before a rank was masked replays
+ * kernels without MK, and they fail the round saying so. */
+template <bool VEC, bool MK>
 static __device__ __forceinline__ unsigned long long
 fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
           const int64_t *idx, int T_host, const int32_t *T_dev, const fr_dr_out_t *od)
 {
     /* fr_ds_smem: [N] slice bases, int32 [5][N] counts, fr_ds_index's
-     * per-warp counts, hb[E], hall[E]. od: own experts' rows written in
-     * place (the one-launch kernel), else NULL. */
+     * per-warp counts, hb[E], hall[E], the mask [N]. od: own experts' rows
+     * written in place (the one-launch kernel), else NULL. */
     extern __shared__ uint8_t *sbase[];
     const fr_layout_t &L = A.L;
     int N = A.N;
     int32_t *sh = (int32_t *)(sbase + N); /* fr_ds_count's, then comb_off */
     int32_t *hb = sh + 5 * N + 2 * FR_DS_GROUP * (FR_DS_THREADS / 32);
-    int32_t *hall = hb + L.E;
+    int32_t *hall = hb + L.E, *smask = hall + L.E;
     __shared__ int s_T, s_bad;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
@@ -615,14 +644,23 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         }
         s_T = T;
         s_epoch = A.epoch[set] + 2; /* set 1: 1, 3, 5...; set 0: 2, 4, 6... */
+        int nmask = A.mask[N];
+        if (!MK && nmask) {
+            fr_cu_fail(A, FERRY_ERR_STATE, A.rank, FR_CU_WHAT_MASK, nmask);
+            s_bad = 1;
+        }
     }
     for (int i = threadIdx.x; i < 5 * N; i += blockDim.x)
         sh[i] = 0;
     for (int i = threadIdx.x; i < 2 * L.E; i += blockDim.x)
         hb[i] = 0; /* and hall */
-    for (int d = threadIdx.x; d < N; d += blockDim.x)
+    for (int d = threadIdx.x; d < N; d += blockDim.x) {
         sbase[d] = fr_cu_dslice(A, set, d);
+        if (MK)
+            smask[d] = A.mask[d];
+    }
     __syncthreads();
+    const int32_t *mk = MK ? smask : NULL; /* masked ranks' slots cut */
     unsigned long long epoch = s_epoch;
     if (s_bad)
         return epoch;
@@ -630,7 +668,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
     FR_TR_DECL;
     FR_TR();
-    fr_ds_count(A, idx, T, start, sh, hb, hall);
+    fr_ds_count<MK>(A, idx, T, start, sh, hb, hall, mk);
     __syncthreads();
     fr_ds_count_total(L.E, hb, hall);
     __syncthreads();
@@ -640,7 +678,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
     FR_TR();
-    fr_ds_index(A, set, idx, start, end, sh, sh + 5 * N);
+    fr_ds_index<MK>(A, set, idx, start, end, sh, sh + 5 * N, mk);
     __syncthreads();
     FR_TR();
     if (blockIdx.x == 0) {
@@ -656,9 +694,10 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     bool solo = (end - start) * L.K <= 32;
     if (!solo || threadIdx.x < 32)
-        fr_ds_rank(A, set, idx, start, end, hb, sbase, od, solo, sh + 5 * N);
+        fr_ds_rank<MK>(A, set, idx, start, end, hb, sbase, od, solo, sh + 5 * N, mk);
     for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
-        fr_ds_pair(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad, od != NULL);
+        fr_ds_pair<MK>(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad,
+                       od != NULL, mk);
     __syncthreads();
     FR_TR();
     bool quant = L.fp8 && !x_scales;
@@ -678,9 +717,9 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     }
     FR_TR();
     if (A.nfabric > 0)
-        fr_ds_finish(A, set, s_epoch, sh, sbase, hall);
+        fr_ds_finish(A, set, s_epoch, sh, sbase, hall, mk);
     else
-        fr_ds_finish_ipc(A, set, s_epoch, sh, sbase, hall);
+        fr_ds_finish_ipc(A, set, s_epoch, sh, sbase, hall, mk);
     FR_TR();
     FR_TR_PRINT("dsend count,index,token,pack,finish", epoch);
     return epoch;
@@ -807,10 +846,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     int32_t *run = base + El;
     int32_t *ri = run + El, *rn = ri + FR_DR_RECS; /* a batch's records, their row counts */
     int32_t *rows = rn + FR_DR_RECS;
-    __shared__ int s_ok, s_count, s_np, s_co;
+    __shared__ int s_ok, s_count, s_np, s_co, s_skip, s_nmask;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
         s_epoch = epoch;
+        s_nmask = A.mask[N]; /* read once: masks change between rounds */
         s_ok = !(direct && fr_cu_failed(A)); /* one read: the block returns as one */
     }
     __syncthreads();
@@ -826,7 +866,9 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         if (threadIdx.x == 0) {
             s_count = s_np = s_co = 0;
             long long t0 = clock64();
-            s_ok = fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
+            /* a masked sender: nothing from it, never waited for */
+            s_skip = s_nmask && A.mask[s];
+            s_ok = s_skip || fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
             if (s_ok && y == 0) {
                 A.pair_n[set * N + s] = s_np;
                 A.scomb_off[set * N + s] = s_co;
@@ -840,6 +882,8 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             FR_TR();
         if (!s_ok)
             return;
+        if (s_skip)
+            continue;
         int count = s_count, np = s_np;
         const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
         const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
@@ -915,7 +959,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
  * blocks' sends): the launcher caps it at what the GPU holds. The receive
  * alone takes the epoch the send stored (A.epoch[set]). */
 namespace ferry {
-template <bool VEC>
+template <bool VEC, bool MK>
 __global__ void __launch_bounds__(FR_DS_THREADS, 2)
 dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales, const int64_t *idx,
          int T_host, const int32_t *T_dev, fr_dr_out_t o, bool direct, int phases)
@@ -925,7 +969,7 @@ dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales, cons
         return;
     }
     unsigned long long epoch =
-        fr_ds_run<VEC>(A, set, x, x_scales, idx, T_host, T_dev, direct ? &o : NULL);
+        fr_ds_run<VEC, MK>(A, set, x, x_scales, idx, T_host, T_dev, direct ? &o : NULL);
     if (!(phases & FR_PART_RECV))
         return;
     __syncthreads(); /* the shared memory changes hands */
@@ -957,12 +1001,15 @@ static void fr_cu_dispatch_launch(int blocks, size_t smem, cudaStream_t st, stru
     const int64_t *idx = in ? in->topk_idx : NULL;
     int T = in ? in->num_tokens : 0;
     const int32_t *Td = in ? in->num_tokens_dev : NULL;
-    if (vec)
-        ferry::dispatch<true><<<blocks, FR_DS_THREADS, smem, st>>>(c->a, set, x, xs, idx, T, Td,
-                                                                  o, direct, phases);
+    if (c->masked) /* some rank masked: the kernel that cuts (unvectorised) */
+        ferry::dispatch<false, true><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, x, xs, idx, T, Td, o, direct, phases);
+    else if (vec)
+        ferry::dispatch<true, false><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, x, xs, idx, T, Td, o, direct, phases);
     else
-        ferry::dispatch<false><<<blocks, FR_DS_THREADS, smem, st>>>(c->a, set, x, xs, idx, T, Td,
-                                                                   o, direct, phases);
+        ferry::dispatch<false, false><<<blocks, FR_DS_THREADS, smem, st>>>(
+            c->a, set, x, xs, idx, T, Td, o, direct, phases);
 }
 
 extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
@@ -1011,9 +1058,13 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
  * (fr_cuda_load_kernels says why). */
 extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
 {
-    decltype(&ferry::dispatch<true>) ks[] = {ferry::dispatch<true>, ferry::dispatch<false>};
+    decltype(&ferry::dispatch<true, false>) ks[] = {ferry::dispatch<true, false>,
+                                                    ferry::dispatch<false, false>,
+                                                    ferry::dispatch<false, true>};
     c->dgrid = fr_cu_grid(c, ks, FR_DS_THREADS, fr_d_smem(ep), "dispatch");
-    const void *fs[] = {(const void *)ferry::dispatch<true>, (const void *)ferry::dispatch<false>};
+    const void *fs[] = {(const void *)ferry::dispatch<true, false>,
+                        (const void *)ferry::dispatch<false, false>,
+                        (const void *)ferry::dispatch<false, true>};
     return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "dispatch", err);
 }
 
@@ -1038,10 +1089,13 @@ extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err)
                       "memory per block (a count per expert, slice bases per rank), this GPU "
                       "offers %d",
                       ep->L.E, ep->N, need + 1024, optin);
-    cudaError_t e = cudaFuncSetAttribute(ferry::dispatch<true>,
+    cudaError_t e = cudaFuncSetAttribute(ferry::dispatch<true, false>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(ferry::dispatch<false>,
+        e = cudaFuncSetAttribute(ferry::dispatch<false, false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(ferry::dispatch<false, true>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();

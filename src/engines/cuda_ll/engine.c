@@ -17,4 +17,6 @@ const fr_engine_t fr_engine_cuda_ll = {
     .check = fr_cuda_check,
     .dispatch = fr_cuda_dispatch,
     .combine = fr_cuda_combine,
+    .mask_write = fr_cuda_mask_write,
+    .mask_read = fr_cuda_mask_read,
 };

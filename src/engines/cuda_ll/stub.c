@@ -49,6 +49,16 @@ int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
     (void)r; (void)in; (void)out;
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
+int fr_cuda_mask_write(ferry_ep_t ep, int rank, int masked, void *stream)
+{
+    (void)rank; (void)masked; (void)stream;
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
+}
+int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream)
+{
+    (void)status; (void)stream;
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
+}
 int fr_cuda_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
 int fr_cuda_sync(ferry_ep_t ep, void *stream) { (void)ep; (void)stream; return FERRY_OK; }
 #endif
