@@ -153,7 +153,15 @@ typedef struct ferry_ep_config {
     /* Low latency, fp8: how expert_x_scales is laid out (ferry_scales_layout_t;
      * 0, the default: FERRY_SCALES_ROWS). */
     int scales_layout;
-    int reserved[3];
+    /* Low latency: 1 turns a peer that sends nothing within FERRY_TIMEOUT_MS
+     * (or is seen dead) into a masked rank (ferry_ep_mask_rank) instead of
+     * failing the round: the round completes without it (its rows 0, the
+     * combine adding nothing for slots on its experts) and later rounds
+     * leave it out; ferry_ep_mask_query says which ranks were masked. Every
+     * survivor must see the same peer go (DeepEP's shrink mode). 0 (the
+     * default): a timeout fails the context, naming the rank. */
+    int mask_on_timeout;
+    int reserved[2];
 } ferry_ep_config_t;
 
 /* Layouts of the low-latency expert_x_scales (fp8 dispatch), S = H/128
@@ -177,7 +185,7 @@ typedef enum ferry_scales_layout {
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
      0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
-     FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, {0}}
+     FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, 0, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,

@@ -301,11 +301,15 @@ class EP:
     dims, as DeepEP returns them: a transposed view of a contiguous
     [E_local, S, capacity]) or "ue8m0" (int32 [E_local, capacity, S/4],
     column-major the same way, four exponent bytes per word: DeepEP's
-    use_ue8m0; needs fp8_round_scale and hidden a multiple of 512)."""
+    use_ue8m0; needs fp8_round_scale and hidden a multiple of 512).
+    mask_on_timeout=True (low latency): a peer that sends nothing within
+    FERRY_TIMEOUT_MS (or is seen dead) is masked (mask_rank) instead of
+    failing the round, which completes without it (DeepEP's shrink mode);
+    mask_query() says which."""
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
                  device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False,
-                 scales_layout="rows"):
+                 scales_layout="rows", mask_on_timeout=False):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if mode not in _lib.MODES:
@@ -323,7 +327,7 @@ class EP:
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
                             _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)),
-                            _lib.SCALES[scales_layout])
+                            _lib.SCALES[scales_layout], int(bool(mask_on_timeout)))
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -784,6 +788,7 @@ class EP:
                 out = torch.empty(N, dtype=torch.int32,
                                   device=torch.device("cuda", self._cuda_index))
             else:
+                import numpy as np
                 out = np.zeros(N, np.int32)
         p = self._arr(out, "out", _I32, (N,), output=True)
         st = self._mask_stream(stream)

@@ -383,7 +383,8 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
-                 allow_mnnvl=False, explicitly_destroy=False, **unsupported):
+                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False,
+                 **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
                             + ", ".join(sorted(unsupported)))
@@ -391,6 +392,10 @@ class Buffer:
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
         self.allow_mnnvl = bool(allow_mnnvl)
+        # enable_shrink (DeepEP after v1.2.1): a low-latency wait that runs
+        # out masks the silent rank instead of failing (ferry's
+        # mask_on_timeout; ranks of one node only)
+        self.enable_shrink = bool(enable_shrink)
         # normal mode (low_latency_mode=False): ferry's high-throughput
         # engine (EP(mode="ht")), one context per (experts, topk, hidden)
         self.low_latency_mode = bool(low_latency_mode)
@@ -709,11 +714,17 @@ class Buffer:
 
     def low_latency_query_mask_buffer(self, mask_status):
         """DeepEP's: mask_status int32 [num_ranks] gets 1 where a rank is
-        masked, else 0 (on its own device and current stream)."""
+        masked, else 0 (on its own device and current stream): the ranks
+        masked here, and with enable_shrink those a context's wait masked."""
         _tensor(mask_status, "mask_status", torch.int32, (self.group_size,))
         mask_status.zero_()
         for r in sorted(self._masked):
             mask_status[r] = 1
+        if self.enable_shrink:
+            for ep in self._eps.values():  # a context's own finds
+                m = ep.mask_query()
+                m = torch.from_numpy(m) if not isinstance(m, torch.Tensor) else m
+                mask_status.copy_(torch.maximum(mask_status, m.to(mask_status.device)))
 
     def low_latency_clean_mask_buffer(self):
         """DeepEP's: unmask every rank (low_latency_update_mask_buffer(r,
@@ -733,7 +744,8 @@ class Buffer:
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
                     num_sms=self.num_sms if self.num_sms is not None else self._sms,
                     fp8_round_scale=round_scale,
-                    scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows")
+                    scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows",
+                    mask_on_timeout=self.enable_shrink)
             for r in sorted(self._masked):  # before its first round: allowed
                 ep.mask_rank(r, True)
             self._eps[key] = ep

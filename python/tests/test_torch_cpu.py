@@ -15,7 +15,8 @@ against a reference computed here (the helpers of test_torch_cuda.py):
     NotImplementedError), get_low_latency_rdma_size_hint, allow_mnnvl,
     clean_low_latency_buffer, get_local_buffer_tensor;
   - low_latency_update_mask_buffer / query / clean: a rank leaves, the
-    others mask it and go on, rounds checked with it masked;
+    others mask it and go on, rounds checked with it masked; the same with
+    enable_shrink, where the waits that run out mask it;
   - normal mode (get_dispatch_layout, dispatch, combine) on the CPU
     high-throughput engine: rows, local expert ids and weights, counts
     with expert_alignment, combine and the weights gathered back, a cached
@@ -159,24 +160,33 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     return msgs
 
 
-def ll_mask(deep_ep, rank, N, dev=torch.device("cpu")):
+def ll_mask(deep_ep, rank, N, dev=torch.device("cpu"), shrink=False):
     """low_latency_update_mask_buffer: the last rank leaves after a round
     with everyone; the others mask it and go on, rounds (bf16, fp8)
     checked against the reference with its tokens gone and the slots on
     its experts -1; query, argument errors, clean refused once a round ran
-    with the mask. Tensors on `dev` (CPU ranks here, CUDA in
-    test_torch_ht_cuda.py)."""
+    with the mask. shrink: no one masks it, the Buffer has enable_shrink
+    (a wait that runs out, here after FERRY_TIMEOUT_MS = 1500, masks it).
+    Tensors on `dev` (CPU ranks here, CUDA in test_torch_ht_cuda.py)."""
     msgs = []
     if N < 2:
         return msgs
     import ferry
     E, K, H, T, victim = 4 * N, 3, 256, 12, N - 1
     El = E // N
-    buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True)
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True,
+                         enable_shrink=shrink)
+    old = os.environ.get("FERRY_TIMEOUT_MS")
+    if shrink:  # the contexts' waits (read when the first calls make them)
+        os.environ["FERRY_TIMEOUT_MS"] = "1500"
     for fp8 in (False, True):  # both contexts made with everyone
         x, idx, w = make_inputs(rank, 60 + fp8, T, H, E, K, dev)
         recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=fp8)
         buf.low_latency_combine(expert_outputs(rank, El, recv, count, fp8, dev), idx, w, handle)
+    if old is None:
+        os.environ.pop("FERRY_TIMEOUT_MS", None)
+    else:
+        os.environ["FERRY_TIMEOUT_MS"] = old
     if rank == victim:  # leaves; waits in the collective close
         buf.destroy()
         return msgs
@@ -184,14 +194,15 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu")):
     buf.low_latency_query_mask_buffer(st)
     if st.tolist() != [0] * N:
         msgs.append(f"query before masking: {st.tolist()}")
-    expect(msgs, ValueError, "rank_to_mask", buf.low_latency_update_mask_buffer, rank, True)
-    expect(msgs, ValueError, "rank_to_mask", buf.low_latency_update_mask_buffer, N, True)
-    expect(msgs, TypeError, "mask_status", buf.low_latency_query_mask_buffer,
-           torch.zeros(N, dtype=torch.int64, device=dev))
-    buf.low_latency_update_mask_buffer(victim, True)
-    buf.low_latency_query_mask_buffer(st)
-    if st.tolist() != [int(r == victim) for r in range(N)]:
-        msgs.append(f"query after masking rank {victim}: {st.tolist()}")
+    if not shrink:
+        expect(msgs, ValueError, "rank_to_mask", buf.low_latency_update_mask_buffer, rank, True)
+        expect(msgs, ValueError, "rank_to_mask", buf.low_latency_update_mask_buffer, N, True)
+        expect(msgs, TypeError, "mask_status", buf.low_latency_query_mask_buffer,
+               torch.zeros(N, dtype=torch.int64, device=dev))
+        buf.low_latency_update_mask_buffer(victim, True)
+        buf.low_latency_query_mask_buffer(st)
+        if st.tolist() != [int(r == victim) for r in range(N)]:
+            msgs.append(f"query after masking rank {victim}: {st.tolist()}")
 
     def cut(i):  # slots on the masked rank's experts: -1
         i = i.clone()
@@ -218,12 +229,23 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu")):
             err = combine_error(out, combine_ref(x, cut(idx), w, fp8))
             if err:
                 msgs.append(f"masked round {rnd} fp8={fp8}: combine: {err}")
-    try:
-        buf.low_latency_clean_mask_buffer()
-        msgs.append("clean after masked rounds: accepted, expected FerryError (out of step)")
-    except ferry.FerryError as e:
-        if "out of step" not in str(e):
-            msgs.append(f"clean after masked rounds: {e}")
+    if shrink:  # found by the waits; refused back as a mask set here is
+        buf.low_latency_query_mask_buffer(st)
+        if st.tolist() != [int(r == victim) for r in range(N)]:
+            msgs.append(f"query after the timeouts: {st.tolist()}, want rank {victim} masked")
+        try:
+            buf.low_latency_update_mask_buffer(victim, False)
+            msgs.append("unmask after a timeout: accepted, expected FerryError (out of step)")
+        except ferry.FerryError as e:
+            if "out of step" not in str(e):
+                msgs.append(f"unmask after a timeout: {e}")
+    else:
+        try:
+            buf.low_latency_clean_mask_buffer()
+            msgs.append("clean after masked rounds: accepted, expected FerryError (out of step)")
+        except ferry.FerryError as e:
+            if "out of step" not in str(e):
+                msgs.append(f"clean after masked rounds: {e}")
     buf.destroy()
     return msgs
 
@@ -437,6 +459,7 @@ def rank_main(rank, N, port, q):
         msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
         buf.destroy()
         msgs += [f"masking a rank: {m}" for m in ll_mask(deep_ep, rank, N)]
+        msgs += [f"enable_shrink: {m}" for m in ll_mask(deep_ep, rank, N, shrink=True)]
         msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
         msgs += [f"normal mode, DeepEP's checks: {m}"
                  for m in normal_deepep_checks(deep_ep, rank, N)]

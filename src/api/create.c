@@ -100,6 +100,12 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "hidden = %d: FERRY_SCALES_UE8M0 packs four scales per int32, so "
                       "hidden must be a multiple of 512", c->hidden);
+    if (c->mask_on_timeout != 0 && c->mask_on_timeout != 1)
+        return FR_ERR(err, FERRY_ERR_INVALID, "mask_on_timeout = %d: must be 0 or 1",
+                      c->mask_on_timeout);
+    if (c->mask_on_timeout && c->mode != FERRY_MODE_LOW_LATENCY)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "mask_on_timeout = 1 needs low-latency mode (ranks are masked there)");
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);
@@ -214,6 +220,16 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
     if (!force_fabric && strcmp(tr, "auto") != 0)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "FERRY_TRANSPORT=%s: must be auto or fabric", tr);
+    /* every rank reaches the same answer (the node names are common) */
+    int one_node = !force_fabric;
+    for (int i = 1; i < N && one_node; i++)
+        one_node = strcmp(comm->peers[i].node, comm->peers[0].node) == 0;
+    if (ep->cfg.mask_on_timeout && !one_node)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "mask_on_timeout = 1 with ranks on the fabric path (%s): writes the "
+                      "proxy posted to a rank that died cannot be taken back, so its buffers "
+                      "could not be reused; ranks of one node only (ferry_ep_mask_rank works "
+                      "on every path)", force_fabric ? "FERRY_TRANSPORT=fabric" : "several nodes");
     ep->path = fr_zalloc(sizeof(int) * (size_t)N);
     ep->peer_seg = fr_zalloc(sizeof(uint8_t *) * (size_t)N);
     ep->group_index = fr_zalloc(sizeof(int) * (size_t)N);

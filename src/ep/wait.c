@@ -46,6 +46,16 @@ int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)
                       "(FERRY_TIMEOUT_MS; checked on the GPU)", call, rank, ep->timeout_ms);
 }
 
+/* mask_on_timeout: rank s, gone in round `epoch` (why), masked instead of
+ * failing the wait; the wait goes on for the others. */
+static void fr_mask_gone(ferry_ep_t ep, int s, uint64_t epoch, const char *what, const char *why)
+{
+    ep->mask[s] = 1;
+    ep->mask_since[s] = epoch;
+    FR_LOG_WARN(FR_SUB_EP, "%s round %llu: rank %d %s: masked from now on (mask_on_timeout)",
+                what, (unsigned long long)epoch, s, why);
+}
+
 /* Senders below *next that have arrived are skipped; returns 1 when all
  * have, -1 on a protocol violation (message set), else 0. */
 static int fr_scan_flags(ferry_ep_t ep, int phase, int set, uint64_t epoch,
@@ -164,23 +174,29 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
         }
         /* a dead rank fails this wait only if its data is still missing:
          * a round it finished can still complete */
-        int dead = fr_boot_dead_rank(ep->comm->boot);
+        int dead = fr_boot_dead_rank(ep->comm->boot), shrink = ep->cfg.mask_on_timeout;
         if (dead >= 0 && dead < N && !fr_ep_masked(ep, dead) &&
             __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, dead),
-                            __ATOMIC_ACQUIRE) != epoch)
-            return fr_ep_fail(ep, FERRY_ERR_PEER,
-                              "%s round %llu: rank %d died", what,
-                              (unsigned long long)epoch, dead);
+                            __ATOMIC_ACQUIRE) != epoch) {
+            if (!shrink)
+                return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                  "%s round %llu: rank %d died", what,
+                                  (unsigned long long)epoch, dead);
+            fr_mask_gone(ep, dead, epoch, what, "died");
+        }
         for (int s = next; s < N; s++) {
             if (ep->path[s] != FR_PATH_SHM || fr_ep_masked(ep, s))
                 continue;
             pid_t pid = ep->comm->peers[s].pid;
             if (kill(pid, 0) != 0 && errno == ESRCH &&
                 __atomic_load_n(fr_flag_ptr(L, ep->flags, phase, set, s),
-                                __ATOMIC_ACQUIRE) != epoch)
-                return fr_ep_fail(ep, FERRY_ERR_PEER,
-                                  "%s round %llu: rank %d (pid %d) died", what,
-                                  (unsigned long long)epoch, s, (int)pid);
+                                __ATOMIC_ACQUIRE) != epoch) {
+                if (!shrink)
+                    return fr_ep_fail(ep, FERRY_ERR_PEER,
+                                      "%s round %llu: rank %d (pid %d) died", what,
+                                      (unsigned long long)epoch, s, (int)pid);
+                fr_mask_gone(ep, s, epoch, what, "died");
+            }
         }
         if (now >= deadline) {
             char list[256];
@@ -192,11 +208,17 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                     fr_flag_ptr(L, ep->flags, phase, set, s), __ATOMIC_ACQUIRE);
                 if (v == epoch || fr_ep_masked(ep, s))
                     continue;
+                if (shrink) {
+                    fr_mask_gone(ep, s, epoch, what, "sent nothing within FERRY_TIMEOUT_MS");
+                    continue;
+                }
                 missing++;
                 if (n < sizeof(list) - 16)
                     n += (size_t)snprintf(list + n, sizeof(list) - n, "%s%d",
                                           missing > 1 ? "," : "", s);
             }
+            if (!missing) /* every silent one masked: the scan ends the wait */
+                continue;
             return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
                               "%s round %llu: no data from rank%s %s after "
                               "%ld ms (FERRY_TIMEOUT_MS)",

@@ -9,6 +9,13 @@
  *       the mask calls on the way
  *   test_mask -n N leave V [fp8] [cuda]  the same, V alive: it stops after
  *       round 2 and waits in ferry_ep_destroy
+ *   test_mask -n N shrink V ...     no one masks V: the contexts have
+ *       mask_on_timeout, V dies at the start of round 3 and the survivors'
+ *       round 3 completes without it (then rounds 4..7 as above)
+ *   test_mask -n N shrink_comb V ... the same, V dying after its round-3
+ *       dispatch: its rows are in round 3's dispatch, its replies missing
+ *       from the combine (slots on its experts count 0); under
+ *       FERRY_TRANSPORT=fabric both expect the create's refusal
  *   test_mask -n 2 graph 0 cuda   a CUDA graph of a round captured with no
  *       rank masked, replayed after masking: FERRY_ERR_STATE saying to
  *       capture again (the kernel without the mask never runs masked)
@@ -169,7 +176,10 @@ static void check_mask_errors(ferry_ep_t ep, int N, int me, int victim)
           ferry_ep_last_error(ep));
 }
 
-static int run(ferry_comm_t comm, int victim, int die, int fp8)
+/* shrink: 0 the survivors mask V themselves; 1 V dies at the start of
+ * round 3 and 2 after its round-3 dispatch, found by the context's
+ * mask_on_timeout */
+static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 24, .fp8 = fp8,
@@ -182,7 +192,20 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
     cfg.max_tokens = s.T;
     cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
     cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
+    cfg.mask_on_timeout = shrink > 0;
     ferry_ep_t ep = NULL;
+    const char *tr = getenv("FERRY_TRANSPORT");
+    if (shrink && tr && strcmp(tr, "fabric") == 0) {
+        /* refused on the fabric path, by every rank alike, naming it */
+        rc = ferry_ep_create(comm, &cfg, &ep);
+        CHECK(rc == FERRY_ERR_UNSUPPORTED &&
+              strstr(ferry_comm_last_error(comm), "mask_on_timeout"),
+              "rank %d: mask_on_timeout over the fabric: %s: %s", me, ferry_strerror(rc),
+              ferry_comm_last_error(comm));
+        if (rc == FERRY_OK)
+            ferry_ep_destroy(ep);
+        return fr_test_result();
+    }
     if ((rc = ferry_ep_create(comm, &cfg, &ep)) != FERRY_OK) {
         fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
         return 1;
@@ -190,6 +213,7 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
     ferry_ep_layout_t lay = {.size = sizeof(lay)};
     ferry_ep_get_layout(ep, &lay);
     size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
+    fw_spec_t sc = s; /* the combine's reference (V's slots cut from round 3 on) */
     mbufs_t b;
     mbufs_init(&b, &s, &lay);
     fw_input_t in, in_m;
@@ -198,7 +222,16 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
     int32_t *mask = calloc((size_t)N, sizeof(int32_t)), *none = calloc((size_t)N, 4);
     fw_spec_t sm = s; /* the reference: V masked from round 3 on */
     for (int round_i = 1; round_i <= 7; round_i++) {
-        if (round_i == 3) {
+        if (round_i == 3 && shrink) {
+            if (me == victim && shrink == 1) {
+                usleep(300 * 1000); /* round 2's writes land first */
+                raise(SIGKILL);
+            }
+            mask[victim] = 1; /* what the survivors' contexts will find */
+            sc.masked = mask;
+            if (shrink == 1)
+                sm.masked = mask;
+        } else if (round_i == 3) {
             if (me == victim) {
                 if (die) {
                     usleep(300 * 1000); /* round 2's writes land first */
@@ -212,10 +245,13 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
                   victim, ferry_ep_last_error(ep));
             mask[victim] = 1;
             sm.masked = mask;
+            sc.masked = mask;
             check_query(ep, &b, N, mask, me);
         }
+        if (round_i == 4 && shrink == 2)
+            sm.masked = mask;
         fw_generate(&s, (uint64_t)round_i, me, &in);
-        fw_generate(&sm, (uint64_t)round_i, me, &in_m); /* the same tokens, cut routing */
+        fw_generate(&sc, (uint64_t)round_i, me, &in_m); /* the same tokens, cut routing */
         h2d(b.x, in.x, (size_t)in.T * s.H * 2);
         h2d(b.idx, in.idx, (size_t)in.T * s.K * 8);
         h2d(b.w, in.w, (size_t)in.T * s.K * 4);
@@ -239,6 +275,10 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
             rc = ferry_dispatch_recv(ep, r, &dout);
         if (rc == FERRY_OK && on_gpu)
             rc = ferry_ep_sync(ep, NULL);
+        if (round_i == 3 && shrink == 2 && me == victim) {
+            usleep(300 * 1000); /* its records land; its replies never come */
+            raise(SIGKILL);
+        }
         if (rc != FERRY_OK) {
             fprintf(stderr, "rank %d: round %d dispatch: %s: %s\n", me, round_i,
                     ferry_strerror(rc), ferry_ep_last_error(ep));
@@ -254,7 +294,7 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
         long bad = fw_check_dispatch(&sm, (uint64_t)round_i, me, b.hex, fp8 ? b.hexs : NULL,
                                      b.hcnt, b.hsr, b.hst, cap, 3);
         CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round_i, bad);
-        for (size_t i = 0; i < El * cap && round_i >= 3; i++)
+        for (size_t i = 0; i < El * cap && sm.masked; i++)
             CHECK(b.hsr[i] != victim || (size_t)(i % cap) >= (size_t)b.hcnt[i / cap],
                   "rank %d: round %d: a row from masked rank %d", me, round_i, victim);
         fw_run_experts(&s, me, b.hex, fp8 ? b.hexs : NULL, b.hcnt, cap, b.hey);
@@ -276,6 +316,8 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8)
         d2h(b.hout, b.out, (size_t)in.T * s.H * 2);
         bad = fw_check_combine(&sm, (uint64_t)round_i, me, &in_m, b.hout, 3);
         CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round_i, bad);
+        if (round_i == 3 && shrink)
+            check_query(ep, &b, N, mask, me); /* found by the timeout */
         if (round_i == 3) {
             rc = ferry_ep_mask_rank(ep, victim, 0, NULL);
             CHECK(rc == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "out of step"),
@@ -374,9 +416,13 @@ int main(int argc, char **argv)
         fp8 |= strcmp(argv[i], "fp8") == 0;
         on_gpu |= strcmp(argv[i], "cuda") == 0;
     }
-    int die = strcmp(mode, "kill") == 0, graph = strcmp(mode, "graph") == 0;
-    if (!die && !graph && strcmp(mode, "leave") != 0) {
-        fprintf(stderr, "usage: test_mask -n N kill|leave V [fp8] [cuda]; "
+    int graph = strcmp(mode, "graph") == 0;
+    int shrink = strcmp(mode, "shrink") == 0 ? 1 : strcmp(mode, "shrink_comb") == 0 ? 2 : 0;
+    const char *tr = getenv("FERRY_TRANSPORT");
+    int refused = shrink && tr && strcmp(tr, "fabric") == 0; /* no one dies */
+    int die = strcmp(mode, "kill") == 0 || (shrink && !refused);
+    if (!die && !graph && !shrink && strcmp(mode, "leave") != 0) {
+        fprintf(stderr, "usage: test_mask -n N kill|leave|shrink|shrink_comb V [fp8] [cuda]; "
                         "test_mask -n 2 graph 0 cuda\n");
         return 2;
     }
@@ -398,7 +444,8 @@ int main(int argc, char **argv)
             printf("skipped: no usable GPU (see the ranks' message above)\n");
             return 77;
         }
-        return fr_vd_collect("test_mask", mode, n, die ? victim : -1, rc);
+        return fr_vd_collect("test_mask", refused ? "shrink (refused on the fabric)" : mode, n,
+                             die ? victim : -1, rc);
     }
     char why[512];
     if (on_gpu && !ferry_cuda_available(why, sizeof(why))) {
@@ -412,9 +459,9 @@ int main(int argc, char **argv)
     }
     int me = ferry_comm_rank(comm);
 #ifdef FERRY_HAVE_CUDA
-    rc = graph ? run_graph(comm) : run(comm, victim, die, fp8);
+    rc = graph ? run_graph(comm) : run(comm, victim, die, fp8, shrink);
 #else
-    rc = run(comm, victim, die, fp8);
+    rc = run(comm, victim, die, fp8, shrink);
 #endif
     ferry_comm_destroy(comm);
     verdict(me, rc ? "bad" : "ok");

@@ -68,6 +68,12 @@ int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
     int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine", out->wait_cost);
     if (rc)
         return rc;
+    /* a rank masked after this round's dispatch_send (mask_on_timeout)
+     * never sent the replies of its rows: they count as 0 */
+    for (int d = 0; d < ep->N; d++)
+        if (fr_ep_masked(ep, d) && cr->send_off[d + 1] > cr->send_off[d])
+            memset(ep->seg + fr_off_crecv(L, set, cr->send_off[d]), 0,
+                   (size_t)(cr->send_off[d + 1] - cr->send_off[d]) * L->crow);
     float *acc = c->acc;
     uint16_t *o = (uint16_t *)out->out;
     for (int t = 0; t < r->T; t++) {

@@ -16,6 +16,9 @@ typedef struct fr_cpu_round {
                             though rows start at this rank's), record, k */
     uint32_t *pair_off;  /* [N+1]: first pair of each sender */
     uint32_t *comb_off;  /* [N]: where each sender wants its replies */
+    /* token side (filled by dispatch_send) */
+    uint32_t *send_off;  /* [N+1]: first row of my combine region per
+                            destination (its replies land there) */
 } fr_cpu_round_t;
 
 typedef struct fr_cpu_ll {

@@ -160,10 +160,12 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     uint32_t *h_comb_base = c->comb_base;
     for (int d = 0; d < N; d++) {
         h_comb_base[d] = off;
+        cr->send_off[d] = off;
         fill[d] = (int32_t)off;
         off += (uint32_t)pairs[d];
         rec_next[d] = 0;
     }
+    cr->send_off[N] = off;
 
     /* Pack records: token-major, so each destination's records are in
      * token order; a record lists the token's local experts in k order. */

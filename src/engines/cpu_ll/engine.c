@@ -20,7 +20,8 @@ static int fr_cpu_alloc(ferry_ep_t ep, fr_cpu_ll_t *c, fr_err_t *err)
         r->pair_row = calloc((size_t)L->send_crows + 1, sizeof(int32_t));
         r->pair_off = calloc((size_t)N + 1, sizeof(uint32_t));
         r->comb_off = calloc((size_t)N, sizeof(uint32_t));
-        if (!r->comb_pos || !r->pair_row || !r->pair_off || !r->comb_off)
+        r->send_off = calloc((size_t)N + 1, sizeof(uint32_t));
+        if (!r->comb_pos || !r->pair_row || !r->pair_off || !r->comb_off || !r->send_off)
             return FR_ERR(err, FERRY_ERR_NOMEM, "round tables");
     }
     c->qbuf = calloc((size_t)L->T * L->tok_bytes + 1, 1);
@@ -75,6 +76,7 @@ static void fr_cpu_free(ferry_ep_t ep)
         free(c->rounds[s].pair_row);
         free(c->rounds[s].pair_off);
         free(c->rounds[s].comb_off);
+        free(c->rounds[s].send_off);
     }
     free(c->qbuf);
     free(c->qscales);

@@ -115,16 +115,15 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
      * lanes add what each waited to the optional wait costs. */
     if (threadIdx.x < 32) {
         bool mine = !fr_cu_failed(A);
-        unsigned long long target = fr_cu_target(A, A.epoch[set]);
+        unsigned long long epoch = A.epoch[set];
         int nmask = A.mask[N]; /* loaded beside the two above */
         for (int s = threadIdx.x; s < N && mine; s += 32) {
             if (nmask && A.mask[s]) /* sent nothing, waited for never */
                 continue;
             long long t0 = clock64();
-            mine = fr_cu_wait_flag(A, (const unsigned long long *)(A.flags +
-                                                                  fr_off_flag(&L, FR_PH_COMBINE, set, s)),
-                                   target, s, FR_CU_WHAT_COMBINE);
-            if (mine && cost && blockIdx.x == 0)
+            int w = fr_cu_wait_peer(A, FR_PH_COMBINE, set, s, epoch, FR_CU_WHAT_COMBINE);
+            mine = w != 0;
+            if (w == 1 && cost && blockIdx.x == 0)
                 atomicAdd((unsigned long long *)(cost + s), (unsigned long long)(clock64() - t0));
         }
         mine = __all_sync(0xffffffffu, mine);
@@ -136,6 +135,14 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         return;
     int T = A.ntok[set];
     const int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
+    /* ranks masked by now (a wait that ran out in this round, here or in
+     * the dispatch): the rows this rank sent them never come back, their
+     * slots count 0 (before this round their slots were cut at dispatch) */
+    __shared__ int s_cut;
+    if (threadIdx.x == 0)
+        s_cut = A.mask_on_timeout && *(volatile int32_t *)(A.mask + N) != 0;
+    __syncthreads();
+    const int32_t *soff = A.comb_off + set * N, *spn = A.npairs + set * N;
     /* pairs this rank sent itself: rows [cs, cs + ns) of its combine region
      * were never copied; they are expert_y rows pair_row[ps + pos - cs] */
     int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
@@ -148,6 +155,9 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         int nb = min(B, T - tb);
         for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
             int pos = cpos[(size_t)tb * K + i];
+            for (int d = 0; s_cut && pos >= 0 && d < N; d++)
+                if (((volatile int32_t *)A.mask)[d] && pos >= soff[d] && pos < soff[d] + spn[d])
+                    pos = -1;
             int pr = pos >= cs && pos < cs + ns ? prow[ps + pos - cs] : 0;
             srow[i] = pos < 0 || pr < 0 ? NULL
                       : pos >= cs && pos < cs + ns
@@ -456,7 +466,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(int32_t) * 2 * N, sizeof(int32_t) * 2 * N,
                        sizeof(unsigned int) * 4, sizeof(int) * 4,
                        sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El,
-                       sizeof(int32_t) * ((size_t)N + 1)};
+                       sizeof(int32_t) * ((size_t)N + 1),
+                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N};
         size_t off[20], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
@@ -494,6 +505,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->dst_scl = (uint8_t **)(b + off[16]);
         A->self_run = (int32_t *)(b + off[17]);
         A->mask = (int32_t *)(b + off[18]); /* no rank masked (zeroed above) */
+        A->decide = (unsigned long long *)(b + off[19]);
+        A->mask_on_timeout = ep->cfg.mask_on_timeout;
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
         FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
@@ -645,6 +658,29 @@ extern "C" int fr_cuda_mask_write(ferry_ep_t ep, int rank, int masked, void *str
     if (rc == FERRY_OK)
         c->masked += masked ? 1 : -1; /* the API calls this only on a change */
     return rc;
+}
+
+extern "C" int fr_cuda_mask_pull(ferry_ep_t ep)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    int32_t *m = (int32_t *)calloc((size_t)ep->N + 1, sizeof(int32_t));
+    if (!m)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "ferry_ep_mask_rank: the mask's copy");
+    cudaError_t e = cudaMemcpy(m, c->a.mask, sizeof(int32_t) * ((size_t)ep->N + 1),
+                               cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+        free(m);
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "ferry_ep_mask_rank: reading the GPU's mask: %s",
+                          cudaGetErrorString(e));
+    }
+    for (int s = 0; s < ep->N; s++)
+        if (m[s] && !ep->mask[s]) { /* masked by a wait that ran out */
+            ep->mask[s] = 1;
+            ep->mask_since[s] = ep->next_epoch;
+        }
+    c->masked = m[ep->N];
+    free(m);
+    return FERRY_OK;
 }
 
 extern "C" int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream)

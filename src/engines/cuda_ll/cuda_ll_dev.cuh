@@ -68,6 +68,10 @@ typedef struct fr_cu_args {
     unsigned long long timeout_ns;
     int32_t *mask;           /* [N + 1]: [s] 1 where rank s is masked
                                 (ferry_ep_mask_rank), [N] how many are */
+    int mask_on_timeout;     /* a wait that runs out masks the peer */
+    unsigned long long *decide; /* [2 phase][2 set][N]: with mask_on_timeout,
+                                the grid's one answer per peer and round:
+                                epoch * 4 + 1 arrived, + 2 masked */
 } fr_cu_args_t;
 
 struct fr_cuda_ep {
@@ -251,6 +255,58 @@ static __device__ __forceinline__ unsigned long long fr_cu_target(const fr_cu_ar
                                                                   unsigned long long epoch)
 {
     return A.nfabric > 0 ? epoch : ((epoch + 1) / 2) << FR_CU_ROUND_SHIFT;
+}
+
+/* Peer s's flag of (phase, set) for the round of `epoch`: 1 arrived, 0
+ * failed (error word set), 2 masked. Without mask_on_timeout this is
+ * fr_cu_wait_flag. With it, every waiter of every block reaches the same
+ * answer through the pair's decision word, set once by a CAS: a waiter
+ * that sees the flag claims "arrived", one whose wait runs out claims
+ * "masked"; a claim that loses takes the winner's answer (a waiter that
+ * lost to "arrived" keeps polling: the flag is up). A masked answer masks
+ * the rank (the device mask and its count) before it is returned. */
+static __device__ int fr_cu_wait_peer(const fr_cu_args_t &A, int phase, int set, int s,
+                                      unsigned long long epoch, int what)
+{
+    const unsigned long long *flag =
+        (const unsigned long long *)(A.flags + fr_off_flag(&A.L, phase, set, s));
+    unsigned long long target = fr_cu_target(A, epoch);
+    if (!A.mask_on_timeout)
+        return fr_cu_wait_flag(A, flag, target, s, what) ? 1 : 0;
+    unsigned long long *dw = A.decide + ((size_t)phase * FR_NSETS + set) * A.N + s;
+    unsigned long long t0 = fr_sys_timer();
+    unsigned int n = 0;
+    for (;;) {
+        unsigned long long v = fr_sys_ld_relaxed(flag);
+        if (v > target) {
+            fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, what, (int)v);
+            return 0;
+        }
+        bool arrived = v == target && fr_sys_ld_acquire(flag) == target, out = false;
+        if (!arrived && (++n & 255) != 0)
+            continue;
+        if (!arrived) {
+            if (fr_cu_failed(A))
+                return 0;
+            out = fr_sys_timer() - t0 > A.timeout_ns;
+        }
+        unsigned long long d = fr_sys_ld_relaxed(dw);
+        if (d >> 2 != epoch && (arrived || out)) {
+            unsigned long long want = epoch * 4 + (arrived ? 1 : 2);
+            unsigned long long old = atomicCAS(dw, d, want);
+            d = old == d ? want : old;
+        }
+        if (d >> 2 != epoch) /* undecided: wait on */
+            continue;
+        if ((d & 3) == 1) {
+            if (arrived)
+                return 1;
+            continue; /* another waiter saw the flag: it shows here soon */
+        }
+        if (atomicExch(&A.mask[s], 1) == 0)
+            atomicAdd(&A.mask[A.N], 1);
+        return 2;
+    }
 }
 
 /* This block's share of (phase, set) to every destination (IPC path).

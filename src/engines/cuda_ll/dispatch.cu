@@ -728,16 +728,18 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
 /* ---------------------------------------------------------------------- */
 /* dispatch_recv                                                          */
 
-/* Wait for sender s and check its slice header (one thread). */
-static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
-                                  unsigned long long epoch, int *count, int *npairs,
-                                  int *comb_off)
+/* Wait for sender s and check its slice header (one thread): 1 ready, 0
+ * failed, 2 masked by the wait (mask_on_timeout). */
+static __device__ int fr_dr_wait(const fr_cu_args_t &A, int set, int s,
+                                 unsigned long long epoch, int *count, int *npairs,
+                                 int *comb_off)
 {
     const fr_layout_t &L = A.L;
-    if (fr_cu_failed(A) ||
-        !fr_cu_wait_flag(A, (const unsigned long long *)(A.flags + fr_off_flag(&L, FR_PH_DISPATCH, set, s)),
-                         fr_cu_target(A, epoch), s, FR_CU_WHAT_DISPATCH))
-        return false;
+    if (fr_cu_failed(A))
+        return 0;
+    int w = fr_cu_wait_peer(A, FR_PH_DISPATCH, set, s, epoch, FR_CU_WHAT_DISPATCH);
+    if (w != 1)
+        return w;
     /* each field read once (a peer can write the header again): what is
      * checked is what is used */
     const volatile fr_slice_hdr_t *h =
@@ -749,12 +751,12 @@ static __device__ bool fr_dr_wait(const fr_cu_args_t &A, int set, int s,
         cnt > (uint32_t)L.T || np > (uint64_t)L.T * L.kmax ||
         (uint64_t)co + np > L.crows) {
         fr_cu_fail(A, FERRY_ERR_PROTOCOL, s, FR_CU_WHAT_RECORD, -1);
-        return false;
+        return 0;
     }
     *count = (int)cnt;
     *npairs = (int)np;
     *comb_off = (int)co;
-    return true;
+    return 1;
 }
 
 /* Records a block places at once (its records y, y + G, ... of a sender). */
@@ -867,8 +869,9 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             s_count = s_np = s_co = 0;
             long long t0 = clock64();
             /* a masked sender: nothing from it, never waited for */
-            s_skip = s_nmask && A.mask[s];
-            s_ok = s_skip || fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
+            int w = s_nmask && A.mask[s] ? 2 : fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
+            s_skip = w == 2;
+            s_ok = w != 0;
             if (s_ok && y == 0) {
                 A.pair_n[set * N + s] = s_np;
                 A.scomb_off[set * N + s] = s_co;
@@ -1001,7 +1004,9 @@ static void fr_cu_dispatch_launch(int blocks, size_t smem, cudaStream_t st, stru
     const int64_t *idx = in ? in->topk_idx : NULL;
     int T = in ? in->num_tokens : 0;
     const int32_t *Td = in ? in->num_tokens_dev : NULL;
-    if (c->masked) /* some rank masked: the kernel that cuts (unvectorised) */
+    /* some rank masked, or one may be by a wait (mask_on_timeout): the
+     * kernel that cuts (unvectorised) */
+    if (c->masked || c->a.mask_on_timeout)
         ferry::dispatch<false, true><<<blocks, FR_DS_THREADS, smem, st>>>(
             c->a, set, x, xs, idx, T, Td, o, direct, phases);
     else if (vec)

@@ -19,4 +19,5 @@ const fr_engine_t fr_engine_cuda_ll = {
     .combine = fr_cuda_combine,
     .mask_write = fr_cuda_mask_write,
     .mask_read = fr_cuda_mask_read,
+    .mask_pull = fr_cuda_mask_pull,
 };

@@ -59,6 +59,10 @@ int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream)
     (void)status; (void)stream;
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
+int fr_cuda_mask_pull(ferry_ep_t ep)
+{
+    return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
+}
 int fr_cuda_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
 int fr_cuda_sync(ferry_ep_t ep, void *stream) { (void)ep; (void)stream; return FERRY_OK; }
 #endif
