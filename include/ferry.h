@@ -154,12 +154,15 @@ typedef struct ferry_ep_config {
      * 0, the default: FERRY_SCALES_ROWS). */
     int scales_layout;
     /* Low latency: 1 turns a peer that sends nothing within FERRY_TIMEOUT_MS
-     * (or is seen dead) into a masked rank (ferry_ep_mask_rank) instead of
-     * failing the round: the round completes without it (its rows 0, the
-     * combine adding nothing for slots on its experts) and later rounds
-     * leave it out; ferry_ep_mask_query says which ranks were masked. Every
-     * survivor must see the same peer go (DeepEP's shrink mode). 0 (the
-     * default): a timeout fails the context, naming the rank. */
+     * (CPU ranks: or that is seen dead sooner) into a masked rank
+     * (ferry_ep_mask_rank) instead of failing the round: the round
+     * completes without it (its rows 0, the combine adding nothing for
+     * slots on its experts) and later rounds leave it out;
+     * ferry_ep_mask_query says which ranks were masked. Every survivor must
+     * see the same peer go (DeepEP's shrink mode). Ranks of one node only:
+     * FERRY_ERR_UNSUPPORTED with any pair on the fabric path (several
+     * nodes, FERRY_TRANSPORT=fabric); FERRY_ERR_INVALID in high-throughput
+     * mode. 0 (the default): a timeout fails the context, naming the rank. */
     int mask_on_timeout;
     int reserved[2];
 } ferry_ep_config_t;
@@ -308,7 +311,8 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream);
  * Clearing a mask after a round ran with it set is FERRY_ERR_STATE (the
  * pair's flags are out of step: create a new context); clearing it before
  * is allowed. CUDA: the entry is written on `stream` (a kernel: capturable
- * in a CUDA graph, which then replays the write). The dispatch launched
+ * in a CUDA graph, which then replays the write), so the rounds must run on
+ * that stream or one ordered after it. The dispatch launched
  * while some rank is masked is the kernel that cuts; a CUDA graph of
  * rounds captured while no rank was masked holds the kernel without the
  * mask, and replayed after a mask is set it fails the round

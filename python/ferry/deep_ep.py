@@ -698,6 +698,7 @@ class Buffer:
         after a round ran with it masked raises ferry.FerryError
         (FERRY_ERR_STATE): the pair's flags are out of step; make a new
         Buffer. CUDA: written on the current stream (capturable)."""
+        self._low_latency("low_latency_update_mask_buffer")
         if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or \
                 not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask: {rank_to_mask!r}: expected a rank 0..."
@@ -705,8 +706,15 @@ class Buffer:
         if rank_to_mask == self.rank:
             raise ValueError(f"rank_to_mask: {rank_to_mask} is this rank (a rank masks its "
                              f"peers, never itself)")
-        for ep in self._eps.values():
-            ep.mask_rank(rank_to_mask, bool(mask))
+        done = []  # all the contexts or none: a refusal takes the others back
+        try:
+            for ep in self._eps.values():
+                ep.mask_rank(rank_to_mask, bool(mask))
+                done.append(ep)
+        except Exception:
+            for ep in done:  # no round ran since: taking it back is allowed
+                ep.mask_rank(rank_to_mask, not mask)
+            raise
         if mask:
             self._masked.add(rank_to_mask)
         else:
@@ -716,6 +724,7 @@ class Buffer:
         """DeepEP's: mask_status int32 [num_ranks] gets 1 where a rank is
         masked, else 0 (on its own device and current stream): the ranks
         masked here, and with enable_shrink those a context's wait masked."""
+        self._low_latency("low_latency_query_mask_buffer")
         _tensor(mask_status, "mask_status", torch.int32, (self.group_size,))
         mask_status.zero_()
         for r in sorted(self._masked):
@@ -730,6 +739,7 @@ class Buffer:
         """DeepEP's: unmask every rank (low_latency_update_mask_buffer(r,
         False) for each masked r, with its rule: refused once a round ran
         with the mask)."""
+        self._low_latency("low_latency_clean_mask_buffer")
         for r in sorted(self._masked):
             self.low_latency_update_mask_buffer(r, False)
 

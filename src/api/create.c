@@ -120,7 +120,7 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
 /* What every rank contributes to the create-time exchange. */
 typedef struct fr_setup_msg {
     int32_t status;
-    int32_t E, K, H, T, dtype, device, mode, ring;
+    int32_t E, K, H, T, dtype, device, mode, ring, shrink;
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -181,6 +181,7 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         msg.device = config->device;
         msg.mode = config->mode;
         msg.ring = config->ring_tokens;
+        msg.shrink = config->mask_on_timeout;
     }
     int rc = fr_boot_allgather(ep->comm->boot, &msg, all, sizeof(msg), err);
     if (rc == FERRY_OK && msg.status != FERRY_OK)
@@ -193,14 +194,16 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         } else if (all[i].E != msg.E || all[i].K != msg.K ||
                    all[i].H != msg.H || all[i].T != msg.T ||
                    all[i].dtype != msg.dtype || all[i].device != msg.device ||
-                   all[i].mode != msg.mode || all[i].ring != msg.ring) {
+                   all[i].mode != msg.mode || all[i].ring != msg.ring ||
+                   all[i].shrink != msg.shrink) {
             rc = FR_ERR(err, FERRY_ERR_INVALID,
                         "config differs between ranks: rank %d has E=%d K=%d "
-                        "H=%d T=%d dtype=%d mode=%d ring_tokens=%d, rank %d has "
-                        "E=%d K=%d H=%d T=%d dtype=%d mode=%d ring_tokens=%d",
+                        "H=%d T=%d dtype=%d mode=%d ring_tokens=%d mask_on_timeout=%d, "
+                        "rank %d has E=%d K=%d H=%d T=%d dtype=%d mode=%d ring_tokens=%d "
+                        "mask_on_timeout=%d",
                         me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, msg.ring,
-                        i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
-                        all[i].mode, all[i].ring);
+                        msg.shrink, i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
+                        all[i].mode, all[i].ring, all[i].shrink);
         }
     }
     free(all);

@@ -35,13 +35,14 @@ int ferry_ep_mask_rank(ferry_ep_t ep, int rank, int masked, void *stream)
     if (masked != 0 && masked != 1)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "ferry_ep_mask_rank: masked = %d: must be 0 "
                           "or 1", masked);
-    if (ep->cfg.mask_on_timeout && ep->eng->mask_pull && (rc = ep->eng->mask_pull(ep)))
-        return rc; /* ranks the device's waits masked count as masked here */
     for (int i = 0; i < FR_NSETS; i++)
         if (ep->rounds[i].state != FR_ROUND_FREE)
             return fr_ep_fail(ep, FERRY_ERR_STATE, "ferry_ep_mask_rank: round %llu is in "
                               "flight; masks change between rounds (after combine_recv)",
                               (unsigned long long)ep->rounds[i].epoch);
+    if (ep->cfg.mask_on_timeout && ep->eng->mask_pull &&
+        (rc = ep->eng->mask_pull(ep, stream)))
+        return rc; /* ranks the device's waits masked count as masked here */
     if (ep->mask[rank] == masked)
         return FERRY_OK;
     if (!masked && ep->next_epoch >= ep->mask_since[rank])

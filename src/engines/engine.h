@@ -74,8 +74,9 @@ typedef struct fr_engine {
     int (*mask_write)(ferry_ep_t ep, int rank, int masked, void *stream);
     int (*mask_read)(ferry_ep_t ep, int32_t *status, void *stream);
     /* Optional: ep->mask brought up to date with ranks the engine masked
-     * itself (mask_on_timeout, on the device); NULL: ep->mask is the mask. */
-    int (*mask_pull)(ferry_ep_t ep);
+     * itself (mask_on_timeout, on the device), after the work on `stream`;
+     * NULL: ep->mask is the mask. */
+    int (*mask_pull)(ferry_ep_t ep, void *stream);
 } fr_engine_t;
 
 /* GPU ranks through a host engine (engines/staged): the CPU engine of the

@@ -33,6 +33,8 @@ int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
 int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)
 {
     int dead = fr_boot_dead_rank(ep->comm->boot);
+    if (dead >= 0 && fr_ep_masked(ep, dead))
+        dead = -1; /* masked: never waited for, so not the one missing */
     int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
     if (dead < 0 && st != FERRY_OK)
         dead = fr_boot_blame(ep->comm->boot, st);

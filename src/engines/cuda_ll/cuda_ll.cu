@@ -53,7 +53,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int nwg = gridDim.x * (blockDim.x >> 5);
     for (int s = 0; s < N && !s_fail; s++) {
-        if (s == A.rank)
+        if (s == A.rank || (s_mk && s_mk[s])) /* a masked rank's memory: never */
             continue;
         int p0 = (int)(s * pstride), np = pn[s];
         const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
@@ -100,19 +100,23 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
  * are looked up at once, then every thread sums 8 channels of one token
  * with the K row loads in flight (no per-token barrier or lookup chain). */
 #define FR_CR_PAIRS 256
+#define FR_CR_CUTS 32 /* masked ranks a combine block lists for its cut */
 static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
                                                  const float *w, uint16_t *out,
                                                  const uint8_t *self_y, long long *cost)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, H = L.H;
-    __shared__ int ok;
+    __shared__ int ok, s_own; /* s_own: a wait of this block masked a rank */
     __shared__ const uint8_t *srow[FR_CR_PAIRS];
     __shared__ float sw[FR_CR_PAIRS];
     /* Every sender is needed before any token can be summed: the first
      * warp's lanes wait for them at once (lane l for senders l, l + 32,
      * ...), so the wait costs one poll latency, not N in a row; block 0's
      * lanes add what each waited to the optional wait costs. */
+    if (threadIdx.x == 0)
+        s_own = 0;
+    __syncthreads();
     if (threadIdx.x < 32) {
         bool mine = !fr_cu_failed(A);
         unsigned long long epoch = A.epoch[set];
@@ -123,6 +127,8 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
             long long t0 = clock64();
             int w = fr_cu_wait_peer(A, FR_PH_COMBINE, set, s, epoch, FR_CU_WHAT_COMBINE);
             mine = w != 0;
+            if (w == 2)
+                s_own = 1;
             if (w == 1 && cost && blockIdx.x == 0)
                 atomicAdd((unsigned long long *)(cost + s), (unsigned long long)(clock64() - t0));
         }
@@ -136,13 +142,26 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
     int T = A.ntok[set];
     const int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
     /* ranks masked by now (a wait that ran out in this round, here or in
-     * the dispatch): the rows this rank sent them never come back, their
-     * slots count 0 (before this round their slots were cut at dispatch) */
-    __shared__ int s_cut;
-    if (threadIdx.x == 0)
-        s_cut = A.mask_on_timeout && *(volatile int32_t *)(A.mask + N) != 0;
-    __syncthreads();
+     * the dispatch) that this round sent rows to: those rows never come
+     * back, their slots count 0 (ranks masked before this round got no
+     * rows: their slots were cut at dispatch). Thread 0 lists them once
+     * per block (s_ncut; more than FR_CR_CUTS: every slot checks every
+     * rank); this block's own masked answers count even before the
+     * count of masked ranks, another block's add, is seen. */
+    __shared__ int s_ncut, s_cut[FR_CR_CUTS];
     const int32_t *soff = A.comb_off + set * N, *spn = A.npairs + set * N;
+    if (threadIdx.x == 0) {
+        s_ncut = 0;
+        if (A.mask_on_timeout && (s_own || *(volatile int32_t *)(A.mask + N) != 0))
+            for (int d = 0; d < N; d++)
+                if (((volatile int32_t *)A.mask)[d] && spn[d] > 0) {
+                    if (s_ncut < FR_CR_CUTS)
+                        s_cut[s_ncut] = d;
+                    s_ncut++;
+                }
+    }
+    __syncthreads();
+    int ncut = s_ncut, nscan = ncut <= FR_CR_CUTS ? ncut : N;
     /* pairs this rank sent itself: rows [cs, cs + ns) of its combine region
      * were never copied; they are expert_y rows pair_row[ps + pos - cs] */
     int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
@@ -155,9 +174,13 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         int nb = min(B, T - tb);
         for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
             int pos = cpos[(size_t)tb * K + i];
-            for (int d = 0; s_cut && pos >= 0 && d < N; d++)
-                if (((volatile int32_t *)A.mask)[d] && pos >= soff[d] && pos < soff[d] + spn[d])
+            for (int j = 0; j < nscan && pos >= 0; j++) {
+                int d = ncut <= FR_CR_CUTS ? s_cut[j] : j;
+                if (ncut > FR_CR_CUTS && !(((volatile int32_t *)A.mask)[d] && spn[d] > 0))
+                    continue;
+                if (pos >= soff[d] && pos < soff[d] + spn[d])
                     pos = -1;
+            }
             int pr = pos >= cs && pos < cs + ns ? prow[ps + pos - cs] : 0;
             srow[i] = pos < 0 || pr < 0 ? NULL
                       : pos >= cs && pos < cs + ns
@@ -653,21 +676,34 @@ static __global__ void fr_cu_mask_set(int32_t *mask, int N, int rank, int v)
 extern "C" int fr_cuda_mask_write(ferry_ep_t ep, int rank, int masked, void *stream)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    int rc = fr_cuda_check(ep); /* an earlier kernel's error, before anything is queued */
+    if (rc)
+        return rc;
     fr_cu_mask_set<<<1, 1, 0, (cudaStream_t)stream>>>(c->a.mask, ep->N, rank, masked);
-    int rc = fr_cuda_launch_check(ep, "ferry_ep_mask_rank");
-    if (rc == FERRY_OK)
-        c->masked += masked ? 1 : -1; /* the API calls this only on a change */
-    return rc;
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) /* not queued: the API takes its change back */
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "launching ferry_ep_mask_rank's kernel: %s",
+                          cudaGetErrorString(e));
+    c->masked += masked ? 1 : -1; /* the API calls this only on a change */
+    return FERRY_OK;
 }
 
-extern "C" int fr_cuda_mask_pull(ferry_ep_t ep)
+extern "C" int fr_cuda_mask_pull(ferry_ep_t ep, void *stream)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)stream;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        return FERRY_OK; /* no copy inside a capture: the host's view stands */
+    }
     int32_t *m = (int32_t *)calloc((size_t)ep->N + 1, sizeof(int32_t));
     if (!m)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "ferry_ep_mask_rank: the mask's copy");
-    cudaError_t e = cudaMemcpy(m, c->a.mask, sizeof(int32_t) * ((size_t)ep->N + 1),
-                               cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpyAsync(m, c->a.mask, sizeof(int32_t) * ((size_t)ep->N + 1),
+                                    cudaMemcpyDeviceToHost, st);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(st);
     if (e != cudaSuccess) {
         free(m);
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "ferry_ep_mask_rank: reading the GPU's mask: %s",

@@ -37,8 +37,9 @@ int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
 /* The device mask (ferry_ep_mask_rank / _query), on the stream. */
 int fr_cuda_mask_write(ferry_ep_t ep, int rank, int masked, void *stream);
 int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream);
-/* The GPU's mask into ep->mask (ranks its waits masked), synchronously. */
-int fr_cuda_mask_pull(ferry_ep_t ep);
+/* The GPU's mask into ep->mask (ranks its waits masked), after the work on
+ * `stream` (waits for it; skipped while the stream is being captured). */
+int fr_cuda_mask_pull(ferry_ep_t ep, void *stream);
 
 /* Error a kernel reported (host-mapped word), turned into the EP's error. */
 int fr_cuda_check(ferry_ep_t ep);

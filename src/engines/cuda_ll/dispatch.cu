@@ -875,7 +875,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             if (s_ok && y == 0) {
                 A.pair_n[set * N + s] = s_np;
                 A.scomb_off[set * N + s] = s_co;
-                if (o.wait_cost)
+                if (o.wait_cost && !s_skip) /* a masked one: no cost, as in the combine */
                     atomicAdd((unsigned long long *)(o.wait_cost + s),
                               (unsigned long long)(clock64() - t0));
             }

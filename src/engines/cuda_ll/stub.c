@@ -59,8 +59,9 @@ int fr_cuda_mask_read(ferry_ep_t ep, int32_t *status, void *stream)
     (void)status; (void)stream;
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
-int fr_cuda_mask_pull(ferry_ep_t ep)
+int fr_cuda_mask_pull(ferry_ep_t ep, void *stream)
 {
+    (void)stream;
     return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED, "no CUDA kernels in this build");
 }
 int fr_cuda_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
