@@ -282,6 +282,38 @@ _HT_MAX_TOKENS = int(os.environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
 _LAYOUT_KERNEL = os.environ.get("FERRY_DEEP_EP_LAYOUT_KERNEL", "1") == "1"
 
 
+#: the kinds a declared low-latency shape may name (dispatch dtype and scale
+#: options: fp8 is DeepEP's use_fp8=True, fp8_round adds round_scale, and
+#: fp8_ue8m0 round_scale with use_ue8m0)
+_SHAPE_KINDS = ("fp8", "bf16", "fp8_round", "fp8_ue8m0")
+
+
+def _parse_shapes(spec, name):
+    """Declared low-latency shapes: a string "E,K,H,T[,kind];..." or a list
+    of (E, K, H, T[, kind]) tuples, kind one of _SHAPE_KINDS (default fp8);
+    returns [(E, K, H, T, kind)]. A malformed one: ValueError naming `name`."""
+    if isinstance(spec, str):
+        items = [p.strip() for p in spec.replace("\n", ";").split(";") if p.strip()]
+        items = [tuple(f.strip() for f in it.split(",")) for it in items]
+    else:
+        items = [tuple(it) for it in spec]
+    out = []
+    for it in items:
+        try:
+            if len(it) not in (4, 5):
+                raise ValueError
+            E, K, H, T = (int(v) for v in it[:4])
+            kind = str(it[4]) if len(it) == 5 else "fp8"
+            if kind not in _SHAPE_KINDS or min(E, K, H, T) < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: {it!r}: expected num_experts, topk, hidden, "
+                             f"num_max_dispatch_tokens_per_rank and optionally one of "
+                             f"{', '.join(_SHAPE_KINDS)} (e.g. \"256,8,7168,128,fp8\")") from None
+        out.append((E, K, H, T, kind))
+    return out
+
+
 def _layout_c(topk_idx, num_experts, N):
     """(per rank, per expert, is_token_in_rank) from ferry_dispatch_layout:
     the host loop, or two memsets and one kernel on the current stream;
@@ -384,10 +416,20 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
                  allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False,
-                 **unsupported):
+                 ferry_shapes=None, **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
                             + ", ".join(sorted(unsupported)))
+        # low-latency shapes declared up front (ferry_shapes, else
+        # FERRY_DEEP_EP_SHAPES): their contexts and buffers made at the end
+        # of Buffer(), collectively, as DeepEP allocates there; other shapes
+        # are still made at their first call
+        src = "ferry_shapes" if ferry_shapes is not None else "FERRY_DEEP_EP_SHAPES"
+        shapes = _parse_shapes(ferry_shapes if ferry_shapes is not None
+                               else os.environ.get("FERRY_DEEP_EP_SHAPES", ""), src)
+        if shapes and not low_latency_mode:
+            raise ValueError(f"{src}: low-latency shapes, but the buffer is made with "
+                             f"low_latency_mode=False")
         # allow_mnnvl: DeepEP's "use multi-node NVLink if present". ferry has
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
@@ -408,6 +450,23 @@ class Buffer:
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
         self._sms = _default_sms(group) if torch.cuda.is_available() else 16
+        try:
+            for E, K, H, T, kind in shapes:
+                self._make_shape(E, K, H, T, kind)
+        except BaseException:
+            self.destroy()  # collective, as the failed creation was
+            raise
+
+    def _make_shape(self, E, K, H, T, kind):
+        """A declared shape's context (and, on a GPU, its plan: the buffers
+        the calls use), as the first low_latency_dispatch of that shape
+        would make them."""
+        fp8, rs, ue = kind != "bf16", kind in ("fp8_round", "fp8_ue8m0"), kind == "fp8_ue8m0"
+        if torch.cuda.is_available():
+            x = torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
+            self._plan(x, E, K, H, T, fp8, rs, ue)
+        else:
+            self._ep(E, K, H, T, fp8, "cpu", rs, ue)
 
     @classmethod
     def set_num_sms(cls, new_num_sms):

@@ -14,6 +14,8 @@ against a reference computed here (the helpers of test_torch_cuda.py):
   - argument errors naming the argument (TypeError / ValueError /
     NotImplementedError), get_low_latency_rdma_size_hint, allow_mnnvl,
     clean_low_latency_buffer, get_local_buffer_tensor;
+  - shapes declared to Buffer() (ferry_shapes, FERRY_DEEP_EP_SHAPES): their
+    contexts made there, none at their first call;
   - low_latency_update_mask_buffer / query / clean: a rank leaves, the
     others mask it and go on, rounds checked with it masked; the same with
     enable_shrink, where the waits that run out mask it;
@@ -250,6 +252,56 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu"), shrink=False):
     return msgs
 
 
+def declared_shapes(deep_ep, rank, N):
+    """ferry_shapes / FERRY_DEEP_EP_SHAPES: the declared shapes' contexts are
+    made in Buffer() (collectively, beside the communicator), so the first
+    dispatch of such a shape makes none; a shape not declared is still made
+    at its first call; rounds of both checked; malformed declarations
+    refused naming the argument or the variable."""
+    msgs, dev = [], torch.device("cpu")
+    E, K, H, T = 4 * N, 3, 256, 12
+    El = E // N
+    W = torch.distributed.group.WORLD
+    for bad in ([(E, K, H)], "8,2,256,16,fp4", "a,b,c,d"):
+        expect(msgs, ValueError, "ferry_shapes", deep_ep.Buffer, W, 0, 0,
+               low_latency_mode=True, ferry_shapes=bad)
+    os.environ["FERRY_DEEP_EP_SHAPES"] = "1,2,3"
+    try:
+        expect(msgs, ValueError, "FERRY_DEEP_EP_SHAPES", deep_ep.Buffer, W, 0, 0,
+               low_latency_mode=True)
+    finally:
+        del os.environ["FERRY_DEEP_EP_SHAPES"]
+    expect(msgs, ValueError, "ferry_shapes", deep_ep.Buffer, W, 0, 0,
+           low_latency_mode=False, ferry_shapes=[(E, K, H, T, "bf16")])
+    os.environ["FERRY_DEEP_EP_SHAPES"] = f"{E},{K},{H},{T},bf16; {E},{K},{H},{T}"
+    try:
+        buf = deep_ep.Buffer(W, 0, 0, low_latency_mode=True)
+    finally:
+        del os.environ["FERRY_DEEP_EP_SHAPES"]
+    made = len(buf._eps)
+    if made != 2:
+        msgs.append(f"Buffer() made {made} contexts for 2 declared shapes")
+    for rnd, (fp8, T2) in enumerate(((False, T), (True, T), (False, T + 4))):
+        x, idx, w = make_inputs(rank, 80 + rnd, T2, H, E, K, dev)
+        xs, ids = gather_all(N, x, idx)
+        before = len(buf._eps)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T2, E, use_fp8=fp8)
+        grew = len(buf._eps) - before
+        if grew != (0 if T2 == T else 1):
+            msgs.append(f"dispatch T={T2} fp8={fp8}: {grew} contexts made at the call")
+        err = check_round(rank, N, E, K, xs, ids, recv, count,
+                          (handle.src_rank, handle[0]), fp8)
+        if err:
+            msgs.append(f"declared shape T={T2} fp8={fp8}: dispatch: {err}")
+        y = expert_outputs(rank, El, recv, count, fp8, dev)
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        err = combine_error(out, combine_ref(x, idx, w, fp8))
+        if err:
+            msgs.append(f"declared shape T={T2} fp8={fp8}: combine: {err}")
+    buf.destroy()
+    return msgs
+
+
 def layout_error(buf, idx, E, N):
     """get_dispatch_layout against a loop over the slots, on idx and on a
     copy with an index past E, a -1 and a token whose experts share a rank
@@ -458,6 +510,7 @@ def rank_main(rank, N, port, q):
         msgs = ll_rounds(deep_ep, buf, rank, N, E, K, H, T)
         msgs += [f"argument checks: {m}" for m in ll_args(deep_ep, buf, rank, N, E, K, H, T)]
         buf.destroy()
+        msgs += [f"declared shapes: {m}" for m in declared_shapes(deep_ep, rank, N)]
         msgs += [f"masking a rank: {m}" for m in ll_mask(deep_ep, rank, N)]
         msgs += [f"enable_shrink: {m}" for m in ll_mask(deep_ep, rank, N, shrink=True)]
         msgs += [f"normal mode: {m}" for m in normal_mode(deep_ep, rank, N)]
