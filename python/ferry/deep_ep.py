@@ -296,20 +296,28 @@ def _parse_shapes(spec, name):
         items = [p.strip() for p in spec.replace("\n", ";").split(";") if p.strip()]
         items = [tuple(f.strip() for f in it.split(",")) for it in items]
     else:
-        items = [tuple(it) for it in spec]
+        try:
+            items = list(spec)
+        except TypeError:
+            raise ValueError(f"{name}: {spec!r}: expected a list of (num_experts, topk, hidden, "
+                             f"num_max_dispatch_tokens_per_rank[, kind]) tuples") from None
     out = []
     for it in items:
         try:
+            it = tuple(it)
             if len(it) not in (4, 5):
                 raise ValueError
-            E, K, H, T = (int(v) for v in it[:4])
+            E, K, H, T = (operator.index(v) if not isinstance(v, str) else int(v)
+                          for v in it[:4])
             kind = str(it[4]) if len(it) == 5 else "fp8"
-            if kind not in _SHAPE_KINDS or min(E, K, H, T) < 1:
+            if kind not in _SHAPE_KINDS or min(E, K, H, T) < 1 or \
+                    (kind == "fp8_ue8m0" and H % 512):
                 raise ValueError
         except (TypeError, ValueError):
             raise ValueError(f"{name}: {it!r}: expected num_experts, topk, hidden, "
                              f"num_max_dispatch_tokens_per_rank and optionally one of "
-                             f"{', '.join(_SHAPE_KINDS)} (e.g. \"256,8,7168,128,fp8\")") from None
+                             f"{', '.join(_SHAPE_KINDS)} (e.g. \"256,8,7168,128,fp8\"; "
+                             f"fp8_ue8m0 needs hidden a multiple of 512)") from None
         out.append((E, K, H, T, kind))
     return out
 
@@ -415,7 +423,7 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
-                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False,
+                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False, *,
                  ferry_shapes=None, **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
@@ -428,8 +436,10 @@ class Buffer:
         shapes = _parse_shapes(ferry_shapes if ferry_shapes is not None
                                else os.environ.get("FERRY_DEEP_EP_SHAPES", ""), src)
         if shapes and not low_latency_mode:
-            raise ValueError(f"{src}: low-latency shapes, but the buffer is made with "
-                             f"low_latency_mode=False")
+            if ferry_shapes is not None:
+                raise ValueError(f"{src}: low-latency shapes, but the buffer is made with "
+                                 f"low_latency_mode=False")
+            shapes = []  # the variable is for the process's low-latency buffers
         # allow_mnnvl: DeepEP's "use multi-node NVLink if present". ferry has
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
@@ -464,6 +474,9 @@ class Buffer:
         fp8, rs, ue = kind != "bf16", kind in ("fp8_round", "fp8_ue8m0"), kind == "fp8_ue8m0"
         if torch.cuda.is_available():
             x = torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
+            # (the zero-copy combine inputs, [E_local, N*T, H] bf16 per buffer
+            # set, stay made at the first get_next_low_latency_combine_buffer:
+            # most callers never ask, and they are large)
             self._plan(x, E, K, H, T, fp8, rs, ue)
         else:
             self._ep(E, K, H, T, fp8, "cpu", rs, ue)
@@ -765,14 +778,20 @@ class Buffer:
         if rank_to_mask == self.rank:
             raise ValueError(f"rank_to_mask: {rank_to_mask} is this rank (a rank masks its "
                              f"peers, never itself)")
-        done = []  # all the contexts or none: a refusal takes the others back
+        mask = bool(mask)
+        done = []  # all the contexts or none: a refusal takes back what changed
         try:
             for ep in self._eps.values():
-                ep.mask_rank(rank_to_mask, bool(mask))
+                if bool(int(ep.mask_query()[rank_to_mask])) == mask:
+                    continue  # already so (set here, or by a wait with enable_shrink)
+                ep.mask_rank(rank_to_mask, mask)
                 done.append(ep)
         except Exception:
             for ep in done:  # no round ran since: taking it back is allowed
-                ep.mask_rank(rank_to_mask, not mask)
+                try:
+                    ep.mask_rank(rank_to_mask, not mask)
+                except Exception:
+                    pass  # the first error is the one to report
             raise
         if mask:
             self._masked.add(rank_to_mask)

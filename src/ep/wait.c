@@ -210,7 +210,7 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
                     fr_flag_ptr(L, ep->flags, phase, set, s), __ATOMIC_ACQUIRE);
                 if (v == epoch || fr_ep_masked(ep, s))
                     continue;
-                if (shrink) {
+                if (shrink && s != ep->rank) { /* never masks itself */
                     fr_mask_gone(ep, s, epoch, what, "sent nothing within FERRY_TIMEOUT_MS");
                     continue;
                 }

@@ -271,7 +271,7 @@ static __device__ int fr_cu_wait_peer(const fr_cu_args_t &A, int phase, int set,
     const unsigned long long *flag =
         (const unsigned long long *)(A.flags + fr_off_flag(&A.L, phase, set, s));
     unsigned long long target = fr_cu_target(A, epoch);
-    if (!A.mask_on_timeout)
+    if (!A.mask_on_timeout || s == A.rank) /* never masks itself */
         return fr_cu_wait_flag(A, flag, target, s, what) ? 1 : 0;
     unsigned long long *dw = A.decide + ((size_t)phase * FR_NSETS + set) * A.N + s;
     unsigned long long t0 = fr_sys_timer();
