@@ -221,16 +221,8 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu"), shrink=False):
                 xs.append(xs_s)
                 ids.append(cut(idx_s))
             x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
-            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=fp8)
-            err = check_round(rank, N, E, K, xs, ids, recv, count,
-                              (handle.src_rank, handle[0]), fp8)
-            if err:
-                msgs.append(f"masked round {rnd} fp8={fp8}: dispatch: {err}")
-            y = expert_outputs(rank, El, recv, count, fp8, dev)
-            out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-            err = combine_error(out, combine_ref(x, cut(idx), w, fp8))
-            if err:
-                msgs.append(f"masked round {rnd} fp8={fp8}: combine: {err}")
+            checked_round(msgs, f"masked round {rnd} fp8={fp8}", buf, rank, N, E, K, T, fp8,
+                          dev, x, idx, w, xs, ids, cut(idx))
     if shrink:  # found by the waits; refused back as a mask set here is
         buf.low_latency_query_mask_buffer(st)
         if st.tolist() != [int(r == victim) for r in range(N)]:
@@ -252,6 +244,21 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu"), shrink=False):
     return msgs
 
 
+def checked_round(msgs, what, buf, rank, N, E, K, T, fp8, dev, x, idx, w, xs, ids, ref_idx):
+    """One low-latency round of buf with x, idx, w; the dispatch checked
+    against every rank's inputs (xs, ids: as the receiver should see them),
+    the combine against ref_idx's slots; failures appended to msgs."""
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=fp8)
+    err = check_round(rank, N, E, K, xs, ids, recv, count, (handle.src_rank, handle[0]), fp8)
+    if err:
+        msgs.append(f"{what}: dispatch: {err}")
+    y = expert_outputs(rank, E // N, recv, count, fp8, dev)
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    err = combine_error(out, combine_ref(x, ref_idx, w, fp8))
+    if err:
+        msgs.append(f"{what}: combine: {err}")
+
+
 def declared_shapes(deep_ep, rank, N):
     """ferry_shapes / FERRY_DEEP_EP_SHAPES: the declared shapes' contexts are
     made in Buffer() (collectively, beside the communicator), so the first
@@ -264,7 +271,6 @@ def declared_shapes(deep_ep, rank, N):
     if torch.cuda.is_available():
         return msgs
     E, K, H, T = 4 * N, 3, 256, 12
-    El = E // N
     W = torch.distributed.group.WORLD
     for bad in ([(E, K, H)], "8,2,256,16,fp4", "a,b,c,d", (E, K, H, T), 7,
                 [(E, K, 256, T, "fp8_ue8m0")]):
@@ -295,19 +301,11 @@ def declared_shapes(deep_ep, rank, N):
         x, idx, w = make_inputs(rank, 80 + rnd, T2, H, E, K, dev)
         xs, ids = gather_all(N, x, idx)
         before = len(buf._eps)
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T2, E, use_fp8=fp8)
+        checked_round(msgs, f"declared shape T={T2} fp8={fp8}", buf, rank, N, E, K, T2, fp8,
+                      dev, x, idx, w, xs, ids, idx)
         grew = len(buf._eps) - before
         if grew != (0 if T2 == T else 1):
             msgs.append(f"dispatch T={T2} fp8={fp8}: {grew} contexts made at the call")
-        err = check_round(rank, N, E, K, xs, ids, recv, count,
-                          (handle.src_rank, handle[0]), fp8)
-        if err:
-            msgs.append(f"declared shape T={T2} fp8={fp8}: dispatch: {err}")
-        y = expert_outputs(rank, El, recv, count, fp8, dev)
-        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-        err = combine_error(out, combine_ref(x, idx, w, fp8))
-        if err:
-            msgs.append(f"declared shape T={T2} fp8={fp8}: combine: {err}")
     buf.destroy()
     return msgs
 
