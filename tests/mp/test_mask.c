@@ -16,6 +16,8 @@
  *       dispatch: its rows are in round 3's dispatch, its replies missing
  *       from the combine (slots on its experts count 0); under
  *       FERRY_TRANSPORT=fabric both expect the create's refusal
+ *   test_mask -n N shrink_two V ...  two rounds in flight: V dies between
+ *       the dispatches of rounds 3 and 4, both combined after (run_two)
  *   test_mask -n 2 graph 0 cuda   a CUDA graph of a round captured with no
  *       rank masked, replayed after masking: FERRY_ERR_STATE saying to
  *       capture again (the kernel without the mask never runs masked)
@@ -337,6 +339,136 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
     return fr_test_result();
 }
 
+/* run_two's dispatch of `round` with b's buffers, checked against sd */
+static int two_dispatch(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *s, const fw_spec_t *sd,
+                        const ferry_ep_layout_t *lay, int round, int me, fw_input_t *in,
+                        uint64_t *r)
+{
+    size_t cap = (size_t)lay->expert_capacity, El = (size_t)lay->num_local_experts;
+    fw_generate(s, (uint64_t)round, me, in);
+    h2d(b->x, in->x, (size_t)in->T * s->H * 2);
+    h2d(b->idx, in->idx, (size_t)in->T * s->K * 8);
+    h2d(b->w, in->w, (size_t)in->T * s->K * 4);
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in->T, .x = b->x,
+                               .topk_idx = (const int64_t *)b->idx};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b->ex,
+                                 .expert_x_scales = s->fp8 ? (float *)b->exs : NULL,
+                                 .expert_num_tokens = (int32_t *)b->cnt,
+                                 .expert_src_rank = (int32_t *)b->sr,
+                                 .expert_src_token = (int32_t *)b->st};
+    int rc = ferry_dispatch_send(ep, &din, r);
+    if (rc == FERRY_OK)
+        rc = ferry_dispatch_recv(ep, *r, &dout);
+    if (rc == FERRY_OK && on_gpu)
+        rc = ferry_ep_sync(ep, NULL);
+    CHECK(rc == FERRY_OK, "rank %d: round %d dispatch: %s", me, round, ferry_ep_last_error(ep));
+    if (rc != FERRY_OK)
+        return rc;
+    d2h(b->hcnt, b->cnt, El * 4);
+    d2h(b->hex, b->ex, lay->expert_x_bytes);
+    if (s->fp8)
+        d2h(b->hexs, b->exs, lay->expert_scales_bytes);
+    d2h(b->hsr, b->sr, El * cap * 4);
+    d2h(b->hst, b->st, El * cap * 4);
+    long bad = fw_check_dispatch(sd, (uint64_t)round, me, b->hex, s->fp8 ? b->hexs : NULL,
+                                 b->hcnt, b->hsr, b->hst, cap, 3);
+    CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round, bad);
+    fw_run_experts(s, me, b->hex, s->fp8 ? b->hexs : NULL, b->hcnt, cap, b->hey);
+    h2d(b->ey, b->hey, lay->expert_y_bytes);
+    return FERRY_OK;
+}
+
+/* run_two's combine of round r (its inputs in), checked against sc's cut */
+static void two_combine(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *sc, int round, uint64_t r,
+                        int me, const fw_input_t *in, fw_input_t *in_m)
+{
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b->ey};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b->w,
+                                .out = b->out};
+    int rc = ferry_combine_send(ep, r, &cin);
+    if (rc == FERRY_OK)
+        rc = ferry_combine_recv(ep, r, &cout);
+    if (rc == FERRY_OK && on_gpu)
+        rc = ferry_ep_sync(ep, NULL);
+    CHECK(rc == FERRY_OK, "rank %d: round %d combine: %s", me, round, ferry_ep_last_error(ep));
+    if (rc != FERRY_OK)
+        return;
+    fw_generate(sc, (uint64_t)round, me, in_m); /* the same tokens, cut routing */
+    d2h(b->hout, b->out, (size_t)in->T * sc->H * 2);
+    long bad = fw_check_combine(sc, (uint64_t)round, me, in_m, b->hout, 3);
+    CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round, bad);
+}
+
+/* Two rounds in flight with mask_on_timeout: rounds 3 and 4 are both
+ * dispatched before either is combined, and V dies after its round-3
+ * dispatch. Round 3: V's rows in, its replies missing (the slots sent to
+ * it count 0); round 4: nothing from V (masked by the wait), its slots 0;
+ * then rounds 5 and 6 without it. */
+static int run_two(ferry_comm_t comm, int victim, int fp8)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 24, .fp8 = fp8,
+                   .zipf_s = 0.8, .mask_p = 0.05, .vary_tokens = 1, .empty_p = 0.15,
+                   .seed = 91};
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s.E;
+    cfg.topk = s.K;
+    cfg.hidden = s.H;
+    cfg.max_tokens = s.T;
+    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
+    cfg.mask_on_timeout = 1;
+    ferry_ep_t ep = NULL;
+    if ((rc = ferry_ep_create(comm, &cfg, &ep)) != FERRY_OK) {
+        fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
+        return 1;
+    }
+    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_get_layout(ep, &lay);
+    mbufs_t b[2];
+    fw_input_t in[2], in_m;
+    for (int i = 0; i < 2; i++) {
+        mbufs_init(&b[i], &s, &lay);
+        fw_input_alloc(&s, &in[i]);
+    }
+    fw_input_alloc(&s, &in_m);
+    int32_t *mask = calloc((size_t)N, sizeof(int32_t));
+    mask[victim] = 1;
+    fw_spec_t sm = s; /* V gone */
+    sm.masked = mask;
+    uint64_t r[2];
+    for (int round = 1; round <= 6 && !fr_test_failures; round++) {
+        if (round == 3) {
+            if (two_dispatch(ep, &b[0], &s, &s, &lay, 3, me, &in[0], &r[0]))
+                break;
+            if (me == victim) {
+                usleep(300 * 1000); /* its round-3 records land; nothing more */
+                raise(SIGKILL);
+            }
+            if (two_dispatch(ep, &b[1], &s, &sm, &lay, 4, me, &in[1], &r[1]))
+                break;
+            two_combine(ep, &b[0], &sm, 3, r[0], me, &in[0], &in_m);
+            two_combine(ep, &b[1], &sm, 4, r[1], me, &in[1], &in_m);
+            round = 4;
+            continue;
+        }
+        const fw_spec_t *ref = round < 3 ? &s : &sm;
+        if (two_dispatch(ep, &b[0], &s, ref, &lay, round, me, &in[0], &r[0]))
+            break;
+        two_combine(ep, &b[0], ref, round, r[0], me, &in[0], &in_m);
+    }
+    if (me != victim)
+        check_query(ep, &b[0], N, mask, me);
+    ferry_ep_destroy(ep);
+    for (int i = 0; i < 2; i++) {
+        mbufs_free(&b[i]);
+        fw_input_free(&in[i]);
+    }
+    fw_input_free(&in_m);
+    free(mask);
+    return fr_test_result();
+}
+
 #ifdef FERRY_HAVE_CUDA
 /* A CUDA graph of a round captured with no rank masked, replayed after
  * each rank masked the other: the round fails (FERRY_ERR_STATE, saying to
@@ -418,11 +550,14 @@ int main(int argc, char **argv)
     }
     int graph = strcmp(mode, "graph") == 0;
     int shrink = strcmp(mode, "shrink") == 0 ? 1 : strcmp(mode, "shrink_comb") == 0 ? 2 : 0;
+    int two = strcmp(mode, "shrink_two") == 0;
+    shrink = shrink ? shrink : two ? 3 : 0;
     const char *tr = getenv("FERRY_TRANSPORT");
     int refused = shrink && tr && strcmp(tr, "fabric") == 0; /* no one dies */
     int die = strcmp(mode, "kill") == 0 || (shrink && !refused);
     if (!die && !graph && !shrink && strcmp(mode, "leave") != 0) {
-        fprintf(stderr, "usage: test_mask -n N kill|leave|shrink|shrink_comb V [fp8] [cuda]; "
+        fprintf(stderr, "usage: test_mask -n N kill|leave|shrink|shrink_comb|shrink_two V [fp8] "
+                        "[cuda]; "
                         "test_mask -n 2 graph 0 cuda\n");
         return 2;
     }
@@ -459,9 +594,10 @@ int main(int argc, char **argv)
     }
     int me = ferry_comm_rank(comm);
 #ifdef FERRY_HAVE_CUDA
-    rc = graph ? run_graph(comm) : run(comm, victim, die, fp8, shrink);
+    rc = graph ? run_graph(comm) : two ? run_two(comm, victim, fp8)
+                                      : run(comm, victim, die, fp8, shrink);
 #else
-    rc = run(comm, victim, die, fp8, shrink);
+    rc = two ? run_two(comm, victim, fp8) : run(comm, victim, die, fp8, shrink);
 #endif
     ferry_comm_destroy(comm);
     verdict(me, rc ? "bad" : "ok");
