@@ -178,6 +178,96 @@ static void check_mask_errors(ferry_ep_t ep, int N, int me, int victim)
           ferry_ep_last_error(ep));
 }
 
+/* The dispatch of `round` (this rank's inputs from s) with b's buffers,
+ * checked against sd (no row from a rank sd masks), then the experts run;
+ * probe >= 0: between its send and its receive, a mask change (of a rank
+ * other than probe) is refused as inside a round. */
+static int mask_dispatch(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *s, const fw_spec_t *sd,
+                         const ferry_ep_layout_t *lay, int round, int me, fw_input_t *in,
+                         uint64_t *r, int probe)
+{
+    int N = s->N;
+    size_t cap = (size_t)lay->expert_capacity, El = (size_t)lay->num_local_experts;
+    fw_generate(s, (uint64_t)round, me, in);
+    h2d(b->x, in->x, (size_t)in->T * s->H * 2);
+    h2d(b->idx, in->idx, (size_t)in->T * s->K * 8);
+    h2d(b->w, in->w, (size_t)in->T * s->K * 4);
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in->T, .x = b->x,
+                               .topk_idx = (const int64_t *)b->idx};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b->ex,
+                                 .expert_x_scales = s->fp8 ? (float *)b->exs : NULL,
+                                 .expert_num_tokens = (int32_t *)b->cnt,
+                                 .expert_src_rank = (int32_t *)b->sr,
+                                 .expert_src_token = (int32_t *)b->st};
+    int rc = ferry_dispatch_send(ep, &din, r);
+    if (rc == FERRY_OK && probe >= 0) { /* inside a round: refused, the round goes on */
+        int m = ferry_ep_mask_rank(ep, (me + 1) % N == probe ? (me + 2) % N : (me + 1) % N, 1,
+                                   NULL);
+        CHECK(N < 3 || (m == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "in flight")),
+              "mask inside a round: %d %s", m, ferry_ep_last_error(ep));
+    }
+    if (rc == FERRY_OK)
+        rc = ferry_dispatch_recv(ep, *r, &dout);
+    if (rc == FERRY_OK && on_gpu)
+        rc = ferry_ep_sync(ep, NULL);
+    CHECK(rc == FERRY_OK, "rank %d: round %d dispatch: %s", me, round, ferry_ep_last_error(ep));
+    if (rc != FERRY_OK)
+        return rc;
+    d2h(b->hcnt, b->cnt, El * 4);
+    d2h(b->hex, b->ex, lay->expert_x_bytes);
+    if (s->fp8)
+        d2h(b->hexs, b->exs, lay->expert_scales_bytes);
+    d2h(b->hsr, b->sr, El * cap * 4);
+    d2h(b->hst, b->st, El * cap * 4);
+    long bad = fw_check_dispatch(sd, (uint64_t)round, me, b->hex, s->fp8 ? b->hexs : NULL,
+                                 b->hcnt, b->hsr, b->hst, cap, 3);
+    CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round, bad);
+    for (size_t i = 0; i < El * cap && sd->masked; i++)
+        CHECK((size_t)(i % cap) >= (size_t)b->hcnt[i / cap] || b->hsr[i] < 0 ||
+                  b->hsr[i] >= N || !sd->masked[b->hsr[i]],
+              "rank %d: round %d: a row from masked rank %d", me, round, b->hsr[i]);
+    fw_run_experts(s, me, b->hex, s->fp8 ? b->hexs : NULL, b->hcnt, cap, b->hey);
+    h2d(b->ey, b->hey, lay->expert_y_bytes);
+    return FERRY_OK;
+}
+
+/* The combine of round r (this rank's inputs in), checked against the
+ * same tokens with sc's cut routing (in_m: scratch). */
+static int mask_combine(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *sc, int round, uint64_t r,
+                        int me, const fw_input_t *in, fw_input_t *in_m)
+{
+    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b->ey};
+    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b->w,
+                                .out = b->out};
+    int rc = ferry_combine_send(ep, r, &cin);
+    if (rc == FERRY_OK)
+        rc = ferry_combine_recv(ep, r, &cout);
+    if (rc == FERRY_OK && on_gpu)
+        rc = ferry_ep_sync(ep, NULL);
+    CHECK(rc == FERRY_OK, "rank %d: round %d combine: %s", me, round, ferry_ep_last_error(ep));
+    if (rc != FERRY_OK)
+        return rc;
+    fw_generate(sc, (uint64_t)round, me, in_m); /* the same tokens, cut routing */
+    d2h(b->hout, b->out, (size_t)in->T * sc->H * 2);
+    long bad = fw_check_combine(sc, (uint64_t)round, me, in_m, b->hout, 3);
+    CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round, bad);
+    return FERRY_OK;
+}
+
+/* The context of spec s (CPU or CUDA ranks), mask_on_timeout as asked. */
+static ferry_ep_config_t mask_cfg(const fw_spec_t *s, int mask_on_timeout)
+{
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = s->E;
+    cfg.topk = s->K;
+    cfg.hidden = s->H;
+    cfg.max_tokens = s->T;
+    cfg.dispatch_dtype = s->fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
+    cfg.mask_on_timeout = mask_on_timeout;
+    return cfg;
+}
+
 /* shrink: 0 the survivors mask V themselves; 1 V dies at the start of
  * round 3 and 2 after its round-3 dispatch, found by the context's
  * mask_on_timeout */
@@ -187,14 +277,7 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
     fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 24, .fp8 = fp8,
                    .zipf_s = 0.8, .mask_p = 0.05, .vary_tokens = 1, .empty_p = 0.15,
                    .seed = 77};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = s.E;
-    cfg.topk = s.K;
-    cfg.hidden = s.H;
-    cfg.max_tokens = s.T;
-    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
-    cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
-    cfg.mask_on_timeout = shrink > 0;
+    ferry_ep_config_t cfg = mask_cfg(&s, shrink > 0);
     ferry_ep_t ep = NULL;
     const char *tr = getenv("FERRY_TRANSPORT");
     if (shrink && tr && strcmp(tr, "fabric") == 0) {
@@ -214,7 +297,6 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
     }
     ferry_ep_layout_t lay = {.size = sizeof(lay)};
     ferry_ep_get_layout(ep, &lay);
-    size_t cap = (size_t)lay.expert_capacity, El = (size_t)lay.num_local_experts;
     fw_spec_t sc = s; /* the combine's reference (V's slots cut from round 3 on) */
     mbufs_t b;
     mbufs_init(&b, &s, &lay);
@@ -252,72 +334,16 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
         }
         if (round_i == 4 && shrink == 2)
             sm.masked = mask;
-        fw_generate(&s, (uint64_t)round_i, me, &in);
-        fw_generate(&sc, (uint64_t)round_i, me, &in_m); /* the same tokens, cut routing */
-        h2d(b.x, in.x, (size_t)in.T * s.H * 2);
-        h2d(b.idx, in.idx, (size_t)in.T * s.K * 8);
-        h2d(b.w, in.w, (size_t)in.T * s.K * 4);
-        ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in.T, .x = b.x,
-                                   .topk_idx = (const int64_t *)b.idx};
-        ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
-                                     .expert_x_scales = fp8 ? (float *)b.exs : NULL,
-                                     .expert_num_tokens = (int32_t *)b.cnt,
-                                     .expert_src_rank = (int32_t *)b.sr,
-                                     .expert_src_token = (int32_t *)b.st};
         uint64_t r = 0;
-        rc = ferry_dispatch_send(ep, &din, &r);
-        if (rc == FERRY_OK && round_i == 4) {
-            /* inside a round: refused, the round goes on */
-            int m = ferry_ep_mask_rank(ep, (me + 1) % N == victim ? (me + 2) % N : (me + 1) % N,
-                                       1, NULL);
-            CHECK(N < 3 || (m == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "in flight")),
-                  "mask inside a round: %d %s", m, ferry_ep_last_error(ep));
-        }
-        if (rc == FERRY_OK)
-            rc = ferry_dispatch_recv(ep, r, &dout);
-        if (rc == FERRY_OK && on_gpu)
-            rc = ferry_ep_sync(ep, NULL);
+        if (mask_dispatch(ep, &b, &s, &sm, &lay, round_i, me, &in, &r,
+                          round_i == 4 ? victim : -1))
+            break;
         if (round_i == 3 && shrink == 2 && me == victim) {
             usleep(300 * 1000); /* its records land; its replies never come */
             raise(SIGKILL);
         }
-        if (rc != FERRY_OK) {
-            fprintf(stderr, "rank %d: round %d dispatch: %s: %s\n", me, round_i,
-                    ferry_strerror(rc), ferry_ep_last_error(ep));
-            fr_test_failures++;
+        if (mask_combine(ep, &b, &sc, round_i, r, me, &in, &in_m))
             break;
-        }
-        d2h(b.hcnt, b.cnt, El * 4);
-        d2h(b.hex, b.ex, lay.expert_x_bytes);
-        if (fp8)
-            d2h(b.hexs, b.exs, lay.expert_scales_bytes);
-        d2h(b.hsr, b.sr, El * cap * 4);
-        d2h(b.hst, b.st, El * cap * 4);
-        long bad = fw_check_dispatch(&sm, (uint64_t)round_i, me, b.hex, fp8 ? b.hexs : NULL,
-                                     b.hcnt, b.hsr, b.hst, cap, 3);
-        CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round_i, bad);
-        for (size_t i = 0; i < El * cap && sm.masked; i++)
-            CHECK(b.hsr[i] != victim || (size_t)(i % cap) >= (size_t)b.hcnt[i / cap],
-                  "rank %d: round %d: a row from masked rank %d", me, round_i, victim);
-        fw_run_experts(&s, me, b.hex, fp8 ? b.hexs : NULL, b.hcnt, cap, b.hey);
-        h2d(b.ey, b.hey, lay.expert_y_bytes);
-        ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b.ey};
-        ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b.w,
-                                    .out = b.out};
-        rc = ferry_combine_send(ep, r, &cin);
-        if (rc == FERRY_OK)
-            rc = ferry_combine_recv(ep, r, &cout);
-        if (rc == FERRY_OK && on_gpu)
-            rc = ferry_ep_sync(ep, NULL);
-        if (rc != FERRY_OK) {
-            fprintf(stderr, "rank %d: round %d combine: %s: %s\n", me, round_i,
-                    ferry_strerror(rc), ferry_ep_last_error(ep));
-            fr_test_failures++;
-            break;
-        }
-        d2h(b.hout, b.out, (size_t)in.T * s.H * 2);
-        bad = fw_check_combine(&sm, (uint64_t)round_i, me, &in_m, b.hout, 3);
-        CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round_i, bad);
         if (round_i == 3 && shrink)
             check_query(ep, &b, N, mask, me); /* found by the timeout */
         if (round_i == 3) {
@@ -339,66 +365,6 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
     return fr_test_result();
 }
 
-/* run_two's dispatch of `round` with b's buffers, checked against sd */
-static int two_dispatch(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *s, const fw_spec_t *sd,
-                        const ferry_ep_layout_t *lay, int round, int me, fw_input_t *in,
-                        uint64_t *r)
-{
-    size_t cap = (size_t)lay->expert_capacity, El = (size_t)lay->num_local_experts;
-    fw_generate(s, (uint64_t)round, me, in);
-    h2d(b->x, in->x, (size_t)in->T * s->H * 2);
-    h2d(b->idx, in->idx, (size_t)in->T * s->K * 8);
-    h2d(b->w, in->w, (size_t)in->T * s->K * 4);
-    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = in->T, .x = b->x,
-                               .topk_idx = (const int64_t *)b->idx};
-    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b->ex,
-                                 .expert_x_scales = s->fp8 ? (float *)b->exs : NULL,
-                                 .expert_num_tokens = (int32_t *)b->cnt,
-                                 .expert_src_rank = (int32_t *)b->sr,
-                                 .expert_src_token = (int32_t *)b->st};
-    int rc = ferry_dispatch_send(ep, &din, r);
-    if (rc == FERRY_OK)
-        rc = ferry_dispatch_recv(ep, *r, &dout);
-    if (rc == FERRY_OK && on_gpu)
-        rc = ferry_ep_sync(ep, NULL);
-    CHECK(rc == FERRY_OK, "rank %d: round %d dispatch: %s", me, round, ferry_ep_last_error(ep));
-    if (rc != FERRY_OK)
-        return rc;
-    d2h(b->hcnt, b->cnt, El * 4);
-    d2h(b->hex, b->ex, lay->expert_x_bytes);
-    if (s->fp8)
-        d2h(b->hexs, b->exs, lay->expert_scales_bytes);
-    d2h(b->hsr, b->sr, El * cap * 4);
-    d2h(b->hst, b->st, El * cap * 4);
-    long bad = fw_check_dispatch(sd, (uint64_t)round, me, b->hex, s->fp8 ? b->hexs : NULL,
-                                 b->hcnt, b->hsr, b->hst, cap, 3);
-    CHECK(bad == 0, "rank %d: round %d: %ld dispatch rows wrong", me, round, bad);
-    fw_run_experts(s, me, b->hex, s->fp8 ? b->hexs : NULL, b->hcnt, cap, b->hey);
-    h2d(b->ey, b->hey, lay->expert_y_bytes);
-    return FERRY_OK;
-}
-
-/* run_two's combine of round r (its inputs in), checked against sc's cut */
-static void two_combine(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *sc, int round, uint64_t r,
-                        int me, const fw_input_t *in, fw_input_t *in_m)
-{
-    ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = b->ey};
-    ferry_combine_out_t cout = {.size = sizeof(cout), .topk_weights = (const float *)b->w,
-                                .out = b->out};
-    int rc = ferry_combine_send(ep, r, &cin);
-    if (rc == FERRY_OK)
-        rc = ferry_combine_recv(ep, r, &cout);
-    if (rc == FERRY_OK && on_gpu)
-        rc = ferry_ep_sync(ep, NULL);
-    CHECK(rc == FERRY_OK, "rank %d: round %d combine: %s", me, round, ferry_ep_last_error(ep));
-    if (rc != FERRY_OK)
-        return;
-    fw_generate(sc, (uint64_t)round, me, in_m); /* the same tokens, cut routing */
-    d2h(b->hout, b->out, (size_t)in->T * sc->H * 2);
-    long bad = fw_check_combine(sc, (uint64_t)round, me, in_m, b->hout, 3);
-    CHECK(bad == 0, "rank %d: round %d: %ld combined tokens wrong", me, round, bad);
-}
-
 /* Two rounds in flight with mask_on_timeout: rounds 3 and 4 are both
  * dispatched before either is combined, and V dies after its round-3
  * dispatch. Round 3: V's rows in, its replies missing (the slots sent to
@@ -410,14 +376,7 @@ static int run_two(ferry_comm_t comm, int victim, int fp8)
     fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 24, .fp8 = fp8,
                    .zipf_s = 0.8, .mask_p = 0.05, .vary_tokens = 1, .empty_p = 0.15,
                    .seed = 91};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = s.E;
-    cfg.topk = s.K;
-    cfg.hidden = s.H;
-    cfg.max_tokens = s.T;
-    cfg.dispatch_dtype = fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
-    cfg.device = on_gpu ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
-    cfg.mask_on_timeout = 1;
+    ferry_ep_config_t cfg = mask_cfg(&s, 1);
     ferry_ep_t ep = NULL;
     if ((rc = ferry_ep_create(comm, &cfg, &ep)) != FERRY_OK) {
         fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
@@ -439,23 +398,23 @@ static int run_two(ferry_comm_t comm, int victim, int fp8)
     uint64_t r[2];
     for (int round = 1; round <= 6 && !fr_test_failures; round++) {
         if (round == 3) {
-            if (two_dispatch(ep, &b[0], &s, &s, &lay, 3, me, &in[0], &r[0]))
+            if (mask_dispatch(ep, &b[0], &s, &s, &lay, 3, me, &in[0], &r[0], -1))
                 break;
             if (me == victim) {
                 usleep(300 * 1000); /* its round-3 records land; nothing more */
                 raise(SIGKILL);
             }
-            if (two_dispatch(ep, &b[1], &s, &sm, &lay, 4, me, &in[1], &r[1]))
+            if (mask_dispatch(ep, &b[1], &s, &sm, &lay, 4, me, &in[1], &r[1], -1))
                 break;
-            two_combine(ep, &b[0], &sm, 3, r[0], me, &in[0], &in_m);
-            two_combine(ep, &b[1], &sm, 4, r[1], me, &in[1], &in_m);
+            mask_combine(ep, &b[0], &sm, 3, r[0], me, &in[0], &in_m);
+            mask_combine(ep, &b[1], &sm, 4, r[1], me, &in[1], &in_m);
             round = 4;
             continue;
         }
         const fw_spec_t *ref = round < 3 ? &s : &sm;
-        if (two_dispatch(ep, &b[0], &s, ref, &lay, round, me, &in[0], &r[0]))
+        if (mask_dispatch(ep, &b[0], &s, ref, &lay, round, me, &in[0], &r[0], -1))
             break;
-        two_combine(ep, &b[0], ref, round, r[0], me, &in[0], &in_m);
+        mask_combine(ep, &b[0], ref, round, r[0], me, &in[0], &in_m);
     }
     if (me != victim)
         check_query(ep, &b[0], N, mask, me);
@@ -477,12 +436,7 @@ static int run_graph(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
     fw_spec_t s = {.N = N, .E = 4 * N, .K = 4, .H = 256, .T = 16, .seed = 5};
-    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
-    cfg.num_experts = s.E;
-    cfg.topk = s.K;
-    cfg.hidden = s.H;
-    cfg.max_tokens = s.T;
-    cfg.device = FERRY_DEVICE_CUDA;
+    ferry_ep_config_t cfg = mask_cfg(&s, 0); /* CUDA: graph mode runs with cuda */
     ferry_ep_t ep = NULL;
     if (ferry_ep_create(comm, &cfg, &ep) != FERRY_OK) {
         fprintf(stderr, "rank %d: create: %s\n", me, ferry_comm_last_error(comm));
