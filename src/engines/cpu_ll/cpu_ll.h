@@ -29,7 +29,6 @@ typedef struct fr_cpu_ll {
     int32_t *pairs_rank; /* [N] */
     int32_t *fill;       /* [N] */
     int32_t *rec_next;   /* [N] */
-    uint32_t *comb_base; /* [N] */
     uint32_t *rcount;    /* [N] records per sender, as checked (dispatch_recv) */
     int32_t *expert_fill;/* [El] */
     float *acc;          /* [H] */

@@ -73,7 +73,7 @@ static void fr_pack_dest(ferry_ep_t ep, fr_cpu_round_t *cr, int d, int set,
         uint8_t *rec = base + fr_off_record(L, (uint32_t)c->rec_next[d]++);
         fr_rec_hdr_t *h = (fr_rec_hdr_t *)rec;
         uint16_t n = 0;
-        h->pair = (uint32_t)(c->fill[d] - (int32_t)c->comb_base[d]);
+        h->pair = (uint32_t)(c->fill[d] - (int32_t)cr->send_off[d]);
         for (int j = k; j < K; j++) {
             if (row[j] < 0 || row[j] / El != d)
                 continue;
@@ -103,7 +103,7 @@ static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set)
     h->epoch = r->epoch;
     h->count = (uint32_t)c->cnt_rank[d];
     h->npairs = (uint32_t)c->pairs_rank[d];
-    h->comb_off = c->comb_base[d];
+    h->comb_off = fr_cpu_round(ep, r)->send_off[d];
     if (ep->path[d] != FR_PATH_FABRIC) {
         __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH, set, ep->rank),
                          r->epoch, __ATOMIC_RELEASE);
@@ -153,13 +153,12 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             pairs[d]++;
         }
     }
-    /* Replies for rank d land in rows [comb_off_d, comb_off_d + pairs_d) of
-     * this rank's combine region; fill[] counts pairs handed out so far. */
+    /* Replies for rank d land in rows [send_off[d], send_off[d + 1]) of
+     * this rank's combine region (kept per round: the combine zeroes a
+     * masked rank's); fill[] counts pairs handed out so far. */
     uint32_t off = 0;
     int32_t *rec_next = c->rec_next;
-    uint32_t *h_comb_base = c->comb_base;
     for (int d = 0; d < N; d++) {
-        h_comb_base[d] = off;
         cr->send_off[d] = off;
         fill[d] = (int32_t)off;
         off += (uint32_t)pairs[d];

@@ -30,12 +30,11 @@ static int fr_cpu_alloc(ferry_ep_t ep, fr_cpu_ll_t *c, fr_err_t *err)
     c->pairs_rank = calloc((size_t)N, sizeof(int32_t));
     c->fill = calloc((size_t)N, sizeof(int32_t));
     c->rec_next = calloc((size_t)N, sizeof(int32_t));
-    c->comb_base = calloc((size_t)N, sizeof(uint32_t));
     c->rcount = calloc((size_t)N, sizeof(uint32_t));
     c->expert_fill = calloc((size_t)L->El, sizeof(int32_t));
     c->acc = calloc((size_t)L->H, sizeof(float));
     if (!c->qbuf || !c->qscales || !c->cnt_rank || !c->pairs_rank ||
-        !c->fill || !c->rec_next || !c->comb_base || !c->rcount || !c->expert_fill ||
+        !c->fill || !c->rec_next || !c->rcount || !c->expert_fill ||
         !c->acc)
         return FR_ERR(err, FERRY_ERR_NOMEM, "scratch buffers");
     if (ep->nfabric > 0) {
@@ -85,7 +84,6 @@ static void fr_cpu_free(ferry_ep_t ep)
     free(c->fill);
     free(c->rec_next);
     free(c->rcount);
-    free(c->comb_base);
     free(c->expert_fill);
     free(c->acc);
     free(c);
