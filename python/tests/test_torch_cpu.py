@@ -259,17 +259,20 @@ def checked_round(msgs, what, buf, rank, N, E, K, T, fp8, dev, x, idx, w, xs, id
         msgs.append(f"{what}: combine: {err}")
 
 
-def declared_shapes(deep_ep, rank, N):
+def declared_shapes(deep_ep, rank, N, dev=None):
     """ferry_shapes / FERRY_DEEP_EP_SHAPES: the declared shapes' contexts are
     made in Buffer() (collectively, beside the communicator), so the first
     dispatch of such a shape makes none; a shape not declared is still made
     at its first call; rounds of both checked; malformed declarations
-    refused naming the argument or the variable. (On a host with a GPU
-    declared shapes are made for CUDA tensors: the checks of what the CPU
-    calls make would not hold, so they are left out there.)"""
-    msgs, dev = [], torch.device("cpu")
-    if torch.cuda.is_available():
-        return msgs
+    refused naming the argument or the variable. dev: the tensors' device.
+    Declared shapes are made for CUDA tensors on a host with a GPU, so on
+    such a host the CPU run (dev None) leaves these checks out and
+    test_torch_ht_cuda.py runs them with dev a GPU."""
+    msgs = []
+    if dev is None:
+        if torch.cuda.is_available():
+            return msgs
+        dev = torch.device("cpu")
     E, K, H, T = 4 * N, 3, 256, 12
     W = torch.distributed.group.WORLD
     for bad in ([(E, K, H)], "8,2,256,16,fp4", "a,b,c,d", (E, K, H, T), 7,

@@ -19,7 +19,9 @@ machine; ranks may share one GPU). Usage: test_torch_ht_cuda.py [nranks]
      device (torch.set_default_device's mode, as DeepEP's tests run).
   3. deep_ep low latency on CUDA tensors: low_latency_update_mask_buffer
      (the last rank leaves, the others mask it and go on; rounds checked),
-     query, clean refused once a round ran with the mask.
+     query, clean refused once a round ran with the mask; shapes declared
+     to Buffer() (ferry_shapes, FERRY_DEEP_EP_SHAPES) made there for CUDA
+     tensors, their rounds checked.
 Exit 77 (skipped) without torch or a usable GPU.
 """
 import os
@@ -34,7 +36,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ranks import gather_all, torch_init, torch_main  # noqa: E402
-from test_torch_cpu import ll_mask, normal_deepep_checks  # noqa: E402
+from test_torch_cpu import declared_shapes, ll_mask, normal_deepep_checks  # noqa: E402
 
 
 def inputs(rank, rnd, T, H, E, K):
@@ -272,6 +274,8 @@ def rank_main(rank, N, port, q):
                  for m in normal_deepep_checks(deep_ep, rank, N, dev)]
         msgs += [f"deep_ep low latency, masking a rank: {m}"
                  for m in ll_mask(deep_ep, rank, N, dev)]
+        msgs += [f"deep_ep low latency, declared shapes: {m}"
+                 for m in declared_shapes(deep_ep, rank, N, dev)]
         # under torch.set_default_device's mode, as DeepEP's tests run (ferry
         # turns the mode off inside its calls: what it makes names its device)
         with torch.device(dev):
