@@ -44,6 +44,10 @@ kernel time of each operation from the PyTorch profiler (CUDA kernels whose
 name holds "dispatch" or "combine", summed per round; any other kernel
 launched by the calls is reported as "other"); p50 (p99) per operation.
 
+--gpus 1 runs a world of one rank (both libraries accept it): every token
+stays on the GPU, so it measures the kernels and the calls with no link in
+between, which is what a one-GPU machine can compare.
+
 Usage: python3 tools/bench_peers.py [--gpus N] [--shapes DeepSeek-V3,Qwen3-235B,Kimi-K2]
                                     [--tokens 1,32,128,256,512] [--iters 50] [--graph R]
                                     [--b2b R]
@@ -379,8 +383,9 @@ def main():
                          "calls): CUDA events around each call and profiler kernel time, "
                          "as DeepEP's tests/test_low_latency.py reports them")
     args = ap.parse_args()
-    if args.gpus < 2:
-        sys.exit("bench_peers: needs at least 2 GPUs (one process per GPU)")
+    if args.gpus < 1:
+        sys.exit("bench_peers: --gpus: at least 1 (one process per GPU; 1 is a world of one "
+                 "rank, nothing crossing a link)")
     if not args.tokens or min(args.tokens) < 1:
         sys.exit("bench_peers: --tokens: positive integers")
     N = args.gpus

@@ -635,6 +635,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int32_t *hall = hb + L.E, *smask = hall + L.E;
     __shared__ int s_T, s_bad;
     __shared__ unsigned long long s_epoch;
+    FR_TR_DECL;
+    FR_TR();
     if (threadIdx.x == 0) {
         int T = T_dev ? *T_dev : T_host;
         s_bad = fr_cu_failed(A);
@@ -666,7 +668,6 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         return epoch;
     int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
-    FR_TR_DECL;
     FR_TR();
     fr_ds_count<MK>(A, idx, T, start, sh, hb, hall, mk);
     __syncthreads();
@@ -721,7 +722,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     else
         fr_ds_finish_ipc(A, set, s_epoch, sh, sbase, hall, mk);
     FR_TR();
-    FR_TR_PRINT("dsend count,index,token,pack,finish", epoch);
+    FR_TR_PRINT("dsend prologue,count,index,token,pack,finish", epoch);
     return epoch;
 }
 
