@@ -40,6 +40,10 @@ static void usage(FILE *f)
             "      --warmup N       untimed rounds first (default 3)\n"
             "      --seed S         workload seed (default 1)\n"
             "      --transport auto|fabric   sets FERRY_TRANSPORT for the run\n"
+            "      --nodes N        split the ranks into N nodes, rank r on node\n"
+            "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
+            "                       use peer memory, the others the fabric path, as on\n"
+            "                       a cluster (default: the host names decide)\n"
             "      --device cpu|cuda\n"
             "      --sms N          CUDA: blocks the copy kernels use (default 16)\n"
             "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
@@ -78,7 +82,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
-        {"scales", 1, 0, 'x'},
+        {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
@@ -102,6 +106,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
+        case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
         case 'o': o->round_scale = 1; break;
         case 'x':
             if (strcmp(optarg, "rows") == 0) {
@@ -172,8 +177,9 @@ static int parse(int argc, char **argv, opts_t *o)
         fprintf(stderr, "ferry-bench: --graph needs --device cuda --no-check (low-latency mode)\n");
         return -1;
     }
-    if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {
-        fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
+    if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0 || o->nodes < 0) {
+        fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0, "
+                        "--nodes >= 1\n");
         return -1;
     }
     return 0;
@@ -494,9 +500,37 @@ static int teardown(bench_t *b, int status)
     return status;
 }
 
+/* --nodes: this rank's FERRY_NODE_ID from its rank and the world size (as
+ * the fork launcher, tests/cluster.sh or mpirun set them), before the
+ * communicator reads it. */
+static int split_nodes(const opts_t *o)
+{
+    const char *r = getenv("FERRY_RANK"), *n = getenv("FERRY_WORLD_SIZE");
+    if (!r || !n) {
+        r = getenv("OMPI_COMM_WORLD_RANK");
+        n = getenv("OMPI_COMM_WORLD_SIZE");
+    }
+    int rank = r ? atoi(r) : -1, size = n ? atoi(n) : 0;
+    if (rank < 0 || size < 1) {
+        fprintf(stderr, "ferry-bench: --nodes: this rank's number is unknown (FERRY_RANK "
+                        "or OMPI_COMM_WORLD_RANK unset)\n");
+        return 2;
+    }
+    if (o->nodes > size) {
+        fprintf(stderr, "ferry-bench: --nodes %d: more nodes than the %d ranks\n", o->nodes,
+                size);
+        return 2;
+    }
+    char id[32];
+    snprintf(id, sizeof(id), "bench-node%d", (int)((long)rank * o->nodes / size));
+    setenv("FERRY_NODE_ID", id, 1);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     fr_launch_drop_psm_handlers(); /* before anything can crash (launch.h) */
+    int rc0;
     opts_t o;
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (parse(argc, argv, &o) != 0)
@@ -512,6 +546,8 @@ int main(int argc, char **argv)
     } else if (o.transport) {
         setenv("FERRY_TRANSPORT", o.transport, 1);
     }
+    if (o.nodes > 0 && (rc0 = split_nodes(&o)) != 0)
+        return rc0;
 
     /* This process is one rank from here on. */
     bench_t b = {.o = &o};

@@ -20,6 +20,7 @@ typedef struct opts {
     int split;     /* --split: send and receive as two calls */
     int round_scale; /* --round-scale: fp8 scales rounded up to powers of two */
     int scales;      /* --scales: expert_x_scales layout (ferry_scales_layout_t) */
+    int nodes;       /* --nodes: ranks split into this many nodes (FERRY_NODE_ID) */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;

@@ -279,6 +279,13 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             setenv(fr_cfg_name(FR_CFG_ROOT), root, 1);
             setenv(fr_cfg_name(FR_CFG_SECRET), secret, 1);
             fr_boot_wipe(secret, sizeof(secret));
+            /* FERRY_LAUNCH_NODES=H (tests, benchmarks): rank i on node
+             * i * H / n, as if the job spanned H nodes */
+            const char *ln = getenv("FERRY_LAUNCH_NODES");
+            if (ln && atoi(ln) > 1) {
+                snprintf(v, sizeof(v), "launch-node%d", (int)((long)i * atoi(ln) / n));
+                setenv(fr_cfg_name(FR_CFG_NODE_ID), v, 1);
+            }
             *is_child = 1;
             return FERRY_OK;
         }

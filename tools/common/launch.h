@@ -33,7 +33,9 @@ int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err);
  * return 0 from this call with *is_child = 1. The parent waits for all of
  * them; when one fails or dies, the others get FERRY_TIMEOUT_MS plus 2 s to
  * finish before being killed. The parent returns the first non-zero exit
- * status (128+signal for a signal), or 0. */
+ * status (128+signal for a signal), or 0. With FERRY_LAUNCH_NODES=H set,
+ * child i also gets FERRY_NODE_ID "launch-nodeJ", J = i * H / n: the ranks
+ * act as H nodes (peer memory inside one, the fabric path between them). */
 int fr_launch_local(int n, int *is_child, fr_err_t *err);
 
 /* As fr_launch_local; a negative return is a ferry status (the launch itself

@@ -174,6 +174,9 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
         int nb = min(B, T - tb);
         for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
             int pos = cpos[(size_t)tb * K + i];
+            /* rows an IPC peer sent (peers on both paths): in iseg */
+            const uint8_t *rb = pos >= 0 && (pos & FR_CPOS_IPC) ? A.iseg : A.seg;
+            pos = pos >= 0 ? pos & ~FR_CPOS_IPC : pos;
             for (int j = 0; j < nscan && pos >= 0; j++) {
                 int d = ncut <= FR_CR_CUTS ? s_cut[j] : j;
                 if (ncut > FR_CR_CUTS && !(((volatile int32_t *)A.mask)[d] && spn[d] > 0))
@@ -185,7 +188,7 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
             srow[i] = pos < 0 || pr < 0 ? NULL
                       : pos >= cs && pos < cs + ns
                           ? self_y + (size_t)pr * L.crow
-                          : A.seg + fr_off_crecv(&L, set, (uint64_t)pos);
+                          : rb + fr_off_crecv(&L, set, (uint64_t)pos);
             sw[i] = w[(size_t)tb * K + i];
         }
         __syncthreads();
@@ -282,6 +285,8 @@ typedef struct fr_ipc_msg {
     cudaIpcMemHandle_t h;
     int device;
     int status;        /* this rank's segment set-up */
+    int fabric;        /* this rank has peers on the fabric path: it
+                          publishes flags as epochs (fr_cu_target) */
 } fr_ipc_msg_t;
 
 /* Where a rank whose peers are all on the fabric keeps its receive
@@ -382,14 +387,34 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
     FR_CU(cudaGetDevice(&c->device), err, fail);
     mine->device = c->device;
     c->host_seg = ep->nfabric > 0;
-    if (ep->nfabric > 0 && ep->nshm > 0)
+    mine->fabric = ep->nfabric > 0;
+    /* peers on both paths (ranks of one node among several): the fabric's
+     * receive region as with the fabric alone, and a GPU segment for the
+     * IPC peers, which is that region itself when it is GPU memory */
+    c->a.mixed = ep->nfabric > 0 && ep->nshm > 0;
+    if (c->a.mixed && L->crows >= (uint64_t)FR_CPOS_IPC)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "CUDA ranks with peers on both the IPC and fabric paths "
-                      "are not supported yet");
+                      "%llu combine rows per rank: with peers on both the IPC and fabric "
+                      "paths the CUDA engine takes fewer than %d (fewer ranks, tokens or "
+                      "top-k)", (unsigned long long)L->crows, FR_CPOS_IPC);
     if (c->host_seg) {
         rc = fr_cuda_fabric_mem(ep, c, err);
         if (rc != FERRY_OK)
             return rc;
+        if (c->a.mixed) {
+            uint8_t *is = ep->seg;
+            if (ep->fab_device < 0) { /* seg is host memory: a GPU one beside it */
+                FR_CU(cudaMalloc(&c->iseg_own, L->seg_bytes), err, fail);
+                FR_CU(cudaMemset(c->iseg_own, 0, L->seg_bytes), err, fail);
+                is = (uint8_t *)c->iseg_own;
+            }
+            FR_CU(cudaIpcGetMemHandle(&mine->h, is), err, fail);
+            c->a.iseg = is;
+            FR_LOG_INFO(FR_SUB_INIT, "peers on both paths: %d over IPC into %s, %d over the "
+                        "fabric", ep->nshm, c->iseg_own ? "a GPU segment of their own"
+                                                         : "the fabric's GPU segment",
+                        ep->nfabric);
+        }
         /* the proxy's tables: pinned host memory mapped into the GPU
          * (runtime/cuda_mem.h) */
         void *h;
@@ -463,6 +488,13 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             rc = FR_ERR(err, all[i].status,
                         "rank %d failed to set up its GPU segment (%s)", i,
                         ferry_strerror(all[i].status));
+    /* IPC peers read each other's flags: both must publish them alike */
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (ep->path[i] == FR_PATH_SHM && all[i].fabric != mine.fabric)
+            rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                        "rank %d, an IPC peer, %s peers on the fabric path and this rank %s: "
+                        "ranks of one node must see the same other nodes", i,
+                        all[i].fabric ? "has" : "has no", mine.fabric ? "has" : "has none");
     if (rc != FERRY_OK)
         goto fail;
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
@@ -545,6 +577,12 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             A->flags = ep->seg;
         }
         A->nfabric = ep->nfabric;
+        if (!A->mixed) { /* one place for every sender (mixed: set above) */
+            A->iseg = A->seg;
+            A->iflags = A->flags;
+        } else {
+            A->iflags = A->iseg; /* the flags at the head of the GPU segment */
+        }
         uint8_t **peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
         for (int i = 0; i < N; i++)
             peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];
@@ -595,6 +633,8 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
         fr_cuda_host_free(ep->slices);
         fr_cuda_host_free(ep->ready);
     }
+    if (c->iseg_own)
+        cudaFree(c->iseg_own);
     ep->seg = NULL;
     ep->send = NULL;
     ep->flags = NULL;

@@ -45,6 +45,13 @@ typedef struct fr_cu_args {
     uint8_t *flags;          /* own segment's header and flags: seg, or
                                 host-mapped when seg is GPU memory on the
                                 fabric path (the proxy stores the flags) */
+    uint8_t *iseg, *iflags;  /* where IPC senders write this rank's slices,
+                                combine rows (iseg) and flags (iflags): seg
+                                and flags unless peers are on both paths
+                                (mixed), then the GPU segment exported to
+                                them, which is seg itself when seg is GPU
+                                memory, else one of its own */
+    int mixed;               /* peers on both the IPC and fabric paths */
     unsigned long long *epoch; /* [2] per set */
     int32_t *ntok;           /* [2] */
     int32_t *rec_idx;        /* [2][T][N] */
@@ -86,6 +93,8 @@ struct fr_cuda_ep {
                                 ep->fab_device >= 0, else pinned host memory
                                 mapped into the GPU) */
     void *dev_seg, *dev_send, *dev_slices, *dev_flags, *dev_ready; /* GPU views */
+    void *iseg_own;          /* mixed paths with seg in host memory: the GPU
+                                segment IPC peers write (cudaMalloc'd here) */
     void *dmem;              /* one device allocation for the tables */
     uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
     int *err_host;
@@ -249,6 +258,24 @@ static __device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t 
 #define FR_CU_ROUND_SHIFT 20
 #define FR_CU_ROUND (1ull << FR_CU_ROUND_SHIFT)
 
+/* Where sender s's slices and combine rows land here (the segment it
+ * writes), and its flags: IPC senders' in iseg/iflags, self's and the
+ * fabric's in seg/flags (the same places unless A.mixed). */
+static __device__ __forceinline__ const uint8_t *fr_cu_rseg(const fr_cu_args_t &A, int s)
+{
+    return A.mixed && A.path[s] == FR_PATH_SHM ? A.iseg : A.seg;
+}
+
+static __device__ __forceinline__ const uint8_t *fr_cu_rflags(const fr_cu_args_t &A, int s)
+{
+    return A.mixed && A.path[s] == FR_PATH_SHM ? A.iflags : A.flags;
+}
+
+/* A combine position (comb_pos) whose rows an IPC peer writes, with peers
+ * on both paths: they are in iseg, not seg (the flag bit is cleared before
+ * the position is used; positions stay below it, fr_cuda_setup checks). */
+#define FR_CPOS_IPC (1 << 30)
+
 /* What a receiver waits for in (set)'s round of this epoch (set 1 counts
  * epochs 1, 3, 5..., set 0 2, 4, 6...). */
 static __device__ __forceinline__ unsigned long long fr_cu_target(const fr_cu_args_t &A,
@@ -269,7 +296,7 @@ static __device__ int fr_cu_wait_peer(const fr_cu_args_t &A, int phase, int set,
                                       unsigned long long epoch, int what)
 {
     const unsigned long long *flag =
-        (const unsigned long long *)(A.flags + fr_off_flag(&A.L, phase, set, s));
+        (const unsigned long long *)(fr_cu_rflags(A, s) + fr_off_flag(&A.L, phase, set, s));
     unsigned long long target = fr_cu_target(A, epoch);
     if (!A.mask_on_timeout || s == A.rank) /* never masks itself */
         return fr_cu_wait_flag(A, flag, target, s, what) ? 1 : 0;

@@ -311,7 +311,7 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
         before += j < k && r[j] >= lo && r[j] < hi;
     size_t at = ((size_t)set * L.T + t) * N + d;
     int pb = A.pair_base[at], ri = A.rec_idx[at];
-    *cpos = co[d] + pb + before;
+    *cpos = (co[d] + pb + before) | (A.mixed && A.path[d] == FR_PATH_SHM ? FR_CPOS_IPC : 0);
     if (before || mine)
         return;
     uint8_t *rec = sbase[d] + fr_off_record(&L, (uint32_t)ri);
@@ -744,7 +744,7 @@ static __device__ int fr_dr_wait(const fr_cu_args_t &A, int set, int s,
     /* each field read once (a peer can write the header again): what is
      * checked is what is used */
     const volatile fr_slice_hdr_t *h =
-        (const volatile fr_slice_hdr_t *)(A.seg + fr_off_drecv(&L, set, s));
+        (const volatile fr_slice_hdr_t *)(fr_cu_rseg(A, s) + fr_off_drecv(&L, set, s));
     uint32_t magic = h->magic, sender = h->sender, cnt = h->count, np = h->npairs;
     uint32_t co = h->comb_off;
     unsigned long long ep = h->epoch;
@@ -889,7 +889,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         if (s_skip)
             continue;
         int count = s_count, np = s_np;
-        const uint8_t *slice = A.seg + fr_off_drecv(&L, set, s);
+        const uint8_t *slice = fr_cu_rseg(A, s) + fr_off_drecv(&L, set, s);
         const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
         for (int le = threadIdx.x; le < El; le += blockDim.x) {
             int b = run[le];

@@ -1,0 +1,26 @@
+#!/bin/bash
+# A GPU case whose ranks have peers on both paths (IPC inside a node, the
+# fabric between nodes): runs COMMAND and fails unless it succeeds and
+# exactly N processes report both paths ("peers on both paths", the CUDA
+# engine's set-up line); N 0 takes the command's status alone (a case
+# whose ranks fail on purpose). Exits 77 (skip) saying why where no GPU
+# is usable. Usage: tests/gpu_nodes.sh N COMMAND...   ($B: the build folder)
+why=$("$B/bin/ferry-info" --cuda 2>&1)
+if [ $? -ne 0 ]; then
+  echo "skipped: no usable GPU here: $why"
+  exit 77
+fi
+want=$1
+shift
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+FERRY_LOG=${FERRY_LOG:-INFO} FERRY_LOG_SUBSYS=${FERRY_LOG_SUBSYS:-INIT} "$@" > "$log" 2>&1
+rc=$?
+grep -v "INFO" "$log" | tail -25
+[ "$want" -eq 0 ] && exit $rc
+# distinct processes (a log line starts host:pid:rank)
+n=$(grep "peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+echo "ranks with peers on both paths: $n (want $want)"
+[ $rc -ne 0 ] && exit $rc
+[ "$n" -eq "$want" ] || exit 1
+exit 0
