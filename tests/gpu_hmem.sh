@@ -4,7 +4,7 @@
 # built with CUDA: FERRY_HMEM_LIBFABRIC names its lib folder (see
 # docs/benchmarks.md, "GPU memory on the fabric path"). The case fails
 # unless every rank says its regions are GPU memory registered with
-# FI_HMEM. Exits 77 (skip) saying why where there is no GPU or no such
+# FI_HMEM (FERRY_HMEM_BOTH: see below). Exits 77 (skip) saying why where there is no GPU or no such
 # libfabric. Usage: tests/gpu_hmem.sh COMMAND...   ($B: the build folder)
 why=$("$B/bin/ferry-info" --cuda 2>&1)
 if [ $? -ne 0 ]; then
@@ -39,4 +39,13 @@ fi
 if [ "$n" -lt 1 ] || [ "$h" -gt 0 ]; then
   echo "FAIL: a rank kept its fabric regions in host memory"
   exit 1
+fi
+# FERRY_HMEM_BOTH=N: exactly N processes must also have peers on both paths
+# (IPC inside a node, the fabric between nodes; a log line starts
+# host:pid:rank)
+if [ -n "${FERRY_HMEM_BOTH:-}" ]; then
+  b=$(grep "peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+  echo "gpu_hmem: $b rank(s) with peers on both paths (want $FERRY_HMEM_BOTH)"
+  grep -m1 "peers on both paths" "$log"
+  [ "$b" -eq "$FERRY_HMEM_BOTH" ] || exit 1
 fi
