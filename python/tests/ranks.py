@@ -33,10 +33,15 @@ def gather_all(N, *objs):
 
 def torch_init(rank, N, port):
     """torch tests: this rank's gloo process group on 127.0.0.1:port (from
-    run_ranks), with ferry's timeout at 20 s."""
+    run_ranks), with ferry's timeout at 20 s. FERRY_TEST_NODES=H: rank r
+    on node r * H / N (FERRY_NODE_ID), so ranks of one node use peer memory
+    and the others the fabric path, as on a cluster."""
     import os
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FERRY_TIMEOUT_MS="20000")
+    nodes = int(os.environ.get("FERRY_TEST_NODES", "0") or 0)
+    if nodes > 1:
+        os.environ["FERRY_NODE_ID"] = f"test-node{rank * nodes // N}"
     dist.init_process_group("gloo", rank=rank, world_size=N)
 
 
