@@ -14,7 +14,7 @@ want=$1
 shift
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-FERRY_LOG=${FERRY_LOG:-INFO} FERRY_LOG_SUBSYS=${FERRY_LOG_SUBSYS:-INIT} "$@" > "$log" 2>&1
+FERRY_LOG=INFO FERRY_LOG_SUBSYS=INIT "$@" > "$log" 2>&1
 rc=$?
 grep -v "INFO" "$log" | tail -25
 [ "$want" -eq 0 ] && exit $rc

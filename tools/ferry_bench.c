@@ -43,7 +43,7 @@ static void usage(FILE *f)
             "      --nodes N        split the ranks into N nodes, rank r on node\n"
             "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
             "                       use peer memory, the others the fabric path, as on\n"
-            "                       a cluster (default: the host names decide)\n"
+            "                       a cluster (default, or 1: the host names decide)\n"
             "      --device cpu|cuda\n"
             "      --sms N          CUDA: blocks the copy kernels use (default 16)\n"
             "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
@@ -88,7 +88,7 @@ static int parse(int argc, char **argv, opts_t *o)
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
                   .launcher = "auto", .routing = "uniform", .gpu = "auto"};
-    int c;
+    int c, nodes_given = 0;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
         char *end = NULL;
         switch (c) {
@@ -106,7 +106,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
-        case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
+        case 'N': o->nodes = (int)strtol(optarg, &end, 10); nodes_given = 1; break;
         case 'o': o->round_scale = 1; break;
         case 'x':
             if (strcmp(optarg, "rows") == 0) {
@@ -177,9 +177,12 @@ static int parse(int argc, char **argv, opts_t *o)
         fprintf(stderr, "ferry-bench: --graph needs --device cuda --no-check (low-latency mode)\n");
         return -1;
     }
-    if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0 || o->nodes < 0) {
-        fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0, "
-                        "--nodes >= 1\n");
+    if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {
+        fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
+        return -1;
+    }
+    if (o->nodes < 0 || (o->nodes == 0 && nodes_given)) {
+        fprintf(stderr, "ferry-bench: --nodes %d: want 1 or more nodes\n", o->nodes);
         return -1;
     }
     return 0;
@@ -505,15 +508,24 @@ static int teardown(bench_t *b, int status)
  * communicator reads it. */
 static int split_nodes(const opts_t *o)
 {
-    const char *r = getenv("FERRY_RANK"), *n = getenv("FERRY_WORLD_SIZE");
-    if (!r || !n) {
-        r = getenv("OMPI_COMM_WORLD_RANK");
-        n = getenv("OMPI_COMM_WORLD_SIZE");
+    /* the launchers' pairs, in_launcher's order */
+    static const char *const env[][2] = {{"FERRY_RANK", "FERRY_WORLD_SIZE"},
+                                         {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                                         {"PMI_RANK", "PMI_SIZE"},
+                                         {"SLURM_PROCID", "SLURM_NTASKS"},
+                                         {"RANK", "WORLD_SIZE"}};
+    int rank = -1, size = 0;
+    for (size_t i = 0; i < sizeof(env) / sizeof(env[0]) && rank < 0; i++) {
+        const char *r = getenv(env[i][0]), *n = getenv(env[i][1]);
+        if (r && n) {
+            rank = atoi(r);
+            size = atoi(n);
+        }
     }
-    int rank = r ? atoi(r) : -1, size = n ? atoi(n) : 0;
-    if (rank < 0 || size < 1) {
-        fprintf(stderr, "ferry-bench: --nodes: this rank's number is unknown (FERRY_RANK "
-                        "or OMPI_COMM_WORLD_RANK unset)\n");
+    if (rank < 0 || size < 1 || rank >= size) {
+        fprintf(stderr, "ferry-bench: --nodes: this rank's number or the world size is unknown "
+                        "(FERRY_RANK/FERRY_WORLD_SIZE, OMPI_COMM_WORLD_RANK/_SIZE, "
+                        "PMI_RANK/PMI_SIZE, SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE)\n");
         return 2;
     }
     if (o->nodes > size) {
@@ -546,7 +558,7 @@ int main(int argc, char **argv)
     } else if (o.transport) {
         setenv("FERRY_TRANSPORT", o.transport, 1);
     }
-    if (o.nodes > 0 && (rc0 = split_nodes(&o)) != 0)
+    if (o.nodes > 1 && (rc0 = split_nodes(&o)) != 0)
         return rc0;
 
     /* This process is one rank from here on. */

@@ -380,7 +380,7 @@ def check_args(ferry, deep_ep, N, dev):
         # for; with the hook the receive waits for its own slice too, and
         # so does a rank with peers on the fabric path (ranks split into
         # nodes, FERRY_TEST_NODES): its own tokens go through its slice
-        split = int(os.environ.get("FERRY_TEST_NODES", "0") or 0) > 1
+        split = int(os.environ.get("FERRY_TEST_NODES", "0") or 0) > 1 and N > 1
         own_ok = d[me] > 0 if hooked or split else d[me] == 0
         if any(v <= 0 for r, v in enumerate(d) if r != me) or not own_ok or \
                 any(v <= 0 for v in c):

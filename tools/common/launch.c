@@ -207,6 +207,15 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
                       "launch: n=%d ranks; want 1..%d", n, FR_LAUNCH_MAX);
     if (fr_launch_pids)
         return FR_ERR(err, FERRY_ERR_STATE, "launch: already launching");
+    const char *ln = getenv("FERRY_LAUNCH_NODES");
+    if (ln && *ln) {
+        char *end = NULL;
+        long h = strtol(ln, &end, 10);
+        if (*end || h < 1 || h > n)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "FERRY_LAUNCH_NODES=%s: want 1..%d nodes (the ranks launched)", ln,
+                          n);
+    }
     fr_launch_drop_psm_handlers(); /* the ranks inherit the default actions */
     int port = 0, rc;
     char secret[65];
@@ -281,7 +290,6 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             fr_boot_wipe(secret, sizeof(secret));
             /* FERRY_LAUNCH_NODES=H (tests, benchmarks): rank i on node
              * i * H / n, as if the job spanned H nodes */
-            const char *ln = getenv("FERRY_LAUNCH_NODES");
             if (ln && atoi(ln) > 1) {
                 snprintf(v, sizeof(v), "launch-node%d", (int)((long)i * atoi(ln) / n));
                 setenv(fr_cfg_name(FR_CFG_NODE_ID), v, 1);
