@@ -121,6 +121,7 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
 typedef struct fr_setup_msg {
     int32_t status;
     int32_t E, K, H, T, dtype, device, mode, ring, shrink;
+    int32_t forced; /* FERRY_TRANSPORT=fabric: every pair on the fabric path */
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -170,6 +171,13 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         return FR_ERR(err, FERRY_ERR_NOMEM, "config exchange");
     memset(&msg, 0, sizeof(msg));
     msg.status = fr_ep_check_config(N, config, err);
+    /* the paths (fr_create_paths) come from FERRY_TRANSPORT: a pair must
+     * get the same one on both sides, so every rank checks it here */
+    const char *tr = fr_cfg_str(FR_CFG_TRANSPORT);
+    msg.forced = strcmp(tr, "fabric") == 0;
+    if (msg.status == FERRY_OK && !msg.forced && strcmp(tr, "auto") != 0)
+        msg.status = FR_ERR(err, FERRY_ERR_INVALID, "FERRY_TRANSPORT=%s: must be auto or fabric",
+                            tr);
     if (msg.status == FERRY_OK) {
         ep->cfg = *config;
         ep->eng = fr_engine_find(config->device, config->mode);
@@ -204,6 +212,12 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
                         me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, msg.ring,
                         msg.shrink, i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
                         all[i].mode, all[i].ring, all[i].shrink);
+        } else if (all[i].forced != msg.forced) {
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "FERRY_TRANSPORT differs between ranks: rank %d has %s, rank %d has "
+                        "%s; set it alike on every rank (a pair's path must be the same from "
+                        "both sides)", me, msg.forced ? "fabric" : "auto", i,
+                        all[i].forced ? "fabric" : "auto");
         }
     }
     free(all);
@@ -361,7 +375,8 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
     if (ep->nfabric > 0 && ep->eng->fabric_engine) {
         /* the same on every rank: a rank with a peer on another node makes
-         * every rank's paths include the fabric (FERRY_TRANSPORT agrees) */
+         * every rank's paths include the fabric (FERRY_TRANSPORT agrees:
+         * fr_create_exchange) */
         FR_LOG_INFO(FR_SUB_INIT, "engine %s for peers on the fabric path (instead of %s)",
                     ep->eng->fabric_engine->name, ep->eng->name);
         ep->eng = ep->eng->fabric_engine;

@@ -63,6 +63,27 @@ static int run_args(ferry_comm_t comm)
     } else if (ep) {
         ferry_ep_destroy(ep);
     }
+    if (N > 1) {
+        /* FERRY_TRANSPORT set on one rank only: a pair would be shared
+         * memory from one side and fabric from the other; every rank
+         * refuses at once, naming the variable */
+        const char *was = getenv("FERRY_TRANSPORT");
+        char keep[32] = "";
+        if (was)
+            snprintf(keep, sizeof(keep), "%s", was);
+        if (me == N - 1)
+            setenv("FERRY_TRANSPORT", was && strcmp(was, "fabric") == 0 ? "auto" : "fabric", 1);
+        ep = make_ep(comm, 4 * N, 2, 128, 8, FERRY_DTYPE_BF16, &rc);
+        CHECK(rc == FERRY_ERR_INVALID && ep == NULL, "FERRY_TRANSPORT differing: rc %d", rc);
+        CHECK(strstr(ferry_comm_last_error(comm), "FERRY_TRANSPORT differs") != NULL,
+              "message: %s", ferry_comm_last_error(comm));
+        if (ep)
+            ferry_ep_destroy(ep);
+        if (was)
+            setenv("FERRY_TRANSPORT", keep, 1);
+        else
+            unsetenv("FERRY_TRANSPORT");
+    }
     ep = make_ep(comm, 4 * N, 17, 128, 8, FERRY_DTYPE_BF16, &rc);
     CHECK(rc == FERRY_ERR_INVALID && !ep, "topk 17: rc %d", rc);
     CHECK(strstr(ferry_comm_last_error(comm), "topk") != NULL, "msg %s", ferry_comm_last_error(comm));

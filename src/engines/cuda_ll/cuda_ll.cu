@@ -287,9 +287,6 @@ typedef struct fr_ipc_msg {
     int status;        /* this rank's segment set-up */
     int fabric;        /* this rank has peers on the fabric path: it
                           publishes flags as epochs (fr_cu_target) */
-    int forced;        /* FERRY_TRANSPORT=fabric here: every pair on the
-                          fabric (the ranks must agree, or a pair would
-                          be IPC for one side and fabric for the other) */
 } fr_ipc_msg_t;
 
 /* Where a rank whose peers are all on the fabric keeps its receive
@@ -391,7 +388,6 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
     mine->device = c->device;
     c->host_seg = ep->nfabric > 0;
     mine->fabric = ep->nfabric > 0;
-    mine->forced = strcmp(fr_cfg_str(FR_CFG_TRANSPORT), "fabric") == 0;
     /* peers on both paths (ranks of one node among several): the fabric's
      * receive region as with the fabric alone, and a GPU segment for the
      * IPC peers, which is that region itself when it is GPU memory */
@@ -492,15 +488,6 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             rc = FR_ERR(err, all[i].status,
                         "rank %d failed to set up its GPU segment (%s)", i,
                         ferry_strerror(all[i].status));
-    /* a pair's path must be the same for both sides: FERRY_TRANSPORT
-     * alike everywhere (checked by every rank on the same table, so all
-     * refuse together) */
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (all[i].forced != mine.forced)
-            rc = FR_ERR(err, FERRY_ERR_INVALID,
-                        "FERRY_TRANSPORT differs between ranks: rank %d has %s, rank %d %s; "
-                        "set it alike on every rank", i, all[i].forced ? "fabric" : "auto",
-                        ep->rank, mine.forced ? "fabric" : "auto");
     /* IPC peers read each other's flags: both must publish them alike */
     for (int i = 0; i < N && rc == FERRY_OK; i++)
         if (ep->path[i] == FR_PATH_SHM && all[i].fabric != mine.fabric)
