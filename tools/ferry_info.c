@@ -63,8 +63,14 @@ int main(int argc, char **argv)
     if (hinfo)
         fi_freeinfo(hinfo);
     fi_freeinfo(hints);
-    printf("GPU ranks on the fabric path keep their send and receive regions in pinned\n"
-           "host memory (registering device memory through FI_HMEM is not built yet)\n");
+    const char *hm = getenv("FERRY_FABRIC_HMEM");
+    printf("GPU ranks on the fabric path (FERRY_FABRIC_HMEM=%s): auto keeps their send and\n"
+           "receive regions in GPU memory registered with FI_HMEM where the provider writes\n"
+           "GPU memory by DMA (efa, verbs), else in pinned host memory (providers without\n"
+           "FI_HMEM, and those that move GPU memory with CUDA copies, such as shm and tcp);\n"
+           "on: GPU memory wherever the provider offers FI_HMEM; off: pinned host memory.\n"
+           "ferry_ep_create says which, and why, at FERRY_LOG=INFO\n",
+           hm && *hm ? hm : "auto");
     ferry_setting_t set[64];
     int n = ferry_settings(set, 64);
     printf("settings:\n");
