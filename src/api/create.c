@@ -232,11 +232,8 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
 {
     ferry_comm_t comm = ep->comm;
     int N = ep->N, me = ep->rank;
-    const char *tr = fr_cfg_str(FR_CFG_TRANSPORT);
-    int force_fabric = strcmp(tr, "fabric") == 0;
-    if (!force_fabric && strcmp(tr, "auto") != 0)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "FERRY_TRANSPORT=%s: must be auto or fabric", tr);
+    /* auto or fabric, alike on every rank (fr_create_exchange) */
+    int force_fabric = strcmp(fr_cfg_str(FR_CFG_TRANSPORT), "fabric") == 0;
     /* every rank reaches the same answer (the node names are common) */
     int one_node = !force_fabric;
     for (int i = 1; i < N && one_node; i++)

@@ -285,8 +285,6 @@ typedef struct fr_ipc_msg {
     cudaIpcMemHandle_t h;
     int device;
     int status;        /* this rank's segment set-up */
-    int fabric;        /* this rank has peers on the fabric path: it
-                          publishes flags as epochs (fr_cu_target) */
 } fr_ipc_msg_t;
 
 /* Where a rank whose peers are all on the fabric keeps its receive
@@ -387,10 +385,13 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
     FR_CU(cudaGetDevice(&c->device), err, fail);
     mine->device = c->device;
     c->host_seg = ep->nfabric > 0;
-    mine->fabric = ep->nfabric > 0;
     /* peers on both paths (ranks of one node among several): the fabric's
      * receive region as with the fabric alone, and a GPU segment for the
-     * IPC peers, which is that region itself when it is GPU memory */
+     * IPC peers, which is that region itself when it is GPU memory. IPC
+     * peers read each other's flags, so both must publish them alike
+     * (fr_cu_target): they do, as ranks of one node see the same other
+     * nodes (one node table) under the same FERRY_TRANSPORT (compared by
+     * ferry_ep_create) */
     c->a.mixed = ep->nfabric > 0 && ep->nshm > 0;
     if (c->a.mixed && L->crows >= (uint64_t)FR_CPOS_IPC)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
@@ -488,13 +489,6 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             rc = FR_ERR(err, all[i].status,
                         "rank %d failed to set up its GPU segment (%s)", i,
                         ferry_strerror(all[i].status));
-    /* IPC peers read each other's flags: both must publish them alike */
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (ep->path[i] == FR_PATH_SHM && all[i].fabric != mine.fabric)
-            rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                        "rank %d, an IPC peer, %s peers on the fabric path and this rank %s: "
-                        "ranks of one node must see the same other nodes", i,
-                        all[i].fabric ? "has" : "has no", mine.fabric ? "has" : "has none");
     if (rc != FERRY_OK)
         goto fail;
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
@@ -577,12 +571,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             A->flags = ep->seg;
         }
         A->nfabric = ep->nfabric;
-        if (!A->mixed) { /* one place for every sender (mixed: set above) */
+        if (!A->mixed) /* one place for every sender (mixed: set above) */
             A->iseg = A->seg;
-            A->iflags = A->flags;
-        } else {
-            A->iflags = A->iseg; /* the flags at the head of the GPU segment */
-        }
         uint8_t **peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
         for (int i = 0; i < N; i++)
             peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];

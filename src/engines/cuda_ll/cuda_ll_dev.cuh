@@ -45,12 +45,12 @@ typedef struct fr_cu_args {
     uint8_t *flags;          /* own segment's header and flags: seg, or
                                 host-mapped when seg is GPU memory on the
                                 fabric path (the proxy stores the flags) */
-    uint8_t *iseg, *iflags;  /* where IPC senders write this rank's slices,
-                                combine rows (iseg) and flags (iflags): seg
-                                and flags unless peers are on both paths
-                                (mixed), then the GPU segment exported to
-                                them, which is seg itself when seg is GPU
-                                memory, else one of its own */
+    uint8_t *iseg;           /* where IPC senders write this rank's slices,
+                                combine rows and flags: seg unless peers are
+                                on both paths (mixed), then the GPU segment
+                                exported to them (flags at its head, as in
+                                seg on a single node), which is seg itself
+                                when seg is GPU memory, else one of its own */
     int mixed;               /* peers on both the IPC and fabric paths */
     unsigned long long *epoch; /* [2] per set */
     int32_t *ntok;           /* [2] */
@@ -259,7 +259,7 @@ static __device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t 
 #define FR_CU_ROUND (1ull << FR_CU_ROUND_SHIFT)
 
 /* Where sender s's slices and combine rows land here (the segment it
- * writes), and its flags: IPC senders' in iseg/iflags, self's and the
+ * writes), and its flags: IPC senders' in iseg, self's and the
  * fabric's in seg/flags (the same places unless A.mixed). */
 static __device__ __forceinline__ const uint8_t *fr_cu_rseg(const fr_cu_args_t &A, int s)
 {
@@ -268,7 +268,7 @@ static __device__ __forceinline__ const uint8_t *fr_cu_rseg(const fr_cu_args_t &
 
 static __device__ __forceinline__ const uint8_t *fr_cu_rflags(const fr_cu_args_t &A, int s)
 {
-    return A.mixed && A.path[s] == FR_PATH_SHM ? A.iflags : A.flags;
+    return A.mixed && A.path[s] == FR_PATH_SHM ? A.iseg : A.flags;
 }
 
 /* A combine position (comb_pos) whose rows an IPC peer writes, with peers
