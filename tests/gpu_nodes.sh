@@ -5,11 +5,7 @@
 # engine's set-up line); N 0 takes the command's status alone (a case
 # whose ranks fail on purpose). Exits 77 (skip) saying why where no GPU
 # is usable. Usage: tests/gpu_nodes.sh N COMMAND...   ($B: the build folder)
-why=$("$B/bin/ferry-info" --cuda 2>&1)
-if [ $? -ne 0 ]; then
-  echo "skipped: no usable GPU here: $why"
-  exit 77
-fi
+"$(dirname "$0")/gpu.sh" true || exit $? # 77, saying why, without a usable GPU
 want=$1
 shift
 log=$(mktemp)

@@ -87,8 +87,8 @@ static int parse(int argc, char **argv, opts_t *o)
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
-                  .launcher = "auto", .routing = "uniform", .gpu = "auto"};
-    int c, nodes_given = 0;
+                  .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1};
+    int c;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
         char *end = NULL;
         switch (c) {
@@ -106,7 +106,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
-        case 'N': o->nodes = (int)strtol(optarg, &end, 10); nodes_given = 1; break;
+        case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
         case 'o': o->round_scale = 1; break;
         case 'x':
             if (strcmp(optarg, "rows") == 0) {
@@ -181,18 +181,32 @@ static int parse(int argc, char **argv, opts_t *o)
         fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
         return -1;
     }
-    if (o->nodes < 0 || (o->nodes == 0 && nodes_given)) {
+    if (o->nodes < 1) {
         fprintf(stderr, "ferry-bench: --nodes %d: want 1 or more nodes\n", o->nodes);
         return -1;
     }
     return 0;
 }
 
+/* Launchers' variables for this rank's number and the world size; the
+ * last (torchrun's) counts only with its size, being a common name. */
+static const struct {
+    const char *rank, *size;
+    int need_size;
+} launcher_env[] = {{"FERRY_RANK", "FERRY_WORLD_SIZE", 0},
+                    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", 0},
+                    {"PMI_RANK", "PMI_SIZE", 0},
+                    {"SLURM_PROCID", "SLURM_NTASKS", 0},
+                    {"RANK", "WORLD_SIZE", 1}};
+#define N_LAUNCHER_ENV (sizeof(launcher_env) / sizeof(launcher_env[0]))
+
 static int in_launcher(void)
 {
-    return getenv("FERRY_RANK") || getenv("OMPI_COMM_WORLD_RANK") ||
-           getenv("PMI_RANK") || getenv("SLURM_PROCID") ||
-           (getenv("RANK") && getenv("WORLD_SIZE"));
+    for (size_t i = 0; i < N_LAUNCHER_ENV; i++)
+        if (getenv(launcher_env[i].rank) &&
+            (!launcher_env[i].need_size || getenv(launcher_env[i].size)))
+            return 1;
+    return 0;
 }
 
 #ifdef FERRY_HAVE_MPI
@@ -508,15 +522,9 @@ static int teardown(bench_t *b, int status)
  * communicator reads it. */
 static int split_nodes(const opts_t *o)
 {
-    /* the launchers' pairs, in_launcher's order */
-    static const char *const env[][2] = {{"FERRY_RANK", "FERRY_WORLD_SIZE"},
-                                         {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-                                         {"PMI_RANK", "PMI_SIZE"},
-                                         {"SLURM_PROCID", "SLURM_NTASKS"},
-                                         {"RANK", "WORLD_SIZE"}};
     int rank = -1, size = 0;
-    for (size_t i = 0; i < sizeof(env) / sizeof(env[0]) && rank < 0; i++) {
-        const char *r = getenv(env[i][0]), *n = getenv(env[i][1]);
+    for (size_t i = 0; i < N_LAUNCHER_ENV && rank < 0; i++) {
+        const char *r = getenv(launcher_env[i].rank), *n = getenv(launcher_env[i].size);
         if (r && n) {
             rank = atoi(r);
             size = atoi(n);
@@ -533,9 +541,7 @@ static int split_nodes(const opts_t *o)
                 size);
         return 2;
     }
-    char id[32];
-    snprintf(id, sizeof(id), "bench-node%d", (int)((long)rank * o->nodes / size));
-    setenv("FERRY_NODE_ID", id, 1);
+    fr_launch_set_node(rank, size, o->nodes);
     return 0;
 }
 

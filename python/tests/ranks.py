@@ -31,6 +31,13 @@ def gather_all(N, *objs):
     return out
 
 
+def test_nodes():
+    """FERRY_TEST_NODES: the nodes the torch tests split their ranks into
+    (0 or 1: the host names decide)."""
+    import os
+    return int(os.environ.get("FERRY_TEST_NODES", "0") or 0)
+
+
 def torch_init(rank, N, port):
     """torch tests: this rank's gloo process group on 127.0.0.1:port (from
     run_ranks), with ferry's timeout at 20 s. FERRY_TEST_NODES=H: rank r
@@ -39,7 +46,7 @@ def torch_init(rank, N, port):
     import os
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FERRY_TIMEOUT_MS="20000")
-    nodes = int(os.environ.get("FERRY_TEST_NODES", "0") or 0)
+    nodes = test_nodes()
     if nodes > 1:
         os.environ["FERRY_NODE_ID"] = f"test-node{rank * nodes // N}"
     dist.init_process_group("gloo", rank=rank, world_size=N)

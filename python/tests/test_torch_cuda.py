@@ -27,7 +27,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import gather_all, torch_init, torch_main  # noqa: E402
+from ranks import gather_all, test_nodes, torch_init, torch_main  # noqa: E402
 from ferry.reference import fp8_block_quant as quant_ref  # noqa: E402
 
 
@@ -380,7 +380,7 @@ def check_args(ferry, deep_ep, N, dev):
         # for; with the hook the receive waits for its own slice too, and
         # so does a rank with peers on the fabric path (ranks split into
         # nodes, FERRY_TEST_NODES): its own tokens go through its slice
-        split = int(os.environ.get("FERRY_TEST_NODES", "0") or 0) > 1 and N > 1
+        split = test_nodes() > 1 and N > 1
         own_ok = d[me] > 0 if hooked or split else d[me] == 0
         if any(v <= 0 for r, v in enumerate(d) if r != me) or not own_ok or \
                 any(v <= 0 for v in c):

@@ -197,6 +197,13 @@ static int fr_launch_wait(pid_t *pids, int started, int *status)
     return first;
 }
 
+void fr_launch_set_node(int rank, int n, int nodes)
+{
+    char v[32];
+    snprintf(v, sizeof(v), "node%d", (int)((long)rank * nodes / n));
+    setenv(fr_cfg_name(FR_CFG_NODE_ID), v, 1);
+}
+
 int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
 {
     if (!is_child)
@@ -288,12 +295,10 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
             setenv(fr_cfg_name(FR_CFG_ROOT), root, 1);
             setenv(fr_cfg_name(FR_CFG_SECRET), secret, 1);
             fr_boot_wipe(secret, sizeof(secret));
-            /* FERRY_LAUNCH_NODES=H (tests, benchmarks): rank i on node
-             * i * H / n, as if the job spanned H nodes */
-            if (ln && atoi(ln) > 1) {
-                snprintf(v, sizeof(v), "launch-node%d", (int)((long)i * atoi(ln) / n));
-                setenv(fr_cfg_name(FR_CFG_NODE_ID), v, 1);
-            }
+            /* FERRY_LAUNCH_NODES=H (tests, benchmarks): as if the job
+             * spanned H nodes */
+            if (ln && atoi(ln) > 1)
+                fr_launch_set_node(i, n, atoi(ln));
             *is_child = 1;
             return FERRY_OK;
         }

@@ -34,9 +34,13 @@ int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err);
  * them; when one fails or dies, the others get FERRY_TIMEOUT_MS plus 2 s to
  * finish before being killed. The parent returns the first non-zero exit
  * status (128+signal for a signal), or 0. With FERRY_LAUNCH_NODES=H set,
- * child i also gets FERRY_NODE_ID "launch-nodeJ", J = i * H / n: the ranks
- * act as H nodes (peer memory inside one, the fabric path between them). */
+ * child i also gets its node from fr_launch_set_node(i, n, H). */
 int fr_launch_local(int n, int *is_child, fr_err_t *err);
+
+/* Rank `rank` of `n` as if the job spanned `nodes` nodes: FERRY_NODE_ID
+ * "nodeJ", J = rank * nodes / n (peer memory inside a node, the fabric
+ * path between them). For tests and benchmarks on one machine. */
+void fr_launch_set_node(int rank, int n, int nodes);
 
 /* As fr_launch_local; a negative return is a ferry status (the launch itself
  * failed: bad n, fork). When status is not NULL (n entries), the parent also
