@@ -23,11 +23,11 @@ export FERRY_TRANSPORT=fabric
 if [ "$expect" = host ]; then export FERRY_FABRIC_HMEM=auto; else export FERRY_FABRIC_HMEM=on; fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-FERRY_LOG=INFO FERRY_LOG_SUBSYS=INIT "$@" > "$log" 2>&1
+FERRY_LOG=INFO FERRY_LOG_SUBSYS=INIT "$@" >> "$log" 2>&1  # O_APPEND: ranks append whole lines
 rc=$?
 grep -v "INFO" "$log" | tail -25
-n=$(grep -c "in GPU [0-9]* memory, registered with FI_HMEM" "$log")
-h=$(grep -c "in pinned host memory" "$log")
+n=$(grep -o "in GPU [0-9]* memory, registered with FI_HMEM" "$log" | wc -l)
+h=$(grep -o "in pinned host memory" "$log" | wc -l)
 echo "gpu_hmem: $n rank(s) with GPU memory registered with FI_HMEM, $h with host memory"
 grep -m1 -E "registered with FI_HMEM|in pinned host memory" "$log"
 [ $rc -eq 0 ] || exit $rc
@@ -35,7 +35,7 @@ grep -m1 -E "registered with FI_HMEM|in pinned host memory" "$log"
 # (IPC inside a node, the fabric between nodes; a log line starts
 # host:pid:rank)
 if [ -n "${FERRY_HMEM_BOTH:-}" ]; then
-  b=$(grep "peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+  b=$(grep -o "[^ ]*:[0-9]*:[0-9]* ferry INFO peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
   echo "gpu_hmem: $b rank(s) with peers on both paths (want $FERRY_HMEM_BOTH)"
   grep -m1 "peers on both paths" "$log"
   [ "$b" -eq "$FERRY_HMEM_BOTH" ] || exit 1

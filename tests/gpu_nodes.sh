@@ -10,12 +10,12 @@ want=$1
 shift
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-FERRY_LOG=INFO FERRY_LOG_SUBSYS=INIT "$@" > "$log" 2>&1
+FERRY_LOG=INFO FERRY_LOG_SUBSYS=INIT "$@" >> "$log" 2>&1  # O_APPEND: ranks append whole lines
 rc=$?
 grep -v "INFO" "$log" | tail -25
 [ "$want" -eq 0 ] && exit $rc
 # distinct processes (a log line starts host:pid:rank)
-n=$(grep "peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+n=$(grep -o "[^ ]*:[0-9]*:[0-9]* ferry INFO peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
 echo "ranks with peers on both paths: $n (want $want)"
 [ $rc -ne 0 ] && exit $rc
 [ "$n" -eq "$want" ] || exit 1

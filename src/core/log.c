@@ -68,5 +68,11 @@ void fr_log_emit(int level, int subsys, const char *fmt, ...)
     if (n > 0 && (size_t)n < sizeof(line))
         vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "%s\n", line);
+    /* one write per line, newline included: ranks sharing a log file do
+     * not split each other's lines */
+    size_t len = strnlen(line, sizeof(line) - 1);
+    line[len++] = '\n';
+    fflush(stderr);
+    ssize_t w = write(STDERR_FILENO, line, len);
+    (void)w;
 }
