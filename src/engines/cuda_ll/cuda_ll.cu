@@ -73,10 +73,13 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
         fr_cu_arrive(A, FR_PH_COMBINE, set, s_mk); /* barrier first, then thread 0 */
         return;
     }
-    __threadfence_system();
+    /* the block's stores, then one system fence (fr_cu_arrive says why
+     * one thread's fence after a barrier covers them) before the count */
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
+        __threadfence_system();
         last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
     __syncthreads();
     if (!last)
         return;
@@ -516,8 +519,10 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(unsigned int) * 4, sizeof(int) * 4,
                        sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El,
                        sizeof(int32_t) * ((size_t)N + 1),
+                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
+                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
                        sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N};
-        size_t off[20], tot = 0;
+        size_t off[22], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
             off[i] = tot;
@@ -555,6 +560,8 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         A->self_run = (int32_t *)(b + off[17]);
         A->mask = (int32_t *)(b + off[18]); /* no rank masked (zeroed above) */
         A->decide = (unsigned long long *)(b + off[19]);
+        A->claim = (unsigned long long *)(b + off[20]);
+        A->mirror = (unsigned long long *)(b + off[21]);
         A->mask_on_timeout = ep->cfg.mask_on_timeout;
         unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
         FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);

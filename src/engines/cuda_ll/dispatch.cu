@@ -547,9 +547,11 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
-    /* every thread's stores before its fence, all fences before the
-     * counts */
-    __threadfence_system();
+    /* the block's stores, then one system fence (fr_cu_arrive says why
+     * one thread's fence after a barrier covers them), then the counts */
+    __syncthreads();
+    if (threadIdx.x == 0)
+        __threadfence_system();
     __syncthreads();
     for (int d = threadIdx.x; d < N; d += blockDim.x) {
         unsigned int *dd = A.ddone + (size_t)set * N + d;
