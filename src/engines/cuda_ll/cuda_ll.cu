@@ -23,7 +23,10 @@
  * Epochs live on the device (per buffer set, advanced by dispatch_send),
  * so the calls can be captured in a CUDA graph and replayed.
  */
+#include <sched.h>
+
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
+#include "runtime/rt.h"
 
 /* threads per block of ferry::combine, whichever parts a launch runs */
 #define FR_CS_THREADS 512
@@ -639,6 +642,9 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     ep->ready = NULL;
     if (c->dmem)
         cudaFree(c->dmem);
+    for (int i = 0; i < FR_CU_AHEAD; i++)
+        if (c->ahead[i])
+            cudaEventDestroy((cudaEvent_t)c->ahead[i]);
     if (c->err_host)
         fr_cuda_host_free(c->err_host);
     free(c);
@@ -688,6 +694,60 @@ int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
     if (e != cudaSuccess)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "launching %s: %s", what, cudaGetErrorString(e));
     return fr_cuda_check(ep);
+}
+
+/* GPU memory on the fabric path through a provider that moves it with
+ * CUDA calls in the proxy thread (shm's and tcp's copies, the GPUDirect
+ * flush: ep->rx_flush): those calls share the CUDA context with this
+ * rank's queue. Hundreds of rounds queued back to back behind a kernel
+ * that waits for such a copy timed out (docs/architecture.md, "Fabric"):
+ * the host thread, blocked in a launch once CUDA's queue is full, and the
+ * proxy's copy wait for each other. So in this mode a dispatch first
+ * waits, on the host, until the combine of FR_CU_AHEAD rounds before has
+ * run (an event recorded after each combine). Nothing waits inside a
+ * graph capture (a graph is one launch, whatever it holds). */
+int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaEvent_t e = (cudaEvent_t)c->ahead[epoch % FR_CU_AHEAD];
+    if (ep->rx_flush == FR_RX_FLUSH_NONE || !e || fr_cuda_capturing(stream))
+        return FERRY_OK;
+    /* past the kernels' own timeout, so that their error, naming the rank,
+     * is what the caller sees */
+    uint64_t deadline = fr_now_ns() + (2ull * (uint64_t)ep->timeout_ms + 1000ull) * 1000000ull;
+    for (;;) {
+        cudaError_t q = cudaEventQuery(e);
+        if (q == cudaSuccess)
+            return fr_cuda_check(ep);
+        if (q != cudaErrorNotReady)
+            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "waiting for round %llu on the GPU: %s",
+                              (unsigned long long)(epoch - FR_CU_AHEAD), cudaGetErrorString(q));
+        int rc = fr_cuda_check(ep);
+        if (rc != FERRY_OK)
+            return rc;
+        if (fr_now_ns() > deadline)
+            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
+                              "round %llu: round %llu still running on the GPU after %ld ms",
+                              (unsigned long long)epoch,
+                              (unsigned long long)(epoch - FR_CU_AHEAD),
+                              2 * ep->timeout_ms + 1000);
+        sched_yield();
+    }
+}
+
+void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    if (ep->rx_flush == FR_RX_FLUSH_NONE || fr_cuda_capturing(stream))
+        return;
+    cudaEvent_t *e = (cudaEvent_t *)&c->ahead[epoch % FR_CU_AHEAD];
+    if (!*e && cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
+        *e = NULL; /* no bound then: rounds run as without it */
+        (void)cudaGetLastError();
+        return;
+    }
+    if (cudaEventRecord(*e, (cudaStream_t)stream) != cudaSuccess)
+        (void)cudaGetLastError(); /* the wait finds the previous record done */
 }
 
 extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
@@ -791,6 +851,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
                                                     (long long *)out->wait_cost, FR_PART_RECV);
+    fr_cuda_ahead_mark(ep, r->epoch, st);
     return fr_cuda_launch_check(ep, "combine_recv");
 }
 
@@ -811,5 +872,6 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
                                                     (const uint8_t *)in->expert_y,
                                                     (long long *)out->wait_cost,
                                                     FR_PART_SEND | FR_PART_RECV);
+    fr_cuda_ahead_mark(ep, r->epoch, st);
     return fr_cuda_launch_check(ep, "combine");
 }

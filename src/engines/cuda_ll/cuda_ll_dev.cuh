@@ -84,6 +84,7 @@ typedef struct fr_cu_args {
                                 epoch * 4 + 1 arrived, + 2 masked */
 } fr_cu_args_t;
 
+#define FR_CU_AHEAD 8
 struct fr_cuda_ep {
     fr_cu_args_t a;
     int device, nblocks;
@@ -105,7 +106,15 @@ struct fr_cuda_ep {
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
     int masked;              /* ranks masked, as the host set them: the
                                 dispatch launches the kernel that cuts */
+    void *ahead[FR_CU_AHEAD]; /* cudaEvent_t after round e's combine, at e % FR_CU_AHEAD
+                                 (GPU memory through a copying provider:
+                                 fr_cuda_ahead_wait) */
 };
+
+/* Rounds a rank queues ahead of its GPU at most when the proxy moves GPU
+ * memory with CUDA calls (ep->rx_flush; cuda_ll.cu says why). */
+int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream);
+void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream);
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what);

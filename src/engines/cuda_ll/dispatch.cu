@@ -1025,6 +1025,9 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     int set = (int)(r->epoch % FR_NSETS);
+    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream);
+    if (rc != FERRY_OK)
+        return rc;
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
     blocks = blocks < 1 ? 1 : blocks;
     fr_dr_out_t o = {};
@@ -1055,6 +1058,9 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
+    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream);
+    if (rc != FERRY_OK)
+        return rc;
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
     /* own tokens straight into own expert rows: self on the IPC path */
     fr_cu_dispatch_launch(blocks, fr_d_smem(ep), (cudaStream_t)in->stream, c, set, in,
