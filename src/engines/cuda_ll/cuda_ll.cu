@@ -47,6 +47,8 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     if (threadIdx.x == 0) {
         s_fail = fr_cu_failed(A);
         s_mk = A.mask[N] ? A.mask : NULL;
+        if (blockIdx.x == 0)
+            FR_TL(A, FR_PH_COMBINE, A.epoch[set], "start", A.rank);
     }
     __syncthreads();
     /* items of 4 KB (a warp's 8 x 16 bytes per lane) of every row, all

@@ -19,6 +19,21 @@
 #include "runtime/cuda_mem.h"
 #include "runtime/cuda_sync.cuh"
 
+/* FR_CU_TRACE (a tracing build): a timeline of the rounds of epochs 41
+ * and 42 across ranks, from the GPU's global timer (one clock for every
+ * rank of a GPU): "TL <ns> r<rank> ph<phase> e<epoch> <event> <peer>";
+ * tools/trace_timeline.py orders and prints it. */
+#ifdef FR_CU_TRACE
+#define FR_TL(A, ph, ep, ev, peer)                                                         \
+    do {                                                                                   \
+        if ((ep) == 41 || (ep) == 42)                                                      \
+            printf("TL %llu r%d ph%d e%llu %s %d\n", fr_sys_timer(), (A).rank, (int)(ph),  \
+                   (unsigned long long)(ep), ev, (int)(peer));                             \
+    } while (0)
+#else
+#define FR_TL(A, ph, ep, ev, peer) do { } while (0)
+#endif
+
 
 /* Most experts of the CUDA engine: the send part keeps two counts per
  * expert in shared memory. */
@@ -343,8 +358,12 @@ static __device__ int fr_cu_wait_peer(const fr_cu_args_t &A, int phase, int set,
 {
     unsigned long long target = fr_cu_target(A, epoch), *mirror;
     const unsigned long long *flag = fr_cu_flag_of(A, phase, set, s, epoch, &mirror);
-    if (!A.mask_on_timeout || s == A.rank) /* never masks itself */
-        return fr_cu_wait_flag(A, flag, target, s, what, mirror) ? 1 : 0;
+    if (!A.mask_on_timeout || s == A.rank) { /* never masks itself */
+        bool ok = fr_cu_wait_flag(A, flag, target, s, what, mirror);
+        if (blockIdx.x == 0)
+            FR_TL(A, phase, epoch, mirror ? "seen-host" : "seen", s);
+        return ok ? 1 : 0;
+    }
     unsigned long long *dw = A.decide + ((size_t)phase * FR_NSETS + set) * A.N + s;
     unsigned long long t0 = fr_sys_timer();
     unsigned int n = 0;
@@ -427,6 +446,7 @@ static __device__ void fr_cu_publish(const fr_cu_args_t &A, int phase, int set, 
         s->imm = fr_imm_make(phase, epoch, A.rank);
         __threadfence_system();
         fr_sys_st_release(A.ready + i, epoch);
+        FR_TL(A, phase, epoch, "doorbell", d);
     } else {
         uint8_t *seg = d == A.rank ? A.flags : A.peer[d];
         fr_sys_st_release((unsigned long long *)(seg + fr_off_flag(&A.L, phase, set, A.rank)),

@@ -666,6 +666,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     __syncthreads();
     const int32_t *mk = MK ? smask : NULL; /* masked ranks' slots cut */
     unsigned long long epoch = s_epoch;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        FR_TL(A, FR_PH_DISPATCH, epoch, "start", A.rank);
     if (s_bad)
         return epoch;
     int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
