@@ -696,7 +696,11 @@ class EP:
             return None
         return a.data_ptr() if hasattr(a, "data_ptr") else a.ctypes.data
 
-    def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None):
+    _HT_OUTS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
+                "recv_src_rank", "recv_src_token")
+
+    def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None,
+                    outputs=None):
         """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
         uint8 or float8_e4m3fn with x_scales [T, H/128] float32) to the
         ranks of their experts. Returns a dict: recv_x [num_recv, H] (x's
@@ -705,7 +709,15 @@ class EP:
         float32 is given), recv_src_rank, recv_src_token [num_recv] int32:
         numpy arrays on CPU contexts, torch tensors on CUDA ones (queued on
         `stream`, default x's current stream; no synchronisation). Rows are
-        ordered by source rank, then token."""
+        ordered by source rank, then token. outputs: the names of the
+        optional ones to make (recv_topk_idx, recv_topk_weights,
+        recv_src_rank, recv_src_token; default all); the others are None
+        and never written (recv_x and its scales are always made)."""
+        if outputs is not None:
+            bad = set(outputs) - set(self._HT_OUTS)
+            if bad:
+                raise ValueError(f"outputs: unknown {sorted(bad)} (from {self._HT_OUTS[2:]})")
+        want = (lambda k: True) if outputs is None else (lambda k: k in outputs)
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         fp8 = x_scales is not None
@@ -723,16 +735,17 @@ class EP:
         if self._torch_io(x) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
         new = lambda shape, dt: self._ht_new(x, shape, dt)
+        wts = topk_weights is not None and want("recv_topk_weights")
         o = dict(recv_x=new((n, H), xdt),
                  recv_x_scales=new((n, H // 128), _F32) if fp8 else None,
-                 recv_topk_idx=new((n, K), _I32),
-                 recv_topk_weights=new((n, K), _F32) if topk_weights is not None else None,
-                 recv_src_rank=new((n,), _I32), recv_src_token=new((n,), _I32))
+                 recv_topk_idx=new((n, K), _I32) if want("recv_topk_idx") else None,
+                 recv_topk_weights=new((n, K), _F32) if wts else None,
+                 recv_src_rank=new((n,), _I32) if want("recv_src_rank") else None,
+                 recv_src_token=new((n,), _I32) if want("recv_src_token") else None)
         st = _stream_of(x, stream) if self.device == "cuda" else None
         din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st)
-        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *[self._ptr(o[k]) for k in (
-            "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_rank",
-            "recv_src_token")])
+        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut),
+                                  *[self._ptr(o[k]) for k in self._HT_OUTS])
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
         return o
 

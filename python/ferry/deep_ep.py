@@ -678,7 +678,11 @@ class Buffer:
             topk_weights = topk_weights.contiguous()
         if xt.shape[0] != handle.T:
             raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
-        o = ep.ht_dispatch(route, xt, xs, topk_weights)
+        # a cached dispatch returns recv_x alone; the first one also the
+        # top-k ids and weights, and keeps the source tokens in the handle
+        o = ep.ht_dispatch(route, xt, xs, topk_weights,
+                           outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
+                                                      "recv_src_token"))
         recv_x = (o["recv_x"], o["recv_x_scales"]) if fp8 else o["recv_x"]
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:

@@ -76,6 +76,17 @@ def run_round(ferry, ep, rank, N, rnd, align):
             local = e >= 0 and e // El == rank
             check(o["recv_topk_idx"][i][k] == (e % El if local else -1), f"row {i} slot {k}: idx")
             check(o["recv_topk_weights"][i][k] == (sw[t][k] if local else 0), f"row {i} slot {k}: w")
+    # only the outputs asked for: the others None, recv_x the same
+    oa = ep.ht_dispatch(route, x, topk_weights=w, outputs=("recv_src_token",))
+    check(oa["recv_topk_idx"] is None and oa["recv_topk_weights"] is None and
+          oa["recv_src_rank"] is None, "outputs=: an output not asked for was made")
+    check(np.array_equal(oa["recv_x"], o["recv_x"]) and
+          np.array_equal(oa["recv_src_token"], o["recv_src_token"]), "outputs=: wrong rows")
+    try:
+        ep.ht_dispatch(route, x, outputs=("recv_y",))
+        check(False, "outputs=('recv_y',) was taken")
+    except ValueError as e:
+        check("outputs" in str(e) and "recv_y" in str(e), f"outputs error: {e}")
     o8 = ep.ht_dispatch(route, q, x_scales=qs)  # fp8 rows on the same route
     for i, (s, t) in enumerate(rows):
         check(np.array_equal(o8["recv_x"][i], all_in[s][3][t]) and
