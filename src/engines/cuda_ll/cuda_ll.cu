@@ -28,6 +28,8 @@
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
 #include "runtime/rt.h"
 
+static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
+
 /* threads per block of ferry::combine, whichever parts a launch runs */
 #define FR_CS_THREADS 512
 
@@ -408,6 +410,8 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
                       "top-k)", (unsigned long long)L->crows, FR_CPOS_IPC);
     if (c->host_seg) {
         rc = fr_cuda_fabric_mem(ep, c, err);
+        if (rc == FERRY_OK)
+            rc = fr_cuda_ahead_init(ep, c, err); /* after rx_flush is known */
         if (rc != FERRY_OK)
             return rc;
         if (c->a.mixed) {
@@ -527,7 +531,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                        sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
                        sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
                        sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N};
-        size_t off[22], tot = 0;
+        size_t off[sizeof(sz) / sizeof(sz[0])], tot = 0;
         int n = (int)(sizeof(sz) / sizeof(sz[0]));
         for (int i = 0; i < n; i++) {
             off[i] = tot;
@@ -705,34 +709,62 @@ int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
  * that waits for such a copy timed out (docs/architecture.md, "Fabric"):
  * the host thread, blocked in a launch once CUDA's queue is full, and the
  * proxy's copy wait for each other. So in this mode a dispatch first
- * waits, on the host, until the combine of FR_CU_AHEAD rounds before has
- * run (an event recorded after each combine). Nothing waits inside a
- * graph capture (a graph is one launch, whatever it holds). */
-int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream)
+ * waits, on the host, until the combine FR_CU_AHEAD rounds before has run
+ * (an event recorded after each combine; events made at set-up, on the
+ * engine's device). Nothing waits inside a graph capture (a graph is one
+ * launch, whatever it holds). */
+static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    if (ep->rx_flush == FR_RX_FLUSH_NONE)
+        return FERRY_OK;
+    for (int i = 0; i < FR_CU_AHEAD; i++) {
+        cudaEvent_t e;
+        FR_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), err, fail);
+        c->ahead[i] = e;
+        c->ahead_seen[i] = 0;
+    }
+fail:
+    return rc;
+}
+
+int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream, const char *call)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    cudaEvent_t e = (cudaEvent_t)c->ahead[epoch % FR_CU_AHEAD];
-    if (ep->rx_flush == FR_RX_FLUSH_NONE || !e || fr_cuda_capturing(stream))
+    int i = (int)(epoch % FR_CU_AHEAD);
+    if (ep->rx_flush == FR_RX_FLUSH_NONE || !c->ahead_seen[i] || fr_cuda_capturing(stream))
         return FERRY_OK;
-    /* past the kernels' own timeout, so that their error, naming the rank,
-     * is what the caller sees */
-    uint64_t deadline = fr_now_ns() + (2ull * (uint64_t)ep->timeout_ms + 1000ull) * 1000000ull;
+    uint64_t before = c->ahead_seen[i]; /* the round whose combine the event follows */
+    /* past what the kernels' own waits can take (one timeout per sender in
+     * turn, masking with mask_on_timeout), so that their error, naming
+     * the rank, is what the caller sees */
+    long ms = (long)(ep->N + 2) * ep->timeout_ms + 1000;
+    uint64_t deadline = fr_now_ns() + (uint64_t)ms * 1000000ull;
     for (;;) {
-        cudaError_t q = cudaEventQuery(e);
+        cudaError_t q = cudaEventQuery((cudaEvent_t)c->ahead[i]);
         if (q == cudaSuccess)
             return fr_cuda_check(ep);
         if (q != cudaErrorNotReady)
-            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "waiting for round %llu on the GPU: %s",
-                              (unsigned long long)(epoch - FR_CU_AHEAD), cudaGetErrorString(q));
+            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s round %llu: waiting for round %llu on "
+                              "the GPU: %s", call, (unsigned long long)epoch,
+                              (unsigned long long)before, cudaGetErrorString(q));
+        (void)cudaGetLastError(); /* "not ready" is kept as the last error otherwise */
         int rc = fr_cuda_check(ep);
         if (rc != FERRY_OK)
             return rc;
-        if (fr_now_ns() > deadline)
+        if (fr_now_ns() > deadline) {
+            int dead = fr_boot_dead_rank(ep->comm->boot);
+            if (dead >= 0 && !fr_ep_masked(ep, dead))
+                return fr_ep_fail(ep, FERRY_ERR_PEER, "%s round %llu: rank %d died (round "
+                                  "%llu had not finished on the GPU after %ld ms)", call,
+                                  (unsigned long long)epoch, dead,
+                                  (unsigned long long)before, ms);
             return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
-                              "round %llu: round %llu still running on the GPU after %ld ms",
-                              (unsigned long long)epoch,
-                              (unsigned long long)(epoch - FR_CU_AHEAD),
-                              2 * ep->timeout_ms + 1000);
+                              "%s round %llu: round %llu had not finished on the GPU after "
+                              "%ld ms ((ranks + 2) x FERRY_TIMEOUT_MS + 1 s), though no wait "
+                              "on the GPU timed out", call, (unsigned long long)epoch,
+                              (unsigned long long)before, ms);
+        }
         sched_yield();
     }
 }
@@ -740,16 +772,14 @@ int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream)
 void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    if (ep->rx_flush == FR_RX_FLUSH_NONE || fr_cuda_capturing(stream))
+    int i = (int)(epoch % FR_CU_AHEAD);
+    if (ep->rx_flush == FR_RX_FLUSH_NONE || !c->ahead[i] || fr_cuda_capturing(stream))
         return;
-    cudaEvent_t *e = (cudaEvent_t *)&c->ahead[epoch % FR_CU_AHEAD];
-    if (!*e && cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
-        *e = NULL; /* no bound then: rounds run as without it */
-        (void)cudaGetLastError();
-        return;
-    }
-    if (cudaEventRecord(*e, (cudaStream_t)stream) != cudaSuccess)
-        (void)cudaGetLastError(); /* the wait finds the previous record done */
+    if (cudaEventRecord((cudaEvent_t)c->ahead[i], (cudaStream_t)stream) == cudaSuccess)
+        c->ahead_seen[i] = epoch;
+    else
+        (void)cudaGetLastError(); /* the call's launch was checked before: the bound is
+                                     looser this round, nothing else changes */
 }
 
 extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
@@ -853,8 +883,10 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
                                                     (long long *)out->wait_cost, FR_PART_RECV);
-    fr_cuda_ahead_mark(ep, r->epoch, st);
-    return fr_cuda_launch_check(ep, "combine_recv");
+    int rc = fr_cuda_launch_check(ep, "combine_recv");
+    if (rc == FERRY_OK)
+        fr_cuda_ahead_mark(ep, r->epoch, st);
+    return rc;
 }
 
 extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
@@ -874,6 +906,8 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
                                                     (const uint8_t *)in->expert_y,
                                                     (long long *)out->wait_cost,
                                                     FR_PART_SEND | FR_PART_RECV);
-    fr_cuda_ahead_mark(ep, r->epoch, st);
-    return fr_cuda_launch_check(ep, "combine");
+    int rc = fr_cuda_launch_check(ep, "combine");
+    if (rc == FERRY_OK)
+        fr_cuda_ahead_mark(ep, r->epoch, st);
+    return rc;
 }

@@ -124,11 +124,12 @@ struct fr_cuda_ep {
     void *ahead[FR_CU_AHEAD]; /* cudaEvent_t after round e's combine, at e % FR_CU_AHEAD
                                  (GPU memory through a copying provider:
                                  fr_cuda_ahead_wait) */
+    uint64_t ahead_seen[FR_CU_AHEAD]; /* the round last recorded there (0: none) */
 };
 
 /* Rounds a rank queues ahead of its GPU at most when the proxy moves GPU
  * memory with CUDA calls (ep->rx_flush; cuda_ll.cu says why). */
-int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream);
+int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream, const char *call);
 void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream);
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */

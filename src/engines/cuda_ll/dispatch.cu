@@ -547,8 +547,12 @@ static __device__ void fr_ds_finish(const fr_cu_args_t &A, int set, unsigned lon
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
-    /* the block's stores, then one system fence (fr_cu_arrive says why
-     * one thread's fence after a barrier covers them), then the counts */
+    /* the block's stores, a barrier, one system fence by thread 0, a
+     * barrier, then the counts (threads 0..N-1). Unlike fr_cu_arrive the
+     * fence and the adds are not in one thread: what orders them for the
+     * proxy is the publishing thread's own system fence after its add saw
+     * the grid's count complete (fences order fences), so that fence must
+     * stay (or the adds become acq_rel) */
     __syncthreads();
     if (threadIdx.x == 0)
         __threadfence_system();
@@ -1027,7 +1031,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     int set = (int)(r->epoch % FR_NSETS);
-    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream);
+    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream, "dispatch_send");
     if (rc != FERRY_OK)
         return rc;
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
@@ -1060,7 +1064,7 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
-    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream);
+    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream, "dispatch");
     if (rc != FERRY_OK)
         return rc;
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
