@@ -42,12 +42,17 @@ for args, name, exc in [((24, 8, 8, 6, 128), "num_max_nvl_chunked_send_tokens", 
         assert name in str(e), f"Config{args}: {e!r} does not name {name}"
     else:
         raise AssertionError(f"Config{args}: no {exc.__name__}")
-try:
-    c.get_nvl_buffer_size_hint(7168 * 2, 8)
-except NotImplementedError as e:
-    assert "normal" in str(e), e
-else:
-    raise AssertionError("get_nvl_buffer_size_hint: no NotImplementedError")
+# size hints (SGLang sizes its Buffer() with them): ferry's ring memory
+assert c.get_nvl_buffer_size_hint(7168 * 2, 8) == 24 * 2 * 8 * 64 * (7168 * 2 + 128)
+assert c.get_rdma_buffer_size_hint(7168 * 2, 16) == 2 * 16 * 256 * (7168 * 2 + 128)
+for bad, name, exc in [((0, 8), "hidden_bytes", ValueError), ((14336, 0), "num_ranks", ValueError),
+                       ((14336.0, 8), "hidden_bytes", TypeError)]:
+    try:
+        c.get_nvl_buffer_size_hint(*bad)
+    except exc as e:
+        assert name in str(e), e
+    else:
+        raise AssertionError(f"get_nvl_buffer_size_hint{bad}: no {exc.__name__}")
 print("Config: DeepEP's constraints hold, errors name the argument")
 PY
 "$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT/python/compat"

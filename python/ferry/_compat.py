@@ -25,8 +25,9 @@ class Config:
     (20 SMs, 6/256 NVLink and 6/256 RDMA tokens). ferry.deep_ep's normal
     mode (ferry's high-throughput engine) sizes its own rings
     (ring_tokens), so a Config sizes nothing of ferry's: code that builds,
-    passes or annotates with it runs, and asking it for buffer sizes says
-    why it cannot answer."""
+    passes or annotates with it runs, and its buffer size hints give the
+    ring memory ferry's normal mode keeps (engines pass them to Buffer(),
+    which ignores them).""" 
 
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
@@ -56,15 +57,23 @@ class Config:
                 f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
 
-    def _no_normal_mode(self, what):
-        raise NotImplementedError(
-            f"Config.{what}: sizes the buffers of DeepEP's normal (high-throughput) mode; "
-            "ferry's normal mode sizes its own rings (ring_tokens, independent of the token "
-            "count) and its low-latency mode its own buffers "
-            "(Buffer.get_low_latency_rdma_size_hint)")
-
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
-        self._no_normal_mode("get_nvl_buffer_size_hint")
+        """Bytes of ring memory ferry's normal mode keeps per GPU rank of one
+        node for rows of hidden_bytes: a ring per channel (num_sms) and
+        peer, both ways, of 512 / num_ranks tokens within 32..128, each
+        row with 128 bytes beside it. Informational, as DeepEP's answer is
+        for its own Buffer(): ferry's Buffer() takes any size and allocates
+        its own rings."""
+        hb = _int("hidden_bytes", hidden_bytes, 1)
+        n = _int("num_ranks", num_ranks, 1)
+        rt = min(128, max(32, 512 // n))
+        return max(1, self.num_sms) * 2 * n * rt * (hb + 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        self._no_normal_mode("get_rdma_buffer_size_hint")
+        """Bytes of ring memory ferry's normal mode keeps per GPU rank with
+        peers on other nodes (the staged engine through host memory: a
+        ring per peer, both ways, of 256 tokens); informational, as
+        get_nvl_buffer_size_hint."""
+        hb = _int("hidden_bytes", hidden_bytes, 1)
+        n = _int("num_ranks", num_ranks, 1)
+        return 2 * n * 256 * (hb + 128)
