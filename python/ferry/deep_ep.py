@@ -448,8 +448,9 @@ class Buffer:
         # out masks the silent rank instead of failing (ferry's
         # mask_on_timeout; ranks of one node only)
         self.enable_shrink = bool(enable_shrink)
-        # normal mode (low_latency_mode=False): ferry's high-throughput
-        # engine (EP(mode="ht")), one context per (experts, topk, hidden)
+        # normal mode (on every buffer): ferry's high-throughput engine
+        # (EP(mode="ht")), one context per (experts, topk, hidden); the
+        # low-latency calls need low_latency_mode=True
         self.low_latency_mode = bool(low_latency_mode)
         self.group = group
         self.rank = torch.distributed.get_rank(group)
@@ -547,9 +548,10 @@ class Buffer:
                                "with low_latency_mode=False")
 
     def _normal(self, what):
-        if self.low_latency_mode:
-            raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: normal-mode call on a buffer made "
-                               "with low_latency_mode=True")
+        """Normal-mode calls run on every Buffer, as DeepEP's do: one made
+        with low_latency_mode=True serves both modes (SGLang's
+        --deepep-mode auto: normal-mode prefill and low-latency decode on
+        one buffer); its contexts of each mode are apart."""
 
     @staticmethod
     def _not_capturing(what, key):

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""The module `deep_ep` (python/compat on ferry.deep_ep) called the way
+vLLM's and SGLang's DeepEP backends call it, on CPU ranks (torch CPU
+tensors, gloo), each round checked against a reference:
+
+  - vLLM (model_executor/layers/fused_moe/prepare_finalize/deepep_ll.py,
+    deepep_ht.py; device_communicators/all2all.py): annotations evaluated
+    at import (deep_ep.Buffer, deep_ep.EventOverlap, deep_ep.Config | None),
+    no ElasticBuffer (vLLM would take the module for DeepEP v2), the
+    Buffer made from a keyword dict and kept in a WeakValueDictionary,
+    get_low_latency_rdma_size_hint by keyword, the low-latency dispatch
+    with its hook and the combine into `out`, the normal mode's layout,
+    dispatch and combine with every keyword vLLM passes, set_num_sms and
+    the dispatch/combine configs for the group sizes vLLM asks for;
+  - SGLang (srt/layers/moe/token_dispatcher/deepep.py): `from deep_ep
+    import Buffer, Config`, its buffer sizing (Config's size hints, the
+    low-latency size hint by position, Config(**json)), Buffer.num_sms,
+    one Buffer with low_latency_mode=True for both modes (--deepep-mode
+    auto: normal-mode prefill, then clean_low_latency_buffer, then
+    low-latency decode), its attribute reads, Buffer.capture as
+    previous_event source, the keyword names of its calls.
+The calls are written as those engines write them (argument names,
+positions, tuple unpacking); the engines' code is not used.
+Usage: test_engine_calls.py [nranks ...]. Exit 77 (skipped) without torch.
+"""
+import os
+import sys
+import traceback
+import weakref
+
+try:
+    import torch
+except ImportError:
+    print("skipped: torch is not installed (scripts/setup.sh installs it)")
+    sys.exit(77)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "compat"))  # the module deep_ep
+from ranks import gather_all, run_ranks, torch_init  # noqa: E402
+from test_torch_cuda import (check_round, combine_error, combine_ref,  # noqa: E402
+                             expert_fn, expert_outputs, make_inputs)
+
+
+def ht_check(msgs, what, rank, N, E, x, idx, w, rx, ridx, rw, counts, align):
+    """Normal-mode dispatch results: rows by source rank then token, local
+    expert ids (-1 elsewhere), weights (0 elsewhere), counts per local
+    expert rounded up to align, as a list of ints."""
+    El = E // N
+    xs, ids, ws = gather_all(N, x, idx, w)
+    rows = [(s, t) for s in range(N) for t in range(ids[s].shape[0])
+            if ((ids[s][t] >= rank * El) & (ids[s][t] < rank * El + El)).any()]
+    if rx.shape[0] != len(rows):
+        msgs.append(f"{what}: {rx.shape[0]} rows, want {len(rows)}")
+        return
+    bad = 0
+    for j, (s, t) in enumerate(rows):
+        loc = [int(e) - rank * El if rank * El <= int(e) < rank * El + El else -1
+               for e in ids[s][t]]
+        wl = [float(ws[s][t][k]) if loc[k] >= 0 else 0.0 for k in range(len(loc))]
+        bad += not torch.equal(rx[j], xs[s][t]) or ridx[j].tolist() != loc or rw[j].tolist() != wl
+    want = [-(-sum(1 for s, t in rows if (ids[s][t] == rank * El + le).any()) // align) * align
+            for le in range(El)]
+    if bad or counts != want or not all(type(c) is int for c in counts) or \
+            ridx.dtype != torch.int64:
+        msgs.append(f"{what}: {bad} wrong rows, counts {counts} want {want}, ids {ridx.dtype}")
+
+
+def ht_experts(rank, N, E, rx, ridx, rw):
+    """The experts' weighted outputs per received row (bf16)."""
+    El = E // N
+    y = torch.zeros(rx.shape, dtype=torch.float32)
+    for j in range(rx.shape[0]):
+        for k in range(ridx.shape[1]):
+            if int(ridx[j, k]) >= 0:
+                y[j] += float(rw[j, k]) * expert_fn(rank * El + int(ridx[j, k]),
+                                                    rx[j:j + 1].float()).float()[0]
+    return y.to(torch.bfloat16)
+
+
+def vllm_calls(deep_ep, rank, N):
+    msgs, dev, group = [], torch.device("cpu"), torch.distributed.group.WORLD
+
+    # at import, vLLM evaluates these annotations; DeepEP v2 is told by
+    # ElasticBuffer, which this module must not have
+    def _annotated(buffer: deep_ep.Buffer, event: deep_ep.EventOverlap) -> deep_ep.Config | None:
+        return None
+    if hasattr(deep_ep, "ElasticBuffer"):
+        msgs.append("deep_ep.ElasticBuffer exists: vLLM would take the module for DeepEP v2")
+
+    # low latency (all2all.py, deepep_ll.py); vLLM's hidden sizes start at 2048
+    E, K, H, T = 4 * N, 4, 2048, 8
+    El = E // N
+    handle_cache = weakref.WeakValueDictionary()
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank=T, hidden=H, num_ranks=N, num_experts=E)
+    buffer_kwargs = dict(group=group, num_nvl_bytes=1024 * 1024, num_rdma_bytes=num_rdma_bytes,
+                         low_latency_mode=True, num_qps_per_rank=El,
+                         allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                         explicitly_destroy=True, enable_shrink=False)
+    buf = handle_cache.setdefault(("ll", T, H), deep_ep.Buffer(**buffer_kwargs))
+    for rnd, use_fp8 in ((1, True), (2, False), (3, True)):
+        a1, topk_ids, topk_weights = make_inputs(rank, 300 + rnd, T, H, E, K, dev)
+        xs, ids = gather_all(N, a1, topk_ids)
+        expert_x, expert_num_tokens, handle, _, hook = buf.low_latency_dispatch(
+            a1, topk_ids, T, E, use_fp8=use_fp8, round_scale=False, use_ue8m0=False,
+            async_finish=False, return_recv_hook=True)
+        hook()
+        if use_fp8 != isinstance(expert_x, tuple) or not isinstance(expert_num_tokens,
+                                                                   torch.Tensor):
+            msgs.append(f"ll dispatch fp8={use_fp8}: {type(expert_x).__name__} results")
+            continue
+        q = expert_x[0] if use_fp8 else expert_x
+        if q.dim() != 3 or not q.is_contiguous() or tuple(q.shape) != (El, N * T, H):
+            msgs.append(f"ll dispatch fp8={use_fp8}: expert_x {tuple(q.shape)}, want 3-D "
+                        f"contiguous {(El, N * T, H)}")
+        err = check_round(rank, N, E, K, xs, ids, expert_x, expert_num_tokens,
+                          (handle.src_rank, handle[0]), use_fp8)
+        if err:
+            msgs.append(f"ll dispatch fp8={use_fp8}: {err}")
+        fused_expert_output = expert_outputs(rank, El, expert_x, expert_num_tokens, use_fp8, dev)
+        output = torch.empty((a1.shape[0], H), dtype=torch.bfloat16)
+        do_recv_hook = rnd != 2
+        _, _, recv_hook = buf.low_latency_combine(
+            fused_expert_output, topk_ids, topk_weights, handle, async_finish=False,
+            zero_copy=False, return_recv_hook=do_recv_hook, out=output)
+        if do_recv_hook:
+            recv_hook()
+        elif recv_hook is not None:
+            msgs.append("ll combine without return_recv_hook returned a hook")
+        err = combine_error(output, combine_ref(a1, topk_ids, topk_weights, use_fp8))
+        if err:
+            msgs.append(f"ll combine into out fp8={use_fp8}: {err}")
+    buf.destroy()
+
+    # high throughput (deepep_ht.py)
+    E, K, H, T = 4 * N, 3, 512, 12
+    buf = deep_ep.Buffer(**dict(group=group, num_nvl_bytes=1024 * 1024, num_rdma_bytes=0,
+                                low_latency_mode=False, num_qps_per_rank=1,
+                                explicitly_destroy=True))
+    sms = deep_ep.Buffer.num_sms
+    deep_ep.Buffer.set_num_sms(20)
+    ok_sizes = [2, 4, 8, 16, 24, 32, 64, 128, 144, 160]
+    dcfg = deep_ep.Buffer.get_dispatch_config(N) if N in ok_sizes else None
+    ccfg = deep_ep.Buffer.get_combine_config(N) if N in ok_sizes else None
+    if not callable(buf.capture):
+        msgs.append("Buffer.capture is not callable (vLLM's previous-event source)")
+    previous_event = None
+    for rnd in (1, 2):
+        token_data, rank_topk_ids, rank_topk_weights = make_inputs(rank, 320 + rnd, T, H, E, K,
+                                                                   dev)
+        (num_tokens_per_rank, num_tokens_per_rdma_rank, dispatch_expert_num_tokens,
+         is_token_in_rank, event) = buf.get_dispatch_layout(
+            topk_idx=rank_topk_ids, num_experts=E, previous_event=previous_event,
+            async_finish=False, allocate_on_comm_stream=False)
+        (x, expert_topk_ids, expert_topk_weights, expert_num_tokens_per_expert_list, handle,
+         event) = buf.dispatch(
+            x=token_data, handle=None, num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=dispatch_expert_num_tokens, topk_idx=rank_topk_ids,
+            topk_weights=rank_topk_weights, expert_alignment=1, config=dcfg,
+            previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        if event.event is not None:
+            event.current_stream_wait()
+        ht_check(msgs, f"vLLM normal dispatch {rnd}", rank, N, E, token_data, rank_topk_ids,
+                 rank_topk_weights, x, expert_topk_ids, expert_topk_weights,
+                 expert_num_tokens_per_expert_list, 1)
+        fused_expert_output = ht_experts(rank, N, E, x, expert_topk_ids, expert_topk_weights)
+        combined_x, _, event = buf.combine(
+            x=fused_expert_output, handle=handle, topk_weights=None, config=ccfg,
+            previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        if event.event is not None:
+            event.current_stream_wait()
+        err = combine_error(combined_x, combine_ref(token_data, rank_topk_ids,
+                                                    rank_topk_weights, False))
+        if err:
+            msgs.append(f"vLLM normal combine {rnd}: {err}")
+    deep_ep.Buffer.num_sms = sms
+    buf.destroy()
+    return msgs
+
+
+def sglang_calls(rank, N):
+    msgs, dev, group = [], torch.device("cpu"), torch.distributed.group.WORLD
+    from deep_ep import Buffer, Config
+
+    # DeepEPBuffer.get_deepep_buffer, auto mode: one buffer for both modes
+    E, K, H, T = 4 * N, 4, 512, 16
+    hidden_bytes = H * 2
+    normal_dispatch_config = Config(**{"num_sms": 24, "num_max_nvl_chunked_send_tokens": 6,
+                                       "num_max_nvl_chunked_recv_tokens": 256,
+                                       "num_max_rdma_chunked_send_tokens": 6,
+                                       "num_max_rdma_chunked_recv_tokens": 128})
+    normal_combine_config = Buffer.get_combine_config(group.size())
+    num_nvl_bytes, num_rdma_bytes = 0, 0
+    for config in (normal_dispatch_config, normal_combine_config):
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, group.size()),
+                            num_nvl_bytes)
+        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size()),
+                             num_rdma_bytes)
+    num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(T, H, group.size(), E),
+                         num_rdma_bytes)
+    if not (isinstance(num_nvl_bytes, int) and num_nvl_bytes > 0 and num_rdma_bytes > 0):
+        msgs.append(f"buffer sizes from the hints: {num_nvl_bytes}, {num_rdma_bytes}")
+    num_qps_per_rank = max(normal_dispatch_config.num_sms, E // group.size())
+    _ = Buffer.num_sms  # read as a class attribute
+    buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True,
+                    num_qps_per_rank=num_qps_per_rank, allow_mnnvl=True)
+    if not buffer.low_latency_mode or buffer.group_size != N:
+        msgs.append(f"attributes: low_latency_mode {buffer.low_latency_mode}, "
+                    f"group_size {buffer.group_size}")
+
+    # normal mode (prefill) on it
+    for rnd, align in ((1, 1), (2, 128)):
+        hidden_states, topk_ids, topk_weights = make_inputs(rank, 340 + rnd, T, H, E, K, dev)
+        previous_event = None
+        (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+         is_token_in_rank, previous_event) = buffer.get_dispatch_layout(
+            topk_ids, E, previous_event=previous_event, async_finish=False,
+            allocate_on_comm_stream=previous_event is not None)
+        (recv_x, recv_topk_ids, recv_topk_weights, num_recv_tokens_per_expert, handle,
+         event) = buffer.dispatch(
+            hidden_states, topk_idx=topk_ids, topk_weights=topk_weights,
+            num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+            previous_event=previous_event, async_finish=False,
+            allocate_on_comm_stream=False, expert_alignment=align,
+            config=normal_dispatch_config)
+        if isinstance(recv_x, tuple):
+            msgs.append("SGLang normal dispatch: bf16 x came back as a tuple")
+            continue
+        ht_check(msgs, f"SGLang normal dispatch align={align}", rank, N, E, hidden_states,
+                 topk_ids, topk_weights, recv_x, recv_topk_ids, recv_topk_weights,
+                 num_recv_tokens_per_expert, align)
+        y = ht_experts(rank, N, E, recv_x, recv_topk_ids, recv_topk_weights)
+        combined_x, _, event = buffer.combine(y, handle, async_finish=False,
+                                              previous_event=event,
+                                              allocate_on_comm_stream=False,
+                                              config=normal_combine_config)
+        event.current_stream_wait()
+        err = combine_error(combined_x, combine_ref(hidden_states, topk_ids, topk_weights, False))
+        if err:
+            msgs.append(f"SGLang normal combine align={align}: {err}")
+
+    # then decode: clean, and the low-latency calls on the same buffer
+    buffer.clean_low_latency_buffer(T, H, E)
+    El = E // N
+    for rnd, return_recv_hook in ((1, True), (2, False)):
+        hidden_states, topk_ids, topk_weights = make_inputs(rank, 360 + rnd, T, H, E, K, dev)
+        xs, ids = gather_all(N, hidden_states, topk_ids)
+        packed_recv_hidden, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            hidden_states, topk_ids, T, E, use_fp8=True, async_finish=not return_recv_hook,
+            return_recv_hook=return_recv_hook, round_scale=False, use_ue8m0=False)
+        hook() if return_recv_hook else event.current_stream_wait()
+        num_local_experts, num_tokens_static, hidden_dim = packed_recv_hidden[0].shape
+        if (num_local_experts, num_tokens_static, hidden_dim) != (El, N * T, H):
+            msgs.append(f"SGLang ll dispatch: {packed_recv_hidden[0].shape}")
+        err = check_round(rank, N, E, K, xs, ids, packed_recv_hidden, packed_recv_count,
+                          (handle.src_rank, handle[0]), True)
+        if err:
+            msgs.append(f"SGLang ll dispatch hook={return_recv_hook}: {err}")
+        hs = expert_outputs(rank, El, packed_recv_hidden, packed_recv_count, True, dev)
+        combined, event, hook = buffer.low_latency_combine(
+            x=hs, topk_idx=topk_ids, topk_weights=topk_weights, handle=handle,
+            async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
+        hook() if return_recv_hook else event.current_stream_wait()
+        err = combine_error(combined, combine_ref(hidden_states, topk_ids, topk_weights, True))
+        if err:
+            msgs.append(f"SGLang ll combine hook={return_recv_hook}: {err}")
+    buffer.destroy()
+    return msgs
+
+
+def rank_main(rank, N, port, q):
+    try:
+        torch_init(rank, N, port)
+        import deep_ep
+        if getattr(deep_ep, "backend", None) != "ferry":
+            raise RuntimeError(f"deep_ep from {deep_ep.__file__} is not ferry's")
+        msgs = [f"vLLM: {m}" for m in vllm_calls(deep_ep, rank, N)]
+        msgs += [f"SGLang: {m}" for m in sglang_calls(rank, N)]
+        torch.distributed.destroy_process_group()
+        q.put((rank, msgs))
+    except Exception:
+        q.put((rank, [traceback.format_exc()]))
+
+
+def main():
+    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
+    failed = 0
+    for N in sizes:
+        res, crashed = run_ranks(rank_main, N, timeout=300)
+        bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
+        for line in bad:
+            print(line)
+        print(f"{N} ranks: deep_ep called as vLLM's and SGLang's DeepEP backends call it: "
+              f"{'FAILED' if bad or len(res) != N else 'passed'}")
+        failed += bool(bad) or len(res) != N
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
