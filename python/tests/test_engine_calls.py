@@ -21,7 +21,8 @@ tensors, gloo), each round checked against a reference:
     previous_event source, the keyword names of its calls.
 The calls are written as those engines write them (argument names,
 positions, tuple unpacking); the engines' code is not used.
-Usage: test_engine_calls.py [nranks ...]. Exit 77 (skipped) without torch.
+Usage: test_engine_calls.py [--cuda] [nranks ...] (--cuda: CUDA tensors on
+the current GPU, several ranks sharing it). Exit 77 (skipped) without torch.
 """
 import os
 import sys
@@ -41,6 +42,8 @@ from ranks import gather_all, run_ranks, torch_init  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs)
 
+CUDA = "--cuda" in sys.argv[1:]
+
 
 def ht_check(msgs, what, rank, N, E, x, idx, w, rx, ridx, rw, counts, align):
     """Normal-mode dispatch results: rows by source rank then token, local
@@ -48,6 +51,7 @@ def ht_check(msgs, what, rank, N, E, x, idx, w, rx, ridx, rw, counts, align):
     expert rounded up to align, as a list of ints."""
     El = E // N
     xs, ids, ws = gather_all(N, x, idx, w)
+    rx, ridx, rw = rx.cpu(), ridx.cpu(), rw.cpu()
     rows = [(s, t) for s in range(N) for t in range(ids[s].shape[0])
             if ((ids[s][t] >= rank * El) & (ids[s][t] < rank * El + El)).any()]
     if rx.shape[0] != len(rows):
@@ -69,7 +73,7 @@ def ht_check(msgs, what, rank, N, E, x, idx, w, rx, ridx, rw, counts, align):
 def ht_experts(rank, N, E, rx, ridx, rw):
     """The experts' weighted outputs per received row (bf16)."""
     El = E // N
-    y = torch.zeros(rx.shape, dtype=torch.float32)
+    y = torch.zeros(rx.shape, dtype=torch.float32, device=rx.device)
     for j in range(rx.shape[0]):
         for k in range(ridx.shape[1]):
             if int(ridx[j, k]) >= 0:
@@ -79,7 +83,7 @@ def ht_experts(rank, N, E, rx, ridx, rw):
 
 
 def vllm_calls(deep_ep, rank, N):
-    msgs, dev, group = [], torch.device("cpu"), torch.distributed.group.WORLD
+    msgs, dev, group = [], torch.device("cuda" if CUDA else "cpu"), torch.distributed.group.WORLD
 
     # at import, vLLM evaluates these annotations; DeepEP v2 is told by
     # ElasticBuffer, which this module must not have
@@ -119,7 +123,7 @@ def vllm_calls(deep_ep, rank, N):
         if err:
             msgs.append(f"ll dispatch fp8={use_fp8}: {err}")
         fused_expert_output = expert_outputs(rank, El, expert_x, expert_num_tokens, use_fp8, dev)
-        output = torch.empty((a1.shape[0], H), dtype=torch.bfloat16)
+        output = torch.empty((a1.shape[0], H), dtype=torch.bfloat16, device=dev)
         do_recv_hook = rnd != 2
         _, _, recv_hook = buf.low_latency_combine(
             fused_expert_output, topk_ids, topk_weights, handle, async_finish=False,
@@ -181,7 +185,7 @@ def vllm_calls(deep_ep, rank, N):
 
 
 def sglang_calls(rank, N):
-    msgs, dev, group = [], torch.device("cpu"), torch.distributed.group.WORLD
+    msgs, dev, group = [], torch.device("cuda" if CUDA else "cpu"), torch.distributed.group.WORLD
     from deep_ep import Buffer, Config
 
     # DeepEPBuffer.get_deepep_buffer, auto mode: one buffer for both modes
@@ -286,14 +290,15 @@ def rank_main(rank, N, port, q):
 
 
 def main():
-    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
+    sizes = [int(a) for a in sys.argv[1:] if a != "--cuda"] or [1, 2, 3]
     failed = 0
     for N in sizes:
         res, crashed = run_ranks(rank_main, N, timeout=300)
         bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
         for line in bad:
             print(line)
-        print(f"{N} ranks: deep_ep called as vLLM's and SGLang's DeepEP backends call it: "
+        print(f"{N} ranks ({'CUDA' if CUDA else 'CPU'} tensors): deep_ep called as vLLM's and "
+              f"SGLang's DeepEP backends call it: "
               f"{'FAILED' if bad or len(res) != N else 'passed'}")
         failed += bool(bad) or len(res) != N
     return 1 if failed else 0
