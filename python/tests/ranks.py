@@ -99,3 +99,24 @@ def torch_main(rank_main, N, title, timeout=600):
         fails += bool(res[rank])
     print(f"{title}: {'passed' if not fails else 'FAILED'}")
     return 1 if fails else 0
+
+
+def ranks_main(rank_main, sizes, title, timeout=300, gpu=False):
+    """The torch tests' verdict over several world sizes: rank_main on N
+    ranks for each N in sizes, each rank reporting a list of failure
+    messages; prints them, the ranks that died and `N ranks: title:
+    passed|FAILED` per size. Returns the exit status (gpu: 77 when torch
+    sees no GPU)."""
+    import torch
+    if gpu and not torch.cuda.is_available():
+        print("skipped: torch sees no CUDA device")
+        return 77
+    failed = 0
+    for N in sizes:
+        res, crashed = run_ranks(rank_main, N, timeout=timeout)
+        bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
+        for line in bad:
+            print(line)
+        print(f"{N} ranks: {title}: {'FAILED' if bad or len(res) != N else 'passed'}")
+        failed += bool(bad) or len(res) != N
+    return 1 if failed else 0

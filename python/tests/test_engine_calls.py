@@ -38,7 +38,7 @@ except ImportError:
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "compat"))  # the module deep_ep
-from ranks import gather_all, run_ranks, torch_init  # noqa: E402
+from ranks import gather_all, ranks_main, torch_init  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs)
 
@@ -291,17 +291,8 @@ def rank_main(rank, N, port, q):
 
 def main():
     sizes = [int(a) for a in sys.argv[1:] if a != "--cuda"] or [1, 2, 3]
-    failed = 0
-    for N in sizes:
-        res, crashed = run_ranks(rank_main, N, timeout=300)
-        bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
-        for line in bad:
-            print(line)
-        print(f"{N} ranks ({'CUDA' if CUDA else 'CPU'} tensors): deep_ep called as vLLM's and "
-              f"SGLang's DeepEP backends call it: "
-              f"{'FAILED' if bad or len(res) != N else 'passed'}")
-        failed += bool(bad) or len(res) != N
-    return 1 if failed else 0
+    return ranks_main(rank_main, sizes, f"deep_ep called as vLLM's and SGLang's DeepEP "
+                      f"backends call it ({'CUDA' if CUDA else 'CPU'} tensors)", gpu=CUDA)
 
 
 if __name__ == "__main__":

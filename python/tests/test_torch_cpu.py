@@ -36,7 +36,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import gather_all, run_ranks, torch_init  # noqa: E402
+from ranks import gather_all, ranks_main, torch_init  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref, expect,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs, quant_ref)
 
@@ -540,16 +540,7 @@ def rank_main(rank, N, port, q):
 
 def main():
     sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
-    failed = 0
-    for N in sizes:
-        res, crashed = run_ranks(rank_main, N, timeout=300)
-        bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
-        for line in bad:
-            print(line)
-        print(f"{N} ranks: DeepEP API (low latency and normal mode) on CPU tensors: "
-              f"{'FAILED' if bad or len(res) != N else 'passed'}")
-        failed += bool(bad) or len(res) != N
-    return 1 if failed else 0
+    return ranks_main(rank_main, sizes, "DeepEP API (low latency and normal mode) on CPU tensors")
 
 
 if __name__ == "__main__":
