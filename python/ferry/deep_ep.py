@@ -625,9 +625,7 @@ class Buffer:
         fp8 = isinstance(x, tuple)
         xt, xs = (x[0], x[1]) if fp8 else (x, None)
         _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, (None, None))
-        if fp8:
-            _tensor(xs, "x[1] (scales)", torch.float32, (xt.shape[0], xt.shape[1] // 128))
-            xs = xs.contiguous()
+        xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
         xt = xt.contiguous()
         cached = handle is not None
         by_rank = False  # routed by is_token_in_rank alone (no top-k)
@@ -685,7 +683,8 @@ class Buffer:
         o = ep.ht_dispatch(route, xt, xs, topk_weights,
                            outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
                                                       "recv_src_token"))
-        recv_x = (o["recv_x"], o["recv_x_scales"]) if fp8 else o["recv_x"]
+        recv_x = (o["recv_x"], self._scales_out(o["recv_x_scales"], carried)) if fp8 \
+            else o["recv_x"]
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:
             return recv_x, None, None, None, handle, ev
@@ -703,6 +702,43 @@ class Buffer:
             return recv_x, None, None, counts, handle, ev
         return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
                 counts, handle, ev)
+
+    @staticmethod
+    def _scales_in(xt, xs):
+        """The fp8 scales of a normal-mode dispatch as ferry's engine takes
+        them: float32 [T, H/128], row-major. DeepEP moves any 4-byte scales
+        per token (float32 or int32, e.g. one per token, or UE8M0 exponents
+        packed four to an int32: [T, H/512]; any strides) and returns them
+        row-major in the same dtype; ferry carries such scales bit for bit
+        in the first columns of a float32 [T, H/128] (the int32 bits copied
+        as int32). Returns (scales, None) or (carrier, (count, dtype))."""
+        T, S = xt.shape[0], xt.shape[1] // 128
+        want = (f"expected float32 or int32 [{T}, n] on {xt.device} (n scales per token, at "
+                f"most hidden/128 = {S})")
+        if not isinstance(xs, torch.Tensor) or xs.dtype not in (torch.float32, torch.int32):
+            raise TypeError(f"x[1] (scales): {want}, got "
+                            f"{xs.dtype if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+        if xs.dim() != 2 or xs.shape[0] != T or xs.device != xt.device:
+            raise ValueError(f"x[1] (scales): {want}, got {_fmt_shape(tuple(xs.shape))} on "
+                             f"{xs.device}")
+        ns = xs.shape[1]
+        if xs.dtype == torch.float32 and ns == S:
+            return xs.contiguous(), None
+        if ns > S or ns < 1:
+            raise ValueError(f"x[1] (scales): {ns} scales per token; ferry's normal mode "
+                             f"carries 1 to hidden/128 = {S}")
+        carrier = torch.zeros((T, S), dtype=torch.int32, device=xt.device)
+        carrier[:, :ns] = xs.view(torch.int32) if xs.dtype == torch.float32 else xs
+        return carrier.view(torch.float32), (ns, xs.dtype)
+
+    @staticmethod
+    def _scales_out(recv, carried):
+        """Received scales in the caller's count and dtype (_scales_in)."""
+        if carried is None:
+            return recv
+        ns, dt = carried
+        bits = recv.view(torch.int32)[:, :ns].contiguous()
+        return bits if dt == torch.int32 else bits.view(torch.float32)
 
     def _rank_prefix(self, per_rank, device):
         """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks

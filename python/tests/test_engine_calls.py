@@ -18,7 +18,10 @@ tensors, gloo), each round checked against a reference:
     one Buffer with low_latency_mode=True for both modes (--deepep-mode
     auto: normal-mode prefill, then clean_low_latency_buffer, then
     low-latency decode), its attribute reads, Buffer.capture as
-    previous_event source, the keyword names of its calls.
+    previous_event source, the keyword names of its calls;
+  - the fp8 scales they pass to normal-mode dispatch (one per token;
+    UE8M0 packed int32, column-major; float32 column-major), moved bit for
+    bit and returned row-major in their dtype, as DeepEP does.
 The calls are written as those engines write them (argument names,
 positions, tuple unpacking); the engines' code is not used.
 Usage: test_engine_calls.py [--cuda] [nranks ...] (--cuda: CUDA tensors on
@@ -225,7 +228,8 @@ def sglang_calls(rank, N):
         (recv_x, recv_topk_ids, recv_topk_weights, num_recv_tokens_per_expert, handle,
          event) = buffer.dispatch(
             hidden_states, topk_idx=topk_ids, topk_weights=topk_weights,
-            num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
             previous_event=previous_event, async_finish=False,
             allocate_on_comm_stream=False, expert_alignment=align,
@@ -275,6 +279,69 @@ def sglang_calls(rank, N):
     return msgs
 
 
+def normal_scales(deep_ep, rank, N):
+    """The fp8 scales engines pass to normal-mode dispatch, each moved bit
+    for bit to the rows that received their token and returned row-major in
+    the caller's dtype (as DeepEP does): one per token (vLLM's per-token
+    quantisation), UE8M0 exponents packed four to an int32 and laid out
+    column-major with the token count padded (SGLang with DeepGEMM on
+    Blackwell), float32 per 128 channels column-major (Hopper)."""
+    msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
+    E, K, H, T = 4 * N, 3, 1024, 12
+    El = E // N
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
+    g = torch.Generator().manual_seed(77 + rank)
+    for kind, ns, dt, cols in (("per token", 1, torch.float32, False),
+                               ("UE8M0 packed, column-major", H // 512, torch.int32, True),
+                               ("per 128 channels, column-major", H // 128, torch.float32, True)):
+        x, idx, w = make_inputs(rank, 400 + ns, T, H, E, K, dev)
+        t = x.shape[0]
+        x8 = torch.randint(0, 256, (t, H), generator=g, dtype=torch.uint8).to(dev)
+        bits = torch.randint(-2**31, 2**31 - 1, (t, ns), generator=g, dtype=torch.int32)
+        if cols:  # column-major, the token count padded to 4 (TMA alignment)
+            base = torch.zeros((ns, -(-t // 4) * 4), dtype=torch.int32)
+            base[:, :t] = bits.T
+            sc = base.to(dev).T[:t]
+        else:
+            sc = bits.to(dev)
+        sc = sc if dt == torch.int32 else sc.view(torch.float32)
+        nr, nrdma, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+        (rx, rsc), ridx, rw, counts, handle, _ = buf.dispatch(
+            (x8.view(torch.float8_e4m3fn), sc), topk_idx=idx, topk_weights=w,
+            num_tokens_per_rank=nr, num_tokens_per_rdma_rank=nrdma, is_token_in_rank=inr,
+            num_tokens_per_expert=ne)
+        xs8, bs, ids = gather_all(N, x8, bits, idx)
+        rows = [(s, tt) for s in range(N) for tt in range(ids[s].shape[0])
+                if ((ids[s][tt] >= rank * El) & (ids[s][tt] < rank * El + El)).any()]
+        got = rsc.cpu()
+        if rsc.dtype != dt or tuple(rsc.shape) != (len(rows), ns) or not rsc.is_contiguous():
+            msgs.append(f"scales {kind}: got {rsc.dtype} {tuple(rsc.shape)} strides "
+                        f"{rsc.stride()}, want {dt} ({len(rows)}, {ns}) row-major")
+            continue
+        gb = got if dt == torch.int32 else got.view(torch.int32)
+        rxc = rx.view(torch.uint8).cpu()
+        bad = sum(not torch.equal(gb[j], bs[s][tt]) or not torch.equal(rxc[j], xs8[s][tt])
+                  for j, (s, tt) in enumerate(rows))
+        if bad:
+            msgs.append(f"scales {kind}: {bad} of {len(rows)} rows with wrong bits")
+        buf.combine(torch.zeros((len(rows), H), dtype=torch.bfloat16, device=dev), handle)
+    x, idx, w = make_inputs(rank, 410, T, H, E, K, dev)
+    nr, _, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+    x8 = torch.zeros((x.shape[0], H), dtype=torch.float8_e4m3fn, device=dev)
+    for sc, exc, what in ((torch.zeros((x.shape[0], H // 64), device=dev), ValueError, "scales"),
+                          (torch.zeros((x.shape[0], 2), dtype=torch.float64, device=dev),
+                           TypeError, "float32 or int32")):
+        try:
+            buf.dispatch((x8, sc), topk_idx=idx, num_tokens_per_rank=nr, is_token_in_rank=inr,
+                         num_tokens_per_expert=ne)
+            msgs.append(f"scales {tuple(sc.shape)} {sc.dtype}: taken")
+        except exc as e:
+            if "x[1] (scales)" not in str(e) or what not in str(e):
+                msgs.append(f"scales {tuple(sc.shape)} {sc.dtype}: {e!r}")
+    buf.destroy()
+    return msgs
+
+
 def rank_main(rank, N, port, q):
     try:
         torch_init(rank, N, port)
@@ -283,6 +350,7 @@ def rank_main(rank, N, port, q):
             raise RuntimeError(f"deep_ep from {deep_ep.__file__} is not ferry's")
         msgs = [f"vLLM: {m}" for m in vllm_calls(deep_ep, rank, N)]
         msgs += [f"SGLang: {m}" for m in sglang_calls(rank, N)]
+        msgs += [f"normal-mode fp8 scales: {m}" for m in normal_scales(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:
