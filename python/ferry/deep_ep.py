@@ -360,6 +360,17 @@ def _layout_torch(topk_idx, num_experts, N):
     return per_rank, per_expert, is_token_in_rank
 
 
+class _Prefix:
+    """A rank_prefix_matrix whose all-gather is still running."""
+
+    def __init__(self, work, parts):
+        self.work, self.parts = work, parts
+
+    def result(self):
+        self.work.wait()
+        return torch.cumsum(torch.stack(self.parts), 0, dtype=torch.int32)
+
+
 class _HtHandle:
     """A normal-mode dispatch's handle: ferry's route (where each token went
     and what this rank received), reusable for combine and for later
@@ -376,6 +387,8 @@ class _HtHandle:
         self.src_idx = None  # set by the dispatch that made the route
 
     def _items(self):
+        if isinstance(self.prefix, _Prefix):
+            self.prefix = self.prefix.result()
         return (self.prefix, None, None, self.src_idx, self.in_rank, None)
 
     def __getitem__(self, i):
@@ -742,15 +755,18 @@ class Buffer:
 
     def _rank_prefix(self, per_rank, device):
         """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks
-        0..i send to rank j (an all-gather of every rank's per-rank counts
-        over the group; collective, as the dispatch is)."""
+        0..i send to rank j, from an all-gather of every rank's per-rank
+        counts over the group, started here on every rank (collective, as
+        the dispatch is) and not waited for: the handle waits the first time
+        its entry [0] is read (engines never read it; DeepEP's tests do).
+        Returns the matrix or a _Prefix to finish."""
         N = self.group_size
         mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
         if N == 1:
             return mine.view(1, 1).clone()
         parts = [torch.empty_like(mine) for _ in range(N)]
-        torch.distributed.all_gather(parts, mine, group=self.group)
-        return torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
+        work = torch.distributed.all_gather(parts, mine, group=self.group, async_op=True)
+        return _Prefix(work, parts)
 
     def _expert_counts(self, per_expert, align):
         """Rows per local expert from every rank's num_tokens_per_expert (an
