@@ -27,7 +27,7 @@ class Config:
     (ring_tokens), so a Config sizes nothing of ferry's: code that builds,
     passes or annotates with it runs, and its buffer size hints give the
     ring memory ferry's normal mode keeps (engines pass them to Buffer(),
-    which ignores them).""" 
+    which ignores them)."""
 
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
