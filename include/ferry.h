@@ -458,6 +458,10 @@ typedef struct ferry_ht_combine_in {
      * to, in rank order (DeepEP's combined_topk_weights). The two sizes
      * before stream and before this field are still taken (0 then). */
     int weights_sum;
+    /* [T][H] bf16 each, or NULL: added to out in fp32 after the token's
+     * rows, bias[0] then bias[1], before out's one rounding (DeepEP's
+     * combine bias). The size before this field is still taken (none). */
+    const void *bias[2];
 } ferry_ht_combine_in_t;
 
 typedef struct ferry_ht_combine_out {

@@ -749,7 +749,8 @@ class EP:
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
         return o
 
-    def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False):
+    def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False,
+                   bias=None):
         """Collective (mode='ht'): y [num_recv, H] bf16, one row per row this
         rank received, back to the tokens' ranks and summed there. Returns
         out [T, H] bf16 (uint16 on CPU), and with topk_weights [num_recv, K]
@@ -757,9 +758,17 @@ class EP:
         (slot k from the rank of expert k, the adjoint of ht_dispatch's
         recv_topk_weights; weights_sum=True: slot k summed over every rank
         the token went to, DeepEP's combined_topk_weights); torch tensors
-        on CUDA contexts, queued on `stream`."""
+        on CUDA contexts, queued on `stream`. bias: one or two [T, H] bf16
+        added to out in fp32 after the rows, before its one rounding
+        (DeepEP's combine bias)."""
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
+        bias = () if bias is None else (tuple(bias) if isinstance(bias, (tuple, list))
+                                       else (bias,))
+        if len(bias) > 2:
+            raise ValueError(f"bias: {len(bias)} tensors, at most 2")
+        pb = [self._arr(b, f"bias[{i}]", _BF16, (T, H), required=T > 0)
+              for i, b in enumerate(bias)] + [None] * (2 - len(bias))
         py = self._arr(y, "y", _BF16, (n, H), required=n > 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
         if self._torch_io(y) and topk_weights is not None:
@@ -768,7 +777,8 @@ class EP:
         out = self._ht_new(y, (T, H), odt)
         wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
         st = _stream_of(y, stream) if self.device == "cuda" else None
-        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st, int(bool(weights_sum)))
+        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st, int(bool(weights_sum)),
+                               (C.c_void_p * 2)(*pb))
         cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), self._ptr(out), self._ptr(wout))
         self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
         return (out, wout) if topk_weights is not None else out

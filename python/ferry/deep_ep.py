@@ -784,11 +784,11 @@ class Buffer:
         """DeepEP's normal-mode combine: x [num_recv, H] bf16 (one row per
         row dispatch delivered, the local experts' outputs already weighted
         and summed) back to the tokens' ranks, summed there in rank order in
-        fp32 and rounded once. Returns (combined_x [T, H] bf16,
-        combined_topk_weights [T, K] float32 or None, event)."""
+        fp32 and rounded once; bias (one [T, H] bf16 tensor or a tuple of
+        two) is added in fp32 before that rounding. Returns (combined_x
+        [T, H] bf16, combined_topk_weights [T, K] float32 or None,
+        event)."""
         self._normal("combine")
-        if bias is not None:
-            raise NotImplementedError("ferry.deep_ep.Buffer.combine: bias is not supported")
         if not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -796,14 +796,22 @@ class Buffer:
             previous_event.current_stream_wait()
         ep, route = handle.ep, handle.route
         _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
+        bias = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
+        if len(bias) > 2:
+            raise ValueError(f"bias: {len(bias)} tensors; DeepEP takes 0, 1 or 2")
+        for i, b in enumerate(bias):
+            _tensor(b, f"bias[{i}]", torch.bfloat16, (handle.T, ep.hidden))
+            if b.device != x.device:
+                raise ValueError(f"bias[{i}]: on {b.device}, x on {x.device}")
+        bias = tuple(b.contiguous() for b in bias) or None
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
             # DeepEP's combined_topk_weights: slot k summed over the rows of
             # every rank the token went to
             out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
-                                   weights_sum=True)
+                                   weights_sum=True, bias=bias)
         else:
-            out, w = ep.ht_combine(route, x.contiguous()), None
+            out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
         return out, w, (_event_after(x) if async_finish else _no_event())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):

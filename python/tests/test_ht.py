@@ -114,6 +114,25 @@ def run_round(ferry, ep, rank, N, rnd, align):
                     refw[t][k] = 2 * w[t][k]
     check(np.array_equal(out, bf16(ref)), f"combine: {np.sum(out != bf16(ref))} values differ")
     check(np.array_equal(wout, refw), "combine: weights differ")
+    # bias (DeepEP's): added in fp32 after the rows, before the one rounding
+    rb = np.random.default_rng(rnd * 7 + rank)
+    b0 = bf16(rb.standard_normal((x.shape[0], H)).astype(np.float32))
+    b1 = bf16(rb.standard_normal((x.shape[0], H)).astype(np.float32) * 3)
+    outb = ep.ht_combine(route, y, bias=(b0, b1))
+    refb = bf16((ref + f32(b0)) + f32(b1))
+    check(np.array_equal(outb, refb), f"combine with bias: {np.sum(outb != refb)} values differ")
+    check(np.array_equal(ep.ht_combine(route, y, bias=b0), bf16(ref + f32(b0))),
+          "combine with one bias: values differ")
+    try:
+        ep.ht_combine(route, y, bias=(b0, b1, b0))
+        check(False, "three biases taken")
+    except ValueError as e:
+        check("bias" in str(e), f"three biases: {e}")
+    try:
+        ep.ht_combine(route, y, bias=np.zeros((x.shape[0] + 1, H), np.uint16))
+        check(False, "a bias of the wrong shape was taken")
+    except (ValueError, TypeError) as e:
+        check("bias[0]" in str(e), f"bias shape: {e}")
     # backward identity on the same route: <C(y), g> == <y, D(g)>
     g = bf16(np.round(np.random.default_rng(rnd + 99 * rank).standard_normal((x.shape[0], H)) * 4) / 4)
     yi = bf16(np.round(np.random.default_rng(rnd * 3 + rank).standard_normal((len(rows), H)) * 4) / 4)

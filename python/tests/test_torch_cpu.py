@@ -423,8 +423,19 @@ def normal_mode(deep_ep, rank, N):
     if rx.shape[0] != bound or counts != [] or bool((ridx[real:] >= 0).any()):
         msgs.append(f"num_worst_tokens: {rx.shape[0]} rows (want {bound}), counts {counts}")
     buf.combine(torch.zeros(rx.shape, dtype=torch.bfloat16), handle)
-    expect(msgs, NotImplementedError, "ferry.deep_ep.Buffer.combine", buf.combine,
-           torch.zeros(rx.shape, dtype=torch.bfloat16), handle, bias=torch.zeros(T, H))
+    # bias (one tensor or two): zero rows back, so out is the bias, added in
+    # fp32 and rounded once
+    g = torch.Generator().manual_seed(5 + rank)
+    b0 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16)
+    b1 = (torch.randn(x.shape[0], H, generator=g) * 3).to(torch.bfloat16)
+    zeros = torch.zeros(rx.shape, dtype=torch.bfloat16)
+    ob = buf.combine(zeros, handle, bias=(b0, b1))[0]
+    if not torch.equal(ob, (b0.float() + b1.float()).to(torch.bfloat16)) or \
+            not torch.equal(buf.combine(zeros, handle, bias=b0)[0], b0):
+        msgs.append("normal combine with bias: out is not the bias summed and rounded once")
+    expect(msgs, ValueError, "bias", buf.combine, zeros, handle, bias=(b0, b1, b0))
+    expect(msgs, ValueError, "bias[0]", buf.combine, zeros, handle,
+           bias=torch.zeros(x.shape[0] + 1, H, dtype=torch.bfloat16))
     expect(msgs, TypeError, "handle", buf.combine, torch.zeros(1, H), (1, 2))
     expect(msgs, ValueError, "x", buf.combine, torch.zeros(rx.shape[0] + 1, H,
                                                           dtype=torch.bfloat16), handle)

@@ -110,8 +110,8 @@ int ferry_route_destroy(ferry_route_t route)
  * (`in` of in_need bytes, or exactly in_old: the size before `stream`, or
  * in_old2 when not 0: the size before a later field). */
 static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t in_need,
-                      size_t in_old, size_t in_old2, const char *in_type, const void *out,
-                      size_t out_need, const char *out_type, const char *call)
+                      size_t in_old, size_t in_old2, size_t in_old3, const char *in_type,
+                      const void *out, size_t out_need, const char *out_type, const char *call)
 {
     int rc = fr_ht_usable(ep, call);
     if (rc)
@@ -125,7 +125,7 @@ static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t
     if (!out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
     size_t have = *(const size_t *)in;
-    if (!fr_args_size_taken(have, in_need, in_old, in_old2))
+    if (!fr_args_size_taken(have, in_need, in_old, in_old2) && !(in_old3 && have == in_old3))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in->size = %zu: set it to sizeof(%s)",
                           *(const size_t *)in, in_type);
     if (*(const size_t *)out < out_need)
@@ -140,7 +140,7 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
     if (!ep)
         return FERRY_ERR_INVALID;
     int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_dispatch_in_t, stream), 0,
-                        "ferry_ht_dispatch_in_t", out, sizeof(*out),
+                        0, "ferry_ht_dispatch_in_t", out, sizeof(*out),
                         "ferry_ht_dispatch_out_t", "ht_dispatch");
     if (rc)
         return rc;
@@ -172,7 +172,8 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     if (!ep)
         return FERRY_ERR_INVALID;
     int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_combine_in_t, stream),
-                        offsetof(ferry_ht_combine_in_t, weights_sum), "ferry_ht_combine_in_t",
+                        offsetof(ferry_ht_combine_in_t, weights_sum),
+                        offsetof(ferry_ht_combine_in_t, bias), "ferry_ht_combine_in_t",
                         out, sizeof(*out), "ferry_ht_combine_out_t", "ht_combine");
     if (rc)
         return rc;
@@ -185,5 +186,8 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
                           rows);
     if (route->T > 0 && !out->out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
+    if (route->T == 0) { /* no rows of bias to read */
+        cur.bias[0] = cur.bias[1] = NULL;
+    }
     return ep->eng->ht_combine(ep, route, in, out);
 }

@@ -516,6 +516,8 @@ enum {
     OPT_CWIN = 32,  /* combine: in->topk_weights only */
     OPT_NULL0 = 64, /* NULL for buffers of zero rows (x, recv_x, y, out) */
     OPT_OLD = 128,  /* in->size of the struct before `stream` was added */
+    OPT_OLD2 = 256, /* combine: in->size of the struct before `bias` was added */
+    OPT_BIAS = 512, /* combine: in->bias[0] and [1] (gen_bias) */
     OPT_ALL = OPT_W | OPT_IDX | OPT_SRC | OPT_CW
 };
 
@@ -808,7 +810,16 @@ static long check_disp(const world_t *w, const spec_t *c, const data_t *d,
 typedef struct cres {
     uint16_t *out;
     float *w;
+    int bias; /* in->bias was given (OPT_BIAS) */
 } cres_t;
+
+/* Bias b (0 or 1) of rank me's token t, channel h: exact in bf16, values
+ * that change the rounding of the rows' sum. */
+static uint16_t gen_bias(int b, int me, int t, int h)
+{
+    float v = (float)(((t * 31 + h * 7 + me * 13 + b * 5) % 17) - 8) * (b ? 0.5f : 0.2f);
+    return fr_f32_to_bf16(v);
+}
 
 /* ferry_ht_combine: every received row gets rank me's y for (src, token);
  * combine weights are given for every slot, local or not (the others must
@@ -830,15 +841,28 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     o->out = obuf((size_t)T * rowb, 1, null0);
     o->w = obuf((size_t)T * wb, (opts & OPT_CW) != 0, null0);
     ferry_ht_combine_in_t in = {
-        .size = opts & OPT_OLD ? offsetof(ferry_ht_combine_in_t, stream) : sizeof(in),
+        .size = opts & OPT_OLD    ? offsetof(ferry_ht_combine_in_t, stream)
+                : opts & OPT_OLD2 ? offsetof(ferry_ht_combine_in_t, bias)
+                                  : sizeof(in),
         .y = y, .topk_weights = gw};
     ferry_ht_combine_out_t out = {.size = sizeof(out), .out = o->out,
                                   .topk_weights = o->w};
+    uint16_t *bias[2] = {NULL, NULL};
+    o->bias = (opts & OPT_BIAS) != 0;
+    for (int b = 0; o->bias && b < 2; b++) {
+        bias[b] = obuf((size_t)T * rowb, 1, null0);
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H; h++)
+                bias[b][(size_t)t * H + h] = gen_bias(b, me, t, h);
+        in.bias[b] = bias[b];
+    }
     if (g_cuda) { /* the same buffers, poison and guards, on the device */
         in.y = dcopy(y, (size_t)nr * rowb);
         in.topk_weights = dcopy(gw, (size_t)nr * wb);
         out.out = dcopy(o->out, (size_t)T * rowb);
         out.topk_weights = dcopy(o->w, (size_t)T * wb);
+        for (int b = 0; b < 2; b++)
+            in.bias[b] = bias[b] ? dcopy(bias[b], (size_t)T * rowb) : NULL;
     }
     int rc = ferry_ht_combine(ep, rt, &in, &out);
     if (g_cuda) {
@@ -849,9 +873,13 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         dback(NULL, (void *)in.topk_weights, 0);
         dback(o->out, out.out, (size_t)T * rowb);
         dback(o->w, out.topk_weights, (size_t)T * wb);
+        for (int b = 0; b < 2; b++)
+            dback(NULL, (void *)in.bias[b], 0);
     }
     free(y);
     free(gw);
+    free(bias[0]);
+    free(bias[1]);
     return rc;
 }
 
@@ -874,6 +902,9 @@ static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
             for (int h = 0; h < H; h++)
                 acc[h] += fr_bf16_to_f32(row[h]);
         }
+        for (int b = 0; o->bias && b < 2; b++) /* after the rows, in order */
+            for (int h = 0; h < H; h++)
+                acc[h] += fr_bf16_to_f32(gen_bias(b, me, t, h));
         int h = 0, kbad = -1;
         const uint16_t *got = o->out + (size_t)t * H;
         while (h < H && bf_same(got[h], fr_f32_to_bf16(acc[h])))
@@ -920,7 +951,7 @@ static int do_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
 static int do_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
                    const spec_t *c, const data_t *d, int opts, const char *what)
 {
-    cres_t o = {NULL, NULL};
+    cres_t o = {NULL, NULL, 0};
     int rc = ht_comb(ep, rt, w, c, d, opts, &o);
     CHECK(rc == FERRY_OK, "rank %d: %s: ferry_ht_combine: %s: %s", w->me,
           what, ferry_strerror(rc), ferry_ep_last_error(ep));
@@ -1423,7 +1454,7 @@ static int check_adjoint(ferry_comm_t comm, ferry_ep_t ep, ferry_route_t rt,
     int N = w->N, me = w->me;
     data_t dg = {tag, kind, 0}, dy = {tag + 1, kind, 0};
     dres_t D;
-    cres_t C = {NULL, NULL};
+    cres_t C = {NULL, NULL, 0};
     int rc = ht_disp(ep, rt, w, c, &dg, OPT_W, &D);
     CHECK(rc == FERRY_OK, "adjoint dispatch: %s", ferry_ep_last_error(ep));
     if (rc == FERRY_OK) {
@@ -1793,11 +1824,15 @@ static int run_args(ferry_comm_t comm)
         args_combine(ep, rt, &w, &c);
         if (rc == FERRY_OK)
             rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL, "args good combine");
+        if (rc == FERRY_OK)
+            rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL | OPT_BIAS, "args combine with bias");
         /* structs of an older ferry.h (no stream) are still taken */
         if (rc == FERRY_OK)
             rc = do_disp(ep, rt, &w, &c, &dx, OPT_ALL | OPT_OLD, "args old-size dispatch");
         if (rc == FERRY_OK)
             rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL | OPT_OLD, "args old-size combine");
+        if (rc == FERRY_OK) /* ... and without bias */
+            rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL | OPT_OLD2, "args pre-bias combine");
         CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
     }
     world_free(&w);
@@ -1872,7 +1907,7 @@ static int run_kill(ferry_comm_t comm, int victim)
             if (rc == FERRY_OK) {
                 CHECK(check_disp(&w, &c, &dx, &D, "kill") == 0,
                       "dispatch wrong");
-                cres_t C = {NULL, NULL};
+                cres_t C = {NULL, NULL, 0};
                 phase = "combine";
                 t0 = now_ms();
                 rc = ht_comb(ep, rt, &w, &c, &dy, 0, &C);

@@ -74,6 +74,7 @@ typedef struct fr_cuht_io {
     int32_t *rsr, *rst;
     int fp8;
     int wsum;                /* combine: rw slot k summed over the token's ranks */
+    const int4 *bias[2];     /* combine: [T][2H] bf16 each, or NULL: added before rounding */
 } fr_cuht_io_t;
 
 /* A ring's group of warps (a sender or receiver group of one ring, see
@@ -539,6 +540,22 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                         }
                     }
                 }
+                /* the bias after the rows, before the one rounding */
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    if (!io.bias[b])
+                        continue;
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        if (h + 32 * u < H8) {
+                            int4 bv = __ldg(io.bias[b] + (size_t)t * H8 + h + 32 * u);
+                            const uint16_t *bb = (const uint16_t *)&bv;
+#pragma unroll
+                            for (int i = 0; i < 8; i++)
+                                acc[u][i] += fr_bf16_to_f32(bb[i]);
+                        }
+                    }
+                }
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     if (h + 32 * u < H8) {
@@ -693,10 +710,14 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     if ((rc = fr_cuht_aligned(ep, in->y, 16, "y", call)) ||
         (rc = fr_cuht_aligned(ep, in->topk_weights, 4, "topk_weights", call)) ||
         (rc = fr_cuht_aligned(ep, out->out, 16, "out", call)) ||
-        (rc = fr_cuht_aligned(ep, out->topk_weights, 4, "out->topk_weights", call)))
+        (rc = fr_cuht_aligned(ep, out->topk_weights, 4, "out->topk_weights", call)) ||
+        (rc = fr_cuht_aligned(ep, in->bias[0], 16, "bias[0]", call)) ||
+        (rc = fr_cuht_aligned(ep, in->bias[1], 16, "bias[1]", call)))
         return rc;
     fr_cuht_io_t io;
     memset(&io, 0, sizeof(io));
+    io.bias[0] = (const int4 *)in->bias[0];
+    io.bias[1] = (const int4 *)in->bias[1];
     io.x = (const uint8_t *)in->y;
     io.w = in->topk_weights;
     io.rx = (uint8_t *)out->out;

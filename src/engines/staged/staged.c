@@ -253,15 +253,19 @@ static int fr_staged_combine(ferry_ep_t ep, ferry_route_t route,
     fr_stage_plan_t p = {0};
     int iy = fr_stage_add(&p, in->y, R * H * 2);
     int iw = fr_stage_add(&p, in->topk_weights, R * K * 4);
+    int ib0 = fr_stage_add(&p, in->bias[0], T * H * 2);
+    int ib1 = fr_stage_add(&p, in->bias[1], T * H * 2);
     int oo = fr_stage_add(&p, out->out, T * H * 2);
     int ow = fr_stage_add(&p, out->topk_weights, T * K * 4);
     if ((rc = fr_stage_fit(ep, &p)) ||
-        (rc = fr_stage_copy(ep, &p, iy, iw + 1, 1, in->stream, NULL)))
+        (rc = fr_stage_copy(ep, &p, iy, ib1 + 1, 1, in->stream, NULL)))
         return rc;
     ferry_ht_combine_in_t hi = *in;
     ferry_ht_combine_out_t ho = *out;
     hi.y = fr_stage_host(ep, &p, iy);
     hi.topk_weights = (const float *)fr_stage_host(ep, &p, iw);
+    hi.bias[0] = fr_stage_host(ep, &p, ib0);
+    hi.bias[1] = fr_stage_host(ep, &p, ib1);
     hi.stream = NULL;
     ho.out = fr_stage_host(ep, &p, oo);
     ho.topk_weights = (float *)fr_stage_host(ep, &p, ow);
