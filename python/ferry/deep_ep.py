@@ -796,14 +796,11 @@ class Buffer:
             previous_event.current_stream_wait()
         ep, route = handle.ep, handle.route
         _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
-        bias = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
-        if len(bias) > 2:
-            raise ValueError(f"bias: {len(bias)} tensors; DeepEP takes 0, 1 or 2")
-        for i, b in enumerate(bias):
-            _tensor(b, f"bias[{i}]", torch.bfloat16, (handle.T, ep.hidden))
-            if b.device != x.device:
-                raise ValueError(f"bias[{i}]: on {b.device}, x on {x.device}")
-        bias = tuple(b.contiguous() for b in bias) or None
+        # DeepEP takes strided bias; ht_combine checks the count, shapes,
+        # dtype and device, naming bias[i]
+        if bias is not None:
+            bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
+                         for b in (bias if isinstance(bias, tuple) else (bias,)))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
             # DeepEP's combined_topk_weights: slot k summed over the rows of

@@ -19,10 +19,10 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
  * zeroed, cur's size set to cur_size. The caller checked the size. */
 void fr_args_current(void *cur, size_t cur_size, const void *args);
 /* Whether a caller's struct of `have` bytes is one ferry takes: `cur`
- * bytes or more (the current layout), or exactly `old` or `old2` (when
- * not 0), the sizes before fields added later; a size between two of
- * them would split a field. */
-int fr_args_size_taken(size_t have, size_t cur, size_t old, size_t old2);
+ * bytes or more (the current layout), or exactly one of `old` (a list
+ * ending with 0), the sizes before fields added later; a size between two
+ * of them would split a field. */
+int fr_args_size_taken(size_t have, size_t cur, const size_t *old);
 /* on_gpu: topk_idx is device memory (checked by the engine's kernel). */
 int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
                         fr_err_t *err);

@@ -107,11 +107,11 @@ int ferry_route_destroy(ferry_route_t route)
 }
 
 /* Common start of dispatch and combine: context, mode, route, structs
- * (`in` of in_need bytes, or exactly in_old: the size before `stream`, or
- * in_old2 when not 0: the size before a later field). */
+ * (`in` of in_need bytes, or exactly one of in_old, a list ending with 0:
+ * the sizes before `stream` and before later fields). */
 static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t in_need,
-                      size_t in_old, size_t in_old2, size_t in_old3, const char *in_type,
-                      const void *out, size_t out_need, const char *out_type, const char *call)
+                      const size_t *in_old, const char *in_type, const void *out,
+                      size_t out_need, const char *out_type, const char *call)
 {
     int rc = fr_ht_usable(ep, call);
     if (rc)
@@ -125,7 +125,7 @@ static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t
     if (!out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out: NULL pointer");
     size_t have = *(const size_t *)in;
-    if (!fr_args_size_taken(have, in_need, in_old, in_old2) && !(in_old3 && have == in_old3))
+    if (!fr_args_size_taken(have, in_need, in_old))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in->size = %zu: set it to sizeof(%s)",
                           *(const size_t *)in, in_type);
     if (*(const size_t *)out < out_need)
@@ -139,8 +139,9 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_dispatch_in_t, stream), 0,
-                        0, "ferry_ht_dispatch_in_t", out, sizeof(*out),
+    int rc = fr_ht_call(ep, route, in, sizeof(*in),
+                        (const size_t[]){offsetof(ferry_ht_dispatch_in_t, stream), 0},
+                        "ferry_ht_dispatch_in_t", out, sizeof(*out),
                         "ferry_ht_dispatch_out_t", "ht_dispatch");
     if (rc)
         return rc;
@@ -171,10 +172,12 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
 {
     if (!ep)
         return FERRY_ERR_INVALID;
-    int rc = fr_ht_call(ep, route, in, sizeof(*in), offsetof(ferry_ht_combine_in_t, stream),
-                        offsetof(ferry_ht_combine_in_t, weights_sum),
-                        offsetof(ferry_ht_combine_in_t, bias), "ferry_ht_combine_in_t",
-                        out, sizeof(*out), "ferry_ht_combine_out_t", "ht_combine");
+    int rc = fr_ht_call(ep, route, in, sizeof(*in),
+                        (const size_t[]){offsetof(ferry_ht_combine_in_t, stream),
+                                         offsetof(ferry_ht_combine_in_t, weights_sum),
+                                         offsetof(ferry_ht_combine_in_t, bias), 0},
+                        "ferry_ht_combine_in_t", out, sizeof(*out), "ferry_ht_combine_out_t",
+                        "ht_combine");
     if (rc)
         return rc;
     ferry_ht_combine_in_t cur; /* the engine sees the current struct */

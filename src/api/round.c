@@ -212,9 +212,14 @@ void fr_args_current(void *cur, size_t cur_size, const void *args)
     *(size_t *)cur = cur_size;
 }
 
-int fr_args_size_taken(size_t have, size_t cur, size_t old, size_t old2)
+int fr_args_size_taken(size_t have, size_t cur, const size_t *old)
 {
-    return have >= cur || have == old || (old2 && have == old2);
+    if (have >= cur)
+        return 1;
+    for (; *old; old++)
+        if (have == *old)
+            return 1;
+    return 0;
 }
 
 /* The output structs as the engines see them: the caller's (checked as at
@@ -230,7 +235,7 @@ static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, size_t old
                           size_t cur_size, const char *type)
 {
     size_t have = *(const size_t *)out;
-    if (!fr_args_size_taken(have, cur_size, old, old2))
+    if (!fr_args_size_taken(have, cur_size, (const size_t[]){old, old2, 0}))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)", have,
                           type);
     fr_args_current(cur, cur_size, out);

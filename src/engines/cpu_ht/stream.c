@@ -469,12 +469,15 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         rc = fr_ht_fab_drain(ep);
     if (rc == FERRY_OK) {
         /* the bias after the rows, before the one rounding */
-        for (int b = 0; b < 2; b++)
-            if (in->bias[b])
-                for (size_t i = 0; i < (size_t)T * H; i++)
-                    acc[i] += fr_bf16_to_f32(((const uint16_t *)in->bias[b])[i]);
-        for (size_t i = 0; i < (size_t)T * H; i++)
-            ((uint16_t *)out->out)[i] = fr_f32_to_bf16(acc[i]);
+        const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
+        for (size_t i = 0; i < (size_t)T * H; i++) {
+            float a = acc[i];
+            if (b0)
+                a += fr_bf16_to_f32(b0[i]);
+            if (b1)
+                a += fr_bf16_to_f32(b1[i]);
+            ((uint16_t *)out->out)[i] = fr_f32_to_bf16(a);
+        }
     }
     fr_ht_call_end(&c);
     return rc;

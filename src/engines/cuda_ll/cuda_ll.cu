@@ -722,7 +722,6 @@ static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
         cudaEvent_t e;
         FR_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), err, fail);
         c->ahead[i] = e;
-        c->ahead_seen[i] = 0;
     }
 fail:
     return rc;
@@ -732,7 +731,7 @@ int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream, const char *
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     int i = (int)(epoch % FR_CU_AHEAD);
-    if (ep->rx_flush == FR_RX_FLUSH_NONE || !c->ahead_seen[i] || fr_cuda_capturing(stream))
+    if (!c->ahead_seen[i] || fr_cuda_capturing(stream)) /* no events: not this mode */
         return FERRY_OK;
     uint64_t before = c->ahead_seen[i]; /* the round whose combine the event follows */
     /* past what the kernels' own waits can take (one timeout per sender in
@@ -773,7 +772,7 @@ void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream)
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     int i = (int)(epoch % FR_CU_AHEAD);
-    if (ep->rx_flush == FR_RX_FLUSH_NONE || !c->ahead[i] || fr_cuda_capturing(stream))
+    if (!c->ahead[i] || fr_cuda_capturing(stream)) /* events only in this mode */
         return;
     if (cudaEventRecord((cudaEvent_t)c->ahead[i], (cudaStream_t)stream) == cudaSuccess)
         c->ahead_seen[i] = epoch;
