@@ -138,8 +138,9 @@ typedef struct ferry_ep_config {
     ferry_dtype_t dispatch_dtype; /* bf16, or fp8 with block scales */
     ferry_device_t device;
     int num_sms;       /* CUDA: blocks the kernels use (0: 16 in low-latency
-                          mode; 24 channels in high-throughput mode, fewer
-                          when ranks share a GPU) */
+                          mode; 24 channels in high-throughput mode); when
+                          ranks share a GPU, lowered to their share of what
+                          it holds at once, with a warning when given */
     ferry_mode_t mode; /* FERRY_MODE_LOW_LATENCY (0, the default) */
     /* High throughput: tokens each peer's ring holds (0: 256); ring memory
      * per rank is about 2 x N x ring_tokens x (2H + 128) bytes. CUDA: a

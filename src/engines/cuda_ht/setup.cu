@@ -147,53 +147,62 @@ fail:
     return rc;
 }
 
-/* The default channel count (num_sms = 0): FR_CUHT_SMS_DEFAULT, or fewer
+/* The channel count: num_sms, else FR_CUHT_SMS_DEFAULT; either lowered
  * when ranks share a GPU, so that every rank's blocks (one per SM) are
  * resident at once: the GPU's SMs divided by the most ranks on one GPU.
- * Collective (every rank joins, whatever its own status); the same answer
- * on every rank, or -1 on every rank. */
+ * More would leave some ranks' blocks unscheduled while the resident ones
+ * wait for their data, until the timeout (4 ranks with num_sms 64 on one
+ * H200 did). Collective (every rank joins, whatever its own status); the
+ * same answer on every rank (num_sms is the same everywhere), or -1 on
+ * every rank. */
 typedef struct fr_cuht_gpu {
-    char bus[32];  /* PCI bus id of the rank's GPU ("" when unknown) */
+    unsigned char uuid[16]; /* the rank's GPU's (a PCI bus id repeats across hosts) */
     int nsm;
     int status;
 } fr_cuht_gpu_t;
 
-static int fr_cuht_default_channels(ferry_ep_t ep, fr_err_t *err)
+static int fr_cuht_channels(ferry_ep_t ep, fr_err_t *err)
 {
     int N = ep->N, dev = 0;
     fr_cuht_gpu_t mine, *all = (fr_cuht_gpu_t *)calloc((size_t)N, sizeof(*all));
     memset(&mine, 0, sizeof(mine));
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetPCIBusId(mine.bus, (int)sizeof(mine.bus), dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&mine.nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaDeviceProp prop;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
         (void)cudaGetLastError();
         mine.status = FERRY_ERR_SYSTEM;
+    } else {
+        memcpy(mine.uuid, prop.uuid.bytes, sizeof(mine.uuid));
+        mine.nsm = prop.multiProcessorCount;
     }
     if (!all) {
         FR_ERR(err, FERRY_ERR_NOMEM, "GPU table");
         return -1;
     }
     int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-    int C = FR_CUHT_SMS_DEFAULT;
+    int want = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : FR_CUHT_SMS_DEFAULT, C = want, share_max = 1;
     for (int i = 0; i < N && rc == FERRY_OK; i++) {
         if (all[i].status != FERRY_OK) {
-            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "rank %d cannot read its GPU's bus id and SM "
+            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "rank %d cannot read its GPU's UUID and SM "
                         "count", i);
             break;
         }
         int share = 0;
         for (int j = 0; j < N; j++)
-            share += strncmp(all[i].bus, all[j].bus, sizeof(all[i].bus)) == 0;
+            share += memcmp(all[i].uuid, all[j].uuid, sizeof(all[i].uuid)) == 0;
         int fit = all[i].nsm / share;
         C = fit < C ? fit : C;
+        share_max = share > share_max ? share : share_max;
     }
     free(all);
     if (rc != FERRY_OK)
         return -1;
     C = C < 1 ? 1 : C;
-    if (C < FR_CUHT_SMS_DEFAULT)
+    if (C < want && ep->cfg.num_sms > 0)
+        FR_LOG_WARN(FR_SUB_INIT, "cuda_ht: num_sms %d lowered to %d: %d ranks share a GPU, "
+                    "and every rank's blocks must be resident at once", want, C, share_max);
+    else if (C < want)
         FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: ranks share a GPU: %d channels per rank by default "
-                    "(num_sms sets it)", C);
+                    "(num_sms sets it, up to what fits)", C);
     return C;
 }
 
@@ -207,7 +216,7 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     if (!c)
         return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
     ep->eng_state = c;
-    int C = cfg->num_sms > 0 ? cfg->num_sms : fr_cuht_default_channels(ep, err);
+    int C = fr_cuht_channels(ep, err);
     if (C < 0)
         return FERRY_ERR_SYSTEM; /* err says why; every rank failed with it */
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;

@@ -293,6 +293,7 @@ extern "C" int ferry_cuda_available(char *why, size_t len)
 
 typedef struct fr_ipc_msg {
     cudaIpcMemHandle_t h;
+    unsigned char uuid[16]; /* the GPU's: ranks with the same one share it */
     int device;
     int status;        /* this rank's segment set-up */
 } fr_ipc_msg_t;
@@ -394,6 +395,11 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
     const fr_layout_t *L = &ep->L;
     FR_CU(cudaGetDevice(&c->device), err, fail);
     mine->device = c->device;
+    {
+        cudaDeviceProp prop;
+        FR_CU(cudaGetDeviceProperties(&prop, c->device), err, fail);
+        memcpy(mine->uuid, prop.uuid.bytes, sizeof(mine->uuid));
+    }
     c->host_seg = ep->nfabric > 0;
     /* peers on both paths (ranks of one node among several): the fabric's
      * receive region as with the fabric alone, and a GPU segment for the
@@ -503,6 +509,10 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                         ferry_strerror(all[i].status));
     if (rc != FERRY_OK)
         goto fail;
+    c->share = 0;
+    for (int i = 0; i < N; i++)
+        c->share += memcmp(all[i].uuid, mine.uuid, sizeof(mine.uuid)) == 0;
+    c->share = c->share < 1 ? 1 : c->share;
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
     for (int i = 0; i < N; i++) {
         if (ep->path[i] == FR_PATH_SELF) {
@@ -606,6 +616,19 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
               fail);
         FR_CUH(fr_cuda_load_kernels(ep, c, err), fail);
+        /* every kernel's grid (the split parts too) within this rank's
+         * share of what the GPU holds at once: with ranks sharing a GPU,
+         * more left some ranks' blocks unscheduled while the others
+         * waited for them (8 ranks with num_sms 40 on one H200 timed out) */
+        int cap = c->dgrid > 0 && c->cgrid > 0 ? (c->dgrid < c->cgrid ? c->dgrid : c->cgrid)
+                                               : c->dgrid > 0 ? c->dgrid : c->cgrid;
+        if (c->share > 1 && cap > 0 && c->nblocks > cap) {
+            if (ep->cfg.num_sms > 0)
+                FR_LOG_WARN(FR_SUB_INIT, "num_sms %d lowered to %d: %d ranks share this GPU, "
+                            "and their blocks must be resident at once", c->nblocks, cap,
+                            c->share);
+            c->nblocks = cap;
+        }
     }
     free(all);
     return FERRY_OK;

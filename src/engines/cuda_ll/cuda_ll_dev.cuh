@@ -105,8 +105,11 @@ struct fr_cuda_ep {
     int device, nblocks;
     int nsm;                 /* the GPU's SMs */
     int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
-                                holds at once, found at set-up (-1: they do
-                                not fit; send and receive go as two launches) */
+                                holds at once for this rank, found at set-up
+                                (its share when ranks share the GPU; -1: they
+                                do not fit; send and receive go as two
+                                launches) */
+    int share;               /* ranks on this rank's GPU (same UUID), >= 1 */
     int host_seg;            /* every peer on the fabric: buffers for the proxy
                                 (seg and send in GPU memory when
                                 ep->fab_device >= 0, else pinned host memory
@@ -152,8 +155,11 @@ static int fr_cu_grid(const struct fr_cuda_ep *c, K (&ks)[NK], int threads, size
         }
         per = per < 0 || n < per ? n : per;
     }
-    if (per * c->nsm >= 1)
-        return per * c->nsm;
+    /* ranks sharing the GPU split it: a rank's resident blocks wait for
+     * its peers' blocks, which must find room */
+    int share = c->share > 1 ? c->share : 1;
+    if (per * c->nsm >= share)
+        return per * c->nsm / share;
     FR_LOG_INFO(FR_SUB_EP, "%s: the one-launch kernel does not fit; sending and receiving in "
                            "two launches", what);
     return -1;
