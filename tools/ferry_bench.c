@@ -552,6 +552,10 @@ int main(int argc, char **argv)
     int rc0;
     opts_t o;
     setvbuf(stdout, NULL, _IOLBF, 0);
+    /* ranks share the terminal: a line goes out in one write (unbuffered,
+     * a long line went out in pieces that other ranks' lines split) */
+    static char errbuf[4096];
+    setvbuf(stderr, errbuf, _IOLBF, sizeof(errbuf));
     if (parse(argc, argv, &o) != 0)
         return 2;
     if (strcmp(o.device, "cpu") != 0 && strcmp(o.device, "cuda") != 0) {
