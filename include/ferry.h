@@ -425,10 +425,19 @@ int ferry_route_destroy(ferry_route_t route);
 typedef struct ferry_ht_dispatch_in {
     size_t size;               /* sizeof(ferry_ht_dispatch_in_t) */
     const void *x;             /* [T][H] bf16, or fp8 when x_scales != NULL */
-    const float *x_scales;     /* [T][H/128], or NULL */
+    const float *x_scales;     /* [T][H/128], or NULL (see x_scales_stride) */
     const float *topk_weights; /* [T][K], or NULL */
     void *stream;              /* CUDA: cudaStream_t (NULL: legacy default);
                                   the outputs are written on it too */
+    /* x_scales' strides in floats: [0] from a token to the next, [1] from
+     * a scale to the next; {0, 0}: row-major, {H/128, 1}. Scale q of token
+     * t is x_scales[t * x_scales_stride[0] + q * x_scales_stride[1]], and
+     * nothing past the last of those is read: column-major scales (DeepEP's,
+     * [H/128][ld] with ld >= T) are {1, ld}, taken without a copy. Both at
+     * least 1 otherwise. The struct sizes before this field and before
+     * stream are still taken (row-major then). recv_x_scales is always
+     * row-major. */
+    int64_t x_scales_stride[2];
 } ferry_ht_dispatch_in_t;
 
 typedef struct ferry_ht_dispatch_out {

@@ -118,6 +118,28 @@ def _torch_like(a):
     return a is not None and type(a).__module__.startswith("torch")
 
 
+def _elem_strides(a):
+    """A torch tensor's or numpy array's strides in elements, each at least
+    1 (a dimension of one element: 1), with the data aligned to its
+    elements; else None."""
+    if hasattr(a, "stride") and callable(a.stride) and hasattr(a, "data_ptr"):
+        st = tuple(a.stride())
+        item = a.element_size()
+        ptr = a.data_ptr()
+    elif hasattr(a, "strides") and hasattr(a, "itemsize"):
+        item = a.itemsize
+        if any(x % item for x in a.strides):
+            return None
+        st = tuple(x // item for x in a.strides)
+        ptr = a.__array_interface__["data"][0]
+    else:
+        return None
+    st = tuple(1 if n == 1 else x for n, x in zip(a.shape, st))
+    if any(x < 1 for x in st) or ptr % item:
+        return None
+    return st
+
+
 def _info(a, name):
     """An _Arr for a (no copy), or TypeError naming the argument."""
     r = _Arr()
@@ -368,9 +390,12 @@ class EP:
         if rc != 0:
             raise FerryError(rc, _lib_handle().ferry_ep_last_error(self._h).decode())
 
-    def _arr(self, a, name, dtypes, shape, required=True, output=False, inf=None):
+    def _arr(self, a, name, dtypes, shape, required=True, output=False, inf=None,
+             strided=False):
         """The pointer of a checked against the context, or None (when a is
-        None and not required). shape: a tuple, None entries any size."""
+        None and not required). shape: a tuple, None entries any size.
+        strided: a torch or numpy view whose element strides are all at
+        least 1 is taken too (_elem_strides says which)."""
         if a is None:
             if required:
                 raise TypeError(f"{name}: expected shape {self._show(shape)} "
@@ -391,7 +416,7 @@ class EP:
         if len(ishape) != len(shape) or any(w is not None and w != n
                                             for w, n in zip(shape, ishape)):
             raise ValueError(self._mismatch(name, shape, dtypes, inf))
-        if not inf.contig:
+        if not inf.contig and not (strided and _elem_strides(a) is not None):
             raise ValueError(f"{name}: expected a C-contiguous (row-major, aligned) array, "
                              f"got a strided view {_fmt_shape(ishape)} {inf.dtype}")
         if output and not inf.writable:
@@ -702,7 +727,8 @@ class EP:
     def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None,
                     outputs=None):
         """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
-        uint8 or float8_e4m3fn with x_scales [T, H/128] float32) to the
+        uint8 or float8_e4m3fn with x_scales [T, H/128] float32, any
+        strides of at least 1, e.g. column-major, read in place) to the
         ranks of their experts. Returns a dict: recv_x [num_recv, H] (x's
         dtype), recv_x_scales (fp8), recv_topk_idx [num_recv, K] int32
         (local expert or -1), recv_topk_weights (when topk_weights [T, K]
@@ -723,7 +749,11 @@ class EP:
         fp8 = x_scales is not None
         xinf = _info(x, "x")
         px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0, inf=xinf)
-        ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False)
+        ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False,
+                       strided=True)
+        # strided scales (DeepEP's column-major ones) go as they are
+        sst = (0, 0) if ps is None or _info(x_scales, "x_scales").contig \
+            else _elem_strides(x_scales)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
         if self._torch_io(x):
             # an empty tensor (no tokens on this rank) has no storage: "given
@@ -743,7 +773,8 @@ class EP:
                  recv_src_rank=new((n,), _I32) if want("recv_src_rank") else None,
                  recv_src_token=new((n,), _I32) if want("recv_src_token") else None)
         st = _stream_of(x, stream) if self.device == "cuda" else None
-        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st)
+        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st,
+                                (C.c_int64 * 2)(*sst))
         dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut),
                                   *[self._ptr(o[k]) for k in self._HT_OUTS])
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))

@@ -68,7 +68,8 @@ class RouteIn(C.Structure):
 
 class HtDispatchIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("x", C.c_void_p), ("x_scales", C.c_void_p),
-                ("topk_weights", C.c_void_p), ("stream", C.c_void_p)]
+                ("topk_weights", C.c_void_p), ("stream", C.c_void_p),
+                ("x_scales_stride", C.c_int64 * 2)]
 
 
 class HtDispatchOut(C.Structure):

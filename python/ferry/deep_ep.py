@@ -25,7 +25,9 @@ be captured in a CUDA graph. Arguments ferry does not support
 raise a clear error naming them (see docs/python.md for the mapping).
 Tensors are checked before use (TypeError for a wrong type or dtype,
 ValueError for a wrong shape or device, naming the argument); inputs are
-made contiguous here (a copy when they are not), `out` must already be.
+made contiguous here (a copy when they are not; the normal-mode
+dispatch's float32 [T, H/128] scales excepted: their strides go to the
+engine, which reads them in place), `out` must already be.
 """
 import contextlib
 import ctypes as C
@@ -736,7 +738,8 @@ class Buffer:
                              f"{xs.device}")
         ns = xs.shape[1]
         if xs.dtype == torch.float32 and ns == S:
-            return xs.contiguous(), None
+            # strided (DeepEP's column-major scales) is taken as it is
+            return (xs if min(xs.stride()) >= 1 or xs.is_contiguous() else xs.contiguous()), None
         if ns > S or ns < 1:
             raise ValueError(f"x[1] (scales): {ns} scales per token; ferry's normal mode "
                              f"carries 1 to hidden/128 = {S}")

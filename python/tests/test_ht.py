@@ -91,6 +91,12 @@ def run_round(ferry, ep, rank, N, rnd, align):
     for i, (s, t) in enumerate(rows):
         check(np.array_equal(o8["recv_x"][i], all_in[s][3][t]) and
               np.array_equal(o8["recv_x_scales"][i], all_in[s][4][t]), f"fp8 row {i}: wrong")
+    # the same scales column-major ([H/128][T + 3], NaN padding), taken without a copy
+    col = np.full((qs.shape[1], qs.shape[0] + 3), np.nan, np.float32)
+    col[:, :qs.shape[0]] = qs.T
+    oc = ep.ht_dispatch(route, q, x_scales=col[:, :qs.shape[0]].T)
+    check(np.array_equal(oc["recv_x_scales"], o8["recv_x_scales"]) and
+          np.array_equal(oc["recv_x"], o8["recv_x"]), "fp8, column-major x_scales: wrong rows")
     # combine: y = a different map per row's first local expert
     y = bf16(f32(o["recv_x"]) * (1 + rank) + 0.25 * np.arange(len(rows))[:, None])
     yw = (o["recv_topk_weights"] * 2).astype(np.float32)

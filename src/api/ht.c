@@ -140,7 +140,9 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
     if (!ep)
         return FERRY_ERR_INVALID;
     int rc = fr_ht_call(ep, route, in, sizeof(*in),
-                        (const size_t[]){offsetof(ferry_ht_dispatch_in_t, stream), 0},
+                        (const size_t[]){offsetof(ferry_ht_dispatch_in_t, stream),
+                                         offsetof(ferry_ht_dispatch_in_t, x_scales_stride),
+                                         0},
                         "ferry_ht_dispatch_in_t", out, sizeof(*out),
                         "ferry_ht_dispatch_out_t", "ht_dispatch");
     if (rc)
@@ -154,6 +156,15 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
         return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                           "x_scales: fp8 rows need hidden to be a multiple of 128 "
                           "(hidden = %d)", ep->L.H);
+    if (cur.x_scales_stride[0] == 0 && cur.x_scales_stride[1] == 0) {
+        cur.x_scales_stride[0] = ep->L.H / 128; /* row-major */
+        cur.x_scales_stride[1] = 1;
+    } else if (in->x_scales && (cur.x_scales_stride[0] < 1 || cur.x_scales_stride[1] < 1)) {
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "x_scales_stride = {%lld, %lld}: both at least 1 (or both 0: "
+                          "row-major)", (long long)cur.x_scales_stride[0],
+                          (long long)cur.x_scales_stride[1]);
+    }
     int rows = fr_route_rows(route);
     if (rows > 0 && !out->recv_x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "recv_x: NULL pointer (%d rows arrive)",

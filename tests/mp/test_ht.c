@@ -516,8 +516,11 @@ enum {
     OPT_CWIN = 32,  /* combine: in->topk_weights only */
     OPT_NULL0 = 64, /* NULL for buffers of zero rows (x, recv_x, y, out) */
     OPT_OLD = 128,  /* in->size of the struct before `stream` was added */
-    OPT_OLD2 = 256, /* combine: in->size of the struct before `bias` was added */
+    OPT_OLD2 = 256, /* in->size of the struct before `bias` (combine) or
+                       `x_scales_stride` (dispatch) was added */
     OPT_BIAS = 512, /* combine: in->bias[0] and [1] (gen_bias) */
+    OPT_SCOL = 1024, /* dispatch, fp8: x_scales column-major, [H/128][T + 3]
+                        with NaN in the padding (x_scales_stride {1, T + 3}) */
     OPT_ALL = OPT_W | OPT_IDX | OPT_SRC | OPT_CW
 };
 
@@ -696,8 +699,25 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     size_t rb = (size_t)nr * o->rowb, rs = (size_t)nr * sb, rk = (size_t)nr * wb;
     size_t r4 = (size_t)nr * sizeof(int32_t);
     ferry_ht_dispatch_in_t in = {
-        .size = opts & OPT_OLD ? offsetof(ferry_ht_dispatch_in_t, stream) : sizeof(in),
+        .size = opts & OPT_OLD    ? offsetof(ferry_ht_dispatch_in_t, stream)
+                : opts & OPT_OLD2 ? offsetof(ferry_ht_dispatch_in_t, x_scales_stride)
+                                  : sizeof(in),
         .x = x, .x_scales = xs, .topk_weights = tw};
+    size_t xsn = (size_t)T * o->ns; /* floats of the x_scales passed */
+    if ((opts & OPT_SCOL) && xs) { /* the same scales, column-major, padded */
+        size_t ld = (size_t)T + 3;
+        float *col = malloc(sizeof(float) * ld * (size_t)o->ns + 1);
+        for (size_t i = 0; i < ld * (size_t)o->ns; i++)
+            col[i] = NAN; /* read by mistake: the rows' scales come out wrong */
+        for (int t = 0; t < T; t++)
+            for (int q = 0; q < o->ns; q++)
+                col[(size_t)q * ld + (size_t)t] = xs[(size_t)t * o->ns + (size_t)q];
+        free(xs);
+        in.x_scales = xs = col;
+        in.x_scales_stride[0] = 1;
+        in.x_scales_stride[1] = (int64_t)ld;
+        xsn = ld * (size_t)o->ns;
+    }
     ferry_ht_dispatch_out_t out = {.size = sizeof(out), .recv_x = o->x,
                                    .recv_x_scales = o->xs,
                                    .recv_topk_idx = o->idx,
@@ -706,7 +726,7 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
                                    .recv_src_token = o->st};
     if (g_cuda) { /* the same buffers, poison and guards, on the device */
         in.x = dcopy(x, (size_t)T * o->rowb);
-        in.x_scales = dcopy(xs, (size_t)T * sb);
+        in.x_scales = dcopy(xs, xsn * sizeof(float));
         in.topk_weights = dcopy(tw, (size_t)T * wb);
         out.recv_x = dcopy(o->x, rb);
         out.recv_x_scales = dcopy(o->xs, rs);
@@ -1047,9 +1067,10 @@ static int run_cfgs(ferry_comm_t comm, size_t ncfg, const int *opts, int nopts,
 static int run_basic(ferry_comm_t comm)
 {
     /* round 1: every optional output; round 2: none, NULL for empty
-     * buffers; round 3: weights in only, sources, NULL for empty */
+     * buffers; round 3: weights in only, sources, NULL for empty, fp8
+     * scales column-major */
     static const int opts[3] = {OPT_ALL, OPT_NULL0,
-                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0};
+                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0 | OPT_SCOL};
     if (run_cfgs(comm, sizeof(basic_cfgs) / sizeof(basic_cfgs[0]), opts, 3, 0xba51c000u))
         return 1;
     return fr_test_result();
@@ -1781,11 +1802,23 @@ static void args_fp8(ferry_comm_t comm, const spec_t *c0, int me)
                                      .x_scales = xs};
         ferry_ht_dispatch_out_t out = {.size = sizeof(out), .recv_x = rx};
         CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &in, &out), "recv_x_scales");
+        float *rxs = calloc((size_t)nr * (c.H / 128) + 1, sizeof(float));
+        out.recv_x_scales = rxs;
+        in.x_scales_stride[0] = 0; /* one of the two 0 */
+        in.x_scales_stride[1] = 1;
+        CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &in, &out), "x_scales_stride");
+        in.x_scales_stride[0] = c.H / 128;
+        in.x_scales_stride[1] = -1;
+        CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &in, &out), "x_scales_stride");
+        free(rxs);
         free(x);
         free(rx);
         free(xs);
         data_t d = {hkey(c.seed, 2, 1, 0), K_BITS, 1};
         do_disp(ep, rt, &w, &c, &d, OPT_ALL, "args fp8 dispatch");
+        do_disp(ep, rt, &w, &c, &d, OPT_ALL | OPT_SCOL, "args fp8 dispatch, column-major scales");
+        do_disp(ep, rt, &w, &c, &d, OPT_ALL | OPT_OLD2,
+                "args fp8 dispatch, struct size before x_scales_stride");
         CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
     } else {
         CHECK(0, "rank %d: fp8 route_create failed", me);

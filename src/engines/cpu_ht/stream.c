@@ -83,13 +83,32 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
 /* Row `row` of the outputs from a record's token, local expert ids and
  * weights (this rank's own header, or the checked copy of a received one),
  * its data and scales. */
+/* Token t's nsc scales from the caller's x_scales (its strides) to dst. */
+static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t,
+                            float *dst)
+{
+    const float *p = in->x_scales + (size_t)t * (size_t)in->x_scales_stride[0];
+    size_t s1 = (size_t)in->x_scales_stride[1];
+    if (s1 == 1) {
+        memcpy(dst, p, c->nsc * sizeof(float));
+        return;
+    }
+    for (size_t q = 0; q < c->nsc; q++)
+        dst[q] = p[q * s1];
+}
+
+/* scales: a received record's (row-major), else, with in, token `token`'s
+ * own (the caller's strides). */
 static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
                           int64_t row, int32_t token, const int16_t *le, const float *w,
-                          const uint8_t *data, const float *scales)
+                          const uint8_t *data, const float *scales,
+                          const ferry_ht_dispatch_in_t *in)
 {
     int K = c->h->K;
     memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
-    if (c->nsc)
+    if (c->nsc && in)
+        fr_ht_scales_of(c, in, token, out->recv_x_scales + row * c->nsc);
+    else if (c->nsc)
         memcpy(out->recv_x_scales + row * c->nsc, scales, c->nsc * sizeof(float));
     for (int k = 0; k < K; k++) {
         if (out->recv_topk_idx)
@@ -110,9 +129,16 @@ void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, in
 {
     fr_ht_dhdr_fill(c, in, t, d, rec);
     memcpy(rec + c->h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
-    if (c->nsc)
-        memcpy(rec + c->h->dhdr + c->rowb, in->x_scales + (size_t)t * c->nsc,
-               c->nsc * sizeof(float));
+    if (c->nsc) { /* the record's scales may be unaligned: bytes */
+        const float *p = in->x_scales + (size_t)t * (size_t)in->x_scales_stride[0];
+        size_t s1 = (size_t)in->x_scales_stride[1];
+        uint8_t *q = rec + c->h->dhdr + c->rowb;
+        if (s1 == 1)
+            memcpy(q, p, c->nsc * sizeof(float));
+        else
+            for (size_t j = 0; j < c->nsc; j++)
+                memcpy(q + j * sizeof(float), p + j * s1, sizeof(float));
+    }
 }
 
 /* A record from rank s into output row `row`, checked first; FERRY_OK,
@@ -128,7 +154,7 @@ int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
     if (rc != FERRY_OK)
         return fr_ep_fail(c->ep, rc, "ht_dispatch: %s", err.msg);
     fr_ht_put_row(c, out, s, row, hd.token, hd.le, hd.w, rec + c->h->dhdr,
-                  (const float *)(rec + c->h->dhdr + c->rowb));
+                  (const float *)(rec + c->h->dhdr + c->rowb), NULL);
     return FERRY_OK;
 }
 
@@ -175,7 +201,7 @@ static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *i
                       (const int16_t *)(hdr + sizeof(fr_ht_dhdr_t)),
                       (const float *)(hdr + fr_ht_woff(c->h->K)),
                       (const uint8_t *)in->x + (size_t)t * c->rowb,
-                      c->nsc ? in->x_scales + (size_t)t * c->nsc : NULL);
+                      NULL, c->nsc ? in : NULL);
     }
 }
 

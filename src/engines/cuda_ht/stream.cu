@@ -65,7 +65,9 @@
 /* Pointers of one dispatch or combine call (device memory). */
 typedef struct fr_cuht_io {
     const uint8_t *x;        /* dispatch: [T][rowb]; combine: y [num_recv][2H] */
-    const float *xs;         /* [T][nsc] scales (fp8) */
+    const float *xs;         /* [T][nsc] scales (fp8): scale q of token t at
+                                t * xs0 + q * xs1 */
+    long long xs0, xs1;
     const float *w;          /* dispatch: topk_weights [T][K]; combine: [num_recv][K] */
     uint8_t *rx;             /* dispatch: recv_x; combine: out [T][2H] */
     float *rxs;
@@ -197,7 +199,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                         loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
                 }
                 for (int q = lane; q < nsc; q += 32)
-                    ((float *)(rec + hdr + rowb))[q] = io.xs[(size_t)tok * nsc + q];
+                    ((float *)(rec + hdr + rowb))[q] = io.xs[tok * io.xs0 + q * io.xs1];
                 src = io.x + (size_t)tok * rowb;
             }
             fr_warp_copy16u<U, false>(rec + hdr, src, rowb);
@@ -232,7 +234,7 @@ static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev
         size_t row = (size_t)row0 + (size_t)i;
         fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
         for (int q = lane; q < nsc; q += 32)
-            io.rxs[row * nsc + q] = io.xs[(size_t)tok * nsc + q];
+            io.rxs[row * nsc + q] = io.xs[tok * io.xs0 + q * io.xs1];
         if (lane < K) {
             int e = R.idx[(size_t)tok * K + lane];
             bool loc = e >= 0 && e / El == me;
@@ -682,6 +684,8 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     memset(&io, 0, sizeof(io));
     io.x = (const uint8_t *)in->x;
     io.xs = in->x_scales;
+    io.xs0 = (long long)in->x_scales_stride[0]; /* set by ferry_ht_dispatch */
+    io.xs1 = (long long)in->x_scales_stride[1];
     io.w = in->topk_weights;
     io.rx = (uint8_t *)out->recv_x;
     io.rxs = out->recv_x_scales;

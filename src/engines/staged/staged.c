@@ -210,7 +210,11 @@ static int fr_staged_dispatch(ferry_ep_t ep, ferry_route_t route,
     fr_stage_plan_t p = {0};
     /* inputs, then outputs (in the struct's order) */
     int ix = fr_stage_add(&p, in->x, T * H * eb);
-    fr_stage_add(&p, in->x_scales, T * S * 4);
+    /* the scales' span under their strides (the host copy keeps them) */
+    size_t span = T > 0 && S > 0 ? (T - 1) * (size_t)in->x_scales_stride[0] +
+                                       (S - 1) * (size_t)in->x_scales_stride[1] + 1
+                                 : 0;
+    fr_stage_add(&p, in->x_scales, span * 4);
     int iw = fr_stage_add(&p, in->topk_weights, T * K * 4);
     int ox = fr_stage_add(&p, out->recv_x, R * H * eb);
     fr_stage_add(&p, in->x_scales ? out->recv_x_scales : NULL, R * S * 4);
