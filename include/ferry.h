@@ -29,7 +29,7 @@ extern "C" {
 
 #define FERRY_VERSION_MAJOR 0
 #define FERRY_VERSION_MINOR 1
-#define FERRY_VERSION_PATCH 0
+#define FERRY_VERSION_PATCH 1
 #define FERRY_VERSION_CODE                                                     \
     (FERRY_VERSION_MAJOR * 10000 + FERRY_VERSION_MINOR * 100 +                 \
      FERRY_VERSION_PATCH)
@@ -360,8 +360,9 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
  * on one stream without host synchronisation; ferry_route_destroy waits
  * for the GPU (not for a bounded route). ring_tokens is per channel and peer on CUDA (default
  * 512 / N, within 32..128); num_sms is the channel count, one block and
- * one SM each (0: 24, or the GPU's SMs over the most ranks sharing one
- * GPU when that is less).
+ * one SM each (0: 24), lowered to the GPU's SMs over the most ranks
+ * sharing one GPU when that is less (with a warning when num_sms was
+ * given).
  *
  * CUDA ranks with peers on the fabric path (other nodes, or
  * FERRY_TRANSPORT=fabric) run the CPU engine's protocol on pinned host
@@ -436,7 +437,8 @@ typedef struct ferry_ht_dispatch_in {
      * [H/128][ld] with ld >= T) are {1, ld}, taken without a copy. Both at
      * least 1 otherwise. The struct sizes before this field and before
      * stream are still taken (row-major then). recv_x_scales is always
-     * row-major. */
+     * row-major. Since 0.1.1: an older library takes the struct and reads
+     * the scales row-major (check ferry_version_string). */
     int64_t x_scales_stride[2];
 } ferry_ht_dispatch_in_t;
 

@@ -19,6 +19,7 @@ is given.
     ep.combine_recv(r, topk_weights, out)
 """
 import ctypes as C
+import functools
 import numbers
 import sys
 
@@ -47,6 +48,15 @@ class FerryError(RuntimeError):
 
 def version():
     return _lib_handle().ferry_version_string().decode()
+
+
+@functools.lru_cache(maxsize=None)
+def _lib_version():
+    """The loaded library's version as a tuple of ints."""
+    try:
+        return tuple(int(p) for p in version().split(".")[:3])
+    except ValueError:
+        return (0, 0, 0)
 
 
 def cuda_available():
@@ -119,22 +129,33 @@ def _torch_like(a):
 
 
 def _elem_strides(a):
-    """A torch tensor's or numpy array's strides in elements, each at least
-    1 (a dimension of one element: 1), with the data aligned to its
-    elements; else None."""
-    if hasattr(a, "stride") and callable(a.stride) and hasattr(a, "data_ptr"):
+    """An array's strides in elements, each at least 1 (a dimension of one
+    element: 1), with the data aligned to its elements; else None. Torch
+    tensors, numpy arrays and anything with __cuda_array_interface__ or
+    __array_interface__ (strides None there: C-contiguous)."""
+    if type(a).__module__.startswith("torch") and hasattr(a, "data_ptr"):
         st = tuple(a.stride())
         item = a.element_size()
         ptr = a.data_ptr()
-    elif hasattr(a, "strides") and hasattr(a, "itemsize"):
-        item = a.itemsize
-        if any(x % item for x in a.strides):
-            return None
-        st = tuple(x // item for x in a.strides)
-        ptr = a.__array_interface__["data"][0]
+        shape = tuple(a.shape)
     else:
-        return None
-    st = tuple(1 if n == 1 else x for n, x in zip(a.shape, st))
+        iface = getattr(a, "__cuda_array_interface__", None) or \
+            getattr(a, "__array_interface__", None)
+        if not isinstance(iface, dict) or not isinstance(iface.get("data"), tuple):
+            return None
+        shape = tuple(int(n) for n in iface["shape"])
+        item = _ITEMSIZE.get(_typestr(iface.get("typestr")), 1)
+        bst = iface.get("strides")
+        if bst is None:  # C-contiguous
+            bst, run = [], item
+            for n in reversed(shape):
+                bst.insert(0, run)
+                run *= n
+        if any(x % item for x in bst):
+            return None
+        st = tuple(x // item for x in bst)
+        ptr = iface["data"][0] or 0
+    st = tuple(1 if n == 1 else x for n, x in zip(shape, st))
     if any(x < 1 for x in st) or ptr % item:
         return None
     return st
@@ -417,8 +438,10 @@ class EP:
                                             for w, n in zip(shape, ishape)):
             raise ValueError(self._mismatch(name, shape, dtypes, inf))
         if not inf.contig and not (strided and _elem_strides(a) is not None):
-            raise ValueError(f"{name}: expected a C-contiguous (row-major, aligned) array, "
-                             f"got a strided view {_fmt_shape(ishape)} {inf.dtype}")
+            raise ValueError(f"{name}: expected a " + (
+                "C-contiguous or strided (every stride at least 1 element, aligned) array, "
+                if strided else "C-contiguous (row-major, aligned) array, ") +
+                f"got a strided view {_fmt_shape(ishape)} {inf.dtype}")
         if output and not inf.writable:
             raise ValueError(f"{name}: expected a writable array, got a read-only one")
         return inf.ptr
@@ -754,6 +777,16 @@ class EP:
         # strided scales (DeepEP's column-major ones) go as they are
         sst = (0, 0) if ps is None or _info(x_scales, "x_scales").contig \
             else _elem_strides(x_scales)
+        if sst != (0, 0) and _lib_version() < (0, 1, 1):
+            # a library before x_scales_stride reads the scales row-major
+            if hasattr(x_scales, "contiguous"):
+                x_scales = x_scales.contiguous()
+            elif type(x_scales).__module__ == "numpy":
+                x_scales = sys.modules["numpy"].ascontiguousarray(x_scales)
+            else:
+                raise ValueError(f"x_scales: a strided array needs libferry 0.1.1 or newer "
+                                 f"(loaded: {version()})")
+            ps, sst = self._arr(x_scales, "x_scales", _F32, (T, H // 128)), (0, 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
         if self._torch_io(x):
             # an empty tensor (no tokens on this rank) has no storage: "given

@@ -706,7 +706,7 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     size_t xsn = (size_t)T * o->ns; /* floats of the x_scales passed */
     if ((opts & OPT_SCOL) && xs) { /* the same scales, column-major, padded */
         size_t ld = (size_t)T + 3;
-        float *col = malloc(sizeof(float) * ld * (size_t)o->ns + 1);
+        float *col = galloc(sizeof(float) * ld * (size_t)o->ns); /* dcopy reads its guard */
         for (size_t i = 0; i < ld * (size_t)o->ns; i++)
             col[i] = NAN; /* read by mistake: the rows' scales come out wrong */
         for (int t = 0; t < T; t++)

@@ -80,9 +80,6 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
     }
 }
 
-/* Row `row` of the outputs from a record's token, local expert ids and
- * weights (this rank's own header, or the checked copy of a received one),
- * its data and scales. */
 /* Token t's nsc scales from the caller's x_scales (its strides) to dst. */
 static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t,
                             float *dst)
@@ -97,8 +94,10 @@ static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
         dst[q] = p[q * s1];
 }
 
-/* scales: a received record's (row-major), else, with in, token `token`'s
- * own (the caller's strides). */
+/* Row `row` of the outputs from a record's token, local expert ids and
+ * weights (this rank's own header, or the checked copy of a received one),
+ * its data and scales: a received record's (row-major), else, with in,
+ * token `token`'s own (the caller's strides). */
 static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
                           int64_t row, int32_t token, const int16_t *le, const float *w,
                           const uint8_t *data, const float *scales,

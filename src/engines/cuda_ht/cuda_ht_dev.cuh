@@ -44,7 +44,8 @@
 #include "runtime/cuda_sync.cuh"
 
 /* Defaults (setup.cu): channels = num_sms, or FR_CUHT_SMS_DEFAULT (one
- * block, so one SM, per channel); ring_tokens, or FR_CUHT_RING_BUDGET / N
+ * block, so one SM, per channel), either lowered to the GPU's SMs over the
+ * ranks sharing it; ring_tokens, or FR_CUHT_RING_BUDGET / N
  * records per (channel, peer) ring within [FR_CUHT_RING_MIN,
  * FR_CUHT_RING_MAX] (a segment then holds at most 24 x 512 records of
  * each kind whatever N: ~354 MB at H = 7168, ~177 MB at N = 2). */

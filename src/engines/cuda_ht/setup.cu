@@ -197,9 +197,12 @@ static int fr_cuht_channels(ferry_ep_t ep, fr_err_t *err)
     if (rc != FERRY_OK)
         return -1;
     C = C < 1 ? 1 : C;
-    if (C < want && ep->cfg.num_sms > 0)
+    if (C < want && ep->cfg.num_sms > 0 && share_max > 1)
         FR_LOG_WARN(FR_SUB_INIT, "cuda_ht: num_sms %d lowered to %d: %d ranks share a GPU, "
                     "and every rank's blocks must be resident at once", want, C, share_max);
+    else if (C < want && ep->cfg.num_sms > 0)
+        FR_LOG_WARN(FR_SUB_INIT, "cuda_ht: num_sms %d lowered to %d, the GPU's SMs: every "
+                    "block must be resident at once", want, C);
     else if (C < want)
         FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: ranks share a GPU: %d channels per rank by default "
                     "(num_sms sets it, up to what fits)", C);
