@@ -80,9 +80,10 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
     }
 }
 
-/* Token t's nsc scales from the caller's x_scales (its strides) to dst. */
+/* Token t's nsc scales from the caller's x_scales (its strides) to dst,
+ * which may be unaligned (a record's). */
 static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t,
-                            float *dst)
+                            void *dst)
 {
     const float *p = in->x_scales + (size_t)t * (size_t)in->x_scales_stride[0];
     size_t s1 = (size_t)in->x_scales_stride[1];
@@ -91,7 +92,7 @@ static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
         return;
     }
     for (size_t q = 0; q < c->nsc; q++)
-        dst[q] = p[q * s1];
+        memcpy((uint8_t *)dst + q * sizeof(float), p + q * s1, sizeof(float));
 }
 
 /* Row `row` of the outputs from a record's token, local expert ids and
@@ -128,16 +129,8 @@ void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, in
 {
     fr_ht_dhdr_fill(c, in, t, d, rec);
     memcpy(rec + c->h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
-    if (c->nsc) { /* the record's scales may be unaligned: bytes */
-        const float *p = in->x_scales + (size_t)t * (size_t)in->x_scales_stride[0];
-        size_t s1 = (size_t)in->x_scales_stride[1];
-        uint8_t *q = rec + c->h->dhdr + c->rowb;
-        if (s1 == 1)
-            memcpy(q, p, c->nsc * sizeof(float));
-        else
-            for (size_t j = 0; j < c->nsc; j++)
-                memcpy(q + j * sizeof(float), p + j * s1, sizeof(float));
-    }
+    if (c->nsc)
+        fr_ht_scales_of(c, in, t, rec + c->h->dhdr + c->rowb);
 }
 
 /* A record from rank s into output row `row`, checked first; FERRY_OK,
