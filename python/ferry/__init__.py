@@ -772,11 +772,11 @@ class EP:
         fp8 = x_scales is not None
         xinf = _info(x, "x")
         px = self._arr(x, "x", _FP8 if fp8 else _BF16, (T, H), required=T > 0, inf=xinf)
+        sinf = _info(x_scales, "x_scales") if fp8 else None
         ps = self._arr(x_scales, "x_scales", _F32, (T, H // 128), required=False,
-                       strided=True)
+                       inf=sinf, strided=True)
         # strided scales (DeepEP's column-major ones) go as they are
-        sst = (0, 0) if ps is None or _info(x_scales, "x_scales").contig \
-            else _elem_strides(x_scales)
+        sst = (0, 0) if ps is None or sinf.contig else _elem_strides(x_scales)
         if sst != (0, 0) and _lib_version() < (0, 1, 1):
             # a library before x_scales_stride reads the scales row-major
             if hasattr(x_scales, "contiguous"):

@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from . import Comm, EP, FerryError
-from . import _fmt_shape, _lib, _lib_handle
+from . import _elem_strides, _fmt_shape, _lib, _lib_handle
 from ._compat import Config
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
@@ -739,7 +739,7 @@ class Buffer:
         ns = xs.shape[1]
         if xs.dtype == torch.float32 and ns == S:
             # strided (DeepEP's column-major scales) is taken as it is
-            return (xs if min(xs.stride()) >= 1 or xs.is_contiguous() else xs.contiguous()), None
+            return (xs if _elem_strides(xs) is not None else xs.contiguous()), None
         if ns > S or ns < 1:
             raise ValueError(f"x[1] (scales): {ns} scales per token; ferry's normal mode "
                              f"carries 1 to hidden/128 = {S}")
