@@ -704,7 +704,12 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     bool solo = (end - start) * L.K <= 32;
     if (!solo || threadIdx.x < 32)
         fr_ds_rank<MK>(A, set, idx, start, end, hb, sbase, od, solo, sh + 5 * N, mk);
-    for (int i = threadIdx.x; i < (end - start) * L.K; i += blockDim.x)
+    /* solo: warp 0 ranks, so the pairs go to the warps after it (in warp
+     * 0's lanes they ran after the ranking, in series: 6.0K -> 3.8K SM
+     * cycles of block 0 at T=1) */
+    int p0 = solo && blockDim.x > 32 ? 32 : 0;
+    for (int i = (int)threadIdx.x - p0; i >= 0 && i < (end - start) * L.K;
+         i += (int)blockDim.x - p0)
         fr_ds_pair<MK>(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad,
                        od != NULL, mk);
     __syncthreads();
