@@ -471,6 +471,8 @@ class Buffer:
         self.rank = torch.distributed.get_rank(group)
         self.group_size = torch.distributed.get_world_size(group)
         self.num_rdma_bytes = num_rdma_bytes
+        self.num_nvl_bytes = num_nvl_bytes
+        self._scratch = {}  # get_local_buffer_tensor's buffers, made at its first call
         self.comm = Comm(group)
         self._eps = {}
         self._plans = {}
@@ -1207,8 +1209,59 @@ class Buffer:
         return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        raise NotImplementedError("get_local_buffer_tensor: ferry.deep_ep keeps no DeepEP-style "
-                                  "raw NVL/RDMA buffer to view")
+        """DeepEP's raw buffer as a tensor of `dtype`, from byte `offset`
+        (DeepEP's unit) to the end, or its first size.numel() elements shaped
+        `size`. ferry's communication memory holds flags and counters that a
+        write would corrupt, so this is a buffer of its own: num_rdma_bytes
+        (use_rdma_buffer) or num_nvl_bytes as given to Buffer(), zeroed, made
+        on this rank's device at the first call and kept until destroy().
+        Engines that use it as workspace or zero it (vLLM's shrink path)
+        work; ferry never reads it, and it costs that much memory."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        kind = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        nbytes = int(self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes)
+        es = torch.empty(0, dtype=dtype).element_size()
+        if not isinstance(offset, int) or offset < 0 or offset > nbytes or offset % es:
+            raise ValueError(f"offset: {offset!r} bytes: expected a multiple of {es} ({dtype}) "
+                             f"in 0..{nbytes} ({kind} given to Buffer())")
+        raw = self._scratch.get(kind)
+        if raw is None:
+            dev = (torch.device("cuda", torch.cuda.current_device())
+                   if torch.cuda.is_available() else torch.device("cpu"))
+            raw = self._scratch[kind] = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        n = (nbytes - offset) // es
+        t = raw[offset:offset + n * es].view(dtype)
+        if size is None:
+            return t
+        want = 1
+        for d in size:
+            want *= int(d)
+        if want > n:
+            raise ValueError(f"size: {tuple(size)} is {want} elements, the buffer holds {n} "
+                             f"of {dtype} from offset {offset} ({kind} {nbytes})")
+        return t[:want].view(size)
+
+    # DeepEP's names for the calls across nodes (its arguments, in its
+    # order: no num_worst_tokens): ferry's dispatch and combine pick the
+    # path per peer, so they are the same calls
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment=1, config=None, previous_event=None,
+                           async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's name: `dispatch` (ferry picks NVLink or the fabric per peer)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, 0, config, previous_event, async_finish,
+                             allocate_on_comm_stream)
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                          previous_event=None, async_finish=False,
+                          allocate_on_comm_stream=False):
+        """DeepEP's name: `combine`."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                     return_recv_hook, out, combine_wait_recv_cost_stats):
@@ -1284,6 +1337,7 @@ class Buffer:
         return handle.plan.ybuf(handle.rnd & 1)
 
     def destroy(self):
+        self._scratch.clear()
         self._plans.clear()
         for ep in self._eps.values():
             ep.close()

@@ -37,7 +37,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import gather_all, ranks_main, torch_init  # noqa: E402
-from test_torch_cuda import (check_round, combine_error, combine_ref, expect,  # noqa: E402
+from test_torch_cuda import (check_round, combine_error, combine_ref, expect, scratch_buffer,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs, quant_ref)
 
 
@@ -152,8 +152,7 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     out, _, _ = buf.low_latency_combine(y, idx, w, handle)  # still usable
     if out.shape != (x.shape[0], H) or out.abs().sum().item() != 0:
         msgs.append("combine after the refused calls: wrong output")
-    expect(msgs, NotImplementedError, "get_local_buffer_tensor", buf.get_local_buffer_tensor,
-           torch.bfloat16)
+    msgs += scratch_buffer(deep_ep, rank, N, E, K, H, T)
     if deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, N, E) <= 0:
         msgs.append("get_low_latency_rdma_size_hint: not positive")
     buf.clean_low_latency_buffer(T, H, E)
@@ -413,6 +412,12 @@ def normal_mode(deep_ep, rank, N):
             out2, cw2, _ = buf.combine(y.to(torch.bfloat16), handle)
             if not torch.equal(out2, out) or cw2 is not None:
                 msgs.append("normal combine again on the handle: differs")
+            # DeepEP's names for the calls across nodes, in its argument
+            # order (no num_worst_tokens: config is the tenth)
+            r3 = buf.internode_dispatch(x2, handle, None, None, None, None, None, None, 1, None)
+            out3, _, _ = buf.internode_combine(y.to(torch.bfloat16), handle, None, None, None)
+            if not torch.equal(r3[0], r2[0]) or not torch.equal(out3, out):
+                msgs.append("internode_dispatch/internode_combine: differ from dispatch/combine")
     # num_worst_tokens: rows padded to the bound, -1 past the real ones
     x, idx, w = make_inputs(rank, 210, T, H, E, K, dev)
     nr, _, ne, inr, _ = buf.get_dispatch_layout(idx, E)

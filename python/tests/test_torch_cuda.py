@@ -248,6 +248,53 @@ def expect(msgs, exc, name, fn, *args, **kw):
     msgs.append(f"{name}: accepted, expected {exc.__name__}")
 
 
+def scratch_buffer(deep_ep, rank, N, E, K, H, T, dev=torch.device("cpu")):
+    """get_local_buffer_tensor: buffers of the sizes given to Buffer(), in
+    DeepEP's units (byte offset, elements of dtype), writable, zeroed at
+    first, and apart from ferry's memory: a round after every byte of both
+    was overwritten is still right. Collective (a Buffer of its own)."""
+    msgs = []
+    nvl, rdma = 4096, 3 * 4096
+    b = deep_ep.Buffer(torch.distributed.group.WORLD, nvl, rdma, low_latency_mode=True)
+    try:
+        t = b.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
+        u = b.get_local_buffer_tensor(torch.uint8)
+        if t.dtype != torch.bfloat16 or t.numel() != rdma // 2 or u.numel() != nvl \
+                or t.device.type != dev.type or int(t.view(torch.uint8).sum()) != 0:
+            msgs.append(f"get_local_buffer_tensor: {t.dtype} {t.numel()} {u.numel()} "
+                        f"{t.device}, want bf16 {rdma // 2} and {nvl} zeroed on {dev}")
+        v = b.get_local_buffer_tensor(torch.int32, torch.Size([4, 8]), offset=64,
+                                      use_rdma_buffer=True)
+        v.fill_(0x01020304)
+        raw = b.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+        if tuple(v.shape) != (4, 8) or raw[64:64 + 128].view(torch.int32).tolist() != \
+                [0x01020304] * 32 or int(raw[:64].sum()) + int(raw[192:].sum()) != 0:
+            msgs.append("get_local_buffer_tensor: the view at offset 64 is not that slice")
+        if b.get_local_buffer_tensor(torch.int32, offset=rdma - 8,
+                                     use_rdma_buffer=True).numel() != 2:
+            msgs.append("get_local_buffer_tensor: offset near the end, wrong length")
+        expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.int32, None, 2)
+        expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.uint8, None, -1)
+        expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.uint8, None, nvl + 1)
+        expect(msgs, ValueError, "size", b.get_local_buffer_tensor, torch.uint8,
+               torch.Size([nvl + 1]))
+        expect(msgs, TypeError, "dtype", b.get_local_buffer_tensor, "bf16")
+        # scribbled over, then a round: still right (ferry never reads them)
+        raw.fill_(0xFF)
+        u.fill_(0xFF)
+        El = E // N
+        x, idx, w = make_inputs(rank, 77, T, H, E, K, dev)
+        recv, count, handle, _, _ = b.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        y = expert_outputs(rank, El, recv, count, False, dev)
+        out, _, _ = b.low_latency_combine(y, idx, w, handle)
+        err = combine_error(out, combine_ref(x, idx, w, False))
+        if err:
+            msgs.append(f"a round after get_local_buffer_tensor was overwritten: {err}")
+    finally:
+        b.destroy()
+    return msgs
+
+
 def check_args(ferry, deep_ep, N, dev):
     """Bad CUDA arguments are refused before they reach libferry."""
     msgs = []
@@ -398,8 +445,7 @@ def check_args(ferry, deep_ep, N, dev):
         msgs.append(f"async_finish=True: events {ev.event!r}, {ev2.event!r}, want CUDA events")
     if buf.get_comm_stream() != torch.cuda.current_stream():
         msgs.append("get_comm_stream: not the current stream")
-    expect(msgs, NotImplementedError, "get_local_buffer_tensor", buf.get_local_buffer_tensor,
-           torch.bfloat16)
+    msgs += scratch_buffer(deep_ep, me, N, E, K, H, T, dev)
     # zero copy: the experts write into get_next_low_latency_combine_buffer;
     # the same rounds with and without it combine to the same bytes
     yv = torch.randn(y.shape, device=dev).to(torch.bfloat16)

@@ -644,15 +644,18 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     FR_TR_DECL;
     FR_TR();
     if (threadIdx.x == 0) {
+        /* every load first, so they are in flight together (the checks
+         * below may call fr_cu_fail, which the later loads waited for) */
         int T = T_dev ? *T_dev : T_host;
+        unsigned long long e0 = A.epoch[set];
+        int nmask = A.mask[N];
         s_bad = fr_cu_failed(A);
         if (T < 0 || T > L.T) {
             fr_cu_fail(A, FERRY_ERR_INVALID, A.rank, FR_CU_WHAT_NTOK, T);
             s_bad = 1;
         }
         s_T = T;
-        s_epoch = A.epoch[set] + 2; /* set 1: 1, 3, 5...; set 0: 2, 4, 6... */
-        int nmask = A.mask[N];
+        s_epoch = e0 + 2; /* set 1: 1, 3, 5...; set 0: 2, 4, 6... */
         if (!MK && nmask) {
             fr_cu_fail(A, FERRY_ERR_STATE, A.rank, FR_CU_WHAT_MASK, nmask);
             s_bad = 1;
