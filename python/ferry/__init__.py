@@ -241,10 +241,16 @@ def _stream_of(a, stream):
 
 # ---------------------------------------------------------------- comm
 
+def _is_mpi_comm(obj):
+    """An mpi4py communicator (duck-typed: mpi4py is imported only then)."""
+    return all(hasattr(obj, a) for a in ("Get_rank", "Get_size", "Allgather", "Allreduce"))
+
+
 class Comm:
     """Who the ranks are. Comm() reads the environment (FERRY_RANK/
     FERRY_WORLD_SIZE/FERRY_ROOT, Open MPI, torchrun, Slurm); Comm(group)
-    uses a torch.distributed process group's allgather.
+    uses a torch.distributed process group's allgather, or an mpi4py
+    communicator's (any one, COMM_WORLD or a split of it).
 
     close() while EPs on it are open is deferred: the communicator is
     closed by the last of those EPs' close() (each EP holds its Comm).
@@ -260,6 +266,22 @@ class Comm:
         self._cb = None
         if group is None:
             rc = lib.ferry_comm_init_env(C.byref(self._h), err, 512)
+        elif _is_mpi_comm(group):
+            from mpi4py import MPI
+            n = group.Get_size()
+
+            def allgather(inp, out, length, ctx):
+                try:
+                    src = (C.c_char * length).from_address(inp)
+                    dst = (C.c_char * (n * length)).from_address(out)
+                    group.Allgather([src, MPI.BYTE], [dst, MPI.BYTE])
+                    return 0
+                except Exception:  # reported by ferry as a bootstrap error
+                    return -1
+
+            self._cb = _lib.ALLGATHER_FN(allgather)
+            rc = lib.ferry_comm_init_allgather(group.Get_rank(), n, self._cb, None,
+                                               C.byref(self._h), err, 512)
         else:
             import torch
             import torch.distributed as dist

@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from . import Comm, EP, FerryError
-from . import _elem_strides, _fmt_shape, _lib, _lib_handle
+from . import _elem_strides, _fmt_shape, _is_mpi_comm, _lib, _lib_handle
 from ._compat import Config
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
@@ -413,18 +413,16 @@ class _HtHandle:
             pass
 
 
-def _default_sms(group):
+def _default_sms(gather):
     """The SMs a context's kernels may use by default: the device's, shared
     evenly among the group's ranks on the same GPU (ranks sharing a GPU
     under MPS must leave room for each other's senders: waiting blocks
-    hold SMs). Collective."""
+    hold SMs). Collective (gather: every rank's object, as a list)."""
     import socket
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     me = (socket.gethostname(), str(getattr(props, "uuid", dev)))
-    n = torch.distributed.get_world_size(group)
-    everyone = [None] * n
-    torch.distributed.all_gather_object(everyone, me, group=group)
+    everyone = gather(me)
     sharing = max(1, sum(1 for o in everyone if o == me))
     return max(1, props.multi_processor_count // sharing)
 
@@ -438,7 +436,7 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
-                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False, *,
+                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
                  ferry_shapes=None, **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
@@ -467,23 +465,43 @@ class Buffer:
         # (EP(mode="ht")), one context per (experts, topk, hidden); the
         # low-latency calls need low_latency_mode=True
         self.low_latency_mode = bool(low_latency_mode)
-        self.group = group
-        self.rank = torch.distributed.get_rank(group)
-        self.group_size = torch.distributed.get_world_size(group)
+        # the ranks: a torch.distributed group (None: the default one), or,
+        # when group is None, DeepEP's `comm`, an mpi4py communicator (its
+        # collectives then run on host copies)
+        self._mpi = None
+        if group is None and comm is not None:
+            if not _is_mpi_comm(comm):
+                raise TypeError(f"comm: expected an mpi4py communicator (Get_rank, Get_size, "
+                                f"Allgather, Allreduce), got {type(comm).__name__}")
+            self._mpi = comm
+            self.group = comm
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+        else:
+            self.group = group
+            self.rank = torch.distributed.get_rank(group)
+            self.group_size = torch.distributed.get_world_size(group)
         self.num_rdma_bytes = num_rdma_bytes
         self.num_nvl_bytes = num_nvl_bytes
         self._scratch = {}  # get_local_buffer_tensor's buffers, made at its first call
-        self.comm = Comm(group)
+        self.comm = Comm(self._mpi if self._mpi is not None else group)
         self._eps = {}
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
-        self._sms = _default_sms(group) if torch.cuda.is_available() else 16
+        self._sms = _default_sms(self._gather_obj) if torch.cuda.is_available() else 16
         try:
             for E, K, H, T, kind in shapes:
                 self._make_shape(E, K, H, T, kind)
         except BaseException:
             self.destroy()  # collective, as the failed creation was
             raise
+
+    def _gather_obj(self, obj):
+        """Every rank's obj, in rank order (collective)."""
+        if self._mpi is not None:
+            return self._mpi.allgather(obj)
+        everyone = [None] * self.group_size
+        torch.distributed.all_gather_object(everyone, obj, group=self.group)
+        return everyone
 
     def _make_shape(self, E, K, H, T, kind):
         """A declared shape's context (and, on a GPU, its plan: the buffers
@@ -769,6 +787,12 @@ class Buffer:
         mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
         if N == 1:
             return mine.view(1, 1).clone()
+        if self._mpi is not None:  # on host copies, waited for here
+            from mpi4py import MPI
+            src = mine.cpu().numpy()
+            dst = torch.empty(N * N, dtype=torch.int32)
+            self._mpi.Allgather([src, MPI.INT32_T], [dst.numpy(), MPI.INT32_T])
+            return torch.cumsum(dst.view(N, N), 0, dtype=torch.int32).to(device)
         parts = [torch.empty_like(mine) for _ in range(N)]
         work = torch.distributed.all_gather(parts, mine, group=self.group, async_op=True)
         return _Prefix(work, parts)
@@ -777,7 +801,12 @@ class Buffer:
         """Rows per local expert from every rank's num_tokens_per_expert (an
         all-reduce over the group), rounded up to align, as a list."""
         tot = per_expert.to(torch.int32).clone()
-        if self.group_size > 1:
+        if self.group_size > 1 and self._mpi is not None:
+            from mpi4py import MPI
+            t = tot.cpu()
+            self._mpi.Allreduce(MPI.IN_PLACE, [t.numpy(), MPI.INT32_T], op=MPI.SUM)
+            tot = t
+        elif self.group_size > 1:
             torch.distributed.all_reduce(tot, group=self.group)
         El = tot.numel() // self.group_size
         mine = tot[self.rank * El:(self.rank + 1) * El].tolist()
