@@ -1245,17 +1245,36 @@ class Buffer:
         (use_rdma_buffer) or num_nvl_bytes as given to Buffer(), zeroed, made
         on this rank's device at the first call and kept until destroy().
         Engines that use it as workspace or zero it (vLLM's shrink path)
-        work; ferry never reads it, and it costs that much memory."""
+        work; ferry never reads it, and it costs that much memory: make the
+        first call before sizing other memory (a KV cache) and outside a
+        CUDA-graph capture (refused there: the allocation would belong to
+        the graph)."""
+        if self._scratch is None:
+            raise RuntimeError("get_local_buffer_tensor: the buffer was destroyed")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
         kind = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
-        nbytes = int(self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes)
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        try:
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            raise TypeError(f"{kind}: expected an int, got {nbytes!r}") from None
+        if nbytes < 0:
+            raise ValueError(f"{kind}: {nbytes} bytes given to Buffer()")
+        try:
+            offset = operator.index(offset)
+        except TypeError:
+            raise TypeError(f"offset: expected an int (bytes), got {offset!r}") from None
         es = torch.empty(0, dtype=dtype).element_size()
-        if not isinstance(offset, int) or offset < 0 or offset > nbytes or offset % es:
-            raise ValueError(f"offset: {offset!r} bytes: expected a multiple of {es} ({dtype}) "
+        if offset < 0 or offset > nbytes or offset % es:
+            raise ValueError(f"offset: {offset} bytes: expected a multiple of {es} ({dtype}) "
                              f"in 0..{nbytes} ({kind} given to Buffer())")
         raw = self._scratch.get(kind)
         if raw is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("get_local_buffer_tensor: its first call makes the buffer, "
+                                   "which a CUDA-graph capture would own: call it once before "
+                                   "capturing")
             dev = (torch.device("cuda", torch.cuda.current_device())
                    if torch.cuda.is_available() else torch.device("cpu"))
             raw = self._scratch[kind] = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
@@ -1263,13 +1282,19 @@ class Buffer:
         t = raw[offset:offset + n * es].view(dtype)
         if size is None:
             return t
+        try:
+            shape = (operator.index(size),) if not hasattr(size, "__len__") else \
+                tuple(operator.index(d) for d in size)
+        except TypeError:
+            raise TypeError(f"size: expected a torch.Size or a sequence of ints, got "
+                            f"{size!r}") from None
         want = 1
-        for d in size:
-            want *= int(d)
-        if want > n:
-            raise ValueError(f"size: {tuple(size)} is {want} elements, the buffer holds {n} "
+        for d in shape:
+            want *= d
+        if any(d < 0 for d in shape) or want > n:
+            raise ValueError(f"size: {shape} is {want} elements, the buffer holds {n} "
                              f"of {dtype} from offset {offset} ({kind} {nbytes})")
-        return t[:want].view(size)
+        return t[:want].view(shape)
 
     # DeepEP's names for the calls across nodes (its arguments, in its
     # order: no num_worst_tokens): ferry's dispatch and combine pick the
@@ -1366,7 +1391,7 @@ class Buffer:
         return handle.plan.ybuf(handle.rnd & 1)
 
     def destroy(self):
-        self._scratch.clear()
+        self._scratch = None  # get_local_buffer_tensor refuses from now on
         self._plans.clear()
         for ep in self._eps.values():
             ep.close()

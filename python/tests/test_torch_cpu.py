@@ -13,7 +13,9 @@ against a reference computed here (the helpers of test_torch_cuda.py):
     tensors, naming the handle;
   - argument errors naming the argument (TypeError / ValueError /
     NotImplementedError), get_low_latency_rdma_size_hint, allow_mnnvl,
-    clean_low_latency_buffer, get_local_buffer_tensor;
+    clean_low_latency_buffer;
+  - get_local_buffer_tensor: buffers of their own, DeepEP's units, apart
+    from ferry's memory both ways;
   - shapes declared to Buffer() (ferry_shapes, FERRY_DEEP_EP_SHAPES): their
     contexts made there, none at their first call;
   - low_latency_update_mask_buffer / query / clean: a rank leaves, the
@@ -414,9 +416,15 @@ def normal_mode(deep_ep, rank, N):
                 msgs.append("normal combine again on the handle: differs")
             # DeepEP's names for the calls across nodes, in its argument
             # order (no num_worst_tokens: config is the tenth)
-            r3 = buf.internode_dispatch(x2, handle, None, None, None, None, None, None, 1, None)
-            out3, _, _ = buf.internode_combine(y.to(torch.bfloat16), handle, None, None, None)
-            if not torch.equal(r3[0], r2[0]) or not torch.equal(out3, out):
+            # every argument positional, a Config tenth (a forwarding that
+            # put it into num_worst_tokens would fail), on a new route
+            r3 = buf.internode_dispatch(x, None, nr, None, inr, ne, idx, w, align,
+                                        buf.get_dispatch_config(N))
+            out3, cw3, _ = buf.internode_combine(y.to(torch.bfloat16), r3[4], r3[2], None,
+                                                 buf.get_combine_config(N))
+            if not torch.equal(r3[0], rx) or not torch.equal(r3[1], ridx) or \
+                    not torch.equal(r3[2], rw) or r3[3] != counts or \
+                    not torch.equal(out3, out) or not torch.equal(cw3, cw):
                 msgs.append("internode_dispatch/internode_combine: differ from dispatch/combine")
     # num_worst_tokens: rows padded to the bound, -1 past the real ones
     x, idx, w = make_inputs(rank, 210, T, H, E, K, dev)

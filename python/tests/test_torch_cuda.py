@@ -251,18 +251,27 @@ def expect(msgs, exc, name, fn, *args, **kw):
 def scratch_buffer(deep_ep, rank, N, E, K, H, T, dev=torch.device("cpu")):
     """get_local_buffer_tensor: buffers of the sizes given to Buffer(), in
     DeepEP's units (byte offset, elements of dtype), writable, zeroed at
-    first, and apart from ferry's memory: a round after every byte of both
-    was overwritten is still right. Collective (a Buffer of its own)."""
+    first, on the rank's device (the GPU where there is one, as DeepEP's),
+    and apart from ferry's memory both ways: a round after every byte of
+    both was overwritten is still right, and leaves them as written.
+    Collective (a Buffer of its own; dev: the rounds' tensors)."""
     msgs = []
     nvl, rdma = 4096, 3 * 4096
+    want_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    El = E // N
     b = deep_ep.Buffer(torch.distributed.group.WORLD, nvl, rdma, low_latency_mode=True)
     try:
+        # a round first, so that ferry's context exists when they are made
+        x, idx, w = make_inputs(rank, 76, T, H, E, K, dev)
+        recv, count, handle, _, _ = b.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        b.low_latency_combine(expert_outputs(rank, El, recv, count, False, dev), idx, w, handle)
         t = b.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
         u = b.get_local_buffer_tensor(torch.uint8)
         if t.dtype != torch.bfloat16 or t.numel() != rdma // 2 or u.numel() != nvl \
-                or t.device.type != dev.type or int(t.view(torch.uint8).sum()) != 0:
+                or t.device.type != want_dev or int(t.view(torch.uint8).sum()) != 0 \
+                or int(u.sum()) != 0:
             msgs.append(f"get_local_buffer_tensor: {t.dtype} {t.numel()} {u.numel()} "
-                        f"{t.device}, want bf16 {rdma // 2} and {nvl} zeroed on {dev}")
+                        f"{t.device}, want bf16 {rdma // 2} and {nvl} zeroed on {want_dev}")
         v = b.get_local_buffer_tensor(torch.int32, torch.Size([4, 8]), offset=64,
                                       use_rdma_buffer=True)
         v.fill_(0x01020304)
@@ -276,13 +285,18 @@ def scratch_buffer(deep_ep, rank, N, E, K, H, T, dev=torch.device("cpu")):
         expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.int32, None, 2)
         expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.uint8, None, -1)
         expect(msgs, ValueError, "offset", b.get_local_buffer_tensor, torch.uint8, None, nvl + 1)
+        if b.get_local_buffer_tensor(torch.uint8, 16).numel() != 16:
+            msgs.append("get_local_buffer_tensor: an int size, wrong length")
         expect(msgs, ValueError, "size", b.get_local_buffer_tensor, torch.uint8,
                torch.Size([nvl + 1]))
+        expect(msgs, ValueError, "size", b.get_local_buffer_tensor, torch.uint8, (-1,))
+        expect(msgs, TypeError, "size", b.get_local_buffer_tensor, torch.uint8, 2.5)
+        expect(msgs, TypeError, "offset", b.get_local_buffer_tensor, torch.uint8, None, 1.0)
         expect(msgs, TypeError, "dtype", b.get_local_buffer_tensor, "bf16")
         # scribbled over, then a round: still right (ferry never reads them)
+        # and they hold what was written (ferry never writes them)
         raw.fill_(0xFF)
         u.fill_(0xFF)
-        El = E // N
         x, idx, w = make_inputs(rank, 77, T, H, E, K, dev)
         recv, count, handle, _, _ = b.low_latency_dispatch(x, idx, T, E, use_fp8=False)
         y = expert_outputs(rank, El, recv, count, False, dev)
@@ -290,8 +304,12 @@ def scratch_buffer(deep_ep, rank, N, E, K, H, T, dev=torch.device("cpu")):
         err = combine_error(out, combine_ref(x, idx, w, False))
         if err:
             msgs.append(f"a round after get_local_buffer_tensor was overwritten: {err}")
+        if int((raw != 0xFF).sum()) or int((u != 0xFF).sum()):
+            msgs.append("get_local_buffer_tensor: a round changed the buffer's bytes")
     finally:
         b.destroy()
+    expect(msgs, RuntimeError, "get_local_buffer_tensor", b.get_local_buffer_tensor,
+           torch.uint8)
     return msgs
 
 
