@@ -457,6 +457,8 @@ class Buffer:
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
         self.allow_mnnvl = bool(allow_mnnvl)
+        # kept as DeepEP keeps it; destroy() releases everything either way
+        self.explicitly_destroy = bool(explicitly_destroy)
         # enable_shrink (DeepEP after v1.2.1): a low-latency wait that runs
         # out masks the silent rank instead of failing (ferry's
         # mask_on_timeout; ranks of one node only)

@@ -158,8 +158,10 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     if deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, N, E) <= 0:
         msgs.append("get_low_latency_rdma_size_hint: not positive")
     buf.clean_low_latency_buffer(T, H, E)
-    if not (buf.allow_mnnvl and buf.low_latency_mode and buf.group_size == N):
-        msgs.append("attributes: allow_mnnvl, low_latency_mode or group_size wrong")
+    if not (buf.allow_mnnvl and buf.low_latency_mode and buf.group_size == N) or \
+            buf.explicitly_destroy or buf.num_nvl_bytes != 0:
+        msgs.append("attributes: allow_mnnvl, low_latency_mode, group_size, "
+                    "explicitly_destroy or num_nvl_bytes wrong")
     return msgs
 
 
