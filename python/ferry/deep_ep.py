@@ -413,18 +413,79 @@ class _HtHandle:
             pass
 
 
-def _default_sms(gather):
+def _node_and_gpu():
+    """This rank's node as ferry names it (FERRY_NODE_ID, else the host
+    name), its host name, and its GPU's UUID (None without CUDA)."""
+    import socket
+    host = socket.gethostname()
+    node = os.environ.get("FERRY_NODE_ID") or host
+    if not torch.cuda.is_available():
+        return node, host, None
+    dev = torch.cuda.current_device()
+    return node, host, str(getattr(torch.cuda.get_device_properties(dev), "uuid", dev))
+
+
+def _default_sms(everyone, me):
     """The SMs a context's kernels may use by default: the device's, shared
     evenly among the group's ranks on the same GPU (ranks sharing a GPU
     under MPS must leave room for each other's senders: waiting blocks
-    hold SMs). Collective (gather: every rank's object, as a list)."""
-    import socket
-    dev = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(dev)
-    me = (socket.gethostname(), str(getattr(props, "uuid", dev)))
-    everyone = gather(me)
+    hold SMs). everyone: every rank's _node_and_gpu(); me: this rank's.
+    A GPU is its host and UUID (ranks of "nodes" in network namespaces of
+    one host share its GPUs)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    everyone = [o[1:] for o in everyone]
+    me = me[1:]
     sharing = max(1, sum(1 for o in everyone if o == me))
     return max(1, props.multi_processor_count // sharing)
+
+
+class _Runtime:
+    """DeepEP's Buffer.runtime, for the queries engines make of it (DeepEP's
+    C++ object has more: its set-up and kernels, which ferry does not
+    have). Ranks per node and nodes come from ferry's node names
+    (FERRY_NODE_ID, else the host name), not from DeepEP's arithmetic of 8
+    GPUs per node: get_num_rdma_ranks() is the group's nodes,
+    get_rdma_rank() this rank's node among them (in order of their first
+    rank), get_root_rdma_rank(global) its place on its node when global
+    (DeepEP's nvl_rank) else 0, is_internode_available() whether the group
+    spans nodes."""
+
+    def __init__(self, buf, nodes):
+        self._buf = weakref.ref(buf)
+        order = list(dict.fromkeys(nodes))
+        me = nodes[buf.rank]
+        self._nnodes, self._node = len(order), order.index(me)
+        self._local = sum(1 for n in nodes[:buf.rank] if n == me)
+
+    def is_available(self):
+        b = self._buf()
+        return b is not None and b._scratch is not None  # until destroy()
+
+    def is_internode_available(self):
+        return self.is_available() and self._nnodes > 1
+
+    def get_num_rdma_ranks(self):
+        return self._nnodes
+
+    def get_rdma_rank(self):
+        return self._node
+
+    def get_root_rdma_rank(self, global_):
+        return self._local if global_ else 0
+
+    def get_local_device_id(self):
+        """The current CUDA device (-1 without CUDA)."""
+        return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+    def get_comm_stream(self):
+        b = self._buf()
+        return b.get_comm_stream() if b is not None else None
+
+    def __getattr__(self, name):
+        raise AttributeError(f"runtime.{name}: ferry.deep_ep's runtime answers DeepEP's queries "
+                             f"only (is_available, is_internode_available, get_num_rdma_ranks, "
+                             f"get_rdma_rank, get_root_rdma_rank, get_local_device_id, "
+                             f"get_comm_stream)")
 
 
 class Buffer:
@@ -489,7 +550,12 @@ class Buffer:
         self._eps = {}
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
-        self._sms = _default_sms(self._gather_obj) if torch.cuda.is_available() else 16
+        # every rank's node and GPU (collective): the default SMs, and what
+        # runtime reports of the nodes
+        me = _node_and_gpu()
+        everyone = self._gather_obj(me)
+        self._sms = _default_sms(everyone, me) if torch.cuda.is_available() else 16
+        self.runtime = _Runtime(self, [o[0] for o in everyone])
         try:
             for E, K, H, T, kind in shapes:
                 self._make_shape(E, K, H, T, kind)

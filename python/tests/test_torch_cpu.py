@@ -125,6 +125,33 @@ def ll_rounds(deep_ep, buf, rank, N, E, K, H, T):
     return msgs
 
 
+def runtime_queries(deep_ep, buf, rank):
+    """buf.runtime: DeepEP's queries, from ferry's node names (here one
+    node; a table of five ranks on two nodes, made directly); the rest of
+    DeepEP's runtime refused naming it."""
+    msgs, rt = [], buf.runtime
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    got = (rt.get_num_rdma_ranks(), rt.get_rdma_rank(), rt.get_root_rdma_rank(True),
+           rt.get_root_rdma_rank(False), rt.is_internode_available(), rt.is_available(),
+           rt.get_local_device_id())
+    if got != (1, 0, rank, 0, False, True, dev):
+        msgs.append(f"runtime on one node: {got}, want {(1, 0, rank, 0, False, True, dev)}")
+
+    class Fake:
+        _scratch = {}
+    for r, want in ((0, (2, 0, 0)), (1, (2, 0, 1)), (2, (2, 1, 0)), (3, (2, 1, 1)),
+                    (4, (2, 0, 2))):
+        fb = Fake()
+        fb.rank = r
+        rt2 = deep_ep._Runtime(fb, ["a", "a", "b", "b", "a"])
+        got = (rt2.get_num_rdma_ranks(), rt2.get_rdma_rank(), rt2.get_root_rdma_rank(True))
+        if got != want or not rt2.is_internode_available():
+            msgs.append(f"runtime of rank {r} on nodes a a b b a: {got}, want {want}")
+    expect(msgs, AttributeError, "runtime.get_local_ipc_handle",
+           lambda: rt.get_local_ipc_handle())
+    return msgs
+
+
 def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     """Bad arguments raise, naming the argument; the context stays usable."""
     msgs, El = [], E // N
@@ -162,6 +189,7 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
             buf.explicitly_destroy or buf.num_nvl_bytes != 0:
         msgs.append("attributes: allow_mnnvl, low_latency_mode, group_size, "
                     "explicitly_destroy or num_nvl_bytes wrong")
+    msgs += runtime_queries(deep_ep, buf, rank)
     return msgs
 
 

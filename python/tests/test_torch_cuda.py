@@ -310,6 +310,8 @@ def scratch_buffer(deep_ep, rank, N, E, K, H, T, dev=torch.device("cpu")):
         b.destroy()
     expect(msgs, RuntimeError, "get_local_buffer_tensor", b.get_local_buffer_tensor,
            torch.uint8)
+    if b.runtime.is_available():
+        msgs.append("runtime.is_available(): True after destroy()")
     return msgs
 
 
