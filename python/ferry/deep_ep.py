@@ -488,12 +488,21 @@ class _Runtime:
                              f"get_comm_stream)")
 
 
+class _UnsetSms(int):
+    """Buffer.num_sms until it is set: DeepEP's default, 20, to engines that
+    compute with it (SGLang without --deepep-config takes
+    max(Buffer.num_sms, experts per rank) and compares it with the GPU's
+    SMs), while ferry's kernels keep ferry's default. Arithmetic on it gives
+    plain ints."""
+
+
 class Buffer:
-    """num_sms: the blocks each ferry kernel may use; None (default) means
-    the GPU's multiprocessors divided by the ranks of the group on it
-    (DeepEP's low-latency kernels take the whole GPU). Set it on the class
-    or the instance (set_num_sms) before the first dispatch."""
-    num_sms = None
+    """num_sms: the blocks each ferry kernel may use. Until it is set (on
+    the class, the instance, or by set_num_sms, before the first dispatch)
+    it reads as DeepEP's default, 20, and ferry's kernels take the GPU's
+    multiprocessors divided by the ranks of the group on it (DeepEP's
+    low-latency kernels take the whole GPU); None means the same."""
+    num_sms = _UnsetSms(20)
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
@@ -562,6 +571,12 @@ class Buffer:
         except BaseException:
             self.destroy()  # collective, as the failed creation was
             raise
+
+    def _kernel_sms(self):
+        """The SMs a new context's kernels get: num_sms once set, else
+        ferry's default for this group (see the class)."""
+        v = self.num_sms
+        return self._sms if v is None or isinstance(v, _UnsetSms) else v
 
     def _gather_obj(self, obj):
         """Every rank's obj, in rank order (collective)."""
@@ -675,7 +690,7 @@ class Buffer:
             self._not_capturing("dispatch", key[1:])
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
-                    num_sms=self.num_sms if self.num_sms is not None else self._sms)
+                    num_sms=self._kernel_sms())
             self._eps[key] = ep
         return ep
 
@@ -995,7 +1010,7 @@ class Buffer:
                                      num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
-                    num_sms=self.num_sms if self.num_sms is not None else self._sms,
+                    num_sms=self._kernel_sms(),
                     fp8_round_scale=round_scale,
                     scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows",
                     mask_on_timeout=self.enable_shrink)

@@ -210,12 +210,31 @@ def sglang_calls(rank, N):
     if not (isinstance(num_nvl_bytes, int) and num_nvl_bytes > 0 and num_rdma_bytes > 0):
         msgs.append(f"buffer sizes from the hints: {num_nvl_bytes}, {num_rdma_bytes}")
     num_qps_per_rank = max(normal_dispatch_config.num_sms, E // group.size())
-    _ = Buffer.num_sms  # read as a class attribute
+    # without --deepep-config: DeepEPConfig.num_sms is Buffer.num_sms, then
+    # max(num_sms, E // N) for the QPs (auto mode) and a comparison with
+    # half the GPU's SMs (its warning): an int, DeepEP's 20, until set
+    num_sms = Buffer.num_sms
+    try:
+        _ = (max(num_sms, E // group.size()), num_sms < 132 // 2, num_sms // 2)
+        if num_sms != 20:
+            msgs.append(f"Buffer.num_sms unset: {num_sms!r}, want DeepEP's default 20")
+    except TypeError as e:
+        msgs.append(f"Buffer.num_sms unset ({num_sms!r}): SGLang's arithmetic fails: {e}")
     buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True,
                     num_qps_per_rank=num_qps_per_rank, allow_mnnvl=True)
     if not buffer.low_latency_mode or buffer.group_size != N:
         msgs.append(f"attributes: low_latency_mode {buffer.low_latency_mode}, "
                     f"group_size {buffer.group_size}")
+    # unset, ferry's kernels keep ferry's default; set, they take it
+    if buffer._kernel_sms() != buffer._sms:
+        msgs.append(f"Buffer.num_sms unset: new contexts get {buffer._kernel_sms()}, want "
+                    f"ferry's default {buffer._sms}")
+    Buffer.set_num_sms(6)
+    got = buffer._kernel_sms()
+    Buffer.num_sms = num_sms  # as read above: unset again
+    if got != 6 or buffer._kernel_sms() != buffer._sms:
+        msgs.append(f"Buffer.set_num_sms(6): new contexts get {got}, then after restoring "
+                    f"{buffer._kernel_sms()}")
 
     # normal mode (prefill) on it
     for rnd, align in ((1, 1), (2, 128)):
