@@ -101,7 +101,7 @@ def rank_main(rank, N, port, args, q):
         idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.cuda()
         w = (0.1 + 0.9 * torch.rand(T, K, generator=g)).cuda()
         buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True)
-        buf.num_sms = args.sms
+        buf.ferry_ll_sms = args.sms  # the low-latency kernels' SMs
         st = {}
 
         def f_disp():

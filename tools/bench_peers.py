@@ -270,7 +270,7 @@ def rank_main(rank, N, port, args, q):
         qps = max(E // N for _, (E, K, H) in plan)
         fbuf = fde.Buffer(group, 0, fhint, low_latency_mode=True, num_qps_per_rank=qps)
         if args.sms:
-            fbuf.num_sms = args.sms
+            fbuf.ferry_ll_sms = args.sms  # the low-latency kernels' SMs
         dbuf = dpe.Buffer(group, num_nvl_bytes=0, num_rdma_bytes=dhint, low_latency_mode=True,
                           num_qps_per_rank=qps, explicitly_destroy=True)
         if rank == 0:

@@ -497,12 +497,16 @@ class _UnsetSms(int):
 
 
 class Buffer:
-    """num_sms: the blocks each ferry kernel may use. Until it is set (on
-    the class, the instance, or by set_num_sms, before the first dispatch)
-    it reads as DeepEP's default, 20, and ferry's kernels take the GPU's
-    multiprocessors divided by the ranks of the group on it (DeepEP's
-    low-latency kernels take the whole GPU); None means the same."""
+    """num_sms (DeepEP's knob, set on the class, the instance or by
+    set_num_sms): the SMs of the normal mode's kernels, as in DeepEP. Until
+    it is set it reads as DeepEP's default, 20, and ferry's normal-mode
+    kernels take ferry's default: the GPU's multiprocessors divided by the
+    ranks of the group on it (None means the same). The low-latency
+    kernels ignore it, as DeepEP's do (they take the whole GPU): ferry's
+    own ferry_ll_sms (None: that default) sets theirs. Both are read when
+    a shape's context is made (its first call, or Buffer())."""
     num_sms = _UnsetSms(20)
+    ferry_ll_sms = None
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
@@ -572,10 +576,11 @@ class Buffer:
             self.destroy()  # collective, as the failed creation was
             raise
 
-    def _kernel_sms(self):
-        """The SMs a new context's kernels get: num_sms once set, else
-        ferry's default for this group (see the class)."""
-        v = self.num_sms
+    def _kernel_sms(self, mode):
+        """The SMs a new context's kernels get (mode "ht" or "ll"): num_sms
+        (normal mode) or ferry_ll_sms (low latency) once set, else ferry's
+        default for this group (see the class)."""
+        v = self.num_sms if mode == "ht" else self.ferry_ll_sms
         return self._sms if v is None or isinstance(v, _UnsetSms) else v
 
     def _gather_obj(self, obj):
@@ -602,8 +607,8 @@ class Buffer:
 
     @classmethod
     def set_num_sms(cls, new_num_sms):
-        """DeepEP's name: the SMs ferry's kernels may use (contexts created
-        from then on)."""
+        """DeepEP's name: the SMs of the normal mode's kernels (contexts
+        created from then on; the low-latency ones take ferry_ll_sms)."""
         if not isinstance(new_num_sms, int) or new_num_sms < 1:
             raise ValueError(f"new_num_sms: expected a positive int, got {new_num_sms!r}")
         cls.num_sms = new_num_sms
@@ -690,7 +695,7 @@ class Buffer:
             self._not_capturing("dispatch", key[1:])
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
-                    num_sms=self._kernel_sms())
+                    num_sms=self._kernel_sms("ht"))
             self._eps[key] = ep
         return ep
 
@@ -1010,7 +1015,7 @@ class Buffer:
                                      num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
-                    num_sms=self._kernel_sms(),
+                    num_sms=self._kernel_sms("ll"),
                     fp8_round_scale=round_scale,
                     scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows",
                     mask_on_timeout=self.enable_shrink)

@@ -225,16 +225,23 @@ def sglang_calls(rank, N):
     if not buffer.low_latency_mode or buffer.group_size != N:
         msgs.append(f"attributes: low_latency_mode {buffer.low_latency_mode}, "
                     f"group_size {buffer.group_size}")
-    # unset, ferry's kernels keep ferry's default; set, they take it
-    if buffer._kernel_sms() != buffer._sms:
-        msgs.append(f"Buffer.num_sms unset: new contexts get {buffer._kernel_sms()}, want "
-                    f"ferry's default {buffer._sms}")
+    # unset, ferry's kernels keep ferry's default; set, the normal mode's
+    # take it and the low-latency ones do not (as DeepEP's: SGLang's auto
+    # mode with a --deepep-config of 8 SMs must not slow its decode), which
+    # ferry_ll_sms sets
+    want = (buffer._sms, buffer._sms)
+    got = (buffer._kernel_sms("ht"), buffer._kernel_sms("ll"))
     Buffer.set_num_sms(6)
-    got = buffer._kernel_sms()
+    got += (buffer._kernel_sms("ht"), buffer._kernel_sms("ll"))
+    buffer.ferry_ll_sms = 5
+    got += (buffer._kernel_sms("ll"),)
+    del buffer.ferry_ll_sms
     Buffer.num_sms = num_sms  # as read above: unset again
-    if got != 6 or buffer._kernel_sms() != buffer._sms:
-        msgs.append(f"Buffer.set_num_sms(6): new contexts get {got}, then after restoring "
-                    f"{buffer._kernel_sms()}")
+    got += (buffer._kernel_sms("ht"),)
+    want += (6, buffer._sms, 5, buffer._sms)
+    if got != want:
+        msgs.append(f"SMs of new contexts (ht, ll; set_num_sms(6): ht, ll; ferry_ll_sms 5; "
+                    f"unset again: ht): {got}, want {want}")
 
     # normal mode (prefill) on it
     for rnd, align in ((1, 1), (2, 128)):
