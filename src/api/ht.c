@@ -4,6 +4,7 @@
  * before anything is shared; then the engine.
  */
 #include "api/api.h"
+#include "core/ht_rec.h"
 
 #include <stddef.h>
 #include <stdlib.h>
@@ -160,16 +161,12 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
         cur.x_scales_stride[0] = ep->L.H / 128; /* row-major */
         cur.x_scales_stride[1] = 1;
     } else if (in->x_scales) {
-        /* the span read, (T - 1) s0 + (S - 1) s1 + 1 floats, in bytes */
-        int64_t s0 = cur.x_scales_stride[0], s1 = cur.x_scales_stride[1], a, b, span;
-        int64_t T1 = route->T > 0 ? route->T - 1 : 0, S1 = ep->L.H / 128 - 1;
+        int64_t s0 = cur.x_scales_stride[0], s1 = cur.x_scales_stride[1];
         if (s0 < 1 || s1 < 1)
             return fr_ep_fail(ep, FERRY_ERR_INVALID,
                               "x_scales_stride = {%lld, %lld}: both at least 1 (or both 0: "
                               "row-major)", (long long)s0, (long long)s1);
-        if (__builtin_mul_overflow(T1, s0, &a) || __builtin_mul_overflow(S1, s1, &b) ||
-            __builtin_add_overflow(a, b, &span) || __builtin_add_overflow(span, 1, &span) ||
-            __builtin_mul_overflow(span, 4, &span))
+        if (fr_ht_scales_span(route->T, ep->L.H / 128, s0, s1) < 0)
             return fr_ep_fail(ep, FERRY_ERR_INVALID,
                               "x_scales_stride = {%lld, %lld}: the scales would span more "
                               "than 2^63 bytes", (long long)s0, (long long)s1);

@@ -6,6 +6,16 @@
 
 #include "core/ht_rec.h"
 
+int64_t fr_ht_scales_span(int64_t T, int64_t S, int64_t s0, int64_t s1)
+{
+    int64_t a, b, span, bytes;
+    if (__builtin_mul_overflow(T > 0 ? T - 1 : 0, s0, &a) ||
+        __builtin_mul_overflow(S - 1, s1, &b) || __builtin_add_overflow(a, b, &span) ||
+        __builtin_add_overflow(span, 1, &span) || __builtin_mul_overflow(span, 4, &bytes))
+        return -1;
+    return span;
+}
+
 int fr_ht_dhdr_check(const uint8_t *rec, int K, int T, int El, int fp8, uint64_t route_id,
                      int sender, fr_ht_dhdr_copy_t *hd, fr_err_t *err)
 {

@@ -62,6 +62,13 @@ typedef struct fr_ht_dhdr_copy {
 #ifdef __cplusplus
 extern "C" {
 #endif
+/* Floats that T tokens' S fp8 scales span in x_scales under strides
+ * {s0, s1} (scale q of token t at t * s0 + q * s1, both >= 1): (T - 1) s0
+ * + (S - 1) s1 + 1, with T - 1 taken as 0 when T is 0; -1 when the span
+ * in bytes would not fit an int64. The API checks it, the staged engine
+ * copies that much. */
+int64_t fr_ht_scales_span(int64_t T, int64_t S, int64_t s0, int64_t s1);
+
 /* Record decoding, shared by the CPU engine and the fuzzer (ht_rec.c):
  * the header of a record from rank `sender` (K slots; tokens below T,
  * local expert ids below El or -1, the dtype bit fp8, the route's number)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/ht_rec.h"
 #include "core/log.h"
 #include "engines/engine.h"
 #include "runtime/cuda_mem.h"
@@ -210,9 +211,11 @@ static int fr_staged_dispatch(ferry_ep_t ep, ferry_route_t route,
     fr_stage_plan_t p = {0};
     /* inputs, then outputs (in the struct's order) */
     int ix = fr_stage_add(&p, in->x, T * H * eb);
-    /* the scales' span under their strides (the host copy keeps them) */
-    size_t span = T > 0 && S > 0 ? (T - 1) * (size_t)in->x_scales_stride[0] +
-                                       (S - 1) * (size_t)in->x_scales_stride[1] + 1
+    /* the scales' span under their strides (the host copy keeps them;
+     * ferry_ht_dispatch checked it fits) */
+    size_t span = T > 0 && S > 0 ? (size_t)fr_ht_scales_span((int64_t)T, (int64_t)S,
+                                                             in->x_scales_stride[0],
+                                                             in->x_scales_stride[1])
                                  : 0;
     fr_stage_add(&p, in->x_scales, span * 4);
     int iw = fr_stage_add(&p, in->topk_weights, T * K * 4);
