@@ -559,7 +559,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.num_nvl_bytes = num_nvl_bytes
         self._scratch = {}  # get_local_buffer_tensor's buffers, made at its first call
-        self.comm = Comm(self._mpi if self._mpi is not None else group)
+        self.comm = Comm(self.group)  # the group, the mpi4py comm, or None: the environment
         self._eps = {}
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
