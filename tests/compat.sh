@@ -60,7 +60,7 @@ check with-compat <<'PY'
 import importlib.metadata as md, importlib.util as iu, os, sys
 venv, what = sys.argv[1], sys.argv[2]
 files = sorted(str(f) for f in md.files("ferry-deep-ep") if str(f).endswith(".py"))
-assert files == ["deep_ep/__init__.py", "deep_ep/utils.py"], files
+assert files == ["deep_ep/__init__.py", "deep_ep/buffer.py", "deep_ep/utils.py"], files
 spec = iu.find_spec("deep_ep")
 assert spec and os.path.realpath(spec.origin).startswith(os.path.realpath(venv)), spec
 try:
@@ -81,11 +81,12 @@ except ImportError:
     stub.int64 = "int64"
     stub.Tensor = type("Tensor", (), {})
     sys.modules["torch"] = stub
-    import deep_ep, deep_ep.utils, ferry.deep_ep as f
+    import deep_ep, deep_ep.buffer, deep_ep.utils, ferry.deep_ep as f
     assert deep_ep.backend == "ferry"
     for n in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
         assert getattr(deep_ep, n) is getattr(f, n), n
-    assert deep_ep.utils.EventOverlap is f.EventOverlap
+    assert deep_ep.utils.EventOverlap is f.EventOverlap and deep_ep.utils.Config is f.Config
+    assert deep_ep.buffer.Buffer is f.Buffer
     assert deep_ep.topk_idx_t == "int64" and deep_ep.Config().num_sms == 20
     print(f"{what}: deep_ep from {spec.origin}; without torch importing it fails on torch only, "
           "and with a stand-in torch it gives ferry.deep_ep's Buffer, Config, EventOverlap, "
@@ -95,8 +96,9 @@ else:
     assert deep_ep.backend == "ferry"
     for n in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
         assert getattr(deep_ep, n) is getattr(f, n), n
-    from deep_ep.utils import EventOverlap
-    assert EventOverlap is f.EventOverlap
+    from deep_ep.utils import Config, EventOverlap
+    from deep_ep.buffer import Buffer
+    assert EventOverlap is f.EventOverlap and Config is f.Config and Buffer is f.Buffer
     print(f"{what}: deep_ep from {spec.origin} gives ferry.deep_ep's Buffer, Config, EventOverlap, topk_idx_t")
 PY
 "$PY" -m pip uninstall -q -y ferry-deep-ep

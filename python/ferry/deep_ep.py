@@ -49,11 +49,14 @@ topk_idx_t = torch.int64
 
 
 class EventOverlap:
-    """DeepEP's event object: ferry's work is already on the current stream,
-    so there is nothing extra to wait for."""
+    """DeepEP's event object: event (a CUDA event, or None: ferry's work is
+    already on the current stream) and extra_tensors (kept alive with it,
+    DeepEP's stand-in for record_stream). Leaving a `with` block makes the
+    current stream wait for the event, as DeepEP's does."""
 
-    def __init__(self, event=None):
+    def __init__(self, event=None, extra_tensors=None):
         self.event = event
+        self.extra_tensors = extra_tensors
 
     def current_stream_wait(self):
         if self.event is not None:
@@ -63,19 +66,34 @@ class EventOverlap:
         return self
 
     def __exit__(self, *exc):
-        pass
+        self.current_stream_wait()
+
+
+def _combine_weights(topk_idx, topk_weights, handle):
+    """DeepEP's low-latency combine skips the slots topk_idx marks -1 when
+    it is called; ferry's combines what the dispatch routed. So a topk_idx
+    other than the dispatch's own tensor (the usual call passes that one:
+    nothing to do) has its -1 slots' weights zeroed here. Changes made in
+    place to the dispatch's own tensor are not seen."""
+    if topk_idx is handle.idx_in or type(topk_idx) is not torch.Tensor or \
+            type(topk_weights) is not torch.Tensor or topk_idx.shape != topk_weights.shape or \
+            topk_idx.device != topk_weights.device:
+        return topk_weights  # the same routing, or what the checks after this report
+    return topk_weights.masked_fill(topk_idx < 0, 0)
 
 
 def _tensor(t, name, dtype=None, shape=None):
-    """t is a torch tensor (of dtype and shape, None entries any size); the
-    message is built only when a check fails (this runs on every call)."""
+    """t is a torch tensor (of dtype and shape: None or a str entry any size,
+    a str naming it in the message); the message is built only when a check
+    fails (this runs on every call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(_mismatch(t, name, dtype, shape))
     if shape is not None:
         ts = t.shape
-        if len(ts) != len(shape) or any(n is not None and n != m for n, m in zip(shape, ts)):
+        if len(ts) != len(shape) or any(n is not None and type(n) is not str and n != m
+                                        for n, m in zip(shape, ts)):
             raise ValueError(_mismatch(t, name, dtype, shape))
 
 
@@ -158,6 +176,7 @@ class _LLHandle(tuple):
         h.plan, h.ep, h.rnd, h.src_rank, h.count, h.ntok = plan, ep, rnd, src_rank, count, ntok
         h._lr = None
         h.topk_idx = None  # the routing, for a second combine (fast path)
+        h.idx_in = None    # the caller's topk_idx tensor (_combine_weights)
         h.combined = False
         h._tok = _Tok()    # alive while the handle is (a tuple cannot be weakly referenced)
         return h
@@ -510,7 +529,7 @@ class Buffer:
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
-                 allow_mnnvl=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
+                 allow_mnnvl=False, explicitly_destroy=False, comm=None, enable_shrink=False, *,
                  ferry_shapes=None, **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
@@ -609,9 +628,13 @@ class Buffer:
     def set_num_sms(cls, new_num_sms):
         """DeepEP's name: the SMs of the normal mode's kernels (contexts
         created from then on; the low-latency ones take ferry_ll_sms)."""
-        if not isinstance(new_num_sms, int) or new_num_sms < 1:
+        try:
+            n = operator.index(new_num_sms)  # numpy ints too; not bools or floats
+        except TypeError:
+            n = None
+        if n is None or isinstance(new_num_sms, bool) or n < 1:
             raise ValueError(f"new_num_sms: expected a positive int, got {new_num_sms!r}")
-        cls.num_sms = new_num_sms
+        cls.num_sms = n
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
@@ -707,7 +730,7 @@ class Buffer:
         [E] int32, is_token_in_rank [T, N] bool, event), on topk_idx's
         device and stream."""
         self._normal("get_dispatch_layout")
-        _tensor(topk_idx, "topk_idx", torch.int64, (None, None))
+        _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
         N = self.group_size
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
             raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
@@ -747,7 +770,7 @@ class Buffer:
             previous_event.current_stream_wait()
         fp8 = isinstance(x, tuple)
         xt, xs = (x[0], x[1]) if fp8 else (x, None)
-        _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, (None, None))
+        _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, ("T", "H"))
         xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
         xt = xt.contiguous()
         cached = handle is not None
@@ -809,8 +832,8 @@ class Buffer:
         recv_x = (o["recv_x"], self._scales_out(o["recv_x_scales"], carried)) if fp8 \
             else o["recv_x"]
         ev = _event_after(xt) if async_finish else _no_event()
-        if cached:
-            return recv_x, None, None, None, handle, ev
+        if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
+            return recv_x, None, None, None, None, ev
         handle.src_idx = o["recv_src_token"]
         # a bounded route (num_worst_tokens): rows padded to the bound, no
         # host wait, so no per-expert list (DeepEP returns it empty too)
@@ -1139,7 +1162,7 @@ class Buffer:
         count = torch.empty(El, dtype=torch.int32, device=d)
         src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
         src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
-        topk_idx = topk_idx.contiguous()
+        idx_in, topk_idx = topk_idx, topk_idx.contiguous()
         for plan in self._plans.values():  # a round the fast path left in the next set
             if plan.ep is ep and plan.pending[(ep._last_round + 1) & 1]:
                 self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
@@ -1152,6 +1175,7 @@ class Buffer:
         hook = _recv_or_hook(recv, return_recv_hook)
         handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
                            num_max_dispatch_tokens_per_rank, H, num_experts)
+        handle.idx_in = idx_in
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
@@ -1160,6 +1184,7 @@ class Buffer:
         T, H = x.shape
         K = topk_idx.shape[1]
         plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale, ue8m0)
+        idx_in = topk_idx
         if not x.is_contiguous():
             x = x.contiguous()
         if not topk_idx.is_contiguous():
@@ -1184,7 +1209,7 @@ class Buffer:
             dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
             plan.wc_keep[rnd & 1] = (wc, stats)  # alive until the receive is enqueued
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
-            hd.topk_idx = topk_idx
+            hd.topk_idx, hd.idx_in = topk_idx, idx_in
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
             plan.owner[rnd & 1] = weakref.ref(hd._tok)
 
@@ -1203,7 +1228,7 @@ class Buffer:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
         hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
-        hd.topk_idx = topk_idx
+        hd.topk_idx, hd.idx_in = topk_idx, idx_in
         plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
         plan.owner[rnd & 1] = weakref.ref(hd._tok)
         return out_x, cnt, hd, _no_event(), None
@@ -1416,6 +1441,8 @@ class Buffer:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
             # that buffer is the input, x is not read
             x = self.get_next_low_latency_combine_buffer(handle)
+        if type(handle) is _LLHandle:
+            topk_weights = _combine_weights(topk_idx, topk_weights, handle)
         if type(handle) is _LLHandle and handle.plan is not None:
             plan, T = handle.plan, handle.ntok
             K = plan.ep.topk

@@ -34,7 +34,10 @@ def ll_rounds(deep_ep, comm, msgs):
     rank, N = comm.Get_rank(), comm.Get_size()
     E, K, H, T = 4 * N, 3, 256, 12
     El, dev = E // N, torch.device("cpu")
-    buf = deep_ep.Buffer(None, 0, 0, low_latency_mode=True, comm=comm)
+    # every argument positional, as DeepEP v1.2.1 orders them: comm is the
+    # ninth (group, nvl and rdma bytes, low_latency_mode, qps, nvlink,
+    # mnnvl, explicitly_destroy, comm)
+    buf = deep_ep.Buffer(None, 0, 0, True, 24, True, False, False, comm)
     try:
         if (buf.rank, buf.group_size, buf.group) != (rank, N, comm):
             msgs.append(f"rank/group_size/group: {buf.rank} {buf.group_size}, want {rank} {N}")

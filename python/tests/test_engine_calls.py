@@ -231,8 +231,18 @@ def sglang_calls(rank, N):
     # ferry_ll_sms sets
     want = (buffer._sms, buffer._sms)
     got = (buffer._kernel_sms("ht"), buffer._kernel_sms("ll"))
-    Buffer.set_num_sms(6)
+    class Six:  # an integer that is not an int (numpy's, say)
+        def __index__(self):
+            return 6
+    Buffer.set_num_sms(Six())
     got += (buffer._kernel_sms("ht"), buffer._kernel_sms("ll"))
+    for bad in (True, 6.0, 0):
+        try:
+            Buffer.set_num_sms(bad)
+            msgs.append(f"set_num_sms({bad!r}): accepted")
+        except ValueError as e:
+            if not str(e).startswith("new_num_sms:"):
+                msgs.append(f"set_num_sms({bad!r}): message does not name it: {e}")
     buffer.ferry_ll_sms = 5
     got += (buffer._kernel_sms("ll"),)
     del buffer.ferry_ll_sms

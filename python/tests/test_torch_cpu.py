@@ -122,6 +122,23 @@ def ll_rounds(deep_ep, buf, rank, N, E, K, H, T):
     err = combine_error(out, combine_ref(x, idx, w, False))
     if err:
         msgs.append(f"combine after the zero-copy refusal: {err}")
+    # DeepEP's combine skips the slots its topk_idx marks -1 when it is
+    # called: slots cut after the dispatch (another tensor) add nothing,
+    # and the caller's weights are left as they were
+    for fp8 in (False, True):
+        rnd += 1
+        x, idx, w = make_inputs(rank, rnd, T, H, E, K, dev)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=fp8)
+        y = expert_outputs(rank, El, recv, count, fp8, dev)
+        cut = idx.clone()
+        cut[::2, 0] = -1
+        cut[1::3, K - 1] = -1
+        w0 = w.clone()
+        out, _, _ = buf.low_latency_combine(y, cut, w, handle)
+        err = combine_error(out, combine_ref(x, cut, w, fp8))
+        if err or not torch.equal(w, w0):
+            msgs.append(f"combine with slots cut after the dispatch, fp8={fp8}: "
+                        f"{err or 'the caller weights changed'}")
     return msgs
 
 
@@ -176,6 +193,13 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
     expect(msgs, NotImplementedError, "use_logfmt", buf.low_latency_combine, y, idx, w, handle,
            use_logfmt=True)
+    # DeepEP's EventOverlap(event, extra_tensors), positional
+    keep = (torch.zeros(1),)
+    eo = deep_ep.EventOverlap(None, keep)
+    with eo as same:  # no event: leaving waits for nothing
+        pass
+    if eo.extra_tensors is not keep or eo.event is not None or same is not eo:
+        msgs.append("EventOverlap(None, extra_tensors): attributes or `with` wrong")
     expect(msgs, ValueError, "combine_wait_recv_cost_stats", buf.low_latency_combine, y, idx, w,
            handle, combine_wait_recv_cost_stats=torch.zeros((N, N), dtype=torch.int64))
     out, _, _ = buf.low_latency_combine(y, idx, w, handle)  # still usable
@@ -439,7 +463,9 @@ def normal_mode(deep_ep, rank, N):
         if not fp8:
             x2 = (x.float() * 2).to(torch.bfloat16)
             r2 = buf.dispatch(x2, handle=handle)
-            if r2[1:4] != (None, None, None) or not torch.equal(r2[0], (rx.float() * 2).to(torch.bfloat16)):
+            # DeepEP returns no handle either (slot 4 None)
+            if r2[1:5] != (None, None, None, None) or \
+                    not torch.equal(r2[0], (rx.float() * 2).to(torch.bfloat16)):
                 msgs.append("normal dispatch with a cached handle: wrong rows or results")
             out2, cw2, _ = buf.combine(y.to(torch.bfloat16), handle)
             if not torch.equal(out2, out) or cw2 is not None:
@@ -483,6 +509,12 @@ def normal_mode(deep_ep, rank, N):
     expect(msgs, ValueError, "x", buf.combine, torch.zeros(rx.shape[0] + 1, H,
                                                           dtype=torch.bfloat16), handle)
     expect(msgs, TypeError, "ferry.deep_ep.Buffer.dispatch", buf.dispatch, x, topk_idx=idx)
+    try:  # another dtype of x: the message says what x must be
+        buf.dispatch(x.float(), handle=handle)
+        msgs.append("normal dispatch of float32 x: accepted")
+    except TypeError as e:
+        if "expected shape (T, H) bfloat16" not in str(e):
+            msgs.append(f"normal dispatch of float32 x: {e}")
     if N > 1:  # not a multiple of the group size
         expect(msgs, ValueError, f"num_experts = {E + 1}", buf.get_dispatch_layout, idx, E + 1)
     expect(msgs, RuntimeError, "ferry.deep_ep.Buffer.low_latency_dispatch",

@@ -206,7 +206,7 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
     # cached: the same routing, new data (a backward pass's gradient)
     g = (xd.float() * 2).to(torch.bfloat16)
     rx2, a, b, c, h2, _ = buf.dispatch(g, handle=handle)
-    if a is not None or b is not None or c is not None or h2 is not handle or \
+    if a is not None or b is not None or c is not None or h2 is not None or \
             not torch.equal(rx2.float(), rx.float() * 2):
         msgs.append("cached dispatch: wrong result")
     q, sc = fp8_quant(x)
