@@ -474,6 +474,7 @@ class _Runtime:
         order = list(dict.fromkeys(nodes))
         me = nodes[buf.rank]
         self._nnodes, self._node = len(order), order.index(me)
+        self._node_of = [order.index(n) for n in nodes]  # each rank's node (RDMA rank)
         self._local = sum(1 for n in nodes[:buf.rank] if n == me)
 
     def is_available(self):
@@ -725,10 +726,12 @@ class Buffer:
     @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
-        """DeepEP's: (num_tokens_per_rank [N] int32, None (no RDMA ranks:
-        ferry's ranks across nodes are plain ranks), num_tokens_per_expert
-        [E] int32, is_token_in_rank [T, N] bool, event), on topk_idx's
-        device and stream."""
+        """DeepEP's: (num_tokens_per_rank [N] int32, num_tokens_per_rdma_rank
+        [nodes] int32 (the tokens going to some rank of each node, nodes as
+        buf.runtime numbers them; None on one node, as DeepEP), num_tokens_
+        per_expert [E] int32, is_token_in_rank [T, N] bool, event), on
+        topk_idx's device and stream. dispatch does not read them (ferry
+        works its route out itself)."""
         self._normal("get_dispatch_layout")
         _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
         N = self.group_size
@@ -741,7 +744,15 @@ class Buffer:
             per_rank, per_expert, is_token_in_rank = _layout_torch(topk_idx, num_experts, N)
         else:
             per_rank, per_expert, is_token_in_rank = _layout_c(topk_idx, num_experts, N)
-        return per_rank, None, per_expert, is_token_in_rank, \
+        per_node = None
+        rt = getattr(self, "runtime", None)
+        if rt is not None and rt.get_num_rdma_ranks() > 1:
+            node = torch.tensor(rt._node_of, dtype=torch.int64, device=topk_idx.device)
+            hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
+                              dtype=torch.int32, device=topk_idx.device)
+            hit.index_add_(1, node, is_token_in_rank.to(torch.int32))
+            per_node = (hit > 0).sum(0, dtype=torch.int32)
+        return per_rank, per_node, per_expert, is_token_in_rank, \
             (_event_after(topk_idx) if async_finish else _no_event())
 
     @_plain_torch
@@ -756,7 +767,7 @@ class Buffer:
         int64 (local ids, -1 elsewhere), recv_topk_weights, the rows per
         local expert as a list (rounded up to expert_alignment), handle,
         event). With a handle (cached layout), the same routing:
-        (recv_x, None, None, None, handle, event). The layout arguments
+        (recv_x, None, None, None, None, event), as DeepEP's. The layout arguments
         (num_tokens_per_rank ...) are what get_dispatch_layout returned;
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""

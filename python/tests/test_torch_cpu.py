@@ -417,8 +417,26 @@ def normal_mode(deep_ep, rank, N):
         nr, nrdma, ne, inr, _ = buf.get_dispatch_layout(idx, E)
         exp_rows = [(s, t) for s in range(N) for t in range(ids[s].shape[0])
                     if ((ids[s][t] >= rank * El) & (ids[s][t] < rank * El + El)).any()]
-        if nrdma is not None or int(nr.sum()) != int(inr.sum()) or int(ne.sum()) != int((idx >= 0).sum()):
-            msgs.append(f"get_dispatch_layout: {nr.tolist()} {ne.tolist()}")
+        nodes = buf.runtime.get_num_rdma_ranks()
+        if (nrdma is not None) != (nodes > 1) or int(nr.sum()) != int(inr.sum()) or \
+                int(ne.sum()) != int((idx >= 0).sum()):
+            msgs.append(f"get_dispatch_layout: {nr.tolist()} {ne.tolist()} "
+                        f"{None if nrdma is None else nrdma.tolist()} ({nodes} nodes)")
+        # tokens per node (DeepEP's num_tokens_per_rdma_rank), with the
+        # ranks on nodes b a b a ... (a node's ranks need not be together)
+        rt = buf.runtime
+        try:
+            names = ["ab"[(r + 1) % 2] for r in range(N)]
+            buf.runtime = deep_ep._Runtime(buf, names)
+            nrdma2 = buf.get_dispatch_layout(idx, E)[1]
+        finally:
+            buf.runtime = rt
+        if N > 1:
+            want = [int(inr[:, [r for r in range(N) if names[r] == n]].any(1).sum())
+                    for n in ("b", "a")]
+            if nrdma2 is None or nrdma2.dtype != torch.int32 or nrdma2.tolist() != want:
+                msgs.append(f"num_tokens_per_rdma_rank on nodes {names}: "
+                            f"{None if nrdma2 is None else nrdma2.tolist()}, want {want}")
         err = layout_error(buf, idx, E, N)
         if err:
             msgs.append(f"get_dispatch_layout round {rnd}: {err}")
