@@ -69,19 +69,6 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _combine_weights(topk_idx, topk_weights, handle):
-    """DeepEP's low-latency combine skips the slots topk_idx marks -1 when
-    it is called; ferry's combines what the dispatch routed. So a topk_idx
-    other than the dispatch's own tensor (the usual call passes that one:
-    nothing to do) has its -1 slots' weights zeroed here. Changes made in
-    place to the dispatch's own tensor are not seen."""
-    if topk_idx is handle.idx_in or type(topk_idx) is not torch.Tensor or \
-            type(topk_weights) is not torch.Tensor or topk_idx.shape != topk_weights.shape or \
-            topk_idx.device != topk_weights.device:
-        return topk_weights  # the same routing, or what the checks after this report
-    return topk_weights.masked_fill(topk_idx < 0, 0)
-
-
 def _tensor(t, name, dtype=None, shape=None):
     """t is a torch tensor (of dtype and shape: None or a str entry any size,
     a str naming it in the message); the message is built only when a check
@@ -176,7 +163,6 @@ class _LLHandle(tuple):
         h.plan, h.ep, h.rnd, h.src_rank, h.count, h.ntok = plan, ep, rnd, src_rank, count, ntok
         h._lr = None
         h.topk_idx = None  # the routing, for a second combine (fast path)
-        h.idx_in = None    # the caller's topk_idx tensor (_combine_weights)
         h.combined = False
         h._tok = _Tok()    # alive while the handle is (a tuple cannot be weakly referenced)
         return h
@@ -1173,7 +1159,7 @@ class Buffer:
         count = torch.empty(El, dtype=torch.int32, device=d)
         src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
         src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
-        idx_in, topk_idx = topk_idx, topk_idx.contiguous()
+        topk_idx = topk_idx.contiguous()
         for plan in self._plans.values():  # a round the fast path left in the next set
             if plan.ep is ep and plan.pending[(ep._last_round + 1) & 1]:
                 self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
@@ -1186,7 +1172,6 @@ class Buffer:
         hook = _recv_or_hook(recv, return_recv_hook)
         handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
                            num_max_dispatch_tokens_per_rank, H, num_experts)
-        handle.idx_in = idx_in
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
@@ -1195,7 +1180,6 @@ class Buffer:
         T, H = x.shape
         K = topk_idx.shape[1]
         plan = self._plan(x, num_experts, K, H, Tmax, use_fp8, round_scale, ue8m0)
-        idx_in = topk_idx
         if not x.is_contiguous():
             x = x.contiguous()
         if not topk_idx.is_contiguous():
@@ -1220,7 +1204,7 @@ class Buffer:
             dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
             plan.wc_keep[rnd & 1] = (wc, stats)  # alive until the receive is enqueued
             hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
-            hd.topk_idx, hd.idx_in = topk_idx, idx_in
+            hd.topk_idx = topk_idx
             plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, False
             plan.owner[rnd & 1] = weakref.ref(hd._tok)
 
@@ -1239,7 +1223,7 @@ class Buffer:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
         hd = _LLHandle(plan, ep, rnd, sr, st, cnt, T, Tmax, H, num_experts)
-        hd.topk_idx, hd.idx_in = topk_idx, idx_in
+        hd.topk_idx = topk_idx
         plan.pending[rnd & 1], plan.recvd[rnd & 1] = rnd, True
         plan.owner[rnd & 1] = weakref.ref(hd._tok)
         return out_x, cnt, hd, _no_event(), None
@@ -1452,8 +1436,6 @@ class Buffer:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
             # that buffer is the input, x is not read
             x = self.get_next_low_latency_combine_buffer(handle)
-        if type(handle) is _LLHandle:
-            topk_weights = _combine_weights(topk_idx, topk_weights, handle)
         if type(handle) is _LLHandle and handle.plan is not None:
             plan, T = handle.plan, handle.ntok
             K = plan.ep.topk
