@@ -461,7 +461,18 @@ class _Runtime:
         me = nodes[buf.rank]
         self._nnodes, self._node = len(order), order.index(me)
         self._node_of = [order.index(n) for n in nodes]  # each rank's node (RDMA rank)
+        self._node_t = {}  # _node_of as a tensor, per device (_nodes_on)
         self._local = sum(1 for n in nodes[:buf.rank] if n == me)
+
+    def _nodes_on(self, device):
+        """Each rank's node as an int64 tensor on `device`, made at the first
+        call for that device (get_dispatch_layout's per-node counts; later
+        calls copy nothing, so they can be captured in a CUDA graph)."""
+        t = self._node_t.get(device)
+        if t is None:
+            t = self._node_t[device] = torch.tensor(self._node_of, dtype=torch.int64,
+                                                    device=device)
+        return t
 
     def is_available(self):
         b = self._buf()
@@ -731,12 +742,11 @@ class Buffer:
         else:
             per_rank, per_expert, is_token_in_rank = _layout_c(topk_idx, num_experts, N)
         per_node = None
-        rt = getattr(self, "runtime", None)
-        if rt is not None and rt.get_num_rdma_ranks() > 1:
-            node = torch.tensor(rt._node_of, dtype=torch.int64, device=topk_idx.device)
+        rt = self.runtime
+        if rt.get_num_rdma_ranks() > 1:
             hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
                               dtype=torch.int32, device=topk_idx.device)
-            hit.index_add_(1, node, is_token_in_rank.to(torch.int32))
+            hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))
             per_node = (hit > 0).sum(0, dtype=torch.int32)
         return per_rank, per_node, per_expert, is_token_in_rank, \
             (_event_after(topk_idx) if async_finish else _no_event())

@@ -472,9 +472,9 @@ def normal_mode(deep_ep, rank, N):
             if not torch.equal(out2, out) or cw2 is not None:
                 msgs.append("normal combine again on the handle: differs")
             # DeepEP's names for the calls across nodes, in its argument
-            # order (no num_worst_tokens: config is the tenth)
-            # every argument positional, a Config tenth (a forwarding that
-            # put it into num_worst_tokens would fail), on a new route
+            # order, every argument positional on a new route: config is
+            # the tenth (no num_worst_tokens; a forwarding that put the
+            # Config there would fail)
             r3 = buf.internode_dispatch(x, None, nr, None, inr, ne, idx, w, align,
                                         buf.get_dispatch_config(N))
             out3, cw3, _ = buf.internode_combine(y.to(torch.bfloat16), r3[4], r3[2], None,
