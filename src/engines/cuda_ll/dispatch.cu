@@ -112,15 +112,17 @@ static __device__ __forceinline__ void fr_ds_row(const int64_t *idx, int t, int 
 template <bool MK>
 static __device__ void fr_ds_count(const fr_cu_args_t &A, const int64_t *idx, int T,
                                    int start, int32_t *sh, int32_t *hb, int32_t *hall,
-                                   const int32_t *mk)
+                                   const int32_t *mk, int *en, bool pre)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     bool v16 = K % 2 == 0 && ((uintptr_t)idx & 15) == 0;
-    /* the next group's rows are loaded while this one is counted */
-    int ek[FR_MAX_TOPK], en[FR_MAX_TOPK];
-    fr_ds_row(idx, w * 32 + lane, T, K, v16, en);
+    /* the next group's rows are loaded while this one is counted; the
+     * first group's in the prologue already when T was known (pre) */
+    int ek[FR_MAX_TOPK];
+    if (!pre)
+        fr_ds_row(idx, w * 32 + lane, T, K, v16, en);
     for (int t0 = w * 32; t0 < T; t0 += nw * 32) {
         int t = t0 + lane;
 #pragma unroll
@@ -191,11 +193,57 @@ static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
  * A thread per destination walking the tokens one by one was a chain of
  * dependent loads as long as the block's tokens. */
 #define FR_DS_GROUP 64
+/* Blocks of at most 32 tokens (decode: T up to 32 x the grid) keep their
+ * tokens' record index and first pair per destination in shared memory
+ * ([N][32] each, after the mask) up to this many ranks, else in rec_idx /
+ * pair_base. */
+#define FR_DS_SMALL_N 64
 static __host__ __device__ size_t fr_ds_smem(int N, int E)
 {
     return (sizeof(uint8_t *) + sizeof(int32_t) * 6) * (size_t)N +
            2 * sizeof(int32_t) * FR_DS_GROUP * (FR_DS_THREADS / 32) +
-           2 * sizeof(int32_t) * (size_t)E; /* hb, hall; then the mask [N] */
+           2 * sizeof(int32_t) * (size_t)E + /* hb, hall; then the mask [N] */
+           (N <= FR_DS_SMALL_N ? 2 * sizeof(int32_t) * 32 * (size_t)N : 0);
+}
+
+/* Step 2 for a block of at most 32 tokens: warp 0 alone, a token per
+ * lane, no block barrier. Per destination, the record index from a
+ * ballot and the first pair from the lanes before (a ballot per bit of
+ * the lane's pair count: independent, where a shuffle scan is a chain),
+ * from the counts of the tokens before `start` (sh[0, 2N)). Into sri /
+ * spb [d][lane] when given (shared memory), else rec_idx / pair_base. */
+template <bool MK>
+static __device__ void fr_ds_index_warp(const fr_cu_args_t &A, int set, const int64_t *idx,
+                                        int start, int end, const int32_t *sh,
+                                        const int32_t *mk, int32_t *sri, int32_t *spb)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31, t = start + lane;
+    unsigned int lt = (1u << lane) - 1;
+    int ek[FR_MAX_TOPK];
+    fr_ds_row(idx, t, end, K, K % 2 == 0 && ((uintptr_t)idx & 15) == 0, ek);
+#pragma unroll
+    for (int k = 0; k < FR_MAX_TOPK; k++)
+        ek[k] = fr_ds_cut<MK>(ek[k], mk, El, L.E);
+    for (int d = 0; d < N; d++) {
+        int np = fr_ds_np(ek, d * El, El); /* 0..FR_MAX_TOPK: 5 bits */
+        unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
+        int before = 0;
+#pragma unroll
+        for (int b = 0; b < 5; b++)
+            before += __popc(__ballot_sync(0xffffffffu, (np >> b) & 1) & lt) << b;
+        if (t >= end)
+            continue;
+        int ri = np ? sh[d] + __popc(bal & lt) : -1, pb = sh[N + d] + before;
+        if (sri) {
+            sri[d * 32 + lane] = ri;
+            spb[d * 32 + lane] = pb;
+        } else {
+            size_t at = ((size_t)set * L.T + t) * N + d;
+            A.rec_idx[at] = ri;
+            A.pair_base[at] = pb;
+        }
+    }
 }
 
 template <bool MK>
@@ -267,7 +315,8 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
 template <bool MK>
 static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t *idx, int t,
                                   int k, const int32_t *co, uint8_t *const *sbase, int *s_bad,
-                                  bool direct, const int32_t *mk)
+                                  bool direct, const int32_t *mk, const int32_t *sri,
+                                  const int32_t *spb, int start)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El;
@@ -310,7 +359,8 @@ static __device__ void fr_ds_pair(const fr_cu_args_t &A, int set, const int64_t 
     for (int j = 0; j < FR_MAX_TOPK; j++)
         before += j < k && r[j] >= lo && r[j] < hi;
     size_t at = ((size_t)set * L.T + t) * N + d;
-    int pb = A.pair_base[at], ri = A.rec_idx[at];
+    int pb = spb ? spb[d * 32 + t - start] : A.pair_base[at];
+    int ri = sri ? sri[d * 32 + t - start] : A.rec_idx[at];
     *cpos = (co[d] + pb + before) | (A.mixed && A.path[d] == FR_PATH_SHM ? FR_CPOS_IPC : 0);
     if (before || mine)
         return;
@@ -348,14 +398,16 @@ static_assert(2 * FR_DS_GROUP * (FR_DS_THREADS / 32) >= FR_DS_THREADS,
  * the same expert's pairs earlier in the pass (earlier warps' from shared
  * memory, earlier lanes' by a match). Peers' experts: the row goes into
  * the record's pos[] (the receiver places it without a search). Own
- * experts in place (od): the token's slot k points at that row of
+ * experts in place (own): the token's slot k points at that row of
  * expert_x, with the combine row map and the sources. solo (the block's
  * pairs fit one warp): warp 0 alone, beside the others' fr_ds_pair, with
  * warp barriers. Ends with a barrier (hb moved on past the pass). */
 template <bool MK>
 static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t *idx, int start,
                                   int end, int32_t *hb, uint8_t *const *sbase,
-                                  const fr_dr_out_t *od, bool solo, int *s_e, const int32_t *mk)
+                                  const fr_dr_out_t &o, bool own, bool solo, int *s_e,
+                                  const int32_t *mk,
+                                  const int32_t *sri, const int32_t *spb)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, El = L.El, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -376,7 +428,7 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
         bool ok = f < n && e64 >= 0 && e64 < L.E && fr_ds_cut<MK>((int)e64, mk, El, L.E) >= 0;
         int e = ok ? (int)e64 : -1;
         int d = ok ? e / El : -1;
-        int pb = ok ? pbase[(size_t)t * N + A.rank] : 0;
+        int pb = !ok ? 0 : spb ? spb[A.rank * 32 + t - start] : pbase[(size_t)t * N + A.rank];
         s_e[threadIdx.x] = e;
         /* the token's earlier slots on rank d: the pair's place in the
          * record's list */
@@ -402,22 +454,22 @@ static __device__ void fr_ds_rank(const fr_cu_args_t &A, int set, const int64_t 
         fr_ds_rank_sync(solo);
         if (ok)
             atomicAdd(&hb[e], 1); /* after every pos of the pass was read */
-        if (ok && od && d == A.rank) {
+        if (ok && own && d == A.rank) {
             int le = e - A.rank * El;
             size_t at = ((size_t)set * L.T + t) * K + k;
             bool fits = pos < (int)L.cap;
             size_t row = (size_t)le * L.cap + pos;
-            A.dst_rec[at] = fits ? od->ex + row * L.tok_bytes : NULL;
-            A.dst_scl[at] = fits && od->exs ? fr_cu_scl_own(L, fr_scl_at(&L, od->exs, le, pos))
+            A.dst_rec[at] = fits ? o.ex + row * L.tok_bytes : NULL;
+            A.dst_scl[at] = fits && o.exs ? fr_cu_scl_own(L, fr_scl_at(&L, o.exs, le, pos))
                                             : NULL;
             if (pb + before < pmax)
                 prow[pb + before] = fits ? (int32_t)row : -1;
-            if (fits && od->src_rank)
-                od->src_rank[row] = A.rank;
-            if (fits && od->src_token)
-                od->src_token[row] = t;
+            if (fits && o.src_rank)
+                o.src_rank[row] = A.rank;
+            if (fits && o.src_token)
+                o.src_token[row] = t;
         } else if (ok) {
-            int ri = ridx[(size_t)t * N + d];
+            int ri = sri ? sri[d * 32 + t - start] : ridx[(size_t)t * N + d];
             if (ri >= 0 && before < L.kmax)
                 ((uint32_t *)(sbase[d] + fr_off_record(&L, (uint32_t)ri) + L.rec_pos))[before] =
                     (uint32_t)pos;
@@ -628,11 +680,11 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
 template <bool VEC, bool MK>
 static __device__ __forceinline__ unsigned long long
 fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scales,
-          const int64_t *idx, int T_host, const int32_t *T_dev, const fr_dr_out_t *od)
+          const int64_t *idx, int T_host, const int32_t *T_dev, const fr_dr_out_t &o, bool own)
 {
     /* fr_ds_smem: [N] slice bases, int32 [5][N] counts, fr_ds_index's
-     * per-warp counts, hb[E], hall[E], the mask [N]. od: own experts' rows
-     * written in place (the one-launch kernel), else NULL. */
+     * per-warp counts, hb[E], hall[E], the mask [N]. own: own experts' rows
+     * written in place into o (the one-launch kernel). */
     extern __shared__ uint8_t *sbase[];
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -665,11 +717,21 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         sh[i] = 0;
     for (int i = threadIdx.x; i < 2 * L.E; i += blockDim.x)
         hb[i] = 0; /* and hall */
-    for (int d = threadIdx.x; d < N; d += blockDim.x) {
+    /* the slice bases (loads of path[] and peer[]) by the warps after
+     * thread 0's, so both round trips overlap */
+    int i0 = blockDim.x > 32 ? 32 : 0;
+    for (int d = (int)threadIdx.x - i0; d >= 0 && d < N; d += (int)blockDim.x - i0) {
         sbase[d] = fr_cu_dslice(A, set, d);
         if (MK)
             smask[d] = A.mask[d];
     }
+    /* T known at launch (not num_tokens_dev): the count's first rows are
+     * loaded now, beside the loads above (T is checked the same below) */
+    int en[FR_MAX_TOPK];
+    bool pre = !T_dev && T_host >= 0 && T_host <= (int)L.T;
+    if (pre)
+        fr_ds_row(idx, (int)threadIdx.x, T_host, L.K, L.K % 2 == 0 && ((uintptr_t)idx & 15) == 0,
+                  en);
     __syncthreads();
     const int32_t *mk = MK ? smask : NULL; /* masked ranks' slots cut */
     unsigned long long epoch = s_epoch;
@@ -680,17 +742,24 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int T = s_T, per = (T + gridDim.x - 1) / gridDim.x;
     int start = min(T, (int)blockIdx.x * per), end = min(T, start + per);
     FR_TR();
-    fr_ds_count<MK>(A, idx, T, start, sh, hb, hall, mk);
+    fr_ds_count<MK>(A, idx, T, start, sh, hb, hall, mk, en, pre);
     __syncthreads();
     fr_ds_count_total(L.E, hb, hall);
     __syncthreads();
     /* every block the same values: its receive part reads them back */
-    for (int le = threadIdx.x; od && le < L.El; le += blockDim.x)
+    for (int le = threadIdx.x; own && le < L.El; le += blockDim.x)
         A.self_run[set * L.El + le] = min(hall[A.rank * L.El + le], (int)L.cap);
     if (threadIdx.x < 32)
         fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
     FR_TR();
-    fr_ds_index<MK>(A, set, idx, start, end, sh, sh + 5 * N, mk);
+    bool small = end - start <= 32; /* the block's tokens fit warp 0 */
+    /* fr_ds_index_warp's, after the mask */
+    int32_t *sri = small && N <= FR_DS_SMALL_N ? smask + N : NULL;
+    int32_t *spb = sri ? sri + 32 * N : NULL;
+    if (!small)
+        fr_ds_index<MK>(A, set, idx, start, end, sh, sh + 5 * N, mk);
+    else if (threadIdx.x < 32 && start < end) /* no tokens: nothing to index */
+        fr_ds_index_warp<MK>(A, set, idx, start, end, sh, mk, sri, spb);
     __syncthreads();
     FR_TR();
     if (blockIdx.x == 0) {
@@ -701,12 +770,12 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         }
         if (threadIdx.x == 0)
             A.ntok[set] = T;
-        if (od && threadIdx.x == 0)
+        if (own && threadIdx.x == 0)
             A.pair_n[set * N + A.rank] = sh[3 * N + A.rank];
     }
     bool solo = (end - start) * L.K <= 32;
     if (!solo || threadIdx.x < 32)
-        fr_ds_rank<MK>(A, set, idx, start, end, hb, sbase, od, solo, sh + 5 * N, mk);
+        fr_ds_rank<MK>(A, set, idx, start, end, hb, sbase, o, own, solo, sh + 5 * N, mk, sri, spb);
     /* solo: warp 0 ranks, so the pairs go to the warps after it (in warp
      * 0's lanes they ran after the ranking, in series: 6.0K -> 3.8K SM
      * cycles of block 0 at T=1) */
@@ -714,7 +783,7 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     for (int i = (int)threadIdx.x - p0; i >= 0 && i < (end - start) * L.K;
          i += (int)blockDim.x - p0)
         fr_ds_pair<MK>(A, set, idx, start + i / L.K, i % L.K, sh + 4 * N, sbase, &s_bad,
-                       od != NULL, mk);
+                       own, mk, sri, spb, start);
     __syncthreads();
     FR_TR();
     bool quant = L.fp8 && !x_scales;
@@ -989,7 +1058,7 @@ dispatch(fr_cu_args_t A, int set, const uint16_t *x, const float *x_scales, cons
         return;
     }
     unsigned long long epoch =
-        fr_ds_run<VEC, MK>(A, set, x, x_scales, idx, T_host, T_dev, direct ? &o : NULL);
+        fr_ds_run<VEC, MK>(A, set, x, x_scales, idx, T_host, T_dev, o, direct);
     if (!(phases & FR_PART_RECV))
         return;
     __syncthreads(); /* the shared memory changes hands */
