@@ -30,5 +30,9 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
 /* FERRY_OK when the context can take a call (no earlier failure, no error
  * reported by the device), else its status with the message set. */
 int fr_ep_usable(ferry_ep_t ep);
+/* A stream the context can run on (round.c): where a fabric provider
+ * copies into GPU memory on the legacy default stream, one created with
+ * cudaStreamNonBlocking (FERRY_ERR_INVALID naming `name` otherwise). */
+int fr_check_stream(ferry_ep_t ep, void *stream, const char *name);
 
 #endif

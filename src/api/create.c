@@ -298,6 +298,8 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
         (rc = fr_nics_groups(&ep->nics, ep->group_peers, ep->nfabric,
                              &ep->rsend, &ep->rseg, &ep->groups, err)))
         return rc;
+    if (ep->eng->fabric_up)
+        return ep->eng->fabric_up(ep, err);
     if (ep->eng->route_create)
         return FERRY_OK; /* high throughput: the engine drives the NICs itself */
     ep->gslices = fr_zalloc(sizeof(fr_slice_t) * (size_t)(N + 1));
@@ -370,7 +372,10 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
-    if (ep->nfabric > 0 && ep->eng->fabric_engine) {
+    int native = 0;
+    if (ep->nfabric > 0 && ep->eng->fabric_engine && ep->eng->fabric_native)
+        FR_CHECK_GOTO(ep->eng->fabric_native(ep, &native, &err), rc, fail);
+    if (ep->nfabric > 0 && ep->eng->fabric_engine && !native) {
         /* the same on every rank: a rank with a peer on another node makes
          * every rank's paths include the fabric (FERRY_TRANSPORT agrees:
          * fr_create_exchange) */

@@ -74,7 +74,9 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
     r->ep = ep;
     r->bound = cur.max_recv;
-    rc = ep->eng->route_create(ep, &cur, r);
+    rc = fr_check_stream(ep, cur.stream, "in->stream");
+    if (rc == FERRY_OK)
+        rc = ep->eng->route_create(ep, &cur, r);
     if (rc) {
         free(r);
         return rc;
@@ -181,6 +183,8 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
     if (out->recv_topk_weights && !in->topk_weights)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "recv_topk_weights: given, but in->topk_weights is NULL");
+    if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
+        return rc;
     return ep->eng->ht_dispatch(ep, route, in, out);
 }
 
@@ -209,5 +213,7 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     if (route->T == 0) { /* no rows of bias to read */
         cur.bias[0] = cur.bias[1] = NULL;
     }
+    if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
+        return rc;
     return ep->eng->ht_combine(ep, route, in, out);
 }

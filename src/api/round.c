@@ -32,7 +32,7 @@ int fr_ep_usable(ferry_ep_t ep)
  * GPU memory with cudaMemcpy on the legacy default stream (shm with
  * FI_HMEM), a kernel waiting on a stream that waits for the legacy stream
  * would hold back the very copies it waits for. */
-static int fr_check_stream(ferry_ep_t ep, void *stream, const char *name)
+int fr_check_stream(ferry_ep_t ep, void *stream, const char *name)
 {
     if (ep->rx_flush != FR_RX_FLUSH_COPIES)
         return FERRY_OK;

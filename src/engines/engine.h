@@ -77,6 +77,16 @@ typedef struct fr_engine {
      * itself (mask_on_timeout, on the device), after the work on `stream`;
      * NULL: ep->mask is the mask. */
     int (*mask_pull)(ferry_ep_t ep, void *stream);
+    /* Optional, for an engine with a fabric_engine: may this engine serve
+     * the context's fabric peers itself after all (*native = 1; it may set
+     * ep->fab_device and ep->rx_flush for its setup), or does
+     * fabric_engine serve instead (0)? Collective over every rank (each
+     * has fabric peers then), the same answer on every rank. */
+    int (*fabric_native)(ferry_ep_t ep, int *native, fr_err_t *err);
+    /* Optional: called once the NICs are open, the segment and the send
+     * region registered and the peer groups made (an engine that drives
+     * the fabric from a thread of its own starts it here). */
+    int (*fabric_up)(ferry_ep_t ep, fr_err_t *err);
 } fr_engine_t;
 
 /* GPU ranks through a host engine (engines/staged): the CPU engine of the

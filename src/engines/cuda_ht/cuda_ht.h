@@ -14,10 +14,15 @@ extern "C" {
 #endif
 
 /* Collective: the segment (device memory: notify entries, ring counters,
- * rings), the peers' mapped through CUDA IPC, the device tables. Peers on
- * the fabric path are refused (FERRY_ERR_UNSUPPORTED). */
+ * rings), the peers' mapped through CUDA IPC, the device tables; for
+ * peers on the fabric path outboxes and host-mapped words (fab.h). */
 int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err);
 void fr_cuht_free(ferry_ep_t ep);
+/* Peers on the fabric path: served here from GPU memory (FI_HMEM), or by
+ * the staged engine (engine.h's fabric_native); the thread started once
+ * the NICs are up (fabric_up). */
+int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err);
+int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err);
 /* Wait for `stream` (NULL: the device), then the kernels' error word. */
 int fr_cuht_sync(ferry_ep_t ep, void *stream);
 /* The kernels' error word (host-mapped), turned into the EP's error. */

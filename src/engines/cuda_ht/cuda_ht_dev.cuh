@@ -40,6 +40,8 @@
 #include "core/log.h"
 #include "core/quant.h"
 #include "engines/cuda_ht/cuda_ht.h"
+#include "engines/cuda_ht/fab.h"
+#include "engines/cuda_ht/geo.h"
 #include "runtime/cuda_mem.h"
 #include "runtime/cuda_sync.cuh"
 
@@ -57,9 +59,6 @@
 #define FR_CUHT_MAX_RANKS 16     /* at least a warp per peer in each role */
 #define FR_CUHT_STEP 4           /* records per warp between publications */
 #define FR_CUHT_CBATCH 64        /* most tokens per combine batch */
-#define FR_CUHT_LINE 64
-
-enum { FR_CUHT_DTAIL = 0, FR_CUHT_DHEAD = 1, FR_CUHT_CTAIL = 2, FR_CUHT_CHEAD = 3 };
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE = 3,
@@ -67,19 +66,20 @@ enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE =
        FR_CUHT_WHAT_DTYPE = 7, FR_CUHT_WHAT_OVERRUN = 8, FR_CUHT_WHAT_BOUND = 9,
        FR_CUHT_WHAT_BADIDX = 10 };
 
-/* Geometry of every segment (the same on every rank). */
-typedef struct fr_cuht_geo {
-    int N, rank, E, El, K, H, T;  /* T: max_tokens */
-    int C, RT;                    /* channels, records per ring */
-    unsigned long long notify_entry, off_notify, off_ctr, off_drec, off_crec, seg_bytes;
-    unsigned long long dhdr, drec, chdr, crec;
-} fr_cuht_geo_t;
+/* Per peer: where the kernels write for it and read what it wrote
+ * (accessors below). */
+typedef struct fr_cuht_peer {
+    uint8_t *wnot, *wword, *rword;
+    uint8_t *ring[2];             /* ring (0, this rank) of each kind */
+    unsigned long long stride[2]; /* from ring c to ring c + 1 */
+} fr_cuht_peer_t;
 
 /* What every kernel gets (by value). */
 typedef struct fr_cuht_args {
     fr_cuht_geo_t G;
     uint8_t *seg;                 /* own segment */
-    uint8_t *const *peer;         /* [N] segments (own at [rank]) */
+    const fr_cuht_peer_t *pt;     /* [N] where to write and read per peer
+                                     (own at [rank]: the own segment) */
     unsigned long long *ctr;      /* [4 kinds][C][N] own copies of the counters
                                      this rank writes or consumes */
     int *dflag;                   /* device copy of err[0]: what kernels poll */
@@ -116,6 +116,7 @@ typedef struct fr_cuht_res {
 } fr_cuht_res_t;
 
 #define FR_CUHT_POOL 8
+#define FR_CUHT_AHEAD 8 /* combines queued ahead, at most, on the fabric path with copies */
 
 struct fr_cuht_ep {
     fr_cuht_args_t a;
@@ -131,6 +132,14 @@ struct fr_cuht_ep {
     void *err_dev;
     fr_cuht_res_t *res_host;
     void *res_dev;
+    /* peers on the fabric path (fab.h): the thread's tables and the
+     * host-mapped words (device views; fab.out and fab.in the host's) */
+    fr_cuht_fab_t fab;
+    void *hm_out_dev, *hm_in_dev;
+    /* calls queued ahead, bounded where the fabric thread makes CUDA
+     * calls (fr_cuht_ahead_wait) */
+    cudaEvent_t ahead[FR_CUHT_AHEAD];
+    unsigned long long ncomb;
 };
 
 /* The engine's part of a route. */
@@ -159,25 +168,64 @@ static inline struct fr_cuht_ep *fr_cuht(ferry_ep_t ep)
     return (struct fr_cuht_ep *)ep->eng_state;
 }
 
-/* Byte offsets in a segment. */
+/* Byte offsets in a segment (geo.h). */
 static __host__ __device__ __forceinline__ unsigned long long
 fr_cuht_off_notify(const fr_cuht_geo_t &G, int parity, int src)
 {
-    return G.off_notify + ((unsigned long long)parity * G.N + src) * G.notify_entry;
+    return fr_cuht_geo_notify(&G, parity, src);
 }
 static __host__ __device__ __forceinline__ unsigned long long
 fr_cuht_off_ctr(const fr_cuht_geo_t &G, int kind, int c, int r)
 {
-    return G.off_ctr + (((unsigned long long)kind * G.C + c) * G.N + r) * FR_CUHT_LINE;
+    return fr_cuht_geo_ctr(&G, kind, c, r);
 }
-/* Ring (c, r) of a segment: `kind` 0 dispatch, 1 combine. */
 static __host__ __device__ __forceinline__ unsigned long long
 fr_cuht_off_ring(const fr_cuht_geo_t &G, int combine, int c, int r)
 {
-    unsigned long long rec = combine ? G.crec : G.drec;
-    return (combine ? G.off_crec : G.off_drec) +
-           ((unsigned long long)c * G.N + r) * (unsigned long long)G.RT * rec;
+    return fr_cuht_geo_ring(&G, combine, c, r);
 }
+
+/* Where this rank writes for peer d and reads what d wrote (the peer
+ * table: d's segment through CUDA IPC, or for a peer on the fabric path
+ * the outbox and host-mapped words of geo.h):
+ *   wnot(d)      d's notify entry [parity][this rank], its contents
+ *   wword(d)     the words this rank stores for d: that entry's route
+ *                number and the counters [kind][c][this rank]
+ *   rword(s)     the words s stores for this rank: the route number of
+ *                entry [parity][s] and counters [kind][c][s] (the entry's
+ *                contents and the rings are always in the own segment)
+ *   wring(d, k, c)  ring (c, this rank) of kind k that d reads */
+static __device__ __forceinline__ uint8_t *fr_cuht_wnot(const fr_cuht_args_t &A, int d,
+                                                        int parity)
+{
+    return A.pt[d].wnot + fr_cuht_off_notify(A.G, parity, A.G.rank);
+}
+static __device__ __forceinline__ unsigned long long *fr_cuht_wnotid(const fr_cuht_args_t &A,
+                                                                     int d, int parity)
+{
+    return (unsigned long long *)(A.pt[d].wword + fr_cuht_off_notify(A.G, parity, A.G.rank));
+}
+static __device__ __forceinline__ const unsigned long long *
+fr_cuht_rnotid(const fr_cuht_args_t &A, int s, int parity)
+{
+    return (const unsigned long long *)(A.pt[s].rword + fr_cuht_off_notify(A.G, parity, s));
+}
+static __device__ __forceinline__ unsigned long long *fr_cuht_wctr(const fr_cuht_args_t &A,
+                                                                   int d, int kind, int c)
+{
+    return (unsigned long long *)(A.pt[d].wword + fr_cuht_off_ctr(A.G, kind, c, A.G.rank));
+}
+static __device__ __forceinline__ const unsigned long long *
+fr_cuht_rctr(const fr_cuht_args_t &A, int s, int kind, int c)
+{
+    return (const unsigned long long *)(A.pt[s].rword + fr_cuht_off_ctr(A.G, kind, c, s));
+}
+static __device__ __forceinline__ uint8_t *fr_cuht_wring(const fr_cuht_args_t &A, int d,
+                                                         int combine, int c)
+{
+    return A.pt[d].ring[combine] + (unsigned long long)c * A.pt[d].stride[combine];
+}
+
 /* The own copy of counter (kind, c, r). */
 static __device__ __forceinline__ unsigned long long *fr_cuht_my_ctr(const fr_cuht_args_t &A,
                                                                      int kind, int c, int r)
@@ -239,6 +287,21 @@ static __device__ __forceinline__ void fr_cuht_publish(unsigned long long *w,
     __threadfence_system();
     fr_sys_st_release(w, v);
 }
+
+/* Host, on the fabric path with a provider whose copies or flushes the
+ * fabric thread makes with CUDA calls: before a dispatch, wait until the
+ * combine FR_CUHT_AHEAD combines back has run (a host thread far ahead
+ * blocks inside a launch while the thread's copies wait for it:
+ * docs/architecture.md); after a combine, mark it. Nothing while the
+ * stream is captured. */
+int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call);
+void fr_cuht_ahead_mark(ferry_ep_t ep, void *stream);
+void fr_cuht_ahead_free(struct fr_cuht_ep *c);
+/* Every kernel of the engine loaded (lazy loading would wait for running
+ * kernels, which may wait for the fabric thread's CUDA copies). */
+extern "C" int fr_cuht_load_route(void);
+extern "C" int fr_cuht_load_stream(void);
+extern "C" int fr_cuht_load_dlayout(void);
 
 /* Host: the last launch's error, then the kernels' error word. */
 int fr_cuht_launch_check(ferry_ep_t ep, const char *what);

@@ -79,3 +79,9 @@ extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *e
                       cudaGetErrorString(ce));
     return FERRY_OK;
 }
+
+extern "C" int fr_cuht_load_dlayout(void)
+{
+    cudaFuncAttributes fa;
+    return cudaFuncGetAttributes(&fa, fr_cuht_dlayout) != cudaSuccess;
+}

@@ -16,6 +16,10 @@ const fr_engine_t fr_engine_cuda_ht = {
     .route_free = fr_cuht_route_free,
     .ht_dispatch = fr_cuht_dispatch,
     .ht_combine = fr_cuht_combine,
-    /* peers on the fabric path: through host copies (engines/staged) */
+    /* peers on the fabric path: from GPU memory registered with the
+     * provider where every rank can (fab.c), else through host copies
+     * (engines/staged) */
     .fabric_engine = &fr_engine_staged_ht,
+    .fabric_native = fr_cuht_fabric_native,
+    .fabric_up = fr_cuht_fabric_up,
 };

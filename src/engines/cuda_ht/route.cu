@@ -137,13 +137,13 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         if (o.res)
             o.res->id = (unsigned int)id;
     }
-    int N = G.N, C = G.C, El = G.El, me = G.rank, parity = (int)(id & 1);
+    int N = G.N, C = G.C, El = G.El, parity = (int)(id & 1);
     bool isbad = *bad != FR_CUHT_NOBAD;
     fr_cuht_res_t *res = o.res;
     __shared__ int ok;
     /* this rank's counts into every peer's entry, then the route number */
     for (int d = 0; d < N; d++) {
-        uint8_t *e = A.peer[d] + fr_cuht_off_notify(G, parity, me);
+        uint8_t *e = fr_cuht_wnot(A, d, parity);
         int32_t *cc = (int32_t *)(e + 16), *ec = cc + C;
         for (int i = threadIdx.x; i < C; i += blockDim.x)
             cc[i] = isbad ? 0 : ccnt[(size_t)d * C + i];
@@ -162,16 +162,14 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         ok = !fr_cuht_failed(A);
         __threadfence_system(); /* every thread's stores, ordered by the barrier */
         for (int d = 0; d < N && ok; d++)
-            fr_sys_st_release((unsigned long long *)(A.peer[d] + fr_cuht_off_notify(G, parity, me)),
-                              id);
+            fr_sys_st_release(fr_cuht_wnotid(A, d, parity), id);
     }
     __syncthreads();
     if (!ok)
         return;
     /* every source's entry here: a thread per source polls */
     for (int s = threadIdx.x; s < N; s += blockDim.x) {
-        const unsigned long long *w =
-            (const unsigned long long *)(A.seg + fr_cuht_off_notify(G, parity, s));
+        const unsigned long long *w = fr_cuht_rnotid(A, s, parity);
         unsigned long long t0 = fr_sys_timer(), v;
         unsigned int n = 0;
         for (;;) {
@@ -517,4 +515,12 @@ extern "C" void fr_cuht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_ou
     fr_cuht_pad<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
         p->r.nrecv, route->bound, route->ep->L.K, out->recv_topk_idx,
         out->recv_topk_weights, out->recv_src_rank, out->recv_src_token);
+}
+
+extern "C" int fr_cuht_load_route(void)
+{
+    cudaFuncAttributes fa;
+    return cudaFuncGetAttributes(&fa, fr_cuht_layout) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_notify) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_pad) != cudaSuccess;
 }

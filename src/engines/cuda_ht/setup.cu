@@ -7,6 +7,8 @@
 #include <stdlib.h>
 
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
+#include "ep/hmem.h"
+#include "runtime/rt.h"
 
 #define FR_CU(call, err, label)                                                \
     do {                                                                       \
@@ -48,6 +50,11 @@ static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int R
     G->off_drec = fr_cuht_align(G->off_ctr + 4ull * C * G->N * FR_CUHT_LINE, 4096);
     G->off_crec = fr_cuht_align(G->off_drec + (unsigned long long)C * G->N * RT * G->drec, 4096);
     G->seg_bytes = fr_cuht_align(G->off_crec + (unsigned long long)C * G->N * RT * G->crec, 4096);
+    /* a fabric peer's outbox and host-mapped words (geo.h) */
+    G->ob_drec = G->off_ctr;
+    G->ob_crec = fr_cuht_align(G->ob_drec + (unsigned long long)C * RT * G->drec, 4096);
+    G->ob_bytes = fr_cuht_align(G->ob_crec + (unsigned long long)C * RT * G->crec, 4096);
+    G->hdr_bytes = G->off_drec;
 }
 
 typedef struct fr_cuht_msg {
@@ -62,11 +69,13 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
 {
     int rc = FERRY_OK;
     const fr_cuht_geo_t *G = &c->a.G;
-    if (ep->nfabric > 0)
+    if (ep->nfabric > 0 && ep->fab_device < 0)
+        return FR_ERR(err, FERRY_ERR_INTERNAL, "cuda_ht: fabric peers without GPU memory "
+                      "on the fabric (the staged engine serves them)");
+    if (ep->nfabric > 0 && G->RT > FR_CUHT_FAB_RT_MAX)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "mode = high throughput with device = cuda: peers on the fabric path "
-                      "(another node, or FERRY_TRANSPORT=fabric) are not supported yet; the "
-                      "CUDA high-throughput engine runs the GPUs of one node (CUDA IPC)");
+                      "ring_tokens = %d: at most %d with GPU ranks on the fabric path", G->RT,
+                      FR_CUHT_FAB_RT_MAX);
     if (ep->N > FR_CUHT_MAX_RANKS)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "mode = high throughput with device = cuda: %d ranks, at most %d",
@@ -81,6 +90,22 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
     FR_CU(cudaMalloc((void **)&ep->seg, G->seg_bytes), err, fail);
     FR_CU(cudaMemset(ep->seg, 0, G->seg_bytes), err, fail);
     FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
+    if (ep->nfabric > 0) { /* outboxes (registered by the EP) and host-mapped words */
+        size_t ob = (size_t)G->ob_bytes * (size_t)ep->nfabric;
+        FR_CU(cudaMalloc((void **)&ep->send, ob), err, fail);
+        FR_CU(cudaMemset(ep->send, 0, ob), err, fail);
+        ep->L.send_bytes = ob;
+        void *h;
+        rc = fr_cuda_host_alloc((size_t)G->hdr_bytes * (size_t)ep->nfabric, &h, &c->hm_out_dev,
+                                err);
+        if (rc != FERRY_OK)
+            goto fail;
+        c->fab.out = (uint8_t *)h;
+        rc = fr_cuda_host_alloc((size_t)G->hdr_bytes, &h, &c->hm_in_dev, err);
+        if (rc != FERRY_OK)
+            goto fail;
+        c->fab.in = (uint8_t *)h;
+    }
     /* the bounded routes' tables: before the exchange, so that a rank out
      * of memory fails every rank at once */
     rc = fr_cuht_pool_init(ep);
@@ -96,36 +121,55 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg
 {
     int rc = FERRY_OK, N = ep->N;
     fr_cuht_args_t *A = &c->a;
-    uint8_t **peer = NULL;
+    const fr_cuht_geo_t *G = &A->G;
+    fr_cuht_peer_t *peer = NULL;
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
-    peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    peer = (fr_cuht_peer_t *)calloc((size_t)N, sizeof(*peer));
     if (!c->peer_host || !peer) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
         goto fail;
     }
     for (int i = 0; i < N; i++) {
-        if (ep->path[i] == FR_PATH_SELF) {
-            peer[i] = ep->seg;
-        } else {
-            void *p = NULL;
-            FR_CU(cudaIpcOpenMemHandle(&p, all[i].h, cudaIpcMemLazyEnablePeerAccess), err,
+        fr_cuht_peer_t *q = &peer[i];
+        if (ep->path[i] == FR_PATH_FABRIC) { /* the outbox and words of geo.h */
+            int g = ep->group_index[i];
+            uint8_t *ob = ep->send + (size_t)g * G->ob_bytes;
+            q->wnot = ob;
+            q->wword = (uint8_t *)c->hm_out_dev + (size_t)g * G->hdr_bytes;
+            q->rword = (uint8_t *)c->hm_in_dev;
+            for (int k = 0; k < 2; k++) {
+                q->ring[k] = ob + fr_cuht_geo_obring(G, k, 0);
+                q->stride[k] = (unsigned long long)G->RT * (k ? G->crec : G->drec);
+            }
+            continue;
+        }
+        uint8_t *p = ep->seg;
+        if (ep->path[i] != FR_PATH_SELF) {
+            void *v = NULL;
+            FR_CU(cudaIpcOpenMemHandle(&v, all[i].h, cudaIpcMemLazyEnablePeerAccess), err,
                   fail);
-            c->peer_host[i] = (uint8_t *)p;
-            peer[i] = (uint8_t *)p;
+            c->peer_host[i] = (uint8_t *)v;
+            p = (uint8_t *)v;
+        }
+        q->wnot = q->wword = p;
+        q->rword = ep->seg;
+        for (int k = 0; k < 2; k++) {
+            q->ring[k] = p + fr_cuht_geo_ring(G, k, 0, ep->rank);
+            q->stride[k] = (unsigned long long)N * G->RT * (k ? G->crec : G->drec);
         }
     }
     {
         size_t nctr = 4 * (size_t)A->G.C * N;
-        size_t o_ctr = ((size_t)N * sizeof(uint8_t *) + 255) & ~(size_t)255;
+        size_t o_ctr = ((size_t)N * sizeof(fr_cuht_peer_t) + 255) & ~(size_t)255;
         size_t o_flag = o_ctr + ((nctr * 8 + 255) & ~(size_t)255);
         FR_CU(cudaMalloc(&c->dmem, o_flag + 256), err, fail);
         FR_CU(cudaMemset(c->dmem, 0, o_flag + 256), err, fail);
         uint8_t *b = (uint8_t *)c->dmem;
-        A->peer = (uint8_t *const *)b;
+        A->pt = (const fr_cuht_peer_t *)b;
         A->ctr = (unsigned long long *)(b + o_ctr);
         A->dflag = (int *)(b + o_flag);
         c->rseq = (unsigned long long *)(b + o_flag + 128);
-        FR_CU(cudaMemcpy(b, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice), err, fail);
+        FR_CU(cudaMemcpy(b, peer, sizeof(*peer) * N, cudaMemcpyHostToDevice), err, fail);
     }
     {
         void *h;
@@ -232,7 +276,7 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
         RT = cfg->ring_tokens;
     fr_cuht_geo_init(&c->a.G, ep, C, RT);
     ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
-    ep->L.send_bytes = 0;
+    ep->L.send_bytes = 0; /* the outboxes, with fabric peers (fr_cuht_local) */
     /* A rank whose checks or segment failed still joins the exchange with
      * its status, so every rank fails at once. */
     fr_cuht_msg_t mine, *all = NULL;
@@ -279,6 +323,15 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
     if (ep->seg)
         cudaFree(ep->seg);
     ep->seg = NULL;
+    if (ep->send) /* the outboxes (the NICs let go of them first: fr_ep_free) */
+        cudaFree(ep->send);
+    ep->send = NULL;
+    if (c->fab.out)
+        fr_cuda_host_free(c->fab.out);
+    if (c->fab.in)
+        fr_cuda_host_free(c->fab.in);
+    fr_cuht_fab_free(&c->fab);
+    fr_cuht_ahead_free(c);
     if (c->dmem)
         cudaFree(c->dmem);
     if (c->err_host)
@@ -364,4 +417,146 @@ extern "C" int fr_cuht_sync(ferry_ep_t ep, void *stream)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s",
                           cudaGetErrorString(e));
     return fr_cuht_check(ep);
+}
+
+/* ---------------------------------------------------------------------- */
+/* peers on the fabric path                                               */
+
+/* GPU memory on the fabric (FERRY_FABRIC_HMEM and the provider, as the
+ * low-latency engine decides: ep/hmem.h), agreed by every rank: this
+ * engine then serves the fabric peers itself (fab.h); otherwise the
+ * staged engine does, whose protocol differs, so no rank may choose alone. */
+extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
+{
+    typedef struct { int status, ok; } fr_nat_t;
+    fr_nat_t mine = {FERRY_OK, 0}, *all = (fr_nat_t *)calloc((size_t)ep->N, sizeof(fr_nat_t));
+    fr_tp_hmem_t h;
+    int dev = 0, want = 0, order = 0;
+    *native = 0;
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric table");
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        mine.status = FR_ERR(err, FERRY_ERR_SYSTEM, "cudaGetDevice failed");
+    } else {
+        mine.status = fr_ep_hmem_policy(dev, &want, &h, &order, err);
+    }
+    if (mine.status == FERRY_OK && h.ok) {
+        void *p = NULL; /* a trial region: some providers offer FI_HMEM without CUDA */
+        if (cudaMalloc(&p, 2u << 20) == cudaSuccess) {
+            fr_ep_hmem_trial(dev, p, 2u << 20, &h);
+            cudaFree(p);
+        } else {
+            (void)cudaGetLastError();
+            h.ok = 0;
+            snprintf(h.why, sizeof(h.why), "no GPU memory for a trial registration");
+        }
+    }
+    if (mine.status == FERRY_OK && h.ok && ep->cfg.ring_tokens > FR_CUHT_FAB_RT_MAX) {
+        h.ok = 0;
+        snprintf(h.why, sizeof(h.why), "ring_tokens = %d (at most %d on this path)",
+                 ep->cfg.ring_tokens, FR_CUHT_FAB_RT_MAX);
+    }
+    mine.ok = mine.status == FERRY_OK && h.ok;
+    fr_err_t e2 = {{0}};
+    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), &e2);
+    if (rc != FERRY_OK) {
+        free(all);
+        return FR_ERR(err, rc, "%s", e2.msg);
+    }
+    rc = mine.status;
+    int nok = 0, first_no = -1;
+    for (int i = 0; i < ep->N && rc == FERRY_OK; i++) {
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d cannot choose where its fabric regions "
+                        "live (%s)", i, ferry_strerror(all[i].status));
+        nok += all[i].ok;
+        if (!all[i].ok && first_no < 0)
+            first_no = i;
+    }
+    free(all);
+    if (rc != FERRY_OK)
+        return rc;
+    if (want > 0 && first_no >= 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "FERRY_FABRIC_HMEM=on: rank %d cannot take GPU memory on the fabric (%s)",
+                      first_no, first_no == ep->rank ? h.why : "its log says why");
+    *native = first_no < 0;
+    if (*native) {
+        ep->fab_device = dev;
+        ep->rx_flush = fr_ep_rx_flush_kind(&h, order);
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: fabric peers served from GPU memory registered "
+                    "with FI_HMEM (%s)%s", h.why,
+                    ep->rx_flush == FR_RX_FLUSH_COPIES
+                        ? "; calls need streams created with cudaStreamNonBlocking" : "");
+    } else {
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: fabric peers through host copies (the staged "
+                    "engine): %s", first_no == ep->rank ? h.why
+                                                      : "another rank cannot take GPU memory");
+    }
+    return FERRY_OK;
+}
+
+/* The NICs are up: the kernels loaded now, then the thread. */
+extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    if (fr_cuht_load_route() || fr_cuht_load_stream() || fr_cuht_load_dlayout())
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the kernels: %s",
+                      cudaGetErrorString(cudaGetLastError()));
+    if (ep->rx_flush != FR_RX_FLUSH_NONE)
+        for (int i = 0; i < FR_CUHT_AHEAD; i++)
+            if (cudaEventCreateWithFlags(&c->ahead[i], cudaEventDisableTiming) != cudaSuccess)
+                return FR_ERR(err, FERRY_ERR_SYSTEM, "cudaEventCreate: %s",
+                              cudaGetErrorString(cudaGetLastError()));
+    c->fab.G = c->a.G;
+    if (fr_cuht_fab_init(ep, &c->fab) != FERRY_OK)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric thread tables");
+    int rc = fr_cuht_fab_start(ep, &c->fab);
+    if (rc != FERRY_OK)
+        return FR_ERR(err, rc, "%s", ep->err.msg);
+    FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: %d fabric peers, outboxes %llu B each", ep->nfabric,
+                (unsigned long long)c->a.G.ob_bytes);
+    return FERRY_OK;
+}
+
+int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    if (!c->ahead[0] || c->ncomb < FR_CUHT_AHEAD || fr_cuda_capturing(stream))
+        return FERRY_OK;
+    cudaEvent_t e = c->ahead[c->ncomb % FR_CUHT_AHEAD]; /* the oldest */
+    unsigned long long t0 = fr_now_ns(), lim = (unsigned long long)(ep->N + 2) *
+                                               (unsigned long long)ep->timeout_ms * 1000000ull;
+    uint64_t iter = 0;
+    for (;;) {
+        cudaError_t r = cudaEventQuery(e);
+        if (r == cudaSuccess)
+            return FERRY_OK;
+        if (r != cudaErrorNotReady)
+            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: cudaEventQuery: %s", call,
+                              cudaGetErrorString(r));
+        if (fr_now_ns() - t0 > lim) /* past every kernel wait: theirs names the rank */
+            return fr_cuht_check(ep) != FERRY_OK ? ep->failed
+                   : fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "%s: the calls queued before did not "
+                                "finish within %lld ms", call,
+                                (long long)(lim / 1000000ull));
+        fr_backoff(&iter, ep->spin);
+    }
+}
+
+void fr_cuht_ahead_mark(ferry_ep_t ep, void *stream)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    if (!c->ahead[0] || fr_cuda_capturing(stream))
+        return;
+    cudaEventRecord(c->ahead[c->ncomb % FR_CUHT_AHEAD], (cudaStream_t)stream);
+    c->ncomb++;
+}
+
+void fr_cuht_ahead_free(struct fr_cuht_ep *c)
+{
+    for (int i = 0; i < FR_CUHT_AHEAD; i++)
+        if (c->ahead[i])
+            cudaEventDestroy(c->ahead[i]);
 }

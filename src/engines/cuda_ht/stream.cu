@@ -122,7 +122,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                                     const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C, me = G.rank;
+    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C;
     bool lead = fr_cuht_lead(g);
     int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
     int row0 = COMB ? R.rbase[(size_t)d * C + c] : 0;
@@ -132,11 +132,9 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
     unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
     size_t hdr = COMB ? G.chdr : G.dhdr;
     int what = COMB ? FR_CUHT_WHAT_COMBINE : FR_CUHT_WHAT_DISPATCH;
-    uint8_t *ring = A.peer[d] + fr_cuht_off_ring(G, COMB, c, me);
-    unsigned long long *tailw = (unsigned long long *)(A.peer[d] + fr_cuht_off_ctr(
-                                    G, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, me));
-    const unsigned long long *headw = (const unsigned long long *)(A.seg + fr_cuht_off_ctr(
-                                          G, COMB ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c, d));
+    uint8_t *ring = fr_cuht_wring(A, d, COMB, c);
+    unsigned long long *tailw = fr_cuht_wctr(A, d, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c);
+    const unsigned long long *headw = fr_cuht_rctr(A, d, COMB ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c);
     unsigned long long *mine = fr_cuht_my_ctr(A, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, d);
     unsigned long long sent0 = *mine;
     /* never more than RT records outstanding: d's head is at least this */
@@ -270,10 +268,8 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     unsigned long long RT = (unsigned long long)G.RT;
     int n = R.rcnt[(size_t)s * C + c], row0 = R.rbase[(size_t)s * C + c];
     const uint8_t *ring = A.seg + fr_cuht_off_ring(G, 0, c, s);
-    const unsigned long long *tailw =
-        (const unsigned long long *)(A.seg + fr_cuht_off_ctr(G, FR_CUHT_DTAIL, c, s));
-    unsigned long long *headw =
-        (unsigned long long *)(A.peer[s] + fr_cuht_off_ctr(G, FR_CUHT_DHEAD, c, G.rank));
+    const unsigned long long *tailw = fr_cuht_rctr(A, s, FR_CUHT_DTAIL, c);
+    unsigned long long *headw = fr_cuht_wctr(A, s, FR_CUHT_DHEAD, c);
     unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s);
     unsigned long long start = *mine, tail = start;
     int taken = 0, pub = 0; /* pub: the leader's */
@@ -467,9 +463,8 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 }
             unsigned long long want = sbase[d] + (unsigned long long)sneed[d], v = stail[d];
             if (stail[d] < want) {
-                if (!fr_cuht_wait_ge(A, (const unsigned long long *)(A.seg + fr_cuht_off_ctr(
-                                                                        G, FR_CUHT_CTAIL, c, d)),
-                                     want, d, FR_CUHT_WHAT_COMBINE, &v)) {
+                if (!fr_cuht_wait_ge(A, fr_cuht_rctr(A, d, FR_CUHT_CTAIL, c), want, d,
+                                     FR_CUHT_WHAT_COMBINE, &v)) {
                     wok = 0;
                 } else if (v > sbase[d] + (unsigned long long)spub[d] + RT) {
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
@@ -607,8 +602,7 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
         if (!sok)
             return;
         if (tid < N && tid != me && sneed[tid] > spub[tid]) { /* the batch's slots go back */
-            fr_cuht_publish((unsigned long long *)(A.peer[tid] +
-                                                   fr_cuht_off_ctr(G, FR_CUHT_CHEAD, c, G.rank)),
+            fr_cuht_publish(fr_cuht_wctr(A, tid, FR_CUHT_CHEAD, c),
                             sbase[tid] + (unsigned long long)sneed[tid]);
             spub[tid] = sneed[tid];
         }
@@ -694,6 +688,8 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     io.rsr = out->recv_src_rank;
     io.rst = out->recv_src_token;
     io.fp8 = in->x_scales != NULL;
+    if ((rc = fr_cuht_ahead_wait(ep, in->stream, call)))
+        return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
     if (ep->N <= 8)
         fr_cuht_dispatch_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
@@ -732,5 +728,15 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
         fr_cuht_combine_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else
         fr_cuht_combine_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    fr_cuht_ahead_mark(ep, in->stream);
     return fr_cuht_launch_check(ep, call);
+}
+
+extern "C" int fr_cuht_load_stream(void)
+{
+    cudaFuncAttributes fa;
+    return cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<8>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<8>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16>) != cudaSuccess;
 }

@@ -9,6 +9,19 @@ int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
 }
 void fr_cuht_free(ferry_ep_t ep) { (void)ep; }
+int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
+{
+    (void)ep;
+    (void)err;
+    *native = 0;
+    return FERRY_OK;
+}
+int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
+{
+    (void)ep;
+    (void)err;
+    return FERRY_OK;
+}
 int fr_cuht_sync(ferry_ep_t ep, void *stream) { (void)ep; (void)stream; return FERRY_OK; }
 int fr_cuht_check(ferry_ep_t ep) { (void)ep; return FERRY_OK; }
 int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route)

@@ -26,6 +26,7 @@
 #include <sched.h>
 
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
+#include "ep/hmem.h"
 #include "runtime/rt.h"
 
 static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
@@ -308,43 +309,17 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
 {
     int rc = FERRY_OK;
     const fr_layout_t *L = &ep->L;
-    const char *want = fr_cfg_str(FR_CFG_FABRIC_HMEM);
-    int on = strcmp(want, "on") == 0 || strcmp(want, "1") == 0;
-    int off = strcmp(want, "off") == 0 || strcmp(want, "0") == 0;
-    if (!on && !off && strcmp(want, "auto") != 0)
-        return FR_ERR(err, FERRY_ERR_INVALID, "FERRY_FABRIC_HMEM=%s: use auto, on or off",
-                      want);
     fr_tp_hmem_t h;
-    memset(&h, 0, sizeof(h));
-    const fr_transport_ops_t *tp = fr_transport_find("fabric");
     void *hp;
-    int order = 0; /* how NIC writes become visible (fr_cuda_gdr_order; 0: copies) */
-    if (!off && tp && tp->hmem_probe) {
-        tp->hmem_probe(c->device, NULL, 0, &h); /* which provider, and does it DMA */
-        if (!on && h.ok && h.copies) {
-            /* shm and tcp move GPU memory with cudaMemcpy in the proxy
-             * thread, on the legacy default stream: every call would need
-             * a non-blocking stream (docs/architecture.md), so auto stages */
-            h.ok = 0;
-            snprintf(h.why, sizeof(h.why), "provider %s offers FI_HMEM but moves GPU memory "
-                     "with CUDA copies on the legacy default stream (FERRY_FABRIC_HMEM=on "
-                     "takes it: calls then need streams created with cudaStreamNonBlocking)",
-                     h.prov);
-        }
-        if (h.ok && !h.copies && (order = fr_cuda_gdr_order(c->device)) < 0) {
-            /* a NIC writing GPU memory that the GPU neither orders for its
-             * kernels nor lets the host flush: a flag could be seen first */
-            h.ok = 0;
-            snprintf(h.why, sizeof(h.why), "provider %s writes GPU %d by DMA, but the GPU "
-                     "neither orders those writes for its kernels nor offers a host flush "
-                     "(cudaDevAttrGPUDirectRDMAWritesOrdering)", h.prov, c->device);
-        }
-    }
+    int want = 0, order = 0; /* how NIC writes become visible (fr_cuda_gdr_order; 0: copies) */
+    rc = fr_ep_hmem_policy(c->device, &want, &h, &order, err);
+    if (rc != FERRY_OK)
+        return rc;
+    int on = want > 0, off = want < 0;
     if (!off && h.ok) {
         /* the segment itself is registered on trial */
         FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
-        tp->hmem_probe(c->device, ep->seg, L->seg_bytes, &h);
-        if (!h.ok) {
+        if (!fr_ep_hmem_trial(c->device, ep->seg, L->seg_bytes, &h)) {
             cudaFree(ep->seg);
             ep->seg = NULL;
         }
@@ -363,9 +338,7 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
         /* before flags are published: a NIC's writes into GPU memory
          * flushed where the GPU does not order them itself; a copying
          * provider's cudaMemcpy calls waited for */
-        ep->rx_flush = h.copies ? FR_RX_FLUSH_COPIES
-                       : order > 0 ? FR_RX_FLUSH_GDR
-                                   : FR_RX_FLUSH_NONE;
+        ep->rx_flush = fr_ep_rx_flush_kind(&h, order);
         FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in GPU %d memory, "
                     "registered with FI_HMEM (%s)%s", c->device, h.why,
                     ep->rx_flush == FR_RX_FLUSH_GDR ? "; NIC writes flushed before each flag"
@@ -381,7 +354,8 @@ static int fr_cuda_fabric_mem(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err
     ep->send = (uint8_t *)hp;
     c->dev_flags = c->dev_seg;
     FR_LOG_INFO(FR_SUB_INIT, "fabric: receive segment and send region in pinned host memory "
-                "(FERRY_FABRIC_HMEM=%s%s%s)", want, off ? "" : ": ", off ? "" : h.why);
+                "(FERRY_FABRIC_HMEM=%s%s%s)", fr_cfg_str(FR_CFG_FABRIC_HMEM), off ? "" : ": ",
+                off ? "" : h.why);
 fail:
     return rc;
 }

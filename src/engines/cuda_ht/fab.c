@@ -1,0 +1,352 @@
+/*
+ * The CUDA high-throughput engine's fabric thread (protocol in fab.h and
+ * docs/architecture.md, "GPU ranks across nodes").
+ *
+ * Immediate (32 bits): kind << 29 | source rank << 25 | channel << 18 |
+ * value. Records: value = first slot << 9 | (count - 1), a run of slots
+ * that does not wrap; runs may land in any order, so the receiver marks
+ * slots and counts the ring's tail only over slots landed in order.
+ * Heads: value = how far the head moved (sums commute, so credits may
+ * land in any order). Notify: channel = the route number's parity, value
+ * = its low 18 bits (the receiver knows the number: each parity's
+ * advance by 2).
+ */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/log.h"
+#include "engines/cuda_ht/fab.h"
+#include "runtime/cuda_mem.h"
+#include "runtime/rt.h"
+
+enum { FR_FAB_DDATA = 1, FR_FAB_CDATA = 2, FR_FAB_DHEAD = 3, FR_FAB_CHEAD = 4,
+       FR_FAB_NOTIFY = 5 };
+#define FR_FAB_VAL_MAX 0x3ffffu
+
+static uint32_t fr_fab_imm(int kind, int src, int c, uint32_t val)
+{
+    return (uint32_t)kind << 29 | (uint32_t)src << 25 | (uint32_t)c << 18 | val;
+}
+
+static void fr_fab_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void fr_fab_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
+{
+    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ep->async_msg, sizeof(ep->async_msg), fmt, ap);
+    va_end(ap);
+    ep->async_peer = peer;
+    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
+    FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async_msg);
+}
+
+int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    size_t nf = (size_t)ep->nfabric, C = (size_t)f->G.C, RT = (size_t)f->G.RT;
+    f->nf = ep->nfabric;
+    f->gnic = calloc(nf, sizeof(int));
+    f->gpos = calloc(nf, sizeof(int));
+    uint64_t **t[] = {&f->posted, &f->cred, &f->tail, &f->head};
+    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+        *t[i] = calloc(2 * nf * C, sizeof(uint64_t));
+    f->landed = calloc(2 * nf * C * RT, 1);
+    f->nsent = calloc(2 * nf, sizeof(uint64_t));
+    f->nlast = calloc(2 * nf, sizeof(uint64_t));
+    if (!f->gnic || !f->gpos || !f->posted || !f->cred || !f->tail || !f->head ||
+        !f->landed || !f->nsent || !f->nlast)
+        return FERRY_ERR_NOMEM;
+    return FERRY_OK;
+}
+
+void fr_cuht_fab_free(fr_cuht_fab_t *f)
+{
+    free(f->gnic);
+    free(f->gpos);
+    free(f->posted);
+    free(f->cred);
+    free(f->tail);
+    free(f->head);
+    free(f->landed);
+    free(f->nsent);
+    free(f->nlast);
+}
+
+static uint64_t fr_fab_ld(const uint8_t *base, uint64_t off)
+{
+    return __atomic_load_n((const uint64_t *)(base + off), __ATOMIC_ACQUIRE);
+}
+
+static void fr_fab_st(uint8_t *base, uint64_t off, uint64_t v)
+{
+    __atomic_store_n((uint64_t *)(base + off), v, __ATOMIC_RELEASE);
+}
+
+/* One write from the outbox (send region) to fabric peer g's segment. */
+static int fr_fab_post(ferry_ep_t ep, fr_cuht_fab_t *f, int g, uint64_t src_off,
+                       uint64_t dst_off, uint64_t len, uint32_t imm)
+{
+    int k = f->gnic[g];
+    fr_slice_t sl = {.src_off = src_off, .dst_off = dst_off, .len = len, .imm = imm};
+    fr_err_t err = {{0}};
+    int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], f->gpos[g], &sl,
+                                     (uint64_t)g, &err);
+    if (rc != FERRY_OK) {
+        fr_fab_fail(ep, FERRY_ERR_FABRIC, ep->group_peers[g], "ht: write to rank %d: %s (%s)",
+                    ep->group_peers[g], err.msg, ferry_strerror(rc));
+        return rc;
+    }
+    f->pending++;
+    return FERRY_OK;
+}
+
+/* What the kernels stored for fabric peer g since the last pass, sent:
+ * new records of every ring (k, c), heads, notify entries. */
+static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
+{
+    const fr_cuht_geo_t *G = &f->G;
+    int C = G->C, me = G->rank, d = ep->group_peers[g], work = 0;
+    uint64_t RT = (uint64_t)G->RT;
+    const uint8_t *o = f->out + (size_t)g * G->hdr_bytes;
+    for (int k = 0; k < 2; k++) {
+        uint64_t rec = k ? G->crec : G->drec;
+        for (int c = 0; c < C; c++) {
+            size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)C + (size_t)c;
+            uint64_t t = fr_fab_ld(o, fr_cuht_geo_ctr(G, k ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, me));
+            if (t < f->posted[i] || t - f->head[i] > RT) {
+                fr_fab_fail(ep, FERRY_ERR_INTERNAL, d, "ht: ring (%d, %d) to rank %d: tail %llu "
+                            "after %llu posted, %llu taken", k, c, d, (unsigned long long)t,
+                            (unsigned long long)f->posted[i], (unsigned long long)f->head[i]);
+                return -1;
+            }
+            while (t > f->posted[i]) {
+                uint64_t slot = f->posted[i] % RT, n = t - f->posted[i];
+                n = n < RT - slot ? n : RT - slot;
+                uint64_t src = (uint64_t)g * G->ob_bytes + fr_cuht_geo_obring(G, k, c) + slot * rec;
+                uint64_t dst = fr_cuht_geo_ring(G, k, c, me) + slot * rec;
+                uint32_t v = (uint32_t)(slot << 9 | (n - 1));
+                if (fr_fab_post(ep, f, g, src, dst, n * rec,
+                                fr_fab_imm(k ? FR_FAB_CDATA : FR_FAB_DDATA, me, c, v)))
+                    return -1;
+                f->posted[i] += n;
+                work = 1;
+            }
+            uint64_t h = fr_fab_ld(o, fr_cuht_geo_ctr(G, k ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c, me));
+            if (h > f->cred[i]) {
+                uint64_t delta = h - f->cred[i];
+                if (delta > FR_FAB_VAL_MAX) {
+                    fr_fab_fail(ep, FERRY_ERR_INTERNAL, d, "ht: a head moved by %llu",
+                                (unsigned long long)delta);
+                    return -1;
+                }
+                if (fr_fab_post(ep, f, g, 0, 0, 0,
+                                fr_fab_imm(k ? FR_FAB_CHEAD : FR_FAB_DHEAD, me, c, (uint32_t)delta)))
+                    return -1;
+                f->cred[i] = h;
+                work = 1;
+            }
+        }
+    }
+    for (int par = 0; par < 2; par++) {
+        uint64_t id = fr_fab_ld(o, fr_cuht_geo_notify(G, par, me));
+        uint64_t *sent = &f->nsent[(size_t)g * 2 + (size_t)par];
+        if (id <= *sent)
+            continue;
+        uint64_t off = fr_cuht_geo_notify(G, par, me);
+        if (fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
+                        fr_fab_imm(FR_FAB_NOTIFY, me, par, (uint32_t)(id & FR_FAB_VAL_MAX))))
+            return -1;
+        *sent = id;
+        work = 1;
+    }
+    return work;
+}
+
+/* A run of records landed: mark its slots, count the tail over those in
+ * order. */
+static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int c, uint32_t v)
+{
+    const fr_cuht_geo_t *G = &f->G;
+    uint64_t RT = (uint64_t)G->RT, slot = v >> 9, n = (v & 511u) + 1;
+    size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
+    uint8_t *L = f->landed + i * RT;
+    if (slot + n > RT) {
+        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slots %llu..%llu of a ring "
+                    "of %llu", s, (unsigned long long)slot, (unsigned long long)(slot + n - 1),
+                    (unsigned long long)RT);
+        return -1;
+    }
+    for (uint64_t j = slot; j < slot + n; j++) {
+        if (L[j]) {
+            fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slot %llu of ring %d "
+                        "twice before it was taken", s, (unsigned long long)j, c);
+            return -1;
+        }
+        L[j] = 1;
+    }
+    uint64_t t0 = f->tail[i];
+    while (L[f->tail[i] % RT] && f->tail[i] - t0 < RT) {
+        L[f->tail[i] % RT] = 0;
+        f->tail[i]++;
+    }
+    if (f->tail[i] != t0)
+        fr_fab_st(f->in, fr_cuht_geo_ctr(G, k ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, s), f->tail[i]);
+    return 0;
+}
+
+/* An immediate that landed here (after the batch's flush). */
+static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
+{
+    const fr_cuht_geo_t *G = &f->G;
+    int kind = (int)(imm >> 29), s = (int)(imm >> 25 & 15u), c = (int)(imm >> 18 & 127u);
+    uint32_t v = imm & FR_FAB_VAL_MAX;
+    int g = s < ep->N ? ep->group_index[s] : -1;
+    if (g < 0 || kind < FR_FAB_DDATA || kind > FR_FAB_NOTIFY ||
+        (kind == FR_FAB_NOTIFY ? c > 1 : c >= G->C)) {
+        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: unexpected immediate 0x%08x (rank %d)",
+                    imm, s);
+        return -1;
+    }
+    if (kind == FR_FAB_DDATA || kind == FR_FAB_CDATA)
+        return fr_fab_land(ep, f, kind == FR_FAB_CDATA, g, s, c, v);
+    if (kind == FR_FAB_NOTIFY) {
+        uint64_t *last = &f->nlast[(size_t)g * 2 + (size_t)c];
+        uint64_t want = *last ? *last + 2 : (c ? 1 : 2);
+        if ((want & FR_FAB_VAL_MAX) != v) {
+            fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d sent the counts of route %u, "
+                        "this rank expects route %llu next (every rank creates the same routes "
+                        "in the same order)", s, v, (unsigned long long)want);
+            return -1;
+        }
+        *last = want;
+        fr_fab_st(f->in, fr_cuht_geo_notify(G, c, s), want);
+        return 0;
+    }
+    int k = kind == FR_FAB_CHEAD;
+    size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
+    f->head[i] += v;
+    if (f->head[i] > f->posted[i]) {
+        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d took %llu records of ring %d, "
+                    "%llu were sent", s, (unsigned long long)f->head[i], c,
+                    (unsigned long long)f->posted[i]);
+        return -1;
+    }
+    fr_fab_st(f->in, fr_cuht_geo_ctr(G, k ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c, s), f->head[i]);
+    return 0;
+}
+
+/* Completions of every NIC: own writes done, peers' writes landed (their
+ * bytes made visible to the GPU once per batch, before any word). */
+static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    fr_cqe_t cqe[64];
+    int n = 0, rx = 0;
+    fr_err_t err = {{0}};
+    for (int k = 0; k < ep->nics.n && n < 48; k++) {
+        int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
+        if (got < 0) {
+            fr_fab_fail(ep, got, -1, "ht: %s", err.msg);
+            return -1;
+        }
+        n += got;
+    }
+    for (int i = 0; i < n; i++)
+        rx |= cqe[i].kind == FR_CQE_RX;
+    if (rx && ep->rx_flush != FR_RX_FLUSH_NONE) {
+        int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
+        if ((gdr ? fr_cuda_gdr_flush(ep->fab_device) : fr_cuda_copies_wait(ep->fab_device))) {
+            fr_fab_fail(ep, FERRY_ERR_SYSTEM, -1, "ht: %s failed",
+                        gdr ? "flushing GPUDirect RDMA writes"
+                            : "waiting for the provider's copies into GPU memory");
+            return -1;
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR)
+            f->pending--;
+        if (cqe[i].kind == FR_CQE_RX) {
+            if (fr_fab_rx(ep, f, cqe[i].imm))
+                return -1;
+        } else if (cqe[i].kind != FR_CQE_TX) {
+            int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
+                                                                : FERRY_ERR_FABRIC;
+            int dead = fr_boot_blame(ep->comm->boot, st);
+            if (dead >= 0)
+                fr_fab_fail(ep, FERRY_ERR_PEER, dead, "ht: rank %d died", dead);
+            else if (cqe[i].kind == FR_CQE_ERR)
+                fr_fab_fail(ep, st, cqe[i].peer, "ht: a write to rank %d failed (%s)",
+                            cqe[i].peer, ferry_strerror(st));
+            else
+                fr_fab_fail(ep, FERRY_ERR_FABRIC, -1, "ht: a peer's write into this rank "
+                            "failed");
+            return -1;
+        }
+    }
+    return n > 0;
+}
+
+typedef struct fr_fab_arg {
+    ferry_ep_t ep;
+    fr_cuht_fab_t *f;
+} fr_fab_arg_t;
+
+static void *fr_fab_main(void *arg)
+{
+    ferry_ep_t ep = ((fr_fab_arg_t *)arg)->ep;
+    fr_cuht_fab_t *f = ((fr_fab_arg_t *)arg)->f;
+    free(arg);
+    fr_log_set_rank(ep->rank);
+    long idle_us = fr_proxy_idle_us(1);
+    uint64_t idle = 0;
+    int failed = 0;
+    while (!__atomic_load_n(&ep->proxy.stop, __ATOMIC_ACQUIRE)) {
+        int work = 0;
+        if (!failed) {
+            for (int g = 0; g < f->nf && !failed; g++) {
+                int w = fr_fab_scan_peer(ep, f, g);
+                failed = w < 0;
+                work |= w > 0;
+            }
+            int p = failed ? 0 : fr_fab_poll(ep, f);
+            failed |= p < 0;
+            work |= p > 0;
+        }
+        if (work) {
+            idle = 0;
+            continue;
+        }
+        fr_proxy_idle(&idle, idle_us);
+    }
+    return NULL;
+}
+
+int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    for (int k = 0; k < ep->nics.n; k++)
+        for (int i = 0; i < ep->groups.n[k]; i++) {
+            int g = ep->groups.idx[k][i];
+            if (g >= 0 && g < f->nf) {
+                f->gnic[g] = k;
+                f->gpos[g] = i;
+            }
+        }
+    fr_fab_arg_t *a = malloc(sizeof(*a));
+    if (!a)
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "fabric thread");
+    a->ep = ep;
+    a->f = f;
+    ep->proxy.stop = 0;
+    int e = pthread_create(&ep->proxy.thread, NULL, fr_fab_main, a);
+    if (e != 0) {
+        free(a);
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the fabric thread: %s", strerror(e));
+    }
+    ep->proxy.running = 1;
+    return FERRY_OK;
+}

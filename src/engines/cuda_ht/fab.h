@@ -1,0 +1,55 @@
+/*
+ * The CUDA high-throughput engine's fabric thread (fab.c): peers on the
+ * fabric path, with the rings in GPU memory registered with the provider
+ * (FI_HMEM). The kernels write a fabric peer's records into this rank's
+ * outbox and store their counters and route numbers into host-mapped
+ * words (geo.h); this thread forwards the records to the ring at the peer
+ * (one write with immediate per run of slots), the notify entries and
+ * the heads (zero-byte writes with immediate), and stores what lands here
+ * into the host-mapped words the kernels poll.
+ */
+#ifndef FR_CUHT_FAB_H
+#define FR_CUHT_FAB_H
+
+#include <stdint.h>
+
+#include "engines/cuda_ht/geo.h"
+#include "ep/ep.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Records per ring on this path: a write's immediate carries its first
+ * slot and its count in 9 bits each. */
+#define FR_CUHT_FAB_RT_MAX 512
+
+typedef struct fr_cuht_fab {
+    fr_cuht_geo_t G;
+    int nf;                /* fabric peers (ep->group_peers) */
+    uint8_t *out;          /* host view of the words stored for peer g: [nf][hdr_bytes] */
+    uint8_t *in;           /* host view of the words stored for this rank: [hdr_bytes] */
+    int *gnic, *gpos;      /* [nf] the peer's NIC and place in its group */
+    /* [2 kinds (dispatch, combine)][nf][C] */
+    uint64_t *posted;      /* records of this rank's ring at g posted */
+    uint64_t *cred;        /* heads of g's ring here sent back to g */
+    uint64_t *tail;        /* records of g's ring here landed, in order */
+    uint64_t *head;        /* heads g sent back for this rank's ring there */
+    uint8_t *landed;       /* [2][nf][C][RT] slots landed out of order */
+    uint64_t *nsent, *nlast; /* [nf][2 parities] route numbers sent, landed */
+    long pending;          /* writes posted, not completed */
+} fr_cuht_fab_t;
+
+/* The tables for ep's fabric peers (G filled by the caller, out and in
+ * set); FERRY_OK or FERRY_ERR_NOMEM. */
+int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f);
+void fr_cuht_fab_free(fr_cuht_fab_t *f);
+/* Start the thread (ep->proxy's thread, stop flag and running: stopped by
+ * fr_proxy_stop when the context is freed). */
+int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
