@@ -405,6 +405,27 @@ static void *obuf(size_t n, int want, int null0)
 /* ---------------------------------------------------------------------- */
 
 static int g_cuda; /* the EPs are CUDA contexts */
+/* FERRY_TEST_NB_STREAM=1 on CUDA contexts: every call on one stream made
+ * with cudaStreamNonBlocking (what a context needs when its fabric
+ * provider copies on the legacy default stream), else the legacy one */
+static void *nb_stream(void)
+{
+    static void *made;
+#ifdef FERRY_HAVE_CUDA
+    static int tried;
+    const char *e = getenv("FERRY_TEST_NB_STREAM");
+    if (!tried && g_cuda && e && strcmp(e, "1") == 0) {
+        cudaStream_t st;
+        if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) {
+            fprintf(stderr, "test_ht: FERRY_TEST_NB_STREAM=1: no stream\n");
+            exit(2);
+        }
+        made = st;
+    }
+    tried = 1;
+#endif
+    return made;
+}
 /* bounded routes (mode "bounded"): max_recv = num_recv + g_extra, outputs
  * of max_recv rows; -1: exact routes */
 static int g_extra = -1;
@@ -500,6 +521,8 @@ static int route_call(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *
     memcpy(h, in->topk_idx, n);
     memset((uint8_t *)h + n, POISON, GUARD);
     d.topk_idx = dcopy(h, n);
+    if (!d.stream)
+        d.stream = nb_stream();
     int rc = ferry_route_create(ep, &d, rt);
     dback(NULL, (void *)d.topk_idx, n);
     free(h);
@@ -702,7 +725,7 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         .size = opts & OPT_OLD    ? offsetof(ferry_ht_dispatch_in_t, stream)
                 : opts & OPT_OLD2 ? offsetof(ferry_ht_dispatch_in_t, x_scales_stride)
                                   : sizeof(in),
-        .x = x, .x_scales = xs, .topk_weights = tw};
+        .x = x, .x_scales = xs, .topk_weights = tw, .stream = nb_stream()};
     size_t xsn = (size_t)T * o->ns; /* floats of the x_scales passed */
     if ((opts & OPT_SCOL) && xs) { /* the same scales, column-major, padded */
         size_t ld = (size_t)T + 3;
@@ -864,7 +887,7 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         .size = opts & OPT_OLD    ? offsetof(ferry_ht_combine_in_t, stream)
                 : opts & OPT_OLD2 ? offsetof(ferry_ht_combine_in_t, bias)
                                   : sizeof(in),
-        .y = y, .topk_weights = gw};
+        .y = y, .topk_weights = gw, .stream = nb_stream()};
     ferry_ht_combine_out_t out = {.size = sizeof(out), .out = o->out,
                                   .topk_weights = o->w};
     uint16_t *bias[2] = {NULL, NULL};

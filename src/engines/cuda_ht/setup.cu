@@ -485,13 +485,13 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     if (*native) {
         ep->fab_device = dev;
         ep->rx_flush = fr_ep_rx_flush_kind(&h, order);
-        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: fabric peers served from GPU memory registered "
-                    "with FI_HMEM (%s)%s", h.why,
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: rings for fabric peers in GPU %d memory, "
+                    "registered with FI_HMEM (%s)%s", dev, h.why,
                     ep->rx_flush == FR_RX_FLUSH_COPIES
                         ? "; calls need streams created with cudaStreamNonBlocking" : "");
     } else {
-        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: fabric peers through host copies (the staged "
-                    "engine): %s", first_no == ep->rank ? h.why
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: fabric peers through the staged engine, in "
+                    "pinned host memory (%s)", first_no == ep->rank ? h.why
                                                       : "another rank cannot take GPU memory");
     }
     return FERRY_OK;
