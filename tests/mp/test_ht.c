@@ -513,8 +513,13 @@ static int route_call(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *
                       int max_tokens, int K)
 {
     if (!g_cuda || !in || !in->topk_idx || in->num_tokens < 0 ||
-        in->num_tokens > max_tokens)
-        return ferry_route_create(ep, in, rt);
+        in->num_tokens > max_tokens) {
+        if (!in || in->stream || !nb_stream() || in->size < sizeof(*in))
+            return ferry_route_create(ep, in, rt);
+        ferry_route_in_t s = *in;
+        s.stream = nb_stream();
+        return ferry_route_create(ep, &s, rt);
+    }
     ferry_route_in_t d = *in;
     size_t n = sizeof(int64_t) * (size_t)in->num_tokens * K;
     int64_t *h = malloc(n + GUARD);

@@ -24,7 +24,7 @@
 #include "runtime/rt.h"
 
 enum { FR_FAB_DDATA = 1, FR_FAB_CDATA = 2, FR_FAB_DHEAD = 3, FR_FAB_CHEAD = 4,
-       FR_FAB_NOTIFY = 5 };
+       FR_FAB_NOTIFY = 5, FR_FAB_HELLO = 6 };
 #define FR_FAB_VAL_MAX 0x3ffffu
 
 static uint32_t fr_fab_imm(int kind, int src, int c, uint32_t val)
@@ -76,6 +76,7 @@ void fr_cuht_fab_free(fr_cuht_fab_t *f)
     free(f->landed);
     free(f->nsent);
     free(f->nlast);
+    free(f->hello);
 }
 
 static uint64_t fr_fab_ld(const uint8_t *base, uint64_t off)
@@ -207,6 +208,10 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
     int kind = (int)(imm >> 29), s = (int)(imm >> 25 & 15u), c = (int)(imm >> 18 & 127u);
     uint32_t v = imm & FR_FAB_VAL_MAX;
     int g = s < ep->N ? ep->group_index[s] : -1;
+    if (kind == FR_FAB_HELLO && g >= 0 && f->hello) {
+        f->hello[g] = 1;
+        return 0;
+    }
     if (g < 0 || kind < FR_FAB_DDATA || kind > FR_FAB_NOTIFY ||
         (kind == FR_FAB_NOTIFY ? c > 1 : c >= G->C)) {
         fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: unexpected immediate 0x%08x (rank %d)",
@@ -349,4 +354,50 @@ int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f)
     }
     ep->proxy.running = 1;
     return FERRY_OK;
+}
+
+int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
+{
+    const fr_cuht_geo_t *G = &f->G;
+    int me = G->rank, got = 0, rc = FERRY_OK;
+    f->hello = calloc((size_t)f->nf, 1);
+    if (!f->hello)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric hello");
+    for (int k = 0; k < ep->nics.n; k++) /* fr_fab_post's tables */
+        for (int i = 0; i < ep->groups.n[k]; i++) {
+            int g = ep->groups.idx[k][i];
+            if (g >= 0 && g < f->nf) {
+                f->gnic[g] = k;
+                f->gpos[g] = i;
+            }
+        }
+    /* this rank's own notify entry [0][me] at each peer: still zero, as
+     * in the outbox, and nobody else writes it */
+    uint64_t off = fr_cuht_geo_notify(G, 0, me);
+    for (int g = 0; g < f->nf && rc == FERRY_OK; g++)
+        rc = fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
+                         fr_fab_imm(FR_FAB_HELLO, me, 0, 0));
+    uint64_t t0 = fr_now_ns(), lim = (uint64_t)ep->timeout_ms * 1000000ull, iter = 0;
+    while (rc == FERRY_OK && (got < f->nf || f->pending > 0)) {
+        if (fr_fab_poll(ep, f) < 0) {
+            rc = FR_ERR(err, __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE), "%s",
+                        ep->async_msg);
+            break;
+        }
+        got = 0;
+        for (int g = 0; g < f->nf; g++)
+            got += f->hello[g];
+        if (fr_now_ns() - t0 > lim) {
+            int who = -1;
+            for (int g = 0; g < f->nf && who < 0; g++)
+                if (!f->hello[g])
+                    who = ep->group_peers[g];
+            rc = who >= 0 ? FR_ERR(err, FERRY_ERR_TIMEOUT, "cuda_ht: no first write from rank %d "
+                                   "after %ld ms (FERRY_TIMEOUT_MS)", who, ep->timeout_ms)
+                          : FR_ERR(err, FERRY_ERR_TIMEOUT, "cuda_ht: %ld first writes not "
+                                   "completed after %ld ms", f->pending, ep->timeout_ms);
+        }
+        fr_backoff(&iter, ep->spin);
+    }
+    return rc;
 }

@@ -38,12 +38,19 @@ typedef struct fr_cuht_fab {
     uint8_t *landed;       /* [2][nf][C][RT] slots landed out of order */
     uint64_t *nsent, *nlast; /* [nf][2 parities] route numbers sent, landed */
     long pending;          /* writes posted, not completed */
+    uint8_t *hello;        /* [nf] the peer's first write landed (set-up) */
 } fr_cuht_fab_t;
 
 /* The tables for ep's fabric peers (G filled by the caller, out and in
  * set); FERRY_OK or FERRY_ERR_NOMEM. */
 int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f);
 void fr_cuht_fab_free(fr_cuht_fab_t *f);
+/* Set-up, on the calling thread: one write to every fabric peer and one
+ * from each, so that a provider's first-write work (shm: opening the
+ * peer's GPU memory through CUDA IPC, which can wait for a device
+ * synchronisation in another thread) happens before any kernel waits on
+ * it. Collective over the fabric peers, bounded by the timeout. */
+int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err);
 /* Start the thread (ep->proxy's thread, stop flag and running: stopped by
  * fr_proxy_stop when the context is freed). */
 int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f);

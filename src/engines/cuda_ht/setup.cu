@@ -512,7 +512,10 @@ extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
     c->fab.G = c->a.G;
     if (fr_cuht_fab_init(ep, &c->fab) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric thread tables");
-    int rc = fr_cuht_fab_start(ep, &c->fab);
+    int rc = fr_cuht_fab_hello(ep, &c->fab, err);
+    if (rc != FERRY_OK)
+        return rc;
+    rc = fr_cuht_fab_start(ep, &c->fab);
     if (rc != FERRY_OK)
         return FR_ERR(err, rc, "%s", ep->err.msg);
     FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: %d fabric peers, outboxes %llu B each", ep->nfabric,
