@@ -529,6 +529,12 @@ static int route_call(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t *
     if (!d.stream)
         d.stream = nb_stream();
     int rc = ferry_route_create(ep, &d, rt);
+    /* a bounded route's kernels may still run: freeing topk_idx
+     * (cudaFree synchronises the device) while they wait on a fabric
+     * provider's CUDA copies would hold those copies back
+     * (docs/architecture.md), so the stream is waited for first */
+    if (rc == FERRY_OK && d.stream && in->max_recv > 0)
+        rc = ferry_ep_sync(ep, d.stream);
     dback(NULL, (void *)d.topk_idx, n);
     free(h);
     return rc;
