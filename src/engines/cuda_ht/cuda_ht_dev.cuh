@@ -84,6 +84,8 @@ typedef struct fr_cuht_args {
                                      this rank writes or consumes */
     int *dflag;                   /* device copy of err[0]: what kernels poll */
     volatile int *err;            /* host-mapped [4] */
+    const volatile int *abort;    /* host-mapped, set by the fabric thread when
+                                     it failed (NULL: no such thread) */
     unsigned long long timeout_ns;
 } fr_cuht_args_t;
 
@@ -115,6 +117,12 @@ typedef struct fr_cuht_res {
     int ecnt[1];                  /* [El] */
 } fr_cuht_res_t;
 
+/* what the fabric thread's immediates carry (fab.c): source 4 bits,
+ * channel 7, slot and count 9 each */
+static_assert(FR_CUHT_MAX_RANKS <= 16 && FR_CUHT_MAX_CHANNELS <= 128 &&
+              FR_CUHT_RING_MAX <= FR_CUHT_FAB_RT_MAX && FR_CUHT_FAB_RT_MAX <= 512,
+              "fab.c's immediate fields");
+
 #define FR_CUHT_POOL 8
 #define FR_CUHT_AHEAD 8 /* combines queued ahead, at most, on the fabric path with copies */
 
@@ -136,16 +144,32 @@ struct fr_cuht_ep {
      * host-mapped words (device views; fab.out and fab.in the host's) */
     fr_cuht_fab_t fab;
     void *hm_out_dev, *hm_in_dev;
+    int *abort_host;              /* host view of a.abort */
     /* calls queued ahead, bounded where the fabric thread makes CUDA
      * calls (fr_cuht_ahead_wait) */
     cudaEvent_t ahead[FR_CUHT_AHEAD];
     unsigned long long ncomb;
+    /* exact routes' tables on that path: never cudaFree'd while the
+     * context lives (a free waits for the device, and so for kernels that
+     * wait on the thread's copies); a freed route's block is reused once
+     * the event recorded after its last call has passed */
+    struct fr_cuht_spare *spare;
+    int defer;
 };
+
+typedef struct fr_cuht_spare {
+    void *mem;
+    size_t bytes;
+    cudaEvent_t done;
+    struct fr_cuht_spare *next;
+} fr_cuht_spare_t;
 
 /* The engine's part of a route. */
 typedef struct fr_cuht_route {
     fr_cuht_rdev_t r;
     void *mem;                    /* one device allocation for its tables */
+    size_t mem_bytes;
+    cudaEvent_t done;             /* deferred frees: after its last call */
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
     int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */
     int slot;                     /* bounded: its place in the pool, else -1 */
@@ -250,7 +274,7 @@ static __device__ void fr_cuht_fail(const fr_cuht_args_t &A, int status, int ran
 
 static __device__ __forceinline__ bool fr_cuht_failed(const fr_cuht_args_t &A)
 {
-    return fr_cu_err_seen(A);
+    return fr_cu_err_seen(A) || (A.abort && *A.abort != 0);
 }
 
 /* One thread waits until the counter *w reaches `target` (counters only
@@ -302,6 +326,10 @@ void fr_cuht_ahead_free(struct fr_cuht_ep *c);
 extern "C" int fr_cuht_load_route(void);
 extern "C" int fr_cuht_load_stream(void);
 extern "C" int fr_cuht_load_dlayout(void);
+
+/* Deferred frees (fabric path with CUDA copies in the thread): mark the
+ * route's last use on `stream`. */
+void fr_cuht_route_used(ferry_route_t route, void *stream);
 
 /* Host: the last launch's error, then the kernels' error word. */
 int fr_cuht_launch_check(ferry_ep_t ep, const char *what);

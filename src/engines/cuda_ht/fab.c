@@ -32,10 +32,16 @@ static uint32_t fr_fab_imm(int kind, int src, int c, uint32_t val)
     return (uint32_t)kind << 29 | (uint32_t)src << 25 | (uint32_t)c << 18 | val;
 }
 
-static void fr_fab_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void fr_fab_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
+/* The context's asynchronous error (the next call reports it), and the
+ * kernels' abort word, so that none keeps waiting for data this thread
+ * will not deliver. */
+static void fr_fab_fail(ferry_ep_t ep, fr_cuht_fab_t *f, int code, int peer, const char *fmt,
+                        ...) __attribute__((format(printf, 5, 6)));
+static void fr_fab_fail(ferry_ep_t ep, fr_cuht_fab_t *f, int code, int peer, const char *fmt,
+                        ...)
 {
+    if (f->abort)
+        __atomic_store_n(f->abort, code ? code : FERRY_ERR_INTERNAL, __ATOMIC_RELEASE);
     if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
         return;
     va_list ap;
@@ -79,6 +85,19 @@ void fr_cuht_fab_free(fr_cuht_fab_t *f)
     free(f->hello);
 }
 
+/* Each fabric peer's NIC and place in that NIC's group. */
+static void fr_fab_where(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    for (int k = 0; k < ep->nics.n; k++)
+        for (int i = 0; i < ep->groups.n[k]; i++) {
+            int g = ep->groups.idx[k][i];
+            if (g >= 0 && g < f->nf) {
+                f->gnic[g] = k;
+                f->gpos[g] = i;
+            }
+        }
+}
+
 static uint64_t fr_fab_ld(const uint8_t *base, uint64_t off)
 {
     return __atomic_load_n((const uint64_t *)(base + off), __ATOMIC_ACQUIRE);
@@ -99,7 +118,7 @@ static int fr_fab_post(ferry_ep_t ep, fr_cuht_fab_t *f, int g, uint64_t src_off,
     int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], f->gpos[g], &sl,
                                      (uint64_t)g, &err);
     if (rc != FERRY_OK) {
-        fr_fab_fail(ep, FERRY_ERR_FABRIC, ep->group_peers[g], "ht: write to rank %d: %s (%s)",
+        fr_fab_fail(ep, f, FERRY_ERR_FABRIC, ep->group_peers[g], "ht: write to rank %d: %s (%s)",
                     ep->group_peers[g], err.msg, ferry_strerror(rc));
         return rc;
     }
@@ -121,8 +140,8 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
             size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)C + (size_t)c;
             uint64_t t = fr_fab_ld(o, fr_cuht_geo_ctr(G, k ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, me));
             if (t < f->posted[i] || t - f->head[i] > RT) {
-                fr_fab_fail(ep, FERRY_ERR_INTERNAL, d, "ht: ring (%d, %d) to rank %d: tail %llu "
-                            "after %llu posted, %llu taken", k, c, d, (unsigned long long)t,
+                fr_fab_fail(ep, f, FERRY_ERR_INTERNAL, d, "ht: %s ring %d to rank %d: tail %llu "
+                            "after %llu posted, %llu taken", k ? "combine" : "dispatch", c, d, (unsigned long long)t,
                             (unsigned long long)f->posted[i], (unsigned long long)f->head[i]);
                 return -1;
             }
@@ -142,8 +161,9 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
             if (h > f->cred[i]) {
                 uint64_t delta = h - f->cred[i];
                 if (delta > FR_FAB_VAL_MAX) {
-                    fr_fab_fail(ep, FERRY_ERR_INTERNAL, d, "ht: a head moved by %llu",
-                                (unsigned long long)delta);
+                    fr_fab_fail(ep, f, FERRY_ERR_INTERNAL, d, "ht: the head of rank %d's %s "
+                                "ring %d here moved by %llu at once", d, k ? "combine" : "dispatch",
+                                c, (unsigned long long)delta);
                     return -1;
                 }
                 if (fr_fab_post(ep, f, g, 0, 0, 0,
@@ -178,15 +198,16 @@ static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int
     size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
     uint8_t *L = f->landed + i * RT;
     if (slot + n > RT) {
-        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slots %llu..%llu of a ring "
+        fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slots %llu..%llu of a ring "
                     "of %llu", s, (unsigned long long)slot, (unsigned long long)(slot + n - 1),
                     (unsigned long long)RT);
         return -1;
     }
     for (uint64_t j = slot; j < slot + n; j++) {
         if (L[j]) {
-            fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slot %llu of ring %d "
-                        "twice before it was taken", s, (unsigned long long)j, c);
+            fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slot %llu of its %s "
+                        "ring %d here twice before it was taken", s, (unsigned long long)j,
+                        k ? "combine" : "dispatch", c);
             return -1;
         }
         L[j] = 1;
@@ -214,7 +235,7 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
     }
     if (g < 0 || kind < FR_FAB_DDATA || kind > FR_FAB_NOTIFY ||
         (kind == FR_FAB_NOTIFY ? c > 1 : c >= G->C)) {
-        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: unexpected immediate 0x%08x (rank %d)",
+        fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: unexpected immediate 0x%08x (rank %d)",
                     imm, s);
         return -1;
     }
@@ -224,7 +245,7 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
         uint64_t *last = &f->nlast[(size_t)g * 2 + (size_t)c];
         uint64_t want = *last ? *last + 2 : (c ? 1 : 2);
         if ((want & FR_FAB_VAL_MAX) != v) {
-            fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d sent the counts of route %u, "
+            fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d sent the counts of route %u, "
                         "this rank expects route %llu next (every rank creates the same routes "
                         "in the same order)", s, v, (unsigned long long)want);
             return -1;
@@ -237,8 +258,8 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
     size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
     f->head[i] += v;
     if (f->head[i] > f->posted[i]) {
-        fr_fab_fail(ep, FERRY_ERR_PROTOCOL, s, "ht: rank %d took %llu records of ring %d, "
-                    "%llu were sent", s, (unsigned long long)f->head[i], c,
+        fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d took %llu records of %s ring "
+                    "%d, %llu were sent", s, (unsigned long long)f->head[i], k ? "combine" : "dispatch", c,
                     (unsigned long long)f->posted[i]);
         return -1;
     }
@@ -256,7 +277,8 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
     for (int k = 0; k < ep->nics.n && n < 48; k++) {
         int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
         if (got < 0) {
-            fr_fab_fail(ep, got, -1, "ht: %s", err.msg);
+            fr_fab_fail(ep, f, got, -1, "ht: polling NIC %d (%s): %s", k,
+                        ep->nics.ops->iface(ep->nics.tp[k]), err.msg);
             return -1;
         }
         n += got;
@@ -266,7 +288,7 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
     if (rx && ep->rx_flush != FR_RX_FLUSH_NONE) {
         int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
         if ((gdr ? fr_cuda_gdr_flush(ep->fab_device) : fr_cuda_copies_wait(ep->fab_device))) {
-            fr_fab_fail(ep, FERRY_ERR_SYSTEM, -1, "ht: %s failed",
+            fr_fab_fail(ep, f, FERRY_ERR_SYSTEM, -1, "ht: %s failed",
                         gdr ? "flushing GPUDirect RDMA writes"
                             : "waiting for the provider's copies into GPU memory");
             return -1;
@@ -283,12 +305,14 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
                                                                 : FERRY_ERR_FABRIC;
             int dead = fr_boot_blame(ep->comm->boot, st);
             if (dead >= 0)
-                fr_fab_fail(ep, FERRY_ERR_PEER, dead, "ht: rank %d died", dead);
-            else if (cqe[i].kind == FR_CQE_ERR)
-                fr_fab_fail(ep, st, cqe[i].peer, "ht: a write to rank %d failed (%s)",
-                            cqe[i].peer, ferry_strerror(st));
+                fr_fab_fail(ep, f, FERRY_ERR_PEER, dead, "ht: rank %d died", dead);
+            else if (cqe[i].kind == FR_CQE_ERR) {
+                int to = cqe[i].ctx < (uint64_t)f->nf ? ep->group_peers[cqe[i].ctx] : cqe[i].peer;
+                fr_fab_fail(ep, f, st, to, "ht: a write to rank %d failed (%s)", to,
+                            ferry_strerror(st));
+            }
             else
-                fr_fab_fail(ep, FERRY_ERR_FABRIC, -1, "ht: a peer's write into this rank "
+                fr_fab_fail(ep, f, FERRY_ERR_FABRIC, -1, "ht: a peer's write into this rank "
                             "failed");
             return -1;
         }
@@ -326,6 +350,8 @@ static void *fr_fab_main(void *arg)
             idle = 0;
             continue;
         }
+        if (f->pending == 0 || failed)
+            __atomic_add_fetch(&f->quiet, 1, __ATOMIC_ACQ_REL);
         fr_proxy_idle(&idle, idle_us);
     }
     return NULL;
@@ -333,14 +359,7 @@ static void *fr_fab_main(void *arg)
 
 int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
-    for (int k = 0; k < ep->nics.n; k++)
-        for (int i = 0; i < ep->groups.n[k]; i++) {
-            int g = ep->groups.idx[k][i];
-            if (g >= 0 && g < f->nf) {
-                f->gnic[g] = k;
-                f->gpos[g] = i;
-            }
-        }
+    fr_fab_where(ep, f);
     fr_fab_arg_t *a = malloc(sizeof(*a));
     if (!a)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "fabric thread");
@@ -363,20 +382,15 @@ int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
     f->hello = calloc((size_t)f->nf, 1);
     if (!f->hello)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric hello");
-    for (int k = 0; k < ep->nics.n; k++) /* fr_fab_post's tables */
-        for (int i = 0; i < ep->groups.n[k]; i++) {
-            int g = ep->groups.idx[k][i];
-            if (g >= 0 && g < f->nf) {
-                f->gnic[g] = k;
-                f->gpos[g] = i;
-            }
-        }
+    fr_fab_where(ep, f);
     /* this rank's own notify entry [0][me] at each peer: still zero, as
      * in the outbox, and nobody else writes it */
     uint64_t off = fr_cuht_geo_notify(G, 0, me);
     for (int g = 0; g < f->nf && rc == FERRY_OK; g++)
         rc = fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
                          fr_fab_imm(FR_FAB_HELLO, me, 0, 0));
+    if (rc != FERRY_OK)
+        return FR_ERR(err, rc, "%s", ep->async_msg);
     uint64_t t0 = fr_now_ns(), lim = (uint64_t)ep->timeout_ms * 1000000ull, iter = 0;
     while (rc == FERRY_OK && (got < f->nf || f->pending > 0)) {
         if (fr_fab_poll(ep, f) < 0) {
@@ -400,4 +414,20 @@ int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
         fr_backoff(&iter, ep->spin);
     }
     return rc;
+}
+
+int fr_cuht_fab_quiesce(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    if (!ep->proxy.running)
+        return FERRY_OK;
+    /* two quiet passes: the second began after this call did */
+    unsigned long q0 = __atomic_load_n(&f->quiet, __ATOMIC_ACQUIRE);
+    uint64_t t0 = fr_now_ns(), lim = (uint64_t)ep->timeout_ms * 1000000ull, iter = 0;
+    while (__atomic_load_n(&f->quiet, __ATOMIC_ACQUIRE) < q0 + 2) {
+        if (fr_now_ns() - t0 > lim)
+            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "ht: %ld fabric writes not completed "
+                              "after %ld ms", f->pending, ep->timeout_ms);
+        fr_backoff(&iter, ep->spin);
+    }
+    return FERRY_OK;
 }

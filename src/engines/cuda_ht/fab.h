@@ -39,6 +39,9 @@ typedef struct fr_cuht_fab {
     uint64_t *nsent, *nlast; /* [nf][2 parities] route numbers sent, landed */
     long pending;          /* writes posted, not completed */
     uint8_t *hello;        /* [nf] the peer's first write landed (set-up) */
+    int *abort;            /* host-mapped word the kernels poll: set on failure */
+    unsigned long quiet;   /* atomic: passes that found nothing to send and no
+                              write in flight */
 } fr_cuht_fab_t;
 
 /* The tables for ep's fabric peers (G filled by the caller, out and in
@@ -51,6 +54,10 @@ void fr_cuht_fab_free(fr_cuht_fab_t *f);
  * synchronisation in another thread) happens before any kernel waits on
  * it. Collective over the fabric peers, bounded by the timeout. */
 int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err);
+/* Wait (bounded by the timeout) until the thread has made a pass with
+ * nothing to send and no write in flight, after the device finished
+ * (before a context's last barrier: no head goes out after it). */
+int fr_cuht_fab_quiesce(ferry_ep_t ep, fr_cuht_fab_t *f);
 /* Start the thread (ep->proxy's thread, stop flag and running: stopped by
  * fr_proxy_stop when the context is freed). */
 int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f);

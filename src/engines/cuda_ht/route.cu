@@ -298,6 +298,20 @@ extern "C" void fr_cuht_route_free(ferry_route_t route)
          * when a graph replays into them */
         if (!p->captured)
             fr_cuht(route->ep)->pool_used[p->slot] = 0;
+    } else if (p && fr_cuht(route->ep)->defer) {
+        /* kept for a later route (cuda_ht_dev.cuh: no cudaFree here) */
+        struct fr_cuht_ep *c = fr_cuht(route->ep);
+        fr_cuht_spare_t *sp = (fr_cuht_spare_t *)calloc(1, sizeof(*sp));
+        if (sp && p->mem) {
+            sp->mem = p->mem;
+            sp->bytes = p->mem_bytes;
+            sp->done = p->done;
+            sp->next = c->spare;
+            c->spare = sp;
+        } else {
+            free(sp); /* out of host memory: the block is lost until exit */
+        }
+        free(p);
     } else if (p) {
         /* kernels of this route may still be queued: wait for the GPU */
         cudaDeviceSynchronize();
@@ -317,6 +331,8 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
                              int32_t **dcnt)
 {
     const fr_cuht_geo_t *G = &fr_cuht(ep)->a.G;
+    if (fr_cuht(ep)->defer) /* every block of one size, so that any is reused */
+        T = G->T;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
     size_t sz[] = {4 * t * K, 4 * t, 4 * t * N, 4 * N * C, 4 * N * (size_t)G->El,
                    4 * N * C, 4 * N * C, 16, 4 * N * t, 16};
@@ -325,8 +341,32 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
         off[i] = tot;
         tot += (sz[i] + 255) & ~(size_t)255;
     }
-    cudaError_t e = cudaMalloc(&p->mem, tot);
-    if (e != cudaSuccess) {
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    cudaError_t e = cudaSuccess;
+    p->mem = NULL;
+    if (c->defer) {
+        /* a spare block whose last call has run (all are sized for
+         * max_tokens), else a new one with its event */
+        for (fr_cuht_spare_t **q = &c->spare; *q; q = &(*q)->next) {
+            fr_cuht_spare_t *sp = *q;
+            if (sp->bytes >= tot && cudaEventQuery(sp->done) == cudaSuccess) {
+                p->mem = sp->mem;
+                p->mem_bytes = sp->bytes;
+                p->done = sp->done;
+                *q = sp->next;
+                free(sp);
+                break;
+            }
+        }
+        (void)cudaGetLastError(); /* a query's cudaErrorNotReady */
+        if (!p->mem && (e = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming)) ==
+                           cudaSuccess)
+            e = cudaMalloc(&p->mem, tot);
+        p->mem_bytes = tot;
+    } else {
+        e = cudaMalloc(&p->mem, tot);
+    }
+    if (!p->mem || e != cudaSuccess) {
         p->mem = NULL;
         (void)cudaGetLastError();
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables: cudaMalloc of %zu bytes: %s",
@@ -472,6 +512,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                                                     (int32_t *)p->r.rcnt,
                                                     (int32_t *)p->r.rbase, o);
         rc = fr_cuht_launch_check(ep, "route_create");
+        fr_cuht_route_used(route, st);
     }
     if (rc == FERRY_OK && bounded)
         return FERRY_OK; /* counts, bound and topk_idx are checked on the GPU */
@@ -523,4 +564,11 @@ extern "C" int fr_cuht_load_route(void)
     return cudaFuncGetAttributes(&fa, fr_cuht_layout) != cudaSuccess ||
            cudaFuncGetAttributes(&fa, fr_cuht_notify) != cudaSuccess ||
            cudaFuncGetAttributes(&fa, fr_cuht_pad) != cudaSuccess;
+}
+
+void fr_cuht_route_used(ferry_route_t route, void *stream)
+{
+    fr_cuht_route_t *p = (fr_cuht_route_t *)route->priv;
+    if (p && p->slot < 0 && p->done)
+        cudaEventRecord(p->done, (cudaStream_t)stream);
 }

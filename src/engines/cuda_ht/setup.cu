@@ -111,6 +111,18 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
     rc = fr_cuht_pool_init(ep);
     if (rc != FERRY_OK)
         rc = FR_ERR(err, rc, "%s", ep->err.msg);
+    /* the fabric thread makes CUDA calls: no cudaFree of route tables
+     * while the context lives (cuda_ht_dev.cuh) */
+    c->defer = ep->nfabric > 0 && ep->rx_flush != FR_RX_FLUSH_NONE;
+    if (rc == FERRY_OK && ep->nfabric > 0) { /* the thread's abort word */
+        void *h, *d;
+        rc = fr_cuda_host_alloc(sizeof(int), &h, &d, err);
+        if (rc == FERRY_OK) {
+            c->abort_host = (int *)h;
+            c->a.abort = (const volatile int *)d;
+            c->fab.abort = (int *)h;
+        }
+    }
 fail:
     return rc;
 }
@@ -332,6 +344,15 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
         fr_cuda_host_free(c->fab.in);
     fr_cuht_fab_free(&c->fab);
     fr_cuht_ahead_free(c);
+    while (c->spare) { /* after the device synchronisation above */
+        fr_cuht_spare_t *sp = c->spare;
+        c->spare = sp->next;
+        cudaFree(sp->mem);
+        cudaEventDestroy(sp->done);
+        free(sp);
+    }
+    if (c->abort_host)
+        fr_cuda_host_free(c->abort_host);
     if (c->dmem)
         cudaFree(c->dmem);
     if (c->err_host)
@@ -361,8 +382,17 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
         return FERRY_OK;
     volatile int *e = (volatile int *)c->err_host;
     int st = e[0];
-    if (st == 0)
-        return FERRY_OK;
+    if (st == 0) {
+        /* the fabric thread's failure, when no kernel reported one */
+        int ast = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+        if (ast == FERRY_OK || !c->abort_host)
+            return FERRY_OK;
+        int dead = fr_boot_blame(ep->comm->boot, ast);
+        if (dead >= 0)
+            return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)", dead,
+                              ep->async_msg);
+        return fr_ep_fail(ep, ast, "%s", ep->async_msg);
+    }
     int rank = e[1], what = e[2], detail = e[3];
     const char *call = fr_cuht_what(what);
     switch (what) {
@@ -416,7 +446,12 @@ extern "C" int fr_cuht_sync(ferry_ep_t ep, void *stream)
     if (e != cudaSuccess)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "cudaStreamSynchronize: %s",
                           cudaGetErrorString(e));
-    return fr_cuht_check(ep);
+    int rc = fr_cuht_check(ep);
+    /* the device is done: the fabric thread's last heads out too (the
+     * context's destroy syncs this way before its last barrier) */
+    if (rc == FERRY_OK && !stream && ep->nfabric > 0 && fr_cuht(ep))
+        rc = fr_cuht_fab_quiesce(ep, &fr_cuht(ep)->fab);
+    return rc;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -432,10 +467,11 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     fr_nat_t mine = {FERRY_OK, 0}, *all = (fr_nat_t *)calloc((size_t)ep->N, sizeof(fr_nat_t));
     fr_tp_hmem_t h;
     int dev = 0, want = 0, order = 0;
+    memset(&h, 0, sizeof(h));
     *native = 0;
     if (!all)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric table");
-    if (cudaGetDevice(&dev) != cudaSuccess) {
+        mine.status = FR_ERR(err, FERRY_ERR_NOMEM, "fabric table");
+    else if (cudaGetDevice(&dev) != cudaSuccess) {
         (void)cudaGetLastError();
         mine.status = FR_ERR(err, FERRY_ERR_SYSTEM, "cudaGetDevice failed");
     } else {
@@ -457,6 +493,19 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
         snprintf(h.why, sizeof(h.why), "ring_tokens = %d (at most %d on this path)",
                  ep->cfg.ring_tokens, FR_CUHT_FAB_RT_MAX);
     }
+    /* what this engine refuses and the staged engine takes */
+    if (mine.status == FERRY_OK && h.ok && ep->N > FR_CUHT_MAX_RANKS) {
+        h.ok = 0;
+        snprintf(h.why, sizeof(h.why), "%d ranks (this engine takes at most %d)", ep->N,
+                 FR_CUHT_MAX_RANKS);
+    }
+    if (mine.status == FERRY_OK && h.ok && ep->cfg.num_experts > 32767) {
+        h.ok = 0;
+        snprintf(h.why, sizeof(h.why), "num_experts = %d (this engine takes at most 32767)",
+                 ep->cfg.num_experts);
+    }
+    if (!all) /* 8 bytes a rank: the peers learn of it when this rank goes */
+        return mine.status;
     mine.ok = mine.status == FERRY_OK && h.ok;
     fr_err_t e2 = {{0}};
     int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), &e2);
@@ -465,12 +514,11 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
         return FR_ERR(err, rc, "%s", e2.msg);
     }
     rc = mine.status;
-    int nok = 0, first_no = -1;
+    int first_no = -1;
     for (int i = 0; i < ep->N && rc == FERRY_OK; i++) {
         if (all[i].status != FERRY_OK)
             rc = FR_ERR(err, all[i].status, "rank %d cannot choose where its fabric regions "
                         "live (%s)", i, ferry_strerror(all[i].status));
-        nok += all[i].ok;
         if (!all[i].ok && first_no < 0)
             first_no = i;
     }
@@ -539,11 +587,13 @@ int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call)
         if (r != cudaErrorNotReady)
             return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: cudaEventQuery: %s", call,
                               cudaGetErrorString(r));
-        if (fr_now_ns() - t0 > lim) /* past every kernel wait: theirs names the rank */
-            return fr_cuht_check(ep) != FERRY_OK ? ep->failed
+        if (fr_now_ns() - t0 > lim) { /* past every kernel wait: theirs names the rank */
+            int rc = fr_cuht_check(ep);
+            return rc != FERRY_OK ? rc
                    : fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "%s: the calls queued before did not "
                                 "finish within %lld ms", call,
                                 (long long)(lim / 1000000ull));
+        }
         fr_backoff(&iter, ep->spin);
     }
 }

@@ -696,6 +696,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     else
         fr_cuht_dispatch_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_pad_rows(route, out, in->stream);
+    fr_cuht_route_used(route, in->stream);
     return fr_cuht_launch_check(ep, call);
 }
 
@@ -729,6 +730,7 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     else
         fr_cuht_combine_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_ahead_mark(ep, in->stream);
+    fr_cuht_route_used(route, in->stream);
     return fr_cuht_launch_check(ep, call);
 }
 
