@@ -21,12 +21,20 @@ static char fr_vd_dir[256];
 static inline int fr_vd_init(const char *tag)
 {
     int outside = getenv("FERRY_RANK") != NULL;
-    if (outside && getenv("FERRY_TEST_DIR"))
+    if (outside && getenv("FERRY_TEST_DIR")) {
         snprintf(fr_vd_dir, sizeof(fr_vd_dir), "%s", getenv("FERRY_TEST_DIR"));
-    else
-        snprintf(fr_vd_dir, sizeof(fr_vd_dir), "/tmp/ferry-test-%s-%d", tag,
-                 (int)getpid());
-    mkdir(fr_vd_dir, 0700);
+        mkdir(fr_vd_dir, 0700);
+        return outside;
+    }
+    /* a new folder: one named by the pid alone may be left over from a
+     * process of the same pid, with its ranks' verdicts in it (a victim's
+     * stale "ok" failed a kill test) */
+    snprintf(fr_vd_dir, sizeof(fr_vd_dir), "/tmp/ferry-test-%s-%d-XXXXXX", tag,
+             (int)getpid());
+    if (!mkdtemp(fr_vd_dir)) {
+        snprintf(fr_vd_dir, sizeof(fr_vd_dir), "/tmp/ferry-test-%s-%d", tag, (int)getpid());
+        mkdir(fr_vd_dir, 0700);
+    }
     return outside;
 }
 
