@@ -175,6 +175,11 @@ int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err);
 /* Unmap the peers' and the own segment, unlink its name if still there. */
 void fr_ep_segments_close(ferry_ep_t ep);
 
+/* The EP's asynchronous error (a proxy or fabric thread's), kept when one
+ * is already set; the next call reports it. Logged at WARN. */
+void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -230,3 +230,16 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
     }
 }
 
+
+void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
+{
+    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ep->async_msg, sizeof(ep->async_msg), fmt, ap);
+    va_end(ap);
+    ep->async_peer = peer;
+    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
+    FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async_msg);
+}

@@ -40,12 +40,7 @@
 static void fr_proxy_async_fail(ferry_ep_t ep, int code, int peer,
                                 const char *msg)
 {
-    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
-        return;
-    ep->async_peer = peer;
-    snprintf(ep->async_msg, sizeof(ep->async_msg), "%s", msg);
-    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
-    FR_LOG_WARN(FR_SUB_PROXY, "%s", msg);
+    fr_ep_async_fail(ep, code, peer, "%s", msg);
 }
 
 static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)

@@ -42,15 +42,12 @@ static void fr_fab_fail(ferry_ep_t ep, fr_cuht_fab_t *f, int code, int peer, con
 {
     if (f->abort)
         __atomic_store_n(f->abort, code ? code : FERRY_ERR_INTERNAL, __ATOMIC_RELEASE);
-    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
-        return;
+    char msg[FR_ERRMSG_LEN];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ep->async_msg, sizeof(ep->async_msg), fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    ep->async_peer = peer;
-    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
-    FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async_msg);
+    fr_ep_async_fail(ep, code, peer, "%s", msg);
 }
 
 int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
