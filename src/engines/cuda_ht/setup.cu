@@ -463,8 +463,8 @@ extern "C" int fr_cuht_sync(ferry_ep_t ep, void *stream)
  * staged engine does, whose protocol differs, so no rank may choose alone. */
 extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
 {
-    typedef struct { int status, ok; } fr_nat_t;
-    fr_nat_t mine = {FERRY_OK, 0}, *all = (fr_nat_t *)calloc((size_t)ep->N, sizeof(fr_nat_t));
+    typedef struct { int status, ok, on; } fr_nat_t;
+    fr_nat_t mine = {FERRY_OK, 0, 0}, *all = (fr_nat_t *)calloc((size_t)ep->N, sizeof(fr_nat_t));
     fr_tp_hmem_t h;
     int dev = 0, want = 0, order = 0;
     memset(&h, 0, sizeof(h));
@@ -507,6 +507,7 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     if (!all) /* 8 bytes a rank: the peers learn of it when this rank goes */
         return mine.status;
     mine.ok = mine.status == FERRY_OK && h.ok;
+    mine.on = want > 0;
     fr_err_t e2 = {{0}};
     int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), &e2);
     if (rc != FERRY_OK) {
@@ -514,14 +515,23 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
         return FR_ERR(err, rc, "%s", e2.msg);
     }
     rc = mine.status;
-    int first_no = -1;
+    int first_no = -1, first_on = -1;
     for (int i = 0; i < ep->N && rc == FERRY_OK; i++) {
         if (all[i].status != FERRY_OK)
             rc = FR_ERR(err, all[i].status, "rank %d cannot choose where its fabric regions "
                         "live (%s)", i, ferry_strerror(all[i].status));
         if (!all[i].ok && first_no < 0)
             first_no = i;
+        if (all[i].on && first_on < 0)
+            first_on = i;
     }
+    /* one rank's FERRY_FABRIC_HMEM=on fails every rank alike, not only it
+     * (the others would wait in the staged engine's set-up for it) */
+    if (rc == FERRY_OK && first_on >= 0 && first_no >= 0 && want <= 0)
+        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                    "rank %d sets FERRY_FABRIC_HMEM=on, but rank %d cannot take GPU memory on "
+                    "the fabric (%s)", first_on, first_no,
+                    first_no == ep->rank ? h.why : "its log says why");
     free(all);
     if (rc != FERRY_OK)
         return rc;
