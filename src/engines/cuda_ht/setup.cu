@@ -556,9 +556,10 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
 }
 
 /* The NICs are up: the kernels loaded now, then the thread. */
-extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
+/* What fabric_up needs before the hello: the kernels loaded, the events,
+ * the thread's tables. */
+static int fr_cuht_fabric_prep(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
 {
-    struct fr_cuht_ep *c = fr_cuht(ep);
     if (fr_cuht_load_route() || fr_cuht_load_stream() || fr_cuht_load_dlayout())
         return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the kernels: %s",
                       cudaGetErrorString(cudaGetLastError()));
@@ -570,7 +571,30 @@ extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
     c->fab.G = c->a.G;
     if (fr_cuht_fab_init(ep, &c->fab) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric thread tables");
-    int rc = fr_cuht_fab_hello(ep, &c->fab, err);
+    return FERRY_OK;
+}
+
+extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    /* every rank's status first, so that one that failed here fails every
+     * rank at once instead of leaving them to wait for its hello */
+    int mine = fr_cuht_fabric_prep(ep, c, err), *all = (int *)calloc((size_t)ep->N, sizeof(int));
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "fabric status table");
+    fr_err_t e2 = {{0}};
+    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(int), &e2);
+    if (rc != FERRY_OK)
+        rc = FR_ERR(err, rc, "%s", e2.msg);
+    else if (mine != FERRY_OK)
+        rc = mine; /* err says why */
+    for (int i = 0; i < ep->N && rc == FERRY_OK; i++)
+        if (all[i] != FERRY_OK)
+            rc = FR_ERR(err, all[i], "rank %d failed to set up its fabric thread (%s)", i,
+                        ferry_strerror(all[i]));
+    free(all);
+    if (rc == FERRY_OK)
+        rc = fr_cuht_fab_hello(ep, &c->fab, err);
     if (rc != FERRY_OK)
         return rc;
     rc = fr_cuht_fab_start(ep, &c->fab);
