@@ -7,7 +7,13 @@
  * stores tails, heads and route numbers into the host-mapped words, and
  * reads what the threads deliver, in both directions (dispatch rings
  * 0 -> 1, combine rings 1 -> 0), across many ring wraps, with notify
- * entries of six routes. Usage: test_htfab [seed] */
+ * entries of six routes. With a fault, the transport misbehaves once
+ * records flow and the receiving thread must fail the context with a
+ * protocol error naming the sender, and set the kernels' abort word:
+ *   badimm  an immediate of no kind reaches rank 1
+ *   dup     a run of records lands twice at rank 1
+ *   credit  rank 0 gets back credits for records it never sent
+ * Usage: test_htfab [seed [badimm|dup|credit]] */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,7 +44,11 @@ static struct {
     uint64_t rng;
     uint8_t *seg[NR], *send[NR];
     long landed, posted;
+    int fault;   /* 0 none, 1 badimm, 2 dup, 3 credit: armed once landed > 50 */
+    int faulted;
 } W = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+enum { F_NONE, F_BADIMM, F_DUP, F_CREDIT };
 
 typedef struct fake_tp {
     int rank;
@@ -92,8 +102,23 @@ static int fake_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
         W.q[i] = W.q[--W.nq];
         memcpy(w.dst, w.src, w.len);
         W.cq[r][W.ncq[r]++] = (fr_cqe_t){.kind = FR_CQE_RX, .imm = w.imm, .peer = -1};
+        int data = (w.imm >> 29) == 1 || (w.imm >> 29) == 2;
+        if (!W.faulted && W.landed > 50 && r == 1 && W.fault == F_DUP && data) {
+            W.cq[r][W.ncq[r]++] = (fr_cqe_t){.kind = FR_CQE_RX, .imm = w.imm, .peer = -1};
+            W.faulted = 1;
+        }
         W.cq[w.from][W.ncq[w.from]++] = (fr_cqe_t){.kind = FR_CQE_TX, .ctx = w.ctx, .peer = w.to};
         W.landed++;
+    }
+    if (!W.faulted && W.landed > 50 && W.fault == F_BADIMM && r == 1) {
+        W.cq[r][W.ncq[r]++] = (fr_cqe_t){.kind = FR_CQE_RX, .imm = 7u << 29, .peer = -1};
+        W.faulted = 1;
+    }
+    if (!W.faulted && W.landed > 50 && W.fault == F_CREDIT && r == 0) {
+        /* a dispatch head of rank 1 for channel 0, 300 records on */
+        uint32_t imm = 3u << 29 | 1u << 25 | 0u << 18 | 300u;
+        W.cq[r][W.ncq[r]++] = (fr_cqe_t){.kind = FR_CQE_RX, .imm = imm, .peer = -1};
+        W.faulted = 1;
     }
     while (n < max && W.ncq[r] > 0) {
         int i = (int)(rnd() % (uint64_t)W.ncq[r]);
@@ -161,6 +186,15 @@ static int pat_ok(const uint8_t *rec, int k, int c, uint64_t i)
 int main(int argc, char **argv)
 {
     W.rng = argc > 1 ? strtoull(argv[1], NULL, 0) | 1 : 0x9e3779b97f4a7c15ull;
+    const char *fname = argc > 2 ? argv[2] : "none";
+    W.fault = !strcmp(fname, "badimm") ? F_BADIMM : !strcmp(fname, "dup") ? F_DUP
+              : !strcmp(fname, "credit") ? F_CREDIT : F_NONE;
+    if (W.fault == F_NONE && strcmp(fname, "none") != 0) {
+        fprintf(stderr, "test_htfab: fault %s: use badimm, dup or credit\n", fname);
+        return 2;
+    }
+    int victim = W.fault == F_CREDIT ? 0 : 1; /* the rank whose thread must fail */
+    int abortw[NR] = {0, 0};
     struct ferry_ep *ep[NR];
     fr_cuht_fab_t fab[NR];
     int path[NR][NR], gidx[NR][NR], gpeer[NR], idx0 = 0;
@@ -194,6 +228,7 @@ int main(int argc, char **argv)
         e->nics.tp[0] = (fr_transport_t *)&tps[r];
         e->groups.n[0] = 1;
         e->groups.idx[0] = &idx0;
+        fab[r].abort = &abortw[r];
         CHECK_RC(fr_cuht_fab_init(e, &fab[r]), FERRY_OK);
         CHECK_RC(fr_cuht_fab_start(e, &fab[r]), FERRY_OK);
     }
@@ -203,7 +238,8 @@ int main(int argc, char **argv)
     int bad = 0, notified = 0;
     uint64_t t0 = fr_now_ns();
     int done = 0;
-    while (!done && fr_now_ns() - t0 < 20000000000ull && !bad) {
+    while (!done && fr_now_ns() - t0 < 20000000000ull && !bad &&
+           !(W.fault && __atomic_load_n(&abortw[victim], __ATOMIC_ACQUIRE))) {
         done = 1;
         for (int k = 0; k < 2; k++) {
             int src = k ? 1 : 0, dst = 1 - src;
@@ -273,10 +309,30 @@ int main(int argc, char **argv)
     for (int r = 0; r < NR; r++) {
         __atomic_store_n(&ep[r]->proxy.stop, 1, __ATOMIC_RELEASE);
         pthread_join(ep[r]->proxy.thread, NULL);
-        CHECK(ep[r]->async_status == FERRY_OK, "rank %d: the thread failed: %s", r,
-              ep[r]->async_msg);
+        if (W.fault == F_NONE || r != victim)
+            CHECK(ep[r]->async_status == FERRY_OK, "rank %d: the thread failed: %s", r,
+                  ep[r]->async_msg);
     }
     CHECK(bad == 0, "%d wrong records or words", bad);
+    if (W.fault != F_NONE) {
+        const char *want = W.fault == F_BADIMM ? "unexpected immediate"
+                           : W.fault == F_DUP  ? "twice before it was taken"
+                                               : "were sent";
+        struct ferry_ep *e = ep[victim];
+        CHECK(W.faulted, "the fault was never injected");
+        CHECK(e->async_status == FERRY_ERR_PROTOCOL, "rank %d: status %d (%s), want a protocol "
+              "error", victim, e->async_status, e->async_msg);
+        /* a repeated run is caught as marked twice, or, once the tail
+         * passed its slots, as out of turn */
+        int named = strstr(e->async_msg, want) != NULL ||
+                    (W.fault == F_DUP && strstr(e->async_msg, "out of turn") != NULL);
+        CHECK(named, "rank %d: message '%s', want '%s'", victim, e->async_msg, want);
+        CHECK(W.fault == F_BADIMM || e->async_peer == 1 - victim, "rank %d: blames rank %d, "
+              "want %d", victim, e->async_peer, 1 - victim);
+        CHECK(abortw[victim] != 0, "rank %d: the kernels' abort word was not set", victim);
+        printf("htfab %s: rank %d failed as it should: %s\n", fname, victim, e->async_msg);
+        done = 1; /* the flow stopped at the fault */
+    }
     CHECK(done, "not everything arrived within 20 s (records %llu/%llu/%llu of %d, routes %d "
           "of %d)", (unsigned long long)taken[0][0], (unsigned long long)taken[1][0],
           (unsigned long long)taken[1][C - 1], M, notified, NOTIFY_ROUTES);

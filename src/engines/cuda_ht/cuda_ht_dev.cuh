@@ -118,9 +118,9 @@ typedef struct fr_cuht_res {
 } fr_cuht_res_t;
 
 /* what the fabric thread's immediates carry (fab.c): source 4 bits,
- * channel 7, slot and count 9 each */
+ * channel 7, lap 1, slot and count 8 each */
 static_assert(FR_CUHT_MAX_RANKS <= 16 && FR_CUHT_MAX_CHANNELS <= 128 &&
-              FR_CUHT_RING_MAX <= FR_CUHT_FAB_RT_MAX && FR_CUHT_FAB_RT_MAX <= 512,
+              FR_CUHT_RING_MAX <= FR_CUHT_FAB_RT_MAX && FR_CUHT_FAB_RT_MAX <= 256,
               "fab.c's immediate fields");
 
 #define FR_CUHT_POOL 8

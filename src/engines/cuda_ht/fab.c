@@ -3,9 +3,13 @@
  * docs/architecture.md, "GPU ranks across nodes").
  *
  * Immediate (32 bits): kind << 29 | source rank << 25 | channel << 18 |
- * value. Records: value = first slot << 9 | (count - 1), a run of slots
- * that does not wrap; runs may land in any order, so the receiver marks
- * slots and counts the ring's tail only over slots landed in order.
+ * value. Records: value = lap << 17 | first slot << 8 | (count - 1), a
+ * run of slots that does not wrap, lap the parity of its position over
+ * the ring's size; runs may land in any order, so the receiver marks
+ * slots and counts the ring's tail only over slots landed in order, and
+ * a run whose lap is not the one its slots are due in (a stale or
+ * repeated write) is a protocol error, as is a tail past the room this
+ * rank gave back.
  * Heads: value = how far the head moved (sums commute, so credits may
  * land in any order). Notify: channel = the route number's parity, value
  * = its low 18 bits (the receiver knows the number: each parity's
@@ -147,7 +151,7 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
                 n = n < RT - slot ? n : RT - slot;
                 uint64_t src = (uint64_t)g * G->ob_bytes + fr_cuht_geo_obring(G, k, c) + slot * rec;
                 uint64_t dst = fr_cuht_geo_ring(G, k, c, me) + slot * rec;
-                uint32_t v = (uint32_t)(slot << 9 | (n - 1));
+                uint32_t v = (uint32_t)((f->posted[i] / RT & 1) << 17 | slot << 8 | (n - 1));
                 if (fr_fab_post(ep, f, g, src, dst, n * rec,
                                 fr_fab_imm(k ? FR_FAB_CDATA : FR_FAB_DDATA, me, c, v)))
                     return -1;
@@ -191,9 +195,10 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
 static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int c, uint32_t v)
 {
     const fr_cuht_geo_t *G = &f->G;
-    uint64_t RT = (uint64_t)G->RT, slot = v >> 9, n = (v & 511u) + 1;
+    uint64_t RT = (uint64_t)G->RT, slot = v >> 8 & 255u, n = (v & 255u) + 1, lap = v >> 17 & 1u;
     size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
     uint8_t *L = f->landed + i * RT;
+    const char *ring = k ? "combine" : "dispatch";
     if (slot + n > RT) {
         fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slots %llu..%llu of a ring "
                     "of %llu", s, (unsigned long long)slot, (unsigned long long)(slot + n - 1),
@@ -201,10 +206,18 @@ static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int
         return -1;
     }
     for (uint64_t j = slot; j < slot + n; j++) {
+        /* the slot's place at or after the tail, and the lap it is in */
+        uint64_t pos = f->tail[i] + (j + RT - f->tail[i] % RT) % RT;
+        if ((pos / RT & 1) != lap) {
+            fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slot %llu of its %s "
+                        "ring %d here out of turn (a stale or repeated write)", s,
+                        (unsigned long long)j, ring, c);
+            return -1;
+        }
         if (L[j]) {
             fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote slot %llu of its %s "
                         "ring %d here twice before it was taken", s, (unsigned long long)j,
-                        k ? "combine" : "dispatch", c);
+                        ring, c);
             return -1;
         }
         L[j] = 1;
@@ -213,6 +226,12 @@ static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int
     while (L[f->tail[i] % RT] && f->tail[i] - t0 < RT) {
         L[f->tail[i] % RT] = 0;
         f->tail[i]++;
+    }
+    if (f->tail[i] > f->cred[i] + RT) { /* the sender had no room for these */
+        fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d wrote %llu records of its %s "
+                    "ring %d here past the room it was given", s,
+                    (unsigned long long)(f->tail[i] - f->cred[i] - RT), ring, c);
+        return -1;
     }
     if (f->tail[i] != t0)
         fr_fab_st(f->in, fr_cuht_geo_ctr(G, k ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, s), f->tail[i]);

@@ -21,8 +21,8 @@ extern "C" {
 #endif
 
 /* Records per ring on this path: a write's immediate carries its first
- * slot and its count in 9 bits each. */
-#define FR_CUHT_FAB_RT_MAX 512
+ * slot and its count in 8 bits each, and the ring's lap parity. */
+#define FR_CUHT_FAB_RT_MAX 256
 
 typedef struct fr_cuht_fab {
     fr_cuht_geo_t G;
