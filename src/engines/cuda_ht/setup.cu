@@ -621,6 +621,7 @@ int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call)
         if (r != cudaErrorNotReady)
             return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: cudaEventQuery: %s", call,
                               cudaGetErrorString(r));
+        (void)cudaGetLastError(); /* else "not ready" fails the launch check after */
         if (fr_now_ns() - t0 > lim) { /* past every kernel wait: theirs names the rank */
             int rc = fr_cuht_check(ep);
             return rc != FERRY_OK ? rc
