@@ -180,6 +180,10 @@ void fr_ep_segments_close(ferry_ep_t ep);
 void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* The asynchronous error, when one is set, made the EP's error (a dead
+ * rank it blames named: FERRY_ERR_PEER); FERRY_OK when none. */
+int fr_ep_async_check(ferry_ep_t ep);
+
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -57,3 +57,20 @@ int fr_ep_rx_flush_kind(const fr_tp_hmem_t *h, int order)
 {
     return h->copies ? FR_RX_FLUSH_COPIES : order > 0 ? FR_RX_FLUSH_GDR : FR_RX_FLUSH_NONE;
 }
+
+int fr_ep_rx_visible(ferry_ep_t ep, const fr_cqe_t *cqe, int n, const char **what)
+{
+    if (ep->rx_flush == FR_RX_FLUSH_NONE)
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (cqe[i].kind == FR_CQE_RX) {
+            int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
+            if ((gdr ? fr_cuda_gdr_flush(ep->fab_device)
+                     : fr_cuda_copies_wait(ep->fab_device)) == 0)
+                return 0;
+            *what = gdr ? "flushing GPUDirect RDMA writes"
+                        : "waiting for the provider's copies into GPU memory";
+            return -1;
+        }
+    return 0;
+}

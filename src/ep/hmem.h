@@ -21,6 +21,12 @@ int fr_ep_hmem_policy(int device, int *want, fr_tp_hmem_t *h, int *order, fr_err
 int fr_ep_hmem_trial(int device, void *p, size_t len, fr_tp_hmem_t *h);
 /* The FR_RX_FLUSH_* that arrivals in such memory need. */
 int fr_ep_rx_flush_kind(const fr_tp_hmem_t *h, int order);
+/* Completions cqe[0..n) were polled: when any is a peer's write landing
+ * here, make the landed bytes visible to the GPU's kernels as
+ * ep->rx_flush says (a NIC's writes flushed, a copying provider's CUDA
+ * copies waited for), once for the batch, before any word or flag about
+ * them is stored. 0, or -1 with *what naming the step that failed. */
+int fr_ep_rx_visible(ferry_ep_t ep, const fr_cqe_t *cqe, int n, const char **what);
 
 #ifdef __cplusplus
 }

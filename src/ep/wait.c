@@ -243,3 +243,14 @@ void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
     __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
     FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async_msg);
 }
+
+int fr_ep_async_check(ferry_ep_t ep)
+{
+    int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+    if (st == FERRY_OK)
+        return FERRY_OK;
+    int dead = fr_boot_blame(ep->comm->boot, st);
+    if (dead >= 0)
+        return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)", dead, ep->async_msg);
+    return fr_ep_fail(ep, st, "%s", ep->async_msg);
+}

@@ -31,9 +31,9 @@
 #include <time.h>
 
 #include "core/config.h"
+#include "ep/hmem.h"
 #include "proxy/proxy.h"
 #include "core/log.h"
-#include "runtime/cuda_mem.h"
 
 #define FR_PROXY_STAT_MAX 65536
 
@@ -168,19 +168,9 @@ static int fr_proxy_scan_ready(ferry_ep_t ep)
  * legacy default stream (shm): wait for that stream. */
 static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
 {
-    if (ep->rx_flush == FR_RX_FLUSH_NONE)
-        return;
-    for (int i = 0; i < n; i++)
-        if (cqe[i].kind == FR_CQE_RX) {
-            int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
-            if ((gdr ? fr_cuda_gdr_flush(ep->fab_device)
-                     : fr_cuda_copies_wait(ep->fab_device)) != 0)
-                fr_proxy_async_fail(ep, FERRY_ERR_SYSTEM, -1,
-                                    gdr ? "flushing GPUDirect RDMA writes failed"
-                                        : "waiting for the provider's copies into GPU "
-                                          "memory failed");
-            return;
-        }
+    const char *what = "";
+    if (fr_ep_rx_visible(ep, cqe, n, &what) != 0)
+        fr_ep_async_fail(ep, FERRY_ERR_SYSTEM, -1, "%s failed", what);
 }
 
 static void *fr_proxy_main(void *arg)
@@ -371,14 +361,9 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set)
     while (__atomic_load_n(&p->ring->head, __ATOMIC_ACQUIRE) !=
                __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE) ||
            __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
-        int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
-        if (st != FERRY_OK) {
-            int dead = fr_boot_blame(ep->comm->boot, st);
-            if (dead >= 0)
-                return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)",
-                                  dead, ep->async_msg);
-            return fr_ep_fail(ep, st, "%s", ep->async_msg);
-        }
+        int rc = fr_ep_async_check(ep);
+        if (rc != FERRY_OK)
+            return rc;
         fr_backoff(&iter, ep->spin);
         int dead = fr_boot_dead_rank(ep->comm->boot);
         if (dead >= 0 && !fr_ep_masked(ep, dead)) /* a masked one is sent nothing */

@@ -24,7 +24,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/log.h"
 #include "engines/cuda_ht/fab.h"
-#include "runtime/cuda_mem.h"
+#include "ep/hmem.h"
 #include "runtime/rt.h"
 
 enum { FR_FAB_DDATA = 1, FR_FAB_CDATA = 2, FR_FAB_DHEAD = 3, FR_FAB_CHEAD = 4,
@@ -288,7 +288,7 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
 static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
     fr_cqe_t cqe[64];
-    int n = 0, rx = 0;
+    int n = 0;
     fr_err_t err = {{0}};
     for (int k = 0; k < ep->nics.n && n < 48; k++) {
         int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
@@ -299,16 +299,10 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
         }
         n += got;
     }
-    for (int i = 0; i < n; i++)
-        rx |= cqe[i].kind == FR_CQE_RX;
-    if (rx && ep->rx_flush != FR_RX_FLUSH_NONE) {
-        int gdr = ep->rx_flush == FR_RX_FLUSH_GDR;
-        if ((gdr ? fr_cuda_gdr_flush(ep->fab_device) : fr_cuda_copies_wait(ep->fab_device))) {
-            fr_fab_fail(ep, f, FERRY_ERR_SYSTEM, -1, "ht: %s failed",
-                        gdr ? "flushing GPUDirect RDMA writes"
-                            : "waiting for the provider's copies into GPU memory");
-            return -1;
-        }
+    const char *what = "";
+    if (n > 0 && fr_ep_rx_visible(ep, cqe, n, &what) != 0) {
+        fr_fab_fail(ep, f, FERRY_ERR_SYSTEM, -1, "ht: %s failed", what);
+        return -1;
     }
     for (int i = 0; i < n; i++) {
         if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR)

@@ -384,14 +384,7 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
     int st = e[0];
     if (st == 0) {
         /* the fabric thread's failure, when no kernel reported one */
-        int ast = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
-        if (ast == FERRY_OK || !c->abort_host)
-            return FERRY_OK;
-        int dead = fr_boot_blame(ep->comm->boot, ast);
-        if (dead >= 0)
-            return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)", dead,
-                              ep->async_msg);
-        return fr_ep_fail(ep, ast, "%s", ep->async_msg);
+        return c->abort_host ? fr_ep_async_check(ep) : FERRY_OK;
     }
     int rank = e[1], what = e[2], detail = e[3];
     const char *call = fr_cuht_what(what);
