@@ -144,7 +144,6 @@ struct fr_cuht_ep {
      * host-mapped words (device views; fab.out and fab.in the host's) */
     fr_cuht_fab_t fab;
     void *hm_out_dev, *hm_in_dev;
-    int *abort_host;              /* host view of a.abort */
     /* calls queued ahead, bounded where the fabric thread makes CUDA
      * calls (fr_cuht_ahead_wait) */
     cudaEvent_t ahead[FR_CUHT_AHEAD];
@@ -158,8 +157,7 @@ struct fr_cuht_ep {
 };
 
 typedef struct fr_cuht_spare {
-    void *mem;
-    size_t bytes;
+    void *mem;                    /* sized for max_tokens, as every block there */
     cudaEvent_t done;
     struct fr_cuht_spare *next;
 } fr_cuht_spare_t;
@@ -168,7 +166,6 @@ typedef struct fr_cuht_spare {
 typedef struct fr_cuht_route {
     fr_cuht_rdev_t r;
     void *mem;                    /* one device allocation for its tables */
-    size_t mem_bytes;
     cudaEvent_t done;             /* deferred frees: after its last call */
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
     int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */

@@ -54,6 +54,25 @@ static void fr_fab_fail(ferry_ep_t ep, fr_cuht_fab_t *f, int code, int peer, con
     fr_ep_async_fail(ep, code, peer, "%s", msg);
 }
 
+/* The (kind, fabric peer, channel) entry of the [2][nf][C] tables. */
+static size_t fr_fab_ix(const fr_cuht_fab_t *f, int k, int g, int c)
+{
+    return ((size_t)k * (size_t)f->nf + (size_t)g) * (size_t)f->G.C + (size_t)c;
+}
+
+/* Each fabric peer's NIC and place in that NIC's group. */
+static void fr_fab_where(ferry_ep_t ep, fr_cuht_fab_t *f)
+{
+    for (int k = 0; k < ep->nics.n; k++)
+        for (int i = 0; i < ep->groups.n[k]; i++) {
+            int g = ep->groups.idx[k][i];
+            if (g >= 0 && g < f->nf) {
+                f->gnic[g] = k;
+                f->gpos[g] = i;
+            }
+        }
+}
+
 int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
     size_t nf = (size_t)ep->nfabric, C = (size_t)f->G.C, RT = (size_t)f->G.RT;
@@ -69,6 +88,7 @@ int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
     if (!f->gnic || !f->gpos || !f->posted || !f->cred || !f->tail || !f->head ||
         !f->landed || !f->nsent || !f->nlast)
         return FERRY_ERR_NOMEM;
+    fr_fab_where(ep, f);
     return FERRY_OK;
 }
 
@@ -84,19 +104,6 @@ void fr_cuht_fab_free(fr_cuht_fab_t *f)
     free(f->nsent);
     free(f->nlast);
     free(f->hello);
-}
-
-/* Each fabric peer's NIC and place in that NIC's group. */
-static void fr_fab_where(ferry_ep_t ep, fr_cuht_fab_t *f)
-{
-    for (int k = 0; k < ep->nics.n; k++)
-        for (int i = 0; i < ep->groups.n[k]; i++) {
-            int g = ep->groups.idx[k][i];
-            if (g >= 0 && g < f->nf) {
-                f->gnic[g] = k;
-                f->gpos[g] = i;
-            }
-        }
 }
 
 static uint64_t fr_fab_ld(const uint8_t *base, uint64_t off)
@@ -138,7 +145,7 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
     for (int k = 0; k < 2; k++) {
         uint64_t rec = k ? G->crec : G->drec;
         for (int c = 0; c < C; c++) {
-            size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)C + (size_t)c;
+            size_t i = fr_fab_ix(f, k, g, c);
             uint64_t t = fr_fab_ld(o, fr_cuht_geo_ctr(G, k ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c, me));
             if (t < f->posted[i] || t - f->head[i] > RT) {
                 fr_fab_fail(ep, f, FERRY_ERR_INTERNAL, d, "ht: %s ring %d to rank %d: tail %llu "
@@ -196,7 +203,7 @@ static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int
 {
     const fr_cuht_geo_t *G = &f->G;
     uint64_t RT = (uint64_t)G->RT, slot = v >> 8 & 255u, n = (v & 255u) + 1, lap = v >> 17 & 1u;
-    size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
+    size_t i = fr_fab_ix(f, k, g, c);
     uint8_t *L = f->landed + i * RT;
     const char *ring = k ? "combine" : "dispatch";
     if (slot + n > RT) {
@@ -271,7 +278,7 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
         return 0;
     }
     int k = kind == FR_FAB_CHEAD;
-    size_t i = ((size_t)k * f->nf + (size_t)g) * (size_t)G->C + (size_t)c;
+    size_t i = fr_fab_ix(f, k, g, c);
     f->head[i] += v;
     if (f->head[i] > f->posted[i]) {
         fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d took %llu records of %s ring "
@@ -369,7 +376,6 @@ static void *fr_fab_main(void *arg)
 
 int fr_cuht_fab_start(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
-    fr_fab_where(ep, f);
     fr_fab_arg_t *a = malloc(sizeof(*a));
     if (!a)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "fabric thread");
@@ -392,7 +398,6 @@ int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
     f->hello = calloc((size_t)f->nf, 1);
     if (!f->hello)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric hello");
-    fr_fab_where(ep, f);
     /* this rank's own notify entry [0][me] at each peer: still zero, as
      * in the outbox, and nobody else writes it */
     uint64_t off = fr_cuht_geo_notify(G, 0, me);

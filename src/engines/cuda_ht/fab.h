@@ -44,8 +44,9 @@ typedef struct fr_cuht_fab {
                               write in flight */
 } fr_cuht_fab_t;
 
-/* The tables for ep's fabric peers (G filled by the caller, out and in
- * set); FERRY_OK or FERRY_ERR_NOMEM. */
+/* The tables for ep's fabric peers, each peer's NIC and group place
+ * (ep's NICs and groups made; G filled by the caller, out and in set);
+ * FERRY_OK or FERRY_ERR_NOMEM. */
 int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f);
 void fr_cuht_fab_free(fr_cuht_fab_t *f);
 /* Set-up, on the calling thread: one write to every fabric peer and one

@@ -304,7 +304,6 @@ extern "C" void fr_cuht_route_free(ferry_route_t route)
         fr_cuht_spare_t *sp = (fr_cuht_spare_t *)calloc(1, sizeof(*sp));
         if (sp && p->mem) {
             sp->mem = p->mem;
-            sp->bytes = p->mem_bytes;
             sp->done = p->done;
             sp->next = c->spare;
             c->spare = sp;
@@ -349,9 +348,8 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
          * max_tokens), else a new one with its event */
         for (fr_cuht_spare_t **q = &c->spare; *q; q = &(*q)->next) {
             fr_cuht_spare_t *sp = *q;
-            if (sp->bytes >= tot && cudaEventQuery(sp->done) == cudaSuccess) {
+            if (cudaEventQuery(sp->done) == cudaSuccess) {
                 p->mem = sp->mem;
-                p->mem_bytes = sp->bytes;
                 p->done = sp->done;
                 *q = sp->next;
                 free(sp);
@@ -362,7 +360,6 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
         if (!p->mem && (e = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming)) ==
                            cudaSuccess)
             e = cudaMalloc(&p->mem, tot);
-        p->mem_bytes = tot;
     } else {
         e = cudaMalloc(&p->mem, tot);
     }

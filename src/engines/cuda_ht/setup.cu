@@ -72,10 +72,6 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
     if (ep->nfabric > 0 && ep->fab_device < 0)
         return FR_ERR(err, FERRY_ERR_INTERNAL, "cuda_ht: fabric peers without GPU memory "
                       "on the fabric (the staged engine serves them)");
-    if (ep->nfabric > 0 && G->RT > FR_CUHT_FAB_RT_MAX)
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "ring_tokens = %d: at most %d with GPU ranks on the fabric path", G->RT,
-                      FR_CUHT_FAB_RT_MAX);
     if (ep->N > FR_CUHT_MAX_RANKS)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "mode = high throughput with device = cuda: %d ranks, at most %d",
@@ -118,7 +114,6 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
         void *h, *d;
         rc = fr_cuda_host_alloc(sizeof(int), &h, &d, err);
         if (rc == FERRY_OK) {
-            c->abort_host = (int *)h;
             c->a.abort = (const volatile int *)d;
             c->fab.abort = (int *)h;
         }
@@ -351,8 +346,8 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
         cudaEventDestroy(sp->done);
         free(sp);
     }
-    if (c->abort_host)
-        fr_cuda_host_free(c->abort_host);
+    if (c->fab.abort)
+        fr_cuda_host_free(c->fab.abort);
     if (c->dmem)
         cudaFree(c->dmem);
     if (c->err_host)
@@ -384,7 +379,7 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
     int st = e[0];
     if (st == 0) {
         /* the fabric thread's failure, when no kernel reported one */
-        return c->abort_host ? fr_ep_async_check(ep) : FERRY_OK;
+        return c->fab.abort ? fr_ep_async_check(ep) : FERRY_OK;
     }
     int rank = e[1], what = e[2], detail = e[3];
     const char *call = fr_cuht_what(what);
@@ -520,7 +515,7 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     }
     /* one rank's FERRY_FABRIC_HMEM=on fails every rank alike, not only it
      * (the others would wait in the staged engine's set-up for it) */
-    if (rc == FERRY_OK && first_on >= 0 && first_no >= 0 && want <= 0)
+    if (rc == FERRY_OK && first_on >= 0 && first_no >= 0)
         rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                     "rank %d sets FERRY_FABRIC_HMEM=on, but rank %d cannot take GPU memory on "
                     "the fabric (%s)", first_on, first_no,
@@ -528,10 +523,6 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     free(all);
     if (rc != FERRY_OK)
         return rc;
-    if (want > 0 && first_no >= 0)
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "FERRY_FABRIC_HMEM=on: rank %d cannot take GPU memory on the fabric (%s)",
-                      first_no, first_no == ep->rank ? h.why : "its log says why");
     *native = first_no < 0;
     if (*native) {
         ep->fab_device = dev;
@@ -548,7 +539,6 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     return FERRY_OK;
 }
 
-/* The NICs are up: the kernels loaded now, then the thread. */
 /* What fabric_up needs before the hello: the kernels loaded, the events,
  * the thread's tables. */
 static int fr_cuht_fabric_prep(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
@@ -567,6 +557,7 @@ static int fr_cuht_fabric_prep(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *er
     return FERRY_OK;
 }
 
+/* The NICs are up: the kernels loaded, the hello, then the thread. */
 extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
