@@ -171,3 +171,42 @@ int fr_cuda_capturing(void *stream)
 {
     return fr_cuda_capture_status(stream) == 1;
 }
+
+int fr_cuda_event_new(void **ev, fr_err_t *err)
+{
+    cudaEvent_t e;
+    cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (r != cudaSuccess) {
+        cudaGetLastError();
+        *ev = NULL;
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "cudaEventCreate: %s", cudaGetErrorString(r));
+    }
+    *ev = (void *)e;
+    return FERRY_OK;
+}
+
+void fr_cuda_event_free(void *ev)
+{
+    if (ev)
+        cudaEventDestroy((cudaEvent_t)ev);
+}
+
+int fr_cuda_event_record(void *ev, void *stream)
+{
+    if (cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream) == cudaSuccess)
+        return 0;
+    cudaGetLastError();
+    return -1;
+}
+
+int fr_cuda_event_done(void *ev, const char **why)
+{
+    cudaError_t r = cudaEventQuery((cudaEvent_t)ev);
+    if (r == cudaSuccess)
+        return 1;
+    cudaGetLastError(); /* "not ready" is kept as the last error otherwise */
+    if (r == cudaErrorNotReady)
+        return 0;
+    *why = cudaGetErrorString(r);
+    return -1;
+}

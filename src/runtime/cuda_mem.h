@@ -55,6 +55,17 @@ int fr_cuda_copies(void *stream, int n, void *const *dst, const void *const *src
 /* 1 when `stream` is capturing a CUDA graph, else 0. */
 int fr_cuda_capturing(void *stream);
 
+/* An event without timing on the current device: FERRY_OK, or an error
+ * with the message in err. */
+int fr_cuda_event_new(void **ev, fr_err_t *err);
+void fr_cuda_event_free(void *ev);
+/* Record ev on `stream`: 0 on success (CUDA's last error cleared else). */
+int fr_cuda_event_record(void *ev, void *stream);
+/* 1: everything before ev has run; 0: not yet (CUDA's "not ready" is
+ * cleared, so it does not fail a later launch check); -1: an error, its
+ * text in *why. */
+int fr_cuda_event_done(void *ev, const char **why);
+
 #ifdef __cplusplus
 }
 #endif

@@ -51,4 +51,24 @@ int fr_cuda_capturing(void *stream)
     (void)stream;
     return 0;
 }
+int fr_cuda_event_new(void **ev, fr_err_t *err)
+{
+    *ev = NULL;
+    return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
+}
+void fr_cuda_event_free(void *ev)
+{
+    (void)ev;
+}
+int fr_cuda_event_record(void *ev, void *stream)
+{
+    (void)ev; (void)stream;
+    return -1;
+}
+int fr_cuda_event_done(void *ev, const char **why)
+{
+    (void)ev;
+    *why = "this build has no CUDA";
+    return -1;
+}
 #endif

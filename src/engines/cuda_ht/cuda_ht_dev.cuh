@@ -42,6 +42,7 @@
 #include "engines/cuda_ht/cuda_ht.h"
 #include "engines/cuda_ht/fab.h"
 #include "engines/cuda_ht/geo.h"
+#include "ep/ahead.h"
 #include "runtime/cuda_mem.h"
 #include "runtime/cuda_sync.cuh"
 
@@ -144,9 +145,9 @@ struct fr_cuht_ep {
      * host-mapped words (device views; fab.out and fab.in the host's) */
     fr_cuht_fab_t fab;
     void *hm_out_dev, *hm_in_dev;
-    /* calls queued ahead, bounded where the fabric thread makes CUDA
-     * calls (fr_cuht_ahead_wait) */
-    cudaEvent_t ahead[FR_CUHT_AHEAD];
+    /* combines queued ahead, bounded where the fabric thread makes CUDA
+     * calls (ep/ahead.h); ncomb: combines launched so far */
+    fr_ahead_t ahead;
     unsigned long long ncomb;
     /* exact routes' tables on that path: never cudaFree'd while the
      * context lives (a free waits for the device, and so for kernels that
@@ -309,15 +310,6 @@ static __device__ __forceinline__ void fr_cuht_publish(unsigned long long *w,
     fr_sys_st_release(w, v);
 }
 
-/* Host, on the fabric path with a provider whose copies or flushes the
- * fabric thread makes with CUDA calls: before a dispatch, wait until the
- * combine FR_CUHT_AHEAD combines back has run (a host thread far ahead
- * blocks inside a launch while the thread's copies wait for it:
- * docs/architecture.md); after a combine, mark it. Nothing while the
- * stream is captured. */
-int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call);
-void fr_cuht_ahead_mark(ferry_ep_t ep, void *stream);
-void fr_cuht_ahead_free(struct fr_cuht_ep *c);
 /* Every kernel of the engine loaded (lazy loading would wait for running
  * kernels, which may wait for the fabric thread's CUDA copies). */
 extern "C" int fr_cuht_load_route(void);

@@ -338,7 +338,7 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
     if (c->fab.in)
         fr_cuda_host_free(c->fab.in);
     fr_cuht_fab_free(&c->fab);
-    fr_cuht_ahead_free(c);
+    fr_ahead_free(&c->ahead);
     while (c->spare) { /* after the device synchronisation above */
         fr_cuht_spare_t *sp = c->spare;
         c->spare = sp->next;
@@ -546,11 +546,9 @@ static int fr_cuht_fabric_prep(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *er
     if (fr_cuht_load_route() || fr_cuht_load_stream() || fr_cuht_load_dlayout())
         return FR_ERR(err, FERRY_ERR_SYSTEM, "loading the kernels: %s",
                       cudaGetErrorString(cudaGetLastError()));
-    if (ep->rx_flush != FR_RX_FLUSH_NONE)
-        for (int i = 0; i < FR_CUHT_AHEAD; i++)
-            if (cudaEventCreateWithFlags(&c->ahead[i], cudaEventDisableTiming) != cudaSuccess)
-                return FR_ERR(err, FERRY_ERR_SYSTEM, "cudaEventCreate: %s",
-                              cudaGetErrorString(cudaGetLastError()));
+    int rc = fr_ahead_init(ep, &c->ahead, FR_CUHT_AHEAD, err);
+    if (rc != FERRY_OK)
+        return rc;
     c->fab.G = c->a.G;
     if (fr_cuht_fab_init(ep, &c->fab) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_NOMEM, "fabric thread tables");
@@ -589,46 +587,3 @@ extern "C" int fr_cuht_fabric_up(ferry_ep_t ep, fr_err_t *err)
     return FERRY_OK;
 }
 
-int fr_cuht_ahead_wait(ferry_ep_t ep, void *stream, const char *call)
-{
-    struct fr_cuht_ep *c = fr_cuht(ep);
-    if (!c->ahead[0] || c->ncomb < FR_CUHT_AHEAD || fr_cuda_capturing(stream))
-        return FERRY_OK;
-    cudaEvent_t e = c->ahead[c->ncomb % FR_CUHT_AHEAD]; /* the oldest */
-    unsigned long long t0 = fr_now_ns(), lim = (unsigned long long)(ep->N + 2) *
-                                               (unsigned long long)ep->timeout_ms * 1000000ull;
-    uint64_t iter = 0;
-    for (;;) {
-        cudaError_t r = cudaEventQuery(e);
-        if (r == cudaSuccess)
-            return FERRY_OK;
-        if (r != cudaErrorNotReady)
-            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: cudaEventQuery: %s", call,
-                              cudaGetErrorString(r));
-        (void)cudaGetLastError(); /* else "not ready" fails the launch check after */
-        if (fr_now_ns() - t0 > lim) { /* past every kernel wait: theirs names the rank */
-            int rc = fr_cuht_check(ep);
-            return rc != FERRY_OK ? rc
-                   : fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "%s: the calls queued before did not "
-                                "finish within %lld ms", call,
-                                (long long)(lim / 1000000ull));
-        }
-        fr_backoff(&iter, ep->spin);
-    }
-}
-
-void fr_cuht_ahead_mark(ferry_ep_t ep, void *stream)
-{
-    struct fr_cuht_ep *c = fr_cuht(ep);
-    if (!c->ahead[0] || fr_cuda_capturing(stream))
-        return;
-    cudaEventRecord(c->ahead[c->ncomb % FR_CUHT_AHEAD], (cudaStream_t)stream);
-    c->ncomb++;
-}
-
-void fr_cuht_ahead_free(struct fr_cuht_ep *c)
-{
-    for (int i = 0; i < FR_CUHT_AHEAD; i++)
-        if (c->ahead[i])
-            cudaEventDestroy(c->ahead[i]);
-}

@@ -688,7 +688,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     io.rsr = out->recv_src_rank;
     io.rst = out->recv_src_token;
     io.fp8 = in->x_scales != NULL;
-    if ((rc = fr_cuht_ahead_wait(ep, in->stream, call)))
+    if ((rc = fr_ahead_wait(ep, &c->ahead, c->ncomb, in->stream, call, fr_cuht_check)))
         return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
     if (ep->N <= 8)
@@ -729,7 +729,7 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
         fr_cuht_combine_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else
         fr_cuht_combine_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    fr_cuht_ahead_mark(ep, in->stream);
+    fr_ahead_mark(&c->ahead, c->ncomb++, in->stream);
     fr_cuht_route_used(route, in->stream);
     return fr_cuht_launch_check(ep, call);
 }

@@ -29,7 +29,6 @@
 #include "ep/hmem.h"
 #include "runtime/rt.h"
 
-static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
 
 /* threads per block of ferry::combine, whichever parts a launch runs */
 #define FR_CS_THREADS 512
@@ -391,7 +390,7 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
     if (c->host_seg) {
         rc = fr_cuda_fabric_mem(ep, c, err);
         if (rc == FERRY_OK)
-            rc = fr_cuda_ahead_init(ep, c, err); /* after rx_flush is known */
+            rc = fr_ahead_init(ep, &c->ahead, FR_CU_AHEAD, err); /* after rx_flush is known */
         if (rc != FERRY_OK)
             return rc;
         if (c->a.mixed) {
@@ -645,9 +644,7 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     ep->ready = NULL;
     if (c->dmem)
         cudaFree(c->dmem);
-    for (int i = 0; i < FR_CU_AHEAD; i++)
-        if (c->ahead[i])
-            cudaEventDestroy((cudaEvent_t)c->ahead[i]);
+    fr_ahead_free(&c->ahead);
     if (c->err_host)
         fr_cuda_host_free(c->err_host);
     free(c);
@@ -697,85 +694,6 @@ int fr_cuda_launch_check(ferry_ep_t ep, const char *what)
     if (e != cudaSuccess)
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "launching %s: %s", what, cudaGetErrorString(e));
     return fr_cuda_check(ep);
-}
-
-/* GPU memory on the fabric path through a provider that moves it with
- * CUDA calls in the proxy thread (shm's and tcp's copies, the GPUDirect
- * flush: ep->rx_flush): those calls share the CUDA context with this
- * rank's queue. Hundreds of rounds queued back to back behind a kernel
- * that waits for such a copy timed out (docs/architecture.md, "Fabric"):
- * the host thread, blocked in a launch once CUDA's queue is full, and the
- * proxy's copy wait for each other. So in this mode a dispatch first
- * waits, on the host, until the combine FR_CU_AHEAD rounds before has run
- * (an event recorded after each combine; events made at set-up, on the
- * engine's device). Nothing waits inside a graph capture (a graph is one
- * launch, whatever it holds). */
-static int fr_cuda_ahead_init(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
-{
-    int rc = FERRY_OK;
-    if (ep->rx_flush == FR_RX_FLUSH_NONE)
-        return FERRY_OK;
-    for (int i = 0; i < FR_CU_AHEAD; i++) {
-        cudaEvent_t e;
-        FR_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), err, fail);
-        c->ahead[i] = e;
-    }
-fail:
-    return rc;
-}
-
-int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream, const char *call)
-{
-    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    int i = (int)(epoch % FR_CU_AHEAD);
-    if (!c->ahead_seen[i] || fr_cuda_capturing(stream)) /* no events: not this mode */
-        return FERRY_OK;
-    uint64_t before = c->ahead_seen[i]; /* the round whose combine the event follows */
-    /* past what the kernels' own waits can take (one timeout per sender in
-     * turn, masking with mask_on_timeout), so that their error, naming
-     * the rank, is what the caller sees */
-    long ms = (long)(ep->N + 2) * ep->timeout_ms + 1000;
-    uint64_t deadline = fr_now_ns() + (uint64_t)ms * 1000000ull;
-    for (;;) {
-        cudaError_t q = cudaEventQuery((cudaEvent_t)c->ahead[i]);
-        if (q == cudaSuccess)
-            return fr_cuda_check(ep);
-        if (q != cudaErrorNotReady)
-            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s round %llu: waiting for round %llu on "
-                              "the GPU: %s", call, (unsigned long long)epoch,
-                              (unsigned long long)before, cudaGetErrorString(q));
-        (void)cudaGetLastError(); /* "not ready" is kept as the last error otherwise */
-        int rc = fr_cuda_check(ep);
-        if (rc != FERRY_OK)
-            return rc;
-        if (fr_now_ns() > deadline) {
-            int dead = fr_boot_dead_rank(ep->comm->boot);
-            if (dead >= 0 && !fr_ep_masked(ep, dead))
-                return fr_ep_fail(ep, FERRY_ERR_PEER, "%s round %llu: rank %d died (round "
-                                  "%llu had not finished on the GPU after %ld ms)", call,
-                                  (unsigned long long)epoch, dead,
-                                  (unsigned long long)before, ms);
-            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
-                              "%s round %llu: round %llu had not finished on the GPU after "
-                              "%ld ms ((ranks + 2) x FERRY_TIMEOUT_MS + 1 s), though no wait "
-                              "on the GPU timed out", call, (unsigned long long)epoch,
-                              (unsigned long long)before, ms);
-        }
-        sched_yield();
-    }
-}
-
-void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream)
-{
-    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
-    int i = (int)(epoch % FR_CU_AHEAD);
-    if (!c->ahead[i] || fr_cuda_capturing(stream)) /* events only in this mode */
-        return;
-    if (cudaEventRecord((cudaEvent_t)c->ahead[i], (cudaStream_t)stream) == cudaSuccess)
-        c->ahead_seen[i] = epoch;
-    else
-        (void)cudaGetLastError(); /* the call's launch was checked before: the bound is
-                                     looser this round, nothing else changes */
 }
 
 extern "C" int fr_cuda_sync(ferry_ep_t ep, void *stream)
@@ -881,7 +799,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                                     (long long *)out->wait_cost, FR_PART_RECV);
     int rc = fr_cuda_launch_check(ep, "combine_recv");
     if (rc == FERRY_OK)
-        fr_cuda_ahead_mark(ep, r->epoch, st);
+        fr_ahead_mark(&c->ahead, r->epoch, st);
     return rc;
 }
 
@@ -904,6 +822,6 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
                                                     FR_PART_SEND | FR_PART_RECV);
     int rc = fr_cuda_launch_check(ep, "combine");
     if (rc == FERRY_OK)
-        fr_cuda_ahead_mark(ep, r->epoch, st);
+        fr_ahead_mark(&c->ahead, r->epoch, st);
     return rc;
 }

@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "core/quant.h"
 #include "engines/cuda_ll/cuda_ll.h"
+#include "ep/ahead.h"
 #include "runtime/cuda_mem.h"
 #include "runtime/cuda_sync.cuh"
 
@@ -124,16 +125,10 @@ struct fr_cuda_ep {
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
     int masked;              /* ranks masked, as the host set them: the
                                 dispatch launches the kernel that cuts */
-    void *ahead[FR_CU_AHEAD]; /* cudaEvent_t after round e's combine, at e % FR_CU_AHEAD
-                                 (GPU memory through a copying provider:
-                                 fr_cuda_ahead_wait) */
-    uint64_t ahead_seen[FR_CU_AHEAD]; /* the round last recorded there (0: none) */
+    fr_ahead_t ahead;        /* rounds queued ahead, bounded (ep/ahead.h): GPU
+                                memory through a copying provider */
 };
 
-/* Rounds a rank queues ahead of its GPU at most when the proxy moves GPU
- * memory with CUDA calls (ep->rx_flush; cuda_ll.cu says why). */
-int fr_cuda_ahead_wait(ferry_ep_t ep, uint64_t epoch, void *stream, const char *call);
-void fr_cuda_ahead_mark(ferry_ep_t ep, uint64_t epoch, void *stream);
 
 /* The last launch's error, then the kernels' error word (cuda_ll.cu). */
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what);

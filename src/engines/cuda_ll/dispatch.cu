@@ -1108,7 +1108,7 @@ extern "C" int fr_cuda_dispatch_send(ferry_ep_t ep, fr_round_t *r,
 {
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     int set = (int)(r->epoch % FR_NSETS);
-    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream, "dispatch_send");
+    int rc = fr_ahead_wait(ep, &c->ahead, r->epoch, in->stream, "dispatch_send", fr_cuda_check);
     if (rc != FERRY_OK)
         return rc;
     int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
@@ -1141,7 +1141,7 @@ extern "C" int fr_cuda_dispatch(ferry_ep_t ep, fr_round_t *r, const ferry_dispat
         int rc = fr_cuda_dispatch_send(ep, r, in);
         return rc ? rc : fr_cuda_dispatch_recv(ep, r, out);
     }
-    int rc = fr_cuda_ahead_wait(ep, r->epoch, in->stream, "dispatch");
+    int rc = fr_ahead_wait(ep, &c->ahead, r->epoch, in->stream, "dispatch", fr_cuda_check);
     if (rc != FERRY_OK)
         return rc;
     int blocks = c->nblocks < c->dgrid ? c->nblocks : c->dgrid;
