@@ -31,3 +31,16 @@ int fr_err_set(fr_err_t *e, int code, const char *fmt, ...)
     }
     return code;
 }
+
+int fr_async_set(fr_async_err_t *a, int code, int peer, const char *fmt, va_list ap)
+{
+    int free_ = 0;
+    if (!__atomic_compare_exchange_n(&a->claimed, &free_, 1, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return 0;
+    vsnprintf(a->msg, sizeof(a->msg), fmt, ap);
+    a->peer = peer;
+    __atomic_store_n(&a->status, code == FERRY_OK ? FERRY_ERR_INTERNAL : code,
+                     __ATOMIC_RELEASE);
+    return 1;
+}

@@ -137,10 +137,8 @@ struct ferry_ep {
     int *group_index;    /* [N] fabric index or -1 */
     uint64_t *flag_last; /* [phase 2][set 2][N] last epoch seen (proxy) */
     fr_proxy_t proxy;
-    /* error raised asynchronously by the proxy */
-    int async_status;    /* atomic */
-    int async_peer;
-    char async_msg[FR_ERRMSG_LEN];
+    /* error raised asynchronously by the proxy or a fabric thread */
+    fr_async_err_t async;
 
     /* round sequencing (the API layer) */
     fr_round_t rounds[FR_NSETS];

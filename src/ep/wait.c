@@ -35,7 +35,7 @@ int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)
     int dead = fr_boot_dead_rank(ep->comm->boot);
     if (dead >= 0 && fr_ep_masked(ep, dead))
         dead = -1; /* masked: never waited for, so not the one missing */
-    int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+    int st = fr_async_status(&ep->async);
     if (dead < 0 && st != FERRY_OK)
         dead = fr_boot_blame(ep->comm->boot, st);
     if (dead >= 0)
@@ -43,7 +43,7 @@ int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)
                           "rank %d after %ld ms)", call, dead, rank, ep->timeout_ms);
     if (st != FERRY_OK)
         return fr_ep_fail(ep, st, "%s: %.300s (the GPU had no data from rank %d after %ld ms)",
-                          call, ep->async_msg, rank, ep->timeout_ms);
+                          call, ep->async.msg, rank, ep->timeout_ms);
     return fr_ep_fail(ep, FERRY_ERR_TIMEOUT, "%s: no data from rank %d after %ld ms "
                       "(FERRY_TIMEOUT_MS; checked on the GPU)", call, rank, ep->timeout_ms);
 }
@@ -163,16 +163,16 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
             continue;
         }
         last_check = now;
-        st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+        st = fr_async_status(&ep->async);
         if (st != FERRY_OK) {
             int dead = fr_boot_blame(ep->comm->boot, st);
             if (dead >= 0)
                 return fr_ep_fail(ep, FERRY_ERR_PEER,
                                   "%s round %llu: rank %d died (%.300s)", what,
                                   (unsigned long long)epoch, dead,
-                                  ep->async_msg);
+                                  ep->async.msg);
             return fr_ep_fail(ep, st, "%s round %llu: %s", what,
-                              (unsigned long long)epoch, ep->async_msg);
+                              (unsigned long long)epoch, ep->async.msg);
         }
         /* a dead rank fails this wait only if its data is still missing:
          * a round it finished can still complete */
@@ -233,24 +233,21 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 
 void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
 {
-    if (__atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
-        return;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ep->async_msg, sizeof(ep->async_msg), fmt, ap);
+    int set = fr_async_set(&ep->async, code, peer, fmt, ap);
     va_end(ap);
-    ep->async_peer = peer;
-    __atomic_store_n(&ep->async_status, code, __ATOMIC_RELEASE);
-    FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async_msg);
+    if (set)
+        FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async.msg);
 }
 
 int fr_ep_async_check(ferry_ep_t ep)
 {
-    int st = __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE);
+    int st = fr_async_status(&ep->async);
     if (st == FERRY_OK)
         return FERRY_OK;
     int dead = fr_boot_blame(ep->comm->boot, st);
     if (dead >= 0)
-        return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)", dead, ep->async_msg);
-    return fr_ep_fail(ep, st, "%s", ep->async_msg);
+        return fr_ep_fail(ep, FERRY_ERR_PEER, "rank %d died (%.300s)", dead, ep->async.msg);
+    return fr_ep_fail(ep, st, "%s", ep->async.msg);
 }

@@ -31,14 +31,14 @@ static int fr_sig_fail(ferry_sig_t s, int code, const char *fmt, ...)
 /* The proxy's error, or a device-side one, or a dead rank. */
 static int fr_sig_health(ferry_sig_t s, const char *what)
 {
-    int st = __atomic_load_n(&s->async_status, __ATOMIC_ACQUIRE);
+    int st = fr_async_status(&s->async);
     if (st != FERRY_OK) {
         int dead = fr_boot_blame(s->comm->boot, st);
         if (dead >= 0)
             return s->failed = fr_sig_fail(s, FERRY_ERR_PEER,
                                            "%s: rank %d died (%.300s)", what,
-                                           dead, s->async_msg);
-        return s->failed = fr_sig_fail(s, st, "%s: %s", what, s->async_msg);
+                                           dead, s->async.msg);
+        return s->failed = fr_sig_fail(s, st, "%s: %s", what, s->async.msg);
     }
     if (s->cuda) {
         int dv = __atomic_load_n((volatile int *)s->errword, __ATOMIC_ACQUIRE);
@@ -89,7 +89,7 @@ int ferry_sig_put(ferry_sig_t s, int peer, uint64_t dst_off, uint64_t src_off,
         return rc;
     if (s->failed)
         return fr_sig_fail(s, s->failed, "put: the context failed before: "
-                                         "%s", s->async_msg);
+                                         "%s", s->async.msg);
     ferry_sig_ring_t *rg = s->ring;
     uint64_t i = __atomic_fetch_add(&rg->tail, 1, __ATOMIC_ACQ_REL);
     uint64_t iter = 0, deadline = 0;

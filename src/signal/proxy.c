@@ -18,15 +18,12 @@
 
 void fr_sig_async(ferry_sig_t s, int code, int peer, const char *fmt, ...)
 {
-    if (__atomic_load_n(&s->async_status, __ATOMIC_ACQUIRE) != FERRY_OK)
-        return;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(s->async_msg, sizeof(s->async_msg), fmt, ap);
+    int set = fr_async_set(&s->async, code, peer, fmt, ap);
     va_end(ap);
-    s->async_peer = peer;
-    __atomic_store_n(&s->async_status, code, __ATOMIC_RELEASE);
-    FR_LOG_WARN(FR_SUB_SIG, "%s", s->async_msg);
+    if (set)
+        FR_LOG_WARN(FR_SUB_SIG, "%s", s->async.msg);
 }
 
 static int fr_sig_fifo_push(fr_sig_fifo_t *f, const fr_sig_item_t *it)

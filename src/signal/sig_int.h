@@ -160,8 +160,7 @@ struct ferry_sig {
     int fence_dst;
     fr_sig_item_t fence_item;
     uint64_t settled;  /* atomic: ring requests before it are all done */
-    int async_status, async_peer;
-    char async_msg[FR_ERRMSG_LEN];
+    fr_async_err_t async; /* the proxy's error, for the next call */
     uint64_t n_puts, n_sigs, n_sig_writes, n_credits, n_held; /* statistics */
 };
 

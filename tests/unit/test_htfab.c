@@ -310,8 +310,8 @@ int main(int argc, char **argv)
         __atomic_store_n(&ep[r]->proxy.stop, 1, __ATOMIC_RELEASE);
         pthread_join(ep[r]->proxy.thread, NULL);
         if (W.fault == F_NONE || r != victim)
-            CHECK(ep[r]->async_status == FERRY_OK, "rank %d: the thread failed: %s", r,
-                  ep[r]->async_msg);
+            CHECK(fr_async_status(&ep[r]->async) == FERRY_OK, "rank %d: the thread failed: %s", r,
+                  ep[r]->async.msg);
     }
     CHECK(bad == 0, "%d wrong records or words", bad);
     if (W.fault != F_NONE) {
@@ -320,17 +320,18 @@ int main(int argc, char **argv)
                                                : "were sent";
         struct ferry_ep *e = ep[victim];
         CHECK(W.faulted, "the fault was never injected");
-        CHECK(e->async_status == FERRY_ERR_PROTOCOL, "rank %d: status %d (%s), want a protocol "
-              "error", victim, e->async_status, e->async_msg);
+        int st = fr_async_status(&e->async);
+        CHECK(st == FERRY_ERR_PROTOCOL, "rank %d: status %d (%s), want a protocol error", victim,
+              st, e->async.msg);
         /* a repeated run is caught as marked twice, or, once the tail
          * passed its slots, as out of turn */
-        int named = strstr(e->async_msg, want) != NULL ||
-                    (W.fault == F_DUP && strstr(e->async_msg, "out of turn") != NULL);
-        CHECK(named, "rank %d: message '%s', want '%s'", victim, e->async_msg, want);
-        CHECK(W.fault == F_BADIMM || e->async_peer == 1 - victim, "rank %d: blames rank %d, "
-              "want %d", victim, e->async_peer, 1 - victim);
+        int named = strstr(e->async.msg, want) != NULL ||
+                    (W.fault == F_DUP && strstr(e->async.msg, "out of turn") != NULL);
+        CHECK(named, "rank %d: message '%s', want '%s'", victim, e->async.msg, want);
+        CHECK(W.fault == F_BADIMM || e->async.peer == 1 - victim, "rank %d: blames rank %d, "
+              "want %d", victim, e->async.peer, 1 - victim);
         CHECK(abortw[victim] != 0, "rank %d: the kernels' abort word was not set", victim);
-        printf("htfab %s: rank %d failed as it should: %s\n", fname, victim, e->async_msg);
+        printf("htfab %s: rank %d failed as it should: %s\n", fname, victim, e->async.msg);
         done = 1; /* the flow stopped at the fault */
     }
     CHECK(done, "not everything arrived within 20 s (records %llu/%llu/%llu of %d, routes %d "

@@ -405,12 +405,12 @@ int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
         rc = fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
                          fr_fab_imm(FR_FAB_HELLO, me, 0, 0));
     if (rc != FERRY_OK)
-        return FR_ERR(err, rc, "%s", ep->async_msg);
+        return FR_ERR(err, rc, "%s", ep->async.msg);
     uint64_t t0 = fr_now_ns(), lim = (uint64_t)ep->timeout_ms * 1000000ull, iter = 0;
     while (rc == FERRY_OK && (got < f->nf || f->pending > 0)) {
         if (fr_fab_poll(ep, f) < 0) {
-            rc = FR_ERR(err, __atomic_load_n(&ep->async_status, __ATOMIC_ACQUIRE), "%s",
-                        ep->async_msg);
+            rc = FR_ERR(err, fr_async_status(&ep->async), "%s",
+                        ep->async.msg);
             break;
         }
         got = 0;
