@@ -11,10 +11,18 @@ trap 'rm -rf "$out"' EXIT
 export FERRY_TIMEOUT_MS=3000 FERRY_BOOTSTRAP_TIMEOUT_MS=3000
 fail=0
 bad() { echo "FAILED: $*"; fail=1; }
+# the cluster, or this case's skip (exit 77, the reason printed) where it
+# cannot be built here (not root, no iproute2)
+cluster() {
+  tests/cluster.sh "$@"
+  local rc=$?
+  [ $rc -ne 77 ] || exit 77
+  return $rc
+}
 case "$mode" in
 kill)   # rank 5 (host 2 of 4) dies in round 5; everyone else names it
   mkdir -p "$out/v"
-  FERRY_TEST_DIR="$out/v" tests/cluster.sh -H 4 -R 2 -t 60 -o "$out" -- \
+  FERRY_TEST_DIR="$out/v" cluster -H 4 -R 2 -t 60 -o "$out" -- \
     "$PWD/$B/tests/mp/test_ep" -n 8 kill 5 dispatch
   for r in $(seq 0 7); do
     rc=$(cat "$out/rank.$r.rc" 2>/dev/null || echo none)
@@ -25,7 +33,7 @@ kill)   # rank 5 (host 2 of 4) dies in round 5; everyone else names it
     fi
   done;;
 linkdown)  # host 1's link goes down mid-run: host 0 names ranks 2,3
-  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --down 1:2 -- \
+  cluster -H 2 -R 2 -t 60 -o "$out" --down 1:2 -- \
     "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 256 --tokens 16 \
     --iters 1000000 --warmup 0
   for r in 0 1 2 3; do
@@ -39,7 +47,7 @@ linkdown)  # host 1's link goes down mid-run: host 0 names ranks 2,3
     grep -qE "ranks? ([0-9]+,)*[23]([^0-9]|$)" "$out/rank.$r.log" || bad "rank $r does not name rank 2 or 3"
   done;;
 absent)  # rank 3 never starts: the others fail at start-up naming it
-  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --absent 3 -- \
+  cluster -H 2 -R 2 -t 60 -o "$out" --absent 3 -- \
     "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 256 --tokens 16 --iters 5
   for r in 0 1 2; do
     rc=$(cat "$out/rank.$r.rc" 2>/dev/null || echo none)
@@ -47,7 +55,7 @@ absent)  # rank 3 never starts: the others fail at start-up naming it
   done
   grep -q "rank 3" "$out/rank.0.log" || bad "rank 0 does not name rank 3";;
 nics)  # two links per host: peers sharded across both, both carry data
-  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --nics 2 -- \
+  cluster -H 2 -R 2 -t 60 -o "$out" --nics 2 -- \
     "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 1024 --tokens 32 \
     --dtype mixed --routing zipf:1.2 --iters 30 --warmup 0 || bad "ranks failed"
   for l in eth0 eth1; do
@@ -55,7 +63,7 @@ nics)  # two links per host: peers sharded across both, both carry data
     [ "${tx:-0}" -gt 100000 ] || bad "host0 $l carried ${tx:-0} bytes"
   done;;
 nicdown)  # host 1's second link is down before start-up: all on eth0, exact
-  tests/cluster.sh -H 2 -R 2 -t 60 -o "$out" --nics 2 --nic1-down 1 -- \
+  cluster -H 2 -R 2 -t 60 -o "$out" --nics 2 --nic1-down 1 -- \
     "$PWD/$B/bin/ferry-bench" --experts 16 --topk 4 --hidden 1024 --tokens 32 \
     --dtype mixed --routing zipf:1.2 --iters 30 --warmup 0 || bad "ranks failed"
   tx=$(awk '$1 == "host0" && $2 == "eth0" {print $6}' "$out/links.txt")
