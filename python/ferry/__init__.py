@@ -241,6 +241,39 @@ def _stream_of(a, stream):
 
 # ---------------------------------------------------------------- comm
 
+def _group_info(group):
+    """(rank, size, backend name) of a torch.distributed group (None: the
+    default group). A group made outside torch's registry (vLLM's
+    stateless groups, which its elastic EP passes as the EP group) has no
+    entry there, so dist.get_rank(group) and dist.get_backend(group) fail
+    on it: such a group answers through its own methods."""
+    import torch.distributed as dist
+    if group is None:
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    try:
+        return dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        pass
+    try:
+        rank, size = group.rank(), group.size()
+    except (AttributeError, TypeError, RuntimeError) as e:
+        raise TypeError(f"group: expected a torch.distributed process group, got "
+                        f"{type(group).__name__} ({e})") from None
+    backend = None
+    for name in ("_get_backend_name", "name"):
+        f = getattr(group, name, None)
+        if callable(f):
+            try:
+                backend = str(f()).lower()
+                break
+            except (RuntimeError, TypeError):
+                continue
+    if backend is None:
+        raise TypeError(f"group: a {type(group).__name__} outside torch.distributed's registry "
+                        f"that names no backend (_get_backend_name)")
+    return rank, size, backend
+
+
 def _is_mpi_comm(obj):
     """An mpi4py communicator (duck-typed: mpi4py is imported only then)."""
     return all(hasattr(obj, a) for a in ("Get_rank", "Get_size", "Allgather", "Allreduce"))
@@ -285,10 +318,9 @@ class Comm:
         else:
             import torch
             import torch.distributed as dist
-            backend = dist.get_backend(group)
+            me, n, backend = _group_info(group)
             dev = torch.device("cuda", torch.cuda.current_device()) \
                 if backend == "nccl" else torch.device("cpu")
-            n = dist.get_world_size(group)
 
             def allgather(inp, out, length, ctx):
                 try:
@@ -303,7 +335,7 @@ class Comm:
                     return -1
 
             self._cb = _lib.ALLGATHER_FN(allgather)
-            rc = lib.ferry_comm_init_allgather(dist.get_rank(group), n, self._cb, None,
+            rc = lib.ferry_comm_init_allgather(me, n, self._cb, None,
                                                C.byref(self._h), err, 512)
         if rc != 0:
             raise FerryError(rc, err.value.decode())
@@ -409,6 +441,7 @@ class EP:
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
         self.mode = mode
+        self.num_sms = num_sms  # as asked (0: the engine's default)
         self.fp8_round_scale = bool(fp8_round_scale)
         self.scales_layout = scales_layout
         self.num_ranks = lay.num_ranks

@@ -4,6 +4,12 @@ re-exports them; kept apart so they can be tested anywhere)."""
 __all__ = ["Config"]
 
 
+class _UnsetSms(int):
+    """An SM count nobody set: reads as DeepEP's default, 20, to engines
+    that compute with it, while ferry's kernels keep ferry's default.
+    Arithmetic on it gives plain ints."""
+
+
 def _int(name, v, lo):
     import operator
     if isinstance(v, bool):
@@ -29,10 +35,13 @@ class Config:
     ring memory ferry's normal mode keeps (engines pass them to Buffer(),
     which ignores them)."""
 
-    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+    def __init__(self, num_sms=_UnsetSms(20), num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
                  num_max_rdma_chunked_recv_tokens=256):
-        self.num_sms = _int("num_sms", num_sms, 0)
+        # given (SGLang's --deepep-config, set_num_sms before
+        # get_dispatch_config): the SMs of the normal-mode context the
+        # config is first passed to; unset: ferry's default there
+        self.num_sms = num_sms if type(num_sms) is _UnsetSms else _int("num_sms", num_sms, 0)
         ns = _int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
         nr = _int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
         rs = _int("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)

@@ -34,13 +34,14 @@ import ctypes as C
 import functools
 import operator
 import os
+import warnings
 import weakref
 
 import torch
 
 from . import Comm, EP, FerryError
-from . import _elem_strides, _fmt_shape, _is_mpi_comm, _lib, _lib_handle
-from ._compat import Config
+from . import _elem_strides, _fmt_shape, _group_info, _is_mpi_comm, _lib, _lib_handle
+from ._compat import Config, _UnsetSms
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -505,12 +506,10 @@ class _Runtime:
                              f"get_comm_stream)")
 
 
-class _UnsetSms(int):
-    """Buffer.num_sms until it is set: DeepEP's default, 20, to engines that
-    compute with it (SGLang without --deepep-config takes
-    max(Buffer.num_sms, experts per rank) and compares it with the GPU's
-    SMs), while ferry's kernels keep ferry's default. Arithmetic on it gives
-    plain ints."""
+# Buffer.num_sms until it is set (_compat._UnsetSms): DeepEP's default, 20,
+# to engines that compute with it (SGLang without --deepep-config takes
+# max(Buffer.num_sms, experts per rank) and compares it with the GPU's SMs),
+# while ferry's kernels keep ferry's default.
 
 
 class Buffer:
@@ -528,7 +527,7 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
                  allow_mnnvl=False, explicitly_destroy=False, comm=None, enable_shrink=False, *,
-                 ferry_shapes=None, **unsupported):
+                 use_fabric=False, ferry_shapes=None, **unsupported):
         if unsupported:
             raise TypeError("ferry.deep_ep.Buffer: unsupported argument(s): "
                             + ", ".join(sorted(unsupported)))
@@ -548,6 +547,10 @@ class Buffer:
         # no multi-node NVLink path: ranks of this node use NVLink peer
         # memory, others the fabric, whatever the flag says.
         self.allow_mnnvl = bool(allow_mnnvl)
+        # use_fabric (SGLang passes it on CUDA 13 with multi-node NVLink, for
+        # DeepEP builds that allocate through CUDA's fabric handles): kept
+        # and ignored likewise, ferry's peer memory is its own
+        self.use_fabric = bool(use_fabric)
         # kept as DeepEP keeps it; destroy() releases everything either way
         self.explicitly_destroy = bool(explicitly_destroy)
         # enable_shrink (DeepEP after v1.2.1): a low-latency wait that runs
@@ -571,8 +574,7 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         else:
             self.group = group
-            self.rank = torch.distributed.get_rank(group)
-            self.group_size = torch.distributed.get_world_size(group)
+            self.rank, self.group_size, _ = _group_info(group)
         self.num_rdma_bytes = num_rdma_bytes
         self.num_nvl_bytes = num_nvl_bytes
         self._scratch = {}  # get_local_buffer_tensor's buffers, made at its first call
@@ -580,6 +582,7 @@ class Buffer:
         self._eps = {}
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
+        self._sms_warned = False  # _ht_sms_check's one warning
         # every rank's node and GPU (collective): the default SMs, and what
         # runtime reports of the nodes
         me = _node_and_gpu()
@@ -675,14 +678,18 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        """A Config with DeepEP's defaults: accepted by dispatch (ferry's
-        high-throughput engine sizes its own rings: ring_tokens)."""
-        return Config()
+        """A Config with DeepEP's defaults and, as DeepEP's, Buffer.num_sms
+        (unset: ferry's default SMs where it is used). dispatch and combine
+        take the SMs of the config given to a shape's first call; ferry's
+        high-throughput engine sizes its own rings (ring_tokens)."""
+        n = Buffer.num_sms
+        return Config(num_sms=_UnsetSms(20) if n is None else n)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        """A Config with DeepEP's defaults (see get_dispatch_config)."""
-        return Config()
+        """A Config with DeepEP's defaults and Buffer.num_sms (see
+        get_dispatch_config)."""
+        return Buffer.get_dispatch_config(num_ranks)
 
     # ------------------------------------------------------------ normal mode
 
@@ -709,15 +716,45 @@ class Buffer:
                                  f"hold; make one such call before capturing (an engine's "
                                  f"warm-up does)")
 
-    def _ht_ep(self, num_experts, topk, hidden, device="cuda"):
+    @staticmethod
+    def _config_sms(config, what):
+        """The SMs a Config passed to dispatch or combine asks for, or None
+        (no config, or its num_sms unset)."""
+        if config is None:
+            return None
+        n = getattr(config, "num_sms", None)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"ferry.deep_ep.Buffer.{what}: config: expected a deep_ep.Config "
+                            f"(or None), got {type(config).__name__}"
+                            + (f" with num_sms {n!r}" if n is not None else ""))
+        return None if type(n) is _UnsetSms or n < 1 else int(n)
+
+    def _ht_sms_check(self, ep, sms, what):
+        """A normal-mode context's SMs are fixed when it is made (its rings
+        are per channel): a call whose config asks for others runs on the
+        context's, with a warning once per Buffer (vLLM's dual-batch
+        overlap changes set_num_sms between calls)."""
+        have = ep.num_sms
+        if sms is None or have is None or sms == have or self._sms_warned:
+            return
+        self._sms_warned = True
+        warnings.warn(f"ferry.deep_ep.Buffer.{what}: config.num_sms = {sms}, but this shape's "
+                      f"normal-mode context was made with {have} SMs, which it keeps (a "
+                      f"context's channels are fixed; set the SMs before a shape's first "
+                      f"dispatch). Warned once per Buffer.", RuntimeWarning, stacklevel=3)
+
+    def _ht_ep(self, num_experts, topk, hidden, device="cuda", sms=None):
         key = ("ht", num_experts, topk, hidden, device)
         ep = self._eps.get(key)
         if ep is None:
             self._not_capturing("dispatch", key[1:])
+            n = sms if sms is not None else self._kernel_sms("ht")
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
-                    num_sms=self._kernel_sms("ht"))
+                    num_sms=n)
             self._eps[key] = ep
+        else:
+            self._ht_sms_check(ep, sms, "dispatch")
         return ep
 
     @_plain_torch
@@ -777,6 +814,12 @@ class Buffer:
             previous_event.current_stream_wait()
         fp8 = isinstance(x, tuple)
         xt, xs = (x[0], x[1]) if fp8 else (x, None)
+        byte_dt = None
+        if fp8 and isinstance(xt, torch.Tensor) and xt.dtype in (torch.int8, torch.uint8):
+            # other 1-byte rows with their scales (vLLM's block-quantized
+            # int8 models): moved bit for bit as fp8 rows are, returned in
+            # their dtype, as DeepEP (which checks the size, not the dtype)
+            byte_dt, xt = xt.dtype, xt.view(torch.float8_e4m3fn)
         _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, ("T", "H"))
         xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
         xt = xt.contiguous()
@@ -812,7 +855,8 @@ class Buffer:
             else:
                 _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
                 routing = topk_idx.contiguous()
-            ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu")
+            ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
+                             self._config_sms(config, "dispatch"))
             route = ep.route(routing, 1 if by_rank else int(expert_alignment or 1),
                              max_recv=int(num_worst_tokens or 0))
             in_rank = is_token_in_rank
@@ -836,8 +880,8 @@ class Buffer:
         o = ep.ht_dispatch(route, xt, xs, topk_weights,
                            outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
                                                       "recv_src_token"))
-        recv_x = (o["recv_x"], self._scales_out(o["recv_x_scales"], carried)) if fp8 \
-            else o["recv_x"]
+        rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
+        recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
             return recv_x, None, None, None, None, ev
@@ -947,6 +991,7 @@ class Buffer:
         if previous_event is not None:
             previous_event.current_stream_wait()
         ep, route = handle.ep, handle.route
+        self._ht_sms_check(ep, self._config_sms(config, "combine"), "combine")
         _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
         # DeepEP takes strided bias; ht_combine checks the count, shapes,
         # dtype and device, naming bias[i]
@@ -1031,10 +1076,22 @@ class Buffer:
     def low_latency_clean_mask_buffer(self):
         """DeepEP's: unmask every rank (low_latency_update_mask_buffer(r,
         False) for each masked r, with its rule: refused once a round ran
-        with the mask)."""
+        with the mask). A rank that a timed-out wait masked (enable_shrink)
+        cannot be readmitted into a context that ran rounds without it:
+        FERRY_ERR_STATE naming the ranks (make a new Buffer), rather than a
+        clean after which the query still reports them."""
         self._low_latency("low_latency_clean_mask_buffer")
         for r in sorted(self._masked):
             self.low_latency_update_mask_buffer(r, False)
+        if self.enable_shrink:
+            left = sorted({r for ep in self._eps.values()
+                           for r, m in enumerate(ep.mask_query()) if int(m)})
+            if left:
+                raise FerryError(-9, f"low_latency_clean_mask_buffer: rank(s) "
+                                     f"{', '.join(map(str, left))} masked by a wait that timed "
+                                     f"out (enable_shrink): ferry cannot readmit a rank into "
+                                     f"contexts that ran rounds without it; make a new Buffer "
+                                     f"(collective) to run with every rank again")
 
     def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False, ue8m0=False):
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)

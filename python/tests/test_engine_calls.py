@@ -85,8 +85,33 @@ def ht_experts(rank, N, E, rx, ridx, rw):
     return y.to(torch.bfloat16)
 
 
-def vllm_calls(deep_ep, rank, N):
-    msgs, dev, group = [], torch.device("cuda" if CUDA else "cpu"), torch.distributed.group.WORLD
+def stateless_group(rank, N):
+    """The EP group vLLM's elastic EP passes (stateless_coordinator.py:
+    stateless_init_torch_distributed_process_group, backend gloo): a
+    ProcessGroup made outside torch.distributed's registry, so that
+    dist.get_rank(group) and dist.get_backend(group) fail on it. Built as
+    vLLM's init_gloo_process_group builds it, on a PrefixStore of the
+    default group's store."""
+    from datetime import timedelta
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import PrefixStore, ProcessGroup
+    store = PrefixStore("stateless-ep", c10d._get_default_store())
+    pg = ProcessGroup(store, rank, N)
+    backend = c10d.ProcessGroupGloo(store, rank, N, timeout=timedelta(seconds=60))
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    try:
+        torch.distributed.get_rank(pg)
+        raise RuntimeError("the stateless group is in torch's registry: the test would not "
+                           "test what it should")
+    except ValueError:
+        pass
+    return pg
+
+
+def vllm_calls(deep_ep, rank, N, group=None):
+    msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
+    group = torch.distributed.group.WORLD if group is None else group
 
     # at import, vLLM evaluates these annotations; DeepEP v2 is told by
     # ElasticBuffer, which this module must not have
@@ -152,36 +177,62 @@ def vllm_calls(deep_ep, rank, N):
     ccfg = deep_ep.Buffer.get_combine_config(N) if N in ok_sizes else None
     if not callable(buf.capture):
         msgs.append("Buffer.capture is not callable (vLLM's previous-event source)")
+    if dcfg is not None and dcfg.num_sms != 20:
+        msgs.append(f"get_dispatch_config after set_num_sms(20): num_sms {dcfg.num_sms}")
     previous_event = None
+    import warnings
+    caught = []
     for rnd in (1, 2):
+        if rnd == 2 and dcfg is not None:
+            # dual-batch overlap (ubatch_utils.py): fewer SMs for the
+            # communication from now on; the context keeps its own, with
+            # one warning
+            deep_ep.Buffer.set_num_sms(8)
+            dcfg, ccfg = (deep_ep.Buffer.get_dispatch_config(N),
+                          deep_ep.Buffer.get_combine_config(N))
         token_data, rank_topk_ids, rank_topk_weights = make_inputs(rank, 320 + rnd, T, H, E, K,
                                                                    dev)
         (num_tokens_per_rank, num_tokens_per_rdma_rank, dispatch_expert_num_tokens,
          is_token_in_rank, event) = buf.get_dispatch_layout(
             topk_idx=rank_topk_ids, num_experts=E, previous_event=previous_event,
             async_finish=False, allocate_on_comm_stream=False)
-        (x, expert_topk_ids, expert_topk_weights, expert_num_tokens_per_expert_list, handle,
-         event) = buf.dispatch(
-            x=token_data, handle=None, num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=dispatch_expert_num_tokens, topk_idx=rank_topk_ids,
-            topk_weights=rank_topk_weights, expert_alignment=1, config=dcfg,
-            previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            (x, expert_topk_ids, expert_topk_weights, expert_num_tokens_per_expert_list, handle,
+             event) = buf.dispatch(
+                x=token_data, handle=None, num_tokens_per_rank=num_tokens_per_rank,
+                num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+                is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=dispatch_expert_num_tokens, topk_idx=rank_topk_ids,
+                topk_weights=rank_topk_weights, expert_alignment=1, config=dcfg,
+                previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        caught += [str(m.message) for m in w if issubclass(m.category, RuntimeWarning)]
         if event.event is not None:
             event.current_stream_wait()
         ht_check(msgs, f"vLLM normal dispatch {rnd}", rank, N, E, token_data, rank_topk_ids,
                  rank_topk_weights, x, expert_topk_ids, expert_topk_weights,
                  expert_num_tokens_per_expert_list, 1)
         fused_expert_output = ht_experts(rank, N, E, x, expert_topk_ids, expert_topk_weights)
-        combined_x, _, event = buf.combine(
-            x=fused_expert_output, handle=handle, topk_weights=None, config=ccfg,
-            previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            combined_x, _, event = buf.combine(
+                x=fused_expert_output, handle=handle, topk_weights=None, config=ccfg,
+                previous_event=previous_event, async_finish=True, allocate_on_comm_stream=False)
+        caught += [str(m.message) for m in w if issubclass(m.category, RuntimeWarning)]
         if event.event is not None:
             event.current_stream_wait()
         err = combine_error(combined_x, combine_ref(token_data, rank_topk_ids,
                                                     rank_topk_weights, False))
         if err:
             msgs.append(f"vLLM normal combine {rnd}: {err}")
+    want = 1 if dcfg is not None else 0
+    if len(caught) != want or (want and "config.num_sms = 8" not in caught[0]):
+        msgs.append(f"set_num_sms(8) after the context was made with 20: warnings {caught}, "
+                    f"want {want} naming config.num_sms = 8")
+    ht = [ep for k, ep in buf._eps.items() if k[0] == "ht"]
+    if dcfg is not None and [ep.num_sms for ep in ht] != [20]:
+        msgs.append(f"normal-mode context SMs {[ep.num_sms for ep in ht]}, want [20] "
+                    f"(get_dispatch_config after set_num_sms(20))")
     deep_ep.Buffer.num_sms = sms
     buf.destroy()
     return msgs
@@ -220,8 +271,12 @@ def sglang_calls(rank, N):
             msgs.append(f"Buffer.num_sms unset: {num_sms!r}, want DeepEP's default 20")
     except TypeError as e:
         msgs.append(f"Buffer.num_sms unset ({num_sms!r}): SGLang's arithmetic fails: {e}")
-    buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True,
-                    num_qps_per_rank=num_qps_per_rank, allow_mnnvl=True)
+    buffer_kwargs = dict(low_latency_mode=True, num_qps_per_rank=num_qps_per_rank,
+                         allow_mnnvl=True)
+    buffer_kwargs["use_fabric"] = True  # SGLang on CUDA 13 with multi-node NVLink
+    buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, **buffer_kwargs)
+    if not buffer.use_fabric:
+        msgs.append("use_fabric=True: not kept as buffer.use_fabric")
     if not buffer.low_latency_mode or buffer.group_size != N:
         msgs.append(f"attributes: low_latency_mode {buffer.low_latency_mode}, "
                     f"group_size {buffer.group_size}")
@@ -285,6 +340,12 @@ def sglang_calls(rank, N):
         err = combine_error(combined_x, combine_ref(hidden_states, topk_ids, topk_weights, False))
         if err:
             msgs.append(f"SGLang normal combine align={align}: {err}")
+    # --deepep-config's num_sms reaches the kernels through config=, as in
+    # DeepEP (SGLang never calls set_num_sms)
+    got = sorted(ep.num_sms for k, ep in buffer._eps.items() if k[0] == "ht")
+    if got != [24]:
+        msgs.append(f"normal-mode contexts made with {got} SMs, want [24] "
+                    f"(normal_dispatch_config.num_sms)")
 
     # then decode: clean, and the low-latency calls on the same buffer
     buffer.clean_low_latency_buffer(T, H, E)
@@ -321,15 +382,20 @@ def normal_scales(deep_ep, rank, N):
     the caller's dtype (as DeepEP does): one per token (vLLM's per-token
     quantisation), UE8M0 exponents packed four to an int32 and laid out
     column-major with the token count padded (SGLang with DeepGEMM on
-    Blackwell), float32 per 128 channels column-major (Hopper)."""
+    Blackwell), float32 per 128 channels column-major (Hopper); and int8
+    rows with float32 scales per 128 channels (vLLM's block-quantized int8
+    models), returned as int8."""
     msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
     E, K, H, T = 4 * N, 3, 1024, 12
     El = E // N
     buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
     g = torch.Generator().manual_seed(77 + rank)
-    for kind, ns, dt, cols in (("per token", 1, torch.float32, False),
-                               ("UE8M0 packed, column-major", H // 512, torch.int32, True),
-                               ("per 128 channels, column-major", H // 128, torch.float32, True)):
+    f8 = torch.float8_e4m3fn
+    for kind, ns, dt, cols, xdt in (
+            ("per token", 1, torch.float32, False, f8),
+            ("UE8M0 packed, column-major", H // 512, torch.int32, True, f8),
+            ("per 128 channels, column-major", H // 128, torch.float32, True, f8),
+            ("int8 rows, per 128 channels", H // 128, torch.float32, False, torch.int8)):
         x, idx, w = make_inputs(rank, 400 + ns, T, H, E, K, dev)
         t = x.shape[0]
         x8 = torch.randint(0, 256, (t, H), generator=g, dtype=torch.uint8).to(dev)
@@ -343,12 +409,14 @@ def normal_scales(deep_ep, rank, N):
         sc = sc if dt == torch.int32 else sc.view(torch.float32)
         nr, nrdma, ne, inr, _ = buf.get_dispatch_layout(idx, E)
         (rx, rsc), ridx, rw, counts, handle, _ = buf.dispatch(
-            (x8.view(torch.float8_e4m3fn), sc), topk_idx=idx, topk_weights=w,
+            (x8.view(xdt), sc), topk_idx=idx, topk_weights=w,
             num_tokens_per_rank=nr, num_tokens_per_rdma_rank=nrdma, is_token_in_rank=inr,
             num_tokens_per_expert=ne)
         xs8, bs, ids = gather_all(N, x8, bits, idx)
         rows = [(s, tt) for s in range(N) for tt in range(ids[s].shape[0])
                 if ((ids[s][tt] >= rank * El) & (ids[s][tt] < rank * El + El)).any()]
+        if rx.dtype != xdt:
+            msgs.append(f"rows {kind}: came back as {rx.dtype}, want {xdt}")
         got = rsc.cpu()
         if rsc.dtype != dt or tuple(rsc.shape) != (len(rows), ns) or not rsc.is_contiguous():
             msgs.append(f"scales {kind}: got {rsc.dtype} {tuple(rsc.shape)} strides "
@@ -385,6 +453,9 @@ def rank_main(rank, N, port, q):
         if getattr(deep_ep, "backend", None) != "ferry":
             raise RuntimeError(f"deep_ep from {deep_ep.__file__} is not ferry's")
         msgs = [f"vLLM: {m}" for m in vllm_calls(deep_ep, rank, N)]
+        if not CUDA:  # vLLM's elastic EP: the same calls on a stateless gloo group
+            msgs += [f"vLLM, stateless EP group: {m}"
+                     for m in vllm_calls(deep_ep, rank, N, stateless_group(rank, N))]
         msgs += [f"SGLang: {m}" for m in sglang_calls(rank, N)]
         msgs += [f"normal-mode fp8 scales: {m}" for m in normal_scales(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()

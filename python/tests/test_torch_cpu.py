@@ -271,6 +271,15 @@ def ll_mask(deep_ep, rank, N, dev=torch.device("cpu"), shrink=False):
         except ferry.FerryError as e:
             if "out of step" not in str(e):
                 msgs.append(f"unmask after a timeout: {e}")
+        # vLLM's fault-tolerance retry cleans, then expects the query to
+        # read zeros: refused instead, naming the rank (a new Buffer)
+        try:
+            buf.low_latency_clean_mask_buffer()
+            msgs.append("clean after a timeout's mask: accepted, though the rank stays masked")
+        except ferry.FerryError as e:
+            if f"rank(s) {victim} masked by a wait that timed out" not in str(e) or \
+                    "make a new Buffer" not in str(e):
+                msgs.append(f"clean after a timeout's mask: {e}")
     else:
         try:
             buf.low_latency_clean_mask_buffer()
