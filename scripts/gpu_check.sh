@@ -22,13 +22,21 @@ FILTER=${1:-^gpu}
 B=${2:-build}
 LF_PREFIX=${LF_PREFIX:-/tmp/lf}
 t0=$(date +%s)
+keep="" src="" mps=0
+cleanup() {
+  [ "$mps" -eq 1 ] && echo quit | nvidia-cuda-mps-control
+  rm -rf "$keep" "$src"
+}
+trap cleanup EXIT
 if [ -n "${FERRY_FABRIC_LIB:-}" ]; then
+  [ -d "$FERRY_FABRIC_LIB" ] || { echo "gpu_check: FERRY_FABRIC_LIB=$FERRY_FABRIC_LIB: no such folder"; exit 2; }
   keep=$(mktemp -d)
   for f in "$FERRY_FABRIC_LIB"/*; do
+    [ -e "$f" ] || continue
     b=$(basename "$f")
     case "$b" in libfabric.so*) cp -a "$f" "$keep/"; continue;; esac
     # the machine's own copy, where the dynamic linker finds one
-    ldconfig -p 2>/dev/null | grep -q "^[[:space:]]*$b " || cp -a "$f" "$keep/"
+    ldconfig -p 2>/dev/null | grep -qF "	$b " || cp -a "$f" "$keep/"
   done
   export LD_LIBRARY_PATH=$keep${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
@@ -36,10 +44,10 @@ if [ -n "${LIBFABRIC_TARBALL:-}" ] && [ ! -e "$LF_PREFIX/lib/libfabric.so.1" ]; 
   src=$(mktemp -d)
   echo "gpu_check: building libfabric with CUDA into $LF_PREFIX"
   if ! ( tar xzf "$LIBFABRIC_TARBALL" -C "$src" && cd "$src"/libfabric-* &&
-         env -u LD_LIBRARY_PATH ./configure --prefix="$LF_PREFIX" --with-cuda=/usr/local/cuda \
+         env -u LD_LIBRARY_PATH ./configure --prefix="$LF_PREFIX" --with-cuda="${CUDA_HOME:-/usr/local/cuda}" \
              --disable-psm3 --disable-opx > "$src/configure.log" 2>&1 &&
          env -u LD_LIBRARY_PATH make -j"$(nproc)" install > "$src/make.log" 2>&1 ); then
-    echo "gpu_check: the libfabric build failed (logs in $src): the GPU-memory cases will skip"
+    echo "gpu_check: the libfabric build failed: the GPU-memory cases will skip"
     tail -n 5 "$src"/configure.log "$src"/make.log 2>/dev/null
   fi
 fi
@@ -47,13 +55,12 @@ if [ -e "$LF_PREFIX/lib/libfabric.so.1" ]; then
   export FERRY_HMEM_LIBFABRIC=$LF_PREFIX/lib
   # what the CUDA build links against is found on the machine: drop the
   # folder's copies of those (an older libefa there fails to load it)
-  if [ -n "${keep:-}" ]; then
+  if [ -n "$keep" ]; then
     for b in $(env -u LD_LIBRARY_PATH ldd "$LF_PREFIX/lib/libfabric.so.1" | awk '/=> \//{print $1}'); do
       rm -f "$keep/$b"
     done
   fi
 fi
-mps=0
 if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d 2>/dev/null; then
   mps=1
 fi
@@ -61,6 +68,5 @@ fi
 FERRY_TEST_LIMIT_S=${CASE_LIMIT_S:-120} FERRY_TEST_FILTER="$FILTER" \
   timeout -k 5 "${TOTAL_S:-600}" tests/run.sh "$B" < /dev/null
 rc=$?
-[ $mps -eq 1 ] && echo quit | nvidia-cuda-mps-control
 echo "gpu_check: $(( $(date +%s) - t0 )) s, exit $rc"
 exit $rc

@@ -70,6 +70,12 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+def _as_list(a):
+    """A numpy array's or a tensor's values as a list of ints (a CUDA tensor
+    in one copy)."""
+    return [int(v) for v in (a.tolist() if hasattr(a, "tolist") else a)]
+
+
 def _tensor(t, name, dtype=None, shape=None):
     """t is a torch tensor (of dtype and shape: None or a str entry any size,
     a str naming it in the message); the message is built only when a check
@@ -683,7 +689,12 @@ class Buffer:
         take the SMs of the config given to a shape's first call; ferry's
         high-throughput engine sizes its own rings (ring_tokens)."""
         n = Buffer.num_sms
-        return Config(num_sms=_UnsetSms(20) if n is None else n)
+        try:  # set_num_sms takes positive ints only; anything else set by hand: unset
+            n = operator.index(n) if n is not None and not isinstance(n, (bool, _UnsetSms)) \
+                else None
+        except TypeError:
+            n = None
+        return Config(num_sms=_UnsetSms(20) if n is None or n < 1 else n)
 
     @staticmethod
     def get_combine_config(num_ranks):
@@ -720,14 +731,17 @@ class Buffer:
     def _config_sms(config, what):
         """The SMs a Config passed to dispatch or combine asks for, or None
         (no config, or its num_sms unset)."""
-        if config is None:
-            return None
         n = getattr(config, "num_sms", None)
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"ferry.deep_ep.Buffer.{what}: config: expected a deep_ep.Config "
-                            f"(or None), got {type(config).__name__}"
-                            + (f" with num_sms {n!r}" if n is not None else ""))
-        return None if type(n) is _UnsetSms or n < 1 else int(n)
+        if n is None or type(n) is _UnsetSms:  # no config, or one that sets no SMs
+            return None
+        try:
+            v = operator.index(n)  # ints, numpy ints; not floats
+        except TypeError:
+            v = None
+        if v is None or isinstance(n, bool):
+            raise TypeError(f"ferry.deep_ep.Buffer.{what}: config.num_sms: expected an int, got "
+                            f"{n!r}")
+        return v if v >= 1 else None
 
     def _ht_sms_check(self, ep, sms, what):
         """A normal-mode context's SMs are fixed when it is made (its rings
@@ -1041,7 +1055,7 @@ class Buffer:
         mask = bool(mask)
         done = []  # all the contexts or none: a refusal takes back what changed
         try:
-            for ep in self._eps.values():
+            for ep in self._ll_eps():
                 if bool(int(ep.mask_query()[rank_to_mask])) == mask:
                     continue  # already so (set here, or by a wait with enable_shrink)
                 ep.mask_rank(rank_to_mask, mask)
@@ -1068,7 +1082,7 @@ class Buffer:
         for r in sorted(self._masked):
             mask_status[r] = 1
         if self.enable_shrink:
-            for ep in self._eps.values():  # a context's own finds
+            for ep in self._ll_eps():  # a context's own finds
                 m = ep.mask_query()
                 m = torch.from_numpy(m) if not isinstance(m, torch.Tensor) else m
                 mask_status.copy_(torch.maximum(mask_status, m.to(mask_status.device)))
@@ -1084,14 +1098,19 @@ class Buffer:
         for r in sorted(self._masked):
             self.low_latency_update_mask_buffer(r, False)
         if self.enable_shrink:
-            left = sorted({r for ep in self._eps.values()
-                           for r, m in enumerate(ep.mask_query()) if int(m)})
+            left = sorted({r for ep in self._ll_eps()
+                           for r, m in enumerate(_as_list(ep.mask_query())) if m})
             if left:
                 raise FerryError(-9, f"low_latency_clean_mask_buffer: rank(s) "
                                      f"{', '.join(map(str, left))} masked by a wait that timed "
                                      f"out (enable_shrink): ferry cannot readmit a rank into "
                                      f"contexts that ran rounds without it; make a new Buffer "
                                      f"(collective) to run with every rank again")
+
+    def _ll_eps(self):
+        """The low-latency contexts (the masks are theirs; the normal-mode
+        engine masks no ranks)."""
+        return [ep for k, ep in self._eps.items() if k[0] != "ht"]
 
     def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False, ue8m0=False):
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)

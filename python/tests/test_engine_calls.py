@@ -446,6 +446,43 @@ def normal_scales(deep_ep, rank, N):
     return msgs
 
 
+def masks_beside_normal(deep_ep, rank, N):
+    """The mask calls on a Buffer that also ran normal mode (SGLang's auto
+    mode, vLLM's fault tolerance with enable_shrink): they concern the
+    low-latency contexts only, and must not fail on the normal-mode one
+    (whose engine masks no ranks)."""
+    msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
+    E, K, H, T = 4 * N, 3, 512, 8
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=True,
+                         enable_shrink=True)
+    x, idx, w = make_inputs(rank, 420, T, H, E, K, dev)
+    nr, nrdma, ne, inr, _ = buf.get_dispatch_layout(idx, E)
+    rx, ridx, rw, counts, handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=nr, num_tokens_per_rdma_rank=nrdma,
+        is_token_in_rank=inr, num_tokens_per_expert=ne)
+    buf.combine(ht_experts(rank, N, E, rx, ridx, rw), handle)
+    st = torch.full((N,), 7, dtype=torch.int32, device=dev)
+    try:
+        buf.low_latency_query_mask_buffer(st)
+        if st.tolist() != [0] * N:
+            msgs.append(f"query: {st.tolist()}, want zeros")
+        if N > 1:  # masked and unmasked before any low-latency round: allowed
+            peer = (rank + 1) % N
+            buf.low_latency_update_mask_buffer(peer, True)
+            buf.low_latency_query_mask_buffer(st)
+            if st.tolist() != [int(r == peer) for r in range(N)]:
+                msgs.append(f"query after masking rank {peer}: {st.tolist()}")
+            buf.low_latency_update_mask_buffer(peer, False)
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(st)
+        if st.tolist() != [0] * N:
+            msgs.append(f"query after clean: {st.tolist()}, want zeros")
+    except Exception as e:
+        msgs.append(f"mask calls after a normal-mode round: {e!r}")
+    buf.destroy()
+    return msgs
+
+
 def rank_main(rank, N, port, q):
     try:
         torch_init(rank, N, port)
@@ -458,6 +495,7 @@ def rank_main(rank, N, port, q):
                      for m in vllm_calls(deep_ep, rank, N, stateless_group(rank, N))]
         msgs += [f"SGLang: {m}" for m in sglang_calls(rank, N)]
         msgs += [f"normal-mode fp8 scales: {m}" for m in normal_scales(deep_ep, rank, N)]
+        msgs += [f"masks beside normal mode: {m}" for m in masks_beside_normal(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

@@ -42,7 +42,8 @@ void fr_ahead_free(fr_ahead_t *a);
  * is the engine's error check, polled while waiting. */
 int fr_ahead_wait(ferry_ep_t ep, fr_ahead_t *a, uint64_t k, void *stream, const char *call,
                   int (*check)(ferry_ep_t ep));
-/* After combine k was launched on `stream`. */
+/* After combine k was launched on `stream` and its launch checked (a
+ * failed record clears CUDA's last error). */
 void fr_ahead_mark(fr_ahead_t *a, uint64_t k, void *stream);
 
 #ifdef __cplusplus

@@ -88,8 +88,9 @@ int ferry_sig_put(ferry_sig_t s, int peer, uint64_t dst_off, uint64_t src_off,
     if (rc != FERRY_OK)
         return rc;
     if (s->failed)
-        return fr_sig_fail(s, s->failed, "put: the context failed before: "
-                                         "%s", s->async.msg);
+        return fr_sig_fail(s, s->failed, "put: the context failed before: %s",
+                           fr_async_status(&s->async) != FERRY_OK ? s->async.msg
+                                                                  : ferry_strerror(s->failed));
     ferry_sig_ring_t *rg = s->ring;
     uint64_t i = __atomic_fetch_add(&rg->tail, 1, __ATOMIC_ACQ_REL);
     uint64_t iter = 0, deadline = 0;

@@ -729,9 +729,11 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
         fr_cuht_combine_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else
         fr_cuht_combine_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    fr_ahead_mark(&c->ahead, c->ncomb++, in->stream);
     fr_cuht_route_used(route, in->stream);
-    return fr_cuht_launch_check(ep, call);
+    rc = fr_cuht_launch_check(ep, call);
+    /* after the launch check: a failed record clears CUDA's last error */
+    fr_ahead_mark(&c->ahead, c->ncomb++, in->stream);
+    return rc;
 }
 
 extern "C" int fr_cuht_load_stream(void)
