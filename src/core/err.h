@@ -37,6 +37,10 @@ typedef struct fr_async_err {
 /* Set a (code, peer, the formatted message) unless another error was set
  * first: 1 when this call set it, else 0. Safe from any thread. */
 int fr_async_set(fr_async_err_t *a, int code, int peer, const char *fmt, va_list ap);
+/* fr_async_set, and the message logged at WARN under subsystem `sub`
+ * (core/log.h) when this call set it. */
+int fr_async_fail(fr_async_err_t *a, int sub, int code, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 static inline int fr_async_status(const fr_async_err_t *a)
 {

@@ -1,6 +1,7 @@
 #include <stdio.h>
 
 #include "err.h"
+#include "log.h"
 
 const char *ferry_strerror(int status)
 {
@@ -43,4 +44,15 @@ int fr_async_set(fr_async_err_t *a, int code, int peer, const char *fmt, va_list
     __atomic_store_n(&a->status, code == FERRY_OK ? FERRY_ERR_INTERNAL : code,
                      __ATOMIC_RELEASE);
     return 1;
+}
+
+int fr_async_fail(fr_async_err_t *a, int sub, int code, int peer, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int set = fr_async_set(a, code, peer, fmt, ap);
+    va_end(ap);
+    if (set)
+        FR_LOG_WARN(sub, "%s", a->msg);
+    return set;
 }

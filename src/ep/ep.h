@@ -16,6 +16,7 @@
 #include "bootstrap/bootstrap.h"
 #include "bootstrap/comm.h"
 #include "core/err.h"
+#include "core/log.h"
 #include "core/layout.h"
 #include "runtime/rt.h"
 #include "transport/nics.h"
@@ -175,8 +176,8 @@ void fr_ep_segments_close(ferry_ep_t ep);
 
 /* The EP's asynchronous error (a proxy or fabric thread's), kept when one
  * is already set; the next call reports it. Logged at WARN. */
-void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+#define fr_ep_async_fail(ep, code, peer, ...) \
+    fr_async_fail(&(ep)->async, FR_SUB_PROXY, (code), (peer), __VA_ARGS__)
 
 /* The asynchronous error, when one is set, made the EP's error (a dead
  * rank it blames named: FERRY_ERR_PEER); FERRY_OK when none. */

@@ -231,16 +231,6 @@ static int fr_wait_flags_loop(ferry_ep_t ep, int phase, int set, uint64_t epoch,
 }
 
 
-void fr_ep_async_fail(ferry_ep_t ep, int code, int peer, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int set = fr_async_set(&ep->async, code, peer, fmt, ap);
-    va_end(ap);
-    if (set)
-        FR_LOG_WARN(FR_SUB_PROXY, "%s", ep->async.msg);
-}
-
 int fr_ep_async_check(ferry_ep_t ep)
 {
     int st = fr_async_status(&ep->async);

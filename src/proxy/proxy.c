@@ -267,14 +267,7 @@ int fr_proxy_start(ferry_ep_t ep)
         fr_proxy_tables_free(p);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy peer tables");
     }
-    for (int k = 0; k < ep->nics.n; k++)
-        for (int i = 0; i < ep->groups.n[k]; i++) {
-            int g = ep->groups.idx[k][i];
-            if (g >= 0 && g < ep->nfabric) {
-                p->gnic[g] = k;
-                p->gpos[g] = i;
-            }
-        }
+    fr_nics_groups_places(&ep->nics, &ep->groups, ep->nfabric, p->gnic, p->gpos);
     if (ep->ready) {
         p->ready_seen = calloc(2 * FR_NSETS * (size_t)nf, sizeof(uint64_t));
         if (!p->ready_seen) {

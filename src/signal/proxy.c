@@ -6,7 +6,6 @@
  * few mailbox writes as credits and the strategy allow, and counts local
  * completions. Arrivals go to rx.c.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,16 +14,6 @@
 #include "runtime/rt.h"
 #include "signal/sig_int.h"
 #include "signal/signal.h"
-
-void fr_sig_async(ferry_sig_t s, int code, int peer, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int set = fr_async_set(&s->async, code, peer, fmt, ap);
-    va_end(ap);
-    if (set)
-        FR_LOG_WARN(FR_SUB_SIG, "%s", s->async.msg);
-}
 
 static int fr_sig_fifo_push(fr_sig_fifo_t *f, const fr_sig_item_t *it)
 {

@@ -47,6 +47,7 @@
 #include "ferry_signal.h"
 #include "bootstrap/comm.h"
 #include "core/err.h"
+#include "core/log.h"
 #include "transport/nics.h"
 
 #define FR_SIG_RING 4096          /* request slots (power of two) */
@@ -195,8 +196,8 @@ static inline void fr_sig_apply(ferry_sig_t s, uint32_t idx, uint32_t op,
 
 /* The proxy's first asynchronous error (later ones are dropped); the
  * host-side calls report it (proxy.c). */
-void fr_sig_async(ferry_sig_t s, int code, int peer, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+#define fr_sig_async(s, code, peer, ...) \
+    fr_async_fail(&(s)->async, FR_SUB_SIG, (code), (peer), __VA_ARGS__)
 
 /* The proxy thread (proxy.c). */
 void *fr_sig_main(void *arg);

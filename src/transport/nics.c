@@ -144,6 +144,19 @@ void fr_nics_groups_destroy(fr_nics_t *x, fr_nic_groups_t *g)
     memset(g, 0, sizeof(*g));
 }
 
+void fr_nics_groups_places(const fr_nics_t *x, const fr_nic_groups_t *g, int npeers, int *nic,
+                           int *pos)
+{
+    for (int k = 0; k < x->n; k++)
+        for (int i = 0; i < g->n[k]; i++) {
+            int p = g->idx[k][i];
+            if (p >= 0 && p < npeers) {
+                nic[p] = k;
+                pos[p] = i;
+            }
+        }
+}
+
 void fr_nics_close(fr_nics_t *x)
 {
     for (int k = 0; k < FR_MAX_NICS; k++)

@@ -64,6 +64,11 @@ int fr_nics_groups(fr_nics_t *x, const int *peers, int npeers,
                    const fr_nic_region_t *src, const fr_nic_region_t *dst,
                    fr_nic_groups_t *g, fr_err_t *err);
 void fr_nics_groups_destroy(fr_nics_t *x, fr_nic_groups_t *g);
+/* For each of the npeers peers of the caller's list, the NIC whose group
+ * holds it (nic[p]) and its place in that group (pos[p]); peers in no
+ * group are left as they are. */
+void fr_nics_groups_places(const fr_nics_t *x, const fr_nic_groups_t *g, int npeers, int *nic,
+                           int *pos);
 void fr_nics_close(fr_nics_t *x);
 
 /* The NIC's interface name, for logs. */

@@ -60,19 +60,6 @@ static size_t fr_fab_ix(const fr_cuht_fab_t *f, int k, int g, int c)
     return ((size_t)k * (size_t)f->nf + (size_t)g) * (size_t)f->G.C + (size_t)c;
 }
 
-/* Each fabric peer's NIC and place in that NIC's group. */
-static void fr_fab_where(ferry_ep_t ep, fr_cuht_fab_t *f)
-{
-    for (int k = 0; k < ep->nics.n; k++)
-        for (int i = 0; i < ep->groups.n[k]; i++) {
-            int g = ep->groups.idx[k][i];
-            if (g >= 0 && g < f->nf) {
-                f->gnic[g] = k;
-                f->gpos[g] = i;
-            }
-        }
-}
-
 int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
     size_t nf = (size_t)ep->nfabric, C = (size_t)f->G.C, RT = (size_t)f->G.RT;
@@ -88,7 +75,7 @@ int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
     if (!f->gnic || !f->gpos || !f->posted || !f->cred || !f->tail || !f->head ||
         !f->landed || !f->nsent || !f->nlast)
         return FERRY_ERR_NOMEM;
-    fr_fab_where(ep, f);
+    fr_nics_groups_places(&ep->nics, &ep->groups, f->nf, f->gnic, f->gpos);
     return FERRY_OK;
 }
 
