@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "bootstrap.h"
+#include "hmac.h"
 
 enum fr_boot_kind { FR_BOOT_SINGLE = 1, FR_BOOT_TCP = 2, FR_BOOT_CALLBACK = 3 };
 
@@ -20,17 +21,35 @@ enum fr_conn_state {
     FR_CONN_DESYNC = 4  /* a frame was cut by a deadline: stream unusable */
 };
 
+/* One direction of a sealed connection (tcp_seal.c): the key of the
+ * frames' tags, the key of their keystream, and how many frames went. */
+typedef struct fr_seal_dir {
+    fr_hmac_key_t mac, enc;
+    uint64_t n;
+} fr_seal_dir_t;
+
+/* Both directions; on = 0 until the handshake made the keys. */
+typedef struct fr_seal {
+    int on;
+    fr_seal_dir_t tx, rx;
+} fr_seal_t;
+
 typedef struct fr_conn {
     int fd;
     int state;
     int pid;
+    char peer[64];   /* the other end's "ip:port", for messages */
+    fr_seal_t seal;  /* every frame after the hello is sealed */
 } fr_conn_t;
 
 /* Wire frames: {u32 type, u32 len} then len bytes of payload. Start-up
- * (tcp_auth.c): CHALLENGE, NONCE, PROOF, HELLO, ACK, then READY or ABORT. */
+ * (tcp_auth.c): CHALLENGE, NONCE, PROOF, HELLO, ACK, then READY or ABORT.
+ * Once the root sent its proof (on its side) and the rank checked it (on
+ * the rank's), every frame is sealed (tcp_seal.c): the payload encrypted,
+ * then a 32-byte tag after it. */
 enum fr_frame_type {
     FR_MSG_HELLO = 0x101,   /* rank -> root: fr_hello_t, with its MAC */
-    FR_MSG_READY = 0x102,   /* root -> rank: everyone arrived */
+    FR_MSG_READY = 0x102,   /* root -> rank: everyone arrived; group key */
     FR_MSG_ABORT = 0x103,   /* root -> rank: i32 status, then text */
     FR_MSG_DATA = 0x104,    /* rank -> root: u64 seq, block */
     FR_MSG_ALL = 0x105,     /* root -> rank: u64 seq, [size][len] */
@@ -45,7 +64,7 @@ enum fr_frame_type {
 };
 
 #define FR_BOOT_MAGIC 0x46524259u /* "FRBY" */
-#define FR_BOOT_WIRE_VERSION 3u
+#define FR_BOOT_WIRE_VERSION 4u
 #define FR_BOOT_NONCE_LEN 32
 #define FR_BOOT_MAC_LEN 32
 
@@ -92,6 +111,7 @@ struct fr_boot {
     int watcher_on;
     int stop;                /* atomic: watcher should exit */
     unsigned char key[32];   /* job key, during start-up only (then wiped) */
+    fr_hmac_key_t group;     /* keystream key of ALL frames (from READY) */
 };
 
 /* tcp.c */

@@ -36,6 +36,10 @@ typedef struct fr_boot_env {
     int has_key;        /* key: SHA-256 of FERRY_SECRET; else (local jobs)
                            a per-user key file is made at the rendezvous */
     unsigned char key[32];
+    char job[200];      /* the job's id among this user's local jobs (the
+                           key file's name): FERRY_JOB_ID, the launcher's,
+                           else "ppid:<parent pid>" */
+    const char *job_from; /* where job came from, for messages */
 } fr_boot_env_t;
 
 /* Read the environment; FERRY_ERR_INVALID naming the variable when absent

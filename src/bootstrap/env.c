@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../core/config.h"
 #include "../core/log.h"
@@ -219,6 +220,35 @@ static int fr_env_root(fr_boot_env_t *env, long size, fr_err_t *err)
     return FERRY_OK;
 }
 
+/* The job's id among this user's local jobs: every rank of one job gets
+ * the same, two jobs running at once get different ones. */
+static void fr_env_job(fr_boot_env_t *env)
+{
+    const char *v, *step;
+    const char *mine = fr_cfg_str(FR_CFG_JOB_ID);
+    if (mine && *mine) {
+        snprintf(env->job, sizeof(env->job), "ferry:%s", mine);
+        env->job_from = fr_cfg_name(FR_CFG_JOB_ID);
+    } else if ((v = fr_env("PMIX_NAMESPACE"))) {
+        snprintf(env->job, sizeof(env->job), "pmix:%s", v);
+        env->job_from = "PMIX_NAMESPACE";
+    } else if ((v = fr_env("OMPI_MCA_ess_base_jobid"))) {
+        snprintf(env->job, sizeof(env->job), "ompi:%s", v);
+        env->job_from = "OMPI_MCA_ess_base_jobid";
+    } else if ((v = fr_env("SLURM_JOB_ID"))) {
+        step = fr_env("SLURM_STEP_ID");
+        snprintf(env->job, sizeof(env->job), "slurm:%s.%s", v,
+                 step ? step : "");
+        env->job_from = "SLURM_JOB_ID";
+    } else if ((v = fr_env("TORCHELASTIC_RUN_ID")) && strcmp(v, "none")) {
+        snprintf(env->job, sizeof(env->job), "torchrun:%s", v);
+        env->job_from = "TORCHELASTIC_RUN_ID";
+    } else {
+        snprintf(env->job, sizeof(env->job), "ppid:%ld", (long)getppid());
+        env->job_from = "the parent process";
+    }
+}
+
 int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
 {
     if (!env)
@@ -290,12 +320,14 @@ int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)
     env->local = fr_env_all_local(size) || fr_host_is_loopback(env->root_host);
     if ((rc = fr_env_secret(env, err)) != FERRY_OK)
         return rc;
+    fr_env_job(env);
     FR_LOG_INFO(FR_SUB_BOOT,
                 "bootstrap env (%s): rank %d of %d, root %s:%d, %s, secret "
-                "from %s",
+                "from %s%s%s",
                 env->source, env->rank, env->size, env->root_host,
                 env->root_port, env->local ? "all ranks local" : "multi-host",
                 env->has_key ? fr_cfg_name(FR_CFG_SECRET)
-                             : "a per-user key file");
+                             : "a per-user key file",
+                env->has_key ? "" : " of job ", env->has_key ? "" : env->job);
     return FERRY_OK;
 }

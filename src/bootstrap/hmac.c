@@ -107,32 +107,77 @@ void fr_sha256(const void *p, size_t n, unsigned char out[FR_SHA256_LEN])
     fr_sha256_final(&s, out);
 }
 
-void fr_hmac_sha256(const void *key, size_t klen, const fr_hmac_part_t *parts,
-                    int nparts, unsigned char out[FR_SHA256_LEN])
+void fr_hmac_key_init(fr_hmac_key_t *k, const void *key, size_t klen)
 {
-    unsigned char k0[64], pad[64], inner[FR_SHA256_LEN];
+    unsigned char k0[64], pad[64];
     memset(k0, 0, sizeof(k0));
     if (klen > 64)
         fr_sha256(key, klen, k0);
     else if (klen > 0)
         memcpy(k0, key, klen);
-    fr_sha256_t s;
     for (int i = 0; i < 64; i++)
         pad[i] = k0[i] ^ 0x36;
-    fr_sha256_init(&s);
-    fr_sha256_update(&s, pad, 64);
+    fr_sha256_init(&k->in);
+    fr_sha256_update(&k->in, pad, 64);
+    for (int i = 0; i < 64; i++)
+        pad[i] = k0[i] ^ 0x5c;
+    fr_sha256_init(&k->out);
+    fr_sha256_update(&k->out, pad, 64);
+    fr_boot_wipe(k0, sizeof(k0));
+    fr_boot_wipe(pad, sizeof(pad));
+}
+
+void fr_hmac_key_mac(const fr_hmac_key_t *k, const fr_hmac_part_t *parts,
+                     int nparts, unsigned char out[FR_SHA256_LEN])
+{
+    unsigned char inner[FR_SHA256_LEN];
+    fr_sha256_t s = k->in;
     for (int i = 0; i < nparts; i++)
         fr_sha256_update(&s, parts[i].p, parts[i].n);
     fr_sha256_final(&s, inner);
-    for (int i = 0; i < 64; i++)
-        pad[i] = k0[i] ^ 0x5c;
-    fr_sha256_init(&s);
-    fr_sha256_update(&s, pad, 64);
+    s = k->out;
     fr_sha256_update(&s, inner, sizeof(inner));
     fr_sha256_final(&s, out);
-    fr_boot_wipe(k0, sizeof(k0));
-    fr_boot_wipe(pad, sizeof(pad));
     fr_boot_wipe(inner, sizeof(inner));
+    fr_boot_wipe(&s, sizeof(s));
+}
+
+void fr_hmac_sha256(const void *key, size_t klen, const fr_hmac_part_t *parts,
+                    int nparts, unsigned char out[FR_SHA256_LEN])
+{
+    fr_hmac_key_t k;
+    fr_hmac_key_init(&k, key, klen);
+    fr_hmac_key_mac(&k, parts, nparts, out);
+    fr_boot_wipe(&k, sizeof(k));
+}
+
+static void fr_put_le64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+void fr_hmac_stream_xor(const fr_hmac_key_t *k, uint64_t nonce, uint64_t off,
+                        void *p, size_t n)
+{
+    unsigned char *q = p, in[16], ks[FR_SHA256_LEN];
+    fr_hmac_part_t part = {in, sizeof(in)};
+    fr_put_le64(in, nonce);
+    while (n > 0) {
+        uint64_t blk = off / FR_SHA256_LEN;
+        size_t at = (size_t)(off % FR_SHA256_LEN);
+        size_t take = FR_SHA256_LEN - at;
+        if (take > n)
+            take = n;
+        fr_put_le64(in + 8, blk);
+        fr_hmac_key_mac(k, &part, 1, ks);
+        for (size_t i = 0; i < take; i++)
+            q[i] ^= ks[at + i];
+        q += take;
+        n -= take;
+        off += take;
+    }
+    fr_boot_wipe(ks, sizeof(ks));
 }
 
 int fr_boot_ct_equal(const void *a, const void *b, size_t n)

@@ -2,7 +2,9 @@
  * Small cryptographic helpers of the bootstrap's authentication: SHA-256
  * (FIPS 180-4), HMAC-SHA256 (RFC 2104), a constant-time comparison, random
  * bytes from the kernel (getrandom, else /dev/urandom) and a wipe that the
- * compiler keeps. Enough to prove knowledge of a job secret; no cipher.
+ * compiler keeps; a key made ready once for many HMACs, and a keystream of
+ * HMAC-SHA256 in counter mode (HMAC as the pseudo-random function) that
+ * seals the bootstrap's frames (tcp_seal.c).
  */
 #ifndef FR_BOOT_HMAC_H
 #define FR_BOOT_HMAC_H
@@ -31,6 +33,22 @@ typedef struct fr_hmac_part {
 } fr_hmac_part_t;
 void fr_hmac_sha256(const void *key, size_t klen, const fr_hmac_part_t *parts,
                     int nparts, unsigned char out[FR_SHA256_LEN]);
+
+/* An HMAC-SHA256 key made ready once: the hash states after the inner and
+ * outer pads, so each MAC costs only its message and one more block. */
+typedef struct fr_hmac_key {
+    fr_sha256_t in, out;
+} fr_hmac_key_t;
+void fr_hmac_key_init(fr_hmac_key_t *k, const void *key, size_t klen);
+void fr_hmac_key_mac(const fr_hmac_key_t *k, const fr_hmac_part_t *parts,
+                     int nparts, unsigned char out[FR_SHA256_LEN]);
+
+/* XOR the n bytes at p with the keystream whose block i (32 bytes) is
+ * HMAC(k, nonce | i), both as little-endian u64, starting at byte off of
+ * the stream. Encrypts and decrypts alike; a (key, nonce) pair must never
+ * serve two messages. */
+void fr_hmac_stream_xor(const fr_hmac_key_t *k, uint64_t nonce, uint64_t off,
+                        void *p, size_t n);
 
 /* 1 when a and b hold the same n bytes; time depends on n only. */
 int fr_boot_ct_equal(const void *a, const void *b, size_t n);

@@ -30,7 +30,13 @@
 #define FR_MAX_PENDING 64     /* accepted sockets not yet authenticated */
 
 /* Outcome of a deadline-bound send or receive. */
-enum { FR_IO_OK = 0, FR_IO_TIMEOUT = 1, FR_IO_EOF = 2, FR_IO_ERR = 3 };
+enum {
+    FR_IO_OK = 0,
+    FR_IO_TIMEOUT = 1,
+    FR_IO_EOF = 2,
+    FR_IO_ERR = 3,
+    FR_IO_FORGED = 4 /* a sealed frame's tag did not match */
+};
 
 /* What fr_boot_peek found at the head of a stream. */
 enum {
@@ -43,6 +49,10 @@ enum {
 /* tcp_io.c: time and raw I/O. */
 int fr_boot_left_ms(int64_t deadline);
 int fr_boot_wait_fd(int fd, short ev, int64_t deadline);
+/* Send p1, p2, p3 (any of them empty) as one stream before deadline. */
+int fr_boot_sendv3(int fd, const void *p1, size_t l1, const void *p2,
+                   size_t l2, const void *p3, size_t l3, int64_t deadline,
+                   size_t *moved);
 int fr_boot_send_frame(int fd, uint32_t type, const void *p1, size_t l1,
                        const void *p2, size_t l2, int64_t deadline,
                        size_t *moved);
@@ -58,6 +68,47 @@ const char *fr_boot_io_str(int io);
 /* tcp.c: dead ranks. */
 void fr_boot_record_dead(fr_boot_t *b, int r);
 int fr_boot_err_dead(fr_boot_t *b, fr_err_t *err);
+
+/* tcp_seal.c: sealed frames, {type, len} + payload encrypted + tag. */
+#define FR_SEAL_TAG_LEN 32
+/* Both directions' keys of a connection whose handshake used nonces nr
+ * (the root's) and nl (the rank's) under the job key; root: this end is
+ * the root. */
+void fr_boot_seal_keys(fr_seal_t *s, const unsigned char *key,
+                       const unsigned char *nr, const unsigned char *nl,
+                       int root);
+void fr_boot_seal_wipe(fr_seal_t *s);
+/* The whole wire frame into out (room for 8 + len + FR_SEAL_TAG_LEN);
+ * its length. Spends a frame number. */
+size_t fr_boot_seal_frame(fr_seal_t *s, uint32_t type, const void *p,
+                          size_t len, unsigned char *out);
+/* Send a sealed frame of p1[l1] then p2[l2]; the frame number is spent
+ * only when some of it left (*moved > 0). */
+int fr_boot_seal_send(fr_conn_t *c, uint32_t type, const void *p1, size_t l1,
+                      const void *p2, size_t l2, int64_t deadline,
+                      size_t *moved);
+/* An ALL payload sealed once for every rank: the u64 seq in the clear,
+ * then the array under the group key with the seq as nonce. */
+typedef struct fr_sealed_all {
+    unsigned char *body;
+    size_t len;
+    unsigned char digest[FR_SHA256_LEN];
+} fr_sealed_all_t;
+int fr_boot_seal_all(const fr_hmac_key_t *group, uint64_t seq,
+                     const void *data, size_t n, fr_sealed_all_t *a);
+int fr_boot_seal_send_all(fr_conn_t *c, const fr_sealed_all_t *a,
+                          int64_t deadline, size_t *moved);
+/* The payload of the sealed frame whose header h was just read: into
+ * d1[n1] then d2[n2] (n1 + n2 == h->len), or discarded when d1 is NULL;
+ * then its tag. FR_IO_FORGED: the tag does not match (what landed in d1
+ * and d2 is garbage). group: an ALL payload (d1: its 8-byte seq). */
+int fr_boot_open_body(fr_conn_t *c, const fr_frame_hdr_t *h, void *d1,
+                      size_t n1, void *d2, size_t n2,
+                      const fr_hmac_key_t *group, int64_t deadline);
+/* A whole sealed frame already in memory (header, payload, tag): its
+ * payload opened into out (n bytes, the header's length). */
+int fr_boot_open_mem(fr_seal_t *s, const unsigned char *frame, void *out,
+                     size_t n);
 
 /* tcp_auth.c: the MACs (key: 32 bytes; out: FR_BOOT_MAC_LEN). */
 void fr_boot_mac_root(const unsigned char *key, const unsigned char *nr,
@@ -75,6 +126,7 @@ typedef struct fr_pend {
     unsigned char buf[sizeof(fr_frame_hdr_t) + sizeof(fr_hello_t)];
     size_t have;            /* bytes of the owed frame in buf */
     char peer[64];          /* "ip:port" */
+    fr_seal_t seal;         /* on once the proof went: later frames sealed */
 } fr_pend_t;
 
 typedef struct fr_meet {

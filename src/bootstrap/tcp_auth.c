@@ -13,6 +13,10 @@
  *                 HMAC(K, "ferry-leaf" | nonce_root | nonce_leaf | fields)
  *   root          checks the MAC (constant time), then binds the rank id
  *   root -> rank  ACK        (empty) the rank id is bound to this connection
+ * The root seals every frame after its PROOF, the rank every frame after
+ * its HELLO (tcp_seal.c: keys from K and both nonces), except the root's
+ * ABORT to a hello whose MAC is wrong: a rank that sent a true one (and
+ * so knows K) treats it as tampering.
  * Until the ACK the root may drop the connection (its authentication time
  * ran out, or a flood evicted it), so a rank that loses it before the ACK
  * dials again from scratch; a bound rank's connection is never dropped.
@@ -67,25 +71,33 @@ void fr_boot_mac_hello(const unsigned char *key, const unsigned char *nr,
 }
 
 /* Send a whole small frame now, or not at all (a pending peer is never
- * waited for). 0 when all of it left. */
-static int fr_pend_send(int fd, uint32_t type, const void *p, size_t len)
+ * waited for); sealed when seal is given. 0 when all of it left. */
+static int fr_pend_send(int fd, fr_seal_t *seal, uint32_t type, const void *p,
+                        size_t len)
 {
-    unsigned char buf[sizeof(fr_frame_hdr_t) + 256];
+    unsigned char buf[sizeof(fr_frame_hdr_t) + 256 + FR_SEAL_TAG_LEN];
     fr_frame_hdr_t h = {type, (uint32_t)len};
     if (len > 256)
         len = 256;
-    memcpy(buf, &h, sizeof(h));
-    if (len)
-        memcpy(buf + sizeof(h), p, len);
-    ssize_t n;
+    size_t n;
+    if (seal) {
+        n = fr_boot_seal_frame(seal, type, p, len, buf);
+    } else {
+        memcpy(buf, &h, sizeof(h));
+        if (len)
+            memcpy(buf + sizeof(h), p, len);
+        n = sizeof(h) + len;
+    }
+    ssize_t k;
     do {
-        n = send(fd, buf, sizeof(h) + len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n < 0 && errno == EINTR);
-    return n == (ssize_t)(sizeof(h) + len) ? 0 : -1;
+        k = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (k < 0 && errno == EINTR);
+    return k == (ssize_t)n ? 0 : -1;
 }
 
-/* ABORT with text to a peer, best effort, without waiting. */
-static void fr_pend_tell(int fd, const char *text)
+/* ABORT with text to a pending peer, best effort, without waiting: sealed
+ * once its keys exist, unless plain is asked. */
+static void fr_pend_tell(fr_pend_t *p, int plain, const char *text)
 {
     char msg[4 + 200];
     int32_t c32 = FERRY_ERR_BOOTSTRAP;
@@ -94,7 +106,8 @@ static void fr_pend_tell(int fd, const char *text)
         tl = 200;
     memcpy(msg, &c32, 4);
     memcpy(msg + 4, text, tl);
-    (void)fr_pend_send(fd, FR_MSG_ABORT, msg, 4 + tl);
+    (void)fr_pend_send(p->fd, p->seal.on && !plain ? &p->seal : NULL,
+                       FR_MSG_ABORT, msg, 4 + tl);
 }
 
 static void fr_meet_note(fr_meet_t *m, const char *fmt, ...)
@@ -129,6 +142,7 @@ static void fr_pend_drop(fr_meet_t *m, int i, const char *fmt, ...)
         m->nquiet++;
     }
     close(p->fd);
+    fr_boot_seal_wipe(&p->seal);
     m->pend[i] = m->pend[--m->npend];
 }
 
@@ -136,8 +150,9 @@ void fr_boot_pend_close_all(fr_meet_t *m, const char *abort_text)
 {
     for (int i = 0; i < m->npend; i++) {
         if (abort_text)
-            fr_pend_tell(m->pend[i].fd, abort_text);
+            fr_pend_tell(&m->pend[i], 0, abort_text);
         close(m->pend[i].fd);
+        fr_boot_seal_wipe(&m->pend[i].seal);
     }
     m->npend = 0;
     if (m->nquiet)
@@ -211,7 +226,7 @@ void fr_boot_pend_accept(fr_meet_t *m)
             continue;
         }
         memcpy(ch.nonce, p->nr, sizeof(ch.nonce));
-        if (fr_pend_send(fd, FR_MSG_CHALLENGE, &ch, sizeof(ch)) != 0)
+        if (fr_pend_send(fd, NULL, FR_MSG_CHALLENGE, &ch, sizeof(ch)) != 0)
             fr_pend_drop(m, m->npend - 1, "could not send the challenge");
     }
 }
@@ -244,7 +259,7 @@ static void fr_pend_hello(fr_meet_t *m, int i)
     fr_boot_mac_hello(b->key, p->nr, p->nl, &hi, want);
     if (hi.magic != FR_BOOT_MAGIC || hi.version != FR_BOOT_WIRE_VERSION ||
         !fr_boot_ct_equal(hi.mac, want, sizeof(want))) {
-        fr_pend_tell(p->fd, "authentication failed");
+        fr_pend_tell(p, 1, "authentication failed");
         fr_meet_note(m, "a peer at %s failed authentication", p->peer);
         fr_pend_drop(m, i, "authentication failed (it claims rank %d)",
                      (int)hi.rank);
@@ -253,20 +268,24 @@ static void fr_pend_hello(fr_meet_t *m, int i)
     char why[200];
     fr_root_check_hello(b, &hi, why, sizeof(why));
     if (why[0]) {
-        fr_pend_tell(p->fd, why);
+        fr_pend_tell(p, 0, why);
         fr_meet_note(m, "rejected: %s", why);
         fr_pend_drop(m, i, "%s", why);
         return;
     }
     /* The send buffer is empty (the rank read the proof before it could
      * send the hello): the ACK leaves now, or the connection is gone. */
-    if (fr_pend_send(p->fd, FR_MSG_ACK, NULL, 0) != 0) {
+    if (fr_pend_send(p->fd, &p->seal, FR_MSG_ACK, NULL, 0) != 0) {
         fr_pend_drop(m, i, "rank %d left before its ack", (int)hi.rank);
         return;
     }
-    b->conns[hi.rank].fd = p->fd;
-    b->conns[hi.rank].state = FR_CONN_LIVE;
-    b->conns[hi.rank].pid = hi.pid;
+    fr_conn_t *c = &b->conns[hi.rank];
+    c->fd = p->fd;
+    c->state = FR_CONN_LIVE;
+    c->pid = hi.pid;
+    c->seal = p->seal;
+    snprintf(c->peer, sizeof(c->peer), "%s", p->peer);
+    fr_boot_seal_wipe(&p->seal);
     m->arrived++;
     FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d (pid %d, %s) authenticated, %d of %d",
                  (int)hi.rank, (int)hi.pid, p->peer, m->arrived, b->size - 1);
@@ -291,7 +310,10 @@ static void fr_pend_frame(fr_meet_t *m, int i)
         fr_boot_mac_root(m->b->key, p->nr, p->nl, proof);
         p->stage = FR_MSG_HELLO;
         p->have = 0;
-        if (fr_pend_send(p->fd, FR_MSG_PROOF, proof, sizeof(proof)) != 0)
+        int sent = fr_pend_send(p->fd, NULL, FR_MSG_PROOF, proof,
+                                sizeof(proof));
+        fr_boot_seal_keys(&p->seal, m->b->key, p->nr, p->nl, 1);
+        if (sent != 0)
             fr_pend_drop(m, i, "could not send the proof");
     } else {
         fr_pend_hello(m, i);

@@ -122,6 +122,16 @@ static int fr_sendv(int fd, struct iovec *iov, int iovcnt, int64_t deadline,
     return FR_IO_OK;
 }
 
+int fr_boot_sendv3(int fd, const void *p1, size_t l1, const void *p2,
+                   size_t l2, const void *p3, size_t l3, int64_t deadline,
+                   size_t *moved)
+{
+    struct iovec iov[3] = {{(void *)(uintptr_t)p1, l1},
+                           {(void *)(uintptr_t)p2, l2},
+                           {(void *)(uintptr_t)p3, l3}};
+    return fr_sendv(fd, iov, 3, deadline, moved);
+}
+
 int fr_boot_send_frame(int fd, uint32_t type, const void *p1, size_t l1,
                        const void *p2, size_t l2, int64_t deadline,
                        size_t *moved)
@@ -235,6 +245,9 @@ const char *fr_boot_io_str(int io)
     switch (io) {
     case FR_IO_TIMEOUT: return "timed out";
     case FR_IO_EOF: return "connection closed";
+    case FR_IO_FORGED:
+        return "a frame failed its integrity check: the connection was "
+               "tampered with";
     default: return "socket error";
     }
 }

@@ -31,25 +31,45 @@ void fr_boot_leaf_mark_root_dead(fr_boot_t *b)
     fr_boot_record_dead(b, 0);
 }
 
-/* Read an ABORT payload of plen bytes: status and text. */
-static int fr_read_abort(int fd, uint32_t plen, int64_t deadline, int *code,
-                         char *text, size_t cap)
+/* The largest payload of a frame the root sends but ALL: an ABORT. */
+#define FR_LEAF_SMALL (4 + FR_ERRMSG_LEN + 64)
+
+/* The payload of sealed frame h from the root into buf (room for cap
+ * bytes, plus a '\0' after it). A payload longer than any the root sends
+ * is tampering, as is a tag that does not match. */
+static int fr_leaf_open_small(fr_conn_t *c, const fr_frame_hdr_t *h,
+                              char *buf, size_t cap, int64_t deadline)
+{
+    if (h->len > cap || h->len > FR_LEAF_SMALL)
+        return FR_IO_FORGED;
+    int io = fr_boot_open_body(c, h, buf, h->len, NULL, 0, NULL, deadline);
+    buf[io == FR_IO_OK ? h->len : 0] = '\0';
+    return io;
+}
+
+/* An ABORT's payload (opened): its status and text. */
+static void fr_parse_abort(const char *pl, uint32_t len, int *code,
+                           const char **text)
 {
     int32_t c32 = FERRY_ERR_BOOTSTRAP;
-    text[0] = '\0';
-    if (plen < 4)
-        return fr_boot_discard(fd, plen, deadline);
-    int io = fr_boot_recv_all(fd, &c32, 4, deadline, NULL);
-    if (io != FR_IO_OK)
-        return io;
-    plen -= 4;
-    size_t take = plen < cap - 1 ? plen : cap - 1;
-    io = fr_boot_recv_all(fd, text, take, deadline, NULL);
-    if (io != FR_IO_OK)
-        return io;
-    text[take] = '\0';
+    if (len >= 4)
+        memcpy(&c32, pl, 4);
     *code = c32 < 0 ? c32 : FERRY_ERR_BOOTSTRAP;
-    return fr_boot_discard(fd, plen - take, deadline);
+    *text = len >= 4 ? pl + 4 : "";
+}
+
+/* A frame from the root failed its integrity check (or could not be one
+ * the root sends): the stream is unusable. */
+static int fr_leaf_forged(fr_boot_t *b, const char *what, fr_err_t *err)
+{
+    if (b->conns[0].state == FR_CONN_LIVE)
+        b->conns[0].state = FR_CONN_DESYNC;
+    return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                  "rank %d: %s from root %s failed its integrity check: the "
+                  "connection was tampered with (something between this "
+                  "rank and the root changed, dropped, reordered or "
+                  "repeated a frame)",
+                  b->rank, what, b->root_addr);
 }
 
 /* Connect once to any address of host:port before deadline. */
@@ -119,35 +139,40 @@ static int fr_dial(const char *host, int port, int64_t deadline, int *lasterr,
 /* How one try at meeting the root ended, when not with a ferry status. */
 enum { FR_TRY_OK = 0, FR_TRY_AGAIN = 1 };
 
-/* Read the next start-up frame from the root: want_type with exactly len
- * bytes into p. FR_TRY_AGAIN when the connection closed (why says so); an
- * ABORT or anything unexpected is an error (authed: the root has proved
- * itself, so its words are trusted). */
+/* Read the next plain start-up frame from the root (CHALLENGE, PROOF):
+ * want_type with exactly len bytes into p. FR_TRY_AGAIN when the
+ * connection closed (why says so); an ABORT or anything unexpected is an
+ * error. The root has not proved itself yet: its words are quoted as
+ * such. */
 static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
-                          uint32_t len, const char *what, int authed,
-                          long timeout_ms, int64_t deadline, char *why,
-                          size_t wcap, fr_err_t *err)
+                          uint32_t len, const char *what, long timeout_ms,
+                          int64_t deadline, char *why, size_t wcap,
+                          fr_err_t *err)
 {
     fr_frame_hdr_t h;
     int io = fr_boot_recv_all(fd, &h, sizeof(h), deadline, NULL);
-    if (io == FR_IO_OK && h.type == FR_MSG_ABORT) {
-        int code = FERRY_ERR_BOOTSTRAP;
-        char text[FR_ERRMSG_LEN - 128];
-        if (fr_read_abort(fd, h.len, deadline, &code, text, sizeof(text)) ==
-            FR_IO_OK)
+    if (io == FR_IO_OK && h.type == FR_MSG_ABORT && h.len <= FR_LEAF_SMALL) {
+        char pl[FR_LEAF_SMALL + 1];
+        io = fr_boot_recv_all(fd, pl, h.len, deadline, NULL);
+        if (io == FR_IO_OK) {
+            int code;
+            const char *text;
+            pl[h.len] = '\0';
+            fr_parse_abort(pl, h.len, &code, &text);
             return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                          "root %s ended the bootstrap%s: %s", b->root_addr,
-                          authed ? "" : " (before proving itself)", text);
-        io = FR_IO_EOF;
-    }
-    if (io == FR_IO_OK && h.type == want_type && h.len == len)
+                          "root %s ended the bootstrap (before proving "
+                          "itself): %s",
+                          b->root_addr, text);
+        }
+    } else if (io == FR_IO_OK && h.type == want_type && h.len == len) {
         io = fr_boot_recv_all(fd, p, len, deadline, NULL);
-    else if (io == FR_IO_OK)
+    } else if (io == FR_IO_OK) {
         return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                       "rank %d: root %s sent frame 0x%x of %u bytes instead "
                       "of the %s: not a ferry root of this version (another "
                       "program on that port?)",
                       b->rank, b->root_addr, h.type, h.len, what);
+    }
     if (io == FR_IO_TIMEOUT)
         return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                       "rank %d: root %s sent no %s within %ld ms (another "
@@ -161,16 +186,66 @@ static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
     return FR_TRY_OK;
 }
 
+/* The next sealed frame from the root, once it has proved itself: want_type
+ * with exactly len bytes into p (len <= FR_LEAF_SMALL). An ABORT is the
+ * root's word; a frame that fails its check is tampering. again: a close
+ * means dial again (FR_TRY_AGAIN, why says so); else it is an error. */
+static int fr_leaf_expect_sealed(fr_boot_t *b, fr_conn_t *c,
+                                 uint32_t want_type, void *p, uint32_t len,
+                                 const char *what, int again,
+                                 long timeout_ms, int64_t deadline, char *why,
+                                 size_t wcap, fr_err_t *err)
+{
+    fr_frame_hdr_t h;
+    char pl[FR_LEAF_SMALL + 1];
+    int io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline, NULL);
+    int want = io == FR_IO_OK && h.type == want_type && h.len == len;
+    if (io == FR_IO_OK && (want || h.type == FR_MSG_ABORT))
+        io = fr_leaf_open_small(c, &h, pl, sizeof(pl) - 1, deadline);
+    else if (io == FR_IO_OK)
+        io = FR_IO_FORGED; /* no root of this version sends it */
+    if (io == FR_IO_FORGED)
+        return fr_leaf_forged(b, what, err);
+    if (io == FR_IO_OK && want) {
+        if (len)
+            memcpy(p, pl, len);
+        fr_boot_wipe(pl, sizeof(pl));
+        return FR_TRY_OK;
+    }
+    if (io == FR_IO_OK) {
+        int code;
+        const char *text;
+        fr_parse_abort(pl, h.len, &code, &text);
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "root %s ended the bootstrap: %s", b->root_addr, text);
+    }
+    if (io == FR_IO_TIMEOUT)
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                      "rank %d reached root %s, but no %s came within %ld ms "
+                      "(not every rank arrived?)",
+                      b->rank, b->root_addr, what, timeout_ms);
+    if (again) {
+        snprintf(why, wcap, "connection closed before the %s (%s)", what,
+                 fr_boot_io_str(io));
+        return FR_TRY_AGAIN;
+    }
+    return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                  "rank %d: root %s closed the connection during the "
+                  "bootstrap (%s)",
+                  b->rank, b->root_addr, fr_boot_io_str(io));
+}
+
 /* Both proofs on a connected socket, then the hello: the root proves it
- * knows the key before this rank sends anything but a nonce. */
-static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
+ * knows the key before this rank sends anything but a nonce. Then the
+ * connection's seal is made, and the ACK must come sealed. */
+static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, fr_conn_t *c,
                         long timeout_ms, int64_t deadline, char *why,
                         size_t wcap, fr_err_t *err)
 {
+    int fd = c->fd;
     fr_challenge_t ch;
     int rc = fr_leaf_expect(b, fd, FR_MSG_CHALLENGE, &ch, sizeof(ch),
-                            "challenge", 0, timeout_ms, deadline, why, wcap,
-                            err);
+                            "challenge", timeout_ms, deadline, why, wcap, err);
     if (rc != FR_TRY_OK)
         return rc;
     if (ch.magic != FR_BOOT_MAGIC || ch.version != FR_BOOT_WIRE_VERSION)
@@ -187,7 +262,8 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
         char ip[INET_ADDRSTRLEN] = "0.0.0.0";
         if (getpeername(fd, (struct sockaddr *)&sa, &sl) == 0)
             inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-        rc = fr_boot_key_load(ip, env->root_port, deadline, b->key, err);
+        rc = fr_boot_key_load(env, ip, env->root_port, deadline, b->key,
+                              err);
         if (rc != FERRY_OK)
             return rc;
     }
@@ -203,7 +279,7 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
                  fr_boot_io_str(io));
         return FR_TRY_AGAIN;
     }
-    rc = fr_leaf_expect(b, fd, FR_MSG_PROOF, proof, sizeof(proof), "proof", 0,
+    rc = fr_leaf_expect(b, fd, FR_MSG_PROOF, proof, sizeof(proof), "proof",
                         timeout_ms, deadline, why, wcap, err);
     if (rc != FR_TRY_OK)
         return rc;
@@ -227,6 +303,7 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
     hi.pid = (int32_t)getpid();
     hi.lib_version = FERRY_VERSION_CODE;
     fr_boot_mac_hello(b->key, ch.nonce, nl, &hi, hi.mac);
+    fr_boot_seal_keys(&c->seal, b->key, ch.nonce, nl, 0);
     io = fr_boot_send_frame(fd, FR_MSG_HELLO, &hi, sizeof(hi), NULL, 0,
                             deadline, NULL);
     if (io != FR_IO_OK) {
@@ -237,8 +314,8 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, int fd,
     /* Until the ACK the root may still drop this connection unread (a
      * flood evicted it, or its authentication time ran out): a close before
      * the ACK means dial again. */
-    return fr_leaf_expect(b, fd, FR_MSG_ACK, NULL, 0, "ack", 1, timeout_ms,
-                          deadline, why, wcap, err);
+    return fr_leaf_expect_sealed(b, c, FR_MSG_ACK, NULL, 0, "ack", 1,
+                                 timeout_ms, deadline, why, wcap, err);
 }
 
 /* Dial and authenticate until it works, fails for good, or the deadline:
@@ -249,6 +326,7 @@ static int fr_leaf_meet(fr_boot_t *b, const fr_boot_env_t *env,
 {
     int lasterr = 0, tries = 0;
     char gaierr[128] = "", why[160] = "";
+    fr_conn_t *c = &b->conns[0];
     for (;;) {
         tries++;
         int fd = fr_dial(env->root_host, env->root_port, deadline, &lasterr,
@@ -256,14 +334,16 @@ static int fr_leaf_meet(fr_boot_t *b, const fr_boot_env_t *env,
         if (fd >= 0) {
             fr_boot_set_nodelay(fd);
             why[0] = '\0';
-            int rc = fr_leaf_auth(b, env, fd, timeout_ms, deadline, why,
+            c->fd = fd;
+            int rc = fr_leaf_auth(b, env, c, timeout_ms, deadline, why,
                                   sizeof(why), err);
             if (rc == FR_TRY_OK) {
-                b->conns[0].fd = fd;
-                b->conns[0].state = FR_CONN_LIVE;
+                c->state = FR_CONN_LIVE;
+                snprintf(c->peer, sizeof(c->peer), "%.63s", b->root_addr);
                 return FERRY_OK;
             }
-            close(fd);
+            fr_boot_close_fd(&c->fd);
+            fr_boot_seal_wipe(&c->seal);
             if (rc != FR_TRY_AGAIN)
                 return rc;
             FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d: %s; connecting again",
@@ -294,45 +374,38 @@ int fr_boot_leaf_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
 {
     snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
              env->root_port);
-    int rc = fr_leaf_meet(b, env, timeout_ms, deadline, err);
+    int rc = FERRY_OK;
+    if (!env->has_key) /* the key folder's trouble, said before dialling */
+        rc = fr_boot_key_check_dir(env, err);
+    if (rc == FERRY_OK)
+        rc = fr_leaf_meet(b, env, timeout_ms, deadline, err);
     fr_boot_wipe(b->key, sizeof(b->key));
     if (rc != FERRY_OK)
         return rc;
-    int fd = b->conns[0].fd;
     FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d authenticated with %s, waiting for "
                               "the rest",
                  b->rank, b->root_addr);
 
     /* The root gives up at its own deadline and says why (ABORT); wait a
-     * little longer than ours to hear it. */
-    int64_t dl = deadline + 1000;
-    fr_frame_hdr_t h;
-    int io = fr_boot_recv_all(fd, &h, sizeof(h), dl, NULL);
-    if (io == FR_IO_OK && h.type == FR_MSG_READY && h.len == 0)
-        return FERRY_OK;
-    if (io == FR_IO_OK && h.type == FR_MSG_ABORT) {
-        int code = FERRY_ERR_BOOTSTRAP;
-        char text[FR_ERRMSG_LEN];
-        if (fr_read_abort(fd, h.len, dl, &code, text, sizeof(text)) == FR_IO_OK)
-            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                          "root %s ended the bootstrap: %s", b->root_addr,
-                          text);
-        io = FR_IO_EOF;
-    }
-    if (io == FR_IO_TIMEOUT)
-        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                      "rank %d reached root %s, but not every rank arrived "
-                      "within %ld ms",
-                      b->rank, b->root_addr, timeout_ms);
-    if (io == FR_IO_OK)
-        return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                      "rank %d: unexpected frame 0x%x from root %s (is "
-                      "another program on that port?)",
-                      b->rank, h.type, b->root_addr);
-    return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                  "rank %d: root %s closed the connection during the "
-                  "bootstrap (%s)",
-                  b->rank, b->root_addr, fr_boot_io_str(io));
+     * little longer than ours to hear it. READY carries the group key. */
+    unsigned char gk[32];
+    char why[160];
+    rc = fr_leaf_expect_sealed(b, &b->conns[0], FR_MSG_READY, gk, sizeof(gk),
+                               "ready", 0, timeout_ms, deadline + 1000, why,
+                               sizeof(why), err);
+    if (rc != FR_TRY_OK)
+        return rc;
+    fr_hmac_key_init(&b->group, gk, sizeof(gk));
+    fr_boot_wipe(gk, sizeof(gk));
+    return FERRY_OK;
+}
+
+/* A frame from the root that the caller does not want: opened (its tag
+ * checked), then dropped. */
+static int fr_leaf_skip(fr_conn_t *c, const fr_frame_hdr_t *h,
+                        int64_t deadline)
+{
+    return fr_boot_open_body(c, h, NULL, 0, NULL, 0, NULL, deadline);
 }
 
 /* An allgather's answer from the root, once this rank's block is sent: the
@@ -344,96 +417,78 @@ static int fr_leaf_answer(fr_boot_t *b, void *out, size_t len, long tmo,
     uint64_t seq = b->seq;
     size_t moved;
     int io;
+    char pl[FR_LEAF_SMALL + 1];
     /* The root, whose deadline may start a little after ours, names the
      * late ranks in an ABORT: give it a short grace to say so. */
     int64_t grace = tmo / 2 < 1000 ? tmo / 2 : 1000;
-    for (;;) {
-        fr_frame_hdr_t h;
-        moved = 0;
-        io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline + grace, &moved);
-        if (io == FR_IO_TIMEOUT && moved == 0)
-            return FR_ERR(err, FERRY_ERR_TIMEOUT,
-                          "allgather #%llu: rank %d got no answer from root "
-                          "%s within %ld ms (a rank has not called it?)",
-                          (unsigned long long)seq, b->rank, b->root_addr, tmo);
-        deadline += grace;
-        grace = 0;
-        if (io != FR_IO_OK)
-            goto broken;
-        switch (h.type) {
-        case FR_MSG_ALL: {
-            if (h.len != 8 + (size_t)b->size * len) {
-                io = fr_boot_discard(c->fd, h.len, deadline);
-                if (io != FR_IO_OK)
-                    goto broken;
-                return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                              "allgather #%llu: root sent %u bytes, rank %d "
-                              "expected %zu (ranks passed different sizes?)",
-                              (unsigned long long)seq, h.len, b->rank,
-                              8 + (size_t)b->size * len);
-            }
-            uint64_t s;
-            io = fr_boot_recv_all(c->fd, &s, 8, deadline, NULL);
-            if (io == FR_IO_OK && s != seq) {
-                io = fr_boot_discard(c->fd, h.len - 8, deadline);
-                if (io != FR_IO_OK)
-                    goto broken;
-                return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                              "rank %d is in allgather #%llu, root answered "
-                              "#%llu",
-                              b->rank, (unsigned long long)seq,
-                              (unsigned long long)s);
-            }
-            if (io == FR_IO_OK)
-                io = fr_boot_recv_all(c->fd, out, (size_t)b->size * len,
-                                      deadline, NULL);
-            if (io != FR_IO_OK)
-                goto broken;
-            return FERRY_OK;
-        }
-        case FR_MSG_DEAD: {
-            int32_t r = -1;
-            io = h.len == 4 ? fr_boot_recv_all(c->fd, &r, 4, deadline, NULL)
-                            : fr_boot_discard(c->fd, h.len, deadline);
-            if (io != FR_IO_OK)
-                goto broken;
-            if (r >= 0 && r < b->size)
-                fr_boot_record_dead(b, r);
-            return fr_boot_err_dead(b, err);
-        }
-        case FR_MSG_ABORT: {
-            int code = FERRY_ERR_PEER;
-            char text[FR_ERRMSG_LEN];
-            io = fr_read_abort(c->fd, h.len, deadline, &code, text,
-                               sizeof(text));
-            if (io != FR_IO_OK)
-                goto broken;
-            return FR_ERR(err, code, "root reports: %s", text);
-        }
-        case FR_MSG_BYE_ACK: {
-            int32_t r = -1;
-            io = h.len == 4 ? fr_boot_recv_all(c->fd, &r, 4, deadline, NULL)
-                            : fr_boot_discard(c->fd, h.len, deadline);
-            if (io != FR_IO_OK)
-                goto broken;
-            c->state = FR_CONN_BYE;
-            if (r >= 0 && r < b->size)
-                fr_boot_record_dead(b, r);
-            return FR_ERR(err, FERRY_ERR_PEER,
-                          "the root (rank 0) called close during allgather "
-                          "#%llu",
-                          (unsigned long long)seq);
-        }
-        default:
-            io = fr_boot_discard(c->fd, h.len, deadline);
+    fr_frame_hdr_t h;
+    moved = 0;
+    io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline + grace, &moved);
+    if (io == FR_IO_TIMEOUT && moved == 0)
+        return FR_ERR(err, FERRY_ERR_TIMEOUT,
+                      "allgather #%llu: rank %d got no answer from root %s "
+                      "within %ld ms (a rank has not called it?)",
+                      (unsigned long long)seq, b->rank, b->root_addr, tmo);
+    deadline += grace;
+    if (io != FR_IO_OK)
+        goto broken;
+    if (h.type == FR_MSG_ALL) {
+        size_t want = 8 + (size_t)b->size * len;
+        uint64_t s;
+        if (h.len != want) {
+            io = fr_leaf_skip(c, &h, deadline);
             if (io != FR_IO_OK)
                 goto broken;
             return FR_ERR(err, FERRY_ERR_PROTOCOL,
-                          "allgather #%llu: unexpected frame 0x%x from root",
-                          (unsigned long long)seq, h.type);
+                          "allgather #%llu: root sent %u bytes, rank %d "
+                          "expected %zu (ranks passed different sizes?)",
+                          (unsigned long long)seq, h.len, b->rank, want);
         }
+        io = fr_boot_open_body(c, &h, &s, 8, out, want - 8, &b->group,
+                               deadline);
+        if (io != FR_IO_OK)
+            goto broken;
+        if (s != seq)
+            return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                          "rank %d is in allgather #%llu, root answered "
+                          "#%llu",
+                          b->rank, (unsigned long long)seq,
+                          (unsigned long long)s);
+        return FERRY_OK;
     }
+    if (h.type != FR_MSG_DEAD && h.type != FR_MSG_ABORT &&
+        h.type != FR_MSG_BYE_ACK) {
+        io = h.len <= FR_LEAF_SMALL ? fr_leaf_skip(c, &h, deadline)
+                                    : FR_IO_FORGED;
+        if (io != FR_IO_OK)
+            goto broken;
+        return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                      "allgather #%llu: unexpected frame 0x%x from root",
+                      (unsigned long long)seq, h.type);
+    }
+    io = fr_leaf_open_small(c, &h, pl, sizeof(pl) - 1, deadline);
+    if (io != FR_IO_OK)
+        goto broken;
+    int32_t r = -1;
+    if (h.type == FR_MSG_ABORT) {
+        int code;
+        const char *text;
+        fr_parse_abort(pl, h.len, &code, &text);
+        return FR_ERR(err, code, "root reports: %s", text);
+    }
+    if (h.len == 4)
+        memcpy(&r, pl, 4);
+    if (r >= 0 && r < b->size)
+        fr_boot_record_dead(b, r);
+    if (h.type == FR_MSG_DEAD)
+        return fr_boot_err_dead(b, err);
+    c->state = FR_CONN_BYE;
+    return FR_ERR(err, FERRY_ERR_PEER,
+                  "the root (rank 0) called close during allgather #%llu",
+                  (unsigned long long)seq);
 broken:
+    if (io == FR_IO_FORGED)
+        return fr_leaf_forged(b, "the answer to an allgather", err);
     if (io == FR_IO_TIMEOUT) {
         c->state = FR_CONN_DESYNC;
         return FR_ERR(err, FERRY_ERR_TIMEOUT,
@@ -459,8 +514,8 @@ int fr_boot_leaf_allgather(fr_boot_t *b, const void *in, void *out,
                       c->state == FR_CONN_BYE ? "it called close"
                                               : "the stream broke earlier");
     size_t moved = 0;
-    int io = fr_boot_send_frame(c->fd, FR_MSG_DATA, &seq, 8, in, len,
-                                deadline, &moved);
+    int io = fr_boot_seal_send(c, FR_MSG_DATA, &seq, 8, in, len, deadline,
+                               &moved);
     if (io == FR_IO_TIMEOUT) {
         if (moved)
             c->state = FR_CONN_DESYNC;
@@ -482,8 +537,8 @@ int fr_boot_leaf_close(fr_boot_t *b, long tmo, int64_t deadline,
     fr_conn_t *c = &b->conns[0];
     int rc = FERRY_OK;
     if (c->state == FR_CONN_LIVE) {
-        int io = fr_boot_send_frame(c->fd, FR_MSG_BYE, NULL, 0, NULL, 0,
-                                    deadline, NULL);
+        int io = fr_boot_seal_send(c, FR_MSG_BYE, NULL, 0, NULL, 0, deadline,
+                                   NULL);
         while (io == FR_IO_OK) {
             fr_frame_hdr_t h;
             io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline, NULL);
@@ -492,7 +547,7 @@ int fr_boot_leaf_close(fr_boot_t *b, long tmo, int64_t deadline,
             if ((h.type == FR_MSG_BYE_ACK || h.type == FR_MSG_DEAD) &&
                 h.len == 4) {
                 int32_t r = -1;
-                io = fr_boot_recv_all(c->fd, &r, 4, deadline, NULL);
+                io = fr_boot_open_body(c, &h, &r, 4, NULL, 0, NULL, deadline);
                 if (io == FR_IO_OK && r >= 0 && r < b->size)
                     fr_boot_record_dead(b, r);
                 if (io == FR_IO_OK && h.type == FR_MSG_BYE_ACK) {
@@ -500,10 +555,12 @@ int fr_boot_leaf_close(fr_boot_t *b, long tmo, int64_t deadline,
                     break;
                 }
             } else {
-                io = fr_boot_discard(c->fd, h.len, deadline); /* stale */
+                io = fr_leaf_skip(c, &h, deadline); /* stale */
             }
         }
-        if (io == FR_IO_TIMEOUT)
+        if (io == FR_IO_FORGED)
+            rc = fr_leaf_forged(b, "a frame at close", err);
+        else if (io == FR_IO_TIMEOUT)
             rc = FR_ERR(err, FERRY_ERR_TIMEOUT,
                         "close: rank %d got no goodbye from root %s within "
                         "%ld ms",
@@ -511,7 +568,7 @@ int fr_boot_leaf_close(fr_boot_t *b, long tmo, int64_t deadline,
         else if (io != FR_IO_OK)
             fr_boot_leaf_mark_root_dead(b);
     }
-    if (__atomic_load_n(&b->dead, __ATOMIC_ACQUIRE) >= 0)
+    if (rc == FERRY_OK && __atomic_load_n(&b->dead, __ATOMIC_ACQUIRE) >= 0)
         rc = fr_boot_err_dead(b, err);
     return rc;
 }

@@ -8,9 +8,11 @@
  */
 #include <errno.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/log.h"
 #include "tcp.h"
 
 /* ---------------------------------------------------------------------- */
@@ -30,10 +32,9 @@ void fr_boot_root_mark_dead(fr_boot_t *b, int r)
         if (k == r || (c->state != FR_CONN_LIVE && c->state != FR_CONN_BYE))
             continue;
         size_t moved = 0;
-        int io = fr_boot_send_frame(c->fd, FR_MSG_DEAD, &who, sizeof(who),
-                                    NULL, 0,
-                                    fr_boot_now_ms() + FR_SHORT_SEND_MS,
-                                    &moved);
+        int io = fr_boot_seal_send(c, FR_MSG_DEAD, &who, sizeof(who), NULL, 0,
+                                   fr_boot_now_ms() + FR_SHORT_SEND_MS,
+                                   &moved);
         if (io == FR_IO_TIMEOUT && moved > 0)
             c->state = FR_CONN_DESYNC;
     }
@@ -54,9 +55,9 @@ void fr_boot_root_abort_all(fr_boot_t *b, int code, const char *msg)
         if (c->state != FR_CONN_LIVE)
             continue;
         size_t moved = 0;
-        int io = fr_boot_send_frame(c->fd, FR_MSG_ABORT, buf, 4 + ml, NULL, 0,
-                                    fr_boot_now_ms() + FR_SHORT_SEND_MS,
-                                    &moved);
+        int io = fr_boot_seal_send(c, FR_MSG_ABORT, buf, 4 + ml, NULL, 0,
+                                   fr_boot_now_ms() + FR_SHORT_SEND_MS,
+                                   &moved);
         if (io == FR_IO_TIMEOUT && moved > 0)
             c->state = FR_CONN_DESYNC;
     }
@@ -148,6 +149,21 @@ typedef struct fr_root_gather {
     fr_err_t *err;
 } fr_root_gather_t;
 
+/* Rank r's frame failed its integrity check: what it sends is unusable
+ * from now on (the bootstrap is marked broken by the caller); what rank 0
+ * sends it still arrives, so it hears the ABORT that follows. */
+static int fr_root_forged(fr_boot_t *b, int r, const char *when,
+                          fr_err_t *err)
+{
+    fr_conn_t *c = &b->conns[r];
+    return FR_ERR(err, FERRY_ERR_PROTOCOL,
+                  "%s: a frame from rank %d (%s) failed its integrity check: "
+                  "the connection was tampered with (something between that "
+                  "rank and rank 0 changed, dropped, reordered or repeated a "
+                  "frame)",
+                  when, r, c->peer);
+}
+
 /* Rank r's frame during an allgather: its block, else the reason to fail. */
 static int fr_root_take_block(fr_boot_t *b, int r, int64_t deadline,
                               void *arg)
@@ -157,14 +173,16 @@ static int fr_root_take_block(fr_boot_t *b, int r, int64_t deadline,
     fr_conn_t *c = &b->conns[r];
     fr_frame_hdr_t h;
     size_t moved = 0;
+    char when[64];
+    snprintf(when, sizeof(when), "allgather #%llu",
+             (unsigned long long)g->seq);
     int io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline, &moved);
     if (io == FR_IO_OK && h.type == FR_MSG_DATA && !g->got[r] &&
         h.len == 8 + g->len) {
         uint64_t s;
-        io = fr_boot_recv_all(c->fd, &s, 8, deadline, NULL);
-        if (io == FR_IO_OK)
-            io = fr_boot_recv_all(c->fd, (char *)g->out + (size_t)r * g->len,
-                                  g->len, deadline, NULL);
+        io = fr_boot_open_body(c, &h, &s, 8,
+                               (char *)g->out + (size_t)r * g->len, g->len,
+                               NULL, deadline);
         if (io == FR_IO_OK && s != g->seq) {
             g->rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
                            "rank %d is in allgather #%llu, rank 0 in "
@@ -179,8 +197,8 @@ static int fr_root_take_block(fr_boot_t *b, int r, int64_t deadline,
             return 0;
         }
     } else if (io == FR_IO_OK) {
-        /* Not a block for this allgather: skip it and fail. */
-        io = fr_boot_discard(c->fd, h.len, deadline);
+        /* Not a block for this allgather: skip it (checked) and fail. */
+        io = fr_boot_open_body(c, &h, NULL, 0, NULL, 0, NULL, deadline);
         if (io == FR_IO_OK) {
             if (h.type == FR_MSG_BYE) {
                 c->state = FR_CONN_BYE;
@@ -204,6 +222,10 @@ static int fr_root_take_block(fr_boot_t *b, int r, int64_t deadline,
         }
     }
     /* io failed in the middle of a frame. */
+    if (io == FR_IO_FORGED) {
+        g->rc = fr_root_forged(b, r, when, err);
+        return 1;
+    }
     if (io == FR_IO_TIMEOUT) {
         c->state = FR_CONN_DESYNC;
         g->rc = FR_ERR(err, FERRY_ERR_TIMEOUT,
@@ -241,14 +263,18 @@ static int fr_root_hand_out(fr_boot_t *b, fr_root_gather_t *g,
                             int64_t deadline)
 {
     int rc = FERRY_OK;
+    fr_sealed_all_t all;
+    if (fr_boot_seal_all(&b->group, g->seq, g->out, (size_t)b->size * g->len,
+                         &all) != 0)
+        return FR_ERR(g->err, FERRY_ERR_NOMEM, "allgather #%llu: out of "
+                                               "memory for the answer",
+                      (unsigned long long)g->seq);
     for (int r = 1; r < b->size; r++) {
         fr_conn_t *c = &b->conns[r];
         if (c->state != FR_CONN_LIVE)
             continue;
         size_t moved = 0;
-        int io = fr_boot_send_frame(c->fd, FR_MSG_ALL, &g->seq, 8, g->out,
-                                    (size_t)b->size * g->len, deadline,
-                                    &moved);
+        int io = fr_boot_seal_send_all(c, &all, deadline, &moved);
         if (io == FR_IO_OK)
             continue;
         if (io == FR_IO_TIMEOUT) {
@@ -264,6 +290,7 @@ static int fr_root_hand_out(fr_boot_t *b, fr_root_gather_t *g,
                 rc = fr_boot_err_dead(b, g->err);
         }
     }
+    free(all.body);
     return rc;
 }
 
@@ -341,10 +368,15 @@ static int fr_root_take_bye(fr_boot_t *b, int r, int64_t deadline, void *arg)
     fr_frame_hdr_t h;
     int io = fr_boot_recv_all(c->fd, &h, sizeof(h), deadline, NULL);
     if (io == FR_IO_OK)
-        io = fr_boot_discard(c->fd, h.len, deadline);
+        io = fr_boot_open_body(c, &h, NULL, 0, NULL, 0, NULL, deadline);
     if (io == FR_IO_OK && h.type == FR_MSG_BYE)
         c->state = FR_CONN_BYE;
-    else if (io == FR_IO_TIMEOUT)
+    else if (io == FR_IO_FORGED)
+        FR_LOG_WARN(FR_SUB_BOOT, "close: a frame from rank %d (%s) failed "
+                                 "its integrity check: the connection was "
+                                 "tampered with",
+                    r, c->peer);
+    if (io == FR_IO_FORGED || io == FR_IO_TIMEOUT)
         c->state = FR_CONN_DESYNC;
     else if (io != FR_IO_OK)
         fr_boot_root_mark_dead(b, r);
@@ -371,9 +403,9 @@ int fr_boot_root_close(fr_boot_t *b, long tmo, int64_t deadline,
     for (int r = 1; r < size; r++) {
         fr_conn_t *c = &b->conns[r];
         if (c->state == FR_CONN_LIVE || c->state == FR_CONN_BYE)
-            (void)fr_boot_send_frame(c->fd, FR_MSG_BYE_ACK, &d, 4, NULL, 0,
-                                     fr_boot_now_ms() + FR_SHORT_SEND_MS,
-                                     NULL);
+            (void)fr_boot_seal_send(c, FR_MSG_BYE_ACK, &d, 4, NULL, 0,
+                                    fr_boot_now_ms() + FR_SHORT_SEND_MS,
+                                    NULL);
         if (c->state == FR_CONN_DEAD)
             dead[nd++] = r;
         else if (c->state != FR_CONN_BYE)

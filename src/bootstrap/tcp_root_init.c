@@ -88,6 +88,12 @@ static int fr_root_listen(fr_boot_t *b, const fr_boot_env_t *env,
                           "every address)",
                           b->root_addr, strerror(e),
                           fr_cfg_name(FR_CFG_ROOT_BIND));
+        /* In use: by another ferry job of this user, fail now (its key
+         * file says so); else wait for it to be free. */
+        if (e == EADDRINUSE && !env->has_key &&
+            (rc = fr_boot_key_port_taken(env, ip, env->root_port, err)) !=
+                FERRY_OK)
+            return rc;
         if (e != EADDRINUSE || fr_boot_now_ms() >= deadline)
             return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                           "rank 0 cannot listen on %s: %s (set FERRY_ROOT to "
@@ -171,14 +177,24 @@ static int fr_root_no_show(fr_meet_t *m, long timeout_ms, fr_err_t *err)
     return rc;
 }
 
-/* Everyone arrived: READY to each rank. */
+/* Everyone arrived: READY to each rank, with the key of the ALL frames'
+ * keystream (tcp_seal.c), drawn now. */
 static int fr_root_ready(fr_boot_t *b, fr_err_t *err)
 {
+    unsigned char gk[32];
+    if (fr_boot_random(gk, sizeof(gk)) != 0) {
+        int rc = FR_ERR(err, FERRY_ERR_SYSTEM, "no random bytes: %s",
+                        strerror(errno));
+        fr_boot_root_abort_all(b, rc, err ? err->msg : "");
+        return rc;
+    }
+    fr_hmac_key_init(&b->group, gk, sizeof(gk));
     for (int r = 1; r < b->size; r++) {
-        int io = fr_boot_send_frame(b->conns[r].fd, FR_MSG_READY, NULL, 0,
-                                    NULL, 0,
-                                    fr_boot_now_ms() + FR_SHORT_SEND_MS, NULL);
+        int io = fr_boot_seal_send(&b->conns[r], FR_MSG_READY, gk,
+                                   sizeof(gk), NULL, 0,
+                                   fr_boot_now_ms() + FR_SHORT_SEND_MS, NULL);
         if (io != FR_IO_OK) {
+            fr_boot_wipe(gk, sizeof(gk));
             b->conns[r].state = FR_CONN_DEAD;
             int rc = FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                             "rank %d left during the bootstrap at %s (%s)", r,
@@ -188,6 +204,7 @@ static int fr_root_ready(fr_boot_t *b, fr_err_t *err)
             return rc;
         }
     }
+    fr_boot_wipe(gk, sizeof(gk));
     return FERRY_OK;
 }
 
@@ -207,7 +224,11 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
     snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
              env->root_port);
 
-    int rc = fr_root_listen(b, env, deadline, &m->lfd, err);
+    int rc = FERRY_OK;
+    if (!env->has_key) /* the key folder's trouble, said before listening */
+        rc = fr_boot_key_check_dir(env, err);
+    if (rc == FERRY_OK)
+        rc = fr_root_listen(b, env, deadline, &m->lfd, err);
     /* After the bind: a port held by a live job keeps its key file. */
     if (rc == FERRY_OK && !env->has_key) {
         struct sockaddr_in sa;
@@ -215,7 +236,8 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
         char ip[INET_ADDRSTRLEN] = "0.0.0.0";
         if (getsockname(m->lfd, (struct sockaddr *)&sa, &sl) == 0)
             inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-        rc = fr_boot_key_create(ip, env->root_port, b->key, &keyfile, err);
+        rc = fr_boot_key_create(env, ip, env->root_port, b->key, &keyfile,
+                                err);
     }
     if (rc == FERRY_OK)
         rc = fr_root_meet(m, deadline, err);

@@ -6,11 +6,28 @@
  * are consumed, and any collective's frame is left for the collective.
  */
 #include <poll.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 
 #include "../core/log.h"
 #include "tcp.h"
+
+/* A frame at the head of peer r's stream failed its integrity check: the
+ * stream is unusable, and the next collective says why. */
+static void fr_watch_forged(fr_boot_t *b, fr_conn_t *c, int r)
+{
+    c->state = FR_CONN_DESYNC;
+    if (b->broken_rc == FERRY_OK) {
+        b->broken_rc = FERRY_ERR_PROTOCOL;
+        snprintf(b->broken_msg, sizeof(b->broken_msg),
+                 "a frame from %s %d (%s) failed its integrity check: the "
+                 "connection was tampered with",
+                 r == 0 && b->rank != 0 ? "the root, rank" : "rank", r,
+                 c->peer);
+    }
+    FR_LOG_WARN(FR_SUB_BOOT, "%s", b->broken_msg);
+}
 
 static void fr_watch_root(fr_boot_t *b)
 {
@@ -33,17 +50,24 @@ static void fr_watch_root(fr_boot_t *b)
             if (!ev || b->conns[r].state != FR_CONN_LIVE)
                 continue;
             int closed = (ev & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+            fr_conn_t *c = &b->conns[r];
+            unsigned char buf[sizeof(fr_frame_hdr_t) + FR_SEAL_TAG_LEN] = {0};
             fr_frame_hdr_t h;
-            int k = fr_boot_peek(b->conns[r].fd, &h, sizeof(h));
+            int k = fr_boot_peek(c->fd, buf, sizeof(buf));
+            memcpy(&h, buf, sizeof(h));
             if (k == FR_PEEK_EOF) {
                 fr_boot_root_mark_dead(b, r);
             } else if (k == FR_PEEK_FRAME && h.type == FR_MSG_BYE &&
                        h.len == 0) {
                 /* An early goodbye: the rank is in fr_boot_close. */
-                if (recv(b->conns[r].fd, &h, sizeof(h), MSG_DONTWAIT) ==
-                    (ssize_t)sizeof(h)) {
-                    b->conns[r].state = FR_CONN_BYE;
+                if (fr_boot_open_mem(&c->seal, buf, NULL, 0) != FR_IO_OK) {
+                    fr_watch_forged(b, c, r);
+                } else if (recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT) ==
+                           (ssize_t)sizeof(buf)) {
+                    c->state = FR_CONN_BYE;
                     FR_LOG_INFO(FR_SUB_BOOT, "rank %d said goodbye", r);
+                } else {
+                    c->state = FR_CONN_DESYNC;
                 }
             } else if (k != FR_PEEK_NONE && closed) {
                 /* Closed behind unread data that is not a goodbye. */
@@ -61,7 +85,7 @@ static void fr_watch_leaf(fr_boot_t *b)
         if (poll(&pf, 1, 0) <= 0 || !pf.revents)
             return;
         int closed = (pf.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
-        unsigned char buf[sizeof(fr_frame_hdr_t) + 4];
+        unsigned char buf[sizeof(fr_frame_hdr_t) + 4 + FR_SEAL_TAG_LEN] = {0};
         fr_frame_hdr_t h;
         int k = fr_boot_peek(c->fd, buf, sizeof(buf));
         if (k == FR_PEEK_EOF) {
@@ -70,26 +94,28 @@ static void fr_watch_leaf(fr_boot_t *b)
         }
         if (k == FR_PEEK_NONE)
             return;
-        if (k == FR_PEEK_FRAME) {
-            memcpy(&h, buf, sizeof(h));
-            if ((h.type == FR_MSG_DEAD || h.type == FR_MSG_BYE_ACK) &&
-                h.len == 4) {
-                int32_t r;
-                memcpy(&r, buf + sizeof(h), 4);
-                if (recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT) !=
-                    (ssize_t)sizeof(buf)) {
-                    c->state = FR_CONN_DESYNC;
-                    return;
-                }
-                if (r >= 0 && r < b->size)
-                    fr_boot_record_dead(b, r);
-                if (h.type == FR_MSG_BYE_ACK) {
-                    c->state = FR_CONN_BYE;
-                    FR_LOG_INFO(FR_SUB_BOOT, "root said goodbye");
-                    return;
-                }
-                continue;
+        memcpy(&h, buf, sizeof(h));
+        if (k == FR_PEEK_FRAME &&
+            (h.type == FR_MSG_DEAD || h.type == FR_MSG_BYE_ACK) &&
+            h.len == 4) {
+            int32_t r;
+            if (fr_boot_open_mem(&c->seal, buf, &r, 4) != FR_IO_OK) {
+                fr_watch_forged(b, c, 0);
+                return;
             }
+            if (recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT) !=
+                (ssize_t)sizeof(buf)) {
+                c->state = FR_CONN_DESYNC;
+                return;
+            }
+            if (r >= 0 && r < b->size)
+                fr_boot_record_dead(b, r);
+            if (h.type == FR_MSG_BYE_ACK) {
+                c->state = FR_CONN_BYE;
+                FR_LOG_INFO(FR_SUB_BOOT, "root said goodbye");
+                return;
+            }
+            continue;
         }
         /* A collective's frame (or a partial one): leave it. Behind a
          * closed socket it will never be answered: the root is gone. */

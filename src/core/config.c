@@ -35,6 +35,19 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                        "pass it with mpirun -x FERRY_SECRET). Required when "
                        "ranks span hosts; for local jobs a per-user key "
                        "file is used instead. Never shown.", 1},
+    [FR_CFG_JOB_ID] = {"FERRY_JOB_ID", "",
+                       "Names the job among this user's local jobs started "
+                       "without FERRY_SECRET: ranks with the same id read "
+                       "the same key file. Default: the launcher's job id "
+                       "(PMIx namespace, Open MPI job, Slurm job.step, "
+                       "torchrun run id), else the parent process (ranks "
+                       "started by one launcher or shell)."},
+    [FR_CFG_KEY_DIR] = {"FERRY_KEY_DIR", "",
+                        "Folder of the local key file (a folder of this "
+                        "user with no access for others; created if "
+                        "absent). Default: the first usable of "
+                        "$XDG_RUNTIME_DIR/ferry, $TMPDIR/ferry-<uid> (/tmp "
+                        "if TMPDIR is unset) and $HOME/.ferry."},
     [FR_CFG_NODE_ID] = {"FERRY_NODE_ID", "",
                         "Node identity; ranks with equal ids share memory. "
                         "Default: the host name."},

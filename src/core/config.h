@@ -14,6 +14,8 @@ typedef enum fr_cfg_id {
     FR_CFG_ROOT,
     FR_CFG_ROOT_BIND,
     FR_CFG_SECRET,
+    FR_CFG_JOB_ID,
+    FR_CFG_KEY_DIR,
     FR_CFG_NODE_ID,
     FR_CFG_TRANSPORT,
     FR_CFG_TIMEOUT_MS,

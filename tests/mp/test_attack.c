@@ -29,11 +29,21 @@
  *   test_attack keyfile      no FERRY_SECRET, all ranks local: they meet
  *                            through the per-user key file, which is gone
  *                            afterwards
+ *   test_attack twojobs      two jobs, no FERRY_SECRET, one port, started
+ *                            at once by two launchers (three times): they
+ *                            never mix; each runs whole or fails on every
+ *                            rank naming the port
+ *   test_attack keydir       the key folder made first by someone else (open
+ *                            to all, a link, a file, another user's): the
+ *                            job falls back to the next private place;
+ *                            with none, every rank fails at once saying so
  *   test_attack loopback     FERRY_ROOT=127.0.0.1: the root cannot be
  *                            reached through another local address (exit
  *                            77 when the machine has none)
  */
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
@@ -50,189 +60,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bootstrap/bootstrap.h"
-#include "core/err.h"
+#include "bootstrap/boot_int.h"
+#include "boot_ranks.h"
 #include "harness.h"
-
-#define SECRET "attack-test-secret-0123456789abcdef"
-#define BTMO_MS 3000
-
-static int port;
-static char logdir[64] = "/tmp/ferry-attack-XXXXXX";
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof(sa);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
-        perror("bind");
-        exit(2);
-    }
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
-/* A TCP connection to addr:port (NULL: loopback), -1 on failure. */
-static int dial(const char *addr, int p)
-{
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)p)};
-    inet_pton(AF_INET, addr ? addr : "127.0.0.1", &sa.sin_addr);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-/* Connect to the root port, retrying until it listens (limit ms). */
-static int dial_wait(int limit_ms)
-{
-    int64_t until = now_ms() + limit_ms;
-    for (;;) {
-        int fd = dial(NULL, port);
-        if (fd >= 0 || now_ms() >= until)
-            return fd;
-        usleep(10000);
-    }
-}
-
-/* Read up to n bytes within ms; returns bytes read (stops at EOF). */
-static size_t read_for(int fd, void *buf, size_t n, int ms)
-{
-    size_t got = 0;
-    int64_t until = now_ms() + ms;
-    while (got < n) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int left = (int)(until - now_ms());
-        if (left <= 0 || poll(&p, 1, left) <= 0)
-            break;
-        ssize_t k = recv(fd, (char *)buf + got, n - got, 0);
-        if (k <= 0)
-            break;
-        got += (size_t)k;
-    }
-    return got;
-}
-
-/* A frame header announcing len bytes; then the first n of them from p. */
-static void send_head(int fd, uint32_t type, uint32_t len, const void *p,
-                      size_t n)
-{
-    uint32_t h[2] = {type, len};
-    (void)!write(fd, h, 8);
-    if (n)
-        (void)!write(fd, p, n);
-}
-
-static void send_frame(int fd, uint32_t type, const void *p, uint32_t len)
-{
-    send_head(fd, type, len, p, len);
-}
-
-/* One rank: meet, two allgathers, close. Exit status 0 when fine; the
- * error text goes to <logdir>/rank.R.err. */
-static int rank_body(int r)
-{
-    fr_err_t err = {{0}};
-    fr_boot_env_t env;
-    fr_boot_t *b = NULL;
-    int rc = fr_boot_env_read(&env, &err);
-    if (rc == FERRY_OK)
-        rc = fr_boot_init_tcp(&env, &b, &err);
-    for (int i = 0; rc == FERRY_OK && i < 2; i++) {
-        int in = r * 10 + i, out[64];
-        rc = fr_boot_allgather(b, &in, out, sizeof(int), &err);
-        for (int k = 0; rc == FERRY_OK && k < env.size; k++)
-            if (out[k] != k * 10 + i)
-                rc = FERRY_ERR_INTERNAL;
-    }
-    if (b)
-        fr_boot_close(b, rc == FERRY_OK ? &err : NULL);
-    char path[128];
-    snprintf(path, sizeof(path), "%s/rank.%d.err", logdir, r);
-    FILE *f = fopen(path, "w");
-    if (f) {
-        fprintf(f, "%d %s\n", rc, rc == FERRY_OK ? "ok" : err.msg);
-        fclose(f);
-    }
-    return rc == FERRY_OK ? 0 : 1;
-}
-
-/* Fork rank r of n; its stderr goes to <logdir>/rank.R.log. */
-static pid_t start_rank(int r, int n, const char *secret)
-{
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid != 0)
-        return pid;
-    char v[64], path[128];
-    snprintf(v, sizeof(v), "%d", r);
-    setenv("FERRY_RANK", v, 1);
-    snprintf(v, sizeof(v), "%d", n);
-    setenv("FERRY_WORLD_SIZE", v, 1);
-    snprintf(v, sizeof(v), "127.0.0.1:%d", port);
-    setenv("FERRY_ROOT", v, 1);
-    if (secret)
-        setenv("FERRY_SECRET", secret, 1);
-    else
-        unsetenv("FERRY_SECRET");
-    snprintf(path, sizeof(path), "%s/rank.%d.log", logdir, r);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    if (fd >= 0) {
-        dup2(fd, 2);
-        close(fd);
-    }
-    _exit(rank_body(r));
-}
-
-/* Wait for the ranks (killing them after limit_ms); st[r]: exit status. */
-static void wait_ranks(pid_t *pids, int n, int *st, int limit_ms)
-{
-    int64_t until = now_ms() + limit_ms;
-    for (int r = 0; r < n; r++) {
-        st[r] = -1;
-        if (pids[r] <= 0)
-            continue;
-        int s;
-        while (waitpid(pids[r], &s, WNOHANG) == 0) {
-            if (now_ms() >= until) {
-                kill(pids[r], SIGKILL);
-                waitpid(pids[r], &s, 0);
-                fprintf(stderr, "rank %d hung: killed\n", r);
-                s = 124 << 8;
-                break;
-            }
-            usleep(10000);
-        }
-        st[r] = WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
-    }
-}
-
-static void slurp(const char *name, int r, char *buf, size_t cap)
-{
-    char path[128];
-    snprintf(path, sizeof(path), "%s/rank.%d.%s", logdir, r, name);
-    buf[0] = '\0';
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return;
-    size_t k = fread(buf, 1, cap - 1, f);
-    buf[k] = '\0';
-    fclose(f);
-}
 
 /* Start n ranks (rank 0 first, the rest after `between` ran) and expect
  * all to succeed within limit_ms. */
@@ -362,7 +192,7 @@ static void send_garbage(void)
     send_head(fd, 0x101, 0xfffffff0u, NULL, 0);
     held[nheld++] = fd;
     fd = dial(NULL, port); /* a hello right away, no handshake */
-    uint32_t hi[6] = {0x46524259u, 3, 1, 3, 4242, 0};
+    uint32_t hi[6] = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION, 1, 3, 4242, 0};
     send_frame(fd, 0x101, hi, sizeof(hi));
     held[nheld++] = fd;
 }
@@ -373,7 +203,7 @@ static void squat(void)
     /* A: an old-style hello claiming rank 1 at once. */
     int a = dial_wait(5000);
     CHECK(a >= 0, "root never listened");
-    uint32_t hi[6] = {0x46524259u, 1, 1, 3, 4242, 0};
+    uint32_t hi[6] = {FR_BOOT_MAGIC, 1, 1, 3, 4242, 0};
     send_frame(a, 0x101, hi, sizeof(hi));
     held[nheld++] = a;
     /* B: the handshake, with a forged MAC, claiming rank 1. */
@@ -388,7 +218,8 @@ static void squat(void)
         send_frame(b, 0x10A, nonce, sizeof(nonce));
         (void)read_for(b, proof, sizeof(proof), 1000);
     }
-    uint32_t hello[6 + 8] = {0x46524259u, 3, 1, 3, 4243, 0};
+    uint32_t hello[6 + 8] = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION, 1, 3,
+                              4243, 0};
     send_frame(b, 0x101, hello, sizeof(hello));
     unsigned char reply[64];
     size_t k = read_for(b, reply, sizeof(reply), 1000);
@@ -457,7 +288,7 @@ static int mode_fakeroot(void)
             break;
         /* A challenge that looks right; then a proof made up. */
         unsigned char ch[40] = {0};
-        uint32_t mv[2] = {0x46524259u, 3};
+        uint32_t mv[2] = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION};
         memcpy(ch, mv, 8);
         send_frame(fd, 0x109, ch, sizeof(ch));
         unsigned char got[4096];
@@ -491,27 +322,211 @@ static int mode_fakeroot(void)
     return fr_test_result();
 }
 
+/* Key files of the test's port left in folder dir. */
+static int key_files_left(const char *dir)
+{
+    char pre[96];
+    snprintf(pre, sizeof(pre), "ferry-%u-127.0.0.1-%d-", (unsigned)geteuid(),
+             port);
+    int n = 0;
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        n += strncmp(e->d_name, pre, strlen(pre)) == 0;
+    if (d)
+        closedir(d);
+    return n;
+}
+
+/* The key folder a job with this environment uses by default. */
+static void default_key_dir(char *dir, size_t cap)
+{
+    const char *x = getenv("XDG_RUNTIME_DIR"), *t = getenv("TMPDIR");
+    if (x && x[0] == '/')
+        snprintf(dir, cap, "%s/ferry", x);
+    else
+        snprintf(dir, cap, "%s/ferry-%u", t && t[0] == '/' ? t : "/tmp",
+                 (unsigned)geteuid());
+}
+
+/* A job of n ranks without FERRY_SECRET; st: exit statuses, e: messages. */
+static void keyfile_job(int n, int *st, char (*e)[700])
+{
+    pid_t pids[8];
+    for (int r = 0; r < n; r++)
+        pids[r] = start_rank(r, n, NULL);
+    wait_ranks(pids, n, st, 20000);
+    for (int r = 0; r < n; r++)
+        slurp("err", r, e[r], sizeof(e[r]));
+}
+
 static int mode_keyfile(void)
 {
-    pid_t pids[3];
     int st[3];
+    char e[3][700], dir[300];
+    keyfile_job(3, st, e);
     for (int r = 0; r < 3; r++)
-        pids[r] = start_rank(r, 3, NULL);
-    wait_ranks(pids, 3, st, 20000);
-    for (int r = 0; r < 3; r++) {
-        char e[600];
-        slurp("err", r, e, sizeof(e));
-        CHECK(st[r] == 0, "rank %d exited %d: %s", r, st[r], e);
+        CHECK(st[r] == 0, "rank %d exited %d: %s", r, st[r], e[r]);
+    default_key_dir(dir, sizeof(dir));
+    CHECK(key_files_left(dir) == 0, "a key file of port %d left in %s", port,
+          dir);
+    return fr_test_result();
+}
+
+/* Two jobs of 4 ranks, no FERRY_SECRET, one port, started at once, each by
+ * its own launcher (a process that forks its ranks), twice over: they
+ * never mix. Each job either runs whole, or fails on every rank (one of
+ * them naming the port), and no rank gets another job's block. */
+static int mode_twojobs(void)
+{
+    char base[64];
+    snprintf(base, sizeof(base), "%s", logdir);
+    for (int iter = 0; iter < 3; iter++) {
+        pid_t launch[2];
+        for (int j = 0; j < 2; j++) {
+            fflush(stdout);
+            launch[j] = fork();
+            if (launch[j] != 0)
+                continue;
+            snprintf(logdir, sizeof(logdir), "%.50s/j%d", base, j);
+            mkdir(logdir, 0700);
+            job_tag = j + 1;
+            pid_t pids[4];
+            int st[4];
+            for (int r = 0; r < 4; r++)
+                pids[r] = start_rank(r, 4, NULL);
+            wait_ranks(pids, 4, st, 20000);
+            char path[128];
+            snprintf(path, sizeof(path), "%s/status", logdir);
+            FILE *f = fopen(path, "w");
+            for (int r = 0; f && r < 4; r++)
+                fprintf(f, "%d\n", st[r]);
+            if (f)
+                fclose(f);
+            _exit(0);
+        }
+        for (int j = 0; j < 2; j++)
+            waitpid(launch[j], NULL, 0);
+        int ok_jobs = 0;
+        for (int j = 0; j < 2; j++) {
+            snprintf(logdir, sizeof(logdir), "%.50s/j%d", base, j);
+            int st[4] = {-1, -1, -1, -1}, nok = 0, named = 0;
+            char path[128], e[700];
+            snprintf(path, sizeof(path), "%s/status", logdir);
+            FILE *f = fopen(path, "r");
+            for (int r = 0; f && r < 4; r++)
+                if (fscanf(f, "%d", &st[r]) != 1)
+                    st[r] = -1;
+            if (f)
+                fclose(f);
+            char ps[16];
+            snprintf(ps, sizeof(ps), ":%d", port);
+            for (int r = 0; r < 4; r++) {
+                slurp("err", r, e, sizeof(e));
+                printf("round %d job %d rank %d: %d %s", iter, j, r, st[r],
+                       e);
+                CHECK(strstr(e, "WRONG DATA") == NULL,
+                      "job %d rank %d got another job's data: %s", j, r, e);
+                CHECK(st[r] == 0 || st[r] == 1, "job %d rank %d exited %d",
+                      j, r, st[r]);
+                nok += st[r] == 0;
+                named += st[r] == 1 && strstr(e, ps) != NULL;
+            }
+            CHECK(nok == 0 || nok == 4, "round %d: job %d ran on %d of its "
+                                        "4 ranks",
+                  iter, j, nok);
+            CHECK(nok == 4 || named > 0, "round %d: job %d failed without "
+                                         "naming port %d",
+                  iter, j, port);
+            ok_jobs += nok == 4;
+        }
+        CHECK(ok_jobs >= 1, "round %d: neither job ran", iter);
+        snprintf(logdir, sizeof(logdir), "%s", base);
     }
-    char path[512];
-    const char *x = getenv("XDG_RUNTIME_DIR");
-    if (x && x[0] == '/')
-        snprintf(path, sizeof(path), "%s/ferry/ferry-%u-127.0.0.1-%d.key", x,
-                 (unsigned)geteuid(), port);
-    else
-        snprintf(path, sizeof(path), "/tmp/ferry-%u/ferry-%u-127.0.0.1-%d.key",
-                 (unsigned)geteuid(), (unsigned)geteuid(), port);
-    CHECK(access(path, F_OK) != 0, "key file %s left behind", path);
+    return fr_test_result();
+}
+
+/* Key folders another user could have made first, or that are unusable:
+ * the job falls back to the next private place (with a warning naming the
+ * bad one), and when there is none every rank fails at once saying why. */
+static int mode_keydir(void)
+{
+    char x[128], t[128], h[128], bad[300], cmd[700], dir[300];
+    int st[3];
+    char e[3][700];
+    snprintf(x, sizeof(x), "%s/xdg", logdir);
+    snprintf(t, sizeof(t), "%s/tmp", logdir);
+    snprintf(h, sizeof(h), "%s/home", logdir);
+    mkdir(x, 0700);
+    mkdir(t, 0700);
+    mkdir(h, 0700);
+    setenv("TMPDIR", t, 1);
+    setenv("HOME", h, 1);
+    unsetenv("FERRY_KEY_DIR");
+    /* The first place ($XDG_RUNTIME_DIR/ferry) open to everyone. */
+    setenv("XDG_RUNTIME_DIR", x, 1);
+    snprintf(bad, sizeof(bad), "%s/ferry", x);
+    mkdir(bad, 0700);
+    chmod(bad, 0777);
+    keyfile_job(3, st, e);
+    for (int r = 0; r < 3; r++)
+        CHECK(st[r] == 0, "xdg 0777: rank %d exited %d: %s", r, st[r], e[r]);
+    char log[16384];
+    slurp("log", 0, log, sizeof(log));
+    CHECK(strstr(log, bad) && strstr(log, "not usable"),
+          "rank 0 did not warn about %s:\n%s", bad, log);
+    /* $TMPDIR/ferry-<uid> made by someone else, in each shape. */
+    unsetenv("XDG_RUNTIME_DIR");
+    default_key_dir(bad, sizeof(bad));
+    const char *shapes[] = {"a folder open to all", "a symbolic link",
+                            "a file", "a folder of another user"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", bad);
+        (void)!system(cmd);
+        if (k == 0) {
+            mkdir(bad, 0700);
+            chmod(bad, 0777);
+        } else if (k == 1) {
+            (void)!symlink(x, bad);
+        } else if (k == 2) {
+            close(open(bad, O_WRONLY | O_CREAT, 0600));
+        } else {
+            if (geteuid() != 0) {
+                printf("(not root: no folder of another user made)\n");
+                continue;
+            }
+            mkdir(bad, 0700);
+            CHECK(chown(bad, 65534, 65534) == 0, "chown: %s",
+                  strerror(errno));
+        }
+        keyfile_job(3, st, e);
+        for (int r = 0; r < 3; r++)
+            CHECK(st[r] == 0, "%s: rank %d exited %d: %s", shapes[k], r,
+                  st[r], e[r]);
+        snprintf(dir, sizeof(dir), "%s/.ferry", h);
+        CHECK(key_files_left(dir) == 0, "%s: a key file left in %s",
+              shapes[k], dir);
+        printf("%s at %s: the job ran, key file in %s\n", shapes[k], bad,
+               dir);
+    }
+    /* No usable place at all: every rank fails at once, saying why. */
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s/.ferry'", bad, h);
+    (void)!system(cmd);
+    mkdir(bad, 0700);
+    chmod(bad, 0777);
+    snprintf(dir, sizeof(dir), "%s/.ferry", h);
+    close(open(dir, O_WRONLY | O_CREAT, 0600)); /* $HOME/.ferry: a file */
+    int64_t t0 = now_ms();
+    keyfile_job(3, st, e);
+    int64_t took = now_ms() - t0;
+    for (int r = 0; r < 3; r++)
+        CHECK(st[r] == 1 && strstr(e[r], "no private folder") &&
+                  strstr(e[r], bad),
+              "no place: rank %d exited %d: %s", r, st[r], e[r]);
+    CHECK(took < 2000, "no place: the ranks took %lld ms to fail",
+          (long long)took);
+    printf("no usable folder: every rank failed in %lld ms: %s",
+           (long long)took, e[1]);
     return fr_test_result();
 }
 
@@ -597,11 +612,15 @@ int main(int argc, char **argv)
         rc = mode_fakeroot();
     } else if (!strcmp(mode, "keyfile")) {
         rc = mode_keyfile();
+    } else if (!strcmp(mode, "twojobs")) {
+        rc = mode_twojobs();
+    } else if (!strcmp(mode, "keydir")) {
+        rc = mode_keydir();
     } else if (!strcmp(mode, "loopback")) {
         rc = mode_loopback();
     } else {
         fprintf(stderr, "usage: %s flood|evict|slowloris|garbage|squat|"
-                        "wrongsecret|fakeroot|keyfile|loopback\n", argv[0]);
+                        "wrongsecret|fakeroot|keyfile|twojobs|keydir|loopback\n", argv[0]);
         return 2;
     }
     for (int i = 0; i < nheld; i++)

@@ -1,6 +1,7 @@
 /* SHA-256 (FIPS 180-2 examples) and HMAC-SHA256 (RFC 4231 test cases 1-4,
  * 6, 7), fed whole and in pieces; the constant-time comparison; random
  * bytes. */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -69,8 +70,54 @@ static void hmac_case(int tc, const char *key_hex, const char *data_hex,
     CHECK(!strcmp(got, want), "RFC 4231 case %d in parts: %s", tc, got);
 }
 
+/* The keystream of the sealed bootstrap frames: block i is HMAC(k, nonce |
+ * i) (little-endian u64s), computed here by the one-shot HMAC; XOR in
+ * pieces at offsets equals XOR at once; a second XOR restores; another
+ * nonce gives another stream. The made-ready key MACs as the one-shot. */
+static void stream_case(void)
+{
+    const char *key = "stream-key-0123456789";
+    fr_hmac_key_t k;
+    fr_hmac_key_init(&k, key, strlen(key));
+    unsigned char a[100], b[100], c[100], want[32];
+    memset(a, 0, sizeof(a));
+    fr_hmac_stream_xor(&k, 7, 0, a, sizeof(a));
+    for (uint64_t i = 0; i < 4; i++) {
+        unsigned char in[16];
+        for (int j = 0; j < 8; j++) {
+            in[j] = (unsigned char)((uint64_t)7 >> (8 * j));
+            in[8 + j] = (unsigned char)(i >> (8 * j));
+        }
+        fr_hmac_part_t p = {in, 16};
+        fr_hmac_sha256(key, strlen(key), &p, 1, want);
+        size_t n = i == 3 ? 4 : 32;
+        CHECK(!memcmp(a + 32 * i, want, n), "keystream block %llu differs",
+              (unsigned long long)i);
+    }
+    memset(b, 0, sizeof(b));
+    fr_hmac_stream_xor(&k, 7, 0, b, 5);
+    fr_hmac_stream_xor(&k, 7, 5, b + 5, 40);
+    fr_hmac_stream_xor(&k, 7, 45, b + 45, 55);
+    CHECK(!memcmp(a, b, sizeof(a)), "keystream in pieces differs");
+    for (size_t i = 0; i < sizeof(c); i++)
+        c[i] = (unsigned char)i;
+    fr_hmac_stream_xor(&k, 9, 3, c, sizeof(c));
+    memset(b, 0, sizeof(b));
+    fr_hmac_stream_xor(&k, 8, 0, b, sizeof(b));
+    CHECK(memcmp(a, b, sizeof(a)) != 0, "nonces 7 and 8 gave one stream");
+    fr_hmac_stream_xor(&k, 9, 3, c, sizeof(c));
+    for (size_t i = 0; i < sizeof(c); i++)
+        CHECK(c[i] == (unsigned char)i, "byte %zu not restored", i);
+    fr_hmac_part_t m = {"message", 7};
+    unsigned char m1[32], m2[32];
+    fr_hmac_key_mac(&k, &m, 1, m1);
+    fr_hmac_sha256(key, strlen(key), &m, 1, m2);
+    CHECK(!memcmp(m1, m2, 32), "made-ready key and one-shot HMAC differ");
+}
+
 int main(void)
 {
+    stream_case();
     sha_case("", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     sha_case("abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     sha_case("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
