@@ -49,7 +49,8 @@ typedef struct fr_ht_layout {
  * arrives (the data is visible then; writes may land out of order), takes
  * chunks in order, and returns credits (cumulative chunks taken) as
  * zero-byte writes. Counts of a route go as one write of the notify
- * entry. */
+ * entry. A call returns once its chunk and count writes have completed
+ * locally; credit writes complete during later calls (fr_ht_fab_drain). */
 enum { FR_HT_IMM_NOTIFY = 1, FR_HT_IMM_DATA = 2, FR_HT_IMM_DCREDIT = 3,
        FR_HT_IMM_COMB = 4, FR_HT_IMM_CCREDIT = 5 };
 
@@ -61,8 +62,9 @@ typedef struct fr_ht_fab {
     uint8_t *d_landed, *c_landed;           /* [N][W] */
     uint32_t *notify_seen;   /* [2 parity][N] route number (low 16 bits) + 1 whose
                                 counts landed */
-    long pending;            /* writes posted and not completed */
+    long pending;            /* chunk and count writes posted and not completed */
     int32_t *pending_to;     /* [N] of them per destination */
+    long credits_out;        /* credit writes posted and not completed */
 } fr_ht_fab_t;
 
 /* A failure after shared state was touched: the context cannot go on
@@ -168,7 +170,7 @@ int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
 int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s);
 int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
                          int d);
-int fr_ht_fab_drain(ferry_ep_t ep);                 /* wait for posted writes */
+int fr_ht_fab_drain(ferry_ep_t ep);                 /* wait for chunk and count writes */
 
 int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route);
 void fr_ht_route_free(ferry_route_t route);

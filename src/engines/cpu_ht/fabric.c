@@ -77,21 +77,33 @@ static int fr_ht_member(ferry_ep_t ep, int d)
     return -1;
 }
 
-/* One write from the send region to peer d's segment, with immediate. */
+/* A completion's ctx: the peer, and FR_HT_CTX_CREDIT for a credit (a
+ * write the call does not wait for). */
+#define FR_HT_CTX_CREDIT (1ull << 32)
+
+/* One write from the send region to peer d's segment, with immediate.
+ * credit: a credit, which the peer needs only in a later call; the call
+ * does not wait for its completion (fr_ht_fab_drain). */
 static int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, uint64_t len,
-                      uint32_t imm)
+                      uint32_t imm, int credit)
 {
+    fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     int k = ep->nics.nic_of[d], i = fr_ht_member(ep, d);
     if (i < 0)
         return fr_ep_fail(ep, FERRY_ERR_INTERNAL, "ht: rank %d is in no NIC group", d);
     fr_slice_t sl = {.src_off = src_off, .dst_off = dst_off, .len = len, .imm = imm};
     fr_err_t err;
-    int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], i, &sl, (uint64_t)d, &err);
+    uint64_t ctx = (uint64_t)d | (credit ? FR_HT_CTX_CREDIT : 0);
+    int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], i, &sl, ctx, &err);
     if (rc != FERRY_OK) /* shared state is ahead of the peer now: fatal */
         return fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: write to rank %d: %s (%s)", d, err.msg,
                           ferry_strerror(rc));
-    fr_cpu_ht(ep)->fab.pending++;
-    fr_cpu_ht(ep)->fab.pending_to[d]++;
+    if (credit) {
+        f->credits_out++;
+    } else {
+        f->pending++;
+        f->pending_to[d]++;
+    }
     return FERRY_OK;
 }
 
@@ -142,10 +154,15 @@ int fr_ht_fab_poll(ferry_ep_t ep)
         for (int i = 0; i < n; i++) {
             int rc = FERRY_OK;
             fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
+            uint64_t to = cqe[i].ctx & ~FR_HT_CTX_CREDIT; /* the peer written to */
             if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR) {
-                f->pending--;
-                if (cqe[i].ctx < (uint64_t)ep->N)
-                    f->pending_to[cqe[i].ctx]--;
+                if (cqe[i].ctx & FR_HT_CTX_CREDIT) {
+                    f->credits_out--;
+                } else {
+                    f->pending--;
+                    if (to < (uint64_t)ep->N)
+                        f->pending_to[to]--;
+                }
             }
             if (cqe[i].kind == FR_CQE_RX) {
                 rc = fr_ht_on_imm(ep, cqe[i].imm);
@@ -157,7 +174,7 @@ int fr_ht_fab_poll(ferry_ep_t ep)
                 rc = dead >= 0 ? fr_ep_fail(ep, FERRY_ERR_PEER, "ht: rank %d died", dead)
                      : cqe[i].kind == FR_CQE_ERR
                          ? fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a write to rank %d failed (%s)",
-                                      (int)cqe[i].ctx, ferry_strerror(st))
+                                      (int)to, ferry_strerror(st))
                          : fr_ep_fail(ep, FERRY_ERR_FABRIC,
                                       "ht: a peer's write into this rank failed");
             }
@@ -168,6 +185,14 @@ int fr_ht_fab_poll(ferry_ep_t ep)
     return FERRY_OK;
 }
 
+/* The end of a call: wait until the chunk and count writes this rank
+ * posted have completed locally (their staging may be rewritten by the
+ * next call). Credits are not waited for: with manual progress (sockets,
+ * udp;ofi_rxd) a write completes only once the target has progressed it,
+ * and a peer that has all it needs from this call may already be outside
+ * ferry, polling nothing, until its next call, the one where it needs
+ * those credits. A chunk or count write's target is still polling: it
+ * waits for that very write. Credits complete during later calls. */
 int fr_ht_fab_drain(ferry_ep_t ep)
 {
     fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
@@ -203,7 +228,7 @@ int fr_ht_fab_notify(ferry_ep_t ep, int d, const uint8_t *entry, uint64_t id)
     uint64_t dst = h->off_notify + ((id & 1) * (uint64_t)h->N + (uint64_t)ep->rank) *
                                        h->notify_entry;
     return fr_ht_post(ep, d, stage, dst, h->notify_entry,
-                      fr_ht_imm(FR_HT_IMM_NOTIFY, ep->rank, id));
+                      fr_ht_imm(FR_HT_IMM_NOTIFY, ep->rank, id), 0);
 }
 
 int fr_ht_fab_notify_landed(ferry_ep_t ep, int s, uint64_t id)
@@ -233,7 +258,7 @@ int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int
         uint64_t dst = h->off_dring + (uint64_t)ep->rank * h->dring + 2 * FR_HT_LINE +
                        slot * h->drec;
         int rc = fr_ht_post(ep, d, stage + slot * h->drec, dst, (uint64_t)m * h->drec,
-                            fr_ht_imm(FR_HT_IMM_DATA, ep->rank, f->d_post[d] % (uint64_t)f->W));
+                            fr_ht_imm(FR_HT_IMM_DATA, ep->rank, f->d_post[d] % (uint64_t)f->W), 0);
         if (rc != FERRY_OK)
             return rc;
         f->d_post[d]++;
@@ -263,7 +288,8 @@ int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
         }
         c->done_rx[s] += m;
         f->d_take[s]++;
-        int rc = fr_ht_post(ep, s, 0, 0, 0, fr_ht_imm(FR_HT_IMM_DCREDIT, ep->rank, f->d_take[s]));
+        int rc =
+            fr_ht_post(ep, s, 0, 0, 0, fr_ht_imm(FR_HT_IMM_DCREDIT, ep->rank, f->d_take[s]), 1);
         if (rc != FERRY_OK)
             return rc;
         moved = 1;
@@ -289,7 +315,7 @@ int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s
         uint64_t dst = h->off_cring + (uint64_t)ep->rank * h->cring + 2 * FR_HT_LINE +
                        slot * h->crec;
         int rc = fr_ht_post(ep, s, stage + slot * h->crec, dst, (uint64_t)m * h->crec,
-                            fr_ht_imm(FR_HT_IMM_COMB, ep->rank, f->c_post[s] % (uint64_t)f->W));
+                            fr_ht_imm(FR_HT_IMM_COMB, ep->rank, f->c_post[s] % (uint64_t)f->W), 0);
         if (rc != FERRY_OK)
             return rc;
         f->c_post[s]++;
@@ -322,7 +348,8 @@ int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, flo
         }
         c->done_rx[d] += m;
         f->c_take[d]++;
-        int rc = fr_ht_post(ep, d, 0, 0, 0, fr_ht_imm(FR_HT_IMM_CCREDIT, ep->rank, f->c_take[d]));
+        int rc =
+            fr_ht_post(ep, d, 0, 0, 0, fr_ht_imm(FR_HT_IMM_CCREDIT, ep->rank, f->c_take[d]), 1);
         if (rc != FERRY_OK)
             return rc;
         moved = 1;
