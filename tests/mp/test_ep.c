@@ -469,8 +469,20 @@ static int run_kill(ferry_comm_t comm, int victim, int in_combine)
             CHECK(rc == FERRY_ERR_PEER || rc == FERRY_ERR_TIMEOUT, "status %d", rc);
             CHECK(strstr(msg, want) != NULL, "message does not name %s", want);
             CHECK(dt <= (double)timeout + 1000.0, "took %.0f ms > timeout + 1 s", dt);
-            /* the context stays failed */
-            CHECK(ferry_dispatch_send(ep, &din, &r) == rc, "sticky failure");
+            /* the context stays failed, and every later call's message
+             * keeps the cause (the dead rank), the prefix once */
+            static const char prefix[] = "the EP context failed earlier and cannot be used: ";
+            for (int again = 1; again <= 3; again++) {
+                int rc2 = again == 2 ? ferry_dispatch(ep, &din, &dout, &r)
+                                     : ferry_dispatch_send(ep, &din, &r);
+                const char *m2 = ferry_ep_last_error(ep);
+                const char *p1 = strstr(m2, prefix);
+                CHECK(rc2 == rc, "sticky failure: call %d after it returned %d", again, rc2);
+                CHECK(strstr(m2, want) != NULL, "call %d after the failure: message '%s' "
+                      "does not name %s", again, m2, want);
+                CHECK(p1 != NULL && strstr(p1 + 1, prefix) == NULL,
+                      "call %d after the failure: want the prefix once in '%s'", again, m2);
+            }
             ferry_ep_destroy(ep);
             ferry_comm_destroy(comm);
             verdict(me, fr_test_failures ? "bad" : "ok");
