@@ -1,17 +1,18 @@
 #!/bin/bash
 # Usage: tests/shm_leak_check.sh COMMAND...
 # Runs COMMAND (a run in which a rank is killed) and fails when it leaves
-# shm provider regions (/dev/shm/ferry.<pid>.*) of processes that are gone:
-# the launcher must remove a dead rank's regions.
+# /dev/shm entries of processes that are gone: EP segments
+# (ferry-<pid>-...) and shm provider regions (ferry.<pid>....), the names
+# runtime/rt.h lists: the launcher must remove a dead rank's entries.
 set -u
-list() { ls /dev/shm 2>/dev/null | grep '^ferry\.' | sort; }
+list() { ls /dev/shm 2>/dev/null | grep -E '^ferry[.-][0-9]+[.-]' | sort; }
 before=$(list)
 "$@"
 rc=$?
 after=$(list)
 leaked=0
 for f in $(comm -13 <(echo "$before") <(echo "$after")); do
-  pid=$(echo "$f" | cut -d. -f2)
+  pid=$(echo "$f" | sed -E 's/^ferry[.-]([0-9]+)[.-].*/\1/')
   if ! kill -0 "$pid" 2>/dev/null; then
     echo "shm_leak_check: /dev/shm/$f left by pid $pid, which is gone"
     leaked=$((leaked+1))

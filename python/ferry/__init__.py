@@ -417,6 +417,10 @@ class EP:
             raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
         if not isinstance(comm, Comm):
             raise TypeError(f"comm: expected a ferry.Comm, got {type(comm).__name__}")
+        num_experts, topk, hidden, max_tokens, num_sms, ring_tokens = (
+            _lib.c_int(v, n) for v, n in ((num_experts, "num_experts"), (topk, "topk"),
+                                          (hidden, "hidden"), (max_tokens, "max_tokens"),
+                                          (num_sms, "num_sms"), (ring_tokens, "ring_tokens")))
         ch = comm._handle()
         lib = _lib_handle()
         self._h = C.c_void_p()
@@ -635,6 +639,7 @@ class EP:
         cycles; CPU: nanoseconds). Optional recv_stats [E_local] int32: adds
         expert_num_tokens (a running total; on CUDA ranks by the kernel)."""
         h = self._ep()
+        round = _lib.c_int(round, "round", C.c_uint64)
         dout = self._dout(expert_x, expert_num_tokens, expert_x_scales, expert_src_rank,
                           expert_src_token, stream, wait_cost, recv_stats)
         self._check(_lib_handle().ferry_dispatch_recv(h, round, C.byref(dout)))
@@ -671,6 +676,7 @@ class EP:
     def combine_send(self, round, expert_y, stream=None):
         """expert_y [E_local, capacity, H] bf16, the experts' outputs."""
         h = self._ep()
+        round = _lib.c_int(round, "round", C.c_uint64)
         cin = self._cin(expert_y, stream)
         self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
@@ -681,6 +687,7 @@ class EP:
         topk_weights [T, K] float32; T as at dispatch_send; wait_cost as
         dispatch_recv's."""
         h = self._ep()
+        round = _lib.c_int(round, "round", C.c_uint64)
         cout = self._cout(round, topk_weights, out, stream, wait_cost)
         self._check(_lib_handle().ferry_combine_recv(h, round, C.byref(cout)))
         self._keep.pop(round, None)
@@ -723,6 +730,7 @@ class EP:
         """combine_send and combine_recv in one call (one kernel launch on
         CUDA ranks)."""
         h = self._ep()
+        round = _lib.c_int(round, "round", C.c_uint64)
         cin = self._cin(expert_y, stream)
         cout = self._cout(round, topk_weights, out, stream, wait_cost)
         cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
@@ -754,7 +762,10 @@ class EP:
         T = inf.shape[0] if len(inf.shape) == 2 else None
         p = self._arr(topk_idx, "topk_idx", _I64, (T, self.topk), required=T != 0, inf=inf)
         st = _stream_of(topk_idx, stream) if self.device == "cuda" else None
-        max_recv = int(max_recv or 0)
+        max_recv = _lib.c_int(int(max_recv or 0), "max_recv")
+        expert_alignment = _lib.c_int(int(expert_alignment), "expert_alignment")
+        if T:
+            _lib.c_int(T, "topk_idx rows")
         if max_recv < 0:
             raise ValueError(f"max_recv: {max_recv}: must be 0 (exact route) or the bound on "
                              "rows received")
@@ -762,7 +773,7 @@ class EP:
         if max_recv:
             new = lambda shape: self._ht_new(topk_idx, shape, _I32)
             nout, eout = new((1,)), new((self.num_local_experts,))
-        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, int(expert_alignment), st,
+        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, expert_alignment, st,
                            max_recv, self._ptr(nout), self._ptr(eout))
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
@@ -916,6 +927,7 @@ class EP:
         written on `stream` (default: the current stream), capturable."""
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
+        rank = _lib.c_int(rank, "rank")
         st = self._mask_stream(stream)
         self._check(_lib_handle().ferry_ep_mask_rank(self._ep(), rank, int(bool(masked)), st))
 

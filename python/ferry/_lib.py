@@ -1,5 +1,6 @@
 """ctypes view of include/ferry.h (kept in step with it by tests)."""
 import ctypes as C
+import operator
 import os
 
 FERRY_EP_CONFIG_MAGIC = 0x46455031
@@ -93,6 +94,36 @@ class LayoutArgs(C.Structure):
                 ("topk_idx", C.c_void_p), ("tokens_per_rank", C.c_void_p),
                 ("tokens_per_expert", C.c_void_p), ("token_in_rank", C.c_void_p),
                 ("stream", C.c_void_p)]
+
+
+def _int_range(ctype):
+    bits = 8 * C.sizeof(ctype)
+    if ctype(-1).value == -1:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+#: the C integer types Python ints are passed as: ctypes type -> (the C
+#: name in messages, lowest, highest)
+INT_TYPES = {t: (n,) + _int_range(t) for t, n in (
+    (C.c_int, "int"), (C.c_uint32, "uint32_t"), (C.c_int64, "int64_t"),
+    (C.c_uint64, "uint64_t"), (C.c_size_t, "size_t"))}
+
+
+def c_int(value, name, ctype=C.c_int):
+    """value as a Python int for a C parameter or field of type ctype (ctypes
+    would wrap one out of range silently): any integer (numpy's too, via
+    __index__); else TypeError, and ValueError when outside the C type's
+    range, both naming the argument."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    cname, lo, hi = INT_TYPES[ctype]
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: {v} is out of range: it is passed to libferry as a C "
+                         f"{cname} ({lo}..{hi})")
+    return v
 
 
 ALLGATHER_FN = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_size_t, C.c_void_p)

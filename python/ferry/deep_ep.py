@@ -641,7 +641,7 @@ class Buffer:
             n = None
         if n is None or isinstance(new_num_sms, bool) or n < 1:
             raise ValueError(f"new_num_sms: expected a positive int, got {new_num_sms!r}")
-        cls.num_sms = n
+        cls.num_sms = _lib.c_int(n, "new_num_sms")
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
@@ -741,7 +741,7 @@ class Buffer:
         if v is None or isinstance(n, bool):
             raise TypeError(f"ferry.deep_ep.Buffer.{what}: config.num_sms: expected an int, got "
                             f"{n!r}")
-        return v if v >= 1 else None
+        return _lib.c_int(v, f"ferry.deep_ep.Buffer.{what}: config.num_sms") if v >= 1 else None
 
     def _ht_sms_check(self, ep, sms, what):
         """A normal-mode context's SMs are fixed when it is made (its rings
@@ -786,6 +786,7 @@ class Buffer:
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
             raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
                              f"the group size {N}")
+        _lib.c_int(num_experts, "num_experts")
         if previous_event is not None:
             previous_event.current_stream_wait()
         if topk_idx.is_cuda and not _LAYOUT_KERNEL:
@@ -819,6 +820,9 @@ class Buffer:
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""
         self._normal("dispatch")
+        # passed to libferry as C ints (max_recv, expert_alignment of the route)
+        num_worst_tokens = _lib.c_int(int(num_worst_tokens or 0), "num_worst_tokens")
+        expert_alignment = _lib.c_int(int(expert_alignment or 1), "expert_alignment")
         if num_worst_tokens and isinstance(handle, _HtHandle) and \
                 num_worst_tokens != handle.route.num_recv:
             raise ValueError(f"num_worst_tokens: {num_worst_tokens}, but the handle's routing "
@@ -871,8 +875,8 @@ class Buffer:
                 routing = topk_idx.contiguous()
             ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
                              self._config_sms(config, "dispatch"))
-            route = ep.route(routing, 1 if by_rank else int(expert_alignment or 1),
-                             max_recv=int(num_worst_tokens or 0))
+            route = ep.route(routing, 1 if by_rank else expert_alignment,
+                             max_recv=num_worst_tokens)
             in_rank = is_token_in_rank
             if num_tokens_per_rank is None or in_rank is None:
                 per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
@@ -906,7 +910,7 @@ class Buffer:
             counts = []
         elif by_rank:
             # per expert from the callers' counts, as DeepEP's notify sums them
-            counts = self._expert_counts(num_tokens_per_expert, int(expert_alignment or 1))
+            counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
         else:
             counts = [int(c) for c in route.expert_counts]
         if by_rank:
@@ -1116,6 +1120,9 @@ class Buffer:
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)
         ep = self._eps.get(key)
         if ep is None:
+            # passed to libferry as C ints: checked here to name DeepEP's arguments
+            _lib.c_int(num_experts, "num_experts")
+            _lib.c_int(T, "num_max_dispatch_tokens_per_rank")
             self._not_capturing("low_latency_dispatch",
                                 dict(num_experts=num_experts, topk=topk, hidden=hidden,
                                      num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))

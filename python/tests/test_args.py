@@ -128,6 +128,55 @@ def check_combine(ferry, ep, r, y, w, out):
     ep.combine_recv(r, w, out)
 
 
+INT32 = "(-2147483648..2147483647)"
+UINT64 = "(0..18446744073709551615)"
+
+
+def check_int_ranges(ferry, comm, E, x, idx):
+    """Integers libferry takes as C ints (uint64_t for rounds): outside the
+    C type's range a ValueError naming the argument and the range, before
+    any call reaches the library (ctypes would wrap them: 2**32 + 8 would
+    run as 8). Every rank alike (EP and route creation are collective)."""
+    good = dict(num_experts=E, topk=K, hidden=H, max_tokens=T)
+    for name in ("num_experts", "topk", "hidden", "max_tokens", "num_sms", "ring_tokens"):
+        for v in (2**31, 2**32 + 8, -2**31 - 1):
+            msg = expect(ValueError, name, ferry.EP, comm, **dict(good, **{name: v}))
+            assert INT32 in msg and str(v) in msg, msg
+    # in range but not a valid config: ferry's own check
+    expect(ferry.FerryError, "num_experts", ferry.EP, comm, **dict(good, num_experts=-1))
+    expect(TypeError, "topk", ferry.EP, comm, **dict(good, topk=4.0))
+    ep = ferry.EP(comm, **dict(good, num_experts=np.int64(E), max_tokens=np.int32(T)))
+    assert type(ep.num_experts) is int and ep.num_experts == E, ep.num_experts
+    bufs = ep.alloc()
+    r = ep.dispatch_send(x, idx)
+    # a round number is a uint64_t: 2**64 + r would wrap to r
+    for v in (2**64 + r, -1):
+        msg = expect(ValueError, "round", ep.dispatch_recv, v, **bufs)
+        assert UINT64 in msg, msg
+    ep.dispatch_recv(np.uint64(r), **bufs)
+    y = bufs["expert_x"]
+    for v in (2**64 + r, -1):
+        expect(ValueError, "round", ep.combine_send, v, y)
+        expect(ValueError, "round", ep.combine, v, y, None, None)
+    ep.combine_send(r, y)
+    out = np.zeros((T, H), np.uint16)
+    w = np.ones((T, K), np.float32)
+    expect(ValueError, "round", ep.combine_recv, 2**64 + r, w, out)
+    ep.combine_recv(r, w, out)
+    # rank of mask_rank: a C int (2**32 + 1 would mask rank 1)
+    for v in (2**31, 2**32 + 1):
+        msg = expect(ValueError, "rank", ep.mask_rank, v)
+        assert INT32 in msg, msg
+    ep.close()
+    ht = ferry.EP(comm, **good, mode="ht")
+    for name in ("max_recv", "expert_alignment"):
+        for v in (2**31, 2**32 + 8):
+            expect(ValueError, name, ht.route, idx, **{name: v})
+    with ht.route(idx, expert_alignment=np.int64(2)) as route:  # numpy ints pass
+        assert route.num_tokens == T
+    ht.close()
+
+
 def rank_main(rank, N, port, q):
     try:
         os.environ.update(FERRY_RANK=str(rank), FERRY_WORLD_SIZE=str(N),
@@ -198,6 +247,8 @@ def rank_main(rank, N, port, q):
                hidden=H, max_tokens=T, dtype="bf16", scales_layout="cols")
         expect(ferry.FerryError, "fp8_round_scale", ferry.EP, comm, num_experts=E, topk=K,
                hidden=512, max_tokens=T, dtype="fp8", scales_layout="ue8m0")
+
+        check_int_ranges(ferry, comm, E, x, idx)
 
         # close: the Comm is closed after the last EP; methods after close raise
         comm.close()          # two EPs still open: deferred

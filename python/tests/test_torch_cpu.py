@@ -169,6 +169,13 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
            x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(N + 1, dtype=torch.int64))
     expect(msgs, ValueError, "use_ue8m0", buf.low_latency_dispatch, x, idx, T, E,
            use_ue8m0=True)
+    # passed to libferry as C ints: outside their range a ValueError naming
+    # them (ctypes would wrap 2**32 + T to T), before any context is made
+    for v in (2**31, 2**32 + T):
+        expect(msgs, ValueError, "num_max_dispatch_tokens_per_rank", buf.low_latency_dispatch,
+               x, idx, v, E)
+    for v in (2**31, 2**32 + E):
+        expect(msgs, ValueError, "num_experts", buf.low_latency_dispatch, x, idx, T, v)
     recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     y = torch.zeros(recv.shape, dtype=torch.bfloat16)
     expect(msgs, ValueError, "x", buf.low_latency_combine, y[:, :1], idx, w, handle)
@@ -527,6 +534,15 @@ def normal_mode(deep_ep, rank, N):
             msgs.append(f"normal dispatch of float32 x: {e}")
     if N > 1:  # not a multiple of the group size
         expect(msgs, ValueError, f"num_experts = {E + 1}", buf.get_dispatch_layout, idx, E + 1)
+    # passed to libferry as C ints: outside their range a ValueError naming
+    # them (ctypes would wrap 2**32 + 8 to 8), before anything is allocated
+    expect(msgs, ValueError, "num_experts", buf.get_dispatch_layout, idx, N << 62)
+    for v in (2**31, 2**32 + 8):
+        expect(msgs, ValueError, "num_worst_tokens", buf.dispatch, x, topk_idx=idx,
+               num_tokens_per_expert=ne, num_worst_tokens=v)
+        expect(msgs, ValueError, "expert_alignment", buf.dispatch, x, topk_idx=idx,
+               num_tokens_per_expert=ne, expert_alignment=v)
+        expect(msgs, ValueError, "new_num_sms", deep_ep.Buffer.set_num_sms, v)
     expect(msgs, RuntimeError, "ferry.deep_ep.Buffer.low_latency_dispatch",
            buf.low_latency_dispatch, x, idx, T, E)
     buf.destroy()

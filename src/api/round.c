@@ -21,11 +21,15 @@ int fr_ep_usable(ferry_ep_t ep)
 {
     if (!ep->failed && ep->eng->check(ep) != FERRY_OK)
         return ep->failed ? ep->failed : FERRY_ERR_INVALID;
-    if (ep->failed)
-        return fr_ep_fail(ep, ep->failed,
-                          "the EP context failed earlier and cannot be used: "
-                          "%.400s", ep->err.msg);
-    return FERRY_OK;
+    if (!ep->failed)
+        return FERRY_OK;
+    /* the cause kept when the status became sticky: ep->err.msg holds the
+     * last call's message, the very buffer this call writes */
+    if (!ep->cause.msg[0])
+        fr_ep_set_failed(ep, ep->failed);
+    return fr_ep_fail(ep, ep->failed,
+                      "the EP context failed earlier and cannot be used: %.400s",
+                      ep->cause.msg);
 }
 
 /* A stream the context can run on. Where a fabric provider copies into

@@ -97,6 +97,7 @@ struct ferry_ep {
     fr_layout_t L;
     fr_err_t err;
     int failed;          /* sticky status after a failure (0 = healthy) */
+    fr_err_t cause;      /* the message of the failure that made `failed` set */
     int N, rank;
     long timeout_ms;
     long spin;
@@ -186,6 +187,10 @@ int fr_ep_async_check(ferry_ep_t ep);
 /* Set the EP's error message and sticky status; returns code. */
 int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Make the EP's status sticky (code), its current message kept as the
+ * cause the later calls report; a second failure keeps the first cause. */
+void fr_ep_set_failed(ferry_ep_t ep, int code);
 
 /* A GPU wait of `call` that timed out on `rank` (the kernel's error
  * word): what the host knows first, a dead rank (FERRY_ERR_PEER) or the

@@ -24,12 +24,16 @@ int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err)
     if (!all)
         return FR_ERR(err, FERRY_ERR_NOMEM, "segment names");
     mine.status = status;
-    /* segments of ranks of an earlier job that was killed */
-    fr_shm_sweep_dead("ferry-", '-');
+    /* what ranks of an earlier job that was killed left */
+    fr_shm_sweep_dead();
     if (status == FERRY_OK) {
-        snprintf(mine.seg_name, sizeof(mine.seg_name), "/ferry-%d-%llx-%c%d-%llx",
-                 (int)getpid(), (unsigned long long)fr_pidns(), tag, me,
-                 (unsigned long long)fr_now_ns());
+        /* the name the sweeps know (runtime/rt.h), after shm_open's '/' */
+        mine.seg_name[0] = '/';
+        if (fr_shm_name(mine.seg_name + 1, sizeof(mine.seg_name) - 1, FR_SHM_EP, "%c%d-%llx",
+                        tag, me, (unsigned long long)fr_now_ns()) < 0)
+            mine.status = FR_ERR(err, FERRY_ERR_INTERNAL, "segment name too long");
+    }
+    if (mine.status == FERRY_OK) {
         snprintf(ep->seg_name, sizeof(ep->seg_name), "%s", mine.seg_name);
         mine.status = fr_shm_create(ep->seg_name, ep->L.seg_bytes, &ep->seg, err);
     }

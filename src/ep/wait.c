@@ -25,9 +25,17 @@ int fr_ep_fail(ferry_ep_t ep, int code, const char *fmt, ...)
     if (code == FERRY_ERR_TIMEOUT || code == FERRY_ERR_PEER ||
         code == FERRY_ERR_PROTOCOL || code == FERRY_ERR_FABRIC ||
         code == FERRY_ERR_SYSTEM || code == FERRY_ERR_INTERNAL)
-        ep->failed = code;
+        fr_ep_set_failed(ep, code);
     FR_LOG_INFO(FR_SUB_EP, "%s: %s", ferry_strerror(code), ep->err.msg);
     return code;
+}
+
+void fr_ep_set_failed(ferry_ep_t ep, int code)
+{
+    if (!ep->failed || !ep->cause.msg[0])
+        snprintf(ep->cause.msg, sizeof(ep->cause.msg), "%s",
+                 ep->err.msg[0] ? ep->err.msg : ferry_strerror(code));
+    ep->failed = code;
 }
 
 int fr_ep_fail_gpu_wait(ferry_ep_t ep, const char *call, int rank)

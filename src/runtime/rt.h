@@ -60,10 +60,30 @@ void fr_shm_unlink(const char *name);
  * unknown). Names of shared regions carry it next to the pid, since a pid
  * means something only in its own namespace. */
 uint64_t fr_pidns(void);
-/* Remove /dev/shm entries named <prefix><pid><sep><pidns hex><sep>... that
- * this user owns, made in this pid namespace, whose process is gone (left
- * by a killed job). Off when FERRY_SHM_SWEEP=0. Returns how many. */
-int fr_shm_sweep_dead(const char *prefix, char sep);
+/* The /dev/shm entries a rank makes, one kind per creator. Every name is
+ * <prefix><pid><sep><pidns hex><sep><rest>, written by fr_shm_name and
+ * read back by fr_shm_owner, so that the sweeps below find every kind
+ * named here and nothing else:
+ *   FR_SHM_EP   an EP's receive segment (ep/seg.c),
+ *               ferry-<pid>-<pidns>-<tag><rank>-<time>
+ *   FR_SHM_FAB  a libfabric shm provider region, named after the endpoint's
+ *               address (transport/fabric/open.c),
+ *               ferry.<pid>.<pidns>.<random>[provider's suffix] */
+typedef enum fr_shm_kind { FR_SHM_EP, FR_SHM_FAB, FR_SHM_NKINDS } fr_shm_kind_t;
+/* This process's name of `kind` into buf, `rest` (printf format) after the
+ * pid namespace: the length, or -1 when it does not fit. */
+int fr_shm_name(char *buf, size_t cap, fr_shm_kind_t kind, const char *rest, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The kind of a /dev/shm entry name (no leading '/') made by fr_shm_name,
+ * with its maker's pid and pid namespace; -1 when it is not one. */
+int fr_shm_owner(const char *name, long *pid, uint64_t *pidns);
+/* Remove this user's /dev/shm entries of every kind made in this pid
+ * namespace whose process is gone (left by a killed job). Off when
+ * FERRY_SHM_SWEEP=0. Returns how many. */
+int fr_shm_sweep_dead(void);
+/* The same for the entries of one process, a rank its launcher has just
+ * reaped (whatever FERRY_SHM_SWEEP says). Returns how many. */
+int fr_shm_sweep_pid(long pid);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -118,30 +119,80 @@ uint64_t fr_pidns(void)
     return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-int fr_shm_sweep_dead(const char *prefix, char sep)
+/* The kinds of fr_shm_kind_t: name prefix and separator. */
+static const struct {
+    const char *prefix;
+    char sep;
+} fr_shm_kinds[FR_SHM_NKINDS] = {
+    [FR_SHM_EP] = {"ferry-", '-'},
+    [FR_SHM_FAB] = {"ferry.", '.'},
+};
+
+int fr_shm_name(char *buf, size_t cap, fr_shm_kind_t kind, const char *rest, ...)
 {
-    if (fr_cfg_int(FR_CFG_SHM_SWEEP) == 0)
-        return 0;
+    char sep = fr_shm_kinds[kind].sep;
+    int n = snprintf(buf, cap, "%s%d%c%llx%c", fr_shm_kinds[kind].prefix, (int)getpid(), sep,
+                     (unsigned long long)fr_pidns(), sep);
+    if (n < 0 || (size_t)n >= cap)
+        return -1;
+    va_list ap;
+    va_start(ap, rest);
+    int m = vsnprintf(buf + n, cap - (size_t)n, rest, ap);
+    va_end(ap);
+    if (m < 0 || (size_t)m >= cap - (size_t)n)
+        return -1;
+    return n + m;
+}
+
+int fr_shm_owner(const char *name, long *pid, uint64_t *pidns)
+{
+    for (int k = 0; k < FR_SHM_NKINDS; k++) {
+        size_t plen = strlen(fr_shm_kinds[k].prefix);
+        char sep = fr_shm_kinds[k].sep;
+        if (strncmp(name, fr_shm_kinds[k].prefix, plen) != 0)
+            continue;
+        const char *p = name + plen;
+        if (*p < '0' || *p > '9')
+            continue;
+        char *end = NULL;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (errno || *end != sep || v <= 0 || v > INT32_MAX)
+            continue;
+        p = end + 1;
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
+            continue;
+        unsigned long long ns = strtoull(p, &end, 16);
+        if (errno || *end != sep)
+            continue;
+        *pid = v;
+        *pidns = ns;
+        return k;
+    }
+    return -1;
+}
+
+/* Remove this user's entries of every kind made in this pid namespace
+ * whose process is gone: every such process's, or (only_pid > 0) that
+ * one's. */
+static int fr_shm_sweep(long only_pid)
+{
+    uint64_t ns = fr_pidns();
+    if (ns == 0)
+        return 0; /* names of this namespace cannot be told apart */
     DIR *d = opendir("/dev/shm");
     if (!d)
         return 0;
-    size_t plen = strlen(prefix);
-    uint64_t ns = fr_pidns();
     int n = 0;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, prefix, plen) != 0)
-            continue;
-        char *end = NULL;
-        long pid = strtol(e->d_name + plen, &end, 10);
-        if (end == e->d_name + plen || *end != sep || pid <= 0 ||
-            pid > INT32_MAX || ns == 0)
+        long pid;
+        uint64_t their;
+        if (fr_shm_owner(e->d_name, &pid, &their) < 0)
             continue;
         /* only names made in this pid namespace: elsewhere the pid names
          * another process (or none) */
-        char *nend = NULL;
-        unsigned long long their = strtoull(end + 1, &nend, 16);
-        if (nend == end + 1 || *nend != sep || their != ns)
+        if (their != ns || (only_pid > 0 && pid != only_pid))
             continue;
         if (!fr_pid_gone(pid))
             continue; /* alive, or not ours to ask about */
@@ -157,4 +208,14 @@ int fr_shm_sweep_dead(const char *prefix, char sep)
     }
     closedir(d);
     return n;
+}
+
+int fr_shm_sweep_dead(void)
+{
+    return fr_cfg_int(FR_CFG_SHM_SWEEP) == 0 ? 0 : fr_shm_sweep(0);
+}
+
+int fr_shm_sweep_pid(long pid)
+{
+    return pid > 0 ? fr_shm_sweep(pid) : 0;
 }

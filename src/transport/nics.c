@@ -15,7 +15,7 @@ int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
      * launcher could not remove them), once per process */
     static int swept;
     if (!__atomic_exchange_n(&swept, 1, __ATOMIC_ACQ_REL))
-        fr_shm_sweep_dead(FR_FAB_SHM_PREFIX, '.');
+        fr_shm_sweep_dead();
     x->N = fr_boot_size(boot);
     x->rank = fr_boot_rank(boot);
     int K = want > 0 ? (int)(want < FR_MAX_NICS ? want : FR_MAX_NICS)

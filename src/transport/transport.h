@@ -158,13 +158,6 @@ int fr_transport_open(const char *name, fr_boot_t *boot, int nic, int flags,
                       const fr_transport_ops_t **ops, fr_transport_t **t,
                       fr_err_t *err);
 
-/* shm provider regions of ours are /dev/shm/ferry.<pid>.<random>:...; a
- * rank killed before closing its endpoint leaves them behind. Remove those
- * of a process that is known dead (the launcher, after reaping it).
- * Returns how many were removed. */
-#define FR_FAB_SHM_PREFIX "ferry."
-int fr_fab_shm_sweep(int pid);
-
 #ifdef __cplusplus
 }
 #endif

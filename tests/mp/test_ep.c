@@ -6,8 +6,14 @@
  *   test_ep -n N kill R P    rank R dies in phase P (dispatch|combine) of
  *                            round 5; every other rank must fail naming R
  *                            within FERRY_TIMEOUT_MS + 1 s
+ *   test_ep -n N kill_create R
+ *                            rank R dies inside ferry_ep_create while its
+ *                            receive segment is in /dev/shm; the others'
+ *                            create fails (run under tests/shm_leak_check.sh:
+ *                            the launcher must remove the segment)
  * Each rank writes its verdict to $DIR/rank.<r>; the parent reads them.
  */
+#include <dirent.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -22,6 +28,7 @@
 #include "ep/ep.h"
 #include "ferry.h"
 #include "harness.h"
+#include "runtime/rt.h"
 #include "launch.h"
 #include "verdicts.h"
 #include "workload.h"
@@ -469,8 +476,20 @@ static int run_kill(ferry_comm_t comm, int victim, int in_combine)
             CHECK(rc == FERRY_ERR_PEER || rc == FERRY_ERR_TIMEOUT, "status %d", rc);
             CHECK(strstr(msg, want) != NULL, "message does not name %s", want);
             CHECK(dt <= (double)timeout + 1000.0, "took %.0f ms > timeout + 1 s", dt);
-            /* the context stays failed */
-            CHECK(ferry_dispatch_send(ep, &din, &r) == rc, "sticky failure");
+            /* the context stays failed, and every later call's message
+             * keeps the cause (the dead rank), the prefix once */
+            static const char prefix[] = "the EP context failed earlier and cannot be used: ";
+            for (int again = 1; again <= 3; again++) {
+                int rc2 = again == 2 ? ferry_dispatch(ep, &din, &dout, &r)
+                                     : ferry_dispatch_send(ep, &din, &r);
+                const char *m2 = ferry_ep_last_error(ep);
+                const char *p1 = strstr(m2, prefix);
+                CHECK(rc2 == rc, "sticky failure: call %d after it returned %d", again, rc2);
+                CHECK(strstr(m2, want) != NULL, "call %d after the failure: message '%s' "
+                      "does not name %s", again, m2, want);
+                CHECK(p1 != NULL && strstr(p1 + 1, prefix) == NULL,
+                      "call %d after the failure: want the prefix once in '%s'", again, m2);
+            }
             ferry_ep_destroy(ep);
             ferry_comm_destroy(comm);
             verdict(me, fr_test_failures ? "bad" : "ok");
@@ -484,6 +503,66 @@ static int run_kill(ferry_comm_t comm, int victim, int in_combine)
     return 1;
 }
 
+/* kill_create: a communicator whose exchanges go through the launched
+ * one's; the victim dies right after the first exchange that found its own
+ * EP segment in /dev/shm (the exchange of the segment names, inside
+ * ferry_ep_create, before the names are unlinked). Every rank is past that
+ * exchange, and so past its start-up sweep of dead processes' entries,
+ * which would otherwise remove the victim's segment in the launcher's
+ * place. */
+typedef struct {
+    ferry_comm_t comm;
+    int victim;
+} kc_ctx_t;
+
+static int own_ep_segment(void)
+{
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return 0;
+    int found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d)) != NULL) {
+        long pid;
+        uint64_t ns;
+        found = fr_shm_owner(e->d_name, &pid, &ns) == FR_SHM_EP && pid == (long)getpid();
+    }
+    closedir(d);
+    return found;
+}
+
+static int kc_allgather(const void *in, void *out, size_t len, void *ctx)
+{
+    kc_ctx_t *c = ctx;
+    int rc = ferry_comm_allgather(c->comm, in, out, len);
+    if (c->victim && own_ep_segment())
+        raise(SIGKILL);
+    return rc == FERRY_OK ? 0 : -1;
+}
+
+static int run_kill_create(ferry_comm_t comm, int victim)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc;
+    kc_ctx_t ctx = {comm, me == victim};
+    ferry_comm_t inner = NULL;
+    char ebuf[512];
+    rc = ferry_comm_init_allgather(me, N, kc_allgather, &ctx, &inner, ebuf, sizeof(ebuf));
+    CHECK(rc == FERRY_OK, "comm over the callback: %s", ebuf);
+    if (rc == FERRY_OK) {
+        ferry_ep_t ep = make_ep(inner, 2 * N, 2, 128, 16, FERRY_DTYPE_BF16, &rc);
+        fprintf(stderr, "rank %d: create: %s: %s\n", me, ferry_strerror(rc),
+                ferry_comm_last_error(inner));
+        CHECK(rc != FERRY_OK && !ep, "create succeeded although rank %d died in it", victim);
+        CHECK(!own_ep_segment(), "rank %d: its own segment left after a failed create", me);
+        if (ep)
+            ferry_ep_destroy(ep);
+        ferry_comm_destroy(inner);
+    }
+    ferry_comm_destroy(comm);
+    verdict(me, fr_test_failures ? "bad" : "ok");
+    return fr_test_result();
+}
+
 int main(int argc, char **argv)
 {
     int n = 2;
@@ -494,12 +573,14 @@ int main(int argc, char **argv)
     int in_combine = argc >= 6 && strcmp(argv[5], "combine") == 0;
     ferry_comm_t comm = NULL;
     int rc = 0;
-    if (!fr_vd_start("ep", "test_ep", mode, n, strcmp(mode, "kill") == 0 ? victim : -1, &comm,
-                     &rc))
+    int kill_mode = strcmp(mode, "kill") == 0 || strcmp(mode, "kill_create") == 0;
+    if (!fr_vd_start("ep", "test_ep", mode, n, kill_mode ? victim : -1, &comm, &rc))
         return rc;
     int me = ferry_comm_rank(comm);
     if (strcmp(mode, "kill") == 0)
         return run_kill(comm, victim, in_combine);
+    if (strcmp(mode, "kill_create") == 0)
+        return run_kill_create(comm, victim);
     rc = run_args(comm);
     ferry_comm_destroy(comm);
     verdict(me, rc ? "bad" : "ok");

@@ -1939,12 +1939,29 @@ static void kill_failure(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     CHECK(rc == FERRY_ERR_PEER || rc == FERRY_ERR_TIMEOUT, "status %d", rc);
     CHECK(names(msg, want), "message does not name %s", want);
     CHECK(dt <= (double)timeout + 2000.0, "took %.0f ms > timeout + 2 s", dt);
-    if (rt) {
-        data_t d = {7, K_BITS, 0};
-        dres_t o;
-        int rc2 = ht_disp(ep, rt, w, c, &d, 0, &o);
-        CHECK(rc2 != FERRY_OK, "the context does not stay failed");
-        dres_free(&o);
+    /* the context stays failed, and every later call's message keeps the
+     * cause (the dead rank), the prefix once */
+    static const char prefix[] = "the EP context failed earlier and cannot be used: ";
+    for (int again = 1; again <= 3; again++) {
+        int rc2;
+        if (rt) {
+            data_t d = {7, K_BITS, 0};
+            dres_t o;
+            rc2 = ht_disp(ep, rt, w, c, &d, 0, &o);
+            dres_free(&o);
+        } else {
+            ferry_route_t rt2 = NULL;
+            rc2 = route_make(ep, w, 1, &rt2, "kill, again");
+            if (rt2)
+                ferry_route_destroy(rt2);
+        }
+        const char *m2 = ferry_ep_last_error(ep);
+        const char *p1 = strstr(m2, prefix);
+        CHECK(rc2 != FERRY_OK, "the context does not stay failed (call %d after)", again);
+        CHECK(names(m2, want), "call %d after the failure: message '%s' does not name %s",
+              again, m2, want);
+        CHECK(p1 != NULL && strstr(p1 + 1, prefix) == NULL,
+              "call %d after the failure: want the prefix once in '%s'", again, m2);
     }
 }
 

@@ -79,7 +79,7 @@ int main(void)
     fr_shm_unmap(seg, 4096);
     CHECK_RC(fr_shm_create(elsewhere, 4096, &seg, &err), FERRY_OK);
     fr_shm_unmap(seg, 4096);
-    int n = fr_shm_sweep_dead("ferry-", '-');
+    int n = fr_shm_sweep_dead();
     CHECK(n >= 1, "swept %d", n);
     CHECK(!exists(dead), "%s left behind", dead);
     CHECK(exists(live), "%s of a live process removed", live);
@@ -89,6 +89,53 @@ int main(void)
     fr_shm_unlink(live);
     fr_shm_unlink(other);
     fr_shm_unlink(dead);
+
+    /* every kind of name a rank makes (fr_shm_name), left by a process that
+     * died: read back as its, and the launcher's sweep of that pid removes
+     * them all; a live process's stay */
+    char made[FR_SHM_NKINDS][96], mine[FR_SHM_NKINDS][96];
+    int pipefd[2];
+    CHECK(pipe(pipefd) == 0, "pipe");
+    child = fork();
+    if (child == 0) {
+        for (int k = 0; k < FR_SHM_NKINDS; k++) {
+            made[k][0] = '/';
+            if (fr_shm_name(made[k] + 1, sizeof(made[k]) - 1, (fr_shm_kind_t)k, "test-%d", k) < 0 ||
+                fr_shm_create(made[k], 4096, &seg, &err) != FERRY_OK)
+                _exit(1);
+        }
+        _exit(write(pipefd[1], made, sizeof(made)) == (ssize_t)sizeof(made) ? 0 : 1);
+    }
+    int st = 0;
+    waitpid(child, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child made no names");
+    CHECK(read(pipefd[0], made, sizeof(made)) == (ssize_t)sizeof(made), "names from the child");
+    close(pipefd[0]);
+    close(pipefd[1]);
+    for (int k = 0; k < FR_SHM_NKINDS; k++) {
+        mine[k][0] = '/';
+        CHECK(fr_shm_name(mine[k] + 1, sizeof(mine[k]) - 1, (fr_shm_kind_t)k, "test-%d", k) > 0,
+              "kind %d: no name", k);
+        CHECK_RC(fr_shm_create(mine[k], 4096, &seg, &err), FERRY_OK);
+        fr_shm_unmap(seg, 4096);
+        long pid = 0;
+        uint64_t pns = 0;
+        CHECK(fr_shm_owner(made[k] + 1, &pid, &pns) == k && pid == child && pns == ns,
+              "%s: read back as kind %d, pid %ld, namespace %llx", made[k],
+              fr_shm_owner(made[k] + 1, &pid, &pns), pid, (unsigned long long)pns);
+        CHECK(exists(made[k]), "%s was not made", made[k]);
+    }
+    CHECK(fr_shm_owner("ferryx-12-ab-r0", &(long){0}, &(uint64_t){0}) < 0, "another prefix");
+    n = fr_shm_sweep_pid((long)getpid()); /* alive: nothing */
+    CHECK(n == 0, "swept %d of a live process", n);
+    n = fr_shm_sweep_pid((long)child);
+    CHECK(n == FR_SHM_NKINDS, "swept %d of %d", n, FR_SHM_NKINDS);
+    for (int k = 0; k < FR_SHM_NKINDS; k++) {
+        CHECK(!exists(made[k]), "%s left behind", made[k]);
+        CHECK(exists(mine[k]), "%s of a live process removed", mine[k]);
+        fr_shm_unlink(mine[k]);
+        fr_shm_unlink(made[k]);
+    }
     printf("test_shm: %d failures\n", fr_test_failures);
     return fr_test_result();
 }

@@ -24,6 +24,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "launch.h"
+#include "runtime/rt.h"
 #include "transport/transport.h"
 
 #define FR_LAUNCH_MAX 4096
@@ -150,8 +151,10 @@ static int fr_launch_wait(pid_t *pids, int started, int *status)
                 continue;
             int code = w < 0 ? 255 : fr_decode_status(st);
             if (w > 0) {
-                /* a rank that died before closing its shm endpoints */
-                int swept = fr_fab_shm_sweep((int)w);
+                /* what a rank that died left in /dev/shm: its EP segments
+                 * (killed inside create, before they are unlinked), its
+                 * shm provider regions (endpoints it did not close) */
+                int swept = fr_shm_sweep_pid((long)w);
                 if (swept)
                     FR_LOG_INFO(FR_SUB_BOOT, "removed %d shm region%s left "
                                 "by rank %d (pid %d)", swept,

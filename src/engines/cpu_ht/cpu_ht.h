@@ -72,7 +72,7 @@ typedef struct fr_ht_fab {
 static inline int fr_ht_fatal(ferry_ep_t ep, int rc)
 {
     if (!ep->failed)
-        ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
+        fr_ep_set_failed(ep, rc ? rc : FERRY_ERR_INTERNAL);
     return ep->failed;
 }
 

@@ -538,7 +538,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     }
     fr_cuht_route_free(route);
     if (!ep->failed) /* counts may be out already, or route numbers: out of step */
-        ep->failed = rc ? rc : FERRY_ERR_INTERNAL;
+        fr_ep_set_failed(ep, rc ? rc : FERRY_ERR_INTERNAL);
     return rc;
 }
 

@@ -670,7 +670,7 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
                    "is of the kernel without a mask (a CUDA graph captured before "
                    "ferry_ep_mask_rank): the round did not run; capture the graph again "
                    "after masking, in a new context", rank, detail);
-        ep->failed = st; /* the error word stays up: every later kernel returns */
+        fr_ep_set_failed(ep, st); /* the error word stays up: every later kernel returns */
         return st;
     case FR_CU_WHAT_NTOK:
         return fr_ep_fail(ep, st,

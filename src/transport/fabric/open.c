@@ -81,8 +81,8 @@ static int fab_is_loopback(const struct fi_info *i)
  * refuses (fi_enable: EBUSY) when a region of that name exists and the pid
  * written in it is alive. A rank killed with SIGKILL leaves its region
  * behind; once pids wrap, a new rank with that pid cannot open an endpoint.
- * Ours are named "ferry.<pid>.<random>" instead: never reused, and the
- * launcher removes a dead rank's regions by the pid prefix. */
+ * Ours are named ferry.<pid>.<pidns>.<random> instead (FR_SHM_FAB): never
+ * reused, and the launcher removes a dead rank's regions by the pid. */
 static int fab_shm_name(struct fi_info *info)
 {
     if (info->addr_format != FI_ADDR_STR)
@@ -90,12 +90,16 @@ static int fab_shm_name(struct fi_info *info)
     static uint64_t seq;
     uint64_t x = fab_mix(fab_now() ^ ((uint64_t)getpid() << 40) ^
                          (++seq * FR_FAB_GOLDEN));
+    static const char scheme[] = "fi_shm://";
     char name[96];
-    /* pid and pid namespace first: the start-up sweep (fr_shm_sweep_dead)
-     * removes a region whose process of this namespace is gone */
-    int len = snprintf(name, sizeof(name), "fi_shm://" FR_FAB_SHM_PREFIX
-                       "%d.%llx.%016llx", (int)getpid(),
-                       (unsigned long long)fr_pidns(), (unsigned long long)x);
+    memcpy(name, scheme, sizeof(scheme));
+    /* the name the sweeps know (runtime/rt.h): pid and pid namespace
+     * first, so a region whose process is gone is removed */
+    int len = fr_shm_name(name + sizeof(scheme) - 1, sizeof(name) - sizeof(scheme) + 1,
+                          FR_SHM_FAB, "%016llx", (unsigned long long)x);
+    if (len < 0)
+        return -1;
+    len += (int)sizeof(scheme) - 1;
     char *copy = strdup(name);
     if (!copy)
         return -1;
@@ -103,23 +107,6 @@ static int fab_shm_name(struct fi_info *info)
     info->src_addr = copy;
     info->src_addrlen = (size_t)len + 1;
     return 0;
-}
-
-int fr_fab_shm_sweep(int pid)
-{
-    char pre[48];
-    int plen = snprintf(pre, sizeof(pre), FR_FAB_SHM_PREFIX "%d.", pid);
-    DIR *d = opendir("/dev/shm");
-    if (!d)
-        return 0;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (strncmp(e->d_name, pre, (size_t)plen) == 0 &&
-            shm_unlink(e->d_name) == 0)
-            n++;
-    closedir(d);
-    return n;
 }
 
 /* NIC k > 0: the k-th other interface (domain) of the same kind as nic0
