@@ -59,7 +59,11 @@ TEST_SRCS := $(wildcard tests/unit/*.c tests/mp/*.c)
 TEST_BINS := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
 
 LIBA := $(BUILD)/libferry.a
+# libferry.so is a link to libferry.so.$(SOVERSION), whose SONAME that is;
+# only ferry_* symbols are exported (scripts/libferry.map).
+SOVERSION := 0
 LIBSO := $(BUILD)/libferry.so
+LIBSO_REAL := $(LIBSO).$(SOVERSION)
 BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info $(BUILD)/bin/ferry-signal-bench
 
 .PHONY: all lib tools tests test check cuda clean
@@ -77,8 +81,13 @@ $(LIBA): $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(LIBSO): $(LIB_OBJS)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
+$(LIBSO_REAL): $(LIB_OBJS) scripts/libferry.map
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libferry.so.$(SOVERSION) \
+	    -Wl,--version-script=scripts/libferry.map -o $@ $(LIB_OBJS) $(LDLIBS) \
+	    $(if $(filter 1,$(CUDA)),-lstdc++)
+
+$(LIBSO): $(LIBSO_REAL)
+	ln -sf $(notdir $<) $@
 
 # Tools link MPI for the baseline (built without it when mpicc is missing).
 ifneq ($(MPI_LIBS),)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # A wheel of the Python package with libferry inside, for engines that
 # should not build ferry from source:
-#   scripts/wheel.sh [OUTDIR]      -> OUTDIR/ferry-<v>-py3-none-manylinux_*.whl (default dist/)
-#   pip install dist/ferry-*.whl
+#   scripts/wheel.sh [OUTDIR]      -> OUTDIR/ferry_ep-<v>-py3-none-manylinux_*.whl (default dist/)
+#   pip install dist/ferry_ep-*.whl
 # libferry (with its CUDA kernels when nvcc was found; the CUDA runtime is
 # linked statically) is loaded through ctypes, so the wheel fits any
 # Python 3. libfabric stays the system's (the wheel needs libfabric.so.1
@@ -16,6 +16,6 @@ RAW=$(mktemp -d)
 trap 'rm -rf "$RAW"' EXIT
 python3 -m pip wheel -q --no-deps --no-build-isolation ./python -w "$RAW"
 mkdir -p "$OUT"
-python3 -m auditwheel repair --exclude libfabric.so.1 -w "$OUT" "$RAW"/ferry-*.whl 2>&1 |
+python3 -m auditwheel repair --exclude libfabric.so.1 -w "$OUT" "$RAW"/ferry_ep-*.whl 2>&1 |
     grep -E "Fixed-up|tags" || true
-ls "$OUT"/ferry-*manylinux*.whl
+ls "$OUT"/ferry_ep-*manylinux*.whl

@@ -18,7 +18,7 @@ check() { env -u PYTHONPATH -u FERRY_LIB "$PY" - "$W/venv" "$@"; }
 check ferry-only <<'PY'
 import importlib.metadata as md, importlib.util as iu, os, sys
 venv, what = sys.argv[1], sys.argv[2]
-files = [str(f) for f in md.files("ferry")]
+files = [str(f) for f in md.files("ferry-ep")]
 bad = [f for f in files if f.split("/")[0] == "deep_ep"]
 assert not bad, f"the package ferry installs {bad}: it would shadow a real DeepEP"
 spec = iu.find_spec("deep_ep")

@@ -8,10 +8,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 "$ROOT/scripts/wheel.sh" "$W/dist"
-whl=$(ls "$W"/dist/ferry-*.whl)
+whl=$(ls "$W"/dist/ferry_ep-*.whl)
 case "$(basename "$whl")" in
-ferry-*-py3-none-manylinux_*_$(uname -m).whl) ;;
-*) echo "FAIL: wheel name $(basename "$whl"): want ferry-<v>-py3-none-manylinux_*_$(uname -m).whl"; exit 1 ;;
+ferry_ep-*-py3-none-manylinux_*_$(uname -m).whl) ;;
+*) echo "FAIL: wheel name $(basename "$whl"): want ferry_ep-<v>-py3-none-manylinux_*_$(uname -m).whl"; exit 1 ;;
 esac
 python3 - "$whl" <<'PY'
 import sys, zipfile
