@@ -83,6 +83,7 @@ except ImportError:
     sys.modules["torch"] = stub
     import deep_ep, deep_ep.buffer, deep_ep.utils, ferry.deep_ep as f
     assert deep_ep.backend == "ferry"
+    assert deep_ep.__version__ == "1.2.1", deep_ep.__version__
     for n in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
         assert getattr(deep_ep, n) is getattr(f, n), n
     assert deep_ep.utils.EventOverlap is f.EventOverlap and deep_ep.utils.Config is f.Config

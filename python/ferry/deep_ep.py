@@ -150,8 +150,13 @@ def _recv_or_hook(recv, return_recv_hook):
 
 class _Tok:
     """A handle's token: the plan keeps a weak reference to it, to tell a
-    dropped handle from one still held."""
-    __slots__ = ("__weakref__",)
+    dropped handle from one still held; settled: its round was combined
+    from scratch to free its buffer set (a later combine of the handle
+    dispatches its routing again)."""
+    __slots__ = ("__weakref__", "settled")
+
+    def __init__(self):
+        self.settled = False
 
 
 class _LLHandle(tuple):
@@ -374,42 +379,60 @@ def _layout_torch(topk_idx, num_experts, N):
     return per_rank, per_expert, is_token_in_rank
 
 
-class _Prefix:
-    """A rank_prefix_matrix whose all-gather is still running."""
-
-    def __init__(self, work, parts):
-        self.work, self.parts = work, parts
-
-    def result(self):
-        self.work.wait()
-        return torch.cumsum(torch.stack(self.parts), 0, dtype=torch.int32)
-
-
 class _HtHandle:
     """A normal-mode dispatch's handle: ferry's route (where each token went
     and what this rank received), reusable for combine and for later
     dispatches with the same routing (DeepEP's cached layout and the
     backward pass). Its GPU tables are freed with it. Indexed like DeepEP's
-    6-tuple: [0] rank_prefix_matrix (int32 [N, N]: rows from sources 0..i
-    that rank j receives), [3] recv_src_idx (int32 [num_recv]: each row's
-    token at its source), [4] is_token_in_rank (bool [T, N]); the channel
-    matrices and send_head ([1], [2], [5]) are DeepEP's internals: None."""
+    tuples (docs/python.md has each field): within one node the 6-tuple
+    (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    recv_src_idx, is_token_in_rank, send_head); across nodes the 10-tuple
+    (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+    recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+    recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+    send_rdma_head, send_nvl_head). DeepEP's per-channel matrices and send
+    heads belong to its kernels' channels, which ferry does not have: None."""
 
-    def __init__(self, ep, route, T, prefix=None, in_rank=None):
+    def __init__(self, ep, route, T, prefix=None, in_rank=None, internode=False):
         self.ep, self.route, self.T = ep, route, T
         self.prefix, self.in_rank = prefix, in_rank
-        self.src_idx = None  # set by the dispatch that made the route
+        self.internode = internode
+        self.src_idx = None   # set by the dispatch that made the route
+        self.src_rank = None  # each received row's source rank (same)
+        self._gbl = None
+
+    def _recv_prefix(self):
+        """recv_gbl_rank_prefix_sum: int32 [N], rows this rank received from
+        ranks 0..i (rows arrive by source rank)."""
+        if self._gbl is None and self.src_rank is not None:
+            N = self.prefix.shape[0]
+            self._gbl = torch.cumsum(torch.bincount(self.src_rank.long(), minlength=N),
+                                     0, dtype=torch.int32)
+        return self._gbl
+
+    def _rdma_prefix(self):
+        """recv_rdma_rank_prefix_sum: int32 [nodes], rows this rank received
+        from the ranks of nodes 0..i."""
+        nodes = self.ep_nodes
+        g = self._recv_prefix()
+        if g is None or nodes is None:
+            return None
+        last = [max(r for r, n in enumerate(nodes) if n == k) for k in range(max(nodes) + 1)]
+        return g[torch.tensor(last, device=g.device)]
+
+    ep_nodes = None  # each rank's node index, set across nodes
 
     def _items(self):
-        if isinstance(self.prefix, _Prefix):
-            self.prefix = self.prefix.result()
+        if self.internode:
+            return (self.in_rank, None, None, None, self._rdma_prefix(), None,
+                    self._recv_prefix(), self.src_idx, None, None)
         return (self.prefix, None, None, self.src_idx, self.in_rank, None)
 
     def __getitem__(self, i):
         return self._items()[i]
 
     def __len__(self):
-        return 6
+        return 10 if self.internode else 6
 
     def __iter__(self):
         return iter(self._items())
@@ -882,8 +905,11 @@ class Buffer:
                 per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
                 num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
                     num_tokens_per_rank
+            rt = self.runtime
             handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
-                               in_rank)
+                               in_rank, internode=rt.get_num_rdma_ranks() > 1)
+            if handle.internode:
+                handle.ep_nodes = list(rt._node_of)
         elif not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -897,13 +923,14 @@ class Buffer:
         # top-k ids and weights, and keeps the source tokens in the handle
         o = ep.ht_dispatch(route, xt, xs, topk_weights,
                            outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
-                                                      "recv_src_token"))
+                                                      "recv_src_token", "recv_src_rank"))
         rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
         recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
         ev = _event_after(xt) if async_finish else _no_event()
         if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
             return recv_x, None, None, None, None, ev
         handle.src_idx = o["recv_src_token"]
+        handle.src_rank = o["recv_src_rank"]
         # a bounded route (num_worst_tokens): rows padded to the bound, no
         # host wait, so no per-expert list (DeepEP returns it empty too)
         if route.num_recv_real is not None:
@@ -959,23 +986,22 @@ class Buffer:
     def _rank_prefix(self, per_rank, device):
         """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks
         0..i send to rank j, from an all-gather of every rank's per-rank
-        counts over the group, started here on every rank (collective, as
-        the dispatch is) and not waited for: the handle waits the first time
-        its entry [0] is read (engines never read it; DeepEP's tests do).
-        Returns the matrix or a _Prefix to finish."""
+        counts over the group (collective, as the dispatch is), finished
+        here: a collective left running would hand the matrix over before
+        it arrived wherever the group's all-gather works on host copies."""
         N = self.group_size
         mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
         if N == 1:
             return mine.view(1, 1).clone()
-        if self._mpi is not None:  # on host copies, waited for here
+        if self._mpi is not None:  # on host copies
             from mpi4py import MPI
             src = mine.cpu().numpy()
             dst = torch.empty(N * N, dtype=torch.int32)
             self._mpi.Allgather([src, MPI.INT32_T], [dst.numpy(), MPI.INT32_T])
             return torch.cumsum(dst.view(N, N), 0, dtype=torch.int32).to(device)
         parts = [torch.empty_like(mine) for _ in range(N)]
-        work = torch.distributed.all_gather(parts, mine, group=self.group, async_op=True)
-        return _Prefix(work, parts)
+        torch.distributed.all_gather(parts, mine, group=self.group)
+        return torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
 
     def _expert_counts(self, per_expert, align):
         """Rows per local expert from every rank's num_tokens_per_expert (an
@@ -1231,6 +1257,10 @@ class Buffer:
             raise ValueError(f"topk_idx: expected shape ({T}, K) int64 (the rows of x), got "
                              f"{_fmt_shape(tuple(topk_idx.shape))} "
                              f"{str(topk_idx.dtype).replace('torch.', '')}")
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or \
+                topk_idx.dtype is torch.bool:
+            raise TypeError(f"topk_idx: expected an integer dtype (int64, as DeepEP's "
+                            f"topk_idx_t), got {str(topk_idx.dtype).replace('torch.', '')}")
         if topk_idx.dtype != torch.int64:
             topk_idx = topk_idx.to(torch.int64)
         K = topk_idx.shape[1]
@@ -1324,20 +1354,17 @@ class Buffer:
     @staticmethod
     def _settle(plan, s, stream):
         """Buffer set s is about to take a new round while the round there
-        was dispatched and never combined. If its handle was dropped
-        (DeepEP allows that), the round is combined first, from scratch
-        inputs into a scratch output, because ferry's flags count every
-        round of a set, combine included; every rank drops the same rounds,
-        so every rank does the same. One extra combine, only in this
-        pattern (fp8 contexts allocate a bf16 [E_local, N*T, H] scratch
-        input the first time). A handle still held is an error, as before:
-        at most two rounds are in flight."""
+        was dispatched and never combined (DeepEP allows that: its handle
+        dropped, or a combine that raised on a bad argument, or dispatches
+        alone in a loop). The round is combined first, from scratch inputs
+        into a scratch output, because ferry's flags count every round of a
+        set, combine included; every rank makes the same calls, so every
+        rank does the same. A handle still held is marked: its combine, if
+        it comes, dispatches its routing again first (as a second combine
+        does). One extra combine, only in this pattern (fp8 contexts
+        allocate a bf16 [E_local, N*T, H] scratch input the first time)."""
         r0, owner = plan.pending[s], plan.owner[s]
-        if owner is not None and owner() is not None:
-            raise FerryError(-1, f"ferry.deep_ep: round {r0} has not been combined and its "
-                                 f"handle is still held, but its buffer set is needed for the "
-                                 f"next round: combine it first (at most two rounds are in "
-                                 f"flight)")
+        tok = owner() if owner is not None else None
         if torch.cuda.is_current_stream_capturing():
             raise FerryError(-1, f"ferry.deep_ep: round {r0} was dispatched and never "
                                  f"combined; its buffer set is needed for the next round: "
@@ -1355,6 +1382,8 @@ class Buffer:
         plan.dcout.stream = stream
         plan.check(plan.cboth(h, r0, plan.dcin, plan.dcout))
         plan.pending[s], plan.owner[s] = 0, None
+        if tok is not None:
+            tok.settled = True
 
     def _redispatch(self, handle, x, stream):
         """A second combine of a handle (DeepEP's test combines each handle
@@ -1386,7 +1415,7 @@ class Buffer:
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep._ep()
-        if handle.combined:  # a second combine of this handle
+        if handle.combined or handle._tok.settled:  # a second combine of this handle
             rnd = self._redispatch(handle, x, plan.raw_stream())
         if not x.is_contiguous():
             x = x.contiguous()

@@ -483,6 +483,83 @@ def masks_beside_normal(deep_ep, rank, N):
     return msgs
 
 
+def error_recovery(deep_ep, rank, N):
+    """A call that raises leaves the Buffer usable: a low-latency combine
+    with top-k weights of the wrong shape raises before anything starts;
+    dispatches go on with that round's handle still held (its round is
+    combined from scratch when its buffer set is needed); the held handle
+    combines right later; a float topk_idx is a TypeError in both modes,
+    a normal-mode dispatch with weights of the wrong shape a ValueError,
+    and the next calls of both modes work."""
+    msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
+    E, K, H, T = 4 * N, 3, 1024, 8
+    El = E // N
+    buf = deep_ep.Buffer(torch.distributed.group.WORLD, 0, 0, low_latency_mode=True,
+                         num_qps_per_rank=El, explicitly_destroy=True)
+
+    def expect(exc, what, fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except exc:
+            return
+        except Exception as e:
+            msgs.append(f"{what}: {type(e).__name__} ({e}), want {exc.__name__}")
+            return
+        msgs.append(f"{what}: accepted, want {exc.__name__}")
+
+    def ll_round(rnd):
+        x, idx, w = make_inputs(rank, 500 + rnd, T, H, E, K, dev)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        # the experts' outputs now: recv is reused two rounds later
+        y = expert_outputs(rank, El, recv, count, False, dev)
+        return x, idx, w, recv, y, handle
+
+    def ll_combine(what, x, idx, w, recv, y, handle):
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        err = combine_error(out, combine_ref(x, idx, w, False))
+        if err:
+            msgs.append(f"{what}: combine {err}")
+
+    # (the held-handle pattern is the CUDA path's; CPU tensors check the errors)
+    a = ll_round(1)
+    x, idx, w = a[0], a[1], a[2]
+    expect(ValueError, "combine with weights [T, 1]", buf.low_latency_combine,
+           a[4], idx, w[:, :1], a[5])
+    expect(TypeError, "low_latency_dispatch with a float topk_idx", buf.low_latency_dispatch,
+           x, idx.float() + 0.7, T, E, False)
+    if CUDA:
+        b = ll_round(2)
+        c = ll_round(3)  # takes round 1's buffer set: round 1 is settled
+        ll_combine("round 3", *c)
+        ll_combine("round 2", *b)
+        # round 1's handle, still held: its routing goes again
+        ll_combine("round 1 after rounds 2 and 3", *a)
+    else:
+        ll_combine("round 1 after the error", *a)
+    d = ll_round(4)
+    ll_combine("round 4", *d)
+    buf.destroy()
+
+    nb = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False,
+                        explicitly_destroy=True)
+    x, idx, w = make_inputs(rank, 600, T, H, E, K, dev)
+    idx = idx.to(dev)
+    nr, _, ne, inr, _ = nb.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=nr, is_token_in_rank=inr, num_tokens_per_expert=ne)
+    expect(TypeError, "dispatch with a float topk_idx", nb.dispatch, x,
+           topk_idx=idx.float(), topk_weights=w, **args)
+    expect(ValueError, "dispatch with weights [T, 1]", nb.dispatch, x, topk_idx=idx,
+           topk_weights=w[:, :1].contiguous(), **args)
+    rx, ridx, rw, counts, handle, _ = nb.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+    out, _, _ = nb.combine(rx, handle)
+    want = (x.float() * inr.sum(1, keepdim=True).float()).to(torch.bfloat16)
+    if not torch.equal(out, want):
+        msgs.append("normal mode after the errors: combine differs from x times the "
+                    "token's ranks")
+    nb.destroy()
+    return msgs
+
+
 def rank_main(rank, N, port, q):
     try:
         torch_init(rank, N, port)
@@ -496,6 +573,7 @@ def rank_main(rank, N, port, q):
         msgs += [f"SGLang: {m}" for m in sglang_calls(rank, N)]
         msgs += [f"normal-mode fp8 scales: {m}" for m in normal_scales(deep_ep, rank, N)]
         msgs += [f"masks beside normal mode: {m}" for m in masks_beside_normal(deep_ep, rank, N)]
+        msgs += [f"after an error: {m}" for m in error_recovery(deep_ep, rank, N)]
         torch.distributed.destroy_process_group()
         q.put((rank, msgs))
     except Exception:

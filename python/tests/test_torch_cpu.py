@@ -38,7 +38,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import gather_all, ranks_main, torch_init  # noqa: E402
+from ranks import gather_all, ranks_main, test_nodes, torch_init  # noqa: E402
 from test_torch_cuda import (check_round, combine_error, combine_ref, expect, scratch_buffer,  # noqa: E402
                              expert_fn, expert_outputs, make_inputs, quant_ref)
 
@@ -552,8 +552,9 @@ def normal_mode(deep_ep, rank, N):
 def normal_deepep_checks(deep_ep, rank, N, dev=torch.device("cpu")):
     """What DeepEP's tests/test_intranode.py checks of normal mode, on
     tensors of `dev` (CPU ranks here, CUDA in test_torch_ht_cuda.py):
-    handle[0] (rank_prefix_matrix) bounds each source's rows;
-    combined_topk_weights sums the weights of every rank's row; dispatch
+    handle[0] (rank_prefix_matrix) bounds each source's rows (across
+    nodes, as DeepEP's tests/test_internode.py: the 10-tuple's handle[-4],
+    recv_gbl_rank_prefix_sum); combined_topk_weights sums the weights of every rank's row; dispatch
     without top-k (is_token_in_rank alone), its per-expert counts, a cached
     dispatch and the combine of its handle."""
     msgs = []
@@ -572,32 +573,56 @@ def normal_deepep_checks(deep_ep, rank, N, dev=torch.device("cpu")):
     want_prefix = torch.cumsum(torch.stack(nrs), 0, dtype=torch.int32).cpu()
     want_counts = sum(nes)[rank * El:(rank + 1) * El].tolist()
 
+    internode = buf.runtime.get_num_rdma_ranks() > 1
+    if internode != (test_nodes() > 1 and N > 1):
+        msgs.append(f"{internode and 'across nodes' or 'within a node'} with "
+                    f"FERRY_TEST_NODES={test_nodes()}")
+
     def by_source(rows, prefix, what):
         start = 0
         for i in range(N):
-            end = int(prefix[i][rank])
+            end = int(prefix[i]) if internode else int(prefix[i][rank])
             if not bool((rows[start:end].float() == i).all()):
                 msgs.append(f"{what}: rows {start}..{end} are not all source {i}'s")
             start = end
         if start != rows.shape[0]:
             msgs.append(f"{what}: {rows.shape[0]} rows, handle[0] says {start}")
 
-    for with_topk in (True, False):
+    # DeepEP's test order: without top-k, then with, then without again
+    for with_topk in (False, True, False):
         args = dict(num_tokens_per_rank=nr, is_token_in_rank=inr, num_tokens_per_expert=ne)
         if with_topk:
             args.update(topk_idx=idx, topk_weights=w)
         rx, ridx, rw, counts, handle, _ = buf.dispatch(x, **args)
         what = f"dispatch {'with' if with_topk else 'without'} top-k"
-        prefix = handle[0]
-        if prefix.dtype != torch.int32 or not torch.equal(prefix.cpu(), want_prefix):
-            msgs.append(f"{what}: handle[0] {prefix.tolist()}, want {want_prefix.tolist()}")
+        if len(handle) != (10 if internode else 6):
+            msgs.append(f"{what}: a handle of {len(handle)} fields (internode={internode})")
+            continue
+        if internode:
+            prefix, want = handle[-4], want_prefix[:, rank]
+            name = "handle[-4] (recv_gbl_rank_prefix_sum)"
+            if not torch.equal(handle[0].cpu(), inr.cpu()):
+                msgs.append(f"{what}: handle[0] is not is_token_in_rank")
+            rdma = handle[4]
+            nodes = handle.ep_nodes
+            last = [max(r for r in range(N) if nodes[r] == k) for k in range(max(nodes) + 1)]
+            if rdma is None or rdma.tolist() != want[last].tolist():
+                msgs.append(f"{what}: handle[4] (recv_rdma_rank_prefix_sum) "
+                            f"{None if rdma is None else rdma.tolist()}, want "
+                            f"{want[last].tolist()}")
+        else:
+            prefix, want, name = handle[0], want_prefix, "handle[0] (rank_prefix_matrix)"
+        if prefix is None or prefix.dtype != torch.int32 or \
+                not torch.equal(prefix.cpu(), want):
+            msgs.append(f"{what}: {name} {None if prefix is None else prefix.tolist()}, "
+                        f"want {want.tolist()}")
             continue
         by_source(rx, prefix, what)
         if counts != want_counts:
             msgs.append(f"{what}: counts {counts}, want {want_counts}")
-        src = handle[3]
+        src = handle[7] if internode else handle[3]
         if src is None or src.shape != (rx.shape[0],):
-            msgs.append(f"{what}: handle[3] (recv_src_idx) missing")
+            msgs.append(f"{what}: recv_src_idx / recv_src_meta missing from the handle")
         if with_topk:
             # as the DeepEP test does: every slot of a row holds its source's weight
             rw = torch.where(ridx == -1, rw.amax(1, keepdim=True).expand_as(rw), rw)
@@ -650,8 +675,28 @@ def rank_main(rank, N, port, q):
         q.put((rank, [traceback.format_exc()]))
 
 
+def rank_main_normal(rank, N, port, q):
+    """Normal mode alone (DeepEP's test checks), for ranks split into
+    nodes (FERRY_TEST_NODES), where the handle is DeepEP's internode one."""
+    try:
+        torch_init(rank, N, port)
+        from ferry import deep_ep
+        msgs = [f"normal mode, DeepEP's checks: {m}"
+                for m in normal_deepep_checks(deep_ep, rank, N)]
+        torch.distributed.destroy_process_group()
+        q.put((rank, msgs))
+    except Exception:
+        q.put((rank, [traceback.format_exc()]))
+
+
 def main():
-    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3]
+    """test_torch_cpu.py [normal] [N ...]: every check at each N ranks
+    (default 1 2 3), or with `normal` the normal mode's alone."""
+    args = sys.argv[1:]
+    normal = bool(args) and args[0] == "normal"
+    sizes = [int(a) for a in args[1 if normal else 0:]] or [1, 2, 3]
+    if normal:
+        return ranks_main(rank_main_normal, sizes, "DeepEP normal mode on CPU tensors")
     return ranks_main(rank_main, sizes, "DeepEP API (low latency and normal mode) on CPU tensors")
 
 

@@ -14,5 +14,8 @@ from ferry.deep_ep import Buffer, Config, EventOverlap, topk_idx_t
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
+#: the version of DeepEP's Python API this module follows
+__version__ = "1.2.1"
+
 #: what this `deep_ep` runs on (a real DeepEP has no such attribute)
 backend = "ferry"
