@@ -1,0 +1,41 @@
+#!/bin/bash
+# DeepEP v1.2.1's own tests, unmodified, on ferry's deep_ep, every rank on
+# the one GPU (MPS, started by scripts/gpu_check.sh) through the shim of
+# shared-gpu (set_device to GPU 0, gloo for the tests' own collectives).
+# Usage: tests/deepep.sh intra N | ll N [ds] | inter NODES   ($B: build)
+#   FERRY_DEEPEP       DeepEP-1.2.1.tar.gz (default ../shared/peers/...)
+#   FERRY_SHARED_GPU   the shim's folder (default ../shared/tools/shared-gpu)
+# Skips (exit 77) saying why without a GPU, the tarball, the shim or torch.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TAR=${FERRY_DEEPEP:-$ROOT/../shared/peers/DeepEP-1.2.1.tar.gz}
+SHIM=${FERRY_SHARED_GPU:-$ROOT/../shared/tools/shared-gpu}
+why=$("$ROOT/$B/bin/ferry-info" --cuda 2>&1) || { echo "skipped: no usable GPU here: $why"; exit 77; }
+[ -f "$TAR" ] || { echo "skipped: DeepEP's tests not found at $TAR (FERRY_DEEPEP)"; exit 77; }
+[ -f "$SHIM/sitecustomize.py" ] || { echo "skipped: the shared-gpu shim not found at $SHIM (FERRY_SHARED_GPU)"; exit 77; }
+python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null ||
+  { echo "skipped: no torch with CUDA here"; exit 77; }
+kind=$1 n=$2 opt=${3:-}
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+tar xzf "$TAR" -C "$W" && cd "$W"/DeepEP-*/tests || exit 2
+export SHARED_GPU_SHIM=1 PYTHONUNBUFFERED=1 FERRY_LIB=$ROOT/$B/libferry.so
+export PYTHONPATH=$SHIM:$ROOT/python/compat:$ROOT/python
+case $kind in
+intra) python3 test_intranode.py --num-processes "$n" ;;
+ll) a=""; [ "$opt" = ds ] && a="--num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256"
+    python3 test_low_latency.py --num-processes "$n" $a ;;
+inter)
+  # NODES "nodes" of 8 ranks: one test process per node, as on a cluster
+  export SHARED_GPU_NODES=1 MASTER_ADDR=127.0.0.1 WORLD_SIZE=$n
+  MASTER_PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  export MASTER_PORT
+  pids=""
+  for r in $(seq 0 $((n - 1))); do
+    RANK=$r python3 test_internode.py --num-processes 8 > "$W/node$r.log" 2>&1 & pids="$pids $!"
+  done
+  rc=0; for p in $pids; do wait "$p" || rc=1; done
+  cat "$W"/node*.log
+  exit $rc ;;
+*) echo "usage: $0 intra N | ll N [ds] | inter NODES"; exit 2 ;;
+esac
