@@ -219,6 +219,52 @@ typedef struct ferry_ep_layout {
 
 int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
 
+/* Counters of the thread that drives this context's fabric path (the
+ * low-latency proxy; in the high-throughput mode the CPU engine's own
+ * fabric calls or the CUDA engine's fabric thread), cumulative since
+ * ferry_ep_create and all zero when no peer is on the fabric path. Kept
+ * always: a clock read around each post and each poll that returned
+ * completions. Times are the driving thread's, not a round's. */
+typedef struct ferry_ep_stats {
+    size_t size;              /* IN: sizeof(ferry_ep_stats_t); fields past
+                                 a smaller size are left alone */
+    uint64_t writes;          /* OUT: writes posted to fabric peers */
+    uint64_t requests;        /* OUT: requests taken (a request asks for one
+                                 peer's write, or one per fabric peer) */
+    uint64_t completions;     /* OUT: local completions of those writes
+                                 (success or error); equals writes once
+                                 nothing is in flight */
+    uint64_t arrivals;        /* OUT: peers' writes that landed here */
+    uint64_t eagain;          /* OUT: provider posts that returned
+                                 -FI_EAGAIN (queued, retried later) */
+    uint64_t post_ns;         /* OUT: time posting, from taking a request
+                                 to its post call's return */
+    uint64_t provider_ns;     /* OUT: of which inside the provider's post
+                                 calls; post_ns minus this is ferry's own
+                                 bookkeeping */
+    uint64_t provider_calls;  /* OUT: provider post calls */
+    uint64_t polls;           /* OUT: polls that returned completions */
+    uint64_t poll_ns;         /* OUT: time in those polls and in handling
+                                 what they returned (publishing flags) */
+    uint64_t retry_ns;        /* OUT: time inside the provider's post calls
+                                 retrying posts queued after -FI_EAGAIN
+                                 (made from polls) */
+    uint64_t doorbells;       /* OUT: samples of the delay below */
+    double doorbell_to_post_p50_us; /* OUT: from a doorbell ringing (a
+                                 request pushed by the rank thread, or the
+                                 proxy noticing a destination marked ready)
+                                 to the write being posted: median, and */
+    double doorbell_to_post_p99_us; /* OUT: 99th percentile (a histogram
+                                 of 8 buckets per power of two: +-6%) */
+} ferry_ep_stats_t;
+
+/* Read ep's counters into *stats (IN: stats->size; OUT: the rest).
+ * Any thread, any time after create; the counters are read one by one
+ * while the driving thread may still add to them. Returns FERRY_OK, or
+ * FERRY_ERR_INVALID for a NULL argument or a size smaller than the
+ * first version's (message in ferry_ep_last_error when ep is valid). */
+int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
+
 /* ---------------------------------------------------------------------- */
 /* Rounds                                                                 */
 /* ---------------------------------------------------------------------- */

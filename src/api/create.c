@@ -138,6 +138,8 @@ static void fr_ep_free(ferry_ep_t ep)
             fr_shm_unlink(ep->seg_name);
         return; /* the thread may still touch all of it */
     }
+    if (ep->nics.ops && fr_cfg_str(FR_CFG_PROXY_STATS)[0])
+        fr_ep_stats_print(ep);
     fr_nics_groups_destroy(&ep->nics, &ep->groups);
     if (ep->nics.ops) {
         fr_nics_dereg(&ep->nics, &ep->rseg);
@@ -436,6 +438,21 @@ int ferry_ep_destroy(ferry_ep_t ep)
 const char *ferry_ep_last_error(ferry_ep_t ep)
 {
     return ep ? ep->err.msg : "ep: NULL handle";
+}
+
+int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    if (!st)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "ferry_ep_get_stats: stats is NULL");
+    if (st->size < sizeof(*st))
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "ferry_ep_get_stats: stats->size %zu, expected %zu (set it to "
+                          "sizeof(ferry_ep_stats_t))",
+                          st->size, sizeof(*st));
+    fr_ep_stats_get(ep, st);
+    return FERRY_OK;
 }
 
 int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)

@@ -18,6 +18,7 @@
 #include "core/err.h"
 #include "core/log.h"
 #include "core/layout.h"
+#include "ep/stats.h"
 #include "runtime/rt.h"
 #include "transport/nics.h"
 
@@ -50,6 +51,9 @@ typedef struct fr_proxy_req {
     int phase, set;
     uint64_t epoch;
     int peer1;
+    uint64_t t_ring;   /* fr_now_ns() when pushed (0: not stamped, as by a
+                          GPU producer; the proxy then takes the time it
+                          noticed the request) */
 } fr_proxy_req_t;
 
 #define FR_PROXY_RING 64
@@ -68,13 +72,13 @@ typedef struct fr_proxy {
     int stop;                              /* atomic */
     fr_proxy_ring_t *ring;
     int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
-    uint64_t posted, completed_rx;         /* statistics */
     /* FERRY_PROXY_STATS: per phase, time from picking up this rank's
-     * request to the last peer's write of the same phase landing here */
+     * request to the last peer's write of the same phase landing here
+     * (the counters every EP keeps are ep->st) */
     uint64_t t_pick[2][FR_NSETS];
     int rx_seen[2][FR_NSETS];
-    uint32_t *xfer_ns[2];                  /* samples */
-    int nxfer[2], stats;
+    fr_hist_t *xfer;                       /* [2]: per phase */
+    int stats;
     int *gnic, *gpos;                      /* [nfabric]: fabric peer g's NIC and
                                               place in that NIC's group */
     uint64_t *ready_seen;                  /* [2][2][nfabric]: doorbells taken
@@ -139,6 +143,7 @@ struct ferry_ep {
     int *group_index;    /* [N] fabric index or -1 */
     uint64_t *flag_last; /* [phase 2][set 2][N] last epoch seen (proxy) */
     fr_proxy_t proxy;
+    fr_ep_stats_t st;    /* counters of the thread driving the fabric path */
     /* error raised asynchronously by the proxy or a fabric thread */
     fr_async_err_t async;
 

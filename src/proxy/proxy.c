@@ -35,8 +35,6 @@
 #include "proxy/proxy.h"
 #include "core/log.h"
 
-#define FR_PROXY_STAT_MAX 65536
-
 static void fr_proxy_async_fail(ferry_ep_t ep, int code, int peer,
                                 const char *msg)
 {
@@ -74,13 +72,12 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
     __atomic_store_n(fr_flag_ptr(L, ep->flags, phase, set, sender), want,
                      __ATOMIC_RELEASE);
     fr_doorbell_ring(ep->flags);
-    ep->proxy.completed_rx++;
+    fr_stat_add(&ep->st.rx, 1);
     fr_proxy_t *p = &ep->proxy;
     if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) {
         p->rx_seen[phase][set] = 0;
-        if (p->t_pick[phase][set] && p->nxfer[phase] < FR_PROXY_STAT_MAX)
-            p->xfer_ns[phase][p->nxfer[phase]++] =
-                (uint32_t)(fr_now_ns() - p->t_pick[phase][set]);
+        if (p->t_pick[phase][set])
+            fr_hist_add(&p->xfer[phase], fr_now_ns() - p->t_pick[phase][set]);
         p->t_pick[phase][set] = 0;
     }
 }
@@ -105,7 +102,7 @@ static int fr_proxy_post_one(ferry_ep_t ep, const fr_proxy_req_t *q, const fr_sl
         fr_proxy_async_fail(ep, rc, -1, err.msg);
         return rc;
     }
-    ep->proxy.posted++;
+    fr_stat_add(&ep->st.writes, 1);
     return FERRY_OK;
 }
 
@@ -136,8 +133,25 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
             return rc;
         }
     }
-    ep->proxy.posted += (uint64_t)ep->nfabric;
+    fr_stat_add(&ep->st.writes, (uint64_t)ep->nfabric);
     return FERRY_OK;
+}
+
+/* Post request q and count it: the time since *t (the previous post's
+ * end, or when the request was noticed) as posting, and the delay from
+ * its doorbell (stamped by the producer, else noticed) to now. */
+static int fr_proxy_take(ferry_ep_t ep, const fr_proxy_req_t *q, uint64_t noticed,
+                         uint64_t *t)
+{
+    int rc = fr_proxy_post(ep, q);
+    uint64_t t1 = fr_now_ns();
+    fr_ep_stats_t *st = &ep->st;
+    fr_stat_add(&st->post_ns, t1 - *t);
+    fr_stat_add(&st->requests, 1);
+    uint64_t bell = q->t_ring && q->t_ring <= t1 ? q->t_ring : noticed;
+    fr_hist_add(&st->d2p, t1 - bell);
+    *t = t1;
+    return rc;
 }
 
 /* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
@@ -147,6 +161,7 @@ static int fr_proxy_scan_ready(ferry_ep_t ep)
 {
     fr_proxy_t *p = &ep->proxy;
     int nf = ep->nfabric, work = 0;
+    uint64_t noticed = 0, t = 0;
     for (int i = 0; i < 2 * FR_NSETS * nf; i++) {
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
         if (v == p->ready_seen[i])
@@ -154,7 +169,9 @@ static int fr_proxy_scan_ready(ferry_ep_t ep)
         p->ready_seen[i] = v;
         fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
                             .epoch = v, .peer1 = i % nf + 1};
-        if (fr_proxy_post(ep, &q) != FERRY_OK)
+        if (!noticed)
+            noticed = t = fr_now_ns();
+        if (fr_proxy_take(ep, &q, noticed, &t) != FERRY_OK)
             return 1; /* the failure is the EP's asynchronous error now */
         work = 1;
     }
@@ -173,6 +190,42 @@ static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
         fr_ep_async_fail(ep, FERRY_ERR_SYSTEM, -1, "%s failed", what);
 }
 
+/* Hand out one poll's completions (err: the poll's message, for errors). */
+static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
+                                 const fr_err_t *errp)
+{
+    fr_proxy_t *p = &ep->proxy;
+    const fr_err_t err = *errp;
+    for (int i = 0; i < n; i++) {
+        if (cqe[i].kind != FR_CQE_RX && cqe[i].kind != FR_CQE_RXERR)
+            fr_stat_add(&ep->st.tx, 1);
+        switch (cqe[i].kind) {
+        case FR_CQE_RX:
+            fr_proxy_rx(ep, cqe[i].imm);
+            break;
+        case FR_CQE_TX:
+            __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
+                               __ATOMIC_ACQ_REL);
+            break;
+        case FR_CQE_RXERR:
+            fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
+                                                  : FERRY_ERR_FABRIC,
+                                -1, err.msg[0] ? err.msg : "fabric error");
+            break;
+        default: {
+            char msg[FR_ERRMSG_LEN];
+            snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
+                     cqe[i].peer, err.msg[0] ? err.msg : "fabric error");
+            __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
+                               __ATOMIC_ACQ_REL);
+            fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
+                                                  : FERRY_ERR_FABRIC,
+                                cqe[i].peer, msg);
+        }
+        }
+    }
+}
+
 static void *fr_proxy_main(void *arg)
 {
     ferry_ep_t ep = arg;
@@ -185,16 +238,20 @@ static void *fr_proxy_main(void *arg)
         int work = 0;
         fr_proxy_ring_t *rg = p->ring;
         uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
+        uint64_t noticed = rg->head < tail ? fr_now_ns() : 0, t = noticed;
         while (rg->head < tail) {
             fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
             __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
-            fr_proxy_post(ep, &q);
+            fr_proxy_take(ep, &q, noticed, &t);
             work = 1;
         }
         if (p->ready_seen)
             work |= fr_proxy_scan_ready(ep);
+        if (work)
+            fr_ep_stats_tp(ep); /* the provider's share, -FI_EAGAIN */
         fr_err_t err = {{0}};
         int n = 0;
+        uint64_t t_poll = fr_now_ns();
         for (int k = 0; k < ep->nics.n && n < 48; k++) {
             int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
             if (got < 0) {
@@ -204,31 +261,10 @@ static void *fr_proxy_main(void *arg)
             n += got;
         }
         fr_proxy_flush(ep, cqe, n);
-        for (int i = 0; i < n; i++) {
-            switch (cqe[i].kind) {
-            case FR_CQE_RX:
-                fr_proxy_rx(ep, cqe[i].imm);
-                break;
-            case FR_CQE_TX:
-                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
-                                   __ATOMIC_ACQ_REL);
-                break;
-            case FR_CQE_RXERR:
-                fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
-                                                      : FERRY_ERR_FABRIC,
-                                    -1, err.msg[0] ? err.msg : "fabric error");
-                break;
-            default: {
-                char msg[FR_ERRMSG_LEN];
-                snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
-                         cqe[i].peer, err.msg[0] ? err.msg : "fabric error");
-                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
-                                   __ATOMIC_ACQ_REL);
-                fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
-                                                      : FERRY_ERR_FABRIC,
-                                    cqe[i].peer, msg);
-            }
-            }
+        fr_proxy_completions(ep, cqe, n, &err);
+        if (n > 0) {
+            fr_stat_add(&ep->st.polls, 1);
+            fr_stat_add(&ep->st.poll_ns, fr_now_ns() - t_poll);
         }
         if (work || n > 0) {
             idle = 0;
@@ -245,11 +281,10 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
     free(p->gnic);
     free(p->gpos);
     free(p->ready_seen);
-    free(p->xfer_ns[0]);
-    free(p->xfer_ns[1]);
+    free(p->xfer);
     p->gnic = p->gpos = NULL;
     p->ready_seen = NULL;
-    p->xfer_ns[0] = p->xfer_ns[1] = NULL;
+    p->xfer = NULL;
     p->stats = 0;
 }
 
@@ -276,9 +311,8 @@ int fr_proxy_start(ferry_ep_t ep)
         }
     }
     if (fr_cfg_str(FR_CFG_PROXY_STATS)[0]) {
-        p->xfer_ns[0] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
-        p->xfer_ns[1] = calloc(FR_PROXY_STAT_MAX, sizeof(uint32_t));
-        p->stats = p->xfer_ns[0] && p->xfer_ns[1];
+        p->xfer = calloc(2, sizeof(fr_hist_t));
+        p->stats = p->xfer != NULL;
     }
     int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
     if (e != 0) {
@@ -301,22 +335,15 @@ int fr_proxy_stop(ferry_ep_t ep)
     p->running = 0;
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
-            int n = p->nxfer[ph];
-            uint32_t *v = p->xfer_ns[ph];
-            /* insertion sort is fine for a report at exit */
-            for (int i = 1; i < n; i++)
-                for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-                    uint32_t t = v[j];
-                    v[j] = v[j - 1];
-                    v[j - 1] = t;
-                }
-            if (n)
+            const fr_hist_t *h = &p->xfer[ph];
+            if (h->count)
                 fprintf(stderr,
                         "ferry proxy stats rank %d: %s: request picked up -> "
                         "last peer's write landed: p50 %.1f us, p99 %.1f us "
-                        "(%d rounds)\n",
-                        ep->rank, ph ? "combine" : "dispatch", v[n / 2] / 1e3,
-                        v[(int)(0.99 * (n - 1))] / 1e3, n);
+                        "(%llu rounds)\n",
+                        ep->rank, ph ? "combine" : "dispatch",
+                        fr_hist_quantile(h, 0.5) / 1e3, fr_hist_quantile(h, 0.99) / 1e3,
+                        (unsigned long long)h->count);
         }
     }
     fr_proxy_tables_free(p);
@@ -342,6 +369,7 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
     q->set = set;
     q->epoch = epoch;
     q->peer1 = peer < 0 ? 0 : peer + 1;
+    q->t_ring = fr_now_ns();
     __atomic_store_n(&rg->tail, rg->tail + 1, __ATOMIC_RELEASE);
     return FERRY_OK;
 }

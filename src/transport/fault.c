@@ -628,6 +628,16 @@ static const char *fault_provider(fr_transport_t *t)
     return fault_of(t)->ops->provider(fault_of(t)->in);
 }
 
+/* The inner transport's counters (posts held here are counted once the
+ * inner transport is called). */
+static void fault_tp_stats(fr_transport_t *t, fr_tp_stats_t *out)
+{
+    fr_fault_t *f = fault_of(t);
+    *out = (fr_tp_stats_t){0};
+    if (f->ops->stats)
+        f->ops->stats(f->in, out);
+}
+
 const fr_transport_ops_t fr_transport_fault = {
     .size = sizeof(fr_transport_ops_t),
     .name = "fault",
@@ -649,4 +659,5 @@ const fr_transport_ops_t fr_transport_fault = {
     .write_fence = fault_write_fence,
     .hmem_probe = fault_hmem_probe,
     .reg_dev = fault_reg_dev,
+    .stats = fault_tp_stats,
 };

@@ -58,6 +58,17 @@ typedef struct fr_cqe {
     uint64_t ctx;  /* TX/ERR: the ctx passed when posting */
 } fr_cqe_t;
 
+/* What a transport counts about its own posting (the stats op). */
+typedef struct fr_tp_stats {
+    uint64_t prov_ns;    /* ns inside the provider's post calls
+                            (fi_writedata, fi_writemsg) made when posting */
+    uint64_t retry_ns;   /* ns inside those calls retrying queued posts
+                            (from poll) */
+    uint64_t prov_calls; /* those calls */
+    uint64_t eagain;     /* of them, the ones that returned -FI_EAGAIN
+                            (the post was queued and retried from poll) */
+} fr_tp_stats_t;
+
 enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2, FR_TP_OPEN_HMEM = 4 };
 
 /* What hmem_probe found: the provider an endpoint opened without
@@ -143,6 +154,10 @@ typedef struct fr_transport_ops {
      * opened with FR_TP_OPEN_HMEM), or host memory (-1: exactly reg()). */
     int (*reg_dev)(fr_transport_t *t, void *ptr, size_t len, int remote_write,
                    int device, fr_mr_t **mr, fr_mr_desc_t *desc, fr_err_t *err);
+    /* The instance's counters so far (cumulative, never reset). Called by
+     * the thread that posts and polls (one thread at a time, as the other
+     * ops). */
+    void (*stats)(fr_transport_t *t, fr_tp_stats_t *out);
 } fr_transport_ops_t;
 
 /* The libfabric transport (fabric/); callers find it by name through

@@ -94,10 +94,14 @@ static int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, 
     fr_slice_t sl = {.src_off = src_off, .dst_off = dst_off, .len = len, .imm = imm};
     fr_err_t err;
     uint64_t ctx = (uint64_t)d | (credit ? FR_HT_CTX_CREDIT : 0);
+    uint64_t t0 = fr_now_ns(); /* the EP's counters (ep/stats.h) */
     int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], i, &sl, ctx, &err);
+    fr_stat_add(&ep->st.post_ns, fr_now_ns() - t0);
+    fr_stat_add(&ep->st.requests, 1);
     if (rc != FERRY_OK) /* shared state is ahead of the peer now: fatal */
         return fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: write to rank %d: %s (%s)", d, err.msg,
                           ferry_strerror(rc));
+    fr_stat_add(&ep->st.writes, 1);
     if (credit) {
         f->credits_out++;
     } else {
@@ -143,44 +147,63 @@ static int fr_ht_on_imm(ferry_ep_t ep, uint32_t imm)
     return FERRY_OK;
 }
 
+/* Hand out one poll's completions. */
+static int fr_ht_fab_cqes(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int rc = FERRY_OK;
+        fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
+        uint64_t to = cqe[i].ctx & ~FR_HT_CTX_CREDIT; /* the peer written to */
+        if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR) {
+            if (cqe[i].ctx & FR_HT_CTX_CREDIT) {
+                f->credits_out--;
+            } else {
+                f->pending--;
+                if (to < (uint64_t)ep->N)
+                    f->pending_to[to]--;
+            }
+        }
+        if (cqe[i].kind == FR_CQE_RX) {
+            rc = fr_ht_on_imm(ep, cqe[i].imm);
+        } else if (cqe[i].kind != FR_CQE_TX) {
+            /* a peer dying cuts writes to and from it: name it */
+            int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
+                                                                : FERRY_ERR_FABRIC;
+            int dead = fr_boot_blame(ep->comm->boot, st);
+            rc = dead >= 0 ? fr_ep_fail(ep, FERRY_ERR_PEER, "ht: rank %d died", dead)
+                 : cqe[i].kind == FR_CQE_ERR
+                     ? fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a write to rank %d failed (%s)",
+                                  (int)to, ferry_strerror(st))
+                     : fr_ep_fail(ep, FERRY_ERR_FABRIC,
+                                  "ht: a peer's write into this rank failed");
+        }
+        if (cqe[i].kind == FR_CQE_RX)
+            fr_stat_add(&ep->st.rx, 1);
+        else if (cqe[i].kind != FR_CQE_RXERR)
+            fr_stat_add(&ep->st.tx, 1);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
 int fr_ht_fab_poll(ferry_ep_t ep)
 {
     fr_cqe_t cqe[32];
     for (int k = 0; k < ep->nics.n; k++) {
         fr_err_t err;
+        uint64_t t0 = fr_now_ns();
         int n = ep->nics.ops->poll(ep->nics.tp[k], cqe, 32, &err);
         if (n < 0)
             return fr_ep_fail(ep, n, "ht: %s", err.msg);
-        for (int i = 0; i < n; i++) {
-            int rc = FERRY_OK;
-            fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
-            uint64_t to = cqe[i].ctx & ~FR_HT_CTX_CREDIT; /* the peer written to */
-            if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR) {
-                if (cqe[i].ctx & FR_HT_CTX_CREDIT) {
-                    f->credits_out--;
-                } else {
-                    f->pending--;
-                    if (to < (uint64_t)ep->N)
-                        f->pending_to[to]--;
-                }
-            }
-            if (cqe[i].kind == FR_CQE_RX) {
-                rc = fr_ht_on_imm(ep, cqe[i].imm);
-            } else if (cqe[i].kind != FR_CQE_TX) {
-                /* a peer dying cuts writes to and from it: name it */
-                int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
-                                                                    : FERRY_ERR_FABRIC;
-                int dead = fr_boot_blame(ep->comm->boot, st);
-                rc = dead >= 0 ? fr_ep_fail(ep, FERRY_ERR_PEER, "ht: rank %d died", dead)
-                     : cqe[i].kind == FR_CQE_ERR
-                         ? fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a write to rank %d failed (%s)",
-                                      (int)to, ferry_strerror(st))
-                         : fr_ep_fail(ep, FERRY_ERR_FABRIC,
-                                      "ht: a peer's write into this rank failed");
-            }
-            if (rc != FERRY_OK)
-                return rc;
+        int rc = fr_ht_fab_cqes(ep, cqe, n);
+        if (n > 0) {
+            fr_stat_add(&ep->st.polls, 1);
+            fr_stat_add(&ep->st.poll_ns, fr_now_ns() - t0);
+            fr_ep_stats_tp(ep); /* the provider's share, -FI_EAGAIN */
         }
+        if (rc != FERRY_OK)
+            return rc;
     }
     return FERRY_OK;
 }

@@ -110,14 +110,18 @@ static int fr_fab_post(ferry_ep_t ep, fr_cuht_fab_t *f, int g, uint64_t src_off,
     int k = f->gnic[g];
     fr_slice_t sl = {.src_off = src_off, .dst_off = dst_off, .len = len, .imm = imm};
     fr_err_t err = {{0}};
+    uint64_t t0 = fr_now_ns(); /* the EP's counters (ep/stats.h) */
     int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], f->gpos[g], &sl,
                                      (uint64_t)g, &err);
+    fr_stat_add(&ep->st.post_ns, fr_now_ns() - t0);
+    fr_stat_add(&ep->st.requests, 1);
     if (rc != FERRY_OK) {
         fr_fab_fail(ep, f, FERRY_ERR_FABRIC, ep->group_peers[g], "ht: write to rank %d: %s (%s)",
                     ep->group_peers[g], err.msg, ferry_strerror(rc));
         return rc;
     }
     f->pending++;
+    fr_stat_add(&ep->st.writes, 1);
     return FERRY_OK;
 }
 
@@ -284,6 +288,7 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
     fr_cqe_t cqe[64];
     int n = 0;
     fr_err_t err = {{0}};
+    uint64_t t0 = fr_now_ns();
     for (int k = 0; k < ep->nics.n && n < 48; k++) {
         int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
         if (got < 0) {
@@ -299,8 +304,12 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
         return -1;
     }
     for (int i = 0; i < n; i++) {
-        if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR)
+        if (cqe[i].kind == FR_CQE_TX || cqe[i].kind == FR_CQE_ERR) {
             f->pending--;
+            fr_stat_add(&ep->st.tx, 1);
+        } else if (cqe[i].kind == FR_CQE_RX) {
+            fr_stat_add(&ep->st.rx, 1);
+        }
         if (cqe[i].kind == FR_CQE_RX) {
             if (fr_fab_rx(ep, f, cqe[i].imm))
                 return -1;
@@ -320,6 +329,11 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
                             "failed");
             return -1;
         }
+    }
+    if (n > 0) {
+        fr_stat_add(&ep->st.polls, 1);
+        fr_stat_add(&ep->st.poll_ns, fr_now_ns() - t0);
+        fr_ep_stats_tp(ep); /* the provider's share, -FI_EAGAIN */
     }
     return n > 0;
 }

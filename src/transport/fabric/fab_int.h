@@ -117,6 +117,7 @@ struct fr_transport {
     long nqueued;
     long nerrors;
     long nwaited; /* posts that met -FI_EAGAIN (statistics) */
+    fr_tp_stats_t st;             /* the stats op's counters */
 
     struct fr_mr *mrs;
     struct fr_group *groups;

@@ -557,6 +557,8 @@ static const char *fab_iface(fr_transport_t *t) { return t->iface; }
 
 static const char *fab_provider(fr_transport_t *t) { return t->prov; }
 
+static void fab_stats(fr_transport_t *t, fr_tp_stats_t *out) { *out = t->st; }
+
 const fr_transport_ops_t fr_transport_fabric = {
     .size = sizeof(fr_transport_ops_t),
     .name = "fabric",
@@ -578,4 +580,5 @@ const fr_transport_ops_t fr_transport_fabric = {
     .write_fence = fab_write_fence,
     .hmem_probe = fab_hmem_probe,
     .reg_dev = fab_reg_dev,
+    .stats = fab_stats,
 };

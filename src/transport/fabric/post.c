@@ -22,6 +22,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include "runtime/rt.h"
 #include "transport/fabric/fab_int.h"
 
 /* ------------------------------------------------------------------ */
@@ -108,20 +109,32 @@ fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 /* posting                                                             */
 /* ------------------------------------------------------------------ */
 
-/* The op is marked posted first: from here on a completion may name it. */
-static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
+/* The op is marked posted first: from here on a completion may name it.
+ * The provider call is timed (two clock reads) for the stats op. */
+static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op, int retry)
 {
     op->state = FR_FAB_OP_POSTED;
+    ssize_t rc;
+    uint64_t t0 = fr_now_ns();
     if (op->fence) {
         struct iovec iov = {(void *)op->buf, op->len};
         struct fi_rma_iov rma = {op->raddr, op->len, op->key};
         struct fi_msg_rma msg = {&iov, &op->desc, 1, op->addr, &rma, 1,
                                  op, op->imm};
-        return fi_writemsg(t->ep, &msg,
-                           FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION);
+        rc = fi_writemsg(t->ep, &msg, FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION);
+    } else {
+        rc = fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
+                          op->raddr, op->key, op);
     }
-    return fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
-                        op->raddr, op->key, op);
+    uint64_t dt = fr_now_ns() - t0;
+    if (retry)
+        t->st.retry_ns += dt;
+    else
+        t->st.prov_ns += dt;
+    t->st.prov_calls++;
+    if (rc == -FI_EAGAIN)
+        t->st.eagain++;
+    return rc;
 }
 
 /* Post op, or queue it behind earlier queued posts, or (hard failure) put
@@ -129,7 +142,7 @@ static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op)
 static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
 {
     if (!t->q_head) {
-        ssize_t rc = fab_post(t, op);
+        ssize_t rc = fab_post(t, op, 0);
         if (rc == 0) {
             t->inflight++;
             return;
@@ -152,7 +165,7 @@ void fab_drain_queue(fr_transport_t *t)
 {
     while (t->q_head) {
         fr_fab_op_t *op = t->q_head;
-        ssize_t rc = fab_post(t, op);
+        ssize_t rc = fab_post(t, op, 1);
         if (rc == -FI_EAGAIN) {
             op->state = FR_FAB_OP_HELD;
             return;

@@ -1,0 +1,76 @@
+/*
+ * The fabric driver's counters (stats.h): the transports' share, the
+ * public view (ferry_ep_get_stats) and the FERRY_PROXY_STATS line.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "ep/ep.h"
+#include "ep/stats.h"
+
+static uint64_t ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+void fr_ep_stats_tp(ferry_ep_t ep)
+{
+    fr_tp_stats_t sum = {0};
+    if (!ep->nics.ops || !ep->nics.ops->stats)
+        return;
+    for (int k = 0; k < ep->nics.n; k++) {
+        fr_tp_stats_t s = {0};
+        if (!ep->nics.tp[k])
+            continue;
+        ep->nics.ops->stats(ep->nics.tp[k], &s);
+        sum.prov_ns += s.prov_ns;
+        sum.retry_ns += s.retry_ns;
+        sum.prov_calls += s.prov_calls;
+        sum.eagain += s.eagain;
+    }
+    fr_ep_stats_t *st = &ep->st;
+    __atomic_store_n(&st->tp.prov_ns, sum.prov_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&st->tp.retry_ns, sum.retry_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&st->tp.prov_calls, sum.prov_calls, __ATOMIC_RELAXED);
+    __atomic_store_n(&st->tp.eagain, sum.eagain, __ATOMIC_RELAXED);
+}
+
+void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
+{
+    const fr_ep_stats_t *st = &ep->st;
+    ferry_ep_stats_t s;
+    memset(&s, 0, sizeof(s));
+    s.size = out->size;
+    s.writes = ld(&st->writes);
+    s.requests = ld(&st->requests);
+    s.completions = ld(&st->tx);
+    s.arrivals = ld(&st->rx);
+    s.eagain = ld(&st->tp.eagain);
+    s.post_ns = ld(&st->post_ns);
+    s.provider_ns = ld(&st->tp.prov_ns);
+    s.provider_calls = ld(&st->tp.prov_calls);
+    s.retry_ns = ld(&st->tp.retry_ns);
+    s.polls = ld(&st->polls);
+    s.poll_ns = ld(&st->poll_ns);
+    s.doorbells = ld(&st->d2p.count);
+    s.doorbell_to_post_p50_us = fr_hist_quantile(&st->d2p, 0.50) / 1e3;
+    s.doorbell_to_post_p99_us = fr_hist_quantile(&st->d2p, 0.99) / 1e3;
+    memcpy(out, &s, out->size < sizeof(s) ? out->size : sizeof(s));
+}
+
+void fr_ep_stats_print(ferry_ep_t ep)
+{
+    ferry_ep_stats_t s = {.size = sizeof(s)};
+    fr_ep_stats_get(ep, &s);
+    if (s.writes == 0 && s.arrivals == 0)
+        return;
+    double w = s.writes ? (double)s.writes : 1;
+    double ferry_ns = s.post_ns > s.provider_ns ? (double)(s.post_ns - s.provider_ns) : 0;
+    fprintf(stderr,
+            "ferry proxy stats rank %d: %llu writes, %llu completions, %llu arrivals, "
+            "%llu -FI_EAGAIN; per write: %.2f us posting (%.2f in the provider, %.2f "
+            "ferry), %.2f us polling (%.2f retrying posts); doorbell -> posted p50 %.1f us, p99 %.1f us "
+            "(%llu doorbells)\n",
+            ep->rank, (unsigned long long)s.writes, (unsigned long long)s.completions,
+            (unsigned long long)s.arrivals, (unsigned long long)s.eagain,
+            s.post_ns / w / 1e3, s.provider_ns / w / 1e3, ferry_ns / w / 1e3,
+            s.poll_ns / w / 1e3, s.retry_ns / w / 1e3, s.doorbell_to_post_p50_us, s.doorbell_to_post_p99_us,
+            (unsigned long long)s.doorbells);
+}
