@@ -39,7 +39,14 @@ static void usage(FILE *f)
             "      --iters N        timed rounds (default 20)\n"
             "      --warmup N       untimed rounds first (default 3)\n"
             "      --seed S         workload seed (default 1)\n"
-            "      --transport auto|fabric   sets FERRY_TRANSPORT for the run\n"
+            "      --transport auto|fabric|null   auto, fabric: sets FERRY_TRANSPORT for\n"
+            "                       the run; null: the proxy alone, in this process, with\n"
+            "                       --peers simulated fabric peers whose writes complete at\n"
+            "                       once (no bytes move, nothing is verified; implies --stats)\n"
+            "      --peers P        --transport null: simulated peers (default 64)\n"
+            "      --stats          add the fabric path's counters (ferry_ep_get_stats):\n"
+            "                       writes, -FI_EAGAIN, proxy us per write, doorbell to\n"
+            "                       post p50/p99\n"
             "      --nodes N        split the ranks into N nodes, rank r on node\n"
             "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
             "                       use peer memory, the others the fabric path, as on\n"
@@ -83,12 +90,14 @@ static int parse(int argc, char **argv, opts_t *o)
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
-        {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'},
+        {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'},    {"stats", 0, 0, 'Z'},
+        {"peers", 1, 0, 'P'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
-                  .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1};
+                  .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1,
+                  .peers = 64};
     int c;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
         char *end = NULL;
@@ -108,6 +117,8 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
         case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
+        case 'P': o->peers = (int)strtol(optarg, &end, 10); break;
+        case 'Z': o->stats = 1; break;
         case 'o': o->round_scale = 1; break;
         case 'x':
             if (strcmp(optarg, "rows") == 0) {
@@ -562,6 +573,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "ferry-bench: --device %s: use cpu or cuda\n", o.device);
         return 2;
     }
+    if (o.transport && strcmp(o.transport, "null") == 0)
+        return run_null(&o); /* the proxy alone, in this process */
     if (!in_launcher()) {
         int rc = launch(argc, argv, &o);
         if (rc >= 0)
@@ -589,6 +602,7 @@ int main(int argc, char **argv)
 #endif
     {
         run_rounds(&b, 0, o.warmup);                  /* warm up, untimed */
+        stats_mark(&b); /* --stats: counters of the timed rounds only */
         run_rounds(&b, o.warmup, o.warmup + o.iters); /* timed rounds */
     }
     if (b.fail)

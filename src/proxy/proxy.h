@@ -16,6 +16,20 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
 /* Wait until the proxy has no writes in flight from `set` (bounded). */
 int fr_proxy_wait_set(ferry_ep_t ep, int set);
 
+/* The proxy alone, for benchmarks (nullbench.c): a proxy thread driving
+ * `peers` simulated fabric peers over the null transport (no bytes move,
+ * every write completes at once and is answered by the peer's arrival),
+ * fed by the calling thread as a CPU rank feeds it (a request per peer
+ * and phase), warmup + rounds rounds of dispatch and combine. */
+typedef struct fr_proxy_bench {
+    int peers, rounds, warmup;    /* IN */
+    uint64_t bytes;               /* IN: each write's length (nothing moves) */
+    double *round_us;             /* OUT, optional: [rounds] each timed round */
+    ferry_ep_stats_t st;          /* OUT: the proxy's counters, timed rounds */
+    char err[FR_ERRMSG_LEN];      /* OUT: why, when not FERRY_OK */
+} fr_proxy_bench_t;
+int fr_proxy_bench_null(fr_proxy_bench_t *b);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,9 +10,11 @@
 #include "transport/transport.h"
 
 extern const fr_transport_ops_t fr_transport_fabric; /* transport/fabric/ */
+extern const fr_transport_ops_t fr_transport_null;   /* transport/null/: benchmarks */
 
 static const fr_transport_ops_t *const fr_transports[] = {
     &fr_transport_fabric,
+    &fr_transport_null,
 };
 
 const fr_transport_ops_t *fr_transport_find(const char *name)

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "ferry.h"
 #include "workload.h"
@@ -21,6 +22,8 @@ typedef struct opts {
     int round_scale; /* --round-scale: fp8 scales rounded up to powers of two */
     int scales;      /* --scales: expert_x_scales layout (ferry_scales_layout_t) */
     int nodes;       /* --nodes: ranks split into this many nodes (FERRY_NODE_ID) */
+    int stats;       /* --stats: the fabric path's counters in the row */
+    int peers;       /* --transport null: simulated peers */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;
@@ -101,6 +104,7 @@ typedef struct bench {
     int rc;           /* the last ferry status, reported with a failure */
     const char *fail; /* the step that failed, or NULL */
     double last_progress;
+    ferry_ep_stats_t st0[2]; /* --stats: the counters after the warm-up */
 #ifdef FERRY_HAVE_MPI
     base_t base;
 #endif
@@ -131,6 +135,20 @@ void run_gpu_rounds(bench_t *b);
 
 /* ht.c: --mode ht, warm-up and timed rounds */
 void run_ht_rounds(bench_t *b);
+
+/* stats.c: --stats (the counters after the warm-up; every rank's summed
+ * into the row) and --transport null (the proxy alone: its own run). */
+typedef struct pstats {
+    double writes, eagain, post_us, prov_us, poll_us; /* all ranks */
+    double d2p50, d2p99; /* median of the ranks' p50s, largest p99 */
+} pstats_t;
+void stats_mark(bench_t *b);
+int stats_gather(bench_t *b, pstats_t *ps);
+/* table columns and JSON keys (leading ", ") of ps */
+void stats_header(void);
+void stats_cols(const pstats_t *ps);
+void stats_json(FILE *f, const pstats_t *ps);
+int run_null(const opts_t *o);
 
 /* report.c: gather every rank's timings, rank 0 prints the row (and the
  * JSON); returns the exit status the results call for. */

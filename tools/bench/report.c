@@ -84,7 +84,7 @@ static const char *dtype_name(const opts_t *o)
 }
 
 /* The header (unless --quiet) and the row, on stdout. */
-static void print_table(const bench_t *b, const summary_t *r)
+static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps)
 {
     const opts_t *o = b->o;
     const char *tr = getenv("FERRY_TRANSPORT");
@@ -106,6 +106,11 @@ static void print_table(const bench_t *b, const summary_t *r)
                "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",
                "comb_p99", "MB/rank", "GB/s", "base_disp", "base_comb",
                "speedup", "#wrong");
+    if (!o->quiet && ps) {
+        printf("#%-4s", "");
+        stats_header();
+        printf("   (--stats: fabric path, timed rounds, all ranks)\n");
+    }
     char wbuf[32];
     if (o->check)
         snprintf(wbuf, sizeof(wbuf), "%ld", r->wrong);
@@ -115,11 +120,16 @@ static void print_table(const bench_t *b, const summary_t *r)
            b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
            r->dp50, r->dp99, r->cp50, r->cp99, r->bytes / 1e6, r->gbs, r->bd50, r->bc50,
            r->speed, wbuf);
+    if (ps) {
+        printf(" %-4s", "");
+        stats_cols(ps);
+        printf("\n");
+    }
 }
 
 /* --json FILE: the row as one JSON object; 1 if the file cannot be
  * written. */
-static int write_json(const bench_t *b, const summary_t *r)
+static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
 {
     const opts_t *o = b->o;
     const char *tr = getenv("FERRY_TRANSPORT");
@@ -136,12 +146,15 @@ static int write_json(const bench_t *b, const summary_t *r)
             "\"combine_p50_us\": %.3f, \"combine_p99_us\": %.3f, "
             "\"bytes_per_rank\": %.0f, \"gbps\": %.4f, "
             "\"baseline_dispatch_p50_us\": %.3f, \"baseline_combine_p50_us\": %.3f, "
-            "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s}\n",
+            "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s",
             b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
             o->routing, tr ? tr : "auto", o->device, o->iters, r->dp50, r->dp99, r->cp50,
             r->cp99, r->bytes, r->gbs, b->have_base ? r->bd50 : -1.0,
             b->have_base ? r->bc50 : -1.0, b->have_base ? r->speed : -1.0, r->wrong,
             o->check ? "true" : "false");
+    if (ps)
+        stats_json(f, ps);
+    fprintf(f, "}\n");
     fclose(f);
     return 0;
 }
@@ -157,15 +170,23 @@ int report(bench_t *b)
     memcpy(mine, b->tm, sizeof(double) * (size_t)o->iters * 5);
     mine[per - 1] = (double)b->wrong;
     int status = 0;
-    if (ferry_comm_allgather(b->comm, mine, all, per * sizeof(double)) != FERRY_OK) {
+    pstats_t ps;
+    if (o->stats && stats_gather(b, &ps) != 0) {
+        fprintf(stderr, "ferry-bench: rank %d: gathering the counters failed\n", b->me);
+        status = 1;
+    }
+    const pstats_t *psp = o->stats && status == 0 ? &ps : NULL;
+    if (status != 0) {
+        /* said above */
+    } else if (ferry_comm_allgather(b->comm, mine, all, per * sizeof(double)) != FERRY_OK) {
         fprintf(stderr, "ferry-bench: rank %d: gathering results: %s\n", b->me,
                 ferry_comm_last_error(b->comm));
         status = 1;
     } else if (b->me == 0) {
         summary_t r;
         summarize(b, all, per, &r);
-        print_table(b, &r);
-        if (o->json && write_json(b, &r) != 0)
+        print_table(b, &r, psp);
+        if (o->json && write_json(b, &r, psp) != 0)
             status = 1;
         if (r.wrong > 0) {
             fprintf(stderr, "ferry-bench: %ld wrong results\n", r.wrong);

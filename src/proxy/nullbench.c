@@ -1,0 +1,168 @@
+/*
+ * The proxy alone (proxy.h: fr_proxy_bench_null): one process, one proxy
+ * thread, `peers` simulated fabric peers behind the null transport
+ * (transport/null/), which completes every write at once and answers it
+ * with the peer's arrival. The calling thread plays a CPU rank whose
+ * every peer is on the fabric path: per phase it fills a slice per peer
+ * and pushes one request per peer (as engines/cpu_ll does), then waits
+ * for every peer's flag and for its writes' completions. No bytes move,
+ * no other process runs: what the rounds cost is the proxy's and the
+ * request ring's own work, and the EP's counters (ep/stats.h) say where
+ * it went.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "proxy/proxy.h"
+
+/* The parts of an EP the proxy reads, for `peers` fabric peers (rank 0
+ * is this one). */
+static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
+{
+    int N = peers + 1, rc;
+    ep->N = N;
+    ep->rank = 0;
+    ep->nfabric = peers;
+    ep->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    ep->spin = fr_cfg_int(FR_CFG_SPIN);
+    ep->fab_device = -1;
+    ep->L.N = N;
+    ep->L.off_flags = FR_SEG_HDR;
+    size_t fbytes = FR_SEG_HDR + 2ull * FR_NSETS * (size_t)N * FR_FLAG_STRIDE;
+    ep->flags = calloc(1, fbytes);
+    ep->path = calloc((size_t)N, sizeof(int));
+    ep->group_peers = calloc((size_t)N, sizeof(int));
+    ep->slices = calloc(2 * FR_NSETS * (size_t)peers, sizeof(fr_slice_t));
+    ep->gslices = calloc((size_t)N + 1, sizeof(fr_slice_t));
+    ep->flag_last = calloc(2 * FR_NSETS * (size_t)N, sizeof(uint64_t));
+    ep->ring_mem = calloc(1, sizeof(fr_proxy_ring_t));
+    ep->nics.nic_of = calloc((size_t)N, sizeof(int));
+    fr_mr_desc_t *remote = calloc((size_t)peers, sizeof(fr_mr_desc_t));
+    if (!ep->flags || !ep->path || !ep->group_peers || !ep->slices || !ep->gslices ||
+        !ep->flag_last || !ep->ring_mem || !ep->nics.nic_of || !remote) {
+        free(remote);
+        return FR_ERR(err, FERRY_ERR_NOMEM, "null bench: tables for %d peers", peers);
+    }
+    ep->proxy.ring = ep->ring_mem;
+    for (int i = 1; i < N; i++) {
+        ep->path[i] = FR_PATH_FABRIC;
+        ep->group_peers[i - 1] = i;
+        remote[i - 1].len = bytes;
+    }
+    const fr_transport_ops_t *ops = fr_transport_find("null");
+    fr_nics_t *x = &ep->nics;
+    x->ops = ops;
+    x->N = N;
+    x->n = 1;
+    x->quiet = 1;
+    fr_mr_t *src = NULL; /* the null transport's regions hold only a length */
+    if (!ops)
+        return FR_ERR(err, FERRY_ERR_INTERNAL, "null transport not registered");
+    if ((rc = ops->open(NULL, 0, 0, &x->tp[0], err)) != FERRY_OK ||
+        (rc = ops->reg(x->tp[0], NULL, bytes, 0, &src, NULL, err)) != FERRY_OK) {
+        free(remote);
+        return rc;
+    }
+    ep->rsend.mr[0] = src;
+    ep->groups.idx[0] = calloc((size_t)peers, sizeof(int));
+    rc = ep->groups.idx[0] ? ops->group_create(x->tp[0], ep->group_peers, peers, src, remote,
+                                               &ep->groups.g[0], err)
+                           : FR_ERR(err, FERRY_ERR_NOMEM, "null bench: group");
+    free(remote);
+    if (rc != FERRY_OK)
+        return rc;
+    ep->groups.n[0] = peers;
+    for (int i = 0; i < peers; i++)
+        ep->groups.idx[0][i] = i;
+    return FERRY_OK;
+}
+
+static void nb_free(ferry_ep_t ep)
+{
+    fr_nics_t *x = &ep->nics;
+    if (x->tp[0]) {
+        if (ep->groups.g[0])
+            x->ops->group_destroy(x->tp[0], ep->groups.g[0]);
+        if (ep->rsend.mr[0])
+            x->ops->dereg(x->tp[0], ep->rsend.mr[0]);
+        x->ops->close(x->tp[0]);
+    }
+    free(ep->groups.idx[0]);
+    free(x->nic_of);
+    free(ep->flags);
+    free(ep->path);
+    free(ep->group_peers);
+    free(ep->slices);
+    free(ep->gslices);
+    free(ep->flag_last);
+    free(ep->ring_mem);
+}
+
+/* One phase of round e: a request per peer, then every peer's flag and
+ * every write's completion. */
+static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, fr_err_t *err)
+{
+    int set = (int)(e & 1), nf = ep->nfabric;
+    fr_slice_t *sl = ep->slices + ((size_t)phase * FR_NSETS + set) * nf;
+    for (int g = 0; g < nf; g++) {
+        sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
+        int rc = fr_proxy_submit(ep, phase, set, e, g);
+        if (rc != FERRY_OK)
+            return FR_ERR(err, rc, "%s", ep->err.msg);
+    }
+    uint64_t iter = 0, deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
+    for (int s = 1; s <= nf; s++) {
+        const uint64_t *f = fr_flag_ptr(&ep->L, ep->flags, phase, set, s);
+        while (__atomic_load_n(f, __ATOMIC_ACQUIRE) != e ||
+               (s == nf && __atomic_load_n(&ep->proxy.tx_pending[set], __ATOMIC_ACQUIRE))) {
+            if (fr_async_status(&ep->async) != FERRY_OK)
+                return FR_ERR(err, fr_async_status(&ep->async), "%s", ep->async.msg);
+            if (fr_now_ns() > deadline)
+                return FR_ERR(err, FERRY_ERR_TIMEOUT, "null bench: round %llu, peer %d",
+                              (unsigned long long)e, s);
+            fr_backoff(&iter, ep->spin);
+        }
+    }
+    return FERRY_OK;
+}
+
+int fr_proxy_bench_null(fr_proxy_bench_t *b)
+{
+    fr_err_t err = {{0}};
+    struct ferry_ep ep;
+    memset(&ep, 0, sizeof(ep));
+    b->err[0] = 0;
+    if (b->peers < 1 || b->peers >= FR_MAX_RANKS || b->rounds < 1 || b->warmup < 0) {
+        snprintf(b->err, sizeof(b->err), "null bench: peers 1..%d, rounds >= 1, warmup >= 0",
+                 FR_MAX_RANKS - 1);
+        return FERRY_ERR_INVALID;
+    }
+    int rc = nb_setup(&ep, b->peers, b->bytes, &err);
+    if (rc == FERRY_OK && (rc = fr_proxy_start(&ep)) != FERRY_OK)
+        snprintf(err.msg, sizeof(err.msg), "%s", ep.err.msg);
+    for (int r = 0; rc == FERRY_OK && r < b->warmup + b->rounds; r++) {
+        if (r == b->warmup) { /* every write of the warm-up has completed */
+            usleep(1000);     /* and the proxy has counted the last poll */
+            memset(&ep.st, 0, sizeof(ep.st));
+        }
+        uint64_t e = (uint64_t)r + 1, t0 = fr_now_ns();
+        if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, &err)) == FERRY_OK)
+            rc = nb_phase(&ep, FR_PH_COMBINE, e, b->bytes, &err);
+        if (rc == FERRY_OK && r >= b->warmup && b->round_us)
+            b->round_us[r - b->warmup] = (double)(fr_now_ns() - t0) / 1e3;
+    }
+    if (ep.proxy.running && fr_proxy_stop(&ep) != 0) {
+        snprintf(b->err, sizeof(b->err), "null bench: the proxy thread did not stop");
+        return FERRY_ERR_INTERNAL; /* leaked: it may still touch the tables */
+    }
+    b->st.size = sizeof(b->st);
+    fr_ep_stats_tp(&ep);
+    fr_ep_stats_get(&ep, &b->st);
+    if (rc != FERRY_OK)
+        snprintf(b->err, sizeof(b->err), "%s", err.msg);
+    nb_free(&ep);
+    return rc;
+}
