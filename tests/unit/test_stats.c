@@ -1,0 +1,120 @@
+/*
+ * The fabric path's counters: the histogram's quantiles, the proxy alone
+ * over the null transport (src/proxy/nullbench.c: counts consistent with
+ * the rounds it ran), and ferry_ep_get_stats's argument checks on a
+ * one-rank context (no fabric peer: all zero).
+ *
+ *   test_stats [peers]   (default 16)
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/hist.h"
+#include "ferry.h"
+#include "harness.h"
+#include "proxy/proxy.h"
+#include "transport/transport.h"
+
+static void test_hist(void)
+{
+    fr_hist_t h;
+    memset(&h, 0, sizeof(h));
+    CHECK(fr_hist_quantile(&h, 0.5) == 0, "empty histogram");
+    for (uint64_t v = 1; v < 4000000000ull; v = v * 9 / 8 + 1) {
+        int b = fr_hist_bucket(v);
+        CHECK(fr_hist_lower(b) <= v && (b == FR_HIST_N - 1 || v < fr_hist_lower(b + 1)),
+              "value %llu in bucket %d [%llu, ...)", (unsigned long long)v, b,
+              (unsigned long long)fr_hist_lower(b));
+    }
+    for (int i = 1; i <= 1000; i++)
+        fr_hist_add(&h, (uint64_t)i * 1000);
+    double p50 = fr_hist_quantile(&h, 0.5), p99 = fr_hist_quantile(&h, 0.99);
+    CHECK(h.count == 1000, "count %llu", (unsigned long long)h.count);
+    CHECK(p50 > 500000 * 0.9 && p50 < 500000 * 1.1, "p50 %.0f ns, want ~500 us", p50);
+    CHECK(p99 > 990000 * 0.9 && p99 < 990000 * 1.1, "p99 %.0f ns, want ~990 us", p99);
+}
+
+static void test_null(int peers)
+{
+    int rounds = 20;
+    fr_proxy_bench_t b = {.peers = peers, .rounds = rounds, .warmup = 2, .bytes = 1024};
+    int rc = fr_proxy_bench_null(&b);
+    CHECK(rc == FERRY_OK, "null bench at %d peers: %s", peers, b.err);
+    const ferry_ep_stats_t *s = &b.st;
+    uint64_t want = 2ull * (uint64_t)rounds * (uint64_t)peers;
+    CHECK(s->writes == want, "writes %llu, want %llu", (unsigned long long)s->writes,
+          (unsigned long long)want);
+    CHECK(s->completions == s->writes, "completions %llu != writes %llu",
+          (unsigned long long)s->completions, (unsigned long long)s->writes);
+    CHECK(s->arrivals == s->writes, "arrivals %llu != writes %llu",
+          (unsigned long long)s->arrivals, (unsigned long long)s->writes);
+    CHECK(s->requests == s->writes && s->doorbells == s->writes,
+          "requests %llu, doorbells %llu: one per write", (unsigned long long)s->requests,
+          (unsigned long long)s->doorbells);
+    CHECK(s->post_ns > 0 && s->poll_ns > 0 && s->polls > 0, "times: post %llu poll %llu",
+          (unsigned long long)s->post_ns, (unsigned long long)s->poll_ns);
+    CHECK(s->provider_ns == 0 && s->eagain == 0, "null: no provider time, no -FI_EAGAIN");
+    CHECK(s->doorbell_to_post_p50_us > 0 &&
+              s->doorbell_to_post_p99_us >= s->doorbell_to_post_p50_us,
+          "doorbell to post p50 %.3f p99 %.3f", s->doorbell_to_post_p50_us,
+          s->doorbell_to_post_p99_us);
+    printf("null, %d peers: %llu writes, %.3f us per write posting, %.3f polling, doorbell "
+           "to post p50 %.1f us p99 %.1f us\n", peers, (unsigned long long)s->writes,
+           s->post_ns / 1e3 / (double)s->writes, s->poll_ns / 1e3 / (double)s->writes,
+           s->doorbell_to_post_p50_us, s->doorbell_to_post_p99_us);
+    fr_proxy_bench_t bad = {.peers = 0, .rounds = 1};
+    CHECK(fr_proxy_bench_null(&bad) == FERRY_ERR_INVALID && strstr(bad.err, "peers"),
+          "0 peers: %s", bad.err);
+    CHECK(fr_transport_find("null") != NULL, "null transport registered");
+}
+
+static void test_api(void)
+{
+    ferry_comm_t comm = NULL;
+    char eb[256] = "";
+    setenv("FERRY_RANK", "0", 1);
+    setenv("FERRY_WORLD_SIZE", "1", 1);
+    int rc = ferry_comm_init_env(&comm, eb, sizeof(eb));
+    CHECK(rc == FERRY_OK, "comm: %s", eb);
+    if (rc != FERRY_OK)
+        return;
+    ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
+    cfg.num_experts = 4;
+    cfg.topk = 2;
+    cfg.hidden = 128;
+    cfg.max_tokens = 8;
+    ferry_ep_t ep = NULL;
+    rc = ferry_ep_create(comm, &cfg, &ep);
+    CHECK(rc == FERRY_OK, "ep: %s", ferry_comm_last_error(comm));
+    if (rc == FERRY_OK) {
+        ferry_ep_stats_t st = {.size = sizeof(st)};
+        CHECK(ferry_ep_get_stats(NULL, &st) == FERRY_ERR_INVALID, "NULL ep");
+        CHECK(ferry_ep_get_stats(ep, NULL) == FERRY_ERR_INVALID &&
+                  strstr(ferry_ep_last_error(ep), "stats is NULL"),
+              "NULL stats: %s", ferry_ep_last_error(ep));
+        ferry_ep_stats_t small = {.size = 8};
+        CHECK(ferry_ep_get_stats(ep, &small) == FERRY_ERR_INVALID &&
+                  strstr(ferry_ep_last_error(ep), "sizeof(ferry_ep_stats_t)"),
+              "size 8: %s", ferry_ep_last_error(ep));
+        memset(&st, 0xff, sizeof(st));
+        st.size = sizeof(st);
+        CHECK(ferry_ep_get_stats(ep, &st) == FERRY_OK, "get: %s", ferry_ep_last_error(ep));
+        CHECK(st.size == sizeof(st) && st.writes == 0 && st.arrivals == 0 &&
+                  st.completions == 0 && st.doorbells == 0,
+              "one rank, no fabric peer: all zero (writes %llu)",
+              (unsigned long long)st.writes);
+        CHECK(ferry_ep_destroy(ep) == FERRY_OK, "destroy");
+    }
+    ferry_comm_destroy(comm);
+}
+
+int main(int argc, char **argv)
+{
+    int peers = argc > 1 ? atoi(argv[1]) : 16;
+    test_hist();
+    test_null(peers);
+    test_api();
+    printf("test_stats: %s\n", fr_test_result() ? "FAIL" : "pass");
+    return fr_test_result();
+}
