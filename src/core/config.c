@@ -86,7 +86,9 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
                              "Set: each proxy prints, at exit, percentiles "
                              "of the time from picking up a request to the "
-                             "last peer's write of that phase landing."},
+                             "last peer's write of that phase landing, and "
+                             "each context on the fabric path its counters "
+                             "(ferry_ep_get_stats)."},
     [FR_CFG_FAULT_DELAY_US] = {"FERRY_FAULT_DELAY_US", "0",
                                "Fault injection (tests): hold every fabric "
                                "write's arrival this many us before the "
