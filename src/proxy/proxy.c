@@ -69,10 +69,10 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
         return;
     }
     *last = want;
+    fr_stat_add(&ep->st.rx, 1); /* before the flag: whoever saw it sees the count */
     __atomic_store_n(fr_flag_ptr(L, ep->flags, phase, set, sender), want,
                      __ATOMIC_RELEASE);
     fr_doorbell_ring(ep->flags);
-    fr_stat_add(&ep->st.rx, 1);
     fr_proxy_t *p = &ep->proxy;
     if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) {
         p->rx_seen[phase][set] = 0;
