@@ -526,7 +526,7 @@ def error_recovery(deep_ep, rank, N):
     expect(ValueError, "combine with weights [T, 1]", buf.low_latency_combine,
            a[4], idx, w[:, :1], a[5])
     expect(TypeError, "low_latency_dispatch with a float topk_idx", buf.low_latency_dispatch,
-           x, idx.float() + 0.7, T, E, False)
+           x, idx.float() + 0.7, T, E, use_fp8=False)
     if CUDA:
         b = ll_round(2)
         c = ll_round(3)  # takes round 1's buffer set: round 1 is settled
@@ -536,8 +536,19 @@ def error_recovery(deep_ep, rank, N):
         ll_combine("round 1 after rounds 2 and 3", *a)
     else:
         ll_combine("round 1 after the error", *a)
+    # a bad call of each kind, then the round it spoiled, done right
     d = ll_round(4)
-    ll_combine("round 4", *d)
+    expect(ValueError, "low_latency_combine with x of the wrong shape",
+           buf.low_latency_combine, d[4][:, :1], idx, w, d[5])
+    expect(TypeError, "low_latency_combine with a handle of another kind",
+           buf.low_latency_combine, d[4], idx, w, (1, 2, 3))
+    expect(TypeError, "low_latency_dispatch with float32 x", buf.low_latency_dispatch,
+           x.float(), idx, T, E, use_fp8=False)
+    expect(ValueError, "low_latency_dispatch with topk_idx of other rows",
+           buf.low_latency_dispatch, x, idx[:1], T, E, use_fp8=False)
+    ll_combine("round 4 after bad calls", *d)
+    e = ll_round(5)
+    ll_combine("round 5", *e)
     buf.destroy()
 
     nb = deep_ep.Buffer(torch.distributed.group.WORLD, low_latency_mode=False,
@@ -550,7 +561,16 @@ def error_recovery(deep_ep, rank, N):
            topk_idx=idx.float(), topk_weights=w, **args)
     expect(ValueError, "dispatch with weights [T, 1]", nb.dispatch, x, topk_idx=idx,
            topk_weights=w[:, :1].contiguous(), **args)
+    expect(TypeError, "get_dispatch_layout with a float topk_idx", nb.get_dispatch_layout,
+           idx.float(), E)
+    expect(ValueError, "dispatch with num_worst_tokens out of range", nb.dispatch, x,
+           topk_idx=idx, topk_weights=w, num_worst_tokens=2**40, **args)
     rx, ridx, rw, counts, handle, _ = nb.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+    expect(ValueError, "combine with x of the wrong rows", nb.combine,
+           torch.cat([rx, rx[:1]]) if rx.shape[0] else rx[:0, :1], handle)
+    expect(TypeError, "combine with a handle of another kind", nb.combine, rx, (1, 2))
+    expect(TypeError, "a cached dispatch with a handle of another kind", nb.dispatch, x,
+           handle=(1, 2))
     out, _, _ = nb.combine(rx, handle)
     want = (x.float() * inr.sum(1, keepdim=True).float()).to(torch.bfloat16)
     if not torch.equal(out, want):
