@@ -1286,17 +1286,77 @@ class Buffer:
         for plan in self._plans.values():  # a round the fast path left in the next set
             if plan.ep is ep and plan.pending[(ep._last_round + 1) & 1]:
                 self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
+        self._settle_slow(ep, (ep._last_round + 1) & 1)
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
+        st = {"rnd": rnd, "T": T, "recvd": False}
 
         def recv():
             ep.dispatch_recv(rnd, recv_x, count, scales, src_rank, src_token, wait_cost=wc,
                              recv_stats=stats)
+            st["recvd"] = True
 
+        st["recv"] = recv
         hook = _recv_or_hook(recv, return_recv_hook)
         handle = _LLHandle(None, ep, rnd, src_rank, src_token, count, T,
                            num_max_dispatch_tokens_per_rank, H, num_experts)
+        handle.topk_idx = topk_idx
+        st["tok"] = weakref.ref(handle._tok)
+        self._slow_pending(ep)[rnd & 1] = st
         out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
+
+    @staticmethod
+    def _slow_pending(ep):
+        """The rounds of ep that the path without a plan (CPU tensors, and
+        CUDA tensors off the fast path) dispatched and did not combine, by
+        buffer set."""
+        p = ep.__dict__.get("_deep_ep_pending")
+        if p is None:
+            p = ep.__dict__["_deep_ep_pending"] = [None, None]
+        return p
+
+    def _settle_slow(self, ep, s):
+        """_settle for the path without a plan: buffer set s is about to take
+        a new round while the round there was never combined (its handle
+        dropped or held): it is received if it was not, and combined from
+        zeros into a scratch output; a held handle is marked, so that its
+        combine, if it comes, dispatches its routing again first."""
+        pend = self._slow_pending(ep)
+        st = pend[s]
+        if st is None:
+            return
+        pend[s] = None
+        if not st["recvd"]:
+            st["recv"]()
+        El, cap, H, K, T = ep.num_local_experts, ep.capacity, ep.hidden, ep.topk, st["T"]
+        d = torch.device(ep.device if ep.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        ep.combine_send(st["rnd"], torch.zeros((El, cap, H), dtype=torch.bfloat16, device=d))
+        ep.combine_recv(st["rnd"], torch.zeros((T, K), dtype=torch.float32, device=d),
+                        torch.empty((T, H), dtype=torch.bfloat16, device=d))
+        tok = st["tok"]()
+        if tok is not None:
+            tok.settled = True
+
+    def _redispatch_slow(self, handle):
+        """A combine of a handle whose round has ended (combined before, or
+        settled): its routing is dispatched again, zeros as x (the rows'
+        places depend on the routing alone), and that round is combined."""
+        ep, T = handle.ep, handle.ntok
+        El, cap, H = ep.num_local_experts, ep.capacity, ep.hidden
+        idx = handle.topk_idx
+        self._settle_slow(ep, (ep._last_round + 1) & 1)
+        d = idx.device
+        rnd = ep.dispatch_send(torch.zeros((T, H), dtype=torch.bfloat16, device=d), idx,
+                               num_tokens=T)
+        fp8 = ep.dtype == "fp8"
+        rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                         device=d)
+        sc = ep._scales_new(torch, torch.float32, torch.int32, dict(device=d)) if fp8 else None
+        cnt = torch.empty(El, dtype=torch.int32, device=d)
+        sr = torch.empty((El, cap), dtype=torch.int32, device=d)
+        stok = torch.empty((El, cap), dtype=torch.int32, device=d)
+        ep.dispatch_recv(rnd, rx, cnt, sc, sr, stok)
+        return rnd
 
     def _dispatch_fast(self, x, topk_idx, Tmax, num_experts, use_fp8, return_recv_hook,
                        round_scale=False, wc=None, stats=None, ue8m0=False):
@@ -1600,7 +1660,19 @@ class Buffer:
         w = topk_weights.contiguous()
         if w.dtype != torch.float32:
             w = w.float()
+        if handle.combined or handle._tok.settled:
+            if handle.topk_idx is None:
+                raise FerryError(-1, "ferry.deep_ep: this handle's round has ended and its "
+                                     "routing was not kept: dispatch again")
+            rnd = self._redispatch_slow(handle)
+        else:
+            pend = self._slow_pending(ep)
+            if pend[rnd & 1] is not None and pend[rnd & 1]["rnd"] == rnd:
+                if not pend[rnd & 1]["recvd"]:
+                    pend[rnd & 1]["recv"]()
+                pend[rnd & 1] = None
         ep.combine_send(rnd, x.contiguous())
+        handle.combined = True
 
         def recv():
             ep.combine_recv(rnd, w, out, wait_cost=wc)

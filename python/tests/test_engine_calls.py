@@ -520,22 +520,20 @@ def error_recovery(deep_ep, rank, N):
         if err:
             msgs.append(f"{what}: combine {err}")
 
-    # (the held-handle pattern is the CUDA path's; CPU tensors check the errors)
     a = ll_round(1)
     x, idx, w = a[0], a[1], a[2]
     expect(ValueError, "combine with weights [T, 1]", buf.low_latency_combine,
            a[4], idx, w[:, :1], a[5])
     expect(TypeError, "low_latency_dispatch with a float topk_idx", buf.low_latency_dispatch,
            x, idx.float() + 0.7, T, E, use_fp8=False)
-    if CUDA:
-        b = ll_round(2)
-        c = ll_round(3)  # takes round 1's buffer set: round 1 is settled
-        ll_combine("round 3", *c)
-        ll_combine("round 2", *b)
-        # round 1's handle, still held: its routing goes again
-        ll_combine("round 1 after rounds 2 and 3", *a)
-    else:
-        ll_combine("round 1 after the error", *a)
+    b = ll_round(2)
+    c = ll_round(3)  # takes round 1's buffer set: round 1 is settled
+    ll_combine("round 3", *c)
+    ll_combine("round 2", *b)
+    # round 1's handle, still held: its routing goes again
+    ll_combine("round 1 after rounds 2 and 3", *a)
+    # a handle combined twice: the second dispatches its routing again
+    ll_combine("round 2 combined again", *b)
     # a bad call of each kind, then the round it spoiled, done right
     d = ll_round(4)
     expect(ValueError, "low_latency_combine with x of the wrong shape",
