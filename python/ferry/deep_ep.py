@@ -399,7 +399,7 @@ class _HtHandle:
         self.internode = internode
         self.src_idx = None   # set by the dispatch that made the route
         self.src_rank = None  # each received row's source rank (same)
-        self._gbl = None
+        self._gbl = self._rdma = None  # the prefix sums, made when first read
 
     def _recv_prefix(self):
         """recv_gbl_rank_prefix_sum: int32 [N], rows this rank received from
@@ -415,10 +415,11 @@ class _HtHandle:
         from the ranks of nodes 0..i."""
         nodes = self.ep_nodes
         g = self._recv_prefix()
-        if g is None or nodes is None:
-            return None
-        last = [max(r for r, n in enumerate(nodes) if n == k) for k in range(max(nodes) + 1)]
-        return g[torch.tensor(last, device=g.device)]
+        if self._rdma is None and g is not None and nodes is not None:
+            last = [max(r for r, n in enumerate(nodes) if n == k)
+                    for k in range(max(nodes) + 1)]
+            self._rdma = g[torch.tensor(last, device=g.device)]
+        return self._rdma
 
     ep_nodes = None  # each rank's node index, set across nodes
 

@@ -125,9 +125,8 @@ static int fr_key_dir_pick(int quiet, char *dir, size_t cap, fr_err_t *err)
     return -1;
 }
 
-int fr_boot_key_check_dir(const fr_boot_env_t *env, fr_err_t *err)
+int fr_boot_key_check_dir(fr_err_t *err)
 {
-    (void)env;
     char dir[300];
     int dfd = fr_key_dir_pick(0, dir, sizeof(dir), err);
     if (dfd < 0)

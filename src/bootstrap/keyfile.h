@@ -24,7 +24,7 @@ typedef struct fr_keyfile {
 
 /* Every rank, before the rendezvous: the key folder this job uses can be
  * found (FERRY_OK), else why none can, naming each place tried. */
-int fr_boot_key_check_dir(const fr_boot_env_t *env, fr_err_t *err);
+int fr_boot_key_check_dir(fr_err_t *err);
 /* Rank 0, once it bound addr:port: a fresh random key in a new private file
  * named by them and the job; kf (for fr_boot_key_remove) is set on
  * success. */

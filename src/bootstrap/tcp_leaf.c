@@ -376,7 +376,7 @@ int fr_boot_leaf_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
              env->root_port);
     int rc = FERRY_OK;
     if (!env->has_key) /* the key folder's trouble, said before dialling */
-        rc = fr_boot_key_check_dir(env, err);
+        rc = fr_boot_key_check_dir(err);
     if (rc == FERRY_OK)
         rc = fr_leaf_meet(b, env, timeout_ms, deadline, err);
     fr_boot_wipe(b->key, sizeof(b->key));

@@ -371,11 +371,11 @@ static int fr_root_take_bye(fr_boot_t *b, int r, int64_t deadline, void *arg)
         io = fr_boot_open_body(c, &h, NULL, 0, NULL, 0, NULL, deadline);
     if (io == FR_IO_OK && h.type == FR_MSG_BYE)
         c->state = FR_CONN_BYE;
-    else if (io == FR_IO_FORGED)
-        FR_LOG_WARN(FR_SUB_BOOT, "close: a frame from rank %d (%s) failed "
-                                 "its integrity check: the connection was "
-                                 "tampered with",
-                    r, c->peer);
+    else if (io == FR_IO_FORGED) {
+        fr_err_t e;
+        (void)fr_root_forged(b, r, "close", &e);
+        FR_LOG_WARN(FR_SUB_BOOT, "%s", e.msg);
+    }
     if (io == FR_IO_FORGED || io == FR_IO_TIMEOUT)
         c->state = FR_CONN_DESYNC;
     else if (io != FR_IO_OK)

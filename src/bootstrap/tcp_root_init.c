@@ -226,7 +226,7 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
 
     int rc = FERRY_OK;
     if (!env->has_key) /* the key folder's trouble, said before listening */
-        rc = fr_boot_key_check_dir(env, err);
+        rc = fr_boot_key_check_dir(err);
     if (rc == FERRY_OK)
         rc = fr_root_listen(b, env, deadline, &m->lfd, err);
     /* After the bind: a port held by a live job keeps its key file. */

@@ -96,12 +96,14 @@ size_t fr_boot_seal_frame(fr_seal_t *s, uint32_t type, const void *p,
     return sizeof(h) + len + FR_SEAL_TAG_LEN;
 }
 
-/* Send the n bytes at p; the frame number goes back when none left. */
-static int fr_seal_push(fr_conn_t *c, const void *p, size_t n,
+/* Send a sealed frame in up to three pieces; the frame number it spent
+ * goes back when none of it left. */
+static int fr_seal_push(fr_conn_t *c, const void *p1, size_t l1,
+                        const void *p2, size_t l2, const void *p3, size_t l3,
                         int64_t deadline, size_t *moved)
 {
     size_t m = 0;
-    int io = fr_boot_sendv3(c->fd, p, n, NULL, 0, NULL, 0, deadline, &m);
+    int io = fr_boot_sendv3(c->fd, p1, l1, p2, l2, p3, l3, deadline, &m);
     if (m == 0 && io != FR_IO_OK)
         c->seal.tx.n--;
     if (moved)
@@ -127,7 +129,7 @@ int fr_boot_seal_send(fr_conn_t *c, uint32_t type, const void *p1, size_t l1,
     if (l2)
         memcpy(pl + l1, p2, l2);
     size_t n = fr_boot_seal_frame(&c->seal, type, pl, l1 + l2, buf);
-    int io = fr_seal_push(c, buf, n, deadline, moved);
+    int io = fr_seal_push(c, buf, n, NULL, 0, NULL, 0, deadline, moved);
     if (buf != small) {
         fr_boot_wipe(buf, need);
         free(buf);
@@ -157,14 +159,8 @@ int fr_boot_seal_send_all(fr_conn_t *c, const fr_sealed_all_t *a,
     unsigned char tag[FR_SEAL_TAG_LEN];
     fr_seal_tag(&c->seal.tx.mac, c->seal.tx.n, &h, a->digest, tag);
     c->seal.tx.n++;
-    size_t m = 0;
-    int io = fr_boot_sendv3(c->fd, &h, sizeof(h), a->body, a->len, tag,
-                            sizeof(tag), deadline, &m);
-    if (m == 0 && io != FR_IO_OK)
-        c->seal.tx.n--;
-    if (moved)
-        *moved = m;
-    return io;
+    return fr_seal_push(c, &h, sizeof(h), a->body, a->len, tag, sizeof(tag),
+                        deadline, moved);
 }
 
 /* Check the tag of frame h whose payload hashed to dg; the frame number

@@ -195,7 +195,7 @@ static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
                                  const fr_err_t *errp)
 {
     fr_proxy_t *p = &ep->proxy;
-    const fr_err_t err = *errp;
+    const char *why = errp->msg[0] ? errp->msg : "fabric error";
     for (int i = 0; i < n; i++) {
         if (cqe[i].kind != FR_CQE_RX && cqe[i].kind != FR_CQE_RXERR)
             fr_stat_add(&ep->st.tx, 1);
@@ -210,12 +210,12 @@ static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
         case FR_CQE_RXERR:
             fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
                                                   : FERRY_ERR_FABRIC,
-                                -1, err.msg[0] ? err.msg : "fabric error");
+                                -1, why);
             break;
         default: {
             char msg[FR_ERRMSG_LEN];
             snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
-                     cqe[i].peer, err.msg[0] ? err.msg : "fabric error");
+                     cqe[i].peer, why);
             __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
                                __ATOMIC_ACQ_REL);
             fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status

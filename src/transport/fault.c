@@ -404,23 +404,8 @@ static void fault_group_destroy(fr_transport_t *t, fr_group_t *gp)
 static int fault_check_slice(const fr_fault_t *f, const fr_fault_group_t *g,
                              int i, const fr_slice_t *s, fr_err_t *err)
 {
-    if (s->src_off > g->slen || s->len > g->slen - s->src_off)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "%s: slice %d (rank %d): source [%llu, +%llu) "
-                      "outside the registered %llu bytes",
-                      f->ops->name, i, g->rank[i],
-                      (unsigned long long)s->src_off,
-                      (unsigned long long)s->len,
-                      (unsigned long long)g->slen);
-    if (s->dst_off > g->rlen[i] || s->len > g->rlen[i] - s->dst_off)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "%s: slice %d (rank %d): destination [%llu, +%llu) "
-                      "outside the peer's registered %llu bytes",
-                      f->ops->name, i, g->rank[i],
-                      (unsigned long long)s->dst_off,
-                      (unsigned long long)s->len,
-                      (unsigned long long)g->rlen[i]);
-    return FERRY_OK;
+    return fr_slice_in_bounds(f->ops->name, i, g->rank[i], s, g->slen,
+                              g->rlen[i], err);
 }
 
 /* Hold one post (room reserved by the caller). */

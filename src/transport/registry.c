@@ -17,6 +17,24 @@ static const fr_transport_ops_t *const fr_transports[] = {
     &fr_transport_null,
 };
 
+int fr_slice_in_bounds(const char *who, int i, int rank, const fr_slice_t *s,
+                       uint64_t slen, uint64_t rlen, fr_err_t *err)
+{
+    if (s->src_off > slen || s->len > slen - s->src_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "%s: slice %d (rank %d): source [%llu, +%llu) "
+                      "outside the registered %llu bytes",
+                      who, i, rank, (unsigned long long)s->src_off,
+                      (unsigned long long)s->len, (unsigned long long)slen);
+    if (s->dst_off > rlen || s->len > rlen - s->dst_off)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "%s: slice %d (rank %d): destination [%llu, +%llu) "
+                      "outside the peer's registered %llu bytes",
+                      who, i, rank, (unsigned long long)s->dst_off,
+                      (unsigned long long)s->len, (unsigned long long)rlen);
+    return FERRY_OK;
+}
+
 const fr_transport_ops_t *fr_transport_find(const char *name)
 {
     for (size_t i = 0; i < sizeof(fr_transports) / sizeof(fr_transports[0]);

@@ -160,6 +160,13 @@ typedef struct fr_transport_ops {
     void (*stats)(fr_transport_t *t, fr_tp_stats_t *out);
 } fr_transport_ops_t;
 
+/* Whether slice s of peer i (rank `rank`) stays inside the registered
+ * source (slen bytes) and the peer's destination (rlen bytes): FERRY_OK,
+ * else FERRY_ERR_INVALID with a message prefixed by `who` (the transport's
+ * name). The one bounds check of every transport (registry.c). */
+int fr_slice_in_bounds(const char *who, int i, int rank, const fr_slice_t *s,
+                       uint64_t slen, uint64_t rlen, fr_err_t *err);
+
 /* The libfabric transport (fabric/); callers find it by name through
  * the registry below. */
 /* Transports by name (registry.c: one line per transport). NULL when no

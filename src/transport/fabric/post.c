@@ -193,21 +193,7 @@ static int fab_check_slice(const fr_transport_t *t, const fr_group_t *g,
                       "over provider %s's max_msg_size of %zu bytes",
                       i, p->rank, (unsigned long long)s->len, t->prov,
                       t->max_msg);
-    if (s->src_off > g->slen || s->len > g->slen - s->src_off)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "fabric: slice %d (rank %d): source [%llu, +%llu) "
-                      "outside the registered %llu bytes",
-                      i, p->rank, (unsigned long long)s->src_off,
-                      (unsigned long long)s->len,
-                      (unsigned long long)g->slen);
-    if (s->dst_off > p->rlen || s->len > p->rlen - s->dst_off)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "fabric: slice %d (rank %d): destination [%llu, +%llu) "
-                      "outside the peer's registered %llu bytes",
-                      i, p->rank, (unsigned long long)s->dst_off,
-                      (unsigned long long)s->len,
-                      (unsigned long long)p->rlen);
-    return FERRY_OK;
+    return fr_slice_in_bounds("fabric", i, p->rank, s, g->slen, p->rlen, err);
 }
 
 static int fab_add(fr_transport_t *t, fr_group_t *g, int i,

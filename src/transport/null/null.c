@@ -130,14 +130,9 @@ static int nul_one(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s,
 {
     if (i < 0 || i >= g->npeers)
         return FR_ERR(err, FERRY_ERR_INVALID, "null: peer index %d of %d", i, g->npeers);
-    if (s->src_off > g->slen || s->len > g->slen - s->src_off || s->dst_off > g->rlen[i] ||
-        s->len > g->rlen[i] - s->dst_off)
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "null: slice %d (rank %d): [%llu, +%llu) -> [%llu, +%llu) outside the "
-                      "registered %llu / %llu bytes", i, g->rank[i],
-                      (unsigned long long)s->src_off, (unsigned long long)s->len,
-                      (unsigned long long)s->dst_off, (unsigned long long)s->len,
-                      (unsigned long long)g->slen, (unsigned long long)g->rlen[i]);
+    int rc = fr_slice_in_bounds("null", i, g->rank[i], s, g->slen, g->rlen[i], err);
+    if (rc != FERRY_OK)
+        return rc;
     uint32_t mask = (1u << FR_IMM_SENDER_BITS) - 1;
     fr_cqe_t tx = {.kind = FR_CQE_TX, .peer = g->rank[i], .ctx = ctx};
     fr_cqe_t rx = {.kind = FR_CQE_RX, .imm = (s->imm & ~mask) | ((uint32_t)g->rank[i] & mask),
@@ -151,10 +146,11 @@ static int nul_one(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s,
 static int nul_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices, uint64_t ctx,
                        fr_err_t *err)
 {
-    for (int i = 0; i < g->npeers; i++) /* all checked before any is posted */
-        if (slices[i].src_off > g->slen || slices[i].len > g->slen - slices[i].src_off ||
-            slices[i].dst_off > g->rlen[i] || slices[i].len > g->rlen[i] - slices[i].dst_off)
-            return nul_one(t, g, i, &slices[i], ctx, err);
+    for (int i = 0; i < g->npeers; i++) { /* all checked before any is posted */
+        int rc = fr_slice_in_bounds("null", i, g->rank[i], &slices[i], g->slen, g->rlen[i], err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
     for (int i = 0; i < g->npeers; i++) {
         int rc = nul_one(t, g, i, &slices[i], ctx, err);
         if (rc != FERRY_OK)
