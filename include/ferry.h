@@ -165,8 +165,24 @@ typedef struct ferry_ep_config {
      * nodes, FERRY_TRANSPORT=fabric); FERRY_ERR_INVALID in high-throughput
      * mode. 0 (the default): a timeout fails the context, naming the rank. */
     int mask_on_timeout;
-    int reserved[2];
+    /* High throughput across nodes (ferry_forward_t): FERRY_FORWARD_AUTO
+     * (0, the default) forwards when the ranks span more than one node
+     * unless FERRY_HT_FORWARD says otherwise; OFF sends every token to
+     * each destination rank directly (a crossing per rank); ON forwards:
+     * a token crosses the fabric once per destination node, to the rank
+     * there with the sender's local index, which passes it on to that
+     * node's destinations through shared memory and sums their combine
+     * rows before one row crosses back. ferry_ep_get_nodes says what was
+     * chosen. */
+    int forward;
+    int reserved;
 } ferry_ep_config_t;
+
+typedef enum ferry_forward {
+    FERRY_FORWARD_AUTO = 0,
+    FERRY_FORWARD_OFF = 1,
+    FERRY_FORWARD_ON = 2
+} ferry_forward_t;
 
 /* Layouts of the low-latency expert_x_scales (fp8 dispatch), S = H/128
  * scales per row, C = expert_capacity rows per local expert:
@@ -189,7 +205,7 @@ typedef enum ferry_scales_layout {
 #define FERRY_EP_CONFIG_INIT                                                   \
     {sizeof(ferry_ep_config_t), FERRY_EP_CONFIG_MAGIC, FERRY_VERSION_CODE,     \
      0, 0, 0, 0, FERRY_DTYPE_BF16, FERRY_DEVICE_CPU, 0,                      \
-     FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, 0, {0}}
+     FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, 0, FERRY_FORWARD_AUTO, 0}
 
 /* Collective over the communicator; every rank passes the same config. */
 int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
@@ -218,6 +234,15 @@ typedef struct ferry_ep_layout {
 } ferry_ep_layout_t;
 
 int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
+
+/* The nodes as this context sees them: ranks that reach each other
+ * through shared (peer) memory form a node (equal FERRY_NODE_ID or host
+ * name; under FERRY_TRANSPORT=fabric every rank is a node of its own).
+ * Nodes are numbered in the order of their lowest rank. Any argument but
+ * ep may be NULL: *num_nodes, node_of[N] (each rank's node) and *forward
+ * (1 when the high-throughput calls forward through one rank per node,
+ * config.forward). */
+int ferry_ep_get_nodes(ferry_ep_t ep, int *num_nodes, int32_t *node_of, int *forward);
 
 /* Counters of the thread that drives this context's fabric path (the
  * low-latency proxy; in the high-throughput mode the CPU engine's own
@@ -256,6 +281,8 @@ typedef struct ferry_ep_stats {
                                  to the write being posted: median, and */
     double doorbell_to_post_p99_us; /* OUT: 99th percentile (a histogram
                                  of 8 buckets per power of two: +-6%) */
+    uint64_t bytes;           /* OUT: bytes of the writes posted to fabric
+                                 peers (payload) */
 } ferry_ep_stats_t;
 
 /* Read ep's counters into *stats (IN: stats->size; OUT: the rest).

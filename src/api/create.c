@@ -106,6 +106,11 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
     if (c->mask_on_timeout && c->mode != FERRY_MODE_LOW_LATENCY)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "mask_on_timeout = 1 needs low-latency mode (ranks are masked there)");
+    if (c->forward < FERRY_FORWARD_AUTO || c->forward > FERRY_FORWARD_ON)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "forward = %d: unknown (FERRY_FORWARD_AUTO = %d, FERRY_FORWARD_OFF = %d, "
+                      "FERRY_FORWARD_ON = %d)", c->forward, (int)FERRY_FORWARD_AUTO,
+                      (int)FERRY_FORWARD_OFF, (int)FERRY_FORWARD_ON);
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);
@@ -122,6 +127,8 @@ typedef struct fr_setup_msg {
     int32_t status;
     int32_t E, K, H, T, dtype, device, mode, ring, shrink;
     int32_t forced; /* FERRY_TRANSPORT=fabric: every pair on the fabric path */
+    int32_t fwd;    /* forwarding asked for (ferry_forward_t, FERRY_HT_FORWARD
+                       applied) */
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -155,6 +162,10 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->group_index);
     free(ep->mask);
     free(ep->mask_since);
+    free(ep->node_of);
+    free(ep->node_lidx);
+    free(ep->node_off);
+    free(ep->node_ranks);
     free(ep->slices);
     free(ep->flag_last);
     free(ep->ring_mem);
@@ -180,6 +191,19 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
     if (msg.status == FERRY_OK && !msg.forced && strcmp(tr, "auto") != 0)
         msg.status = FR_ERR(err, FERRY_ERR_INVALID, "FERRY_TRANSPORT=%s: must be auto or fabric",
                             tr);
+    if (msg.status == FERRY_OK) {
+        /* FERRY_HT_FORWARD applies where the config leaves it to auto */
+        const char *fw = fr_cfg_str(FR_CFG_HT_FORWARD);
+        msg.fwd = config->forward;
+        if (msg.fwd == FERRY_FORWARD_AUTO && strcmp(fw, "on") == 0)
+            msg.fwd = FERRY_FORWARD_ON;
+        else if (msg.fwd == FERRY_FORWARD_AUTO && strcmp(fw, "off") == 0)
+            msg.fwd = FERRY_FORWARD_OFF;
+        else if (strcmp(fw, "auto") != 0 && strcmp(fw, "on") != 0 && strcmp(fw, "off") != 0)
+            msg.status = FR_ERR(err, FERRY_ERR_INVALID,
+                                "FERRY_HT_FORWARD=%s: must be auto, on or off", fw);
+        ep->fwd_req = msg.fwd;
+    }
     if (msg.status == FERRY_OK) {
         ep->cfg = *config;
         ep->eng = fr_engine_find(config->device, config->mode);
@@ -214,6 +238,12 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
                         me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, msg.ring,
                         msg.shrink, i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
                         all[i].mode, all[i].ring, all[i].shrink);
+        } else if (all[i].fwd != msg.fwd) {
+            static const char *fwn[] = {"auto", "off", "on"};
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "forwarding differs between ranks: rank %d has %s, rank %d has %s "
+                        "(config.forward, else FERRY_HT_FORWARD: set it alike on every rank)",
+                        me, fwn[msg.fwd], i, (unsigned)all[i].fwd < 3 ? fwn[all[i].fwd] : "?");
         } else if (all[i].forced != msg.forced) {
             rc = FR_ERR(err, FERRY_ERR_INVALID,
                         "FERRY_TRANSPORT differs between ranks: rank %d has %s, rank %d has "
@@ -226,6 +256,38 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
     if (rc != FERRY_OK)
         ep->eng = NULL;
     return rc;
+}
+
+/* The nodes: ranks with equal node ids (each rank alone under
+ * FERRY_TRANSPORT=fabric), numbered in the order of their lowest rank;
+ * the same tables on every rank. */
+static int fr_create_nodes(ferry_ep_t ep, int force_fabric, fr_err_t *err)
+{
+    int N = ep->N;
+    ep->node_of = fr_zalloc(sizeof(int) * (size_t)N);
+    ep->node_lidx = fr_zalloc(sizeof(int) * (size_t)N);
+    ep->node_off = fr_zalloc(sizeof(int) * ((size_t)N + 1));
+    ep->node_ranks = fr_zalloc(sizeof(int) * (size_t)N);
+    if (!ep->node_of || !ep->node_lidx || !ep->node_off || !ep->node_ranks)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "node tables");
+    ep->nnodes = 0;
+    for (int i = 0; i < N; i++) {
+        int j = 0;
+        if (!force_fabric)
+            while (j < i && strcmp(ep->comm->peers[j].node, ep->comm->peers[i].node) != 0)
+                j++;
+        else
+            j = i;
+        ep->node_of[i] = j < i ? ep->node_of[j] : ep->nnodes++;
+    }
+    int *n = ep->node_off; /* counts, then the CSR */
+    for (int i = 0; i < N; i++)
+        ep->node_lidx[i] = n[ep->node_of[i] + 1]++;
+    for (int b = 0; b < ep->nnodes; b++)
+        n[b + 1] += n[b];
+    for (int i = 0; i < N; i++)
+        ep->node_ranks[n[ep->node_of[i]] + ep->node_lidx[i]] = i;
+    return FERRY_OK;
 }
 
 /* Step 2: a path per peer: self, shm (same node id) or fabric (another
@@ -271,7 +333,7 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
             ep->nshm++;
         }
     }
-    return FERRY_OK;
+    return fr_create_nodes(ep, force_fabric, err);
 }
 
 /* Step 4: when any peer is on the fabric (every rank joins: opening a
@@ -375,7 +437,10 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
     int native = 0;
-    if (ep->nfabric > 0 && ep->eng->fabric_engine && ep->eng->fabric_native)
+    /* forward = on across nodes: the GPU-memory fabric path does not
+     * forward; its fabric engine (staged, over the CPU engine) does */
+    int want_fwd = ep->fwd_req == FERRY_FORWARD_ON && ep->nnodes > 1 && ep->nnodes < ep->N;
+    if (ep->nfabric > 0 && ep->eng->fabric_engine && ep->eng->fabric_native && !want_fwd)
         FR_CHECK_GOTO(ep->eng->fabric_native(ep, &native, &err), rc, fail);
     if (ep->nfabric > 0 && ep->eng->fabric_engine && !native) {
         /* the same on every rank: a rank with a peer on another node makes
@@ -388,6 +453,12 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     /* Step 3: the engine lays out and allocates its buffers, maps the
      * peers' (collective). */
     FR_CHECK_GOTO(ep->eng->setup(ep, &err), rc, fail);
+    if (want_fwd && config->mode == FERRY_MODE_HIGH_THROUGHPUT && !ep->forward &&
+        !err.msg[0]) { /* alike on every rank: the node tables and config are */
+        rc = FR_ERR(&err, FERRY_ERR_UNSUPPORTED,
+                    "forward = on: engine %s does not forward between nodes", ep->eng->name);
+        goto fail;
+    }
     if (!ep->flags)
         ep->flags = ep->seg;
     if (ep->N > 1 && ep->nfabric > 0)
@@ -452,6 +523,19 @@ int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
                           "sizeof(ferry_ep_stats_t))",
                           st->size, sizeof(*st));
     fr_ep_stats_get(ep, st);
+    return FERRY_OK;
+}
+
+int ferry_ep_get_nodes(ferry_ep_t ep, int *num_nodes, int32_t *node_of, int *forward)
+{
+    if (!ep)
+        return FERRY_ERR_INVALID;
+    if (num_nodes)
+        *num_nodes = ep->nnodes;
+    for (int i = 0; node_of && i < ep->N; i++)
+        node_of[i] = ep->node_of[i];
+    if (forward)
+        *forward = ep->forward;
     return FERRY_OK;
 }
 

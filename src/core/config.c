@@ -83,6 +83,16 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "DMA (efa, verbs), else in pinned host memory; "
                             "on: GPU memory or an error naming the "
                             "provider; off: host memory."},
+    [FR_CFG_HT_FORWARD] = {"FERRY_HT_FORWARD", "auto",
+                           "High-throughput mode across nodes, when the "
+                           "config's forward field is left at AUTO: auto "
+                           "and on send a token over the fabric once per "
+                           "destination node, to the rank of the sender's "
+                           "local index there, which forwards it to the "
+                           "node's destinations through shared memory and "
+                           "sums their combine rows; off sends it to each "
+                           "destination rank directly. Alike on every "
+                           "rank."},
     [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
                              "Set: each proxy prints, at exit, percentiles "
                              "of the time from picking up a request to the "

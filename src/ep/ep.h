@@ -114,6 +114,17 @@ struct ferry_ep {
     int *path;           /* [N] enum fr_path */
     int nfabric;         /* peers on the fabric path */
     int nshm;            /* peers on the shared-memory path */
+    /* nodes (create.c): ranks that reach each other through shared memory
+     * (equal node ids; each rank alone under FERRY_TRANSPORT=fabric),
+     * numbered in the order of their lowest rank, alike on every rank */
+    int nnodes;
+    int *node_of;        /* [N] a rank's node */
+    int *node_lidx;      /* [N] its place among its node's ranks (rank order) */
+    int *node_off;       /* [nnodes + 1] CSR into node_ranks */
+    int *node_ranks;     /* [N] each node's ranks, in rank order */
+    int fwd_req;         /* forwarding asked for (ferry_forward_t; FERRY_HT_FORWARD
+                            applied), alike on every rank */
+    int forward;         /* the high-throughput engine forwards (its setup) */
 
     /* set up by the engine */
     uint8_t *seg;        /* own receive segment */

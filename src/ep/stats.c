@@ -39,6 +39,7 @@ void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
     memset(&s, 0, sizeof(s));
     s.size = out->size;
     s.writes = ld(&st->writes);
+    s.bytes = ld(&st->bytes);
     s.requests = ld(&st->requests);
     s.completions = ld(&st->tx);
     s.arrivals = ld(&st->rx);

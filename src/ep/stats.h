@@ -22,6 +22,7 @@ extern "C" {
 
 typedef struct fr_ep_stats {
     uint64_t writes;      /* writes posted (one per peer of a scatter) */
+    uint64_t bytes;       /* their payload bytes */
     uint64_t requests;    /* requests taken: ring entries, doorbell words */
     uint64_t post_ns;     /* from taking a request to its post call's return */
     uint64_t tx;          /* local completions of writes (success or error) */

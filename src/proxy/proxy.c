@@ -103,6 +103,7 @@ static int fr_proxy_post_one(ferry_ep_t ep, const fr_proxy_req_t *q, const fr_sl
         return rc;
     }
     fr_stat_add(&ep->st.writes, 1);
+    fr_stat_add(&ep->st.bytes, sl[g].len);
     return FERRY_OK;
 }
 
@@ -121,8 +122,12 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
         if (n == 0)
             continue;
         /* this NIC's peers' slices, in its group's order */
-        for (int i = 0; i < n; i++)
+        uint64_t bytes = 0;
+        for (int i = 0; i < n; i++) {
             ep->gslices[i] = sl[ep->groups.idx[k][i]];
+            bytes += ep->gslices[i].len;
+        }
+        fr_stat_add(&ep->st.bytes, bytes);
         __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
         int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], ep->gslices,
                                      (uint64_t)q->set, &err);

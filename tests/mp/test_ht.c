@@ -562,6 +562,11 @@ enum {
 /* EP, route, dispatch and combine with their checks                      */
 /* ---------------------------------------------------------------------- */
 
+/* The nodes of the last context made, and whether it forwards: a
+ * forwarded node's rows are summed there and rounded once more. */
+static int32_t g_node_of[1024];
+static int g_fwd, g_nnodes;
+
 static ferry_ep_t ep_make(ferry_comm_t comm, const spec_t *c, int max_tokens,
                           int *rc)
 {
@@ -579,6 +584,8 @@ static ferry_ep_t ep_make(ferry_comm_t comm, const spec_t *c, int max_tokens,
     CHECK(*rc == FERRY_OK && ep, "rank %d: %s: ferry_ep_create: %s: %s",
           ferry_comm_rank(comm), c->name, ferry_strerror(*rc),
           ferry_comm_last_error(comm));
+    if (*rc == FERRY_OK && ferry_comm_size(comm) <= 1024)
+        CHECK_RC(ferry_ep_get_nodes(ep, &g_nnodes, g_node_of, &g_fwd), FERRY_OK);
     return *rc == FERRY_OK ? ep : NULL;
 }
 
@@ -938,23 +945,32 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
 }
 
 /* out[t] = bf16(fp32 sum over the ranks t went to, ascending, of their
- * y rows); out->topk_weights[t][k] from the rank of expert k. */
+ * y rows); out->topk_weights[t][k] from the rank of expert k. With
+ * forwarding, nodes in order: this node's ranks one by one, another
+ * node's rows summed there (fp32, ranks ascending) and rounded to bf16. */
 static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
                        const cres_t *o, const char *what)
 {
     int me = w->me, T = w->T[me], H = c->H, K = w->K;
     long bad = 0;
-    float *acc = malloc(sizeof(float) * (size_t)H);
+    float *acc = malloc(sizeof(float) * (size_t)H), *part = malloc(sizeof(float) * (size_t)H);
     uint16_t *row = malloc(2 * (size_t)H);
     for (int t = 0; t < T; t++) {
         for (int h = 0; h < H; h++)
             acc[h] = 0.0f;
-        for (int r = 0; r < w->N; r++) {
-            if (!goes_to(w, me, t, r))
-                continue;
-            gen_y(c, d, r, me, t, row);
-            for (int h = 0; h < H; h++)
-                acc[h] += fr_bf16_to_f32(row[h]);
+        for (int b = 0; b < (g_fwd ? g_nnodes : 1); b++) {
+            int sum = g_fwd && b != g_node_of[me];
+            for (int h = 0; h < H && sum; h++)
+                part[h] = 0.0f;
+            for (int r = 0; r < w->N; r++) {
+                if (!goes_to(w, me, t, r) || (g_fwd && g_node_of[r] != b))
+                    continue;
+                gen_y(c, d, r, me, t, row);
+                for (int h = 0; h < H; h++)
+                    (sum ? part : acc)[h] += fr_bf16_to_f32(row[h]);
+            }
+            for (int h = 0; h < H && sum; h++)
+                acc[h] += fr_bf16_to_f32(fr_f32_to_bf16(part[h]));
         }
         for (int b = 0; o->bias && b < 2; b++) /* after the rows, in order */
             for (int h = 0; h < H; h++)
@@ -982,6 +998,7 @@ static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
         bad++;
     }
     free(acc);
+    free(part);
     free(row);
     return bad;
 }

@@ -38,6 +38,9 @@ typedef struct fr_ht_layout {
     uint64_t chdr, crec;     /* combine record */
     uint64_t dring, cring;   /* bytes of one ring (2 lines + records) */
     uint64_t off_dring, off_cring;
+    int LF;                  /* forwarding: combine rings from the forwarder's
+                                node (the largest node's size; 0: none) */
+    uint64_t off_fcring;     /* [LF] combine rings, one per rank of the node */
     uint64_t seg_bytes;
     uint64_t stage;          /* send region bytes per fabric peer */
 } fr_ht_layout_t;
@@ -83,7 +86,37 @@ typedef struct fr_ht_route {
     int32_t *dst_off;        /* [N + 1]: tokens per destination, CSR */
     int32_t *dst_tok;        /* tokens going to each destination, in order */
     int32_t *src_off;        /* [N + 1]: first row from each source */
+    /* forwarding (forward.c) */
+    int32_t *nd_off;         /* [nnodes + 1]: tokens per node, CSR */
+    int32_t *nd_tok;         /* tokens with an expert on each node, in order */
+    int32_t *fwd_off;        /* [N + 1]: records each source forwards through
+                                this rank, CSR into fle */
+    int16_t *fle;            /* [fwd_off[N]][K] their node-relative expert ids,
+                                kept by a dispatch for the combine */
+    int dispatched;          /* a dispatch on this route completed */
 } fr_ht_route_t;
+
+/* Forwarding (forward.c): a token crosses the fabric once per destination
+ * node, to the rank of that node with the sender's local index (modulo
+ * the node's size), which writes it into its node's destinations' rings
+ * through shared memory as if it came from the sender; in combine each
+ * destination writes the sender's rows into ring [its local index] of
+ * that forwarder (sources in ascending order), which sums a token's rows
+ * (its node's ranks in rank order, fp32, one bf16 rounding) and sends one
+ * row back. A node-level record is a dispatch record whose expert ids are
+ * node-relative: local index x El + local expert. */
+typedef struct fr_ht_fwd {
+    int me_node, L;          /* this rank's node, its size */
+    int *fsrc, nfsrc;        /* remote sources this rank forwards for, ascending */
+    uint64_t *ftx;           /* [N][L]: records this rank wrote into ring
+                                [s] of its node's rank l */
+    uint64_t *fctx;          /* [L]: combine records this rank wrote into
+                                ring [its index] of its node's rank l */
+    uint64_t *fcrx;          /* [L]: combine records taken from ring [l] */
+    int *ctb, nctb;          /* this rank's combine contributors in summing
+                                order: a rank of its node (>= 0), or a
+                                remote node b as -(b + 1) */
+} fr_ht_fwd_t;
 
 typedef struct fr_cpu_ht {
     fr_ht_layout_t H;
@@ -93,6 +126,7 @@ typedef struct fr_cpu_ht {
     float *acc;              /* combine accumulator [acc_rows][H] */
     size_t acc_rows;
     fr_ht_fab_t fab;         /* when peers are on the fabric */
+    fr_ht_fwd_t fwd;         /* when ep->forward */
 } fr_cpu_ht_t;
 
 static inline fr_cpu_ht_t *fr_cpu_ht(ferry_ep_t ep)
@@ -113,6 +147,11 @@ static inline uint8_t *fr_ht_dring(const fr_ht_layout_t *h, uint8_t *seg, int sr
 static inline uint8_t *fr_ht_cring(const fr_ht_layout_t *h, uint8_t *seg, int src)
 {
     return seg + h->off_cring + (uint64_t)src * h->cring;
+}
+/* The forwarder's combine ring from the rank of local index l. */
+static inline uint8_t *fr_ht_fcring(const fr_ht_layout_t *h, uint8_t *seg, int l)
+{
+    return seg + h->off_fcring + (uint64_t)l * h->cring;
 }
 /* A ring's tail and head words, and slot i (cumulative index). */
 static inline uint64_t *fr_ht_tail(uint8_t *ring) { return (uint64_t *)ring; }
@@ -138,19 +177,32 @@ typedef struct fr_ht_call {
     uint8_t *need;               /* [N] peers this rank still needs */
     int busy_rank;               /* the peer we last waited on */
     int wsum;                    /* combine: weights summed over ranks */
+    /* forwarding */
+    int32_t *fw_done;            /* [N] forwarder: records of source s passed on
+                                    (dispatch), its tokens summed (combine) */
+    int32_t *fw_self;            /* [N] forwarder, combine: own rows of s used */
+    int32_t *fw_fill;            /* [N] forwarder, combine: records in the chunk
+                                    being filled for s */
+    int32_t *fw_cur;             /* [L] destination, combine: place in the list
+                                    of sources of its node's rank l */
+    float *fw_acc;               /* [H] forwarder, combine: one token's sum */
 } fr_ht_call_t;
 
 /* Record helpers shared by the shared-memory and fabric paths (stream.c). */
+/* d: destination rank, or with node >= 0 the forwarder of node `node`
+ * (a node-level record) */
 void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
-                     uint8_t *rec);
+                     int node, uint8_t *rec);
 int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s,
                     int64_t row, const uint8_t *rec);
 void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, size_t row,
                      uint8_t *rec);
+/* A row from rank d, or (node >= 0) the summed row of node `node`. */
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
-                      int d, const uint16_t *y, const float *w);
+                      int d, int node, const uint16_t *y, const float *w);
 
 void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT);
+void fr_ht_layout_fwd(fr_ht_layout_t *h, int LF);
 
 /* Waiting: spin, yield, then sleep; every 2 ms a dead peer this rank
  * still needs (need[r] != 0; NULL: all) or the deadline (measured from the
@@ -165,11 +217,37 @@ void fr_ht_fab_free(ferry_ep_t ep);
 int fr_ht_fab_poll(ferry_ep_t ep);                  /* completions; FERRY_OK or failed */
 int fr_ht_fab_notify(ferry_ep_t ep, int d, const uint8_t *entry, uint64_t id);
 int fr_ht_fab_notify_landed(ferry_ep_t ep, int s, uint64_t id);
-int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d);
+/* node >= 0: node-level records of that node to its forwarder d (tx), the
+ * node's summed rows from its forwarder d (rx) */
+int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d, int node);
 int fr_ht_fab_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int s);
 int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s);
 int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
-                         int d);
+                         int d, int node);
+int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, uint64_t len,
+               uint32_t imm, int credit);
+uint32_t fr_ht_imm(int kind, int src, uint64_t val);
+
+/* forward.c */
+/* The rank of node b that forwards source s's tokens. */
+static inline int fr_ht_fwd_of(ferry_ep_t ep, int s, int b)
+{
+    int n = ep->node_off[b + 1] - ep->node_off[b];
+    return ep->node_ranks[ep->node_off[b] + ep->node_lidx[s] % n];
+}
+int fr_ht_fwd_setup(ferry_ep_t ep, fr_err_t *err);   /* decides ep->forward */
+void fr_ht_fwd_free(ferry_ep_t ep);
+int fr_ht_fwd_call_init(fr_ht_call_t *c);
+void fr_ht_fwd_call_end(fr_ht_call_t *c);
+/* Forwarder, dispatch: pass on what landed from the sources it serves;
+ * 1 if anything moved, 0, or < 0 (failed). *left set when work remains. */
+int fr_ht_fwd_dispatch(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int *left);
+/* Destination, combine: rows of remote sources into their forwarders'
+ * rings. Forwarder, combine: sums sent on. Same returns. */
+int fr_ht_fwd_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int *left);
+int fr_ht_fwd_combine_sum(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int *left);
+/* Peers a forwarding rank still needs (need[] set, busy_rank named). */
+void fr_ht_fwd_need(fr_ht_call_t *c, int combine);
 int fr_ht_fab_drain(ferry_ep_t ep);                 /* wait for chunk and count writes */
 
 int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t route);

@@ -45,6 +45,15 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
     h->stage = fr_ht_align((uint64_t)RT * (h->drec + h->crec) + 2 * h->notify_entry, 4096);
 }
 
+/* Forwarding: LF combine rings after the others (alike on every rank: LF
+ * is the largest node's size). */
+void fr_ht_layout_fwd(fr_ht_layout_t *h, int LF)
+{
+    h->LF = LF;
+    h->off_fcring = fr_ht_align(h->off_cring + (uint64_t)h->N * h->cring, 4096);
+    h->seg_bytes = fr_ht_align(h->off_fcring + (uint64_t)LF * h->cring, 4096);
+}
+
 int fr_ht_idle(ferry_ep_t ep, uint64_t *iter, uint64_t *last_check, uint64_t progress_ns,
                int rank, const char *what, const uint8_t *need)
 {
@@ -93,14 +102,17 @@ static int fr_ht_setup(ferry_ep_t ep, fr_err_t *err)
     if (rc == FERRY_OK) {
         int RT = c->ring_tokens > 0 ? c->ring_tokens : FR_HT_RING_DEFAULT;
         fr_ht_layout_init(&st->H, N, ep->L.El, c->topk, c->hidden, RT);
+        rc = fr_ht_fwd_setup(ep, err);
         ep->L.seg_bytes = st->H.seg_bytes; /* what ferry_ep_get_layout reports */
         ep->L.send_bytes = st->H.stage * (uint64_t)ep->nfabric;
-        st->dtx = calloc((size_t)N, sizeof(uint64_t));
-        st->drx = calloc((size_t)N, sizeof(uint64_t));
-        st->ctx = calloc((size_t)N, sizeof(uint64_t));
-        st->crx = calloc((size_t)N, sizeof(uint64_t));
-        if (!st->dtx || !st->drx || !st->ctx || !st->crx)
-            rc = FR_ERR(err, FERRY_ERR_NOMEM, "ring counters");
+        if (rc == FERRY_OK) {
+            st->dtx = calloc((size_t)N, sizeof(uint64_t));
+            st->drx = calloc((size_t)N, sizeof(uint64_t));
+            st->ctx = calloc((size_t)N, sizeof(uint64_t));
+            st->crx = calloc((size_t)N, sizeof(uint64_t));
+            if (!st->dtx || !st->drx || !st->ctx || !st->crx)
+                rc = FR_ERR(err, FERRY_ERR_NOMEM, "ring counters");
+        }
         if (rc == FERRY_OK && ep->nfabric > 0) {
             /* staging for writes to fabric peers, registered by create */
             if (posix_memalign((void **)&ep->send, 4096, ep->L.send_bytes) != 0) {
@@ -126,6 +138,7 @@ static void fr_ht_free(ferry_ep_t ep)
     if (!c)
         return;
     fr_ht_fab_free(ep);
+    fr_ht_fwd_free(ep);
     free(c->dtx);
     free(c->drx);
     free(c->ctx);

@@ -9,7 +9,7 @@
 
 #include "engines/cpu_ht/cpu_ht.h"
 
-static uint32_t fr_ht_imm(int kind, int src, uint64_t val)
+uint32_t fr_ht_imm(int kind, int src, uint64_t val)
 {
     return ((uint32_t)kind << 29) | ((uint32_t)src << 16) | (uint32_t)(val & 0xffffu);
 }
@@ -84,8 +84,8 @@ static int fr_ht_member(ferry_ep_t ep, int d)
 /* One write from the send region to peer d's segment, with immediate.
  * credit: a credit, which the peer needs only in a later call; the call
  * does not wait for its completion (fr_ht_fab_drain). */
-static int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, uint64_t len,
-                      uint32_t imm, int credit)
+int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, uint64_t len,
+               uint32_t imm, int credit)
 {
     fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     int k = ep->nics.nic_of[d], i = fr_ht_member(ep, d);
@@ -102,6 +102,7 @@ static int fr_ht_post(ferry_ep_t ep, int d, uint64_t src_off, uint64_t dst_off, 
         return fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: write to rank %d: %s (%s)", d, err.msg,
                           ferry_strerror(rc));
     fr_stat_add(&ep->st.writes, 1);
+    fr_stat_add(&ep->st.bytes, len);
     if (credit) {
         f->credits_out++;
     } else {
@@ -263,21 +264,23 @@ int fr_ht_fab_notify_landed(ferry_ep_t ep, int s, uint64_t id)
 
 /* ---------------------------------------------------------------- dispatch */
 
-int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d)
+int fr_ht_fab_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int d, int node)
 {
     ferry_ep_t ep = c->ep;
     fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     const fr_ht_layout_t *h = c->h;
     const fr_ht_route_t *p = c->p;
-    int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
+    /* the tokens: d's, or (node-level) every token with an expert on node */
+    const int32_t *tok = node >= 0 ? p->nd_tok + p->nd_off[node] : p->dst_tok + p->dst_off[d];
+    int n = node >= 0 ? p->nd_off[node + 1] - p->nd_off[node] : p->dst_off[d + 1] - p->dst_off[d];
+    int moved = 0;
     uint64_t stage = (uint64_t)ep->group_index[d] * h->stage;
     while (c->done_tx[d] < n && f->d_post[d] - f->d_credit[d] < (uint64_t)f->W) {
         int m = n - c->done_tx[d] < FR_HT_CHUNK ? n - c->done_tx[d] : FR_HT_CHUNK;
         uint64_t slot = (f->d_post[d] % (uint64_t)f->W) * FR_HT_CHUNK;
-        for (int j = 0; j < m; j++) {
-            int t = p->dst_tok[p->dst_off[d] + c->done_tx[d] + j];
-            fr_ht_drec_fill(c, in, t, d, ep->send + stage + (slot + (uint64_t)j) * h->drec);
-        }
+        for (int j = 0; j < m; j++)
+            fr_ht_drec_fill(c, in, tok[c->done_tx[d] + j], d, node,
+                            ep->send + stage + (slot + (uint64_t)j) * h->drec);
         uint64_t dst = h->off_dring + (uint64_t)ep->rank * h->dring + 2 * FR_HT_LINE +
                        slot * h->drec;
         int rc = fr_ht_post(ep, d, stage + slot * h->drec, dst, (uint64_t)m * h->drec,
@@ -349,13 +352,15 @@ int fr_ht_fab_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int s
 }
 
 int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
-                         int d)
+                         int d, int node)
 {
     ferry_ep_t ep = c->ep;
     fr_ht_fab_t *f = &fr_cpu_ht(ep)->fab;
     const fr_ht_layout_t *h = c->h;
     const fr_ht_route_t *p = c->p;
-    int n = p->dst_off[d + 1] - p->dst_off[d], moved = 0;
+    const int32_t *tok = node >= 0 ? p->nd_tok + p->nd_off[node] : p->dst_tok + p->dst_off[d];
+    int n = node >= 0 ? p->nd_off[node + 1] - p->nd_off[node] : p->dst_off[d + 1] - p->dst_off[d];
+    int moved = 0;
     uint8_t *ring = fr_ht_cring(h, ep->seg, d);
     while (c->done_rx[d] < n) {
         size_t w = (size_t)(f->c_take[d] % (uint64_t)f->W);
@@ -365,9 +370,8 @@ int fr_ht_fab_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, flo
         int m = n - c->done_rx[d] < FR_HT_CHUNK ? n - c->done_rx[d] : FR_HT_CHUNK;
         for (int j = 0; j < m; j++) {
             const uint8_t *rec = ring + 2 * FR_HT_LINE + (w * FR_HT_CHUNK + (size_t)j) * h->crec;
-            int t = p->dst_tok[p->dst_off[d] + c->done_rx[d] + j];
-            fr_ht_accumulate(c, out, acc, t, d, (const uint16_t *)(rec + h->chdr),
-                             (const float *)rec);
+            fr_ht_accumulate(c, out, acc, tok[c->done_rx[d] + j], d, node,
+                             (const uint16_t *)(rec + h->chdr), (const float *)rec);
         }
         c->done_rx[d] += m;
         f->c_take[d]++;

@@ -24,6 +24,10 @@ void fr_ht_route_free(ferry_route_t route)
         free(p->dst_off);
         free(p->dst_tok);
         free(p->src_off);
+        free(p->nd_off);
+        free(p->nd_tok);
+        free(p->fwd_off);
+        free(p->fle);
         free(p);
     }
     if (route) {
@@ -78,6 +82,51 @@ static int fr_ht_route_local(ferry_ep_t ep, const ferry_route_in_t *in, fr_ht_ro
     return FERRY_OK;
 }
 
+/* Forwarding: the tokens with an expert on each node (CSR, token order). */
+static int fr_ht_route_nodes(ferry_ep_t ep, int T, fr_ht_route_t *p)
+{
+    int M = ep->nnodes, K = ep->L.K, El = ep->L.El;
+    p->nd_off = calloc((size_t)M + 1, sizeof(int32_t));
+    uint8_t *seen = calloc((size_t)M, 1);
+    if (!p->nd_off || !seen) {
+        free(seen);
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        for (int t = 0; t < T; t++) {
+            const int32_t *row = p->idx + (size_t)t * K;
+            for (int k = 0; k < K; k++) {
+                int b = row[k] >= 0 ? ep->node_of[row[k] / El] : -1;
+                if (b < 0 || seen[b])
+                    continue;
+                seen[b] = 1;
+                if (pass == 0)
+                    p->nd_off[b + 1]++;
+                else
+                    p->nd_tok[p->nd_off[b]++] = t;
+            }
+            for (int k = 0; k < K; k++)
+                if (row[k] >= 0)
+                    seen[ep->node_of[row[k] / El]] = 0;
+        }
+        if (pass == 0) {
+            for (int b = 0; b < M; b++)
+                p->nd_off[b + 1] += p->nd_off[b];
+            p->nd_tok = malloc(sizeof(int32_t) * ((size_t)p->nd_off[M] + 1));
+            if (!p->nd_tok) {
+                free(seen);
+                return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+            }
+        } else { /* nd_off[b] was advanced to the end of b: shift back */
+            for (int b = M; b > 0; b--)
+                p->nd_off[b] = p->nd_off[b - 1];
+            p->nd_off[0] = 0;
+        }
+    }
+    free(seen);
+    return FERRY_OK;
+}
+
 /* Store this rank's counts into every destination's notify entry (a
  * write with immediate for fabric peers). */
 static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t *dcnt,
@@ -92,6 +141,12 @@ static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t
         int fab = ep->path[d] == FR_PATH_FABRIC;
         uint8_t *e = fab ? tmp : fr_ht_notify(h, ep->peer_seg[d], (int)(id & 1), ep->rank);
         *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
+        /* forwarding: the node-level records d passes on for this rank */
+        int b = ep->node_of[d];
+        *(int32_t *)(e + 12) = ep->forward && b != ep->node_of[ep->rank] &&
+                                       fr_ht_fwd_of(ep, ep->rank, b) == d
+                                   ? p->nd_off[b + 1] - p->nd_off[b]
+                                   : 0;
         memcpy(e + 16, dcnt + (size_t)d * El, sizeof(int32_t) * (size_t)El);
         __atomic_store_n((uint64_t *)e, id, __ATOMIC_RELEASE);
         if (fab)
@@ -152,6 +207,19 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
                               ep->L.T);
         }
         p->src_off[s + 1] = p->src_off[s] + n;
+        /* forwarding: records s sends here to pass on (only where this
+         * rank is s's forwarder) */
+        int32_t nf = *(const volatile int32_t *)(e + 12);
+        int fwd_me = ep->forward && ep->node_of[s] != ep->node_of[ep->rank] &&
+                     fr_ht_fwd_of(ep, s, ep->node_of[ep->rank]) == ep->rank;
+        if (nf < 0 || nf > ep->L.T || (nf && !fwd_me)) {
+            free(need);
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "route_create: rank %d forwards %d tokens through this rank%s", s,
+                              nf, fwd_me ? "" : ", which is not its forwarder");
+        }
+        if (p->fwd_off)
+            p->fwd_off[s + 1] = p->fwd_off[s] + nf;
         for (int le = 0; le < El; le++) {
             int32_t cl = c[le];
             if (cl < 0 || cl > n || (int64_t)route->ecnt[le] + cl > INT32_MAX / 2) {
@@ -165,6 +233,11 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
     }
     free(need);
     route->num_recv = p->src_off[N];
+    if (p->fwd_off && p->fwd_off[N] > 0) {
+        p->fle = malloc(sizeof(int16_t) * (size_t)p->fwd_off[N] * (size_t)ep->L.K);
+        if (!p->fle)
+            return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    }
     if (align > 1)
         for (int le = 0; le < El; le++)
             route->ecnt[le] = (int32_t)(((int64_t)route->ecnt[le] + align - 1) / align * align);
@@ -208,6 +281,12 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     route->T = T;
     if (rc == FERRY_OK)
         rc = fr_ht_route_local(ep, in, p, dcnt);
+    if (rc == FERRY_OK && ep->forward) {
+        rc = fr_ht_route_nodes(ep, T, p);
+        p->fwd_off = calloc((size_t)N + 1, sizeof(int32_t));
+        if (rc == FERRY_OK && !p->fwd_off)
+            rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
+    }
     if (rc == FERRY_OK)
         rc = fr_ht_notify_all(ep, p, dcnt, route->id);
     if (rc == FERRY_OK)

@@ -34,10 +34,11 @@ static int fr_ht_call_init(fr_ht_call_t *c, ferry_ep_t ep, ferry_route_t route, 
     c->done_rx = calloc((size_t)ep->N, sizeof(int32_t));
     c->need = calloc((size_t)ep->N, 1);
     c->busy_rank = ep->rank;
-    if (!c->done_tx || !c->done_rx || !c->need) {
+    if (!c->done_tx || !c->done_rx || !c->need || fr_ht_fwd_call_init(c) != FERRY_OK) {
         free(c->done_tx);
         free(c->done_rx);
         free(c->need);
+        fr_ht_fwd_call_end(c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "call state");
     }
     return FERRY_OK;
@@ -48,6 +49,7 @@ static void fr_ht_call_end(fr_ht_call_t *c)
     free(c->done_tx);
     free(c->done_rx);
     free(c->need);
+    fr_ht_fwd_call_end(c);
 }
 
 /* Which peers this rank still needs: rows to send there (tx: per-peer
@@ -60,13 +62,46 @@ static void fr_ht_need(fr_ht_call_t *c, const int32_t *tx_off, const int32_t *rx
     c->need[c->ep->rank] = 0;
 }
 
+/* With forwarding: a remote node's ranks are reached through its
+ * forwarder, so only this node's ranks and the forwarders count. */
+static void fr_ht_need_all(fr_ht_call_t *c, int combine)
+{
+    ferry_ep_t ep = c->ep;
+    if (!ep->forward) {
+        if (combine)
+            fr_ht_need(c, c->p->src_off, c->p->dst_off);
+        else
+            fr_ht_need(c, c->p->dst_off, c->p->src_off);
+        return;
+    }
+    const fr_ht_route_t *p = c->p;
+    int me = ep->rank, mn = ep->node_of[me];
+    memset(c->need, 0, (size_t)ep->N);
+    for (int r = 0; r < ep->N; r++) {
+        if (ep->node_of[r] != mn)
+            continue;
+        int ntx = combine ? p->src_off[r + 1] - p->src_off[r] : p->dst_off[r + 1] - p->dst_off[r];
+        int nrx = combine ? p->dst_off[r + 1] - p->dst_off[r] : p->src_off[r + 1] - p->src_off[r];
+        c->need[r] = c->done_tx[r] < ntx || c->done_rx[r] < nrx;
+    }
+    for (int b = 0; b < ep->nnodes; b++) {
+        if (b == mn)
+            continue;
+        int f = fr_ht_fwd_of(ep, me, b), n = p->nd_off[b + 1] - p->nd_off[b];
+        if (combine ? c->done_rx[f] < n : c->done_tx[f] < n)
+            c->need[f] = 1;
+    }
+    fr_ht_fwd_need(c, combine);
+}
+
 /* ---------------------------------------------------------------- dispatch */
 
 /* A dispatch record's header for token t going to rank d. */
 static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
-                            int t, int d, uint8_t *rec)
+                            int t, int d, int node, uint8_t *rec)
 {
     int K = c->h->K, El = c->h->El;
+    const int *node_of = c->ep->node_of, *lidx = c->ep->node_lidx;
     const int32_t *row = c->p->idx + (size_t)t * K;
     fr_ht_dhdr_t *hd = (fr_ht_dhdr_t *)rec;
     int16_t *le = (int16_t *)(rec + sizeof(*hd));
@@ -74,6 +109,12 @@ static void fr_ht_dhdr_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
     hd->token = t;
     hd->flags = fr_ht_flags(c->fp8, c->route->id);
     for (int k = 0; k < K; k++) {
+        if (node >= 0) { /* node-level: local index x El + local expert */
+            int on = row[k] >= 0 && node_of[row[k] / El] == node;
+            le[k] = (int16_t)(on ? lidx[row[k] / El] * El + row[k] % El : -1);
+            w[k] = on && in->topk_weights ? in->topk_weights[(size_t)t * K + k] : 0.f;
+            continue;
+        }
         int local = row[k] >= 0 && row[k] / El == d;
         le[k] = (int16_t)(local ? row[k] % El : -1);
         w[k] = local && in->topk_weights ? in->topk_weights[(size_t)t * K + k] : 0.f;
@@ -125,9 +166,9 @@ static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *
 /* A whole dispatch record for token t going to rank d: header, row, scales
  * (shared-memory ring slot or fabric staging). */
 void fr_ht_drec_fill(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, int t, int d,
-                     uint8_t *rec)
+                     int node, uint8_t *rec)
 {
-    fr_ht_dhdr_fill(c, in, t, d, rec);
+    fr_ht_dhdr_fill(c, in, t, d, node, rec);
     memcpy(rec + c->h->dhdr, (const uint8_t *)in->x + (size_t)t * c->rowb, c->rowb);
     if (c->nsc)
         fr_ht_scales_of(c, in, t, rec + c->h->dhdr + c->rowb);
@@ -188,7 +229,7 @@ static void fr_ht_dispatch_self(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *i
     const fr_ht_route_t *p = c->p;
     for (int i = 0; i < p->dst_off[me + 1] - p->dst_off[me]; i++) {
         int t = p->dst_tok[p->dst_off[me] + i];
-        fr_ht_dhdr_fill(c, in, t, me, hdr);
+        fr_ht_dhdr_fill(c, in, t, me, -1, hdr);
         fr_ht_put_row(c, out, me, p->src_off[me] + i, t,
                       (const int16_t *)(hdr + sizeof(fr_ht_dhdr_t)),
                       (const float *)(hdr + fr_ht_woff(c->h->K)),
@@ -210,7 +251,7 @@ static int fr_ht_dispatch_tx(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in, 
         return FERRY_ERR_PROTOCOL;
     while (c->done_tx[d] < n && st->dtx[d] - head < (uint64_t)h->RT) {
         int t = p->dst_tok[p->dst_off[d] + c->done_tx[d]];
-        fr_ht_drec_fill(c, in, t, d, fr_ht_slot(ring, st->dtx[d], h->RT, h->drec));
+        fr_ht_drec_fill(c, in, t, d, -1, fr_ht_slot(ring, st->dtx[d], h->RT, h->drec));
         st->dtx[d]++;
         c->done_tx[d]++;
         if (++moved % FR_HT_CHUNK == 0)
@@ -229,7 +270,11 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     int n = c->p->src_off[s + 1] - c->p->src_off[s], moved = 0;
     uint8_t *ring = fr_ht_dring(h, c->ep->seg, s);
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
-    if (fr_ht_ring_check(c, "ht_dispatch", s, 1, tail, st->drx[s]) != FERRY_OK)
+    /* the ring's writer: s, or its forwarder on this node */
+    int wr = c->ep->forward && c->ep->path[s] == FR_PATH_FABRIC
+                 ? fr_ht_fwd_of(c->ep, s, c->ep->node_of[c->ep->rank])
+                 : s;
+    if (fr_ht_ring_check(c, "ht_dispatch", wr, 1, tail, st->drx[s]) != FERRY_OK)
         return -1;
     while (c->done_rx[s] < n && st->drx[s] < tail) {
         if (fr_ht_drec_take(c, out, s, c->p->src_off[s] + c->done_rx[s],
@@ -263,6 +308,64 @@ static void fr_ht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_out_t *o
     }
 }
 
+/* One pass of a dispatch: fill the destinations' rings (a remote node's
+ * through its forwarder when forwarding), drain the sources' (a remote
+ * source's from the ring its forwarder fills), pass on what this rank
+ * forwards. 1 if anything moved; *left when work remains. */
+static int fr_ht_dispatch_pass(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in,
+                               const ferry_ht_dispatch_out_t *out, int *left, int *rc)
+{
+    ferry_ep_t ep = c->ep;
+    const fr_ht_route_t *p = c->p;
+    int N = ep->N, me = ep->rank, moved = 0, fwd = ep->forward;
+    int mn = ep->node_of[me];
+    for (int i = 1; i < N && *rc == FERRY_OK; i++) { /* rotated: not all at rank 0 */
+        int d = (me + i) % N, m, n;
+        if (fwd && ep->node_of[d] != mn) {
+            /* one stream per remote node, to its forwarder, from the
+             * node's first rank in this rotation */
+            int b = ep->node_of[d];
+            if (fr_ht_fwd_of(ep, me, b) != d)
+                continue;
+            m = fr_ht_fab_dispatch_tx(c, in, d, b);
+            n = p->nd_off[b + 1] - p->nd_off[b];
+        } else {
+            m = ep->path[d] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_tx(c, in, d, -1)
+                                              : fr_ht_dispatch_tx(c, in, d);
+            n = p->dst_off[d + 1] - p->dst_off[d];
+        }
+        if (m < 0)
+            *rc = fr_ht_fatal(ep, m);
+        moved |= m > 0;
+        if (c->done_tx[d] < n) {
+            *left = 1;
+            c->busy_rank = d;
+        }
+    }
+    if (fwd && *rc == FERRY_OK) {
+        int m = fr_ht_fwd_dispatch(c, out, left);
+        if (m < 0)
+            *rc = fr_ht_fatal(ep, m);
+        moved |= m > 0;
+    }
+    for (int i = 1; i < N && *rc == FERRY_OK; i++) {
+        int s = (me + N - i) % N, m;
+        int remote = ep->path[s] == FR_PATH_FABRIC;
+        if (fwd && ep->node_of[s] != mn) /* through the forwarder's ring */
+            m = fr_ht_fwd_of(ep, s, mn) == me ? 0 : fr_ht_dispatch_rx(c, out, s);
+        else
+            m = remote ? fr_ht_fab_dispatch_rx(c, out, s) : fr_ht_dispatch_rx(c, out, s);
+        if (m < 0 || ep->failed)
+            *rc = fr_ht_fatal(ep, FERRY_ERR_PROTOCOL);
+        moved |= m > 0;
+        if (c->done_rx[s] < p->src_off[s + 1] - p->src_off[s]) {
+            *left = 1;
+            c->busy_rank = s;
+        }
+    }
+    return moved;
+}
+
 int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_in_t *in,
                    const ferry_ht_dispatch_out_t *out)
 {
@@ -270,37 +373,13 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
     int rc = fr_ht_call_init(&c, ep, route, in->x_scales != NULL);
     if (rc != FERRY_OK)
         return rc;
-    int N = ep->N, me = ep->rank;
     fr_ht_dispatch_self(&c, in, out);
     uint64_t iter = 0, check = fr_now_ns(), progress = check;
     for (;;) {
-        int moved = 0, left = 0;
+        int left = 0;
         if (ep->nfabric && (rc = fr_ht_fab_poll(ep)) != FERRY_OK)
             break;
-        for (int i = 1; i < N && rc == FERRY_OK; i++) { /* rotated: not all at rank 0 */
-            int d = (me + i) % N;
-            int m = ep->path[d] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_tx(&c, in, d)
-                                                  : fr_ht_dispatch_tx(&c, in, d);
-            if (m < 0)
-                rc = fr_ht_fatal(ep, m);
-            moved |= m > 0;
-            if (c.done_tx[d] < c.p->dst_off[d + 1] - c.p->dst_off[d]) {
-                left = 1;
-                c.busy_rank = d;
-            }
-        }
-        for (int i = 1; i < N && rc == FERRY_OK; i++) {
-            int s = (me + N - i) % N;
-            int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_dispatch_rx(&c, out, s)
-                                                  : fr_ht_dispatch_rx(&c, out, s);
-            if (m < 0 || ep->failed)
-                rc = fr_ht_fatal(ep, FERRY_ERR_PROTOCOL);
-            moved |= m > 0;
-            if (c.done_rx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
-                left = 1;
-                c.busy_rank = s;
-            }
-        }
+        int moved = fr_ht_dispatch_pass(&c, in, out, &left, &rc);
         if (rc != FERRY_OK || !left)
             break;
         if (moved) {
@@ -308,15 +387,17 @@ int fr_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatch_i
             progress = fr_now_ns();
             continue;
         }
-        fr_ht_need(&c, c.p->dst_off, c.p->src_off);
+        fr_ht_need_all(&c, 0);
         rc = fr_ht_idle(ep, &iter, &check, progress, c.busy_rank, "ht_dispatch", c.need);
         if (rc != FERRY_OK)
             break;
     }
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
-    if (rc == FERRY_OK)
+    if (rc == FERRY_OK) {
         fr_ht_pad_rows(route, out, ep->L.K);
+        c.p->dispatched = 1; /* the forwarder's expert ids are kept */
+    }
     fr_ht_call_end(&c);
     return rc;
 }
@@ -349,7 +430,7 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
 /* Add one row from rank d for token t; slot k's weight from d's experts,
  * or every slot's added (c->wsum; out->topk_weights starts at 0). */
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
-                             int t, int d, const uint16_t *y, const float *w)
+                      int t, int d, int node, const uint16_t *y, const float *w)
 {
     int K = c->h->K, El = c->h->El, H = c->h->H;
     float *a = acc + (size_t)t * H;
@@ -364,7 +445,7 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
     }
     const int32_t *row = c->p->idx + (size_t)t * K;
     for (int k = 0; k < K; k++)
-        if (row[k] >= 0 && row[k] / El == d)
+        if (row[k] >= 0 && (node >= 0 ? c->ep->node_of[row[k] / El] == node : row[k] / El == d))
             out->topk_weights[(size_t)t * K + k] = w ? w[k] : 0.f;
 }
 
@@ -383,7 +464,7 @@ static int fr_ht_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, 
     while (c->done_rx[d] < n && st->crx[d] < tail) {
         const uint8_t *rec = fr_ht_slot(ring, st->crx[d], h->RT, h->crec);
         int t = p->dst_tok[p->dst_off[d] + c->done_rx[d]];
-        fr_ht_accumulate(c, out, acc, t, d, (const uint16_t *)(rec + h->chdr),
+        fr_ht_accumulate(c, out, acc, t, d, -1, (const uint16_t *)(rec + h->chdr),
                          (const float *)rec);
         st->crx[d]++;
         c->done_rx[d]++;
@@ -413,10 +494,52 @@ static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
     return st->acc;
 }
 
+/* Combine: send this rank's rows back (a remote source's through its
+ * forwarder when forwarding), and as a forwarder the sums. 1 if anything
+ * moved; *left when work remains. */
+static int fr_ht_combine_send(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int *left,
+                              int *rc)
+{
+    ferry_ep_t ep = c->ep;
+    int N = ep->N, me = ep->rank, moved = 0, mn = ep->node_of[me];
+    for (int i = 1; i < N && *rc == FERRY_OK; i++) {
+        int s = (me + i) % N;
+        if (ep->forward && ep->node_of[s] != mn)
+            continue; /* fr_ht_fwd_combine_tx */
+        int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_combine_tx(c, in, s)
+                                              : fr_ht_combine_tx(c, in, s);
+        if (m < 0)
+            *rc = fr_ht_fatal(ep, m);
+        moved |= m > 0;
+        if (c->done_tx[s] < c->p->src_off[s + 1] - c->p->src_off[s]) {
+            *left = 1;
+            c->busy_rank = s;
+        }
+    }
+    if (ep->forward && *rc == FERRY_OK) {
+        int m = fr_ht_fwd_combine_tx(c, in, left);
+        if (m >= 0) {
+            moved |= m > 0;
+            m = fr_ht_fwd_combine_sum(c, in, left);
+        }
+        if (m < 0)
+            *rc = fr_ht_fatal(ep, m);
+        moved |= m > 0;
+    }
+    return moved;
+}
+
 int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_t *in,
                   const ferry_ht_combine_out_t *out)
 {
     fr_ht_call_t c;
+    fr_ht_route_t *rp = (fr_ht_route_t *)route->priv;
+    if (ep->forward && !rp->dispatched) /* alike on every rank: calls are collective */
+        return fr_ep_fail(ep, FERRY_ERR_STATE,
+                          "ht_combine: route %llu has had no ht_dispatch; with forwarding "
+                          "between nodes a combine follows a dispatch on its route (the "
+                          "forwarders keep what the dispatch routed)",
+                          (unsigned long long)route->id);
     int rc = fr_ht_call_init(&c, ep, route, 0);
     if (rc != FERRY_OK)
         return rc;
@@ -427,57 +550,55 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         fr_ht_call_end(&c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine accumulator of %d x %d floats", T, H);
     }
+    /* who to sum, in order: every rank, or with forwarding this node's
+     * ranks and every other node's summed row (fr_ht_fwd_t.ctb) */
+    const fr_ht_fwd_t *fw = &fr_cpu_ht(ep)->fwd;
+    int nct = ep->forward ? fw->nctb : N;
     uint64_t iter = 0, check = fr_now_ns(), progress = check;
-    int cur = 0; /* the destination being drained, in rank order */
+    int cur = 0; /* the contributor being drained */
     while (rc == FERRY_OK) {
-        int moved = 0, left = 0;
+        int left = 0;
         if (ep->nfabric && (rc = fr_ht_fab_poll(ep)) != FERRY_OK)
             break;
-        for (int i = 1; i < N && rc == FERRY_OK; i++) {
-            int s = (me + i) % N;
-            int m = ep->path[s] == FR_PATH_FABRIC ? fr_ht_fab_combine_tx(&c, in, s)
-                                                  : fr_ht_combine_tx(&c, in, s);
-            if (m < 0)
-                rc = fr_ht_fatal(ep, m);
-            moved |= m > 0;
-            if (c.done_tx[s] < c.p->src_off[s + 1] - c.p->src_off[s]) {
-                left = 1;
-                c.busy_rank = s;
-            }
-        }
-        while (cur < N) {
-            int n = c.p->dst_off[cur + 1] - c.p->dst_off[cur];
-            if (cur == me) { /* own rows, read in place */
+        int moved = fr_ht_combine_send(&c, in, &left, &rc);
+        int d = me;
+        while (cur < nct && rc == FERRY_OK) {
+            int x = ep->forward ? fw->ctb[cur] : cur, node = x < 0 ? -x - 1 : -1;
+            d = node >= 0 ? fr_ht_fwd_of(ep, me, node) : x;
+            int n = node >= 0 ? c.p->nd_off[node + 1] - c.p->nd_off[node]
+                              : c.p->dst_off[d + 1] - c.p->dst_off[d];
+            if (d == me) { /* own rows, read in place */
                 for (int i = 0; i < n; i++) {
                     size_t row = (size_t)c.p->src_off[me] + (size_t)i;
-                    fr_ht_accumulate(&c, out, acc, c.p->dst_tok[c.p->dst_off[me] + i], me,
+                    fr_ht_accumulate(&c, out, acc, c.p->dst_tok[c.p->dst_off[me] + i], me, -1,
                                      (const uint16_t *)in->y + row * H,
                                      in->topk_weights ? in->topk_weights + row * K : NULL);
                 }
                 c.done_rx[me] = n;
             } else {
-                int m = ep->path[cur] == FR_PATH_FABRIC ? fr_ht_fab_combine_rx(&c, out, acc, cur)
-                                                        : fr_ht_combine_rx(&c, out, acc, cur);
+                int m = ep->path[d] == FR_PATH_FABRIC
+                            ? fr_ht_fab_combine_rx(&c, out, acc, d, node)
+                            : fr_ht_combine_rx(&c, out, acc, d);
                 if (m < 0) {
                     rc = fr_ht_fatal(ep, m);
                     break;
                 }
                 moved |= m > 0;
             }
-            if (c.done_rx[cur] < n)
+            if (c.done_rx[d] < n)
                 break;
             cur++;
         }
         if (rc != FERRY_OK)
             break;
-        if (cur < N || left) {
+        if (cur < nct || left) {
             if (moved) {
                 iter = 0;
                 progress = fr_now_ns();
                 continue;
             }
-            fr_ht_need(&c, c.p->src_off, c.p->dst_off);
-            rc = fr_ht_idle(ep, &iter, &check, progress, cur < N ? cur : c.busy_rank,
+            fr_ht_need_all(&c, 1);
+            rc = fr_ht_idle(ep, &iter, &check, progress, cur < nct ? d : c.busy_rank,
                             "ht_combine", c.need);
             continue;
         }

@@ -122,6 +122,7 @@ static int fr_fab_post(ferry_ep_t ep, fr_cuht_fab_t *f, int g, uint64_t src_off,
     }
     f->pending++;
     fr_stat_add(&ep->st.writes, 1);
+    fr_stat_add(&ep->st.bytes, len);
     return FERRY_OK;
 }
 
