@@ -32,7 +32,10 @@ static void usage(FILE *f)
             "      --tokens T       tokens per rank per round (default 128)\n"
             "      --dtype fp8|bf16|mixed  dispatch dtype (default fp8; mixed: a bf16 and\n"
             "                       an fp8 context, alternating every round)\n"
-            "      --routing uniform|zipf:S   expert choice (default uniform)\n"
+            "      --routing uniform|zipf:S|groups:G:M   expert choice (default uniform;\n"
+            "                       groups: experts in G groups, each token picks M\n"
+            "                       groups at random, then its top-k among their experts,\n"
+            "                       as DeepSeek-V3 routes: a token reaches few nodes)\n"
             "      --mask P         probability a top-k slot is -1 (default 0)\n"
             "      --vary-tokens    token count per rank and round random in 0..T\n"
             "      --empty P        with --vary-tokens: probability of 0 tokens\n"
@@ -47,6 +50,10 @@ static void usage(FILE *f)
             "      --stats          add the fabric path's counters (ferry_ep_get_stats):\n"
             "                       writes, -FI_EAGAIN, proxy us per write, doorbell to\n"
             "                       post p50/p99\n"
+            "      --forward auto|on|off  --mode ht across nodes: a token crosses once per\n"
+            "                       destination node and is passed on there (on; auto:\n"
+            "                       on with several nodes, FERRY_HT_FORWARD) or once per\n"
+            "                       destination rank (off); config.forward\n"
             "      --nodes N        split the ranks into N nodes, rank r on node\n"
             "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
             "                       use peer memory, the others the fabric path, as on\n"
@@ -90,7 +97,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"quiet", 0, 0, 'q'},   {"help", 0, 0, 'h'},     {"sms", 1, 0, 'S'},
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
-        {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'},    {"stats", 0, 0, 'Z'},
+        {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'}, {"forward", 1, 0, 'F'},    {"stats", 0, 0, 'Z'},
         {"peers", 1, 0, 'P'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
@@ -160,16 +167,33 @@ static int parse(int argc, char **argv, opts_t *o)
                 return -1;
             }
             break;
+        case 'F':
+            if (strcmp(optarg, "auto") == 0)
+                o->forward = FERRY_FORWARD_AUTO;
+            else if (strcmp(optarg, "on") == 0)
+                o->forward = FERRY_FORWARD_ON;
+            else if (strcmp(optarg, "off") == 0)
+                o->forward = FERRY_FORWARD_OFF;
+            else {
+                fprintf(stderr, "ferry-bench: --forward %s: use auto, on or off\n", optarg);
+                return -1;
+            }
+            break;
         case 'r':
             o->routing = optarg;
+            o->zipf = 0;
+            o->groups = o->gpick = 0;
             if (strcmp(optarg, "uniform") == 0)
                 o->zipf = 0;
+            else if (sscanf(optarg, "groups:%d:%d", &o->groups, &o->gpick) == 2 &&
+                     o->groups >= 1 && o->gpick >= 1 && o->gpick <= o->groups && o->gpick <= 64)
+                end = NULL;
             else if (strncmp(optarg, "zipf:", 5) == 0 &&
                      (o->zipf = strtod(optarg + 5, &end)) > 0 && *end == 0)
                 end = NULL;
             else {
-                fprintf(stderr, "ferry-bench: --routing %s: use uniform or zipf:S (S > 0)\n",
-                        optarg);
+                fprintf(stderr, "ferry-bench: --routing %s: use uniform, zipf:S (S > 0) or "
+                        "groups:G:M (1 <= M <= G, M <= 64)\n", optarg);
                 return -1;
             }
             break;
@@ -343,7 +367,8 @@ static int make_config(bench_t *b)
     b->s = (fw_spec_t){.N = b->N, .E = o->experts, .K = o->topk, .H = o->hidden,
                        .T = o->tokens, .fp8 = o->fp8, .zipf_s = o->zipf,
                        .mask_p = o->mask, .vary_tokens = o->vary, .empty_p = o->empty,
-                       .seed = o->seed, .round_scale = o->round_scale};
+                       .seed = o->seed, .round_scale = o->round_scale,
+                       .groups = o->groups, .gpick = o->gpick};
     ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
     cfg.num_experts = o->experts;
     cfg.topk = o->topk;
@@ -356,7 +381,14 @@ static int make_config(bench_t *b)
     cfg.ring_tokens = o->ring;
     cfg.fp8_round_scale = o->round_scale;
     cfg.scales_layout = o->scales;
+    cfg.forward = o->forward;
     b->cfg = cfg;
+    if (o->groups && (o->experts % o->groups || o->topk > o->gpick * (o->experts / o->groups))) {
+        fprintf(stderr, "ferry-bench: --routing groups:%d:%d: the groups must divide the %d "
+                "experts and %d groups hold at least top-k (%d) experts\n", o->groups,
+                o->gpick, o->experts, o->gpick, o->topk);
+        return 2;
+    }
     if (o->round_scale && (o->fp8 != 1 || o->ht)) {
         fprintf(stderr, "ferry-bench: --round-scale needs --dtype fp8 in low-latency mode\n");
         return 2;
@@ -412,6 +444,7 @@ static int create_eps(bench_t *b)
     }
     b->lay = (ferry_ep_layout_t){.size = sizeof(b->lay)};
     ferry_ep_get_layout(b->ep, &b->lay);
+    ferry_ep_get_nodes(b->ep, NULL, NULL, &b->fwd);
     b->lays[0] = b->lays[1] = b->lay;
     if (b->eps[1])
         ferry_ep_get_layout(b->eps[1], &b->lays[1]);
@@ -468,7 +501,7 @@ static int open_device(bench_t *b)
 /* The timing table, the baseline's buffers, and the progress clock. */
 static int prepare_rounds(bench_t *b)
 {
-    b->tm = calloc((size_t)b->o->iters * 5, sizeof(double));
+    b->tm = calloc((size_t)b->o->iters * BENCH_COLS, sizeof(double));
 #ifdef FERRY_HAVE_MPI
     if (b->have_base && !b->o->ht && base_init(&b->base, &b->s) != 0) {
         fprintf(stderr, "ferry-bench: rank %d: out of memory (baseline)\n", b->me);

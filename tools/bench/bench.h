@@ -24,6 +24,8 @@ typedef struct opts {
     int nodes;       /* --nodes: ranks split into this many nodes (FERRY_NODE_ID) */
     int stats;       /* --stats: the fabric path's counters in the row */
     int peers;       /* --transport null: simulated peers */
+    int forward;     /* --forward: config.forward (ferry_forward_t) */
+    int groups, gpick; /* --routing groups:G:M */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;
@@ -98,9 +100,14 @@ typedef struct bench {
     float *acc;
     fw_input_t in;
     dev_t_ dv;
-    /* per timed round: ferry dispatch, combine, base dispatch, combine, bytes */
+    /* per timed round (BENCH_COLS): ferry dispatch, combine, base dispatch,
+     * combine, bytes; --mode ht: bytes this rank wrote to fabric peers in
+     * the dispatch and in the combine (ferry_ep_stats_t.bytes), and the
+     * rows the routing sends over the fabric (per destination node when
+     * forwarding, else per destination rank) */
     double *tm;
     long wrong;
+    int fwd;          /* --mode ht: the context forwards (ferry_ep_get_nodes) */
     int rc;           /* the last ferry status, reported with a failure */
     const char *fail; /* the step that failed, or NULL */
     double last_progress;
@@ -109,6 +116,8 @@ typedef struct bench {
     base_t base;
 #endif
 } bench_t;
+
+#define BENCH_COLS 8
 
 double now_us(void);
 

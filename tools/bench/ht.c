@@ -290,18 +290,28 @@ static long ht_check_dispatch(bench_t *b, uint64_t round, ht_io_t *io, int n)
 static long ht_check_combine(bench_t *b, ht_io_t *io)
 {
     const fw_spec_t *s = &b->s;
-    int H = s->H, T = b->in.T;
+    int H = s->H, T = b->in.T, nn = 1, fwd = 0;
     long wrong = 0;
-    float *sum = malloc(sizeof(float) * (size_t)H);
+    float *sum = malloc(sizeof(float) * (size_t)H), *nsum = malloc(sizeof(float) * (size_t)H);
     uint16_t *part = malloc(2 * (size_t)H);
+    int32_t *node = malloc(sizeof(int32_t) * (size_t)s->N);
+    ferry_ep_get_nodes(b->ep, &nn, node, &fwd);
     for (int t = 0; t < T; t++) {
         memset(sum, 0, sizeof(float) * (size_t)H);
-        for (int d = 0; d < s->N; d++) {
-            if (!ht_goes(s, &b->in, t, d))
-                continue;
-            ht_partial(s, &b->in, t, d, io, part);
-            for (int h = 0; h < H; h++)
-                sum[h] += fr_bf16_to_f32(part[h]);
+        /* forwarding: nodes in order, this node's ranks one by one, another
+         * node's rows summed there (ranks in order) and rounded once */
+        for (int nd = 0; nd < (fwd ? nn : 1); nd++) {
+            int own = !fwd || nd == node[b->me];
+            memset(nsum, 0, sizeof(float) * (size_t)H);
+            for (int d = 0; d < s->N; d++) {
+                if (!ht_goes(s, &b->in, t, d) || (fwd && node[d] != nd))
+                    continue;
+                ht_partial(s, &b->in, t, d, io, part);
+                for (int h = 0; h < H; h++)
+                    (own ? sum : nsum)[h] += fr_bf16_to_f32(part[h]);
+            }
+            for (int h = 0; h < H && !own; h++)
+                sum[h] += fr_bf16_to_f32(fr_f32_to_bf16(nsum[h]));
         }
         int bad = 0;
         for (int h = 0; h < H && !bad; h++)
@@ -310,6 +320,8 @@ static long ht_check_combine(bench_t *b, ht_io_t *io)
             fprintf(stderr, "ferry-bench: rank %d: combined token %d wrong\n", b->me, t);
     }
     free(sum);
+    free(nsum);
+    free(node);
     free(part);
     return wrong;
 }
@@ -497,6 +509,36 @@ static int ht_dev_recv(bench_t *b, ht_io_t *io, int n)
     return ht_dev_wait(d);
 }
 
+/* Rows this rank's routing sends over the fabric per call: one per
+ * (token, other node it reaches) when forwarding, else one per (token,
+ * rank on another node it reaches); combine sends as many back. */
+static double ht_fabric_rows(const bench_t *b)
+{
+    const fw_spec_t *s = &b->s;
+    int nn = 1, fwd = 0;
+    int32_t *node = malloc(sizeof(int32_t) * (size_t)s->N);
+    uint8_t *seen = calloc((size_t)s->N, 1);
+    if (!node || !seen || ferry_ep_get_nodes(b->ep, &nn, node, &fwd) != FERRY_OK) {
+        free(node);
+        free(seen);
+        return NAN;
+    }
+    double rows = 0;
+    for (int t = 0; t < b->in.T; t++) {
+        memset(seen, 0, (size_t)s->N);
+        for (int d = 0; d < s->N; d++) {
+            if (node[d] == node[b->me] || !ht_goes(s, &b->in, t, d))
+                continue;
+            int key = fwd ? node[d] : d;
+            rows += !seen[key];
+            seen[key] = 1;
+        }
+    }
+    free(node);
+    free(seen);
+    return rows;
+}
+
 /* One round; a timed one leaves its row in b->tm. */
 static const char *ht_round(bench_t *b, ht_io_t *io, int it)
 {
@@ -550,11 +592,15 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         dout.recv_src_rank = dv->rsr;
         dout.recv_src_token = dv->rst;
     }
+    ferry_ep_stats_t f0 = {.size = sizeof(f0)}, f1 = {.size = sizeof(f1)},
+                     f2 = {.size = sizeof(f2)};
+    ferry_ep_get_stats(b->ep, &f0);
     double t2 = now_us();
     b->rc = ferry_ht_dispatch(b->ep, route, &din, &dout);
     if (b->rc == FERRY_OK && gpu) /* enqueued only: timed until it ran */
         b->rc = ferry_ep_sync(b->ep, dv->stream);
     double t3 = now_us();
+    ferry_ep_get_stats(b->ep, &f1);
     if (b->rc != FERRY_OK)
         return "ht_dispatch";
     if (!again && gpu && ht_dev_recv(b, io, n) != 0)
@@ -579,6 +625,7 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
     if (b->rc == FERRY_OK && gpu)
         b->rc = ferry_ep_sync(b->ep, dv->stream);
     double t5 = now_us();
+    ferry_ep_get_stats(b->ep, &f2);
     ferry_route_destroy(route);
     if (b->rc != FERRY_OK)
         return "ht_combine";
@@ -594,7 +641,7 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         return f;
 #endif
     if (it >= b->o->warmup) {
-        double *r = b->tm + (size_t)(it - b->o->warmup) * 5;
+        double *r = b->tm + (size_t)(it - b->o->warmup) * BENCH_COLS;
         r[0] = (t1 - t0) + (t3 - t2);
         r[1] = t5 - t4;
         r[2] = bd;
@@ -606,6 +653,9 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
                 if (d != b->me && ht_goes(s, &b->in, t, d))
                     bytes += rb + 2.0 * s->H;
         r[4] = bytes;
+        r[5] = (double)(f1.bytes - f0.bytes);
+        r[6] = (double)(f2.bytes - f1.bytes);
+        r[7] = ht_fabric_rows(b);
     }
     return NULL;
 }

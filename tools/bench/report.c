@@ -16,6 +16,7 @@ typedef struct summary {
     double bd50, bc50;             /* baseline dispatch, combine (us) */
     double bytes;                  /* sent to other ranks, per rank and round */
     double gbs, speed;
+    double fab_d, fab_c, fab_rows; /* --mode ht: per call, the largest rank's mean */
     long wrong; /* all ranks */
 } summary_t;
 
@@ -55,15 +56,25 @@ static void summarize(const bench_t *b, const double *all, size_t per, summary_t
         for (int c = 0; c < 4; c++) {
             double m = 0;
             for (int rk = 0; rk < N; rk++) {
-                double v = all[(size_t)rk * per + (size_t)i * 5 + c];
+                double v = all[(size_t)rk * per + (size_t)i * BENCH_COLS + c];
                 m = v > m ? v : m;
             }
             col[c][i] = m;
         }
         for (int rk = 0; rk < N; rk++)
-            bytes += all[(size_t)rk * per + (size_t)i * 5 + 4];
+            bytes += all[(size_t)rk * per + (size_t)i * BENCH_COLS + 4];
     }
     bytes /= (double)o->iters * N;
+    r->fab_d = r->fab_c = r->fab_rows = 0;
+    for (int rk = 0; rk < N; rk++) {
+        double f[3] = {0, 0, 0};
+        for (int i = 0; i < o->iters; i++)
+            for (int c = 0; c < 3; c++)
+                f[c] += all[(size_t)rk * per + (size_t)i * BENCH_COLS + 5 + c] / o->iters;
+        r->fab_d = f[0] > r->fab_d ? f[0] : r->fab_d;
+        r->fab_c = f[1] > r->fab_c ? f[1] : r->fab_c;
+        r->fab_rows = f[2] > r->fab_rows ? f[2] : r->fab_rows;
+    }
     r->dp50 = pct(col[0], o->iters, 0.5);
     r->dp99 = pct(col[0], o->iters, 0.99);
     r->cp50 = pct(col[1], o->iters, 0.5);
@@ -106,6 +117,11 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
                "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",
                "comb_p99", "MB/rank", "GB/s", "base_disp", "base_comb",
                "speedup", "#wrong");
+    if (!o->quiet && o->ht)
+        printf("#%-4s %12s %12s %12s   (--mode ht: per call, the largest rank's mean: MB "
+               "written to fabric peers in dispatch and combine, rows its routing sends "
+               "over the fabric%s)\n", "", "fab_MB_disp", "fab_MB_comb", "fab_rows",
+               b->fwd ? ", once per node: forwarding" : ", once per rank: no forwarding");
     if (!o->quiet && ps) {
         printf("#%-4s", "");
         stats_header();
@@ -120,6 +136,8 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
            b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
            r->dp50, r->dp99, r->cp50, r->cp99, r->bytes / 1e6, r->gbs, r->bd50, r->bc50,
            r->speed, wbuf);
+    if (o->ht)
+        printf(" %-4s %12.3f %12.3f %12.1f\n", "", r->fab_d / 1e6, r->fab_c / 1e6, r->fab_rows);
     if (ps) {
         printf(" %-4s", "");
         stats_cols(ps);
@@ -152,6 +170,10 @@ static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
             r->cp99, r->bytes, r->gbs, b->have_base ? r->bd50 : -1.0,
             b->have_base ? r->bc50 : -1.0, b->have_base ? r->speed : -1.0, r->wrong,
             o->check ? "true" : "false");
+    if (o->ht)
+        fprintf(f, ", \"forward\": %s, \"fabric_bytes_dispatch\": %.0f, "
+                "\"fabric_bytes_combine\": %.0f, \"fabric_rows\": %.1f",
+                b->fwd ? "true" : "false", r->fab_d, r->fab_c, r->fab_rows);
     if (ps)
         stats_json(f, ps);
     fprintf(f, "}\n");
@@ -164,10 +186,10 @@ int report(bench_t *b)
     const opts_t *o = b->o;
     /* Gather every rank's timings; a round takes as long as its slowest
      * rank. */
-    size_t per = (size_t)o->iters * 5 + 1;
+    size_t per = (size_t)o->iters * BENCH_COLS + 1;
     double *mine = calloc(per, sizeof(double));
     double *all = calloc(per * (size_t)b->N, sizeof(double));
-    memcpy(mine, b->tm, sizeof(double) * (size_t)o->iters * 5);
+    memcpy(mine, b->tm, sizeof(double) * (size_t)o->iters * BENCH_COLS);
     mine[per - 1] = (double)b->wrong;
     int status = 0;
     pstats_t ps;

@@ -230,7 +230,7 @@ static const char *run_round(bench_t *b, int it)
     double bytes = round_bytes(b);
     baseline_round(b, round_id, &t[2], &t[3]);
     if (it >= o->warmup) {
-        double *r = b->tm + (size_t)(it - o->warmup) * 5;
+        double *r = b->tm + (size_t)(it - o->warmup) * BENCH_COLS;
         memcpy(r, t, sizeof(t));
         r[4] = bytes;
     }
@@ -299,7 +299,7 @@ static void gpu_read_times(bench_t *b, cudaEvent_t *evs, int total)
         float a = 0, b2 = 0;
         cudaEventElapsedTime(&a, evs[it * 3], evs[it * 3 + 1]);
         cudaEventElapsedTime(&b2, evs[it * 3 + 1], evs[it * 3 + 2]);
-        double *r = b->tm + (size_t)(it - o->warmup) * 5;
+        double *r = b->tm + (size_t)(it - o->warmup) * BENCH_COLS;
         r[0] = a * 1000.0;
         r[1] = b2 * 1000.0;
         r[2] = r[3] = NAN;
@@ -349,7 +349,7 @@ static void gpu_graph_rounds(bench_t *b)
         float ms = 0;
         int rep = it / G;
         cudaEventElapsedTime(&ms, evs[rep], evs[rep + 1]);
-        double *r = b->tm + (size_t)it * 5;
+        double *r = b->tm + (size_t)it * BENCH_COLS;
         r[0] = r[1] = ms * 1000.0 / G / 2;
         r[2] = r[3] = NAN;
         r[4] = gpu_round_bytes(b);

@@ -78,6 +78,34 @@ static int fw_pick(const fw_spec_t *s, const double *cdf, const int *perm,
     return perm[lo];
 }
 
+/* Node-limited routing: gpick distinct groups of the `groups`, then K
+ * distinct experts among the experts of those groups, uniformly. */
+static void fw_groups_row(const fw_spec_t *s, fw_rng_t *rng, int64_t *row)
+{
+    int per = s->E / s->groups, G = s->gpick, grp[64];
+    for (int g = 0; g < G && g < 64; g++) {
+        int dup;
+        do {
+            grp[g] = (int)(fw_next(rng) % (uint64_t)s->groups);
+            dup = 0;
+            for (int j = 0; j < g; j++)
+                dup |= grp[j] == grp[g];
+        } while (dup);
+    }
+    int pool = (G < 64 ? G : 64) * per;
+    for (int k = 0; k < s->K; k++) {
+        int e, dup;
+        do {
+            int i = (int)(fw_next(rng) % (uint64_t)pool);
+            e = grp[i / per] * per + i % per;
+            dup = 0;
+            for (int j = 0; j < k; j++)
+                dup |= row[j] == e;
+        } while (dup);
+        row[k] = e;
+    }
+}
+
 void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
                      int64_t *idx)
 {
@@ -105,6 +133,9 @@ void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
     fw_rng_t rng = {fw_hash(s->seed, round, (uint64_t)rank, 0x1d1d)};
     for (int t = 0; t < T; t++) {
         int64_t *row = idx + (size_t)t * s->K;
+        if (s->groups > 0) {
+            fw_groups_row(s, &rng, row);
+        } else
         for (int k = 0; k < s->K; k++) {
             int e, dup;
             int tries = 0;

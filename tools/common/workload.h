@@ -23,6 +23,9 @@ typedef struct fw_spec {
     int fp8;
     int round_scale; /* fp8 scales rounded up to powers of two */
     double zipf_s;   /* 0: uniform routing; > 0: Zipf exponent */
+    int groups, gpick; /* > 0: experts in `groups` groups, each token picks
+                          `gpick` of them at random and its K experts
+                          among theirs (node-limited, as DeepSeek-V3) */
     double mask_p;   /* probability a (token, k) slot is -1 */
     int vary_tokens; /* token count per (rank, round) random in 0..T */
     double empty_p;  /* with vary_tokens: probability of zero tokens */
