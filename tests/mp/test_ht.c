@@ -1905,6 +1905,17 @@ static int run_args(ferry_comm_t comm)
     ferry_route_t rt = NULL;
     rc = route_make(ep, &w, 1, &rt, "args");
     CHECK(rc == FERRY_OK, "rank %d: good route_create after bad ones", me);
+    if (rc == FERRY_OK && g_fwd) {
+        /* forwarding: a combine on a route that had no dispatch is refused
+         * on every rank, before anything moves */
+        data_t dy0 = {2, K_FIN, 0};
+        cres_t C = {NULL, NULL, 0};
+        int rc0 = ht_comb(ep, rt, &w, &c, &dy0, 0, &C);
+        free(C.out);
+        CHECK(rc0 == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "no ht_dispatch"),
+              "rank %d: combine before any dispatch with forwarding: %s: %s", me,
+              ferry_strerror(rc0), ferry_ep_last_error(ep));
+    }
     if (rc == FERRY_OK) {
         args_dispatch(ep, rt, &w, &c);
         /* nothing above broke the context or the route */
