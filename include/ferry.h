@@ -592,6 +592,14 @@ typedef struct ferry_layout_args {
     int32_t *tokens_per_expert; /* [E] */
     uint8_t *token_in_rank;     /* [T][N] */
     void *stream;               /* CUDA: cudaStream_t */
+    /* Per node (DeepEP's num_tokens_per_rdma_rank), when ranks_per_node >
+     * 0: nodes are blocks of ranks_per_node consecutive ranks (the last
+     * may be smaller), and tokens_per_node [ceil(N / ranks_per_node)]
+     * counts the tokens with an expert on a rank of each. 0: not counted
+     * (callers built against the header before these fields pass the
+     * smaller size). */
+    int ranks_per_node;
+    int32_t *tokens_per_node;
 } ferry_layout_args_t;
 
 /* Returns FERRY_ERR_INVALID naming the argument (message in errbuf, which

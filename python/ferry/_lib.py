@@ -93,7 +93,8 @@ class LayoutArgs(C.Structure):
                 ("topk", C.c_int), ("num_experts", C.c_int), ("num_ranks", C.c_int),
                 ("topk_idx", C.c_void_p), ("tokens_per_rank", C.c_void_p),
                 ("tokens_per_expert", C.c_void_p), ("token_in_rank", C.c_void_p),
-                ("stream", C.c_void_p)]
+                ("stream", C.c_void_p), ("ranks_per_node", C.c_int),
+                ("tokens_per_node", C.c_void_p)]
 
 
 def _int_range(ctype):

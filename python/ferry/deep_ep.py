@@ -341,28 +341,33 @@ def _parse_shapes(spec, name):
     return out
 
 
-def _layout_c(topk_idx, num_experts, N):
-    """(per rank, per expert, is_token_in_rank) from ferry_dispatch_layout:
-    the host loop, or two memsets and one kernel on the current stream;
-    indices outside 0..E-1 count nowhere."""
+def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
+    """(per rank, per expert, is_token_in_rank, per node or None) from
+    ferry_dispatch_layout: the host loop, or memsets and one kernel on the
+    current stream; indices outside 0..E-1 count nowhere. ranks_per_node >
+    0: nodes are blocks of that many consecutive ranks, counted too."""
     T, K = topk_idx.shape
     dev = topk_idx.device
     idx = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
     per_rank = torch.empty(N, dtype=torch.int32, device=dev)
     per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
     in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
+    per_node = (torch.empty(-(-N // ranks_per_node), dtype=torch.int32, device=dev)
+                if ranks_per_node > 0 else None)
     args = _lib.LayoutArgs(C.sizeof(_lib.LayoutArgs),
                            _lib.DEVICES["cuda" if idx.is_cuda else "cpu"], T, K, num_experts,
                            N, idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
                            in_rank.data_ptr(),
-                           torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda else None)
+                           torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda else None,
+                           ranks_per_node,
+                           per_node.data_ptr() if per_node is not None else None)
     msg = C.create_string_buffer(512)
     # the memsets and the kernel run on the current device: topk_idx's
     with torch.cuda.device(dev) if idx.is_cuda else contextlib.nullcontext():
         rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
     if rc != 0:
         raise FerryError(rc, f"get_dispatch_layout: {msg.value.decode()}")
-    return per_rank, per_expert, in_rank
+    return per_rank, per_expert, in_rank, per_node
 
 
 def _layout_torch(topk_idx, num_experts, N):
@@ -504,6 +509,13 @@ class _Runtime:
             t = self._node_t[device] = torch.tensor(self._node_of, dtype=torch.int64,
                                                     device=device)
         return t
+
+    def _ranks_per_node(self):
+        """n when the nodes are blocks of n consecutive ranks (the last may
+        be smaller), else 0."""
+        n = self._node_of.count(self._node_of[0]) if self._node_of else 0
+        ok = n > 0 and all(b == i // n for i, b in enumerate(self._node_of))
+        return n if ok else 0
 
     def is_available(self):
         b = self._buf()
@@ -813,13 +825,16 @@ class Buffer:
         _lib.c_int(num_experts, "num_experts")
         if previous_event is not None:
             previous_event.current_stream_wait()
+        rt = self.runtime
+        per_node = None
+        # nodes of equal size in rank order: the kernel counts them too
+        rpn = rt._ranks_per_node() if rt.get_num_rdma_ranks() > 1 else 0
         if topk_idx.is_cuda and not _LAYOUT_KERNEL:
             per_rank, per_expert, is_token_in_rank = _layout_torch(topk_idx, num_experts, N)
         else:
-            per_rank, per_expert, is_token_in_rank = _layout_c(topk_idx, num_experts, N)
-        per_node = None
-        rt = self.runtime
-        if rt.get_num_rdma_ranks() > 1:
+            per_rank, per_expert, is_token_in_rank, per_node = _layout_c(
+                topk_idx, num_experts, N, rpn)
+        if rt.get_num_rdma_ranks() > 1 and per_node is None:
             hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
                               dtype=torch.int32, device=topk_idx.device)
             hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))

@@ -5,7 +5,9 @@
  */
 #include "api/api.h"
 
+#include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "core/layout.h"
 #include "engines/cpu_ht/cpu_ht.h"
@@ -15,9 +17,17 @@ static int fr_dl_check(const ferry_layout_args_t *a, fr_err_t *err)
 {
     if (!a)
         return FR_ERR(err, FERRY_ERR_INVALID, "args: NULL pointer");
-    if (a->size < sizeof(*a))
+    size_t first = offsetof(ferry_layout_args_t, ranks_per_node); /* the first version's */
+    if (a->size < first || (a->size > first && a->size < sizeof(*a)))
         return FR_ERR(err, FERRY_ERR_INVALID, "args->size = %zu: set it to "
                       "sizeof(ferry_layout_args_t) (%zu)", a->size, sizeof(*a));
+    int rpn = a->size >= sizeof(*a) ? a->ranks_per_node : 0;
+    if (rpn < 0)
+        return FR_ERR(err, FERRY_ERR_INVALID, "ranks_per_node = %d: must be >= 0 (0: no "
+                      "per-node counts)", rpn);
+    if (rpn > 0 && !a->tokens_per_node)
+        return FR_ERR(err, FERRY_ERR_INVALID, "tokens_per_node: NULL pointer "
+                      "(ranks_per_node = %d)", rpn);
     if (a->device != FERRY_DEVICE_CPU && a->device != FERRY_DEVICE_CUDA)
         return FR_ERR(err, FERRY_ERR_INVALID, "device = %d: unknown", (int)a->device);
     if (a->num_tokens < 0)
@@ -48,9 +58,14 @@ int ferry_dispatch_layout(const ferry_layout_args_t *args, char *errbuf, size_t 
 {
     fr_err_t err = {{0}};
     int rc = fr_dl_check(args, &err);
-    if (rc == FERRY_OK)
-        rc = args->device == FERRY_DEVICE_CPU ? fr_cpuht_dispatch_layout(args)
-                                              : fr_cuht_dispatch_layout(args, &err);
+    if (rc == FERRY_OK) {
+        /* the fields past an older caller's struct read as 0 */
+        ferry_layout_args_t a = {0};
+        memcpy(&a, args, args->size < sizeof(a) ? args->size : sizeof(a));
+        a.size = sizeof(a);
+        rc = a.device == FERRY_DEVICE_CPU ? fr_cpuht_dispatch_layout(&a)
+                                          : fr_cuht_dispatch_layout(&a, &err);
+    }
     if (errbuf && errlen)
         snprintf(errbuf, errlen, "%s", rc == FERRY_OK ? "" : err.msg);
     return rc;

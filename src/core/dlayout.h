@@ -29,4 +29,19 @@ FR_HD int fr_dl_ranks(const int64_t *row, int K, int E, int El, int *d)
     return n;
 }
 
+/* The distinct nodes (blocks of rpn consecutive ranks) of the n ranks
+ * d[] into b[], returning how many. */
+FR_HD int fr_dl_nodes(const int *d, int n, int rpn, int *b)
+{
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        int x = d[i] / rpn, seen = 0;
+        for (int j = 0; j < m; j++)
+            seen |= b[j] == x;
+        if (!seen)
+            b[m++] = x;
+    }
+    return m;
+}
+
 #endif

@@ -15,13 +15,15 @@
 /* use_smem: the E + N counters fit shared memory; else global atomics */
 static __global__ void __launch_bounds__(FR_DL_THREADS)
 fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_rank,
-                int32_t *per_expert, uint8_t *in_rank, bool use_smem)
+                int32_t *per_expert, uint8_t *in_rank, int rpn, int M, int32_t *per_node,
+                bool use_smem)
 {
     extern __shared__ int32_t fr_dl_sm[];
     int32_t *he = use_smem ? fr_dl_sm : per_expert;
     int32_t *hr = use_smem ? fr_dl_sm + E : per_rank;
+    int32_t *hn = use_smem ? fr_dl_sm + E + N : per_node;
     if (use_smem) {
-        for (int i = threadIdx.x; i < E + N; i += blockDim.x)
+        for (int i = threadIdx.x; i < E + N + M; i += blockDim.x)
             fr_dl_sm[i] = 0;
         __syncthreads();
     }
@@ -40,6 +42,12 @@ fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_ran
             ir[d[i]] = 1;
             atomicAdd(&hr[d[i]], 1);
         }
+        if (M > 0) {
+            int b[FR_MAX_TOPK];
+            int nb = fr_dl_nodes(d, n, rpn, b);
+            for (int i = 0; i < nb; i++)
+                atomicAdd(&hn[b[i]], 1);
+        }
 #pragma unroll
         for (int k = 0; k < FR_MAX_TOPK; k++)
             if (k < K && row[k] >= 0 && row[k] < E)
@@ -48,31 +56,35 @@ fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_ran
     if (!use_smem)
         return;
     __syncthreads();
-    for (int i = threadIdx.x; i < E + N; i += blockDim.x)
+    for (int i = threadIdx.x; i < E + N + M; i += blockDim.x)
         if (fr_dl_sm[i])
-            atomicAdd(i < E ? &per_expert[i] : &per_rank[i - E], fr_dl_sm[i]);
+            atomicAdd(i < E ? &per_expert[i] : i < E + N ? &per_rank[i - E] : &per_node[i - E - N],
+                      fr_dl_sm[i]);
 }
 
 extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *err)
 {
     cudaStream_t st = (cudaStream_t)a->stream;
-    int T = a->num_tokens, E = a->num_experts, N = a->num_ranks;
+    int T = a->num_tokens, E = a->num_experts, N = a->num_ranks, rpn = a->ranks_per_node;
+    int M = rpn > 0 ? (N + rpn - 1) / rpn : 0;
     /* the counters start from zero (kernels only add) */
     cudaError_t ce = cudaMemsetAsync(a->tokens_per_rank, 0, sizeof(int32_t) * (size_t)N, st);
     if (ce == cudaSuccess)
         ce = cudaMemsetAsync(a->tokens_per_expert, 0, sizeof(int32_t) * (size_t)E, st);
+    if (ce == cudaSuccess && M > 0)
+        ce = cudaMemsetAsync(a->tokens_per_node, 0, sizeof(int32_t) * (size_t)M, st);
     if (ce != cudaSuccess)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: cudaMemsetAsync: %s",
                       cudaGetErrorString(ce));
     if (T == 0)
         return FERRY_OK;
-    size_t smem = sizeof(int32_t) * ((size_t)E + (size_t)N);
+    size_t smem = sizeof(int32_t) * ((size_t)E + (size_t)N + (size_t)M);
     bool use_smem = smem <= 48 * 1024;
     int blocks = (T + FR_DL_THREADS - 1) / FR_DL_THREADS;
     blocks = blocks < FR_DL_MAX_BLOCKS ? blocks : FR_DL_MAX_BLOCKS;
     fr_cuht_dlayout<<<blocks, FR_DL_THREADS, use_smem ? smem : 0, st>>>(
         a->topk_idx, T, a->topk, E, N, a->tokens_per_rank, a->tokens_per_expert,
-        a->token_in_rank, use_smem);
+        a->token_in_rank, rpn, M, a->tokens_per_node, use_smem);
     ce = cudaGetLastError();
     if (ce != cudaSuccess)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: kernel launch: %s",
