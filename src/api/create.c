@@ -153,9 +153,8 @@ static void fr_ep_free(ferry_ep_t ep)
         fr_nics_dereg(&ep->nics, &ep->rsend);
     }
     fr_nics_close(&ep->nics);
-    free(ep->gslices);
     if (ep->eng)
-        ep->eng->free(ep); /* frees and clears seg, send, slices, ring */
+        ep->eng->free(ep); /* frees and clears seg, send, its own slices and ring */
     free(ep->path);
     free(ep->peer_seg);
     free(ep->group_peers);
@@ -166,9 +165,7 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->node_lidx);
     free(ep->node_off);
     free(ep->node_ranks);
-    free(ep->slices);
-    free(ep->flag_last);
-    free(ep->ring_mem);
+    fr_proxy_tables_release(ep);
     free(ep);
 }
 
@@ -343,7 +340,7 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
 {
     const fr_layout_t *L = &ep->L;
     fr_boot_t *boot = ep->comm->boot;
-    int N = ep->N, rc;
+    int rc;
     if (!ep->send)
         return FR_ERR(err, FERRY_ERR_INTERNAL,
                       "engine %s set up no send region", ep->eng->name);
@@ -366,20 +363,8 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
         return ep->eng->fabric_up(ep, err);
     if (ep->eng->route_create)
         return FERRY_OK; /* high throughput: the engine drives the NICs itself */
-    ep->gslices = fr_zalloc(sizeof(fr_slice_t) * (size_t)(N + 1));
-    if (!ep->slices)
-        ep->slices = fr_zalloc(sizeof(fr_slice_t) * 2 * FR_NSETS *
-                               (size_t)(ep->nfabric ? ep->nfabric : 1));
-    ep->flag_last = fr_zalloc(sizeof(uint64_t) * 2 * FR_NSETS * (size_t)N);
-    if (!ep->gslices || !ep->slices || !ep->flag_last)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "proxy tables");
-    if (!ep->proxy.ring) {
-        if (!ep->ring_mem)
-            ep->ring_mem = fr_zalloc(sizeof(fr_proxy_ring_t));
-        if (!ep->ring_mem)
-            return FR_ERR(err, FERRY_ERR_NOMEM, "proxy ring");
-        ep->proxy.ring = ep->ring_mem;
-    }
+    if ((rc = fr_proxy_tables(ep, err)) != FERRY_OK)
+        return rc;
     rc = fr_proxy_start(ep);
     if (rc != FERRY_OK)
         snprintf(err->msg, sizeof(err->msg), "%s", ep->err.msg);

@@ -35,18 +35,13 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
     ep->flags = calloc(1, fbytes);
     ep->path = calloc((size_t)N, sizeof(int));
     ep->group_peers = calloc((size_t)N, sizeof(int));
-    ep->slices = calloc(2 * FR_NSETS * (size_t)peers, sizeof(fr_slice_t));
-    ep->gslices = calloc((size_t)N + 1, sizeof(fr_slice_t));
-    ep->flag_last = calloc(2 * FR_NSETS * (size_t)N, sizeof(uint64_t));
-    ep->ring_mem = calloc(1, sizeof(fr_proxy_ring_t));
     ep->nics.nic_of = calloc((size_t)N, sizeof(int));
     fr_mr_desc_t *remote = calloc((size_t)peers, sizeof(fr_mr_desc_t));
-    if (!ep->flags || !ep->path || !ep->group_peers || !ep->slices || !ep->gslices ||
-        !ep->flag_last || !ep->ring_mem || !ep->nics.nic_of || !remote) {
+    if (!ep->flags || !ep->path || !ep->group_peers || !ep->nics.nic_of || !remote ||
+        fr_proxy_tables(ep, err) != FERRY_OK) {
         free(remote);
         return FR_ERR(err, FERRY_ERR_NOMEM, "null bench: tables for %d peers", peers);
     }
-    ep->proxy.ring = ep->ring_mem;
     for (int i = 1; i < N; i++) {
         ep->path[i] = FR_PATH_FABRIC;
         ep->group_peers[i - 1] = i;
@@ -95,10 +90,7 @@ static void nb_free(ferry_ep_t ep)
     free(ep->flags);
     free(ep->path);
     free(ep->group_peers);
-    free(ep->slices);
-    free(ep->gslices);
-    free(ep->flag_last);
-    free(ep->ring_mem);
+    fr_proxy_tables_release(ep);
 }
 
 /* One phase of round e: a request per peer, then every peer's flag and

@@ -200,7 +200,7 @@ static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
                                  const fr_err_t *errp)
 {
     fr_proxy_t *p = &ep->proxy;
-    const char *why = errp->msg[0] ? errp->msg : "fabric error";
+    const char *why = errp->msg;
     for (int i = 0; i < n; i++) {
         if (cqe[i].kind != FR_CQE_RX && cqe[i].kind != FR_CQE_RXERR)
             fr_stat_add(&ep->st.tx, 1);
@@ -212,20 +212,14 @@ static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
             __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
                                __ATOMIC_ACQ_REL);
             break;
-        case FR_CQE_RXERR:
-            fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
-                                                  : FERRY_ERR_FABRIC,
-                                -1, why);
-            break;
-        default: {
+        default: { /* the rank thread blames a dead rank (fr_ep_async_check) */
             char msg[FR_ERRMSG_LEN];
-            snprintf(msg, sizeof(msg), "write to rank %d failed: %.400s",
-                     cqe[i].peer, why);
-            __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
-                               __ATOMIC_ACQ_REL);
-            fr_proxy_async_fail(ep, cqe[i].status ? cqe[i].status
-                                                  : FERRY_ERR_FABRIC,
-                                cqe[i].peer, msg);
+            int who;
+            int st = fr_cqe_failure(&cqe[i], -1, NULL, "proxy", why, &who, msg, sizeof(msg));
+            if (cqe[i].kind == FR_CQE_ERR)
+                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
+                                   __ATOMIC_ACQ_REL);
+            fr_proxy_async_fail(ep, st, who, msg);
         }
         }
     }
@@ -291,6 +285,37 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
     p->ready_seen = NULL;
     p->xfer = NULL;
     p->stats = 0;
+}
+
+int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err)
+{
+    size_t nf = (size_t)(ep->nfabric ? ep->nfabric : 1);
+    ep->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
+    if (!ep->slices)
+        ep->slices = calloc(2 * FR_NSETS * nf, sizeof(fr_slice_t));
+    ep->flag_last = calloc(2 * FR_NSETS * (size_t)ep->N, sizeof(uint64_t));
+    if (!ep->gslices || !ep->slices || !ep->flag_last)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "proxy tables");
+    if (!ep->proxy.ring) {
+        if (!ep->ring_mem)
+            ep->ring_mem = calloc(1, sizeof(fr_proxy_ring_t));
+        if (!ep->ring_mem)
+            return FR_ERR(err, FERRY_ERR_NOMEM, "proxy ring");
+        ep->proxy.ring = ep->ring_mem;
+    }
+    return FERRY_OK;
+}
+
+void fr_proxy_tables_release(ferry_ep_t ep)
+{
+    free(ep->gslices);
+    free(ep->slices);
+    free(ep->flag_last);
+    free(ep->ring_mem);
+    ep->gslices = NULL;
+    ep->slices = NULL;
+    ep->flag_last = NULL;
+    ep->ring_mem = NULL;
 }
 
 int fr_proxy_start(ferry_ep_t ep)

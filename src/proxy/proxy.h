@@ -8,6 +8,14 @@
 extern "C" {
 #endif
 
+/* The proxy's tables, made once the fabric peers and their groups are
+ * known: the scatter scratch, the slices (unless the engine made them,
+ * where its kernels write them), the last flag epochs seen and the
+ * doorbell ring (unless the engine has one). */
+int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err);
+/* Free them (after fr_proxy_stop; an engine's own slices and ring are
+ * its to free, and it clears the pointers). */
+void fr_proxy_tables_release(ferry_ep_t ep);
 int fr_proxy_start(ferry_ep_t ep);
 int fr_proxy_stop(ferry_ep_t ep); /* -1: left running (fr_proxy_join) */
 /* Ask the proxy to post (phase, set)'s slices: to every fabric peer

@@ -301,14 +301,14 @@ static int fr_sig_poll(ferry_sig_t s)
             fr_sig_rx(s, cqe[i].imm);
         } else if (cqe[i].kind == FR_CQE_TX) {
             fr_sig_tx_done(s, cqe[i].ctx);
-        } else if (cqe[i].kind == FR_CQE_RXERR) {
-            fr_sig_async(s, cqe[i].status ? cqe[i].status : FERRY_ERR_FABRIC,
-                         -1, "%.480s", err.msg[0] ? err.msg : "fabric error");
         } else {
-            fr_sig_tx_done(s, cqe[i].ctx);
-            fr_sig_async(s, cqe[i].status ? cqe[i].status : FERRY_ERR_FABRIC,
-                         cqe[i].peer, "write to rank %d failed: %.400s",
-                         cqe[i].peer, err.msg[0] ? err.msg : "fabric error");
+            char msg[FR_ERRMSG_LEN];
+            int who;
+            int st = fr_cqe_failure(&cqe[i], -1, NULL, "signal", err.msg, &who, msg,
+                                    sizeof(msg));
+            if (cqe[i].kind == FR_CQE_ERR)
+                fr_sig_tx_done(s, cqe[i].ctx);
+            fr_sig_async(s, st, who, "%s", msg);
         }
     }
     return n;

@@ -58,6 +58,16 @@ typedef struct fr_cqe {
     uint64_t ctx;  /* TX/ERR: the ctx passed when posting */
 } fr_cqe_t;
 
+/* A failed completion (FR_CQE_ERR: a write this rank posted to rank
+ * `to`, -1: the completion's peer; FR_CQE_RXERR: a peer's write into this
+ * rank, writer unknown) as a status, the rank to blame (*rank, -1: none)
+ * and a message starting with `who`: with `boot`, a rank the bootstrap
+ * knows died comes first (FERRY_ERR_PEER; fr_boot_blame may wait briefly
+ * for the watcher); else the completion's status, or FERRY_ERR_FABRIC.
+ * `why` (NULL or "": none) is the poll's message. Returns the status. */
+int fr_cqe_failure(const fr_cqe_t *c, int to, const fr_boot_t *boot, const char *who,
+                   const char *why, int *rank, char *msg, size_t len);
+
 /* What a transport counts about its own posting (the stats op). */
 typedef struct fr_tp_stats {
     uint64_t prov_ns;    /* ns inside the provider's post calls

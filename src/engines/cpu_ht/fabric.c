@@ -167,16 +167,11 @@ static int fr_ht_fab_cqes(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
         if (cqe[i].kind == FR_CQE_RX) {
             rc = fr_ht_on_imm(ep, cqe[i].imm);
         } else if (cqe[i].kind != FR_CQE_TX) {
-            /* a peer dying cuts writes to and from it: name it */
-            int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
-                                                                : FERRY_ERR_FABRIC;
-            int dead = fr_boot_blame(ep->comm->boot, st);
-            rc = dead >= 0 ? fr_ep_fail(ep, FERRY_ERR_PEER, "ht: rank %d died", dead)
-                 : cqe[i].kind == FR_CQE_ERR
-                     ? fr_ep_fail(ep, FERRY_ERR_FABRIC, "ht: a write to rank %d failed (%s)",
-                                  (int)to, ferry_strerror(st))
-                     : fr_ep_fail(ep, FERRY_ERR_FABRIC,
-                                  "ht: a peer's write into this rank failed");
+            char msg[FR_ERRMSG_LEN];
+            int who;
+            int st = fr_cqe_failure(&cqe[i], to < (uint64_t)ep->N ? (int)to : -1,
+                                    ep->comm->boot, "ht", NULL, &who, msg, sizeof(msg));
+            rc = fr_ep_fail(ep, st == FERRY_ERR_PEER ? st : FERRY_ERR_FABRIC, "%s", msg);
         }
         if (cqe[i].kind == FR_CQE_RX)
             fr_stat_add(&ep->st.rx, 1);

@@ -315,19 +315,11 @@ static int fr_fab_poll(ferry_ep_t ep, fr_cuht_fab_t *f)
             if (fr_fab_rx(ep, f, cqe[i].imm))
                 return -1;
         } else if (cqe[i].kind != FR_CQE_TX) {
-            int st = cqe[i].kind == FR_CQE_ERR && cqe[i].status ? cqe[i].status
-                                                                : FERRY_ERR_FABRIC;
-            int dead = fr_boot_blame(ep->comm->boot, st);
-            if (dead >= 0)
-                fr_fab_fail(ep, f, FERRY_ERR_PEER, dead, "ht: rank %d died", dead);
-            else if (cqe[i].kind == FR_CQE_ERR) {
-                int to = cqe[i].ctx < (uint64_t)f->nf ? ep->group_peers[cqe[i].ctx] : cqe[i].peer;
-                fr_fab_fail(ep, f, st, to, "ht: a write to rank %d failed (%s)", to,
-                            ferry_strerror(st));
-            }
-            else
-                fr_fab_fail(ep, f, FERRY_ERR_FABRIC, -1, "ht: a peer's write into this rank "
-                            "failed");
+            char msg[FR_ERRMSG_LEN];
+            int who, to = cqe[i].ctx < (uint64_t)f->nf ? ep->group_peers[cqe[i].ctx] : -1;
+            int st = fr_cqe_failure(&cqe[i], to, ep->comm->boot, "ht", NULL, &who, msg,
+                                    sizeof(msg));
+            fr_fab_fail(ep, f, st, who, "%s", msg);
             return -1;
         }
     }
