@@ -167,12 +167,16 @@ typedef struct ferry_ep_config {
     int mask_on_timeout;
     /* High throughput across nodes (ferry_forward_t): FERRY_FORWARD_AUTO
      * (0, the default) forwards when the ranks span more than one node
-     * unless FERRY_HT_FORWARD says otherwise; OFF sends every token to
-     * each destination rank directly (a crossing per rank); ON forwards:
-     * a token crosses the fabric once per destination node, to the rank
-     * there with the sender's local index, which passes it on to that
-     * node's destinations through shared memory and sums their combine
-     * rows before one row crosses back. ferry_ep_get_nodes says what was
+     * and the engine can (FERRY_HT_FORWARD=on|off decides instead when
+     * set); OFF sends every token to each destination rank directly (a
+     * crossing per rank); ON forwards: a token crosses the fabric once
+     * per destination node, to the rank there with the sender's local
+     * index, which passes it on to that node's destinations through
+     * shared memory and sums their combine rows before one row crosses
+     * back. CPU ranks forward; CUDA ranks forward through the staged
+     * engine (host copies), which ON selects; under AUTO a CUDA context
+     * that can keep its fabric regions in GPU memory takes that path,
+     * which does not forward yet. ferry_ep_get_nodes says what was
      * chosen. */
     int forward;
     int reserved;

@@ -192,11 +192,13 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         /* FERRY_HT_FORWARD applies where the config leaves it to auto */
         const char *fw = fr_cfg_str(FR_CFG_HT_FORWARD);
         msg.fwd = config->forward;
-        if (msg.fwd == FERRY_FORWARD_AUTO && strcmp(fw, "on") == 0)
+        if (msg.fwd != FERRY_FORWARD_AUTO)
+            ; /* the config decides */
+        else if (strcmp(fw, "on") == 0)
             msg.fwd = FERRY_FORWARD_ON;
-        else if (msg.fwd == FERRY_FORWARD_AUTO && strcmp(fw, "off") == 0)
+        else if (strcmp(fw, "off") == 0)
             msg.fwd = FERRY_FORWARD_OFF;
-        else if (strcmp(fw, "auto") != 0 && strcmp(fw, "on") != 0 && strcmp(fw, "off") != 0)
+        else if (strcmp(fw, "auto") != 0)
             msg.status = FR_ERR(err, FERRY_ERR_INVALID,
                                 "FERRY_HT_FORWARD=%s: must be auto, on or off", fw);
         ep->fwd_req = msg.fwd;

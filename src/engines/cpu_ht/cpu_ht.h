@@ -93,6 +93,8 @@ typedef struct fr_ht_route {
                                 this rank, CSR into fle */
     int16_t *fle;            /* [fwd_off[N]][K] their node-relative expert ids,
                                 kept by a dispatch for the combine */
+    int32_t *fwd_cnt;        /* [N][LF] of them, the tokens for each rank of
+                                this node (the source's counts) */
     int dispatched;          /* a dispatch on this route completed */
 } fr_ht_route_t;
 
@@ -185,6 +187,8 @@ typedef struct fr_ht_call {
                                     being filled for s */
     int32_t *fw_cur;             /* [L] destination, combine: place in the list
                                     of sources of its node's rank l */
+    int32_t *fw_cnt;             /* [N][L] forwarder, dispatch: records of s
+                                    passed to this node's rank l */
     float *fw_acc;               /* [H] forwarder, combine: one token's sum */
 } fr_ht_call_t;
 

@@ -50,6 +50,12 @@ void fr_ht_layout_init(fr_ht_layout_t *h, int N, int El, int K, int H, int RT)
 void fr_ht_layout_fwd(fr_ht_layout_t *h, int LF)
 {
     h->LF = LF;
+    /* notify entries carry, to a forwarder, the tokens for each rank of
+     * its node (16 + 4 El + 4 LF bytes) */
+    h->notify_entry = fr_ht_align(16 + 4ull * h->El + 4ull * LF, FR_HT_LINE);
+    h->off_dring = fr_ht_align(h->off_notify + 2ull * h->N * h->notify_entry, 4096);
+    h->off_cring = fr_ht_align(h->off_dring + (uint64_t)h->N * h->dring, 4096);
+    h->stage = fr_ht_align((uint64_t)h->RT * (h->drec + h->crec) + 2 * h->notify_entry, 4096);
     h->off_fcring = fr_ht_align(h->off_cring + (uint64_t)h->N * h->cring, 4096);
     h->seg_bytes = fr_ht_align(h->off_fcring + (uint64_t)LF * h->cring, 4096);
 }

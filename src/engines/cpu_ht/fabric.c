@@ -122,6 +122,20 @@ static int fr_ht_on_imm(ferry_ep_t ep, uint32_t imm)
     if (s >= ep->N || ep->path[s] != FR_PATH_FABRIC)
         return fr_ep_fail(ep, FERRY_ERR_PROTOCOL, "ht: immediate 0x%08x names rank %d", imm, s);
     size_t w = (size_t)s * f->W;
+    if (ep->forward && kind != FR_HT_IMM_NOTIFY) {
+        /* forwarding: records and their credits flow between a rank and
+         * its forwarders only; sums and theirs back the other way */
+        int me = ep->rank, mn = ep->node_of[me];
+        int i_fwd_s = fr_ht_fwd_of(ep, s, mn) == me;            /* s sends through me */
+        int s_fwd_me = fr_ht_fwd_of(ep, me, ep->node_of[s]) == s; /* I send through s */
+        int ok = kind == FR_HT_IMM_DATA || kind == FR_HT_IMM_CCREDIT ? i_fwd_s : s_fwd_me;
+        if (!ok)
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "ht: immediate 0x%08x from rank %d, which %s", imm, s,
+                              kind == FR_HT_IMM_DATA || kind == FR_HT_IMM_CCREDIT
+                                  ? "does not forward through this rank"
+                                  : "does not forward for this rank");
+    }
     switch (kind) {
     case FR_HT_IMM_NOTIFY: f->notify_seen[(size_t)(v & 1) * ep->N + s] = v + 1; break;
     case FR_HT_IMM_DATA: /* v: the chunk's slot in the ring */

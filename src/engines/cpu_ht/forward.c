@@ -107,8 +107,9 @@ int fr_ht_fwd_call_init(fr_ht_call_t *c)
     c->fw_self = calloc(N, sizeof(int32_t));
     c->fw_fill = calloc(N, sizeof(int32_t));
     c->fw_cur = calloc((size_t)fr_cpu_ht(ep)->fwd.L, sizeof(int32_t));
+    c->fw_cnt = calloc(N * (size_t)fr_cpu_ht(ep)->fwd.L, sizeof(int32_t));
     c->fw_acc = malloc(sizeof(float) * (size_t)c->h->H);
-    if (!c->fw_done || !c->fw_self || !c->fw_fill || !c->fw_cur || !c->fw_acc)
+    if (!c->fw_done || !c->fw_self || !c->fw_fill || !c->fw_cur || !c->fw_cnt || !c->fw_acc)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "call state");
     return FERRY_OK;
 }
@@ -119,6 +120,7 @@ void fr_ht_fwd_call_end(fr_ht_call_t *c)
     free(c->fw_self);
     free(c->fw_fill);
     free(c->fw_cur);
+    free(c->fw_cnt);
     free(c->fw_acc);
 }
 
@@ -141,12 +143,25 @@ static int fr_ht_fwd_one(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
     fr_ht_fwd_t *fw = &st->fwd;
     int K = h->K, El = h->El, me = ep->rank, base = ep->node_off[fw->me_node];
     uint64_t tmask[4] = {0}; /* local indices this token goes to (L <= 256) */
+    int any = 0;
     for (int k = 0; k < K; k++)
         if (hd->le[k] >= 0)
-            tmask[(hd->le[k] / El) >> 6] |= 1ull << ((hd->le[k] / El) & 63);
+            any = 1, tmask[(hd->le[k] / El) >> 6] |= 1ull << ((hd->le[k] / El) & 63);
+    if (!any)
+        return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                          "ht_dispatch: rank %d forwards token %d through this rank to no "
+                          "rank of its node", s, hd->token);
     for (int l = 0; l < fw->L; l++) {
         if (!(tmask[l >> 6] >> (l & 63) & 1))
             continue;
+        /* never more records for a rank than the source's counts said
+         * (which that rank took as its own): a confused source fails
+         * here, naming it, instead of shifting the rank's rows */
+        if (c->fw_cnt[(size_t)s * fw->L + l] >= c->p->fwd_cnt[(size_t)s * h->LF + l])
+            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                              "ht_dispatch: rank %d forwards more tokens for rank %d through "
+                              "this rank than its counts said (%d)", s,
+                              ep->node_ranks[base + l], c->p->fwd_cnt[(size_t)s * h->LF + l]);
         int d = ep->node_ranks[base + l];
         if (d == me)
             continue;
@@ -166,6 +181,7 @@ static int fr_ht_fwd_one(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
     for (int l = 0; l < fw->L; l++) {
         if (!(tmask[l >> 6] >> (l & 63) & 1))
             continue;
+        c->fw_cnt[(size_t)s * fw->L + l]++;
         int d = ep->node_ranks[base + l];
         /* the record as the sender would have written it to d */
         fr_ht_dhdr_t *dh = (fr_ht_dhdr_t *)hdr;
@@ -262,6 +278,17 @@ int fr_ht_fwd_dispatch(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int 
         if (c->fw_done[s] < n) {
             *left = 1;
             c->busy_rank = s;
+        } else if (n > 0 && c->fw_cnt[(size_t)s * fw->L] >= 0) {
+            /* all passed on: exactly what the counts said, rank by rank */
+            for (int l = 0; l < fw->L; l++)
+                if (c->fw_cnt[(size_t)s * fw->L + l] != c->p->fwd_cnt[(size_t)s * h->LF + l])
+                    return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                      "ht_dispatch: rank %d forwarded %d tokens for rank %d "
+                                      "through this rank, its counts said %d", s,
+                                      c->fw_cnt[(size_t)s * fw->L + l],
+                                      ep->node_ranks[ep->node_off[fw->me_node] + l],
+                                      c->p->fwd_cnt[(size_t)s * h->LF + l]);
+            c->fw_cnt[(size_t)s * fw->L] = -1; /* checked */
         }
     }
     return moved;
@@ -442,8 +469,11 @@ void fr_ht_fwd_need(fr_ht_call_t *c, int combine)
             continue;
         int f = fr_ht_fwd_of(ep, s, fw->me_node);
         int n = fr_ht_rows_from(c, s);
-        if (f != me && (combine ? c->done_tx[s] < n : c->done_rx[s] < n))
-            c->need[f] = 1;
+        if (combine ? c->done_tx[s] < n : c->done_rx[s] < n) {
+            c->need[s] = 1; /* the source itself, not only its forwarder */
+            if (f != me)
+                c->need[f] = 1;
+        }
     }
     /* a forwarder with work left needs its sources and its node */
     for (int i = 0; i < fw->nfsrc; i++) {

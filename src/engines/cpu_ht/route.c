@@ -28,6 +28,7 @@ void fr_ht_route_free(ferry_route_t route)
         free(p->nd_tok);
         free(p->fwd_off);
         free(p->fle);
+        free(p->fwd_cnt);
         free(p);
     }
     if (route) {
@@ -143,10 +144,14 @@ static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t
         *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
         /* forwarding: the node-level records d passes on for this rank */
         int b = ep->node_of[d];
-        *(int32_t *)(e + 12) = ep->forward && b != ep->node_of[ep->rank] &&
-                                       fr_ht_fwd_of(ep, ep->rank, b) == d
-                                   ? p->nd_off[b + 1] - p->nd_off[b]
-                                   : 0;
+        int fwd = ep->forward && b != ep->node_of[ep->rank] && fr_ht_fwd_of(ep, ep->rank, b) == d;
+        *(int32_t *)(e + 12) = fwd ? p->nd_off[b + 1] - p->nd_off[b] : 0;
+        /* ... and the tokens for each rank of d's node, which d checks */
+        int32_t *pl = (int32_t *)(e + 16 + 4 * (size_t)El);
+        for (int l = 0; l < h->LF; l++) {
+            int n = ep->node_off[b + 1] - ep->node_off[b], r = ep->node_ranks[ep->node_off[b] + l];
+            pl[l] = fwd && l < n ? p->dst_off[r + 1] - p->dst_off[r] : 0;
+        }
         memcpy(e + 16, dcnt + (size_t)d * El, sizeof(int32_t) * (size_t)El);
         __atomic_store_n((uint64_t *)e, id, __ATOMIC_RELEASE);
         if (fab)
@@ -218,8 +223,29 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
                               "route_create: rank %d forwards %d tokens through this rank%s", s,
                               nf, fwd_me ? "" : ", which is not its forwarder");
         }
-        if (p->fwd_off)
+        if (p->fwd_off) {
             p->fwd_off[s + 1] = p->fwd_off[s] + nf;
+            /* each forwarded token goes to one rank of this node or more */
+            const volatile int32_t *pl = (const volatile int32_t *)(e + 16 + 4 * (size_t)El);
+            int32_t most = 0, sum = 0, L = ep->node_off[ep->node_of[ep->rank] + 1] -
+                                          ep->node_off[ep->node_of[ep->rank]];
+            for (int l = 0; l < h->LF; l++) {
+                int32_t v = pl[l];
+                p->fwd_cnt[(size_t)s * h->LF + l] = v;
+                if (v < 0 || v > nf || (l >= L && v)) {
+                    most = -1;
+                    break;
+                }
+                most = v > most ? v : most;
+                sum += v;
+            }
+            if (most < 0 || (nf && (sum < nf || most == 0))) {
+                free(need);
+                return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                  "route_create: rank %d's counts for this node do not add up "
+                                  "to the %d tokens it forwards through this rank", s, nf);
+            }
+        }
         for (int le = 0; le < El; le++) {
             int32_t cl = c[le];
             if (cl < 0 || cl > n || (int64_t)route->ecnt[le] + cl > INT32_MAX / 2) {
@@ -284,7 +310,8 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
     if (rc == FERRY_OK && ep->forward) {
         rc = fr_ht_route_nodes(ep, T, p);
         p->fwd_off = calloc((size_t)N + 1, sizeof(int32_t));
-        if (rc == FERRY_OK && !p->fwd_off)
+        p->fwd_cnt = calloc((size_t)N * (size_t)fr_cpu_ht(ep)->H.LF, sizeof(int32_t));
+        if (rc == FERRY_OK && (!p->fwd_off || !p->fwd_cnt))
             rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
     }
     if (rc == FERRY_OK)

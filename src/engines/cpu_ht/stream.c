@@ -88,8 +88,14 @@ static void fr_ht_need_all(fr_ht_call_t *c, int combine)
         if (b == mn)
             continue;
         int f = fr_ht_fwd_of(ep, me, b), n = p->nd_off[b + 1] - p->nd_off[b];
-        if (combine ? c->done_rx[f] < n : c->done_tx[f] < n)
-            c->need[f] = 1;
+        if (combine ? c->done_rx[f] < n : c->done_tx[f] < n) {
+            c->need[f] = 1; /* and the node's ranks it waits for */
+            for (int x = ep->node_off[b]; x < ep->node_off[b + 1]; x++) {
+                int d = ep->node_ranks[x];
+                if (p->dst_off[d + 1] > p->dst_off[d])
+                    c->need[d] = 1;
+            }
+        }
     }
     fr_ht_fwd_need(c, combine);
 }
