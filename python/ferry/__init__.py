@@ -402,11 +402,18 @@ class EP:
     mask_on_timeout=True (low latency): a peer that sends nothing within
     FERRY_TIMEOUT_MS (or is seen dead) is masked (mask_rank) instead of
     failing the round, which completes without it (DeepEP's shrink mode);
-    mask_query() says which."""
+    mask_query() says which. forward (high throughput across nodes):
+    "auto" (default: forward when the ranks span nodes, FERRY_HT_FORWARD
+    may say otherwise), "on" (a token crosses the fabric once per
+    destination node and a rank there passes it on) or "off" (once per
+    destination rank); nodes() says what each rank's node is and whether
+    this context forwards."""
+
+    _FORWARD = {"auto": 0, "off": 1, "on": 2}
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
                  device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False,
-                 scales_layout="rows", mask_on_timeout=False):
+                 scales_layout="rows", mask_on_timeout=False, forward="auto"):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if mode not in _lib.MODES:
@@ -415,6 +422,8 @@ class EP:
             raise ValueError(f"scales_layout={scales_layout!r}: use 'rows', 'cols' or 'ue8m0'")
         if device not in _lib.DEVICES:
             raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+        if forward not in self._FORWARD:
+            raise ValueError(f"forward={forward!r}: use 'auto', 'on' or 'off'")
         if not isinstance(comm, Comm):
             raise TypeError(f"comm: expected a ferry.Comm, got {type(comm).__name__}")
         num_experts, topk, hidden, max_tokens, num_sms, ring_tokens = (
@@ -428,7 +437,8 @@ class EP:
                             _lib.VERSION_CODE, num_experts, topk, hidden, max_tokens,
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
                             _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)),
-                            _lib.SCALES[scales_layout], int(bool(mask_on_timeout)))
+                            _lib.SCALES[scales_layout], int(bool(mask_on_timeout)),
+                            self._FORWARD[forward])
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -465,6 +475,17 @@ class EP:
         if not self._h:
             raise ValueError("EP: the context is closed")
         return self._h
+
+    def nodes(self):
+        """(node of each rank as a list, forwards): ranks that share memory
+        form a node, numbered in the order of their lowest rank; forwards
+        is True when the high-throughput calls send through one rank per
+        node (ferry_ep_get_nodes)."""
+        n, fwd = C.c_int(), C.c_int()
+        node_of = (C.c_int32 * self.num_ranks)()
+        self._check(_lib_handle().ferry_ep_get_nodes(self._ep(), C.byref(n), node_of,
+                                                      C.byref(fwd)))
+        return list(node_of), bool(fwd.value)
 
     def _check(self, rc):
         if rc != 0:

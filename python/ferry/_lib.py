@@ -178,6 +178,7 @@ def load():
         "ferry_ep_sync": (i, [vp, vp]),
         "ferry_ep_mask_rank": (i, [vp, i, i, vp]),
         "ferry_ep_mask_query": (i, [vp, vp, vp]),
+        "ferry_ep_get_nodes": (i, [vp, vp, vp, vp]),
         "ferry_route_create": (i, [vp, C.POINTER(RouteIn), C.POINTER(vp)]),
         "ferry_route_counts": (i, [vp, C.POINTER(i), vp]),
         "ferry_route_destroy": (i, [vp]),

@@ -103,7 +103,21 @@ def run_round(ferry, ep, rank, N, rnd, align):
     out, wout = ep.ht_combine(route, y, topk_weights=yw)
     ref = np.zeros((x.shape[0], H), np.float32)
     refw = np.zeros((x.shape[0], K), np.float32)
-    for d in range(N):  # rank order, as ferry sums
+    node_of, fwd = ep.nodes()
+    # rank order, as ferry sums; forwarding: nodes in order, another
+    # node's rows summed there and rounded once to bf16
+    order = [d for b in sorted(set(node_of)) for d in range(N) if node_of[d] == b] \
+        if fwd else list(range(N))
+    part, part_node = None, None
+    for d in order + [None]:
+        b = node_of[d] if d is not None else None
+        if part is not None and b != part_node:  # another node's sum is complete
+            ref += f32(bf16(part))
+            part = None
+        if d is None:
+            break
+        if fwd and b != node_of[rank] and part is None:
+            part, part_node = np.zeros_like(ref), b
         drows = expected_rows(d, N, all_in)
         dy = bf16(f32(all_in[rank][0][[t for s, t in drows if s == rank]]) * (1 + d) +
                   0.25 * np.array([j for j, (s, t) in enumerate(drows) if s == rank])[:, None]) \
@@ -112,7 +126,7 @@ def run_round(ferry, ep, rank, N, rnd, align):
         for j, (s, t) in enumerate(drows):
             if s != rank:
                 continue
-            ref[t] += f32(dy[n])
+            (part if part is not None else ref)[t] += f32(dy[n])
             n += 1
             for k in range(K):
                 e = idx[t][k]
@@ -189,10 +203,16 @@ def rank_main(rank, N, port, q):
     try:
         os.environ.update(FERRY_RANK=str(rank), FERRY_WORLD_SIZE=str(N),
                           FERRY_ROOT=f"127.0.0.1:{port}", FERRY_TIMEOUT_MS="10000")
+        nodes = int(os.environ.get("FERRY_TEST_NODES", "1"))
+        if nodes > 1:  # simulated nodes: shared memory inside, the fabric between
+            os.environ["FERRY_NODE_ID"] = f"node{rank * nodes // N}"
         import ferry
         comm = ferry.Comm()
         ep = ferry.EP(comm, num_experts=E_PER_RANK * N, topk=K, hidden=H, max_tokens=T,
-                      mode="ht", ring_tokens=4)  # small rings: rows stream through
+                      mode="ht", ring_tokens=8)  # small rings: rows stream through
+        node_of, fwd = ep.nodes()
+        check(node_of == [r * nodes // N for r in range(N)] and fwd == (nodes > 1 and nodes < N),
+              f"nodes() = {node_of}, forwards {fwd}")
         sums = []
         for rnd in range(4):
             sums.append(run_round(ferry, ep, rank, N, rnd, 16 if rnd % 2 else 0))
