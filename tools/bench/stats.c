@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bench.h"
 #include "proxy/proxy.h"
@@ -21,8 +22,26 @@ static int ep_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
     return ep ? ferry_ep_get_stats(ep, st) : FERRY_OK;
 }
 
+/* The counters after the warm-up. Every rank finished its warm-up rounds
+ * first (a barrier: each warm-up write has landed, so it was posted) and
+ * this rank's writes have all completed (a write is counted just after
+ * its post returns), so none of the warm-up's writes counts in the timed
+ * rounds (bounded: 200 ms). */
 void stats_mark(bench_t *b)
 {
+    if (b->comm)
+        ferry_comm_barrier(b->comm);
+    for (int tries = 0; tries < 2000; tries++) {
+        int busy = 0;
+        for (int i = 0; i < 2; i++) {
+            ferry_ep_stats_t s;
+            ep_stats(b->eps[i] ? b->eps[i] : (i == 0 ? b->ep : NULL), &s);
+            busy |= s.completions < s.writes;
+        }
+        if (!busy)
+            break;
+        usleep(100);
+    }
     for (int i = 0; i < 2; i++)
         ep_stats(b->eps[i] ? b->eps[i] : (i == 0 ? b->ep : NULL), &b->st0[i]);
 }
