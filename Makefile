@@ -95,9 +95,11 @@ BENCH_MPI := -DFERRY_HAVE_MPI $(MPI_CFLAGS)
 endif
 # ferry-bench is tools/ferry_bench.c and tools/bench/, built in one step.
 BENCH_SRCS := tools/ferry_bench.c $(wildcard tools/bench/*.c)
+# the commit the benchmark was built at, for its --json (none outside git)
+GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 $(BUILD)/bin/ferry-bench: $(BENCH_SRCS) tools/bench/bench.h $(TOOL_COMMON_OBJS) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $(filter-out %.h,$^) $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
+	$(CC) $(CFLAGS) -DFERRY_GIT_COMMIT='"$(GIT_COMMIT)"' -Itools/common $(BENCH_MPI) $(LDFLAGS) -o $@ $(filter-out %.h,$^) $(LDLIBS) $(MPI_LIBS) $(if $(filter 1,$(CUDA)),-lstdc++)
 
 SIGBENCH_CUDA := $(if $(filter 1,$(CUDA)),$(BUILD)/obj/tools/signal_kernels.o)
 $(BUILD)/bin/ferry-signal-bench: tools/ferry_signal_bench.c $(TOOL_COMMON_OBJS) $(SIGBENCH_CUDA) $(LIBA)

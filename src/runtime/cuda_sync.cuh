@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/err.h"
+
 static __device__ __forceinline__ unsigned long long fr_sys_ld_acquire(const unsigned long long *p)
 {
     unsigned long long v;
@@ -66,17 +68,21 @@ static __device__ __forceinline__ void fr_warp_copy16u(uint8_t *dst, const uint8
     }
 }
 
-static __device__ __forceinline__ void fr_warp_copy16(uint8_t *dst, const uint8_t *src,
-                                                      size_t bytes)
-{
-    fr_warp_copy16u<8, false>(dst, src, bytes);
-}
-
-static __device__ __forceinline__ void fr_warp_copy16_cg(uint8_t *dst, const uint8_t *src,
-                                                         size_t bytes)
-{
-    fr_warp_copy16u<8, true>(dst, src, bytes);
-}
+/* Host: a CUDA runtime call in a function with an `int rc` and a cleanup
+ * label. On failure CUDA's last error is cleared (a later
+ * cudaGetLastError, a launch check, must not report it again), rc is
+ * FERRY_ERR_SYSTEM with a message naming the call, and control goes to
+ * the label. Both GPU engines' set-up code uses it. */
+#define FR_CU(call, err, label)                                                \
+    do {                                                                       \
+        cudaError_t e_ = (call);                                               \
+        if (e_ != cudaSuccess) {                                               \
+            (void)cudaGetLastError();                                          \
+            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "%s: %s", #call,                \
+                        cudaGetErrorString(e_));                               \
+            goto label;                                                        \
+        }                                                                      \
+    } while (0)
 
 /* Errors, for an engine's kernel arguments A holding `int *dflag` (device)
  * and `volatile int *err` ([4], host-mapped): the first error wins a CAS

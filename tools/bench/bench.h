@@ -44,6 +44,8 @@ typedef struct dev {
  * visible GPUs) or an index. */
 int dev_bind(const char *gpu, int rank, int *chosen);
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay);
+/* The current CUDA device's name ("" without one). */
+void dev_name(char *buf, size_t len);
 int dev_inputs(dev_t_ *d, const fw_spec_t *s, const fw_input_t *in);
 /* whole_scales: expert_x_scales is not in rows (copied whole) */
 int dev_dispatch_out(dev_t_ *d, const ferry_ep_layout_t *lay, uint8_t *ex,

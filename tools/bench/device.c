@@ -49,6 +49,18 @@ int dev_bind(const char *gpu, int rank, int *chosen)
     return 0;
 }
 
+void dev_name(char *buf, size_t len)
+{
+    int g = -1;
+    struct cudaDeviceProp p;
+    buf[0] = 0;
+    if (cudaGetDevice(&g) != cudaSuccess || cudaGetDeviceProperties(&p, g) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+    }
+    snprintf(buf, len, "%s", p.name);
+}
+
 int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
 {
     size_t T = (size_t)(s->T > 0 ? s->T : 1), El = (size_t)lay->num_local_experts;
@@ -132,6 +144,11 @@ void dev_free(dev_t_ *d)
     cudaStreamDestroy((cudaStream_t)d->stream);
 }
 #else
+void dev_name(char *buf, size_t len)
+{
+    if (len)
+        buf[0] = 0;
+}
 int dev_bind(const char *gpu, int rank, int *chosen)
 {
     (void)gpu; (void)rank;

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "bench.h"
 
@@ -156,8 +158,22 @@ static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
         fprintf(stderr, "ferry-bench: --json %s: %s\n", o->json, strerror(errno));
         return 1;
     }
+    char host[256] = "", gpu[256] = "", date[32] = "";
+    gethostname(host, sizeof(host) - 1);
+    if (strcmp(o->device, "cuda") == 0)
+        dev_name(gpu, sizeof(gpu));
+    time_t now = time(NULL);
+    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+#ifndef FERRY_GIT_COMMIT
+#define FERRY_GIT_COMMIT ""
+#endif
+    /* what ran, where and when: the library's version, the commit the
+     * benchmark was built at, the host, rank 0's GPU, the time (UTC) */
+    fprintf(f, "{\"ferry_version\": \"%s\", \"commit\": \"%s\", \"host\": \"%s\", "
+            "\"gpu\": \"%s\", \"date\": \"%s\", ", ferry_version_string(), FERRY_GIT_COMMIT,
+            host, gpu, date);
     fprintf(f,
-            "{\"ranks\": %d, \"experts\": %d, \"topk\": %d, \"hidden\": %d, "
+            "\"ranks\": %d, \"experts\": %d, \"topk\": %d, \"hidden\": %d, "
             "\"tokens\": %d, \"dtype\": \"%s\", \"routing\": \"%s\", "
             "\"transport\": \"%s\", \"device\": \"%s\", \"iters\": %d, "
             "\"dispatch_p50_us\": %.3f, \"dispatch_p99_us\": %.3f, "

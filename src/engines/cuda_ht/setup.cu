@@ -10,16 +10,6 @@
 #include "ep/hmem.h"
 #include "runtime/rt.h"
 
-#define FR_CU(call, err, label)                                                \
-    do {                                                                       \
-        cudaError_t e_ = (call);                                               \
-        if (e_ != cudaSuccess) {                                               \
-            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "%s: %s", #call,                \
-                        cudaGetErrorString(e_));                               \
-            goto label;                                                        \
-        }                                                                      \
-    } while (0)
-
 static unsigned long long fr_cuht_align(unsigned long long v, unsigned long long a)
 {
     return (v + a - 1) / a * a;

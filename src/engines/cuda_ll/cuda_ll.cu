@@ -72,7 +72,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
             if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
                 continue;
             size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
-            fr_warp_copy(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
+            fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
         }
     }
     __shared__ bool last;
@@ -257,16 +257,6 @@ combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out
 
 /* ---------------------------------------------------------------------- */
 /* host side                                                              */
-
-#define FR_CU(call, err, label)                                                \
-    do {                                                                       \
-        cudaError_t e_ = (call);                                               \
-        if (e_ != cudaSuccess) {                                               \
-            rc = FR_ERR(err, FERRY_ERR_SYSTEM, "%s: %s", #call,                \
-                        cudaGetErrorString(e_));                               \
-            goto label;                                                        \
-        }                                                                      \
-    } while (0)
 
 /* A runtime helper's status: on failure, keep it and leave. */
 #define FR_CUH(call, label)                                                    \

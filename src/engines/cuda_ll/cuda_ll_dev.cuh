@@ -254,33 +254,6 @@ static __device__ __forceinline__ uint32_t fr_cu_e4m3x4(uint32_t lo, uint32_t hi
 #endif
 }
 
-/* One warp copies a row: every lane keeps up to 8 16-byte loads in flight. */
-static __device__ __forceinline__ void fr_warp_copy(uint8_t *dst, const uint8_t *src, size_t bytes)
-{
-    const int4 *s = (const int4 *)src;
-    int4 *d = (int4 *)dst;
-    int lane = threadIdx.x & 31;
-    size_t n = bytes / 16, i = (size_t)lane;
-    for (; i + 224 < n; i += 256) {
-        int4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            v[u] = s[i + 32 * u];
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            d[i + 32 * u] = v[u];
-    }
-    for (; i + 96 < n; i += 128) {
-        int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-        d[i] = a;
-        d[i + 32] = b;
-        d[i + 64] = c;
-        d[i + 96] = e;
-    }
-    for (; i < n; i += 32)
-        d[i] = s[i];
-}
-
 /* Flags on the IPC path (self and CUDA-IPC peers) count arrivals: every
  * block of a sender's grid adds its share to the receiver's flag for that
  * (phase, set, sender) with a release at system scope once its own stores
