@@ -122,9 +122,13 @@ $(BUILD)/tests/%: tests/%.c $(TOOL_COMMON_OBJS) $(LIBA)
 NVCC_ARCH ?= -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_100,code=sm_100 \
              -gencode=arch=compute_100,code=compute_100
 cuda: $(CUDA_OBJS)
-$(BUILD)/obj/%.o: %.cu include/ferry_signal.h include/ferry_signal_device.cuh $(shell find src -name '*.h' -o -name '*.cuh')
+# nvcc writes each object's header dependencies beside it (-MD -MF), as
+# the C compiler does (-MMD), so a header change rebuilds exactly the
+# kernels that include it
+$(BUILD)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 $(NVCC_ARCH) -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc -c $< -o $@
+	$(NVCC) -O3 -std=c++17 $(NVCC_ARCH) -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc \
+		-MD -MP -MF $(@:.o=.d) -c $< -o $@
 
 # Coverage-guided fuzzing (libFuzzer): argument checks and record decoding.
 FUZZ_BUILD ?= build-fuzz
@@ -176,4 +180,4 @@ check:
 clean:
 	rm -rf build build-san build-fuzz build-dev
 
--include $(LIB_OBJS:.o=.d) $(TOOL_COMMON_OBJS:.o=.d)
+-include $(LIB_OBJS:.o=.d) $(TOOL_COMMON_OBJS:.o=.d) $(CUDA_OBJS:.o=.d) $(BUILD)/obj/tools/signal_kernels.d

@@ -5,7 +5,8 @@
    the layers below it (the table LAYERS); an engine folder does not
    include another engine's folder.
 2. No library file other than a kernel (.cu) is over MAX_FILE lines.
-3. No function in a library .c file is over MAX_FUNC lines.
+3. No function in a library .c file, nor host function in a .cu file, is
+   over MAX_FUNC lines.
 Prints each violation and exits 1 if there is any.
 """
 import os
@@ -65,16 +66,26 @@ for dirpath, _, files in os.walk("src"):
         if not name.endswith(".cu") and len(lines) - 1 > MAX_FILE:
             bad.append(f"{path}: {len(lines) - 1} lines (at most {MAX_FILE} "
                        "outside kernel files)")
-        if name.endswith(".c"):
-            start = None
+        if name.endswith(".c") or name.endswith(".cu"):
+            # host functions (in .cu files: those not marked __global__ or
+            # __device__, found from the lines of their signature)
+            start, sig = None, []
             for i, line in enumerate(lines, 1):
                 if line.startswith("{"):
-                    start = i
+                    kernel = any("__global__" in x or "__device__" in x for x in sig)
+                    start = None if kernel else i
                 elif line.startswith("}") and start is not None:
                     if i - start > MAX_FUNC:
                         bad.append(f"{path}:{start}: function of {i - start} "
                                    f"lines (at most {MAX_FUNC})")
                     start = None
+                if not line.strip() or line.startswith("}") or line.startswith("#") \
+                        or line.lstrip().startswith(("/*", "*")):
+                    sig = []
+                elif not line.startswith(("{", " ", "\t")):
+                    sig.append(line)
+                elif sig and line.startswith((" ", "\t")) and start is None:
+                    sig.append(line)  # a signature's continuation line
 for b in bad:
     print(b)
 print(f"layers: {len(bad)} violation(s)")

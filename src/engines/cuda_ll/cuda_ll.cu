@@ -431,34 +431,63 @@ static int fr_cuda_load_kernels(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *e
     return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "combine", err);
 }
 
-extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
+/* The device tables in one allocation, in this order; with b == NULL
+ * only their size (the return), else A's pointers into b. Each table
+ * starts on a 256-byte boundary. */
+static size_t fr_cuda_carve(fr_cu_args_t *A, uint8_t *b, const fr_layout_t *L, int N)
 {
-    int rc = FERRY_OK;
-    const ferry_ep_config_t *cfg = &ep->cfg;
-    fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
-                   cfg->hidden, cfg->max_tokens,
-                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
-    ep->L.sfmt = cfg->scales_layout;
-    const fr_layout_t *L = &ep->L;
-    int N = ep->N;
-    if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
-        return FR_ERR(err, FERRY_ERR_INVALID,
-                      "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
-                      "count per expert in shared memory)", cfg->num_experts, FR_CU_EMAX);
-    rc = fr_cuda_dispatch_init(ep, err); /* the same on every rank of one GPU model */
-    if (rc != FERRY_OK)
-        return rc;
-    fr_ipc_msg_t mine, *all = NULL;
-    struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
-    if (!c)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
-    ep->eng_state = c;
-    /* A rank whose segment failed still joins the exchange with its
-     * status, so every rank fails at once. */
+    size_t T = (size_t)L->T, K = (size_t)L->K, kd = (size_t)L->K, at = 0;
+    size_t sets = 2 * FR_NSETS * (size_t)N;
+#define FR_CARVE(field, type, bytes)                                           \
+    do {                                                                       \
+        if (b)                                                                 \
+            A->field = (type)(b + at);                                         \
+        at += ((size_t)(bytes) + 255) & ~(size_t)255;                          \
+    } while (0)
+    FR_CARVE(peer, uint8_t **, sizeof(uint8_t *) * N);
+    FR_CARVE(path, const int *, sizeof(int) * N);
+    FR_CARVE(gidx, const int *, sizeof(int) * N);
+    FR_CARVE(epoch, unsigned long long *, sizeof(unsigned long long) * 2);
+    FR_CARVE(ntok, int32_t *, sizeof(int32_t) * 2);
+    FR_CARVE(rec_idx, int32_t *, sizeof(int32_t) * 2 * T * N);
+    FR_CARVE(pair_base, int32_t *, sizeof(int32_t) * 2 * T * N);
+    FR_CARVE(comb_pos, int32_t *, sizeof(int32_t) * 2 * T * K);
+    FR_CARVE(cnt, int32_t *, sizeof(int32_t) * 2 * N * 3); /* cnt, npairs, comb_off */
+    FR_CARVE(dst_rec, uint8_t **, sizeof(uint8_t *) * 2 * T * kd);
+    FR_CARVE(ddone, unsigned int *, sizeof(unsigned int) * (2 * (size_t)N + 2)); /* + dpub */
+    FR_CARVE(pair_row, int32_t *, sizeof(int32_t) * 2 * L->send_crows);
+    FR_CARVE(pair_n, int32_t *, sizeof(int32_t) * 2 * N);
+    FR_CARVE(scomb_off, int32_t *, sizeof(int32_t) * 2 * N);
+    FR_CARVE(done, unsigned int *, sizeof(unsigned int) * 4);
+    FR_CARVE(dflag, int *, sizeof(int) * 4);
+    FR_CARVE(dst_scl, uint8_t **, sizeof(float *) * 2 * T * kd);
+    FR_CARVE(self_run, int32_t *, sizeof(int32_t) * 2 * (size_t)L->El);
+    FR_CARVE(mask, int32_t *, sizeof(int32_t) * ((size_t)N + 1)); /* zeroed: none masked */
+    FR_CARVE(decide, unsigned long long *, sizeof(unsigned long long) * sets);
+    FR_CARVE(claim, unsigned long long *, sizeof(unsigned long long) * sets);
+    FR_CARVE(mirror, unsigned long long *, sizeof(unsigned long long) * sets);
+#undef FR_CARVE
+    if (b) {
+        A->npairs = A->cnt + 2 * N;
+        A->comb_off = A->cnt + 4 * N;
+        A->dpub = A->ddone + 2 * (size_t)N;
+        A->kd = (int)kd;
+    }
+    return at;
+}
+
+/* Set-up step 2: every rank's segment handle (a rank that failed its own
+ * joins with its status, so all fail at once), the node's peers opened,
+ * the ranks sharing this GPU counted. */
+static int fr_cuda_exchange(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int N = ep->N, rc;
+    fr_ipc_msg_t mine;
     memset(&mine, 0, sizeof(mine));
     mine.status = fr_cuda_segment(ep, c, &mine, err);
-    all = (fr_ipc_msg_t *)calloc((size_t)N, sizeof(*all));
-    if (!all) {
+    fr_ipc_msg_t *all = (fr_ipc_msg_t *)calloc((size_t)N, sizeof(*all));
+    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    if (!all || !c->peer_host) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
         goto fail;
     }
@@ -467,8 +496,7 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
         rc = mine.status;
     for (int i = 0; i < N && rc == FERRY_OK; i++)
         if (all[i].status != FERRY_OK)
-            rc = FR_ERR(err, all[i].status,
-                        "rank %d failed to set up its GPU segment (%s)", i,
+            rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU segment (%s)", i,
                         ferry_strerror(all[i].status));
     if (rc != FERRY_OK)
         goto fail;
@@ -476,7 +504,6 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
     for (int i = 0; i < N; i++)
         c->share += memcmp(all[i].uuid, mine.uuid, sizeof(mine.uuid)) == 0;
     c->share = c->share < 1 ? 1 : c->share;
-    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
     for (int i = 0; i < N; i++) {
         if (ep->path[i] == FR_PATH_SELF) {
             c->peer_host[i] = c->host_seg ? NULL : ep->seg;
@@ -486,103 +513,76 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             c->peer_host[i] = (uint8_t *)p;
         }
     }
-    {
-        /* device tables in one allocation */
-        size_t T = (size_t)L->T, K = (size_t)L->K;
-        size_t kd = (size_t)L->K; /* a token's records, one slot per k */
-        size_t sz[] = {sizeof(uint8_t *) * N, sizeof(int) * N, sizeof(int) * N,
-                       sizeof(unsigned long long) * 2, sizeof(int32_t) * 2,
-                       sizeof(int32_t) * 2 * T * N, sizeof(int32_t) * 2 * T * N,
-                       sizeof(int32_t) * 2 * T * K, sizeof(int32_t) * 2 * N * 3,
-                       sizeof(uint8_t *) * 2 * T * kd,
-                       sizeof(unsigned int) * (2 * (size_t)N + 2),
-                       sizeof(int32_t) * 2 * L->send_crows,
-                       sizeof(int32_t) * 2 * N, sizeof(int32_t) * 2 * N,
-                       sizeof(unsigned int) * 4, sizeof(int) * 4,
-                       sizeof(float *) * 2 * T * kd, sizeof(int32_t) * 2 * (size_t)L->El,
-                       sizeof(int32_t) * ((size_t)N + 1),
-                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
-                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N,
-                       sizeof(unsigned long long) * 2 * FR_NSETS * (size_t)N};
-        size_t off[sizeof(sz) / sizeof(sz[0])], tot = 0;
-        int n = (int)(sizeof(sz) / sizeof(sz[0]));
-        for (int i = 0; i < n; i++) {
-            off[i] = tot;
-            tot += (sz[i] + 255) & ~(size_t)255;
-        }
-        FR_CU(cudaMalloc(&c->dmem, tot), err, fail);
-        FR_CU(cudaMemset(c->dmem, 0, tot), err, fail);
-        uint8_t *b = (uint8_t *)c->dmem;
-        fr_cu_args_t *A = &c->a;
-        A->L = *L;
-        A->rank = ep->rank;
-        A->N = N;
-        A->peer = (uint8_t **)(b + off[0]);
-        A->path = (const int *)(b + off[1]);
-        A->gidx = (const int *)(b + off[2]);
-        A->epoch = (unsigned long long *)(b + off[3]);
-        A->ntok = (int32_t *)(b + off[4]);
-        A->rec_idx = (int32_t *)(b + off[5]);
-        A->pair_base = (int32_t *)(b + off[6]);
-        A->comb_pos = (int32_t *)(b + off[7]);
-        A->cnt = (int32_t *)(b + off[8]);
-        A->npairs = A->cnt + 2 * N;
-        A->comb_off = A->cnt + 4 * N;
-        A->kd = (int)kd;
-        A->round_scale = ep->cfg.fp8_round_scale;
-        A->dst_rec = (uint8_t **)(b + off[9]);
-        A->ddone = (unsigned int *)(b + off[10]);
-        A->dpub = A->ddone + 2 * (size_t)N;
-        A->pair_row = (int32_t *)(b + off[11]);
-        A->pair_n = (int32_t *)(b + off[12]);
-        A->scomb_off = (int32_t *)(b + off[13]);
-        A->done = (unsigned int *)(b + off[14]);
-        A->dflag = (int *)(b + off[15]);
-        A->dst_scl = (uint8_t **)(b + off[16]);
-        A->self_run = (int32_t *)(b + off[17]);
-        A->mask = (int32_t *)(b + off[18]); /* no rank masked (zeroed above) */
-        A->decide = (unsigned long long *)(b + off[19]);
-        A->claim = (unsigned long long *)(b + off[20]);
-        A->mirror = (unsigned long long *)(b + off[21]);
-        A->mask_on_timeout = ep->cfg.mask_on_timeout;
-        unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
-        FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
-        FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
-        FR_CU(cudaMemcpy((void *)A->gidx, ep->group_index, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
-        if (c->host_seg) {
-            A->seg = (uint8_t *)c->dev_seg;
-            A->send = (uint8_t *)c->dev_send;
-            A->ready = (unsigned long long *)c->dev_ready;
-            A->slices = (fr_slice_t *)c->dev_slices;
-            A->flags = (uint8_t *)c->dev_flags;
-        } else {
-            A->seg = ep->seg;
-            A->flags = ep->seg;
-        }
-        A->nfabric = ep->nfabric;
-        if (!A->mixed) /* one place for every sender (mixed: set above) */
-            A->iseg = A->seg;
-        uint8_t **peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
-        for (int i = 0; i < N; i++)
-            peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];
-        cudaError_t e1 = cudaMemcpy(A->peer, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice);
-        free(peer);
-        FR_CU(e1, err, fail);
+fail:
+    free(all);
+    return rc;
+}
 
-        void *eh;
-        FR_CUH(fr_cuda_host_alloc(sizeof(int) * 4, &eh, &c->err_dev, err), fail);
-        c->err_host = (int *)eh;
-        A->err = (volatile int *)c->err_dev;
-        A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
-        int nsm = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : 16;
-        c->nblocks = nsm;
-        FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
-              fail);
-        FR_CUH(fr_cuda_load_kernels(ep, c, err), fail);
-        /* every kernel's grid (the split parts too) within this rank's
-         * share of what the GPU holds at once: with ranks sharing a GPU,
-         * more left some ranks' blocks unscheduled while the others
-         * waited for them (8 ranks with num_sms 40 on one H200 timed out) */
+/* Step 3: the device tables (fr_cuda_carve) and what the kernels are
+ * given: the layout, the paths, where each peer's segment is. */
+static int fr_cuda_tables(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int N = ep->N, rc = FERRY_OK;
+    fr_cu_args_t *A = &c->a;
+    size_t tot = fr_cuda_carve(A, NULL, &ep->L, N);
+    unsigned long long ep0[2] = {0ull, ~0ull}; /* set 1 starts at -1 */
+    uint8_t **peer = NULL;
+    cudaError_t e1;
+    FR_CU(cudaMalloc(&c->dmem, tot), err, fail);
+    FR_CU(cudaMemset(c->dmem, 0, tot), err, fail);
+    fr_cuda_carve(A, (uint8_t *)c->dmem, &ep->L, N);
+    A->L = ep->L;
+    A->rank = ep->rank;
+    A->N = N;
+    A->round_scale = ep->cfg.fp8_round_scale;
+    A->mask_on_timeout = ep->cfg.mask_on_timeout;
+    FR_CU(cudaMemcpy(A->epoch, ep0, sizeof(ep0), cudaMemcpyHostToDevice), err, fail);
+    FR_CU(cudaMemcpy((void *)A->path, ep->path, sizeof(int) * N, cudaMemcpyHostToDevice), err, fail);
+    FR_CU(cudaMemcpy((void *)A->gidx, ep->group_index, sizeof(int) * N, cudaMemcpyHostToDevice), err,
+          fail);
+    if (c->host_seg) {
+        A->seg = (uint8_t *)c->dev_seg;
+        A->send = (uint8_t *)c->dev_send;
+        A->ready = (unsigned long long *)c->dev_ready;
+        A->slices = (fr_slice_t *)c->dev_slices;
+        A->flags = (uint8_t *)c->dev_flags;
+    } else {
+        A->seg = ep->seg;
+        A->flags = ep->seg;
+    }
+    A->nfabric = ep->nfabric;
+    if (!A->mixed) /* one place for every sender (mixed: set by the segment step) */
+        A->iseg = A->seg;
+    peer = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    if (!peer)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer table");
+    for (int i = 0; i < N; i++)
+        peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];
+    e1 = cudaMemcpy(A->peer, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice);
+    free(peer);
+    FR_CU(e1, err, fail);
+fail:
+    return rc;
+}
+
+/* Step 4: the error word, the kernels loaded, the grid: every kernel's
+ * grid (the split parts too) within this rank's share of what the GPU
+ * holds at once (with ranks sharing a GPU, more left some ranks' blocks
+ * unscheduled while the others waited for them: 8 ranks with num_sms 40
+ * on one H200 timed out). */
+static int fr_cuda_grid(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    int rc = FERRY_OK;
+    fr_cu_args_t *A = &c->a;
+    void *eh;
+    FR_CUH(fr_cuda_host_alloc(sizeof(int) * 4, &eh, &c->err_dev, err), fail);
+    c->err_host = (int *)eh;
+    A->err = (volatile int *)c->err_dev;
+    A->timeout_ns = (unsigned long long)ep->timeout_ms * 1000000ull;
+    c->nblocks = ep->cfg.num_sms > 0 ? ep->cfg.num_sms : 16;
+    FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err, fail);
+    FR_CUH(fr_cuda_load_kernels(ep, c, err), fail);
+    {
         int cap = c->dgrid > 0 && c->cgrid > 0 ? (c->dgrid < c->cgrid ? c->dgrid : c->cgrid)
                                                : c->dgrid > 0 ? c->dgrid : c->cgrid;
         if (c->share > 1 && cap > 0 && c->nblocks > cap) {
@@ -593,11 +593,33 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
             c->nblocks = cap;
         }
     }
-    free(all);
-    return FERRY_OK;
 fail:
-    free(all);
     return rc;
+}
+
+/* Set-up: the layout and checks (step 1), then the steps above. */
+extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
+{
+    const ferry_ep_config_t *cfg = &ep->cfg;
+    fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
+                   cfg->hidden, cfg->max_tokens,
+                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
+    ep->L.sfmt = cfg->scales_layout;
+    if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
+                      "count per expert in shared memory)", cfg->num_experts, FR_CU_EMAX);
+    int rc = fr_cuda_dispatch_init(ep, err); /* the same on every rank of one GPU model */
+    if (rc != FERRY_OK)
+        return rc;
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)calloc(1, sizeof(*c));
+    if (!c)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "CUDA state");
+    ep->eng_state = c;
+    if ((rc = fr_cuda_exchange(ep, c, err)) != FERRY_OK ||
+        (rc = fr_cuda_tables(ep, c, err)) != FERRY_OK)
+        return rc;
+    return fr_cuda_grid(ep, c, err);
 }
 
 extern "C" void fr_cuda_free(ferry_ep_t ep)
