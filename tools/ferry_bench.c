@@ -29,7 +29,10 @@ static void usage(FILE *f)
             "      --experts E      global experts (default 256)\n"
             "      --topk K         experts per token (default 8)\n"
             "      --hidden H       hidden size (default 7168)\n"
-            "      --tokens T       tokens per rank per round (default 128)\n"
+            "      --tokens T[,T2,...]  tokens per rank per round (default 128); a list\n"
+            "                       sweeps them, one row each (one job: the contexts are\n"
+            "                       made again for each)\n"
+            "      --csv FILE       the rows as CSV too (a header line first)\n"
             "      --dtype fp8|bf16|mixed  dispatch dtype (default fp8; mixed: a bf16 and\n"
             "                       an fp8 context, alternating every round)\n"
             "      --routing uniform|zipf:S|groups:G:M   expert choice (default uniform;\n"
@@ -89,7 +92,7 @@ static int parse(int argc, char **argv, opts_t *o)
 {
     static struct option lo[] = {
         {"ranks", 1, 0, 'n'},   {"experts", 1, 0, 'E'},  {"topk", 1, 0, 'K'},
-        {"hidden", 1, 0, 'H'},  {"tokens", 1, 0, 'T'},   {"dtype", 1, 0, 'd'},
+        {"hidden", 1, 0, 'H'},  {"tokens", 1, 0, 'T'}, {"csv", 1, 0, 'c'},   {"dtype", 1, 0, 'd'},
         {"routing", 1, 0, 'r'}, {"mask", 1, 0, 'm'},     {"vary-tokens", 0, 0, 'v'},
         {"empty", 1, 0, 'z'},   {"iters", 1, 0, 'i'},    {"warmup", 1, 0, 'w'},
         {"seed", 1, 0, 's'},    {"transport", 1, 0, 't'}, {"device", 1, 0, 'D'},
@@ -113,7 +116,28 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'E': o->experts = (int)strtol(optarg, &end, 10); break;
         case 'K': o->topk = (int)strtol(optarg, &end, 10); break;
         case 'H': o->hidden = (int)strtol(optarg, &end, 10); break;
-        case 'T': o->tokens = (int)strtol(optarg, &end, 10); break;
+        case 'T': {
+            o->ntoks = 0;
+            const char *p = optarg;
+            do {
+                if (o->ntoks == (int)(sizeof(o->toks) / sizeof(o->toks[0]))) {
+                    fprintf(stderr, "ferry-bench: --tokens %s: at most %d values\n", optarg,
+                            o->ntoks);
+                    return -1;
+                }
+                o->toks[o->ntoks++] = (int)strtol(p, &end, 10);
+                if (end == p || (*end && *end != ',')) {
+                    fprintf(stderr, "ferry-bench: --tokens %s: numbers, separated by commas\n",
+                            optarg);
+                    return -1;
+                }
+                p = *end == ',' ? end + 1 : end;
+            } while (*end == ',');
+            o->tokens = o->toks[0];
+            end = NULL;
+            break;
+        }
+        case 'c': o->csv = optarg; break;
         case 'i': o->iters = (int)strtol(optarg, &end, 10); break;
         case 'w': o->warmup = (int)strtol(optarg, &end, 10); break;
         case 's': o->seed = strtoull(optarg, &end, 10); break;
@@ -213,6 +237,11 @@ static int parse(int argc, char **argv, opts_t *o)
         fprintf(stderr, "ferry-bench: --graph needs --device cuda --no-check (low-latency mode)\n");
         return -1;
     }
+    if (o->ntoks == 0)
+        o->toks[o->ntoks++] = o->tokens;
+    for (int i = 0; i < o->ntoks; i++)
+        if (o->toks[i] < 0)
+            o->tokens = -1;
     if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {
         fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
         return -1;
@@ -527,8 +556,9 @@ static void abort_run(const bench_t *b)
     _exit(1);
 }
 
-/* Release everything; the exit status is 1 if anything went wrong. */
-static int teardown(bench_t *b, int status)
+/* Release one row's contexts and buffers (the communicator stays); the
+ * status is 1 if anything went wrong. */
+static int release_row(bench_t *b, int status)
 {
     if (b->wrong > 0)
         status = 1;
@@ -540,13 +570,9 @@ static int teardown(bench_t *b, int status)
         fprintf(stderr, "ferry-bench: rank %d: ep_destroy: %s\n", b->me, ferry_strerror(rc));
         status = 1;
     }
-    ferry_comm_destroy(b->comm);
 #ifdef FERRY_HAVE_MPI
-    if (b->have_base) {
-        if (!b->o->ht)
-            base_free(&b->base);
-        MPI_Finalize();
-    }
+    if (b->have_base && !b->o->ht)
+        base_free(&b->base);
 #endif
     free(b->tm);
     free(b->ex);
@@ -559,6 +585,17 @@ static int teardown(bench_t *b, int status)
     free(b->out);
     free(b->acc);
     fw_input_free(&b->in);
+    return status;
+}
+
+/* The communicator (and MPI) last. */
+static int teardown(bench_t *b, int status)
+{
+    ferry_comm_destroy(b->comm);
+#ifdef FERRY_HAVE_MPI
+    if (b->have_base)
+        MPI_Finalize();
+#endif
     return status;
 }
 
@@ -620,25 +657,34 @@ int main(int argc, char **argv)
 
     /* This process is one rank from here on. */
     bench_t b = {.o = &o};
-    int rc;
-    if ((rc = open_comm(&b, &argc, &argv)) != 0 || (rc = make_config(&b)) != 0 ||
-        (rc = create_eps(&b)) != 0 || (!o.ht && (rc = make_workload(&b)) != 0) ||
-        (rc = open_device(&b)) != 0 || (rc = prepare_rounds(&b)) != 0)
+    int rc, status = 0;
+    if ((rc = open_comm(&b, &argc, &argv)) != 0)
         return rc;
-    if (o.ht)
-        run_ht_rounds(&b); /* its own buffers: exact sizes, from the routes */
-    else
+    for (o.sweep_i = 0; o.sweep_i < o.ntoks; o.sweep_i++) { /* a row per token count */
+        o.tokens = o.toks[o.sweep_i];
+        bench_t keep = b;
+        b = (bench_t){.o = &o, .comm = keep.comm, .me = keep.me, .N = keep.N,
+                      .have_base = keep.have_base};
+        if ((rc = make_config(&b)) != 0 || (rc = create_eps(&b)) != 0 ||
+            (!o.ht && (rc = make_workload(&b)) != 0) || (rc = open_device(&b)) != 0 ||
+            (rc = prepare_rounds(&b)) != 0)
+            return rc;
+        if (o.ht)
+            run_ht_rounds(&b); /* its own buffers: exact sizes, from the routes */
+        else
 #ifdef FERRY_HAVE_CUDA
-    if (b.dv.on && !o.check)
-        run_gpu_rounds(&b); /* warm-up and timed rounds back to back */
-    else
+        if (b.dv.on && !o.check)
+            run_gpu_rounds(&b); /* warm-up and timed rounds back to back */
+        else
 #endif
-    {
-        run_rounds(&b, 0, o.warmup);                  /* warm up, untimed */
-        stats_mark(&b); /* --stats: counters of the timed rounds only */
-        run_rounds(&b, o.warmup, o.warmup + o.iters); /* timed rounds */
+        {
+            run_rounds(&b, 0, o.warmup);                  /* warm up, untimed */
+            stats_mark(&b); /* --stats: counters of the timed rounds only */
+            run_rounds(&b, o.warmup, o.warmup + o.iters); /* timed rounds */
+        }
+        if (b.fail)
+            abort_run(&b);
+        status |= release_row(&b, report(&b));
     }
-    if (b.fail)
-        abort_run(&b);
-    return teardown(&b, report(&b));
+    return teardown(&b, status);
 }

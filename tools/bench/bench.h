@@ -30,6 +30,10 @@ typedef struct opts {
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;
     int quiet;
+    /* --tokens A,B,C: a sweep, one row each (tokens is the current one) */
+    int ntoks, toks[32];
+    int sweep_i;           /* the row being run (0: the first: header, new files) */
+    const char *csv;       /* --csv FILE: the rows as CSV, a header line first */
 } opts_t;
 
 /* --device cuda: inputs are copied to the GPU before a round and outputs
@@ -165,5 +169,11 @@ int run_null(const opts_t *o);
 /* report.c: gather every rank's timings, rank 0 prints the row (and the
  * JSON); returns the exit status the results call for. */
 int report(bench_t *b);
+
+/* What ran, where and when (the JSON, CSV and header line). */
+typedef struct bench_meta {
+    char version[32], commit[48], host[256], gpu[256], date[32];
+} bench_meta_t;
+void bench_meta(const bench_t *b, bench_meta_t *m);
 
 #endif

@@ -101,7 +101,15 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
 {
     const opts_t *o = b->o;
     const char *tr = getenv("FERRY_TRANSPORT");
-    if (!o->quiet)
+    int head = !o->quiet && o->sweep_i == 0; /* a sweep's rows share one header */
+    if (head) {
+        bench_meta_t m;
+        bench_meta(b, &m);
+        printf("# ferry %s%s%s%s, host %s%s%s, %s\n", m.version, m.commit[0] ? " (" : "",
+               m.commit, m.commit[0] ? ")" : "", m.host, m.gpu[0] ? ", GPU " : "", m.gpu,
+               m.date);
+    }
+    if (head)
         printf("# ferry-bench: %d ranks (%s), device %s, transport %s%s%s, "
                "routing %s, %d iters after %d warmup, seed %llu%s\n"
                "#%5s %5s %3s %6s %6s %5s %10s %10s %10s %10s %9s %8s %10s %10s %8s %7s\n",
@@ -119,12 +127,12 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
                "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",
                "comb_p99", "MB/rank", "GB/s", "base_disp", "base_comb",
                "speedup", "#wrong");
-    if (!o->quiet && o->ht)
+    if (head && o->ht)
         printf("#%-4s %12s %12s %12s   (--mode ht: per call, the largest rank's mean: MB "
                "written to fabric peers in dispatch and combine, rows its routing sends "
                "over the fabric%s)\n", "", "fab_MB_disp", "fab_MB_comb", "fab_rows",
                b->fwd ? ", once per node: forwarding" : ", once per rank: no forwarding");
-    if (!o->quiet && ps) {
+    if (head && ps) {
         printf("#%-4s", "");
         stats_header();
         printf("   (--stats: fabric path, timed rounds, all ranks)\n");
@@ -147,31 +155,40 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
     }
 }
 
-/* --json FILE: the row as one JSON object; 1 if the file cannot be
- * written. */
+#ifndef FERRY_GIT_COMMIT
+#define FERRY_GIT_COMMIT ""
+#endif
+
+/* What ran, where and when: the library's version, the commit the
+ * benchmark was built at, the host, rank 0's GPU, the time (UTC). */
+void bench_meta(const bench_t *b, bench_meta_t *m)
+{
+    memset(m, 0, sizeof(*m));
+    snprintf(m->version, sizeof(m->version), "%s", ferry_version_string());
+    snprintf(m->commit, sizeof(m->commit), "%s", FERRY_GIT_COMMIT);
+    gethostname(m->host, sizeof(m->host) - 1);
+    if (strcmp(b->o->device, "cuda") == 0)
+        dev_name(m->gpu, sizeof(m->gpu));
+    time_t now = time(NULL);
+    strftime(m->date, sizeof(m->date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+}
+
+/* --json FILE: the row as one JSON object (a sweep: one per line, JSON
+ * Lines); 1 if the file cannot be written. */
 static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
 {
     const opts_t *o = b->o;
     const char *tr = getenv("FERRY_TRANSPORT");
-    FILE *f = fopen(o->json, "w");
+    FILE *f = fopen(o->json, o->sweep_i == 0 ? "w" : "a");
     if (!f) {
         fprintf(stderr, "ferry-bench: --json %s: %s\n", o->json, strerror(errno));
         return 1;
     }
-    char host[256] = "", gpu[256] = "", date[32] = "";
-    gethostname(host, sizeof(host) - 1);
-    if (strcmp(o->device, "cuda") == 0)
-        dev_name(gpu, sizeof(gpu));
-    time_t now = time(NULL);
-    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
-#ifndef FERRY_GIT_COMMIT
-#define FERRY_GIT_COMMIT ""
-#endif
-    /* what ran, where and when: the library's version, the commit the
-     * benchmark was built at, the host, rank 0's GPU, the time (UTC) */
+    bench_meta_t m;
+    bench_meta(b, &m);
     fprintf(f, "{\"ferry_version\": \"%s\", \"commit\": \"%s\", \"host\": \"%s\", "
-            "\"gpu\": \"%s\", \"date\": \"%s\", ", ferry_version_string(), FERRY_GIT_COMMIT,
-            host, gpu, date);
+            "\"gpu\": \"%s\", \"date\": \"%s\", ", m.version, m.commit, m.host, m.gpu,
+            m.date);
     fprintf(f,
             "\"ranks\": %d, \"experts\": %d, \"topk\": %d, \"hidden\": %d, "
             "\"tokens\": %d, \"dtype\": \"%s\", \"routing\": \"%s\", "
@@ -193,6 +210,37 @@ static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
     if (ps)
         stats_json(f, ps);
     fprintf(f, "}\n");
+    fclose(f);
+    return 0;
+}
+
+/* --csv FILE: the row as CSV (the first row of a run writes the header
+ * line); 1 if the file cannot be written. */
+static int write_csv(const bench_t *b, const summary_t *r)
+{
+    const opts_t *o = b->o;
+    const char *tr = getenv("FERRY_TRANSPORT");
+    FILE *f = fopen(o->csv, o->sweep_i == 0 ? "w" : "a");
+    if (!f) {
+        fprintf(stderr, "ferry-bench: --csv %s: %s\n", o->csv, strerror(errno));
+        return 1;
+    }
+    bench_meta_t m;
+    bench_meta(b, &m);
+    if (o->sweep_i == 0)
+        fprintf(f, "ferry_version,commit,host,gpu,date,ranks,experts,topk,hidden,tokens,dtype,"
+                   "routing,transport,device,mode,iters,dispatch_p50_us,dispatch_p99_us,"
+                   "combine_p50_us,combine_p99_us,bytes_per_rank,gbps,"
+                   "baseline_dispatch_p50_us,baseline_combine_p50_us,speedup,wrong,"
+                   "fabric_bytes_dispatch,fabric_bytes_combine\n");
+    fprintf(f, "%s,%s,%s,\"%s\",%s,%d,%d,%d,%d,%d,%s,%s,%s,%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.0f,"
+               "%.4f,%.3f,%.3f,%.4f,%ld,%.0f,%.0f\n",
+            m.version, m.commit, m.host, m.gpu, m.date, b->N, o->experts, o->topk, o->hidden,
+            o->tokens, dtype_name(o), o->routing, tr ? tr : "auto", o->device, o->ht ? "ht" : "ll",
+            o->iters, r->dp50, r->dp99, r->cp50, r->cp99, r->bytes, r->gbs,
+            b->have_base ? r->bd50 : -1.0, b->have_base ? r->bc50 : -1.0,
+            b->have_base ? r->speed : -1.0, r->wrong, o->ht ? r->fab_d : 0.0,
+            o->ht ? r->fab_c : 0.0);
     fclose(f);
     return 0;
 }
@@ -225,6 +273,8 @@ int report(bench_t *b)
         summarize(b, all, per, &r);
         print_table(b, &r, psp);
         if (o->json && write_json(b, &r, psp) != 0)
+            status = 1;
+        if (o->csv && write_csv(b, &r) != 0)
             status = 1;
         if (r.wrong > 0) {
             fprintf(stderr, "ferry-bench: %ld wrong results\n", r.wrong);
