@@ -2,7 +2,9 @@
 # The compatibility package (python/compat: ferry-deep-ep, the module
 # deep_ep on ferry), in a fresh virtual environment: ferry alone installs
 # no deep_ep (a real DeepEP is never shadowed); ferry-deep-ep installs
-# deep_ep and nothing else; uninstalling it takes deep_ep away again.
+# deep_ep through an import hook (no file named deep_ep/); uninstalling it
+# takes deep_ep away again; beside a real DeepEP, `import deep_ep` asks for
+# a choice (FERRY_DEEP_EP) and uninstalling leaves DeepEP working.
 # DeepEP's Config (pure Python, no torch) is checked against DeepEP's
 # constraints. With torch present, `import deep_ep` gives ferry's classes;
 # without torch, importing it fails on torch and on nothing else.
@@ -59,8 +61,13 @@ PY
 check with-compat <<'PY'
 import importlib.metadata as md, importlib.util as iu, os, sys
 venv, what = sys.argv[1], sys.argv[2]
-files = sorted(str(f) for f in md.files("ferry-deep-ep") if str(f).endswith(".py"))
-assert files == ["deep_ep/__init__.py", "deep_ep/buffer.py", "deep_ep/utils.py"], files
+files = sorted(str(f) for f in md.files("ferry-deep-ep")
+               if str(f).endswith((".py", ".pth")) and "dist-info" not in str(f))
+assert files == ["ferry-deep-ep.pth", "ferry_deep_ep/__init__.py", "ferry_deep_ep/_hook.py",
+                 "ferry_deep_ep/deep_ep/__init__.py", "ferry_deep_ep/deep_ep/_ferry_backend.py",
+                 "ferry_deep_ep/deep_ep/buffer.py", "ferry_deep_ep/deep_ep/utils.py"], files
+assert not [f for f in md.files("ferry-deep-ep") if str(f).split("/")[0] == "deep_ep"], \
+    "ferry-deep-ep installs files named deep_ep/: it would overwrite a real DeepEP's"
 spec = iu.find_spec("deep_ep")
 assert spec and os.path.realpath(spec.origin).startswith(os.path.realpath(venv)), spec
 try:
@@ -109,4 +116,44 @@ spec = iu.find_spec("deep_ep")
 assert spec is None or not os.path.realpath(spec.origin).startswith(os.path.realpath(sys.argv[1])), spec
 print(f"{sys.argv[2]}: deep_ep gone from the venv")
 PY
-echo "compat: ferry-deep-ep installs deep_ep on ferry, ferry alone does not"
+# Beside a real DeepEP (a stand-in distribution named deep_ep): installing
+# ferry-deep-ep overwrites none of its files; `import deep_ep` then fails
+# naming both and how to choose, FERRY_DEEP_EP picks one, a bad value is
+# named, and uninstalling ferry-deep-ep leaves DeepEP working
+mkdir -p "$W/standin/deep_ep"
+echo 'backend = "deepep-standin"' > "$W/standin/deep_ep/__init__.py"
+printf '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n[project]\nname = "deep_ep"\nversion = "1.2.1"\n[tool.setuptools]\npackages = ["deep_ep"]\n' > "$W/standin/pyproject.toml"
+"$PY" -m pip install -q --no-build-isolation --no-deps "$W/standin"
+"$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT/python/compat"
+check beside-deepep <<'PY'
+import importlib.metadata as md, os, subprocess, sys
+venv, what = sys.argv[1], sys.argv[2]
+site = [p for p in sys.path if os.path.realpath(p).startswith(os.path.realpath(venv))
+        and p.endswith("site-packages")][0]
+init = os.path.join(site, "deep_ep", "__init__.py")
+assert open(init).read().strip() == 'backend = "deepep-standin"', "DeepEP's file was overwritten"
+def run(choice, code):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FERRY_LIB")}
+    if choice is not None:
+        env["FERRY_DEEP_EP"] = choice
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+r = run(None, "import deep_ep")
+assert r.returncode != 0 and "two deep_ep modules are installed" in r.stderr and \
+    "FERRY_DEEP_EP=ferry" in r.stderr and init in r.stderr, r.stderr
+r = run("deepep", "import deep_ep; print(deep_ep.backend)")
+assert r.returncode == 0 and r.stdout.strip() == "deepep-standin", (r.stdout, r.stderr)
+r = run("maybe", "import deep_ep")
+assert r.returncode != 0 and "FERRY_DEEP_EP=maybe" in r.stderr, r.stderr
+r = run("ferry", "import torch, deep_ep; print(deep_ep.backend)")
+if "No module named 'torch'" not in r.stderr:
+    assert r.returncode == 0 and r.stdout.strip() == "ferry", (r.stdout, r.stderr)
+print(f"{what}: DeepEP's files untouched; import deep_ep names both and FERRY_DEEP_EP; "
+      "deepep and ferry choose")
+PY
+"$PY" -m pip uninstall -q -y ferry-deep-ep
+check standin-again <<'PY'
+import deep_ep, sys
+assert deep_ep.backend == "deepep-standin", deep_ep.backend
+print(f"{sys.argv[2]}: with ferry-deep-ep uninstalled, DeepEP imports as before")
+PY
+echo "compat: ferry-deep-ep gives deep_ep on ferry through an import hook, ferry alone does not, and a real DeepEP is neither overwritten nor shadowed without a choice"

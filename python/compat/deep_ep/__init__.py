@@ -3,10 +3,12 @@ Config, EventOverlap, and topk_idx_t of later versions), backed by
 ferry.deep_ep, for engines that import `deep_ep` (vLLM's deepep_* all2all
 backends, SGLang's --moe-a2a-backend deepep).
 
-Installed only by the package ferry-deep-ep (pip install ./python
-./python/compat); the package ferry alone never provides `deep_ep`, so it
-never shadows a real DeepEP. See docs/python.md for what each call does on
-ferry.
+Installed by the package ferry-deep-ep (pip install ./python
+./python/compat) as ferry_deep_ep/deep_ep, which its import hook gives as
+`deep_ep`: no file named deep_ep/ is installed, so a real DeepEP beside it
+is never overwritten, and with both present `import deep_ep` asks for a
+choice (FERRY_DEEP_EP=ferry or deepep). The package ferry alone never
+provides `deep_ep`. See docs/python.md for what each call does on ferry.
 """
 import torch  # noqa: F401  (DeepEP's package imports torch first too)
 
