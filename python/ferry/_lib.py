@@ -151,7 +151,16 @@ def load():
     # only; a value already set is kept.
     os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
     os.environ.setdefault("HFI_NO_BACKTRACE", "1")
-    lib = C.CDLL(_find_library())
+    path = _find_library()
+    try:
+        lib = C.CDLL(path)
+    except OSError as e:
+        if "libfabric" in str(e):
+            raise OSError(f"{path} needs libfabric (libfabric.so.1), which is not installed or "
+                          f"not on the library path: install it (Debian/Ubuntu: apt install "
+                          f"libfabric1; RHEL/Fedora: dnf install libfabric; AWS: the EFA "
+                          f"installer's), or point LD_LIBRARY_PATH at one ({e})") from None
+        raise
     vp, cp, sz, i = C.c_void_p, C.c_char_p, C.c_size_t, C.c_int
     u64 = C.c_uint64
     sigs = {

@@ -14,6 +14,15 @@ import torch  # noqa: F401  (DeepEP's package imports torch first too)
 
 from ferry.deep_ep import Buffer, Config, EventOverlap, topk_idx_t
 
+# the library and what it needs (libfabric) are loaded now, so that
+# `import deep_ep` fails, naming what is missing, where the first call
+# would (engines probe for DeepEP by importing it)
+try:
+    import ferry as _ferry
+    _ferry._lib_handle()
+except OSError as _e:
+    raise ImportError(f"deep_ep on ferry cannot load libferry: {_e}") from None
+
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 #: the version of DeepEP's Python API this module follows

@@ -270,15 +270,31 @@ combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out
 
 extern "C" int ferry_cuda_available(char *why, size_t len)
 {
-    int n = 0;
+    int n = 0, drv = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0) {
-        if (why && len)
+    if (e == cudaSuccess && n > 0)
+        return 1;
+    (void)cudaGetLastError();
+    /* say which of the two it is: no driver, or one older than the CUDA
+     * runtime ferry was built with (CUDART_VERSION: 13000 is 13.0) */
+    if (cudaDriverGetVersion(&drv) != cudaSuccess)
+        drv = 0;
+    (void)cudaGetLastError();
+    if (why && len) {
+        int rt = CUDART_VERSION;
+        if (drv == 0)
+            snprintf(why, len, "no NVIDIA driver found (libcuda.so.1 is not loadable): ferry's "
+                     "CUDA %d.%d runtime needs the driver of a CUDA %d.%d or later toolkit",
+                     rt / 1000, rt % 1000 / 10, rt / 1000, rt % 1000 / 10);
+        else if (drv < rt)
+            snprintf(why, len, "the NVIDIA driver supports CUDA %d.%d, ferry's runtime is CUDA "
+                     "%d.%d: update the driver (README: requirements)", drv / 1000,
+                     drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+        else
             snprintf(why, len, "no CUDA device: %s",
                      e != cudaSuccess ? cudaGetErrorString(e) : "count is 0");
-        return 0;
     }
-    return 1;
+    return 0;
 }
 
 typedef struct fr_ipc_msg {
