@@ -1,6 +1,6 @@
 /*
  * The CUDA low-latency engine: launchers of the dispatch/combine kernels
- * and the device state behind them (cuda_ll.cu), its table (engine.c).
+ * and the device state behind them (setup.cu, combine.cu, mask.cu), its table (engine.c).
  * Built only when nvcc is present (FERRY_HAVE_CUDA); otherwise stub.c
  * answers FERRY_ERR_UNSUPPORTED.
  */

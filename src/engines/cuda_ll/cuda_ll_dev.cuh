@@ -1,6 +1,6 @@
 /*
  * The CUDA low-latency engine's device side, shared by its kernel files
- * (dispatch.cu, cuda_ll.cu): the kernels' argument block, the engine's
+ * (dispatch.cu, combine.cu, setup.cu, mask.cu): the kernels' argument block, the engine's
  * state, flags with acquire/release at system scope, bounded waits,
  * error words, fp8 conversion, warp copies, publishing to peers and to
  * the proxy.
@@ -130,7 +130,7 @@ struct fr_cuda_ep {
 };
 
 
-/* The last launch's error, then the kernels' error word (cuda_ll.cu). */
+/* The last launch's error, then the kernels' error word (setup.cu). */
 int fr_cuda_launch_check(ferry_ep_t ep, const char *what);
 /* The one-launch kernels' grid: their blocks wait for each other, so
  * never more than the GPU holds at once, for every kernel of `ks` with
@@ -183,6 +183,7 @@ static int fr_cu_load(const void *const *fs, size_t n, const char *what, fr_err_
 extern "C" int fr_cuda_dispatch_init(ferry_ep_t ep, fr_err_t *err);
 /* The dispatch kernels loaded and c->dgrid set, at set-up (dispatch.cu). */
 extern "C" int fr_cuda_dispatch_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
+extern "C" int fr_cuda_combine_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err);
 
 /* ---------------------------------------------------------------------- */
 /* device helpers (flags, timer and the error word: runtime/cuda_sync.cuh) */

@@ -1,4 +1,4 @@
-/* The CUDA low-latency engine's table (launchers in cuda_ll.cu, or the
+/* The CUDA low-latency engine's table (launchers in dispatch.cu, combine.cu, setup.cu and mask.cu, or the
  * stubs of a build without nvcc in stub.c). */
 #include "engines/cuda_ll/cuda_ll.h"
 

@@ -1,0 +1,317 @@
+/*
+ * The CUDA low-latency engine's combine (dispatch: dispatch.cu; set-up,
+ * free and the error word: setup.cu; masks: mask.cu).
+ *
+ *   combine send part    = rows of each source rank, one contiguous run,
+ *                          then every block adds its share to the flags
+ *   combine receive part = wait for all flags, fp32 weighted sum, bf16 out
+ *   one kernel (ferry::combine): one launch runs both parts;
+ *   combine_send / combine_recv launch it once per part.
+ *
+ * Ordering (IPC path): data stores, a block barrier, one system fence by
+ * thread 0, then relaxed system-scope adds to the destinations' flags
+ * (fr_cu_arrive: flags count arrivals). Fabric path: a count of finished
+ * blocks, and the block that finishes fills each peer's slice and rings
+ * its doorbell for the proxy.
+ * Receivers poll relaxed and acquire once. Waits are bounded by
+ * %globaltimer: on expiry the kernel writes an error word in host-mapped
+ * memory and returns (never traps); every later kernel sees the word and
+ * returns at once.
+ */
+
+#include "engines/cuda_ll/cuda_ll_dev.cuh"
+#include "ep/hmem.h"
+#include "runtime/rt.h"
+
+/* threads per block of ferry::combine, whichever parts a launch runs */
+#define FR_CS_THREADS 512
+
+/* ---------------------------------------------------------------------- */
+/* combine                                                                */
+
+static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
+                                                 const uint8_t *y)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N;
+    unsigned int *done = A.done + FR_PH_COMBINE * FR_NSETS + set;
+    const int32_t *pn = A.pair_n + set * N;
+    size_t pstride = (size_t)L.T * L.kmax; /* sender s's pairs start at s * pstride */
+    __shared__ int s_fail;
+    __shared__ const int32_t *s_mk; /* the mask, NULL when no rank is masked */
+    if (threadIdx.x == 0) {
+        s_fail = fr_cu_failed(A);
+        s_mk = A.mask[N] ? A.mask : NULL;
+        if (blockIdx.x == 0)
+            FR_TL(A, FR_PH_COMBINE, A.epoch[set], "start", A.rank);
+    }
+    __syncthreads();
+    /* items of 4 KB (a warp's 8 x 16 bytes per lane) of every row, all
+     * warps of the grid over each source's rows in turn; own rows are
+     * read in place by combine_recv */
+    int cpr = (int)((L.crow + 4095) / 4096);
+    int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int nwg = gridDim.x * (blockDim.x >> 5);
+    for (int s = 0; s < N && !s_fail; s++) {
+        if (s == A.rank || (s_mk && s_mk[s])) /* a masked rank's memory: never */
+            continue;
+        int p0 = (int)(s * pstride), np = pn[s];
+        const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
+        uint8_t *dst = A.path[s] == FR_PATH_FABRIC
+                           ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
+                           : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
+        for (int q = gw; q < np * cpr; q += nwg) {
+            int p = q / cpr, c = q - p * cpr;
+            if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
+                continue;
+            size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
+            fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
+        }
+    }
+    __shared__ bool last;
+    if (A.nfabric == 0) {
+        fr_cu_arrive(A, FR_PH_COMBINE, set, s_mk); /* barrier first, then thread 0 */
+        return;
+    }
+    /* the block's stores, then one system fence (fr_cu_arrive says why
+     * one thread's fence after a barrier covers them) before the count */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence_system();
+    unsigned long long epoch = A.epoch[set];
+    bool ok = !fr_cu_failed(A);
+    for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
+        if (s_mk && s_mk[d]) /* a masked rank is sent nothing */
+            continue;
+        int p0 = (int)(d * pstride), np = pn[d];
+        fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch, fr_off_csend(&L, set, (uint64_t)p0),
+                      fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + d]),
+                      (uint64_t)np * L.crow);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *done = 0;
+}
+
+/* Blocks take runs of B consecutive tokens: the rows of all B x K pairs
+ * are looked up at once, then every thread sums 8 channels of one token
+ * with the K row loads in flight (no per-token barrier or lookup chain). */
+#define FR_CR_PAIRS 256
+#define FR_CR_CUTS 32 /* masked ranks a combine block lists for its cut */
+static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
+                                                 const float *w, uint16_t *out,
+                                                 const uint8_t *self_y, long long *cost)
+{
+    const fr_layout_t &L = A.L;
+    int N = A.N, K = L.K, H = L.H;
+    __shared__ int ok, s_own; /* s_own: a wait of this block masked a rank */
+    __shared__ const uint8_t *srow[FR_CR_PAIRS];
+    __shared__ float sw[FR_CR_PAIRS];
+    /* Every sender is needed before any token can be summed: the first
+     * warp's lanes wait for them at once (lane l for senders l, l + 32,
+     * ...), so the wait costs one poll latency, not N in a row; block 0's
+     * lanes add what each waited to the optional wait costs. */
+    if (threadIdx.x == 0)
+        s_own = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        bool mine = !fr_cu_failed(A);
+        unsigned long long epoch = A.epoch[set];
+        int nmask = A.mask[N]; /* loaded beside the two above */
+        for (int s = threadIdx.x; s < N && mine; s += 32) {
+            if (nmask && A.mask[s]) /* sent nothing, waited for never */
+                continue;
+            long long t0 = clock64();
+            int w = fr_cu_wait_peer(A, FR_PH_COMBINE, set, s, epoch, FR_CU_WHAT_COMBINE);
+            mine = w != 0;
+            if (w == 2)
+                s_own = 1;
+            if (w == 1 && cost && blockIdx.x == 0)
+                atomicAdd((unsigned long long *)(cost + s), (unsigned long long)(clock64() - t0));
+        }
+        mine = __all_sync(0xffffffffu, mine);
+        if (threadIdx.x == 0)
+            ok = mine;
+    }
+    __syncthreads();
+    if (!ok)
+        return;
+    int T = A.ntok[set];
+    const int32_t *cpos = A.comb_pos + (size_t)set * L.T * K;
+    /* ranks masked by now (a wait that ran out in this round, here or in
+     * the dispatch) that this round sent rows to: those rows never come
+     * back, their slots count 0 (ranks masked before this round got no
+     * rows: their slots were cut at dispatch). Thread 0 lists them once
+     * per block (s_ncut; more than FR_CR_CUTS: every slot checks every
+     * rank); this block's own masked answers count even before the
+     * count of masked ranks, another block's add, is seen. */
+    __shared__ int s_ncut, s_cut[FR_CR_CUTS];
+    const int32_t *soff = A.comb_off + set * N, *spn = A.npairs + set * N;
+    if (threadIdx.x == 0) {
+        s_ncut = 0;
+        if (A.mask_on_timeout && (s_own || *(volatile int32_t *)(A.mask + N) != 0))
+            for (int d = 0; d < N; d++)
+                if (((volatile int32_t *)A.mask)[d] && spn[d] > 0) {
+                    if (s_ncut < FR_CR_CUTS)
+                        s_cut[s_ncut] = d;
+                    s_ncut++;
+                }
+    }
+    __syncthreads();
+    int ncut = s_ncut, nscan = ncut <= FR_CR_CUTS ? ncut : N;
+    /* pairs this rank sent itself: rows [cs, cs + ns) of its combine region
+     * were never copied; they are expert_y rows pair_row[ps + pos - cs] */
+    int cs = A.comb_off[set * N + A.rank], ns = A.npairs[set * N + A.rank];
+    size_t ps = (size_t)A.rank * L.T * L.kmax;
+    const int32_t *prow = A.pair_row + (size_t)set * L.send_crows;
+    int hc = H / 8; /* 8-channel chunks of a token */
+    /* runs of B tokens: the tokens spread over the blocks, B x K pairs fit */
+    int B = max(1, min((T + (int)gridDim.x - 1) / (int)gridDim.x, FR_CR_PAIRS / K));
+    for (int tb = blockIdx.x * B; tb < T; tb += gridDim.x * B) {
+        int nb = min(B, T - tb);
+        for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
+            int pos = cpos[(size_t)tb * K + i];
+            /* rows an IPC peer sent (peers on both paths): in iseg */
+            const uint8_t *rb = pos >= 0 && (pos & FR_CPOS_IPC) ? A.iseg : A.seg;
+            pos = pos >= 0 ? pos & ~FR_CPOS_IPC : pos;
+            for (int j = 0; j < nscan && pos >= 0; j++) {
+                int d = ncut <= FR_CR_CUTS ? s_cut[j] : j;
+                if (ncut > FR_CR_CUTS && !(((volatile int32_t *)A.mask)[d] && spn[d] > 0))
+                    continue;
+                if (pos >= soff[d] && pos < soff[d] + spn[d])
+                    pos = -1;
+            }
+            int pr = pos >= cs && pos < cs + ns ? prow[ps + pos - cs] : 0;
+            srow[i] = pos < 0 || pr < 0 ? NULL
+                      : pos >= cs && pos < cs + ns
+                          ? self_y + (size_t)pr * L.crow
+                          : rb + fr_off_crecv(&L, set, (uint64_t)pos);
+            sw[i] = w[(size_t)tb * K + i];
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < nb * hc; j += blockDim.x) {
+            int tl = j / hc, h0 = (j - tl * hc) * 8;
+            const uint8_t *const *rr = srow + tl * K;
+            const float *ww = sw + tl * K;
+            /* up to 8 loads in flight, then their sum in k order */
+            float acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.f;
+            for (int k0 = 0; k0 < K; k0 += 8) {
+                int4 v[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    if (k0 + k < K && rr[k0 + k])
+                        v[k] = *(const int4 *)(rr[k0 + k] + (size_t)h0 * 2);
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    if (k0 + k >= K || !rr[k0 + k])
+                        continue;
+                    const uint16_t *yv = (const uint16_t *)&v[k];
+                    for (int i = 0; i < 8; i++)
+                        acc[i] += ww[k0 + k] * fr_bf16_to_f32(yv[i]);
+                }
+            }
+            int4 o;
+            uint16_t *ov = (uint16_t *)&o;
+            for (int i = 0; i < 8; i++)
+                ov[i] = fr_f32_to_bf16(acc[i]);
+            *(int4 *)(out + (size_t)(tb + tl) * H + h0) = o;
+        }
+        __syncthreads();
+    }
+}
+
+/* The combine kernel: one for the operation, its parts chosen by `phases`
+ * (FR_PART_SEND, FR_PART_RECV or both: a split call launches it twice).
+ * Both parts in one launch need the grid resident at once (blocks wait
+ * for the other blocks' sends). self_y: this rank's own rows (the send's
+ * y; the receive alone gets the y its send part was given). */
+namespace ferry {
+__global__ void __launch_bounds__(FR_CS_THREADS, 2)
+combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out,
+        const uint8_t *self_y, long long *cost, int phases)
+{
+    if (phases & FR_PART_SEND)
+        fr_cs_run(A, set, y);
+    if (!(phases & FR_PART_RECV))
+        return;
+    if (phases & FR_PART_SEND)
+        __syncthreads();
+    fr_cr_run(A, set, w, out, self_y, cost);
+}
+} /* namespace ferry */
+
+
+/* The combine kernel loaded now, its grid within what the GPU holds
+ * (setup.cu's fr_cuda_load_kernels). */
+extern "C" int fr_cuda_combine_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
+{
+    (void)ep;
+    decltype(&ferry::combine) ks[] = {ferry::combine};
+    c->cgrid = fr_cu_grid(c, ks, FR_CS_THREADS, 0, "combine");
+    const void *fs[] = {(const void *)ferry::combine};
+    return fr_cu_load(fs, sizeof(fs) / sizeof(fs[0]), "combine", err);
+}
+
+/* ---------------------------------------------------------------------- */
+/* host entry points                                                      */
+
+extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
+                                    const ferry_combine_in_t *in)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    c->y[set] = in->expert_y;
+    ferry::combine<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+                                                        NULL, NULL, NULL, NULL, FR_PART_SEND);
+    return fr_cuda_launch_check(ep, "combine_send");
+}
+
+extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
+                                    const ferry_combine_out_t *out)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)out->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
+    blocks = blocks < 1 ? 1 : blocks;
+    ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
+                                                    (uint16_t *)out->out,
+                                                    (const uint8_t *)c->y[set],
+                                                    (long long *)out->wait_cost, FR_PART_RECV);
+    int rc = fr_cuda_launch_check(ep, "combine_recv");
+    if (rc == FERRY_OK)
+        fr_ahead_mark(&c->ahead, r->epoch, st);
+    return rc;
+}
+
+extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                               const ferry_combine_out_t *out)
+{
+    struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
+    cudaStream_t st = (cudaStream_t)in->stream;
+    int set = (int)(r->epoch % FR_NSETS);
+    c->y[set] = in->expert_y;
+    if (c->cgrid < 0) {
+        int rc = fr_cuda_combine_send(ep, r, in);
+        return rc ? rc : fr_cuda_combine_recv(ep, r, out);
+    }
+    int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
+    ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+                                                    out->topk_weights, (uint16_t *)out->out,
+                                                    (const uint8_t *)in->expert_y,
+                                                    (long long *)out->wait_cost,
+                                                    FR_PART_SEND | FR_PART_RECV);
+    int rc = fr_cuda_launch_check(ep, "combine");
+    if (rc == FERRY_OK)
+        fr_ahead_mark(&c->ahead, r->epoch, st);
+    return rc;
+}
