@@ -1,5 +1,6 @@
-/* The CUDA low-latency engine's table (launchers in dispatch.cu, combine.cu, setup.cu and mask.cu, or the
- * stubs of a build without nvcc in stub.c). */
+/* The CUDA low-latency engine's table (launchers in dispatch.cu,
+ * combine.cu, setup.cu and mask.cu, or the stubs of a build without nvcc
+ * in stub.c). */
 #include "engines/cuda_ll/cuda_ll.h"
 
 const fr_engine_t fr_engine_cuda_ll = {
