@@ -15,7 +15,9 @@ MPI_LIBS = $(if $(filter 1,$(MPI)),$(shell $(MPICC) -showme:link 2>/dev/null))
 
 WARN := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes
 CFLAGS ?= -O3 -g
-CFLAGS += -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) -Iinclude -Isrc \
+# only the calls marked FERRY_API (include/ferry.h) are visible outside
+# the library; scripts/libferry.map keeps the exports to ferry_* as well
+CFLAGS += -std=c11 -D_GNU_SOURCE -fPIC -pthread -fvisibility=hidden $(WARN) -Iinclude -Isrc \
           $(FABRIC_CFLAGS)
 LDLIBS := $(FABRIC_LIBS) -lrt -lm -pthread
 ifeq ($(SAN),1)
@@ -127,7 +129,7 @@ cuda: $(CUDA_OBJS)
 # kernels that include it
 $(BUILD)/obj/%.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) -O3 -std=c++17 $(NVCC_ARCH) -Xcompiler -fPIC -DFERRY_HAVE_CUDA -Iinclude -Isrc \
+	$(NVCC) -O3 -std=c++17 $(NVCC_ARCH) -Xcompiler -fPIC,-fvisibility=hidden -DFERRY_HAVE_CUDA -Iinclude -Isrc \
 		-MD -MP -MF $(@:.o=.d) -c $< -o $@
 
 # Coverage-guided fuzzing (libFuzzer): argument checks and record decoding.

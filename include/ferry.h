@@ -27,6 +27,12 @@
 extern "C" {
 #endif
 
+/* Marks the library's public calls: the only symbols libferry exports
+ * (it is built with -fvisibility=hidden). */
+#ifndef FERRY_API
+#define FERRY_API __attribute__((visibility("default")))
+#endif
+
 #define FERRY_VERSION_MAJOR 0
 #define FERRY_VERSION_MINOR 1
 #define FERRY_VERSION_PATCH 1
@@ -51,7 +57,7 @@ typedef enum ferry_status {
 } ferry_status_t;
 
 /* Short fixed description of a status code. Never NULL. */
-const char *ferry_strerror(int status);
+FERRY_API const char *ferry_strerror(int status);
 
 typedef struct ferry_comm *ferry_comm_t;
 typedef struct ferry_ep *ferry_ep_t;
@@ -70,7 +76,7 @@ typedef struct ferry_ep *ferry_ep_t;
  * Collective: every rank must call it. On failure *comm is NULL and, when
  * errbuf is not NULL, a message is written there.
  */
-int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen);
+FERRY_API int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen);
 
 /*
  * Caller-supplied allgather: gather `len` bytes from every rank into `out`
@@ -80,25 +86,25 @@ typedef int (*ferry_allgather_fn)(const void *in, void *out, size_t len,
                                   void *ctx);
 
 /* Create a communicator over an existing runtime (MPI, torch.distributed). */
-int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
+FERRY_API int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
                               void *ctx, ferry_comm_t *comm, char *errbuf,
                               size_t errlen);
 
-int ferry_comm_rank(ferry_comm_t comm);
+FERRY_API int ferry_comm_rank(ferry_comm_t comm);
 /* Detailed message of the last failure on this communicator, including a
  * failed ferry_ep_create (which leaves no EP handle to ask). */
-const char *ferry_comm_last_error(ferry_comm_t comm);
-int ferry_comm_size(ferry_comm_t comm);
+FERRY_API const char *ferry_comm_last_error(ferry_comm_t comm);
+FERRY_API int ferry_comm_size(ferry_comm_t comm);
 /* Collective helpers over the communicator's bootstrap (setup-time speed;
  * not for the data path). */
-int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
+FERRY_API int ferry_comm_allgather(ferry_comm_t comm, const void *in, void *out,
                          size_t len);
-int ferry_comm_barrier(ferry_comm_t comm);
+FERRY_API int ferry_comm_barrier(ferry_comm_t comm);
 /* Collective; tolerates a dead peer (returns FERRY_ERR_PEER after cleanup).
  * Destroy every EP (and put-with-signal context) made on the communicator
  * first: they use it until they are destroyed; while any is left this
  * returns FERRY_ERR_STATE (saying how many) and frees nothing. */
-int ferry_comm_destroy(ferry_comm_t comm);
+FERRY_API int ferry_comm_destroy(ferry_comm_t comm);
 
 /* ---------------------------------------------------------------------- */
 /* Expert-parallel context                                                */
@@ -212,13 +218,13 @@ typedef enum ferry_scales_layout {
      FERRY_MODE_LOW_LATENCY, 0, 0, FERRY_SCALES_ROWS, 0, FERRY_FORWARD_AUTO, 0}
 
 /* Collective over the communicator; every rank passes the same config. */
-int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
+FERRY_API int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
                     ferry_ep_t *ep);
 /* Collective; waits for this rank's transfers to finish first. */
-int ferry_ep_destroy(ferry_ep_t ep);
+FERRY_API int ferry_ep_destroy(ferry_ep_t ep);
 
 /* Detailed message for the last error on this handle ("" if none). */
-const char *ferry_ep_last_error(ferry_ep_t ep);
+FERRY_API const char *ferry_ep_last_error(ferry_ep_t ep);
 
 /* Sizes of the caller's buffers, filled from the config and world size. */
 typedef struct ferry_ep_layout {
@@ -237,7 +243,7 @@ typedef struct ferry_ep_layout {
     size_t host_bytes;       /* other buffers this rank holds */
 } ferry_ep_layout_t;
 
-int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
+FERRY_API int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
 
 /* The nodes as this context sees them: ranks that reach each other
  * through shared (peer) memory form a node (equal FERRY_NODE_ID or host
@@ -246,7 +252,7 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);
  * ep may be NULL: *num_nodes, node_of[N] (each rank's node) and *forward
  * (1 when the high-throughput calls forward through one rank per node,
  * config.forward). */
-int ferry_ep_get_nodes(ferry_ep_t ep, int *num_nodes, int32_t *node_of, int *forward);
+FERRY_API int ferry_ep_get_nodes(ferry_ep_t ep, int *num_nodes, int32_t *node_of, int *forward);
 
 /* Counters of the thread that drives this context's fabric path (the
  * low-latency proxy; in the high-throughput mode the CPU engine's own
@@ -294,7 +300,7 @@ typedef struct ferry_ep_stats {
  * while the driving thread may still add to them. Returns FERRY_OK, or
  * FERRY_ERR_INVALID for a NULL argument or a size smaller than the
  * first version's (message in ferry_ep_last_error when ep is valid). */
-int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
+FERRY_API int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
 
 /* ---------------------------------------------------------------------- */
 /* Rounds                                                                 */
@@ -364,18 +370,18 @@ typedef struct ferry_combine_out {
     int64_t *wait_cost;        /* optional, as ferry_dispatch_out_t's */
 } ferry_combine_out_t;
 
-int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+FERRY_API int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                         uint64_t *round);
-int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
+FERRY_API int ferry_dispatch_recv(ferry_ep_t ep, uint64_t round,
                         const ferry_dispatch_out_t *out);
-int ferry_combine_send(ferry_ep_t ep, uint64_t round,
+FERRY_API int ferry_combine_send(ferry_ep_t ep, uint64_t round,
                        const ferry_combine_in_t *in);
-int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
+FERRY_API int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
                        const ferry_combine_out_t *out);
 
 /* Wait for `stream` (CUDA; ignored on CPU) and return the context's status:
  * FERRY_OK, or the error a kernel reported (naming the rank). */
-int ferry_ep_sync(ferry_ep_t ep, void *stream);
+FERRY_API int ferry_ep_sync(ferry_ep_t ep, void *stream);
 
 /* Masking ranks (low-latency mode; DeepEP's mask buffer). A masked rank
  * is treated as gone: from the next round on, this rank sends it nothing,
@@ -399,17 +405,17 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream);
  *
  * ferry_ep_mask_query: int32 status[num_ranks] = 1 where masked, else 0
  * (CUDA: device memory, copied on `stream`; CPU: host memory). */
-int ferry_ep_mask_rank(ferry_ep_t ep, int rank, int masked, void *stream);
-int ferry_ep_mask_query(ferry_ep_t ep, int32_t *status, void *stream);
+FERRY_API int ferry_ep_mask_rank(ferry_ep_t ep, int rank, int masked, void *stream);
+FERRY_API int ferry_ep_mask_query(ferry_ep_t ep, int32_t *status, void *stream);
 
 /* 1 when this build has CUDA kernels and a GPU is visible, else 0 (and a
  * reason in why). */
-int ferry_cuda_available(char *why, size_t len);
+FERRY_API int ferry_cuda_available(char *why, size_t len);
 
 /* One-shot forms: send then receive. */
-int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
+FERRY_API int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                    const ferry_dispatch_out_t *out, uint64_t *round);
-int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
+FERRY_API int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
                   const ferry_combine_out_t *out);
 
 /* ---------------------------------------------------------------------- */
@@ -483,13 +489,13 @@ typedef struct ferry_route_in {
 } ferry_route_in_t;
 
 /* Collective. */
-int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
+FERRY_API int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                        ferry_route_t *route);
 /* Rows this rank receives (num_recv), and optionally rows per local
  * expert ([E_local], rounded up to expert_alignment). A bounded route
  * gives num_recv = max_recv, and its expert counts only through
  * expert_counts_out (FERRY_ERR_STATE here). */
-int ferry_route_counts(ferry_route_t route, int *num_recv,
+FERRY_API int ferry_route_counts(ferry_route_t route, int *num_recv,
                        int32_t *expert_counts);
 /* Not collective; the route must not be in use, and is gone after this
  * (as it is when its context is destroyed first: destroy routes first).
@@ -498,7 +504,7 @@ int ferry_route_counts(ferry_route_t route, int *num_recv,
  * same stream (stream order keeps that safe); tables of a route made while
  * its stream was being captured stay with the graph. With every pooled
  * table taken, a bounded route allocates its own (not capturable). */
-int ferry_route_destroy(ferry_route_t route);
+FERRY_API int ferry_route_destroy(ferry_route_t route);
 
 typedef struct ferry_ht_dispatch_in {
     size_t size;               /* sizeof(ferry_ht_dispatch_in_t) */
@@ -569,10 +575,10 @@ typedef struct ferry_ht_combine_out {
  * the same route: the gradient of a combine is a dispatch of the output's
  * gradient (bf16), the gradient of a dispatch is a combine of recv_x's
  * gradient (with topk_weights' gradient riding along). */
-int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route,
+FERRY_API int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route,
                       const ferry_ht_dispatch_in_t *in,
                       const ferry_ht_dispatch_out_t *out);
-int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route,
+FERRY_API int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route,
                      const ferry_ht_combine_in_t *in,
                      const ferry_ht_combine_out_t *out);
 
@@ -608,7 +614,7 @@ typedef struct ferry_layout_args {
 
 /* Returns FERRY_ERR_INVALID naming the argument (message in errbuf, which
  * may be NULL), or FERRY_ERR_UNSUPPORTED for CUDA in a build without it. */
-int ferry_dispatch_layout(const ferry_layout_args_t *args, char *errbuf, size_t errlen);
+FERRY_API int ferry_dispatch_layout(const ferry_layout_args_t *args, char *errbuf, size_t errlen);
 
 /* ---------------------------------------------------------------------- */
 /* Settings                                                               */
@@ -623,9 +629,9 @@ typedef struct ferry_setting {
 } ferry_setting_t;
 
 /* Number of settings; fills `out` with up to `max` of them. */
-int ferry_settings(ferry_setting_t *out, int max);
+FERRY_API int ferry_settings(ferry_setting_t *out, int max);
 
-const char *ferry_version_string(void);
+FERRY_API const char *ferry_version_string(void);
 
 #ifdef __cplusplus
 }

@@ -79,22 +79,22 @@ typedef struct ferry_sig_config {
      0, 0, FERRY_SIG_MODE_DEFAULT, FERRY_DEVICE_CPU, {0}}
 
 /* Collective over the communicator; every rank passes the same config. */
-int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *config,
+FERRY_API int ferry_sig_create(ferry_comm_t comm, const ferry_sig_config_t *config,
                      ferry_sig_t *sig);
 /* Collective; waits (bounded) for this rank's requests to finish first. */
-int ferry_sig_destroy(ferry_sig_t sig);
+FERRY_API int ferry_sig_destroy(ferry_sig_t sig);
 /* Detailed message for the last error on this handle ("" if none). */
-const char *ferry_sig_last_error(ferry_sig_t sig);
+FERRY_API const char *ferry_sig_last_error(ferry_sig_t sig);
 
 /* The mode in use, and a mode's name ("fence", ...; "?" if unknown). */
-ferry_sig_mode_t ferry_sig_mode(ferry_sig_t sig);
-const char *ferry_sig_mode_name(int mode);
+FERRY_API ferry_sig_mode_t ferry_sig_mode(ferry_sig_t sig);
+FERRY_API const char *ferry_sig_mode_name(int mode);
 
 /* This rank's heap (host address; heap_bytes long, zeroed at create) and
  * signal words (num_signals, zeroed). While traffic flows only the proxy
  * writes the signal words; read them with ferry_sig_read/wait. */
-void *ferry_sig_heap(ferry_sig_t sig);
-uint64_t ferry_sig_read(ferry_sig_t sig, uint32_t sig_index);
+FERRY_API void *ferry_sig_heap(ferry_sig_t sig);
+FERRY_API uint64_t ferry_sig_read(ferry_sig_t sig, uint32_t sig_index);
 
 /* Queue a put of len bytes from this rank's heap at src_off to peer's heap
  * at dst_off, then (unless sig_index is FERRY_SIG_NONE) op(value) on
@@ -102,7 +102,7 @@ uint64_t ferry_sig_read(ferry_sig_t sig, uint32_t sig_index);
  * earlier put from this rank to peer landed. len 0 with a signal: a signal
  * only. peer may be this rank. Returns when queued; the source bytes must
  * stay unchanged until ferry_sig_quiet returns. CPU contexts only. */
-int ferry_sig_put(ferry_sig_t sig, int peer, uint64_t dst_off,
+FERRY_API int ferry_sig_put(ferry_sig_t sig, int peer, uint64_t dst_off,
                   uint64_t src_off, uint64_t len, uint32_t sig_index,
                   ferry_sig_op_t op, uint64_t value);
 
@@ -110,24 +110,24 @@ int ferry_sig_put(ferry_sig_t sig, int peer, uint64_t dst_off,
  * finished kernels on a CUDA context) has been posted and its writes have
  * completed locally: source bytes may be reused. Bounded by
  * FERRY_TIMEOUT_MS; a dead peer is FERRY_ERR_PEER naming it. */
-int ferry_sig_quiet(ferry_sig_t sig);
+FERRY_API int ferry_sig_quiet(ferry_sig_t sig);
 
 /* Wait until this rank's signal word sig_index compares true against
  * value; *seen (may be NULL) gets the last value read. Bounded by
  * FERRY_TIMEOUT_MS (FERRY_ERR_TIMEOUT); a dead rank or a proxy error ends
  * it early with a message naming the rank. */
-int ferry_sig_wait(ferry_sig_t sig, uint32_t sig_index, ferry_sig_cmp_t cmp,
+FERRY_API int ferry_sig_wait(ferry_sig_t sig, uint32_t sig_index, ferry_sig_cmp_t cmp,
                    uint64_t value, uint64_t *seen);
 
 /* FERRY_OK, or the error that ended this context (the proxy's, a
  * kernel's, a dead rank), with the message in ferry_sig_last_error. Does
  * not wait: for loops that poll ferry_sig_read. */
-int ferry_sig_check(ferry_sig_t sig);
+FERRY_API int ferry_sig_check(ferry_sig_t sig);
 
 /* Puts from rank `peer` that have landed here, counted without gaps since
  * create (a put is counted once it and every earlier one from that peer
  * landed). */
-int ferry_sig_landed(ferry_sig_t sig, int peer, uint64_t *count);
+FERRY_API int ferry_sig_landed(ferry_sig_t sig, int peer, uint64_t *count);
 
 /* What a kernel needs (pass by value; see ferry_signal_device.cuh). */
 typedef struct ferry_sig_device {
@@ -156,7 +156,7 @@ enum {
 };
 
 /* The device handle of a CUDA context (FERRY_ERR_INVALID on a CPU one). */
-int ferry_sig_device(ferry_sig_t sig, ferry_sig_device_t *out);
+FERRY_API int ferry_sig_device(ferry_sig_t sig, ferry_sig_device_t *out);
 
 /* One request in the ring between producers (threads, kernels) and the
  * proxy. A producer takes slot i by counting, waits until the proxy's
