@@ -222,7 +222,7 @@ class _Plan:
                              device=dev)
             # DeepEP's layout: column-major in the last two dims (float32, or
             # UE8M0 words), written so by the kernel
-            sc = ep._scales_new(torch, torch.float32, torch.int32, dict(device=dev)) \
+            sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=dev)) \
                 if fp8 else None
             cnt = torch.empty(El, dtype=torch.int32, device=dev)
             sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
@@ -286,7 +286,7 @@ class _Plan:
 
     def check(self, rc):
         if rc != 0:
-            raise FerryError(rc, self.last_error(self.ep._ep()).decode())
+            raise FerryError(rc, self.last_error(self.ep.handle()).decode())
 
 
 #: tokens per rank one normal-mode dispatch may carry (ferry's
@@ -1293,16 +1293,16 @@ class Buffer:
         d = x.device
         recv_x = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                              device=d)
-        scales = ep._scales_new(torch, torch.float32, torch.int32, dict(device=d)) \
+        scales = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=d)) \
             if use_fp8 else None
         count = torch.empty(El, dtype=torch.int32, device=d)
         src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
         src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
         topk_idx = topk_idx.contiguous()
         for plan in self._plans.values():  # a round the fast path left in the next set
-            if plan.ep is ep and plan.pending[(ep._last_round + 1) & 1]:
-                self._settle(plan, (ep._last_round + 1) & 1, plan.raw_stream())
-        self._settle_slow(ep, (ep._last_round + 1) & 1)
+            if plan.ep is ep and plan.pending[ep.next_set()]:
+                self._settle(plan, ep.next_set(), plan.raw_stream())
+        self._settle_slow(ep, ep.next_set())
         rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
         st = {"rnd": rnd, "T": T, "recvd": False}
 
@@ -1360,14 +1360,14 @@ class Buffer:
         ep, T = handle.ep, handle.ntok
         El, cap, H = ep.num_local_experts, ep.capacity, ep.hidden
         idx = handle.topk_idx
-        self._settle_slow(ep, (ep._last_round + 1) & 1)
+        self._settle_slow(ep, ep.next_set())
         d = idx.device
         rnd = ep.dispatch_send(torch.zeros((T, H), dtype=torch.bfloat16, device=d), idx,
                                num_tokens=T)
         fp8 = ep.dtype == "fp8"
         rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                          device=d)
-        sc = ep._scales_new(torch, torch.float32, torch.int32, dict(device=d)) if fp8 else None
+        sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=d)) if fp8 else None
         cnt = torch.empty(El, dtype=torch.int32, device=d)
         sr = torch.empty((El, cap), dtype=torch.int32, device=d)
         stok = torch.empty((El, cap), dtype=torch.int32, device=d)
@@ -1383,7 +1383,7 @@ class Buffer:
             x = x.contiguous()
         if not topk_idx.is_contiguous():
             topk_idx = topk_idx.contiguous()
-        h = plan.ep._ep()
+        h = plan.ep.handle()
         din = plan.din
         din.num_tokens = T
         din.x = x.data_ptr()
@@ -1391,14 +1391,14 @@ class Buffer:
         stream = din.stream = plan.raw_stream()
         ep = plan.ep
         # the round's number (and so its buffer set) is the next
-        s = (ep._last_round + 1) & 1
+        s = ep.next_set()
         if plan.pending[s]:
             self._settle(plan, s, stream)
         wcp = wc.data_ptr() if wc is not None else None
         rsp = stats.data_ptr() if stats is not None else None
         if return_recv_hook:
             plan.check(plan.send(h, din, plan.round))
-            rnd = ep._last_round = plan.round.value
+            rnd = ep.last_round = plan.round.value
             out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
             dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
             plan.wc_keep[rnd & 1] = (wc, stats)  # alive until the receive is enqueued
@@ -1413,11 +1413,11 @@ class Buffer:
                 plan.wc_keep[rnd & 1] = None
 
             return out_x, cnt, hd, _no_event(), recv
-        rnd = ep._last_round + 1
+        rnd = ep.last_round + 1
         out_x, cnt, sr, st, _, dout = plan.sets[rnd & 1]
         dout.stream, dout.wait_cost, dout.recv_stats = stream, wcp, rsp
         plan.check(plan.both(h, din, dout, plan.round))
-        ep._last_round = plan.round.value
+        ep.last_round = plan.round.value
         if plan.round.value != rnd:
             raise FerryError(-1, f"ferry.deep_ep: round {plan.round.value} where {rnd} was "
                                  f"expected (rounds of this context were started elsewhere)")
@@ -1445,7 +1445,7 @@ class Buffer:
             raise FerryError(-1, f"ferry.deep_ep: round {r0} was dispatched and never "
                                  f"combined; its buffer set is needed for the next round: "
                                  f"combine it before capturing a CUDA graph")
-        h = plan.ep._ep()
+        h = plan.ep.handle()
         out_x, _, _, _, out, dout = plan.sets[s]
         if not plan.recvd[s]:
             dout.stream = stream  # its stats: the dispatch's, as if its hook ran
@@ -1467,8 +1467,8 @@ class Buffer:
         is dispatched again (zeros as x: only the rows' places matter, and
         they depend on the routing alone) and its new round is combined."""
         plan, ep = handle.plan, handle.plan.ep
-        h = ep._ep()
-        s = (ep._last_round + 1) & 1
+        h = ep.handle()
+        s = ep.next_set()
         if not plan.fp8 and x.data_ptr() == plan.sets[s][0].data_ptr():
             raise FerryError(-1, "ferry.deep_ep: a second combine of this handle dispatches "
                                  "its routing again into the buffer set x lives in (a "
@@ -1484,13 +1484,13 @@ class Buffer:
         # not the caller's round: no stats
         dout.stream, dout.wait_cost, dout.recv_stats = stream, None, None
         plan.check(plan.both(h, din, dout, plan.round))
-        rnd = ep._last_round = plan.round.value
+        rnd = ep.last_round = plan.round.value
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
         return rnd
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
-        h = plan.ep._ep()
+        h = plan.ep.handle()
         if handle.combined or handle._tok.settled:  # a second combine of this handle
             rnd = self._redispatch(handle, x, plan.raw_stream())
         if not x.is_contiguous():
