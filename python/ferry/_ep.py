@@ -103,6 +103,39 @@ class EP:
             raise ValueError("EP: the context is closed")
         return self._h
 
+    # -- the round API for layers built on EP (ferry.deep_ep): what they
+    # -- may read and set instead of the context's private state
+
+    def handle(self):
+        """The C handle (ferry_ep_t, a ctypes c_void_p) for calls made
+        through libferry directly; ValueError once the context is closed."""
+        return self._ep()
+
+    @property
+    def last_round(self):
+        """The number of the last round dispatched on this context (rounds
+        are 1, 2, 3...; 0 before the first). Buffer set r & 1 serves round
+        r."""
+        return self._last_round
+
+    @last_round.setter
+    def last_round(self, r):
+        """Rounds dispatched by a caller's own C calls (a captured CUDA
+        graph replayed, which advances the device's round): the context
+        counts from r on."""
+        self._last_round = int(r)
+
+    def next_set(self):
+        """The buffer set (0 or 1) the next round uses."""
+        return (self._last_round + 1) & 1
+
+    def new_expert_scales(self, xp, f32, i32, kw):
+        """An expert_x_scales buffer in the context's layout (rows, or the
+        column-major views of DeepEP's layouts) made with the array module
+        xp (numpy or torch), its float32 and int32 dtypes and extra keyword
+        arguments kw (e.g. device=)."""
+        return self._scales_new(xp, f32, i32, kw)
+
     def nodes(self):
         """(node of each rank as a list, forwards): ranks that share memory
         form a node, numbered in the order of their lowest rank; forwards

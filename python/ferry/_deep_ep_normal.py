@@ -1,0 +1,323 @@
+"""deep_ep.Buffer's normal (high-throughput) mode: get_dispatch_layout,
+dispatch and combine, intranode and internode, on ferry's routes."""
+import warnings
+
+import torch
+
+from .deep_ep import (EP, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
+                      _event_after, _fmt_shape, _layout_c, _layout_torch, _lib, _no_event,
+                      _plain_torch, _tensor)
+
+
+class _Normal:
+    """The normal (high-throughput) mode of deep_ep.Buffer."""
+
+    def _ht_sms_check(self, ep, sms, what):
+        """A normal-mode context's SMs are fixed when it is made (its rings
+        are per channel): a call whose config asks for others runs on the
+        context's, with a warning once per Buffer (vLLM's dual-batch
+        overlap changes set_num_sms between calls)."""
+        have = ep.num_sms
+        if sms is None or have is None or sms == have or self._sms_warned:
+            return
+        self._sms_warned = True
+        warnings.warn(f"ferry.deep_ep.Buffer.{what}: config.num_sms = {sms}, but this shape's "
+                      f"normal-mode context was made with {have} SMs, which it keeps (a "
+                      f"context's channels are fixed; set the SMs before a shape's first "
+                      f"dispatch). Warned once per Buffer.", RuntimeWarning, stacklevel=3)
+
+    def _ht_ep(self, num_experts, topk, hidden, device="cuda", sms=None):
+        key = ("ht", num_experts, topk, hidden, device)
+        ep = self._eps.get(key)
+        if ep is None:
+            self._not_capturing("dispatch", key[1:])
+            n = sms if sms is not None else self._kernel_sms("ht")
+            ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
+                    max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
+                    num_sms=n)
+            self._eps[key] = ep
+        else:
+            self._ht_sms_check(ep, sms, "dispatch")
+        return ep
+
+    @_plain_torch
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
+                            async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's: (num_tokens_per_rank [N] int32, num_tokens_per_rdma_rank
+        [nodes] int32 (the tokens going to some rank of each node, nodes as
+        buf.runtime numbers them; None on one node, as DeepEP), num_tokens_
+        per_expert [E] int32, is_token_in_rank [T, N] bool, event), on
+        topk_idx's device and stream. dispatch does not read them (ferry
+        works its route out itself)."""
+        self._normal("get_dispatch_layout")
+        _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
+        N = self.group_size
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
+            raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
+                             f"the group size {N}")
+        _lib.c_int(num_experts, "num_experts")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        rt = self.runtime
+        per_node = None
+        # nodes of equal size in rank order: the kernel counts them too
+        rpn = rt._ranks_per_node() if rt.get_num_rdma_ranks() > 1 else 0
+        if topk_idx.is_cuda and not _LAYOUT_KERNEL:
+            per_rank, per_expert, is_token_in_rank = _layout_torch(topk_idx, num_experts, N)
+        else:
+            per_rank, per_expert, is_token_in_rank, per_node = _layout_c(
+                topk_idx, num_experts, N, rpn)
+        if rt.get_num_rdma_ranks() > 1 and per_node is None:
+            hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
+                              dtype=torch.int32, device=topk_idx.device)
+            hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))
+            per_node = (hit > 0).sum(0, dtype=torch.int32)
+        return per_rank, per_node, per_expert, is_token_in_rank, \
+            (_event_after(topk_idx) if async_finish else _no_event())
+
+    @_plain_torch
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's normal-mode dispatch on ferry's high-throughput engine.
+        x: bf16 [T, H], or (fp8 [T, H], float32 scales [T, H/128]). Without
+        a handle, topk_idx [T, K] int64 makes the routing (collective, one
+        wait for the counts, as DeepEP's); returns (recv_x, recv_topk_idx
+        int64 (local ids, -1 elsewhere), recv_topk_weights, the rows per
+        local expert as a list (rounded up to expert_alignment), handle,
+        event). With a handle (cached layout), the same routing:
+        (recv_x, None, None, None, None, event), as DeepEP's. The layout arguments
+        (num_tokens_per_rank ...) are what get_dispatch_layout returned;
+        ferry works them out itself and does not read them. Rows arrive by
+        source rank, then token."""
+        self._normal("dispatch")
+        # passed to libferry as C ints (max_recv, expert_alignment of the route)
+        num_worst_tokens = _lib.c_int(int(num_worst_tokens or 0), "num_worst_tokens")
+        expert_alignment = _lib.c_int(int(expert_alignment or 1), "expert_alignment")
+        if num_worst_tokens and isinstance(handle, _HtHandle) and \
+                num_worst_tokens != handle.route.num_recv:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens}, but the handle's routing "
+                             f"receives {handle.route.num_recv} rows (a cached dispatch keeps "
+                             f"the handle's routing)")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        fp8 = isinstance(x, tuple)
+        xt, xs = (x[0], x[1]) if fp8 else (x, None)
+        byte_dt = None
+        if fp8 and isinstance(xt, torch.Tensor) and xt.dtype in (torch.int8, torch.uint8):
+            # other 1-byte rows with their scales (vLLM's block-quantized
+            # int8 models): moved bit for bit as fp8 rows are, returned in
+            # their dtype, as DeepEP (which checks the size, not the dtype)
+            byte_dt, xt = xt.dtype, xt.view(torch.float8_e4m3fn)
+        _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, ("T", "H"))
+        xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
+        xt = xt.contiguous()
+        cached = handle is not None
+        by_rank = False  # routed by is_token_in_rank alone (no top-k)
+        if not cached:
+            N = self.group_size
+            T = xt.shape[0]
+            E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
+                                                            torch.Tensor) else None
+            if E is None:
+                raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
+                                "get_dispatch_layout) is required without a handle: it gives "
+                                "the number of experts")
+            if E % N:
+                raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
+                                 f"group size {N}")
+            if topk_idx is None:
+                # DeepEP's dispatch without top-k: tokens go to the ranks
+                # is_token_in_rank names; ferry routes each to the first
+                # expert of those ranks (a context with top-k = N)
+                if is_token_in_rank is None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
+                                    "is_token_in_rank is required without a handle")
+                if topk_weights is not None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
+                                    "topk_idx")
+                _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
+                first = torch.arange(N, dtype=torch.int64, device=xt.device) * (E // N)
+                routing = torch.where(is_token_in_rank.to(xt.device), first.view(1, N),
+                                      torch.full_like(first, -1).view(1, N)).contiguous()
+                by_rank = True
+            else:
+                _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
+                routing = topk_idx.contiguous()
+            ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
+                             self._config_sms(config, "dispatch"))
+            route = ep.route(routing, 1 if by_rank else expert_alignment,
+                             max_recv=num_worst_tokens)
+            in_rank = is_token_in_rank
+            if num_tokens_per_rank is None or in_rank is None:
+                per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
+                num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
+                    num_tokens_per_rank
+            rt = self.runtime
+            handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
+                               in_rank, internode=rt.get_num_rdma_ranks() > 1)
+            if handle.internode:
+                handle.ep_nodes = list(rt._node_of)
+        elif not isinstance(handle, _HtHandle):
+            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                            f"{type(handle).__name__}")
+        ep, route = handle.ep, handle.route
+        if topk_weights is not None:
+            _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
+            topk_weights = topk_weights.contiguous()
+        if xt.shape[0] != handle.T:
+            raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
+        # a cached dispatch returns recv_x alone; the first one also the
+        # top-k ids and weights, and keeps the source tokens in the handle
+        o = ep.ht_dispatch(route, xt, xs, topk_weights,
+                           outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
+                                                      "recv_src_token", "recv_src_rank"))
+        rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
+        recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
+        ev = _event_after(xt) if async_finish else _no_event()
+        if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
+            return recv_x, None, None, None, None, ev
+        handle.src_idx = o["recv_src_token"]
+        handle.src_rank = o["recv_src_rank"]
+        # a bounded route (num_worst_tokens): rows padded to the bound, no
+        # host wait, so no per-expert list (DeepEP returns it empty too)
+        if route.num_recv_real is not None:
+            counts = []
+        elif by_rank:
+            # per expert from the callers' counts, as DeepEP's notify sums them
+            counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
+        else:
+            counts = [int(c) for c in route.expert_counts]
+        if by_rank:
+            return recv_x, None, None, counts, handle, ev
+        return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
+                counts, handle, ev)
+
+    @staticmethod
+    def _scales_in(xt, xs):
+        """The fp8 scales of a normal-mode dispatch as ferry's engine takes
+        them: float32 [T, H/128], row-major. DeepEP moves any 4-byte scales
+        per token (float32 or int32, e.g. one per token, or UE8M0 exponents
+        packed four to an int32: [T, H/512]; any strides) and returns them
+        row-major in the same dtype; ferry carries such scales bit for bit
+        in the first columns of a float32 [T, H/128] (the int32 bits copied
+        as int32). Returns (scales, None) or (carrier, (count, dtype))."""
+        T, S = xt.shape[0], xt.shape[1] // 128
+        want = (f"expected float32 or int32 [{T}, n] on {xt.device} (n scales per token, at "
+                f"most hidden/128 = {S})")
+        if not isinstance(xs, torch.Tensor) or xs.dtype not in (torch.float32, torch.int32):
+            raise TypeError(f"x[1] (scales): {want}, got "
+                            f"{xs.dtype if isinstance(xs, torch.Tensor) else type(xs).__name__}")
+        if xs.dim() != 2 or xs.shape[0] != T or xs.device != xt.device:
+            raise ValueError(f"x[1] (scales): {want}, got {_fmt_shape(tuple(xs.shape))} on "
+                             f"{xs.device}")
+        ns = xs.shape[1]
+        if xs.dtype == torch.float32 and ns == S:
+            # strided (DeepEP's column-major scales) is taken as it is
+            return (xs if _elem_strides(xs) is not None else xs.contiguous()), None
+        if ns > S or ns < 1:
+            raise ValueError(f"x[1] (scales): {ns} scales per token; ferry's normal mode "
+                             f"carries 1 to hidden/128 = {S}")
+        carrier = torch.zeros((T, S), dtype=torch.int32, device=xt.device)
+        carrier[:, :ns] = xs.view(torch.int32) if xs.dtype == torch.float32 else xs
+        return carrier.view(torch.float32), (ns, xs.dtype)
+
+    @staticmethod
+    def _scales_out(recv, carried):
+        """Received scales in the caller's count and dtype (_scales_in)."""
+        if carried is None:
+            return recv
+        ns, dt = carried
+        bits = recv.view(torch.int32)[:, :ns].contiguous()
+        return bits if dt == torch.int32 else bits.view(torch.float32)
+
+    def _rank_prefix(self, per_rank, device):
+        """DeepEP's rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks
+        0..i send to rank j, from an all-gather of every rank's per-rank
+        counts over the group (collective, as the dispatch is), finished
+        here: a collective left running would hand the matrix over before
+        it arrived wherever the group's all-gather works on host copies."""
+        N = self.group_size
+        mine = per_rank.to(device=device, dtype=torch.int32).reshape(N).contiguous()
+        if N == 1:
+            return mine.view(1, 1).clone()
+        if self._mpi is not None:  # on host copies
+            from mpi4py import MPI
+            src = mine.cpu().numpy()
+            dst = torch.empty(N * N, dtype=torch.int32)
+            self._mpi.Allgather([src, MPI.INT32_T], [dst.numpy(), MPI.INT32_T])
+            return torch.cumsum(dst.view(N, N), 0, dtype=torch.int32).to(device)
+        parts = [torch.empty_like(mine) for _ in range(N)]
+        torch.distributed.all_gather(parts, mine, group=self.group)
+        return torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
+
+    def _expert_counts(self, per_expert, align):
+        """Rows per local expert from every rank's num_tokens_per_expert (an
+        all-reduce over the group), rounded up to align, as a list."""
+        tot = per_expert.to(torch.int32).clone()
+        if self.group_size > 1 and self._mpi is not None:
+            from mpi4py import MPI
+            t = tot.cpu()
+            self._mpi.Allreduce(MPI.IN_PLACE, [t.numpy(), MPI.INT32_T], op=MPI.SUM)
+            tot = t
+        elif self.group_size > 1:
+            torch.distributed.all_reduce(tot, group=self.group)
+        El = tot.numel() // self.group_size
+        mine = tot[self.rank * El:(self.rank + 1) * El].tolist()
+        return [(c + align - 1) // align * align for c in mine]
+
+    @_plain_torch
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's normal-mode combine: x [num_recv, H] bf16 (one row per
+        row dispatch delivered, the local experts' outputs already weighted
+        and summed) back to the tokens' ranks, summed there in rank order in
+        fp32 and rounded once; bias (one [T, H] bf16 tensor or a tuple of
+        two) is added in fp32 before that rounding. Returns (combined_x
+        [T, H] bf16, combined_topk_weights [T, K] float32 or None,
+        event)."""
+        self._normal("combine")
+        if not isinstance(handle, _HtHandle):
+            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                            f"{type(handle).__name__}")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        ep, route = handle.ep, handle.route
+        self._ht_sms_check(ep, self._config_sms(config, "combine"), "combine")
+        _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
+        # DeepEP takes strided bias; ht_combine checks the count, shapes,
+        # dtype and device, naming bias[i]
+        if bias is not None:
+            bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
+                         for b in (bias if isinstance(bias, tuple) else (bias,)))
+        if topk_weights is not None:
+            _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
+            # DeepEP's combined_topk_weights: slot k summed over the rows of
+            # every rank the token went to
+            out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
+                                   weights_sum=True, bias=bias)
+        else:
+            out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
+        return out, w, (_event_after(x) if async_finish else _no_event())
+
+    # DeepEP's names for the calls across nodes (its arguments, in its
+    # order: no num_worst_tokens): ferry's dispatch and combine pick the
+    # path per peer, so they are the same calls
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment=1, config=None, previous_event=None,
+                           async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's name: `dispatch` (ferry picks NVLink or the fabric per peer)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, 0, config, previous_event, async_finish,
+                             allocate_on_comm_stream)
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                          previous_event=None, async_finish=False,
+                          allocate_on_comm_stream=False):
+        """DeepEP's name: `combine`."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
