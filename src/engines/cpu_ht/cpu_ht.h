@@ -201,6 +201,17 @@ int fr_ht_drec_take(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, i
                     int64_t row, const uint8_t *rec);
 void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, size_t row,
                      uint8_t *rec);
+/* Output row `row` from a record's token, local expert ids and weights,
+ * data and scales (a received record's), or with `in` token `token`'s own
+ * scales from the caller's strides. */
+void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+                   int64_t row, int32_t token, const int16_t *le, const float *w,
+                   const uint8_t *data, const float *scales, const ferry_ht_dispatch_in_t *in);
+/* A ring counter v written by `peer` (its tail when `tail`, else its head)
+ * against this rank's own count `mine`: FERRY_OK, or a protocol error
+ * naming the peer when no correct peer could have written it. */
+int fr_ht_ring_check(const fr_ht_call_t *c, const char *what, int peer, int tail, uint64_t v,
+                     uint64_t mine);
 /* A row from rank d, or (node >= 0) the summed row of node `node`. */
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
                       int d, int node, const uint16_t *y, const float *w);

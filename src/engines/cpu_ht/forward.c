@@ -130,6 +130,23 @@ static int fr_ht_rows_from(const fr_ht_call_t *c, int s)
     return c->p->src_off[s + 1] - c->p->src_off[s];
 }
 
+/* The ranks of this node (local indices, L <= 256) that node-relative
+ * expert ids le[K] name; 0 when they name none. */
+static int fr_ht_fwd_mask(const int16_t *le, int K, int El, uint64_t tmask[4])
+{
+    int any = 0;
+    memset(tmask, 0, 4 * sizeof(uint64_t));
+    for (int k = 0; k < K; k++)
+        if (le[k] >= 0)
+            any = 1, tmask[(le[k] / El) >> 6] |= 1ull << ((le[k] / El) & 63);
+    return any;
+}
+
+static int fr_ht_fwd_in(const uint64_t tmask[4], int l)
+{
+    return (int)(tmask[l >> 6] >> (l & 63) & 1);
+}
+
 /* ---------------------------------------------------------------- dispatch */
 
 /* Node-level record `hd` (checked) of source s: to each local destination
@@ -142,17 +159,13 @@ static int fr_ht_fwd_one(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
     const fr_ht_layout_t *h = c->h;
     fr_ht_fwd_t *fw = &st->fwd;
     int K = h->K, El = h->El, me = ep->rank, base = ep->node_off[fw->me_node];
-    uint64_t tmask[4] = {0}; /* local indices this token goes to (L <= 256) */
-    int any = 0;
-    for (int k = 0; k < K; k++)
-        if (hd->le[k] >= 0)
-            any = 1, tmask[(hd->le[k] / El) >> 6] |= 1ull << ((hd->le[k] / El) & 63);
-    if (!any)
+    uint64_t tmask[4]; /* the local indices this token goes to */
+    if (!fr_ht_fwd_mask(hd->le, K, El, tmask))
         return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
                           "ht_dispatch: rank %d forwards token %d through this rank to no "
                           "rank of its node", s, hd->token);
     for (int l = 0; l < fw->L; l++) {
-        if (!(tmask[l >> 6] >> (l & 63) & 1))
+        if (!fr_ht_fwd_in(tmask, l))
             continue;
         /* never more records for a rank than the source's counts said
          * (which that rank took as its own): a confused source fails
@@ -168,18 +181,15 @@ static int fr_ht_fwd_one(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
         uint8_t *ring = fr_ht_dring(h, ep->peer_seg[d], s);
         uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
         uint64_t sent = fw->ftx[(size_t)s * fw->L + l];
-        if (head > sent || sent - head > (uint64_t)h->RT)
-            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
-                              "ht_dispatch: rank %d moved the head of the ring this rank "
-                              "forwards rank %d's tokens into to %llu (%llu written)", d, s,
-                              (unsigned long long)head, (unsigned long long)sent);
+        if (fr_ht_ring_check(c, "ht_dispatch (forwarding)", d, 0, head, sent) != FERRY_OK)
+            return FERRY_ERR_PROTOCOL;
         if (sent - head >= (uint64_t)h->RT)
             return 0;
     }
     memcpy(keep, hd->le, sizeof(int16_t) * (size_t)K);
     uint8_t hdr[512] __attribute__((aligned(16)));
     for (int l = 0; l < fw->L; l++) {
-        if (!(tmask[l >> 6] >> (l & 63) & 1))
+        if (!fr_ht_fwd_in(tmask, l))
             continue;
         c->fw_cnt[(size_t)s * fw->L + l]++;
         int d = ep->node_ranks[base + l];
@@ -200,25 +210,8 @@ static int fr_ht_fwd_one(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
                 return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
                                   "ht_dispatch: rank %d forwards more rows here than its "
                                   "counts said (%d)", s, fr_ht_rows_from(c, s));
-            /* checked header: a copy of the fields the sender sent */
-            fr_ht_dhdr_copy_t mine = *hd;
-            memcpy(mine.le, le, sizeof(int16_t) * (size_t)K);
-            memcpy(mine.w, w, sizeof(float) * (size_t)K);
-            int64_t row = c->p->src_off[s] + c->done_rx[s]++;
-            memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
-            if (c->nsc)
-                memcpy(out->recv_x_scales + row * c->nsc, data + c->rowb,
-                       c->nsc * sizeof(float));
-            for (int k = 0; k < K; k++) {
-                if (out->recv_topk_idx)
-                    out->recv_topk_idx[row * K + k] = mine.le[k];
-                if (out->recv_topk_weights)
-                    out->recv_topk_weights[row * K + k] = mine.w[k];
-            }
-            if (out->recv_src_rank)
-                out->recv_src_rank[row] = s;
-            if (out->recv_src_token)
-                out->recv_src_token[row] = hd->token;
+            fr_ht_put_row(c, out, s, c->p->src_off[s] + c->done_rx[s]++, hd->token, le, w, data,
+                          (const float *)(data + c->rowb), NULL);
             continue;
         }
         uint8_t *ring = fr_ht_dring(h, ep->peer_seg[d], s);
@@ -310,11 +303,8 @@ int fr_ht_fwd_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int *
         uint8_t *ring = fr_ht_fcring(h, ep->peer_seg[f], mine);
         uint64_t head = __atomic_load_n(fr_ht_head(ring), __ATOMIC_ACQUIRE);
         uint64_t *sent = &fw->fctx[l];
-        if (head > *sent || *sent - head > (uint64_t)h->RT)
-            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
-                              "ht_combine: rank %d moved the head of its forwarding ring "
-                              "with this rank to %llu (%llu written)", f,
-                              (unsigned long long)head, (unsigned long long)*sent);
+        if (fr_ht_ring_check(c, "ht_combine (forwarding)", f, 0, head, *sent) != FERRY_OK)
+            return FERRY_ERR_PROTOCOL;
         /* the remote sources f forwards for, ascending */
         for (int s = c->fw_cur[l]; s < ep->N; s = ++c->fw_cur[l]) {
             if (ep->node_of[s] == fw->me_node || fr_ht_fwd_of(ep, s, fw->me_node) != f)
@@ -353,20 +343,16 @@ static int fr_ht_fwd_sum_one(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, i
     fr_ht_fwd_t *fw = &st->fwd;
     int K = h->K, El = h->El, H = h->H, me = ep->rank, mine = ep->node_lidx[me];
     int base = ep->node_off[fw->me_node];
-    uint64_t tmask[4] = {0};
-    for (int k = 0; k < K; k++)
-        if (le[k] >= 0)
-            tmask[(le[k] / El) >> 6] |= 1ull << ((le[k] / El) & 63);
+    uint64_t tmask[4];
+    fr_ht_fwd_mask(le, K, El, tmask);
     for (int l = 0; l < fw->L; l++) { /* every row in? */
-        if (!(tmask[l >> 6] >> (l & 63) & 1) || l == mine)
+        if (!fr_ht_fwd_in(tmask, l) || l == mine)
             continue;
         uint8_t *ring = fr_ht_fcring(h, ep->seg, l);
         uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
-        if (tail < fw->fcrx[l] || tail - fw->fcrx[l] > (uint64_t)h->RT)
-            return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
-                              "ht_combine: rank %d moved the tail of its forwarding ring "
-                              "with this rank to %llu (%llu taken)", ep->node_ranks[base + l],
-                              (unsigned long long)tail, (unsigned long long)fw->fcrx[l]);
+        if (fr_ht_ring_check(c, "ht_combine (forwarding)", ep->node_ranks[base + l], 1, tail,
+                             fw->fcrx[l]) != FERRY_OK)
+            return FERRY_ERR_PROTOCOL;
         if (tail == fw->fcrx[l]) {
             c->busy_rank = ep->node_ranks[base + l];
             return 0;
@@ -375,7 +361,7 @@ static int fr_ht_fwd_sum_one(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, i
     memset(c->fw_acc, 0, sizeof(float) * (size_t)H);
     memset(w, 0, sizeof(float) * (size_t)K);
     for (int l = 0; l < fw->L; l++) {
-        if (!(tmask[l >> 6] >> (l & 63) & 1))
+        if (!fr_ht_fwd_in(tmask, l))
             continue;
         const uint16_t *y;
         const float *wl;

@@ -146,10 +146,9 @@ static void fr_ht_scales_of(const fr_ht_call_t *c, const ferry_ht_dispatch_in_t 
  * weights (this rank's own header, or the checked copy of a received one),
  * its data and scales: a received record's (row-major), else, with in,
  * token `token`'s own (the caller's strides). */
-static void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
-                          int64_t row, int32_t token, const int16_t *le, const float *w,
-                          const uint8_t *data, const float *scales,
-                          const ferry_ht_dispatch_in_t *in)
+void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, int src,
+                   int64_t row, int32_t token, const int16_t *le, const float *w,
+                   const uint8_t *data, const float *scales, const ferry_ht_dispatch_in_t *in)
 {
     int K = c->h->K;
     memcpy((uint8_t *)out->recv_x + row * c->rowb, data, c->rowb);
@@ -214,8 +213,8 @@ void fr_ht_crec_fill(const fr_ht_call_t *c, const ferry_ht_combine_in_t *in, siz
  * of what it wrote, and at most a ring apart from it; one moved backwards
  * or far forward is a protocol error naming the peer, never a read of
  * slots the peer did not write or a wait until the deadline. */
-static int fr_ht_ring_check(const fr_ht_call_t *c, const char *what, int peer, int tail,
-                            uint64_t v, uint64_t mine)
+int fr_ht_ring_check(const fr_ht_call_t *c, const char *what, int peer, int tail, uint64_t v,
+                     uint64_t mine)
 {
     if ((tail ? v - mine : mine - v) <= (uint64_t)c->h->RT)
         return FERRY_OK;
