@@ -473,7 +473,12 @@ static int create_eps(bench_t *b)
     }
     b->lay = (ferry_ep_layout_t){.size = sizeof(b->lay)};
     ferry_ep_get_layout(b->ep, &b->lay);
-    ferry_ep_get_nodes(b->ep, NULL, NULL, &b->fwd);
+    b->node_of = calloc((size_t)b->N, sizeof(int32_t));
+    if (!b->node_of) {
+        fprintf(stderr, "ferry-bench: rank %d: out of memory\n", b->me);
+        return 1;
+    }
+    ferry_ep_get_nodes(b->ep, &b->nnodes, b->node_of, &b->fwd);
     b->lays[0] = b->lays[1] = b->lay;
     if (b->eps[1])
         ferry_ep_get_layout(b->eps[1], &b->lays[1]);
@@ -585,6 +590,7 @@ static int release_row(bench_t *b, int status)
     free(b->out);
     free(b->acc);
     fw_input_free(&b->in);
+    free(b->node_of);
     return status;
 }
 

@@ -114,6 +114,8 @@ typedef struct bench {
     double *tm;
     long wrong;
     int fwd;          /* --mode ht: the context forwards (ferry_ep_get_nodes) */
+    int nnodes;       /* its nodes, and each rank's (node_of[N]) */
+    int32_t *node_of;
     int rc;           /* the last ferry status, reported with a failure */
     const char *fail; /* the step that failed, or NULL */
     double last_progress;
