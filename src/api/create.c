@@ -440,8 +440,8 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     /* Step 3: the engine lays out and allocates its buffers, maps the
      * peers' (collective). */
     FR_CHECK_GOTO(ep->eng->setup(ep, &err), rc, fail);
-    if (want_fwd && config->mode == FERRY_MODE_HIGH_THROUGHPUT && !ep->forward &&
-        !err.msg[0]) { /* alike on every rank: the node tables and config are */
+    /* alike on every rank: the node tables and the config are */
+    if (want_fwd && config->mode == FERRY_MODE_HIGH_THROUGHPUT && !ep->forward) {
         rc = FR_ERR(&err, FERRY_ERR_UNSUPPORTED,
                     "forward = on: engine %s does not forward between nodes", ep->eng->name);
         goto fail;
