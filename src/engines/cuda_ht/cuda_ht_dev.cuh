@@ -50,14 +50,19 @@
  * block, so one SM, per channel), either lowered to the GPU's SMs over the
  * ranks sharing it; ring_tokens, or FR_CUHT_RING_BUDGET / N
  * records per (channel, peer) ring within [FR_CUHT_RING_MIN,
- * FR_CUHT_RING_MAX] (a segment then holds at most 24 x 512 records of
- * each kind whatever N: ~354 MB at H = 7168, ~177 MB at N = 2). */
+ * FR_CUHT_RING_MAX] (a segment then holds 24 x 512 records of each kind
+ * from N = 4 to 64, ~354 MB at H = 7168; ~177 MB at N = 2; above 64 ranks
+ * 24 x 8 x N). */
 #define FR_CUHT_SMS_DEFAULT 24
 #define FR_CUHT_RING_BUDGET 512
-#define FR_CUHT_RING_MIN 32
+#define FR_CUHT_RING_MIN 8
 #define FR_CUHT_RING_MAX 128
 #define FR_CUHT_MAX_CHANNELS 128
-#define FR_CUHT_MAX_RANKS 16     /* at least a warp per peer in each role */
+#define FR_CUHT_MAX_RANKS 1024   /* per-peer shared arrays of the route and
+                                    combine kernels; a warp serves up to
+                                    FR_CUHT_RPL x 32 rings */
+#define FR_CUHT_FAB_MAX_RANKS 16 /* the fabric thread's immediates: 4-bit sources */
+#define FR_CUHT_RPL 2            /* rings per lane of a warp that serves many */
 #define FR_CUHT_STEP 4           /* records per warp between publications */
 #define FR_CUHT_CBATCH 64        /* most tokens per combine batch */
 
@@ -101,8 +106,10 @@ typedef struct fr_cuht_rdev {
     const int32_t *nrecv;         /* rows received, written by notify */
     int bound;                    /* max_recv of a bounded route, else 0 */
     const int32_t *idx;           /* [T][K] topk_idx as int32 (-1 where bad) */
-    const unsigned int *mask;     /* [T] bit d: the token goes to rank d */
-    const int32_t *tpos;          /* [T][N] place among channel tokens to d */
+    const int32_t *dst;           /* [T][K] the distinct ranks the token goes
+                                     to, ascending, then -1 */
+    const int32_t *dpos;          /* [T][K] its place among the channel's
+                                     tokens to dst[t][k] */
     const int32_t *rtok;          /* [N][T] the inverse: channel c's i-th token
                                      to d at [d][chan_lo(c) + i] */
     const int32_t *ccnt;          /* [N][C] own tokens to d per channel */
@@ -119,8 +126,10 @@ typedef struct fr_cuht_res {
 } fr_cuht_res_t;
 
 /* what the fabric thread's immediates carry (fab.c): source 4 bits,
- * channel 7, lap 1, slot and count 8 each */
-static_assert(FR_CUHT_MAX_RANKS <= 16 && FR_CUHT_MAX_CHANNELS <= 128 &&
+ * channel 7, lap 1, slot and count 8 each; a warp serves at most
+ * FR_CUHT_RPL x 32 rings of a role of 16 warps */
+static_assert(FR_CUHT_FAB_MAX_RANKS <= 16 && FR_CUHT_MAX_CHANNELS <= 128 &&
+              (FR_CUHT_MAX_RANKS + 16 * 32 - 1) / (16 * 32) <= FR_CUHT_RPL &&
               FR_CUHT_RING_MAX <= FR_CUHT_FAB_RT_MAX && FR_CUHT_FAB_RT_MAX <= 256,
               "fab.c's immediate fields");
 

@@ -6,9 +6,9 @@
  * context for routes and their calls: see ferry.h).
  *
  *   layout (a block per channel): topk_idx checked and copied as int32,
- *          per token the mask of ranks it goes to and its place among the
- *          channel's tokens to each rank (block scans, token order) with
- *          the inverse (the channel's i-th token to each rank), per
+ *          per token the distinct ranks it goes to (ascending) and its
+ *          place among the channel's tokens to each of them (token order)
+ *          with the inverse (the channel's i-th token to each rank), per
  *          (rank, channel) the token count, per (rank, local expert) the
  *          row count (atomics).
  *   notify (one block): this rank's counts stored into every peer's notify
@@ -42,24 +42,33 @@
 #define FR_CUHT_NOBAD 0x7f7f7f7f
 #define FR_RN_THREADS 256
 
+#define FR_RL_WARPS (FR_RL_THREADS / 32)
+
+/* A block per channel, its tokens in chunks of FR_RL_THREADS (a thread
+ * each): the token's distinct destination ranks, ascending; then its place
+ * among the channel's tokens to each of them, in token order, from a
+ * bitmap per warp and rank (bit l: lane l's token goes there) and the
+ * running count per rank, so the work per token is O(K + warps) whatever
+ * the number of ranks. */
 __global__ void __launch_bounds__(FR_RL_THREADS)
-fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsigned int *mask,
-               int32_t *tpos, int32_t *rtok, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
+fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32_t *dst,
+               int32_t *dpos, int32_t *rtok, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
 {
     const fr_cuht_geo_t &G = A.G;
     int N = G.N, K = G.K, El = G.El, c = blockIdx.x;
     int t0 = fr_cuht_chan_lo(T, G.C, c), t1 = fr_cuht_chan_lo(T, G.C, c + 1);
     __shared__ int run[FR_CUHT_MAX_RANKS];
-    __shared__ int wsum[FR_RL_THREADS / 32];
+    __shared__ unsigned int bits[FR_RL_WARPS][FR_CUHT_MAX_RANKS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (threadIdx.x < N)
-        run[threadIdx.x] = 0;
+    for (int i = threadIdx.x; i < N; i += blockDim.x)
+        run[i] = 0;
+    for (int i = threadIdx.x; i < FR_RL_WARPS * N; i += blockDim.x)
+        bits[i / N][i % N] = 0;
     __syncthreads();
     for (int base = t0; base < t1; base += blockDim.x) {
-        int t = base + (int)threadIdx.x;
-        bool valid = t < t1;
-        unsigned int m = 0;
-        if (valid) {
+        int t = base + (int)threadIdx.x, nd = 0;
+        int dl[FR_MAX_TOPK];
+        if (t < t1) {
             const int64_t *row = topk + (size_t)t * K;
             for (int k = 0; k < K; k++) {
                 int64_t e = row[k];
@@ -71,42 +80,55 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, unsig
                     e = -1;
                 }
                 idx[(size_t)t * K + k] = (int32_t)e;
-                if (e >= 0) {
-                    int d = (int)(e / El);
-                    m |= 1u << d;
-                    atomicAdd(&dcnt[(size_t)d * El + (int)(e % El)], 1);
-                }
+                if (e < 0)
+                    continue;
+                int d = (int)(e / El), j = nd;
+                atomicAdd(&dcnt[(size_t)d * El + (int)(e % El)], 1);
+                bool dup = false;
+                for (int q = 0; q < nd; q++)
+                    dup = dup || dl[q] == d;
+                if (dup)
+                    continue;
+                for (; j > 0 && dl[j - 1] > d; j--) /* kept ascending */
+                    dl[j] = dl[j - 1];
+                dl[j] = d;
+                nd++;
             }
-            mask[t] = m;
+            for (int k = 0; k < K; k++)
+                dst[(size_t)t * K + k] = k < nd ? dl[k] : -1;
         }
-        /* place of each token among the channel's tokens to d */
-        for (int d = 0; d < N; d++) {
-            bool f = valid && (m >> d & 1u);
-            unsigned int bal = __ballot_sync(0xffffffffu, f);
-            if (lane == 0)
-                wsum[warp] = __popc(bal);
-            __syncthreads();
-            int before = run[d];
+        for (int k = 0; k < nd; k++)
+            atomicOr(&bits[warp][dl[k]], 1u << lane);
+        __syncthreads();
+        /* place among the channel's tokens to d: the tokens to d before
+         * this chunk, in earlier warps of it, in lower lanes of this warp */
+        for (int k = 0; k < nd; k++) {
+            int d = dl[k], pos = run[d];
             for (int w = 0; w < warp; w++)
-                before += wsum[w];
-            if (valid) {
-                int pos = f ? before + __popc(bal & ((1u << lane) - 1u)) : -1;
-                tpos[(size_t)t * N + d] = pos;
-                if (f) /* the inverse: the channel's pos-th token to d */
-                    rtok[(size_t)d * T + t0 + pos] = t;
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int tot = 0;
-                for (int w = 0; w < (int)(blockDim.x >> 5); w++)
-                    tot += wsum[w];
-                run[d] += tot;
-            }
-            __syncthreads();
+                pos += __popc(bits[w][d]);
+            pos += __popc(bits[warp][d] & ((1u << lane) - 1u));
+            dpos[(size_t)t * K + k] = pos;
+            rtok[(size_t)d * T + t0 + pos] = t;
         }
+        __syncthreads();
+        /* the chunk's last token to d adds the chunk's count */
+        for (int k = 0; k < nd; k++) {
+            int d = dl[k], tot = 0;
+            bool last = (bits[warp][d] >> lane) == 1u;
+            for (int w = 0; w < FR_RL_WARPS; w++) {
+                tot += __popc(bits[w][d]);
+                last = last && (w <= warp || bits[w][d] == 0);
+            }
+            if (last)
+                run[d] += tot;
+        }
+        __syncthreads();
+        for (int k = 0; k < nd; k++)
+            bits[warp][dl[k]] = 0;
+        __syncthreads();
     }
-    if (threadIdx.x < N)
-        ccnt[(size_t)threadIdx.x * G.C + c] = run[threadIdx.x];
+    for (int i = threadIdx.x; i < N; i += blockDim.x)
+        ccnt[(size_t)i * G.C + c] = run[i];
 }
 
 /* Where notify's results go: the host-mapped result of an exact route, or
@@ -196,38 +218,50 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
     __syncthreads();
     if (!ok)
         return;
-    /* counts checked before use; rows by source rank, then channel */
-    if (threadIdx.x == 0) {
-        int total = 0, badr = -1;
-        for (int s = 0; s < N && ok; s++) {
-            /* volatile: peers wrote these while this kernel ran */
-            const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-            int n = ((const volatile int32_t *)(e + 8))[0], sum = 0;
-            const volatile int32_t *cc = (const volatile int32_t *)(e + 16);
-            if (n == -1 && badr < 0)
-                badr = s;
-            if (n == -1)
-                n = 0;
-            if (n < 0 || n > G.T) {
-                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, n);
-                ok = 0;
+    /* counts checked before use (a thread per source); rows by source
+     * rank, then channel: each source's channels laid out from 0, then
+     * shifted by the rows of the sources before it */
+    __shared__ int stot[FR_CUHT_MAX_RANKS];
+    __shared__ int sbad;
+    if (threadIdx.x == 0)
+        sbad = INT_MAX;
+    __syncthreads();
+    for (int s = threadIdx.x; s < N; s += blockDim.x) {
+        /* volatile: peers wrote these while this kernel ran */
+        const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
+        int n = ((const volatile int32_t *)(e + 8))[0], sum = 0;
+        const volatile int32_t *cc = (const volatile int32_t *)(e + 16);
+        stot[s] = 0;
+        if (n == -1) {
+            atomicMin(&sbad, s);
+            n = 0;
+        }
+        if (n < 0 || n > G.T) {
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, n);
+            continue;
+        }
+        int i = 0;
+        for (; i < C; i++) {
+            int v = cc[i];
+            if (v < 0 || v > n - sum) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, i);
                 break;
             }
-            for (int i = 0; i < C; i++) {
-                int v = cc[i];
-                if (v < 0 || v > n - sum) {
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, i);
-                    ok = 0;
-                    break;
-                }
-                rcnt[(size_t)s * C + i] = v;
-                rbase[(size_t)s * C + i] = total + sum;
-                sum += v;
-            }
-            if (ok && sum != n) {
-                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, sum);
-                ok = 0;
-            }
+            rcnt[(size_t)s * C + i] = v;
+            rbase[(size_t)s * C + i] = sum;
+            sum += v;
+        }
+        if (i == C && sum != n)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, sum);
+        stot[s] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ok = !fr_cuht_failed(A);
+        int total = 0, badr = sbad == INT_MAX ? -1 : sbad;
+        for (int s = 0; s < N; s++) { /* exclusive prefix: each source's first row */
+            int n = stot[s];
+            stot[s] = total;
             total += n;
         }
         *o.nrecv = total;
@@ -247,6 +281,8 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
     __syncthreads();
     if (!ok)
         return;
+    for (int i = threadIdx.x; i < N * C; i += blockDim.x)
+        rbase[i] += stot[i / C];
     for (int le = threadIdx.x; le < El; le += blockDim.x) {
         int sum = 0;
         for (int s = 0; s < N; s++) {
@@ -333,7 +369,7 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     if (fr_cuht(ep)->defer) /* every block of one size, so that any is reused */
         T = G->T;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
-    size_t sz[] = {4 * t * K, 4 * t, 4 * t * N, 4 * N * C, 4 * N * (size_t)G->El,
+    size_t sz[] = {4 * t * K, 4 * t * K, 4 * t * K, 4 * N * C, 4 * N * (size_t)G->El,
                    4 * N * C, 4 * N * C, 16, 4 * N * t, 16};
     size_t off[10], tot = 0;
     for (int i = 0; i < 10; i++) {
@@ -371,8 +407,8 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     }
     uint8_t *b = (uint8_t *)p->mem;
     p->r.idx = (const int32_t *)(b + off[0]);
-    p->r.mask = (const unsigned int *)(b + off[1]);
-    p->r.tpos = (const int32_t *)(b + off[2]);
+    p->r.dst = (const int32_t *)(b + off[1]);
+    p->r.dpos = (const int32_t *)(b + off[2]);
     *ccnt = (int32_t *)(b + off[3]);
     p->r.ccnt = *ccnt;
     *dcnt = (int32_t *)(b + off[4]);
@@ -503,8 +539,8 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
         cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
         cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
         fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
-            c->a, T, in->topk_idx, (int32_t *)p->r.idx, (unsigned int *)p->r.mask,
-            (int32_t *)p->r.tpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
+            c->a, T, in->topk_idx, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
+            (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
         fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(c->a, c->rseq, ccnt, dcnt, p->bad,
                                                     (int32_t *)p->r.rcnt,
                                                     (int32_t *)p->r.rbase, o);

@@ -472,10 +472,10 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
                  ep->cfg.ring_tokens, FR_CUHT_FAB_RT_MAX);
     }
     /* what this engine refuses and the staged engine takes */
-    if (mine.status == FERRY_OK && h.ok && ep->N > FR_CUHT_MAX_RANKS) {
+    if (mine.status == FERRY_OK && h.ok && ep->N > FR_CUHT_FAB_MAX_RANKS) {
         h.ok = 0;
-        snprintf(h.why, sizeof(h.why), "%d ranks (this engine takes at most %d)", ep->N,
-                 FR_CUHT_MAX_RANKS);
+        snprintf(h.why, sizeof(h.why), "%d ranks (this engine's fabric path takes at most %d)",
+                 ep->N, FR_CUHT_FAB_MAX_RANKS);
     }
     if (mine.status == FERRY_OK && h.ok && ep->cfg.num_experts > 32767) {
         h.ok = 0;

@@ -108,6 +108,55 @@ static __device__ __forceinline__ bool fr_cuht_lead(const fr_cuht_grp_t &g)
 /* ---------------------------------------------------------------------- */
 /* senders (dispatch and combine)                                         */
 
+/* Record i of a sender's run into slot `rec` of the ring at d (the whole
+ * warp):
+ *   dispatch: the channel's i-th token to d (tok_of[i]) as core/ht_rec.h's
+ *             record: token, flags, d's local expert ids and weights, the
+ *             row, the fp8 scales
+ *   combine:  row row0 + i of y with its K weights, after its place among
+ *             the channel's rows and the route number (both checked) */
+template <bool COMB, int U>
+static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_args_t &A,
+                                                   const fr_cuht_rdev_t &R,
+                                                   const fr_cuht_io_t &io, int d, int i,
+                                                   int row0, const int32_t *tok_of,
+                                                   uint8_t *rec, int32_t flags)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, K = G.K, El = G.El;
+    size_t rowb = !COMB && io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
+    int nsc = !COMB && io.fp8 ? G.H / 128 : 0;
+    size_t hdr = COMB ? G.chdr : G.dhdr;
+    const uint8_t *src;
+    if (COMB) {
+        size_t row = (size_t)row0 + (size_t)i;
+        if (lane == 0) {
+            ((int32_t *)rec)[0] = i; /* its place among the channel's rows: checked */
+            ((uint32_t *)rec)[1] = R.id;
+        }
+        if (lane < K)
+            ((float *)(rec + 8))[lane] = io.w ? io.w[row * K + lane] : 0.f;
+        src = io.x + row * rowb;
+    } else {
+        int tok = tok_of[i];
+        size_t woff = fr_ht_woff(K);
+        if (lane == 0) {
+            ((int32_t *)rec)[0] = tok;
+            ((int32_t *)rec)[1] = flags;
+        }
+        if (lane < K) {
+            int e = R.idx[(size_t)tok * K + lane];
+            bool loc = e >= 0 && e / El == d;
+            ((int16_t *)(rec + 8))[lane] = (int16_t)(loc ? e % El : -1);
+            ((float *)(rec + woff))[lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
+        }
+        for (int q = lane; q < nsc; q += 32)
+            ((float *)(rec + hdr + rowb))[q] = io.xs[tok * io.xs0 + q * io.xs1];
+        src = io.x + (size_t)tok * rowb;
+    }
+    fr_warp_copy16u<U, false>(rec + hdr, src, rowb);
+}
+
 /* Sender group of ring (c, this rank) at peer d: n records, in steps of up
  * to S (S <= ring: the leader waits for room for the whole step, then the
  * group's warps write its records round robin). A step's tail goes out
@@ -122,15 +171,12 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                                     const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C;
+    int C = G.C;
     bool lead = fr_cuht_lead(g);
     int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
     int row0 = COMB ? R.rbase[(size_t)d * C + c] : 0;
     const int32_t *tok_of = R.rtok + (size_t)d * R.T + fr_cuht_chan_lo(R.T, C, c);
-    size_t rowb = !COMB && io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
-    int nsc = !COMB && io.fp8 ? G.H / 128 : 0;
     unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
-    size_t hdr = COMB ? G.chdr : G.dhdr;
     int what = COMB ? FR_CUHT_WHAT_COMBINE : FR_CUHT_WHAT_DISPATCH;
     uint8_t *ring = fr_cuht_wring(A, d, COMB, c);
     unsigned long long *tailw = fr_cuht_wctr(A, d, COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, c);
@@ -140,7 +186,6 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
     /* never more than RT records outstanding: d's head is at least this */
     unsigned long long head = sent0 > RT ? sent0 - RT : 0;
     int32_t flags = fr_ht_flags(io.fp8, R.id);
-    size_t woff = fr_ht_woff(K);
     unsigned long long pub = sent0; /* the leader's */
     for (int i0 = 0; i0 < n; i0 += S) {
         int m = n - i0 < S ? n - i0 : S;
@@ -170,38 +215,9 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
             fr_cuht_publish(tailw, sent);
             pub = sent;
         }
-        for (int k = g.j; k < m; k += g.P) {
-            int i = i0 + k;
-            uint8_t *rec = ring + ((sent + (unsigned long long)k) % RT) * recb;
-            const uint8_t *src;
-            if (COMB) {
-                size_t row = (size_t)row0 + (size_t)i;
-                if (lane == 0) {
-                    ((int32_t *)rec)[0] = i; /* its place among the channel's rows: checked */
-                    ((uint32_t *)rec)[1] = R.id;
-                }
-                if (lane < K)
-                    ((float *)(rec + 8))[lane] = io.w ? io.w[row * K + lane] : 0.f;
-                src = io.x + row * rowb;
-            } else {
-                int tok = tok_of[i];
-                if (lane == 0) {
-                    ((int32_t *)rec)[0] = tok;
-                    ((int32_t *)rec)[1] = flags;
-                }
-                if (lane < K) {
-                    int e = R.idx[(size_t)tok * K + lane];
-                    bool loc = e >= 0 && e / El == d;
-                    ((int16_t *)(rec + 8))[lane] = (int16_t)(loc ? e % El : -1);
-                    ((float *)(rec + woff))[lane] =
-                        loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
-                }
-                for (int q = lane; q < nsc; q += 32)
-                    ((float *)(rec + hdr + rowb))[q] = io.xs[tok * io.xs0 + q * io.xs1];
-                src = io.x + (size_t)tok * rowb;
-            }
-            fr_warp_copy16u<U, false>(rec + hdr, src, rowb);
-        }
+        for (int k = g.j; k < m; k += g.P)
+            fr_cuht_put<COMB, U>(A, R, io, d, i0 + k, row0, tok_of,
+                                 ring + ((sent + (unsigned long long)k) % RT) * recb, flags);
     }
     fr_cuht_gbar(g);
     if (lead) {
@@ -214,38 +230,101 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
 /* ---------------------------------------------------------------------- */
 /* dispatch                                                               */
 
-/* The own tokens: straight from x into their rows (no ring, no
- * counters); the group's warps take tokens round robin, nothing to wait
- * for. The same values the receiver would write. */
+/* The own token `tok` straight from x into row `row` (no ring, no
+ * counters; the whole warp): the same values a receiver would write. */
+template <int U>
+static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_args_t &A,
+                                                    const fr_cuht_rdev_t &R,
+                                                    const fr_cuht_io_t &io, int tok, size_t row)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, K = G.K, El = G.El, me = G.rank;
+    size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
+    int nsc = io.fp8 ? G.H / 128 : 0;
+    fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
+    for (int q = lane; q < nsc; q += 32)
+        io.rxs[row * nsc + q] = io.xs[tok * io.xs0 + q * io.xs1];
+    if (lane < K) {
+        int e = R.idx[(size_t)tok * K + lane];
+        bool loc = e >= 0 && e / El == me;
+        if (io.ridx)
+            io.ridx[row * K + lane] = loc ? e % El : -1;
+        if (io.rw)
+            io.rw[row * K + lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
+    }
+    if (lane == 0 && io.rsr)
+        io.rsr[row] = me;
+    if (lane == 0 && io.rst)
+        io.rst[row] = tok;
+}
+
+/* The own tokens of channel c: the group's warps take them round robin,
+ * nothing to wait for. */
 template <int U>
 static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c, const fr_cuht_grp_t &g)
 {
-    const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C, me = G.rank;
+    int C = A.G.C, me = A.G.rank;
     int n = R.ccnt[(size_t)me * C + c], row0 = R.rbase[(size_t)me * C + c];
     const int32_t *tok_of = R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c);
+    for (int i = g.j; i < n; i += g.P)
+        fr_cuht_self<U>(A, R, io, tok_of[i], (size_t)row0 + (size_t)i);
+}
+
+/* A record of ring (c, s) here, at `rec`, into row `row` (the whole warp):
+ * its header is loaded with the row and checked before any of its fields
+ * is used; a bad one fails the context, naming s (its outputs are then
+ * not valid), and gives false. The header is loaded once and broadcast,
+ * so every lane takes the same branch even if the record were being
+ * rewritten (a split warp would deadlock at a group's barrier, with no
+ * timeout). */
+template <int U>
+static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
+                                                    const fr_cuht_rdev_t &R,
+                                                    const fr_cuht_io_t &io, int s, size_t row,
+                                                    const uint8_t *rec)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, K = G.K, El = G.El;
     size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
     int nsc = io.fp8 ? G.H / 128 : 0;
-    for (int i = g.j; i < n; i += g.P) {
-        int tok = tok_of[i];
-        size_t row = (size_t)row0 + (size_t)i;
-        fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
-        for (int q = lane; q < nsc; q += 32)
-            io.rxs[row * nsc + q] = io.xs[tok * io.xs0 + q * io.xs1];
-        if (lane < K) {
-            int e = R.idx[(size_t)tok * K + lane];
-            bool loc = e >= 0 && e / El == me;
-            if (io.ridx)
-                io.ridx[row * K + lane] = loc ? e % El : -1;
-            if (io.rw)
-                io.rw[row * K + lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
-        }
-        if (lane == 0 && io.rsr)
-            io.rsr[row] = me;
-        if (lane == 0 && io.rst)
-            io.rst[row] = tok;
+    size_t woff = fr_ht_woff(K);
+    int tok = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec), 0);
+    int flags = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec + 1), 0);
+    int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
+    float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
+    fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + G.dhdr, rowb);
+    for (int q = lane; q < nsc; q += 32)
+        io.rxs[row * nsc + q] = __ldcg((const float *)(rec + G.dhdr + rowb) + q);
+    bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
+    int what = 0, detail = 0;
+    if (tok < 0 || tok >= G.T) {
+        what = FR_CUHT_WHAT_RECORD;
+        detail = tok;
+    } else if (((unsigned)flags >> 8 & 0xffu) != (R.id & 0xffu)) {
+        what = FR_CUHT_WHAT_ORDER;
+        detail = (int)((unsigned)flags >> 8 & 0xffu);
+    } else if ((flags & 1) != io.fp8) {
+        what = FR_CUHT_WHAT_DTYPE;
+        detail = flags & 1;
+    } else if (badle) {
+        what = FR_CUHT_WHAT_RECORD;
+        detail = tok;
     }
+    if (what) {
+        if (lane == 0)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, what, detail);
+        return false;
+    }
+    if (lane < K && io.ridx)
+        io.ridx[row * K + lane] = le;
+    if (lane < K && io.rw)
+        io.rw[row * K + lane] = w;
+    if (lane == 0 && io.rsr)
+        io.rsr[row] = s;
+    if (lane == 0 && io.rst)
+        io.rst[row] = tok;
+    return true;
 }
 
 /* Receiver group of ring (c, s) here: this call's n records, in steps of
@@ -261,10 +340,8 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                                      const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, C = G.C;
+    int C = G.C;
     bool lead = fr_cuht_lead(g);
-    size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
-    int nsc = io.fp8 ? G.H / 128 : 0;
     unsigned long long RT = (unsigned long long)G.RT;
     int n = R.rcnt[(size_t)s * C + c], row0 = R.rbase[(size_t)s * C + c];
     const uint8_t *ring = A.seg + fr_cuht_off_ring(G, 0, c, s);
@@ -273,7 +350,6 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s);
     unsigned long long start = *mine, tail = start;
     int taken = 0, pub = 0; /* pub: the leader's */
-    size_t woff = fr_ht_woff(K);
     while (taken < n) {
         fr_cuht_gbar(g); /* the previous step's records are copied */
         if (lead) {
@@ -304,48 +380,11 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             pub = taken;
         }
         int lim = *g.lim;
-        for (int k = taken + g.j; k < lim; k += g.P) {
-            const uint8_t *rec = ring + ((start + (unsigned long long)k) % RT) * G.drec;
-            /* one load, broadcast: every lane takes the same branch below even if the
-             * record were being rewritten (a split warp would deadlock between the
-             * __any_sync and the group's non-aligned barrier, with no timeout) */
-            int tok = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec), 0);
-            int flags = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec + 1), 0);
-            int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
-            float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
-            size_t row = (size_t)row0 + (size_t)k;
-            fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + G.dhdr, rowb);
-            for (int q = lane; q < nsc; q += 32)
-                io.rxs[row * nsc + q] = __ldcg((const float *)(rec + G.dhdr + rowb) + q);
-            bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
-            int what = 0, detail = 0;
-            if (tok < 0 || tok >= G.T) {
-                what = FR_CUHT_WHAT_RECORD;
-                detail = tok;
-            } else if (((unsigned)flags >> 8 & 0xffu) != (R.id & 0xffu)) {
-                what = FR_CUHT_WHAT_ORDER;
-                detail = (int)((unsigned)flags >> 8 & 0xffu);
-            } else if ((flags & 1) != io.fp8) {
-                what = FR_CUHT_WHAT_DTYPE;
-                detail = flags & 1;
-            } else if (badle) {
-                what = FR_CUHT_WHAT_RECORD;
-                detail = tok;
-            }
-            if (what) { /* the leader sees the failure at the next step */
-                if (lane == 0)
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, what, detail);
+        for (int k = taken + g.j; k < lim; k += g.P) /* the leader sees a failure
+                                                          at the next step */
+            if (!fr_cuht_take<U>(A, R, io, s, (size_t)row0 + (size_t)k,
+                                 ring + ((start + (unsigned long long)k) % RT) * G.drec))
                 break;
-            }
-            if (lane < K && io.ridx)
-                io.ridx[row * K + lane] = le;
-            if (lane < K && io.rw)
-                io.rw[row * K + lane] = w;
-            if (lane == 0 && io.rsr)
-                io.rsr[row] = s;
-            if (lane == 0 && io.rst)
-                io.rst[row] = tok;
-        }
         taken = lim;
     }
     fr_cuht_gbar(g);
@@ -354,6 +393,271 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             fr_cuht_publish(headw, start + (unsigned long long)n);
         *mine = start + (unsigned long long)n;
     }
+}
+
+/* ---------------------------------------------------------------------- */
+/* a warp serving many rings                                              */
+
+/* Where a role has more rings than warps (above W + 1 ranks), each warp
+ * serves rings w, w + W, w + 2W, ... alone (a group of one warp): the
+ * state of the i-th ring of its list lives in lane i % 32, register slot
+ * i / 32 (FR_CUHT_RPL slots: 64 rings a warp, 1024 ranks at W = 16). The
+ * warp never waits on one ring: each pass polls the counters of the rings
+ * that cannot move a full step, moves a step of up to S records on every
+ * ring that can (a whole-warp copy per record), publishes that ring's
+ * counter at once (system fence, release store), and goes round again.
+ * So no ring waits while another the warp serves could move: blocking
+ * waits on several rings in one warp could form a cycle across ranks. A
+ * pass that moves nothing counts towards the timeout, which names the
+ * peer of the warp's first unfinished ring. Every decision is the warp's
+ * (ballots, broadcasts), so its lanes leave together. */
+
+/* The warp's stop check, every 16th busy pass and every 64th idle one:
+ * 0 go on, 1 the context failed, 2 this warp timed out (t0: its last
+ * progress). */
+static __device__ __forceinline__ int fr_cuht_many_stop(const fr_cuht_args_t &A, bool moved,
+                                                        unsigned int *pass,
+                                                        unsigned long long *t0)
+{
+    int stop = 0;
+    if (moved)
+        *t0 = fr_sys_timer();
+    if ((++*pass & (moved ? 15u : 63u)) != 0)
+        return 0;
+    if ((threadIdx.x & 31) == 0)
+        stop = fr_cuht_failed(A) ? 1 : !moved && fr_sys_timer() - *t0 > A.timeout_ns ? 2 : 0;
+    return __shfl_sync(FR_FULL, stop, 0);
+}
+
+/* The rank of the warp's first unfinished ring (peer[] of the slots whose
+ * rings have records left, `left`), for a timeout's message. */
+static __device__ __forceinline__ int fr_cuht_many_first(const int *peer, const bool *left)
+{
+#pragma unroll
+    for (int q = 0; q < FR_CUHT_RPL; q++) {
+        unsigned int b = __ballot_sync(FR_FULL, left[q]);
+        if (b)
+            return __shfl_sync(FR_FULL, peer[q], __ffs(b) - 1);
+    }
+    return -1;
+}
+
+/* Sender warp w of W over rings (c, this rank) at d = me + 1 + r for
+ * r = w, w + W, ... < N - 1 (records as fr_cuht_send's). */
+template <bool COMB, int U>
+static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                         const fr_cuht_io_t &io, int c, int w, int W, int S)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, N = G.N, me = G.rank, C = G.C;
+    int kind = COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, hkind = COMB ? FR_CUHT_CHEAD : FR_CUHT_DHEAD;
+    int what = COMB ? FR_CUHT_WHAT_COMBINE : FR_CUHT_WHAT_DISPATCH;
+    unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
+    int32_t flags = fr_ht_flags(io.fp8, R.id);
+    int d[FR_CUHT_RPL], n[FR_CUHT_RPL], done[FR_CUHT_RPL];
+    unsigned long long st[FR_CUHT_RPL], head[FR_CUHT_RPL];
+#pragma unroll
+    for (int q = 0; q < FR_CUHT_RPL; q++) {
+        int r = w + W * (lane + 32 * q);
+        d[q] = -1;
+        n[q] = done[q] = 0;
+        st[q] = head[q] = 0;
+        if (r < N - 1) {
+            d[q] = (me + 1 + r) % N;
+            n[q] = COMB ? R.rcnt[(size_t)d[q] * C + c] : R.ccnt[(size_t)d[q] * C + c];
+            st[q] = *fr_cuht_my_ctr(A, kind, c, d[q]);
+            /* never more than RT records outstanding: d's head is at least this */
+            head[q] = st[q] > RT ? st[q] - RT : 0;
+        }
+    }
+    unsigned long long t0 = fr_sys_timer();
+    unsigned int pass = 0;
+    for (;;) {
+        int m[FR_CUHT_RPL];
+        bool left[FR_CUHT_RPL], bad = false, any = false;
+#pragma unroll
+        for (int q = 0; q < FR_CUHT_RPL; q++) {
+            int rem = n[q] - done[q];
+            m[q] = 0;
+            left[q] = rem > 0;
+            if (rem <= 0)
+                continue;
+            any = true;
+            unsigned long long sent = st[q] + (unsigned long long)done[q];
+            int want = rem < S ? rem : S;
+            if (sent + (unsigned long long)want - head[q] > RT) { /* less than a step fits */
+                const unsigned long long *hw = fr_cuht_rctr(A, d[q], hkind, c);
+                if (fr_sys_ld_relaxed(hw) > head[q]) {
+                    unsigned long long h = fr_sys_ld_acquire(hw);
+                    if (h > sent) { /* taken more than was sent */
+                        fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d[q], FR_CUHT_WHAT_OVERRUN,
+                                     (int)(h - sent));
+                        bad = true;
+                    }
+                    head[q] = h;
+                }
+            }
+            long long room = (long long)RT - (long long)(sent - head[q]);
+            m[q] = room < want ? (room > 0 ? (int)room : 0) : want;
+        }
+        if (__any_sync(FR_FULL, bad))
+            return;
+        if (!__any_sync(FR_FULL, any))
+            break;
+        bool moved = false;
+#pragma unroll
+        for (int q = 0; q < FR_CUHT_RPL; q++) {
+            unsigned int ready = __ballot_sync(FR_FULL, m[q] > 0);
+            while (ready) {
+                int L = __ffs(ready) - 1;
+                ready &= ready - 1;
+                int dd = __shfl_sync(FR_FULL, d[q], L), mm = __shfl_sync(FR_FULL, m[q], L);
+                int i0 = __shfl_sync(FR_FULL, done[q], L);
+                unsigned long long sent =
+                    __shfl_sync(FR_FULL, st[q], L) + (unsigned long long)i0;
+                uint8_t *ring = fr_cuht_wring(A, dd, COMB, c);
+                int row0 = COMB ? R.rbase[(size_t)dd * C + c] : 0;
+                const int32_t *tok_of = R.rtok + (size_t)dd * R.T + fr_cuht_chan_lo(R.T, C, c);
+                for (int k = 0; k < mm; k++)
+                    fr_cuht_put<COMB, U>(A, R, io, dd, i0 + k, row0, tok_of,
+                                         ring + ((sent + (unsigned long long)k) % RT) * recb,
+                                         flags);
+                __syncwarp(); /* the step's records before its tail */
+                if (lane == L) {
+                    done[q] += mm;
+                    fr_cuht_publish(fr_cuht_wctr(A, dd, kind, c),
+                                    sent + (unsigned long long)mm);
+                }
+                moved = true;
+            }
+        }
+        int stop = fr_cuht_many_stop(A, moved, &pass, &t0);
+        if (stop == 2) {
+            int who = fr_cuht_many_first(d, left);
+            if (lane == 0)
+                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
+        }
+        if (stop)
+            return;
+    }
+#pragma unroll
+    for (int q = 0; q < FR_CUHT_RPL; q++)
+        if (d[q] >= 0)
+            *fr_cuht_my_ctr(A, kind, c, d[q]) = st[q] + (unsigned long long)n[q];
+}
+
+/* Receiver warp w of W over the dispatch rings (c, s) here from
+ * s = me - 1 - r for r = w, w + W, ... < N - 1, and the own tokens for
+ * r = N - 1 (records and rows as fr_cuht_drecv's and fr_cuht_dself's). */
+template <int U>
+static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                          const fr_cuht_io_t &io, int c, int w, int W, int S)
+{
+    const fr_cuht_geo_t &G = A.G;
+    int lane = threadIdx.x & 31, N = G.N, me = G.rank, C = G.C;
+    unsigned long long RT = (unsigned long long)G.RT;
+    int s[FR_CUHT_RPL], n[FR_CUHT_RPL], taken[FR_CUHT_RPL];
+    unsigned long long st[FR_CUHT_RPL], tail[FR_CUHT_RPL];
+#pragma unroll
+    for (int q = 0; q < FR_CUHT_RPL; q++) {
+        int r = w + W * (lane + 32 * q);
+        s[q] = -1;
+        n[q] = taken[q] = 0;
+        st[q] = tail[q] = 0;
+        if (r < N) {
+            s[q] = r == N - 1 ? me : (me + N - 1 - r) % N;
+            n[q] = r == N - 1 ? R.ccnt[(size_t)me * C + c] : R.rcnt[(size_t)s[q] * C + c];
+            if (r < N - 1)
+                st[q] = tail[q] = *fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s[q]);
+        }
+    }
+    unsigned long long t0 = fr_sys_timer();
+    unsigned int pass = 0;
+    for (;;) {
+        int m[FR_CUHT_RPL];
+        bool left[FR_CUHT_RPL], bad = false, any = false;
+#pragma unroll
+        for (int q = 0; q < FR_CUHT_RPL; q++) {
+            int rem = n[q] - taken[q];
+            m[q] = 0;
+            left[q] = rem > 0;
+            if (rem <= 0)
+                continue;
+            any = true;
+            if (s[q] == me) { /* the own tokens: nothing to wait for */
+                m[q] = rem < S ? rem : S;
+                continue;
+            }
+            unsigned long long at = st[q] + (unsigned long long)taken[q];
+            if (tail[q] <= at) { /* nothing in: poll */
+                const unsigned long long *tw = fr_cuht_rctr(A, s[q], FR_CUHT_DTAIL, c);
+                if (fr_sys_ld_relaxed(tw) > tail[q]) {
+                    tail[q] = fr_sys_ld_acquire(tw);
+                    if (tail[q] > at + RT) { /* more than fits */
+                        fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s[q], FR_CUHT_WHAT_OVERRUN,
+                                     (int)(tail[q] - at - RT));
+                        bad = true;
+                    }
+                }
+            }
+            /* this call's records only: a fast sender's next call may be in */
+            unsigned long long have = tail[q] - st[q];
+            int lim = have < (unsigned long long)n[q] ? (int)have : n[q];
+            int av = lim - taken[q];
+            m[q] = av < S ? (av > 0 ? av : 0) : S;
+        }
+        if (__any_sync(FR_FULL, bad))
+            return;
+        if (!__any_sync(FR_FULL, any))
+            break;
+        bool moved = false;
+#pragma unroll
+        for (int q = 0; q < FR_CUHT_RPL; q++) {
+            unsigned int ready = __ballot_sync(FR_FULL, m[q] > 0);
+            while (ready) {
+                int L = __ffs(ready) - 1;
+                ready &= ready - 1;
+                int ss = __shfl_sync(FR_FULL, s[q], L), mm = __shfl_sync(FR_FULL, m[q], L);
+                int i0 = __shfl_sync(FR_FULL, taken[q], L);
+                unsigned long long at =
+                    __shfl_sync(FR_FULL, st[q], L) + (unsigned long long)i0;
+                size_t row0 = (size_t)R.rbase[(size_t)ss * C + c] + (size_t)i0;
+                if (ss == me) {
+                    const int32_t *tok_of =
+                        R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c) + i0;
+                    for (int k = 0; k < mm; k++)
+                        fr_cuht_self<U>(A, R, io, tok_of[k], row0 + (size_t)k);
+                } else {
+                    const uint8_t *ring = A.seg + fr_cuht_off_ring(G, 0, c, ss);
+                    for (int k = 0; k < mm; k++)
+                        if (!fr_cuht_take<U>(A, R, io, ss, row0 + (size_t)k,
+                                             ring + ((at + (unsigned long long)k) % RT) *
+                                                        G.drec))
+                            return; /* every lane: the header was broadcast */
+                }
+                __syncwarp(); /* the step's copies before its head */
+                if (lane == L) {
+                    taken[q] += mm;
+                    if (ss != me)
+                        fr_cuht_publish(fr_cuht_wctr(A, ss, FR_CUHT_DHEAD, c),
+                                        at + (unsigned long long)mm);
+                }
+                moved = true;
+            }
+        }
+        int stop = fr_cuht_many_stop(A, moved, &pass, &t0);
+        if (stop == 2) {
+            int who = fr_cuht_many_first(s, left);
+            if (lane == 0)
+                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, FR_CUHT_WHAT_DISPATCH, 0);
+        }
+        if (stop)
+            return;
+    }
+#pragma unroll
+    for (int q = 0; q < FR_CUHT_RPL; q++)
+        if (s[q] >= 0 && s[q] != me)
+            *fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s[q]) = st[q] + (unsigned long long)n[q];
 }
 
 /* Warps per ring when a role's W warps serve `rings` rings: W / rings
@@ -368,7 +672,7 @@ static __device__ __forceinline__ int fr_cuht_per_ring(int rings)
  * at N = 1 the own tokens). The receiver role serves the N - 1 peer rings
  * and the own tokens (W / N warps each): the own tokens are a local copy,
  * the peers' rings the links. */
-template <int W>
+template <int W, bool MANY>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
@@ -389,6 +693,14 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     if (dead) /* the context failed earlier: nothing moves */
         return;
     int role = warp < W ? 0 : 1, rings = role == 0 && N > 1 ? N - 1 : N;
+    if (MANY && rings > W) { /* each warp serves several rings, waiting on none */
+        int S = FR_CUHT_STEP < A.G.RT ? FR_CUHT_STEP : A.G.RT;
+        if (role == 0)
+            fr_cuht_send_many<false, U>(A, R, io, c, warp % W, W, S);
+        else
+            fr_cuht_drecv_many<U>(A, R, io, c, warp % W, W, S);
+        return;
+    }
     int P = fr_cuht_per_ring<W>(rings), r = (warp % W) / P;
     if (r >= rings)
         return;
@@ -432,20 +744,21 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     int t0 = fr_cuht_chan_lo(R.T, C, c), t1 = fr_cuht_chan_lo(R.T, C, c + 1);
     unsigned long long RT = (unsigned long long)G.RT;
     size_t self0 = (size_t)R.rbase[(size_t)me * C + c]; /* own rows of y */
+    /* per peer d: its ring's first record of this call (sbase), the tail
+     * seen, the records the batches so far need (a token's place + 1) and
+     * the head published, both counted from sbase */
     __shared__ unsigned long long sbase[FR_CUHT_MAX_RANKS], stail[FR_CUHT_MAX_RANKS];
     __shared__ int sneed[FR_CUHT_MAX_RANKS], spub[FR_CUHT_MAX_RANKS];
-    __shared__ const uint8_t *sring[FR_CUHT_MAX_RANKS];
-    __shared__ const int4 *sptr[W][FR_CUHT_MAX_RANKS]; /* a token's rows, by rank */
+    __shared__ const int4 *sptr[W][FR_MAX_TOPK]; /* a token's rows, by rank */
     /* failures seen while waiting, and while summing: two words, each
      * read only after the barrier that ends its phase and written again
      * only after the next barrier, so every warp reads the same value */
     __shared__ int wok, sok;
-    if (tid < N) {
-        sbase[tid] = *fr_cuht_my_ctr(A, FR_CUHT_CHEAD, c, tid);
-        stail[tid] = sbase[tid];
-        sneed[tid] = 0;
-        spub[tid] = 0;
-        sring[tid] = A.seg + fr_cuht_off_ring(G, 1, c, tid);
+    for (int d = tid; d < N; d += W * 32) {
+        sbase[d] = *fr_cuht_my_ctr(A, FR_CUHT_CHEAD, c, d);
+        stail[d] = sbase[d];
+        sneed[d] = 0;
+        spub[d] = 0;
     }
     if (tid == 0)
         wok = sok = 1;
@@ -454,51 +767,53 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     int H8 = H / 8;
     for (int b0 = t0; b0 < t1; b0 += B) {
         int nb = t1 - b0 < B ? t1 - b0 : B;
-        if (tid < N && tid != me) {
-            int d = tid;
-            for (int j = nb - 1; j >= 0; j--)
-                if (R.mask[b0 + j] >> d & 1u) {
-                    sneed[d] = R.tpos[(size_t)(b0 + j) * N + d] + 1;
-                    break;
-                }
+        /* what the batch needs of each peer: its last token's place + 1 */
+        for (int j = gw; j < nb; j += W) {
+            int t = b0 + j, d = lane < K ? R.dst[(size_t)t * K + lane] : -1;
+            if (d >= 0 && d != me)
+                atomicMax(&sneed[d], R.dpos[(size_t)t * K + lane] + 1);
+        }
+        fr_bar_sync(15, W * 32);
+        for (int d = tid; d < N; d += W * 32) { /* a thread per peer waits */
             unsigned long long want = sbase[d] + (unsigned long long)sneed[d], v = stail[d];
-            if (stail[d] < want) {
-                if (!fr_cuht_wait_ge(A, fr_cuht_rctr(A, d, FR_CUHT_CTAIL, c), want, d,
-                                     FR_CUHT_WHAT_COMBINE, &v)) {
-                    wok = 0;
-                } else if (v > sbase[d] + (unsigned long long)spub[d] + RT) {
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
-                                 (int)(v - sbase[d] - spub[d] - RT));
-                    wok = 0;
-                }
-                stail[d] = v;
+            if (d == me || v >= want)
+                continue;
+            if (!fr_cuht_wait_ge(A, fr_cuht_rctr(A, d, FR_CUHT_CTAIL, c), want, d,
+                                 FR_CUHT_WHAT_COMBINE, &v)) {
+                wok = 0;
+            } else if (v > sbase[d] + (unsigned long long)spub[d] + RT) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
+                             (int)(v - sbase[d] - spub[d] - RT));
+                wok = 0;
             }
+            stail[d] = v;
         }
         fr_bar_sync(15, W * 32);
         if (!wok)
             return;
         for (int j = gw; j < nb; j += W) {
             int t = b0 + j;
-            unsigned int m = R.mask[t];
-            /* lane d: rank d's row of this token and its header */
+            /* lane k: the token's k-th rank (ascending), its row and header */
+            int dk = lane < K ? R.dst[(size_t)t * K + lane] : -1;
             const uint8_t *hrec = NULL;
             const int4 *dp = NULL;
             int pos = -1, hpos = 0;
             unsigned int hid = 0;
-            if (lane < N && (m >> lane & 1u)) {
-                pos = R.tpos[(size_t)t * N + lane];
-                if (lane == me) {
+            if (dk >= 0) {
+                pos = R.dpos[(size_t)t * K + lane];
+                if (dk == me) {
                     dp = (const int4 *)(io.x + (self0 + (size_t)pos) * 2 * (size_t)H);
                 } else {
-                    hrec = sring[lane] + ((sbase[lane] + (unsigned long long)pos) % RT) * G.crec;
+                    hrec = A.seg + fr_cuht_off_ring(G, 1, c, dk) +
+                           ((sbase[dk] + (unsigned long long)pos) % RT) * G.crec;
                     hpos = __ldcg((const int32_t *)hrec);
                     hid = __ldcg((const uint32_t *)hrec + 1);
                     dp = (const int4 *)(hrec + G.chdr);
                 }
             }
             unsigned int pres = __ballot_sync(FR_FULL, dp != NULL);
-            if (dp)
-                sptr[gw][__popc(pres & ((1u << lane) - 1u))] = dp;
+            if (dp) /* the ranks are lanes 0.. np - 1 */
+                sptr[gw][lane] = dp;
             __syncwarp();
             int np = __popc(pres);
             /* 8 channels a vector, U vectors per lane, two ranks' loads in
@@ -570,29 +885,32 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             unsigned int badm = __ballot_sync(FR_FULL, hrec && (hpos != pos || hid != R.id));
             if (badm) {
                 if (lane == __ffs(badm) - 1)
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, lane,
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, dk,
                                  hid != R.id ? FR_CUHT_WHAT_ORDER : FR_CUHT_WHAT_RECORD,
                                  hid != R.id ? (int)hid : pos);
                 sok = 0;
                 break;
             }
             if (io.rw && lane < K) {
-                /* slot `lane` of rank d's row of this token (at place p) */
-                auto slot = [&](int d, int p) -> float {
+                const int32_t *dl = R.dst + (size_t)t * K, *pl = R.dpos + (size_t)t * K;
+                /* slot `lane` of the row of the token's q-th rank */
+                auto slot = [&](int q) -> float {
+                    int d = dl[q], p = pl[q];
                     if (d == me)
                         return io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
-                    return __ldcg((const float *)(sring[d] + ((sbase[d] + (unsigned long long)p) %
-                                                              RT) * G.crec + 8) + lane);
+                    return __ldcg((const float *)(A.seg + fr_cuht_off_ring(G, 1, c, d) +
+                                                  ((sbase[d] + (unsigned long long)p) % RT) *
+                                                      G.crec + 8) + lane);
                 };
                 float w = 0.f;
                 if (io.wsum) { /* every rank's row, in rank order */
-                    for (int d = 0; d < N; d++)
-                        if (m >> d & 1u)
-                            w += slot(d, R.tpos[(size_t)t * N + d]);
+                    for (int q = 0; q < np; q++)
+                        w += slot(q);
                 } else { /* the row of the rank of expert `lane` */
                     int e = R.idx[(size_t)t * K + lane];
-                    if (e >= 0)
-                        w = slot(e / El, R.tpos[(size_t)t * N + e / El]);
+                    for (int q = 0; e >= 0 && q < np; q++)
+                        if (dl[q] == e / El)
+                            w = slot(q);
                 }
                 io.rw[(size_t)t * K + lane] = w;
             }
@@ -601,18 +919,21 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
         fr_bar_sync(15, W * 32);
         if (!sok)
             return;
-        if (tid < N && tid != me && sneed[tid] > spub[tid]) { /* the batch's slots go back */
-            fr_cuht_publish(fr_cuht_wctr(A, tid, FR_CUHT_CHEAD, c),
-                            sbase[tid] + (unsigned long long)sneed[tid]);
-            spub[tid] = sneed[tid];
+        for (int d = tid; d < N; d += W * 32) { /* the batch's slots go back */
+            if (d != me && sneed[d] > spub[d]) {
+                fr_cuht_publish(fr_cuht_wctr(A, d, FR_CUHT_CHEAD, c),
+                                sbase[d] + (unsigned long long)sneed[d]);
+                spub[d] = sneed[d];
+            }
         }
     }
-    if (tid < N && tid != me)
-        *fr_cuht_my_ctr(A, FR_CUHT_CHEAD, c, tid) =
-            sbase[tid] + (unsigned long long)R.ccnt[(size_t)tid * C + c];
+    for (int d = tid; d < N; d += W * 32)
+        if (d != me)
+            *fr_cuht_my_ctr(A, FR_CUHT_CHEAD, c, d) =
+                sbase[d] + (unsigned long long)R.ccnt[(size_t)d * C + c];
 }
 
-template <int W>
+template <int W, bool MANY>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
@@ -625,7 +946,11 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     __syncthreads();
     if (dead)
         return;
-    if (warp < W) { /* the N - 1 peer rings; own rows: read from y by the receivers */
+    if (MANY && warp < W && N - 1 > W) { /* each warp serves several rings, waiting on none */
+        int room = A.G.RT + 1 - fr_cuht_cbatch(A.G.RT);
+        fr_cuht_send_many<true, U>(A, R, io, c, warp, W,
+                                   FR_CUHT_STEP < room ? FR_CUHT_STEP : room);
+    } else if (warp < W) { /* the N - 1 peer rings; own rows: read from y by the receivers */
         int P = N > 1 ? fr_cuht_per_ring<W>(N - 1) : 1, r = warp / P;
         if (r >= N - 1)
             return;
@@ -692,9 +1017,11 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
         return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
     if (ep->N <= 8)
-        fr_cuht_dispatch_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<8, false><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (ep->N <= 16)
+        fr_cuht_dispatch_k<16, false><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_dispatch_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<16, true><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_pad_rows(route, out, in->stream);
     fr_cuht_route_used(route, in->stream);
     return fr_cuht_launch_check(ep, call);
@@ -726,9 +1053,11 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     io.wsum = in->weights_sum != 0;
     cudaStream_t st = (cudaStream_t)in->stream;
     if (ep->N <= 8)
-        fr_cuht_combine_k<8><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<8, false><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (ep->N <= 16)
+        fr_cuht_combine_k<16, false><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_combine_k<16><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<16, true><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_route_used(route, in->stream);
     rc = fr_cuht_launch_check(ep, call);
     /* after the launch check: a failed record clears CUDA's last error */
@@ -739,8 +1068,10 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
 extern "C" int fr_cuht_load_stream(void)
 {
     cudaFuncAttributes fa;
-    return cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<8>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<8>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16>) != cudaSuccess;
+    return cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<8, false>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16, false>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16, true>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<8, false>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16, false>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16, true>) != cudaSuccess;
 }
