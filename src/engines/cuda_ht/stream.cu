@@ -926,6 +926,9 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 spub[d] = sneed[d];
             }
         }
+        /* the next batch raises sneed only once every head went out: a
+         * head published from it would hand back slots not yet read */
+        fr_bar_sync(15, W * 32);
     }
     for (int d = tid; d < N; d += W * 32)
         if (d != me)
