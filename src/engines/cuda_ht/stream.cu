@@ -10,7 +10,9 @@
  * senders' N - 1 peer rings, the receivers' N - 1 peer rings and the own
  * tokens (a group each: at N = 2, 8 warps send, 4 receive, 4 copy the own
  * tokens; at N = 8 one warp per ring), so every warp moves data whatever
- * N. A group works in lockstep steps: its leader
+ * N. Above 16 ranks a role has more rings than warps: each warp then
+ * serves several alone and waits on none of them ("a warp serving many
+ * rings" below). A group works in lockstep steps: its leader
  * (lane 0 of its first warp) publishes the previous step's counter and
  * waits, a named barrier (one per group) hands the outcome to the group,
  * the warps copy the step's records round robin, and the next step's
