@@ -13,7 +13,10 @@
  *   badimm  an immediate of no kind reaches rank 1
  *   dup     a run of records lands twice at rank 1
  *   credit  rank 0 gets back credits for records it never sent
- * Usage: test_htfab [seed [badimm|dup|credit]] */
+ * The immediates' format follows from the ranks and the ring (fab.h); a
+ * third argument N lays the segments out for N ranks (the two threads
+ * are ranks 0 and 1 of them), so the format's wide source field runs too.
+ * Usage: test_htfab [seed [none|badimm|dup|credit [N]]] */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -25,6 +28,8 @@
 #include "runtime/rt.h"
 
 enum { NR = 2, C = 3, RT = 8, REC = 64, M = 2000, NOTIFY_ROUTES = 6, MAXQ = 4096 };
+static int GN = NR; /* the ranks the segments are laid out for */
+static fr_cuht_fab_fmt_t FMT; /* the immediates' format for GN ranks, rings of RT */
 
 typedef struct fake_w {
     int to, from;
@@ -116,7 +121,7 @@ static int fake_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
     }
     if (!W.faulted && W.landed > 50 && W.fault == F_CREDIT && r == 0) {
         /* a dispatch head of rank 1 for channel 0, 300 records on */
-        uint32_t imm = 3u << 29 | 1u << 25 | 0u << 18 | 300u;
+        uint32_t imm = fr_cuht_fab_imm(&FMT, FR_FAB_DHEAD, 1, 0, 300u);
         W.cq[r][W.ncq[r]++] = (fr_cqe_t){.kind = FR_CQE_RX, .imm = imm, .peer = -1};
         W.faulted = 1;
     }
@@ -144,16 +149,16 @@ static uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 static void geo(fr_cuht_geo_t *G, int rank)
 {
     memset(G, 0, sizeof(*G));
-    G->N = NR;
+    G->N = GN;
     G->rank = rank;
     G->C = C;
     G->RT = RT;
     G->notify_entry = 128;
-    G->off_ctr = align(2ull * NR * G->notify_entry, 4096);
+    G->off_ctr = align(2ull * GN * G->notify_entry, 4096);
     G->drec = G->crec = REC;
-    G->off_drec = align(G->off_ctr + 4ull * C * NR * FR_CUHT_LINE, 4096);
-    G->off_crec = align(G->off_drec + (uint64_t)C * NR * RT * REC, 4096);
-    G->seg_bytes = align(G->off_crec + (uint64_t)C * NR * RT * REC, 4096);
+    G->off_drec = align(G->off_ctr + 4ull * C * GN * FR_CUHT_LINE, 4096);
+    G->off_crec = align(G->off_drec + (uint64_t)C * GN * RT * REC, 4096);
+    G->seg_bytes = align(G->off_crec + (uint64_t)C * GN * RT * REC, 4096);
     G->ob_drec = G->off_ctr;
     G->ob_crec = align(G->ob_drec + (uint64_t)C * RT * REC, 4096);
     G->ob_bytes = align(G->ob_crec + (uint64_t)C * RT * REC, 4096);
@@ -190,7 +195,13 @@ int main(int argc, char **argv)
     W.fault = !strcmp(fname, "badimm") ? F_BADIMM : !strcmp(fname, "dup") ? F_DUP
               : !strcmp(fname, "credit") ? F_CREDIT : F_NONE;
     if (W.fault == F_NONE && strcmp(fname, "none") != 0) {
-        fprintf(stderr, "test_htfab: fault %s: use badimm, dup or credit\n", fname);
+        fprintf(stderr, "test_htfab: fault %s: use none, badimm, dup or credit\n", fname);
+        return 2;
+    }
+    GN = argc > 3 ? atoi(argv[3]) : NR;
+    char why[200];
+    if (GN < NR || fr_cuht_fab_fmt(GN, RT, &FMT, why, sizeof(why)) != 0) {
+        fprintf(stderr, "test_htfab: N = %s: %s\n", argc > 3 ? argv[3] : "", GN < NR ? "at least 2" : why);
         return 2;
     }
     int victim = W.fault == F_CREDIT ? 0 : 1; /* the rank whose thread must fail */

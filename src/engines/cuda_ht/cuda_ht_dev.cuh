@@ -61,7 +61,6 @@
 #define FR_CUHT_MAX_RANKS 1024   /* per-peer shared arrays of the route and
                                     combine kernels; a warp serves up to
                                     FR_CUHT_RPL x 32 rings */
-#define FR_CUHT_FAB_MAX_RANKS 16 /* the fabric thread's immediates: 4-bit sources */
 #define FR_CUHT_RPL 2            /* rings per lane of a warp that serves many */
 #define FR_CUHT_STEP 4           /* records per warp between publications */
 #define FR_CUHT_CBATCH 64        /* most tokens per combine batch */
@@ -125,10 +124,10 @@ typedef struct fr_cuht_res {
     int ecnt[1];                  /* [El] */
 } fr_cuht_res_t;
 
-/* what the fabric thread's immediates carry (fab.c): source 4 bits,
- * channel 7, lap 1, slot and count 8 each; a warp serves at most
- * FR_CUHT_RPL x 32 rings of a role of 16 warps */
-static_assert(FR_CUHT_FAB_MAX_RANKS <= 16 && FR_CUHT_MAX_CHANNELS <= 128 &&
+/* what the fabric thread's immediates carry (fab.h: the channel in 7
+ * bits, the source and the run of slots in what N and the ring leave); a
+ * warp serves at most FR_CUHT_RPL x 32 rings of a role of 16 warps */
+static_assert(FR_CUHT_MAX_CHANNELS <= (1 << FR_CUHT_FAB_CBITS) &&
               (FR_CUHT_MAX_RANKS + 16 * 32 - 1) / (16 * 32) <= FR_CUHT_RPL &&
               FR_CUHT_RING_MAX <= FR_CUHT_FAB_RT_MAX && FR_CUHT_FAB_RT_MAX <= 256,
               "fab.c's immediate fields");

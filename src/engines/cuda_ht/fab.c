@@ -2,8 +2,10 @@
  * The CUDA high-throughput engine's fabric thread (protocol in fab.h and
  * docs/architecture.md, "GPU ranks across nodes").
  *
- * Immediate (32 bits): kind << 29 | source rank << 25 | channel << 18 |
- * value. Records: value = lap << 17 | first slot << 8 | (count - 1), a
+ * Immediate (32 bits): kind << 29 | source rank << (29 - S) | channel <<
+ * (22 - S) | value, S = bits(N) (fab.h: the format follows from N and the
+ * ring, the same on every rank; 4 bits at N <= 16, 10 at 1024). Records:
+ * value = lap << 2R | first slot << R | (count - 1), R = bits(RT), a
  * run of slots that does not wrap, lap the parity of its position over
  * the ring's size; runs may land in any order, so the receiver marks
  * slots and counts the ring's tail only over slots landed in order, and
@@ -12,7 +14,7 @@
  * rank gave back.
  * Heads: value = how far the head moved (sums commute, so credits may
  * land in any order). Notify: channel = the route number's parity, value
- * = its low 18 bits (the receiver knows the number: each parity's
+ * = its low 22 - S bits (the receiver knows the number: each parity's
  * advance by 2).
  */
 #include <pthread.h>
@@ -27,13 +29,49 @@
 #include "ep/hmem.h"
 #include "runtime/rt.h"
 
-enum { FR_FAB_DDATA = 1, FR_FAB_CDATA = 2, FR_FAB_DHEAD = 3, FR_FAB_CHEAD = 4,
-       FR_FAB_NOTIFY = 5, FR_FAB_HELLO = 6 };
-#define FR_FAB_VAL_MAX 0x3ffffu
 
-static uint32_t fr_fab_imm(int kind, int src, int c, uint32_t val)
+/* Bits to hold 0 .. n - 1 (at least 1). */
+static unsigned fr_fab_bits(unsigned long n)
 {
-    return (uint32_t)kind << 29 | (uint32_t)src << 25 | (uint32_t)c << 18 | val;
+    unsigned b = 1;
+    while ((1ul << b) < n)
+        b++;
+    return b;
+}
+
+int fr_cuht_fab_fmt(int N, int RT, fr_cuht_fab_fmt_t *fmt, char *why, size_t whylen)
+{
+    unsigned sb = fr_fab_bits((unsigned long)N), rb = fr_fab_bits((unsigned long)RT);
+    unsigned used = 3 + sb + FR_CUHT_FAB_CBITS;
+    if (used + 2 * rb + 1 > 32 || RT > FR_CUHT_FAB_RT_MAX) {
+        if (why)
+            snprintf(why, whylen, "%d ranks with rings of %d records (a 32-bit immediate holds "
+                     "the source rank, the channel and a run of slots: at most %d records a "
+                     "ring at %d ranks)", N, RT,
+                     used + 3 > 32 ? 0 : 1 << ((32 - used - 1) / 2), N);
+        return -1;
+    }
+    fmt->sbits = sb;
+    fmt->rbits = rb;
+    fmt->vbits = 32 - used;
+    return 0;
+}
+
+static uint32_t fr_fab_vmax(const fr_cuht_fab_t *f)
+{
+    return (1u << f->fmt.vbits) - 1u;
+}
+
+uint32_t fr_cuht_fab_imm(const fr_cuht_fab_fmt_t *fmt, int kind, int src, int c, uint32_t val)
+{
+    unsigned vb = fmt->vbits;
+    return (uint32_t)kind << 29 | (uint32_t)src << (vb + FR_CUHT_FAB_CBITS) |
+           (uint32_t)c << vb | val;
+}
+
+static uint32_t fr_fab_imm(const fr_cuht_fab_t *f, int kind, int src, int c, uint32_t val)
+{
+    return fr_cuht_fab_imm(&f->fmt, kind, src, c, val);
 }
 
 /* The context's asynchronous error (the next call reports it), and the
@@ -64,6 +102,8 @@ int fr_cuht_fab_init(ferry_ep_t ep, fr_cuht_fab_t *f)
 {
     size_t nf = (size_t)ep->nfabric, C = (size_t)f->G.C, RT = (size_t)f->G.RT;
     f->nf = ep->nfabric;
+    if (fr_cuht_fab_fmt(f->G.N, f->G.RT, &f->fmt, NULL, 0) != 0)
+        return FERRY_ERR_INTERNAL; /* refused before: fr_cuht_fabric_native */
     f->gnic = calloc(nf, sizeof(int));
     f->gpos = calloc(nf, sizeof(int));
     uint64_t **t[] = {&f->posted, &f->cred, &f->tail, &f->head};
@@ -150,9 +190,11 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
                 n = n < RT - slot ? n : RT - slot;
                 uint64_t src = (uint64_t)g * G->ob_bytes + fr_cuht_geo_obring(G, k, c) + slot * rec;
                 uint64_t dst = fr_cuht_geo_ring(G, k, c, me) + slot * rec;
-                uint32_t v = (uint32_t)((f->posted[i] / RT & 1) << 17 | slot << 8 | (n - 1));
+                unsigned rb = f->fmt.rbits;
+                uint32_t v = (uint32_t)((f->posted[i] / RT & 1) << (2 * rb) | slot << rb |
+                                        (n - 1));
                 if (fr_fab_post(ep, f, g, src, dst, n * rec,
-                                fr_fab_imm(k ? FR_FAB_CDATA : FR_FAB_DDATA, me, c, v)))
+                                fr_fab_imm(f, k ? FR_FAB_CDATA : FR_FAB_DDATA, me, c, v)))
                     return -1;
                 f->posted[i] += n;
                 work = 1;
@@ -160,14 +202,15 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
             uint64_t h = fr_fab_ld(o, fr_cuht_geo_ctr(G, k ? FR_CUHT_CHEAD : FR_CUHT_DHEAD, c, me));
             if (h > f->cred[i]) {
                 uint64_t delta = h - f->cred[i];
-                if (delta > FR_FAB_VAL_MAX) {
+                if (delta > fr_fab_vmax(f)) {
                     fr_fab_fail(ep, f, FERRY_ERR_INTERNAL, d, "ht: the head of rank %d's %s "
                                 "ring %d here moved by %llu at once", d, k ? "combine" : "dispatch",
                                 c, (unsigned long long)delta);
                     return -1;
                 }
                 if (fr_fab_post(ep, f, g, 0, 0, 0,
-                                fr_fab_imm(k ? FR_FAB_CHEAD : FR_FAB_DHEAD, me, c, (uint32_t)delta)))
+                                fr_fab_imm(f, k ? FR_FAB_CHEAD : FR_FAB_DHEAD, me, c,
+                                           (uint32_t)delta)))
                     return -1;
                 f->cred[i] = h;
                 work = 1;
@@ -181,7 +224,7 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
             continue;
         uint64_t off = fr_cuht_geo_notify(G, par, me);
         if (fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
-                        fr_fab_imm(FR_FAB_NOTIFY, me, par, (uint32_t)(id & FR_FAB_VAL_MAX))))
+                        fr_fab_imm(f, FR_FAB_NOTIFY, me, par, (uint32_t)(id & fr_fab_vmax(f)))))
             return -1;
         *sent = id;
         work = 1;
@@ -194,7 +237,9 @@ static int fr_fab_scan_peer(ferry_ep_t ep, fr_cuht_fab_t *f, int g)
 static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int c, uint32_t v)
 {
     const fr_cuht_geo_t *G = &f->G;
-    uint64_t RT = (uint64_t)G->RT, slot = v >> 8 & 255u, n = (v & 255u) + 1, lap = v >> 17 & 1u;
+    unsigned rb = f->fmt.rbits;
+    uint64_t RT = (uint64_t)G->RT, rm = (1u << rb) - 1u;
+    uint64_t slot = v >> rb & rm, n = (v & rm) + 1, lap = v >> (2 * rb) & 1u;
     size_t i = fr_fab_ix(f, k, g, c);
     uint8_t *L = f->landed + i * RT;
     const char *ring = k ? "combine" : "dispatch";
@@ -241,8 +286,11 @@ static int fr_fab_land(ferry_ep_t ep, fr_cuht_fab_t *f, int k, int g, int s, int
 static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
 {
     const fr_cuht_geo_t *G = &f->G;
-    int kind = (int)(imm >> 29), s = (int)(imm >> 25 & 15u), c = (int)(imm >> 18 & 127u);
-    uint32_t v = imm & FR_FAB_VAL_MAX;
+    unsigned vb = f->fmt.vbits;
+    int kind = (int)(imm >> 29);
+    int s = (int)(imm >> (vb + FR_CUHT_FAB_CBITS) & ((1u << f->fmt.sbits) - 1u));
+    int c = (int)(imm >> vb & ((1u << FR_CUHT_FAB_CBITS) - 1u));
+    uint32_t v = imm & fr_fab_vmax(f);
     int g = s < ep->N ? ep->group_index[s] : -1;
     if (kind == FR_FAB_HELLO && g >= 0 && f->hello) {
         f->hello[g] = 1;
@@ -259,7 +307,7 @@ static int fr_fab_rx(ferry_ep_t ep, fr_cuht_fab_t *f, uint32_t imm)
     if (kind == FR_FAB_NOTIFY) {
         uint64_t *last = &f->nlast[(size_t)g * 2 + (size_t)c];
         uint64_t want = *last ? *last + 2 : (c ? 1 : 2);
-        if ((want & FR_FAB_VAL_MAX) != v) {
+        if ((want & fr_fab_vmax(f)) != v) {
             fr_fab_fail(ep, f, FERRY_ERR_PROTOCOL, s, "ht: rank %d sent the counts of route %u, "
                         "this rank expects route %llu next (every rank creates the same routes "
                         "in the same order)", s, v, (unsigned long long)want);
@@ -397,7 +445,7 @@ int fr_cuht_fab_hello(ferry_ep_t ep, fr_cuht_fab_t *f, fr_err_t *err)
     uint64_t off = fr_cuht_geo_notify(G, 0, me);
     for (int g = 0; g < f->nf && rc == FERRY_OK; g++)
         rc = fr_fab_post(ep, f, g, (uint64_t)g * G->ob_bytes + off, off, G->notify_entry,
-                         fr_fab_imm(FR_FAB_HELLO, me, 0, 0));
+                         fr_fab_imm(f, FR_FAB_HELLO, me, 0, 0));
     if (rc != FERRY_OK)
         return FR_ERR(err, rc, "%s", ep->async.msg);
     uint64_t t0 = fr_now_ns(), lim = (uint64_t)ep->timeout_ms * 1000000ull, iter = 0;

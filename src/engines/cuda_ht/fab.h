@@ -21,11 +21,30 @@ extern "C" {
 #endif
 
 /* Records per ring on this path: a write's immediate carries its first
- * slot and its count in 8 bits each, and the ring's lap parity. */
+ * slot and its count in at most 8 bits each, and the ring's lap parity. */
 #define FR_CUHT_FAB_RT_MAX 256
+/* Channels the immediate's channel field holds (7 bits, whatever the
+ * context's count, so the format follows from N and the ring alone). */
+#define FR_CUHT_FAB_CBITS 7
+
+/* The immediate's layout for N ranks and rings of RT records (the same on
+ * every rank): kind 3 bits, then the source rank in bits(N), the channel
+ * in FR_CUHT_FAB_CBITS, the value in the rest; a run of records needs
+ * 1 + 2 bits(RT) of value (lap, first slot, count - 1). */
+typedef struct fr_cuht_fab_fmt {
+    unsigned sbits, rbits, vbits;
+} fr_cuht_fab_fmt_t;
+/* 0 when N and RT fit, else -1 with why (for the choice of engine). */
+int fr_cuht_fab_fmt(int N, int RT, fr_cuht_fab_fmt_t *fmt, char *why, size_t whylen);
+/* What a write's immediate says (its top 3 bits). */
+enum { FR_FAB_DDATA = 1, FR_FAB_CDATA = 2, FR_FAB_DHEAD = 3, FR_FAB_CHEAD = 4,
+       FR_FAB_NOTIFY = 5, FR_FAB_HELLO = 6 };
+/* An immediate in that format. */
+uint32_t fr_cuht_fab_imm(const fr_cuht_fab_fmt_t *fmt, int kind, int src, int c, uint32_t val);
 
 typedef struct fr_cuht_fab {
     fr_cuht_geo_t G;
+    fr_cuht_fab_fmt_t fmt; /* the immediates' layout (fr_cuht_fab_init) */
     int nf;                /* fabric peers (ep->group_peers) */
     uint8_t *out;          /* host view of the words stored for peer g: [nf][hdr_bytes] */
     uint8_t *in;           /* host view of the words stored for this rank: [hdr_bytes] */

@@ -47,6 +47,17 @@ static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int R
     G->hdr_bytes = G->off_drec;
 }
 
+/* Records per (channel, peer) ring: ring_tokens, or by default enough to
+ * keep the links busy between publications, fewer as N grows so the
+ * segment stays bounded (cuda_ht_dev.cuh). */
+static int fr_cuht_ring_tokens(const ferry_ep_t ep)
+{
+    if (ep->cfg.ring_tokens > 0)
+        return ep->cfg.ring_tokens;
+    int RT = FR_CUHT_RING_BUDGET / ep->N;
+    return RT < FR_CUHT_RING_MIN ? FR_CUHT_RING_MIN : RT > FR_CUHT_RING_MAX ? FR_CUHT_RING_MAX : RT;
+}
+
 typedef struct fr_cuht_msg {
     cudaIpcMemHandle_t h;
     int status;        /* this rank's set-up so far */
@@ -264,13 +275,7 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     if (C < 0)
         return FERRY_ERR_SYSTEM; /* err says why; every rank failed with it */
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
-    /* the default ring: enough records per (channel, peer) to keep the
-     * links busy between publications, fewer as N grows so the segment
-     * stays bounded (cuda_ht_dev.cuh) */
-    int RT = FR_CUHT_RING_BUDGET / N;
-    RT = RT < FR_CUHT_RING_MIN ? FR_CUHT_RING_MIN : RT > FR_CUHT_RING_MAX ? FR_CUHT_RING_MAX : RT;
-    if (cfg->ring_tokens > 0)
-        RT = cfg->ring_tokens;
+    int RT = fr_cuht_ring_tokens(ep);
     fr_cuht_geo_init(&c->a.G, ep, C, RT);
     ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
     ep->L.send_bytes = 0; /* the outboxes, with fabric peers (fr_cuht_local) */
@@ -466,17 +471,12 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
             snprintf(h.why, sizeof(h.why), "no GPU memory for a trial registration");
         }
     }
-    if (mine.status == FERRY_OK && h.ok && ep->cfg.ring_tokens > FR_CUHT_FAB_RT_MAX) {
+    /* what this engine refuses and the staged engine takes: a format of
+     * the fabric thread's immediates for these ranks and rings (fab.h) */
+    fr_cuht_fab_fmt_t fmt;
+    if (mine.status == FERRY_OK && h.ok &&
+        fr_cuht_fab_fmt(ep->N, fr_cuht_ring_tokens(ep), &fmt, h.why, sizeof(h.why)) != 0)
         h.ok = 0;
-        snprintf(h.why, sizeof(h.why), "ring_tokens = %d (at most %d on this path)",
-                 ep->cfg.ring_tokens, FR_CUHT_FAB_RT_MAX);
-    }
-    /* what this engine refuses and the staged engine takes */
-    if (mine.status == FERRY_OK && h.ok && ep->N > FR_CUHT_FAB_MAX_RANKS) {
-        h.ok = 0;
-        snprintf(h.why, sizeof(h.why), "%d ranks (this engine's fabric path takes at most %d)",
-                 ep->N, FR_CUHT_FAB_MAX_RANKS);
-    }
     if (mine.status == FERRY_OK && h.ok && ep->cfg.num_experts > 32767) {
         h.ok = 0;
         snprintf(h.why, sizeof(h.why), "num_experts = %d (this engine takes at most 32767)",
