@@ -44,11 +44,12 @@ int fr_cuht_fab_fmt(int N, int RT, fr_cuht_fab_fmt_t *fmt, char *why, size_t why
     unsigned sb = fr_fab_bits((unsigned long)N), rb = fr_fab_bits((unsigned long)RT);
     unsigned used = 3 + sb + FR_CUHT_FAB_CBITS;
     if (used + 2 * rb + 1 > 32 || RT > FR_CUHT_FAB_RT_MAX) {
+        int most = used + 3 > 32 ? 0 : 1 << ((32 - used - 1) / 2);
+        most = most < FR_CUHT_FAB_RT_MAX ? most : FR_CUHT_FAB_RT_MAX;
         if (why)
             snprintf(why, whylen, "%d ranks with rings of %d records (a 32-bit immediate holds "
                      "the source rank, the channel and a run of slots: at most %d records a "
-                     "ring at %d ranks)", N, RT,
-                     used + 3 > 32 ? 0 : 1 << ((32 - used - 1) / 2), N);
+                     "ring at %d ranks)", N, RT, most, N);
         return -1;
     }
     fmt->sbits = sb;

@@ -474,6 +474,11 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     /* what this engine refuses and the staged engine takes: a format of
      * the fabric thread's immediates for these ranks and rings (fab.h) */
     fr_cuht_fab_fmt_t fmt;
+    if (mine.status == FERRY_OK && h.ok && ep->N > FR_CUHT_MAX_RANKS) {
+        h.ok = 0;
+        snprintf(h.why, sizeof(h.why), "%d ranks (this engine takes at most %d)", ep->N,
+                 FR_CUHT_MAX_RANKS);
+    }
     if (mine.status == FERRY_OK && h.ok &&
         fr_cuht_fab_fmt(ep->N, fr_cuht_ring_tokens(ep), &fmt, h.why, sizeof(h.why)) != 0)
         h.ok = 0;

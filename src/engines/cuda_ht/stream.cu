@@ -502,6 +502,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
             long long room = (long long)RT - (long long)(sent - head[q]);
             m[q] = room < want ? (room > 0 ? (int)room : 0) : want;
         }
+        __syncwarp(); /* the lanes' acquires before any lane rewrites those slots */
         if (__any_sync(FR_FULL, bad))
             return;
         if (!__any_sync(FR_FULL, any))
@@ -608,6 +609,7 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
             int av = lim - taken[q];
             m[q] = av < S ? (av > 0 ? av : 0) : S;
         }
+        __syncwarp(); /* the lanes' acquires before any lane reads those records */
         if (__any_sync(FR_FULL, bad))
             return;
         if (!__any_sync(FR_FULL, any))
