@@ -129,6 +129,7 @@ typedef struct fr_setup_msg {
     int32_t forced; /* FERRY_TRANSPORT=fabric: every pair on the fabric path */
     int32_t fwd;    /* forwarding asked for (ferry_forward_t, FERRY_HT_FORWARD
                        applied) */
+    int32_t pth;    /* FERRY_PROXY_THREADS: the endpoints every rank opens */
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -188,6 +189,11 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
     if (msg.status == FERRY_OK && !msg.forced && strcmp(tr, "auto") != 0)
         msg.status = FR_ERR(err, FERRY_ERR_INVALID, "FERRY_TRANSPORT=%s: must be auto or fabric",
                             tr);
+    msg.pth = (int32_t)fr_cfg_int(FR_CFG_PROXY_THREADS);
+    if (msg.status == FERRY_OK && (msg.pth < 1 || msg.pth > FR_MAX_NICS))
+        msg.status = FR_ERR(err, FERRY_ERR_INVALID, "FERRY_PROXY_THREADS=%s: must be 1..%d",
+                            fr_cfg_str(FR_CFG_PROXY_THREADS), FR_MAX_NICS);
+    ep->proxy_threads = msg.pth;
     if (msg.status == FERRY_OK) {
         /* FERRY_HT_FORWARD applies where the config leaves it to auto */
         const char *fw = fr_cfg_str(FR_CFG_HT_FORWARD);
@@ -243,6 +249,11 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
                         "forwarding differs between ranks: rank %d has %s, rank %d has %s "
                         "(config.forward, else FERRY_HT_FORWARD: set it alike on every rank)",
                         me, fwn[msg.fwd], i, (unsigned)all[i].fwd < 3 ? fwn[all[i].fwd] : "?");
+        } else if (all[i].pth != msg.pth) {
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "FERRY_PROXY_THREADS differs between ranks: rank %d has %d, rank %d "
+                        "has %d (each rank opens that many fabric endpoints: set it alike on "
+                        "every rank)", me, msg.pth, i, all[i].pth);
         } else if (all[i].forced != msg.forced) {
             rc = FR_ERR(err, FERRY_ERR_INVALID,
                         "FERRY_TRANSPORT differs between ranks: rank %d has %s, rank %d has "
@@ -351,9 +362,13 @@ static int fr_create_fabric(ferry_ep_t ep, fr_err_t *err)
     /* seg and send in GPU memory (the engine says which device): the
      * NICs open with FI_HMEM and register them as that device's */
     int dev = ep->fab_device;
-    if ((rc = fr_nics_open(&ep->nics, boot, "fabric",
-                           fr_cfg_int(FR_CFG_NICS_PER_RANK),
-                           dev >= 0 ? FR_TP_OPEN_HMEM : 0, err)) ||
+    /* the low-latency proxy: FERRY_PROXY_THREADS threads, each with an
+     * endpoint per interface; the high-throughput engines drive the NICs
+     * from one thread */
+    int eps = ep->eng->route_create || ep->eng->fabric_up ? 1 : ep->proxy_threads;
+    if ((rc = fr_nics_open_eps(&ep->nics, boot, "fabric",
+                               fr_cfg_int(FR_CFG_NICS_PER_RANK), eps,
+                               dev >= 0 ? FR_TP_OPEN_HMEM : 0, err)) ||
         (rc = fr_nics_reg_dev(&ep->nics, boot, ep->seg, L->seg_bytes, 1, dev,
                               &ep->rseg, err)) ||
         (rc = fr_nics_reg_dev(&ep->nics, boot, ep->send, L->send_bytes, 0, dev,

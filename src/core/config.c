@@ -72,6 +72,11 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                                "sharded across them; 0: as many as the node "
                                "has, up to 2 (the first is the one on the "
                                "route to the rendezvous)."},
+    [FR_CFG_PROXY_THREADS] = {"FERRY_PROXY_THREADS", "1",
+                              "Proxy threads per rank on the low-latency "
+                              "fabric path (1-8), each owning NIC endpoints "
+                              "and their peers; where the rank has fewer "
+                              "NICs, more endpoints are opened on them."},
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
                               "(it yields first)."},

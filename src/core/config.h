@@ -24,6 +24,7 @@ typedef enum fr_cfg_id {
     FR_CFG_SPIN,
     FR_CFG_NICS_PER_RANK,
     FR_CFG_PROXY_IDLE_US,
+    FR_CFG_PROXY_THREADS,
     FR_CFG_FABRIC_HMEM,
     FR_CFG_HT_FORWARD,
     FR_CFG_PROXY_STATS,

@@ -47,6 +47,17 @@ static inline void fr_hist_add(fr_hist_t *h, uint64_t v)
     __atomic_store_n(&h->count, h->count + 1, __ATOMIC_RELAXED);
 }
 
+/* dst += src (relaxed loads of src: its writer may still add; dst has one
+ * writer, the caller). */
+static inline void fr_hist_merge(fr_hist_t *dst, const fr_hist_t *src)
+{
+    for (int b = 0; b < FR_HIST_N; b++)
+        __atomic_store_n(&dst->n[b], dst->n[b] + __atomic_load_n(&src->n[b], __ATOMIC_RELAXED),
+                         __ATOMIC_RELAXED);
+    __atomic_store_n(&dst->count, dst->count + __atomic_load_n(&src->count, __ATOMIC_RELAXED),
+                     __ATOMIC_RELAXED);
+}
+
 /* The q-quantile (0..1) in ns: the middle of the bucket holding it (0
  * when empty). Reads with relaxed loads, so another thread may call it
  * while the writer adds. */

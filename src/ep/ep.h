@@ -66,10 +66,27 @@ typedef struct fr_proxy_ring {
     uint64_t tail;                         /* producer */
 } fr_proxy_ring_t;
 
+/* One proxy thread: it owns the NIC endpoints [j * per, (j + 1) * per), their
+ * peers' requests (its ring) and doorbells, and their completions. */
+typedef struct fr_proxy_th {
+    pthread_t thread;
+    int j, started;
+    ferry_ep_t ep;
+    fr_proxy_ring_t *ring;                 /* thread 0: fr_proxy_t's ring */
+    fr_proxy_ring_t own;                   /* the ring of a thread j > 0 */
+    fr_slice_t *gslices;                   /* scatter scratch [N + 1] */
+    int *scan, nscan;                      /* doorbell words it scans */
+    fr_ep_stats_t *st;                     /* thread 0: &ep->st; else &mine */
+    fr_ep_stats_t mine;                    /* merged into ep->st at stop */
+} fr_proxy_th_t;
+
 typedef struct fr_proxy {
     pthread_t thread;
     int running;
     int stop;                              /* atomic */
+    int nth;                               /* threads (fr_proxy_th_t) */
+    int per;                               /* NIC endpoints per thread */
+    fr_proxy_th_t *th;
     fr_proxy_ring_t *ring;
     int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
     /* FERRY_PROXY_STATS: per phase, time from picking up this rank's
@@ -105,6 +122,7 @@ struct ferry_ep {
     int N, rank;
     long timeout_ms;
     long spin;
+    int proxy_threads;   /* FERRY_PROXY_THREADS, alike on every rank */
 
     /* the engine (chosen at create from device and mode) and its state */
     const struct fr_engine *eng;
@@ -149,7 +167,6 @@ struct ferry_ep {
     fr_nics_t nics;
     fr_nic_region_t rseg, rsend;  /* segment (remote writes), send region */
     fr_nic_groups_t groups;       /* fabric peers per NIC */
-    fr_slice_t *gslices;          /* scratch: one group's slices */
     int *group_peers;    /* [nfabric] ranks, by fabric index */
     int *group_index;    /* [N] fabric index or -1 */
     uint64_t *flag_last; /* [phase 2][set 2][N] last epoch seen (proxy) */

@@ -3,6 +3,7 @@
  * public view (ferry_ep_get_stats) and the FERRY_PROXY_STATS line.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ep/ep.h"
@@ -12,10 +13,15 @@ static uint64_t ld(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAX
 
 void fr_ep_stats_tp(ferry_ep_t ep)
 {
+    fr_ep_stats_tp_nics(ep, &ep->st, 0, ep->nics.n);
+}
+
+void fr_ep_stats_tp_nics(ferry_ep_t ep, fr_ep_stats_t *st, int k0, int k1)
+{
     fr_tp_stats_t sum = {0};
     if (!ep->nics.ops || !ep->nics.ops->stats)
         return;
-    for (int k = 0; k < ep->nics.n; k++) {
+    for (int k = k0; k < k1 && k < ep->nics.n; k++) {
         fr_tp_stats_t s = {0};
         if (!ep->nics.tp[k])
             continue;
@@ -25,7 +31,6 @@ void fr_ep_stats_tp(ferry_ep_t ep)
         sum.prov_calls += s.prov_calls;
         sum.eagain += s.eagain;
     }
-    fr_ep_stats_t *st = &ep->st;
     __atomic_store_n(&st->tp.prov_ns, sum.prov_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&st->tp.retry_ns, sum.retry_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&st->tp.prov_calls, sum.prov_calls, __ATOMIC_RELAXED);
@@ -34,25 +39,36 @@ void fr_ep_stats_tp(ferry_ep_t ep)
 
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
 {
-    const fr_ep_stats_t *st = &ep->st;
     ferry_ep_stats_t s;
     memset(&s, 0, sizeof(s));
     s.size = out->size;
-    s.writes = ld(&st->writes);
-    s.bytes = ld(&st->bytes);
-    s.requests = ld(&st->requests);
-    s.completions = ld(&st->tx);
-    s.arrivals = ld(&st->rx);
-    s.eagain = ld(&st->tp.eagain);
-    s.post_ns = ld(&st->post_ns);
-    s.provider_ns = ld(&st->tp.prov_ns);
-    s.provider_calls = ld(&st->tp.prov_calls);
-    s.retry_ns = ld(&st->tp.retry_ns);
-    s.polls = ld(&st->polls);
-    s.poll_ns = ld(&st->poll_ns);
-    s.doorbells = ld(&st->d2p.count);
-    s.doorbell_to_post_p50_us = fr_hist_quantile(&st->d2p, 0.50) / 1e3;
-    s.doorbell_to_post_p99_us = fr_hist_quantile(&st->d2p, 0.99) / 1e3;
+    /* ep->st, and the counters of proxy threads past the first while they
+     * run (merged into ep->st when they stop) */
+    const fr_proxy_t *p = &ep->proxy;
+    int nst = p->running && p->th ? p->nth : 1;
+    fr_hist_t *h = calloc(1, sizeof(*h)); /* the threads' histograms merged */
+    for (int j = 0; j < nst; j++) {
+        const fr_ep_stats_t *st = j == 0 ? &ep->st : &p->th[j].mine;
+        s.writes += ld(&st->writes);
+        s.bytes += ld(&st->bytes);
+        s.requests += ld(&st->requests);
+        s.completions += ld(&st->tx);
+        s.arrivals += ld(&st->rx);
+        s.eagain += ld(&st->tp.eagain);
+        s.post_ns += ld(&st->post_ns);
+        s.provider_ns += ld(&st->tp.prov_ns);
+        s.provider_calls += ld(&st->tp.prov_calls);
+        s.retry_ns += ld(&st->tp.retry_ns);
+        s.polls += ld(&st->polls);
+        s.poll_ns += ld(&st->poll_ns);
+        if (h)
+            fr_hist_merge(h, &st->d2p);
+    }
+    const fr_hist_t *q = h ? h : &ep->st.d2p;
+    s.doorbells = ld(&q->count);
+    s.doorbell_to_post_p50_us = fr_hist_quantile(q, 0.50) / 1e3;
+    s.doorbell_to_post_p99_us = fr_hist_quantile(q, 0.99) / 1e3;
+    free(h);
     memcpy(out, &s, out->size < sizeof(s) ? out->size : sizeof(s));
 }
 

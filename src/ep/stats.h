@@ -3,7 +3,8 @@
  * low-latency proxy (src/proxy/), the high-throughput CPU engine's
  * fabric calls (engines/cpu_ht/fabric.c) and the CUDA high-throughput
  * fabric thread (engines/cuda_ht/fab.c). One writer at a time (that
- * thread), plain counters stored with relaxed atomics so that
+ * thread; several proxy threads each keep their own set, read as one),
+ * plain counters stored with relaxed atomics so that
  * ferry_ep_get_stats may read them from another thread; a clock read
  * around each post and each poll that returned completions, nothing more.
  */
@@ -42,6 +43,8 @@ static inline void fr_stat_add(uint64_t *c, uint64_t v)
 /* Copy the transports' counters (summed over the EP's NICs) into
  * ep's stats; called by the thread that posts, after posting. */
 void fr_ep_stats_tp(ferry_ep_t ep);
+/* The same over NICs [k0, k1) into *st (a proxy thread's). */
+void fr_ep_stats_tp_nics(ferry_ep_t ep, fr_ep_stats_t *st, int k0, int k1);
 
 /* Fill the public struct (fields up to out->size). */
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out);

@@ -1,6 +1,7 @@
 /*
- * The proxy alone (proxy.h: fr_proxy_bench_null): one process, one proxy
- * thread, `peers` simulated fabric peers behind the null transport
+ * The proxy alone (proxy.h: fr_proxy_bench_null): one process, its proxy
+ * threads (FERRY_PROXY_THREADS, a null NIC each, peer g on NIC g mod the
+ * threads), `peers` simulated fabric peers behind the null transport
  * (transport/null/), which completes every write at once and answers it
  * with the peer's arrival. The calling thread plays a CPU rank whose
  * every peer is on the fabric path: per phase it fills a slice per peer
@@ -28,6 +29,10 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
     ep->nfabric = peers;
     ep->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
+    ep->proxy_threads = (int)fr_cfg_int(FR_CFG_PROXY_THREADS);
+    if (ep->proxy_threads < 1 || ep->proxy_threads > FR_MAX_NICS)
+        return FR_ERR(err, FERRY_ERR_INVALID, "FERRY_PROXY_THREADS=%s: must be 1..%d",
+                      fr_cfg_str(FR_CFG_PROXY_THREADS), FR_MAX_NICS);
     ep->fab_device = -1;
     ep->L.N = N;
     ep->L.off_flags = FR_SEG_HDR;
@@ -49,43 +54,61 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
     }
     const fr_transport_ops_t *ops = fr_transport_find("null");
     fr_nics_t *x = &ep->nics;
+    int T = ep->proxy_threads;
     x->ops = ops;
     x->N = N;
-    x->n = 1;
+    x->n = T;
+    x->ifaces = 1;
     x->quiet = 1;
-    fr_mr_t *src = NULL; /* the null transport's regions hold only a length */
-    if (!ops)
-        return FR_ERR(err, FERRY_ERR_INTERNAL, "null transport not registered");
-    if ((rc = ops->open(NULL, 0, 0, &x->tp[0], err)) != FERRY_OK ||
-        (rc = ops->reg(x->tp[0], NULL, bytes, 0, &src, NULL, err)) != FERRY_OK) {
+    if (!ops) {
         free(remote);
-        return rc;
+        return FR_ERR(err, FERRY_ERR_INTERNAL, "null transport not registered");
     }
-    ep->rsend.mr[0] = src;
-    ep->groups.idx[0] = calloc((size_t)peers, sizeof(int));
-    rc = ep->groups.idx[0] ? ops->group_create(x->tp[0], ep->group_peers, peers, src, remote,
-                                               &ep->groups.g[0], err)
-                           : FR_ERR(err, FERRY_ERR_NOMEM, "null bench: group");
+    int *members = calloc((size_t)peers, sizeof(int));
+    fr_mr_desc_t *rem = calloc((size_t)peers, sizeof(fr_mr_desc_t));
+    rc = members && rem ? FERRY_OK : FR_ERR(err, FERRY_ERR_NOMEM, "null bench: groups");
+    for (int k = 0; k < T && rc == FERRY_OK; k++) {
+        fr_mr_t *src = NULL; /* the null transport's regions hold only a length */
+        if ((rc = ops->open(NULL, k, 0, &x->tp[k], err)) != FERRY_OK ||
+            (rc = ops->reg(x->tp[k], NULL, bytes, 0, &src, NULL, err)) != FERRY_OK)
+            break;
+        ep->rsend.mr[k] = src;
+        int n = 0;
+        for (int g = k; g < peers; g += T) { /* fabric peer g on NIC g mod T */
+            members[n] = ep->group_peers[g];
+            rem[n] = remote[g];
+            n++;
+        }
+        ep->groups.idx[k] = calloc((size_t)(n > 0 ? n : 1), sizeof(int));
+        if (!ep->groups.idx[k]) {
+            rc = FR_ERR(err, FERRY_ERR_NOMEM, "null bench: group");
+            break;
+        }
+        for (int i = 0; i < n; i++)
+            ep->groups.idx[k][i] = k + i * T;
+        ep->groups.n[k] = n;
+        if (n > 0)
+            rc = ops->group_create(x->tp[k], members, n, src, rem, &ep->groups.g[k], err);
+    }
+    free(members);
+    free(rem);
     free(remote);
-    if (rc != FERRY_OK)
-        return rc;
-    ep->groups.n[0] = peers;
-    for (int i = 0; i < peers; i++)
-        ep->groups.idx[0][i] = i;
-    return FERRY_OK;
+    return rc;
 }
 
 static void nb_free(ferry_ep_t ep)
 {
     fr_nics_t *x = &ep->nics;
-    if (x->tp[0]) {
-        if (ep->groups.g[0])
-            x->ops->group_destroy(x->tp[0], ep->groups.g[0]);
-        if (ep->rsend.mr[0])
-            x->ops->dereg(x->tp[0], ep->rsend.mr[0]);
-        x->ops->close(x->tp[0]);
+    for (int k = 0; k < FR_MAX_NICS; k++) {
+        if (x->tp[k]) {
+            if (ep->groups.g[k])
+                x->ops->group_destroy(x->tp[k], ep->groups.g[k]);
+            if (ep->rsend.mr[k])
+                x->ops->dereg(x->tp[k], ep->rsend.mr[k]);
+            x->ops->close(x->tp[k]);
+        }
+        free(ep->groups.idx[k]);
     }
-    free(ep->groups.idx[0]);
     free(x->nic_of);
     free(ep->flags);
     free(ep->path);
@@ -138,7 +161,7 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
     for (int r = 0; rc == FERRY_OK && r < b->warmup + b->rounds; r++) {
         if (r == b->warmup) { /* every write of the warm-up has completed */
             usleep(1000);     /* and the proxy has counted the last poll */
-            memset(&ep.st, 0, sizeof(ep.st));
+            fr_proxy_stats_clear(&ep);
         }
         uint64_t e = (uint64_t)r + 1, t0 = fr_now_ns();
         if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, &err)) == FERRY_OK)

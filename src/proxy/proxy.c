@@ -23,6 +23,15 @@
  *   TX  a local write finished: the set's send slices may be reused.
  *   ERR a failed write: recorded as the EP's asynchronous error.
  * Idle, it yields, then sleeps up to FERRY_PROXY_IDLE_US.
+ *
+ * FERRY_PROXY_THREADS = T runs T such threads, the EP having opened T
+ * endpoints per interface (transport/nics.h): thread j owns endpoints
+ * [j * K, (j + 1) * K) of K interfaces, so the peers sharded onto them, their
+ * requests (a ring per thread: the rank thread pushes a peer's request
+ * into its owner's ring, a request for every peer into every ring), their
+ * doorbell words and their completions. A sender's writes all arrive on
+ * one endpoint, so its flags have one writer. Each thread keeps its own
+ * counters (ep->st for thread 0), merged when read and at stop.
  */
 #include <sched.h>
 #include <stdio.h>
@@ -41,7 +50,7 @@ static void fr_proxy_async_fail(ferry_ep_t ep, int code, int peer,
     fr_ep_async_fail(ep, code, peer, "%s", msg);
 }
 
-static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
+static void fr_proxy_rx(ferry_ep_t ep, fr_proxy_th_t *th, uint32_t imm)
 {
     const fr_layout_t *L = &ep->L;
     int phase = fr_imm_phase(imm), sender = fr_imm_sender(imm);
@@ -69,12 +78,12 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
         return;
     }
     *last = want;
-    fr_stat_add(&ep->st.rx, 1); /* before the flag: whoever saw it sees the count */
+    fr_stat_add(&th->st->rx, 1); /* before the flag: whoever saw it sees the count */
     __atomic_store_n(fr_flag_ptr(L, ep->flags, phase, set, sender), want,
                      __ATOMIC_RELEASE);
     fr_doorbell_ring(ep->flags);
     fr_proxy_t *p = &ep->proxy;
-    if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) {
+    if (p->stats && ++p->rx_seen[phase][set] == ep->nfabric) { /* one thread (start) */
         p->rx_seen[phase][set] = 0;
         if (p->t_pick[phase][set])
             fr_hist_add(&p->xfer[phase], fr_now_ns() - p->t_pick[phase][set]);
@@ -83,7 +92,8 @@ static void fr_proxy_rx(ferry_ep_t ep, uint32_t imm)
 }
 
 /* One fabric peer's write (request peer1 = g + 1). */
-static int fr_proxy_post_one(ferry_ep_t ep, const fr_proxy_req_t *q, const fr_slice_t *sl)
+static int fr_proxy_post_one(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q,
+                             const fr_slice_t *sl)
 {
     fr_err_t err = {{0}};
     int g = q->peer1 - 1;
@@ -102,12 +112,12 @@ static int fr_proxy_post_one(ferry_ep_t ep, const fr_proxy_req_t *q, const fr_sl
         fr_proxy_async_fail(ep, rc, -1, err.msg);
         return rc;
     }
-    fr_stat_add(&ep->st.writes, 1);
-    fr_stat_add(&ep->st.bytes, sl[g].len);
+    fr_stat_add(&th->st->writes, 1);
+    fr_stat_add(&th->st->bytes, sl[g].len);
     return FERRY_OK;
 }
 
-static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
+static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q)
 {
     uint64_t *pick = &ep->proxy.t_pick[q->phase & 1][q->set & 1];
     if (ep->proxy.stats && (q->peer1 == 0 || *pick == 0))
@@ -116,20 +126,22 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
     if (q->peer1 > 0)
-        return fr_proxy_post_one(ep, q, sl);
-    for (int k = 0; k < ep->nics.n; k++) {
+        return fr_proxy_post_one(ep, th, q, sl);
+    int per = ep->proxy.per > 0 ? ep->proxy.per : ep->nics.n;
+    for (int k = th->j * per; k < (th->j + 1) * per && k < ep->nics.n; k++) { /* its NICs */
         int n = ep->groups.n[k];
         if (n == 0)
             continue;
         /* this NIC's peers' slices, in its group's order */
         uint64_t bytes = 0;
         for (int i = 0; i < n; i++) {
-            ep->gslices[i] = sl[ep->groups.idx[k][i]];
-            bytes += ep->gslices[i].len;
+            th->gslices[i] = sl[ep->groups.idx[k][i]];
+            bytes += th->gslices[i].len;
         }
-        fr_stat_add(&ep->st.bytes, bytes);
+        fr_stat_add(&th->st->bytes, bytes);
+        fr_stat_add(&th->st->writes, (uint64_t)n);
         __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
-        int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], ep->gslices,
+        int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], th->gslices,
                                      (uint64_t)q->set, &err);
         if (rc != FERRY_OK) {
             __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], n,
@@ -138,19 +150,18 @@ static int fr_proxy_post(ferry_ep_t ep, const fr_proxy_req_t *q)
             return rc;
         }
     }
-    fr_stat_add(&ep->st.writes, (uint64_t)ep->nfabric);
     return FERRY_OK;
 }
 
 /* Post request q and count it: the time since *t (the previous post's
  * end, or when the request was noticed) as posting, and the delay from
  * its doorbell (stamped by the producer, else noticed) to now. */
-static int fr_proxy_take(ferry_ep_t ep, const fr_proxy_req_t *q, uint64_t noticed,
-                         uint64_t *t)
+static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q,
+                         uint64_t noticed, uint64_t *t)
 {
-    int rc = fr_proxy_post(ep, q);
+    int rc = fr_proxy_post(ep, th, q);
     uint64_t t1 = fr_now_ns();
-    fr_ep_stats_t *st = &ep->st;
+    fr_ep_stats_t *st = th->st;
     fr_stat_add(&st->post_ns, t1 - *t);
     fr_stat_add(&st->requests, 1);
     uint64_t bell = q->t_ring && q->t_ring <= t1 ? q->t_ring : noticed;
@@ -162,12 +173,13 @@ static int fr_proxy_take(ferry_ep_t ep, const fr_proxy_req_t *q, uint64_t notice
 /* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
  * soon as its slice is packed, while the kernel packs the next peers.
  * Returns whether anything was posted. */
-static int fr_proxy_scan_ready(ferry_ep_t ep)
+static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
 {
     fr_proxy_t *p = &ep->proxy;
     int nf = ep->nfabric, work = 0;
     uint64_t noticed = 0, t = 0;
-    for (int i = 0; i < 2 * FR_NSETS * nf; i++) {
+    for (int x = 0; x < th->nscan; x++) { /* the words of this thread's peers */
+        int i = th->scan[x];
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
         if (v == p->ready_seen[i])
             continue;
@@ -176,7 +188,7 @@ static int fr_proxy_scan_ready(ferry_ep_t ep)
                             .epoch = v, .peer1 = i % nf + 1};
         if (!noticed)
             noticed = t = fr_now_ns();
-        if (fr_proxy_take(ep, &q, noticed, &t) != FERRY_OK)
+        if (fr_proxy_take(ep, th, &q, noticed, &t) != FERRY_OK)
             return 1; /* the failure is the EP's asynchronous error now */
         work = 1;
     }
@@ -196,17 +208,17 @@ static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
 }
 
 /* Hand out one poll's completions (err: the poll's message, for errors). */
-static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
-                                 const fr_err_t *errp)
+static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_t *cqe,
+                                 int n, const fr_err_t *errp)
 {
     fr_proxy_t *p = &ep->proxy;
     const char *why = errp->msg;
     for (int i = 0; i < n; i++) {
         if (cqe[i].kind != FR_CQE_RX && cqe[i].kind != FR_CQE_RXERR)
-            fr_stat_add(&ep->st.tx, 1);
+            fr_stat_add(&th->st->tx, 1);
         switch (cqe[i].kind) {
         case FR_CQE_RX:
-            fr_proxy_rx(ep, cqe[i].imm);
+            fr_proxy_rx(ep, th, cqe[i].imm);
             break;
         case FR_CQE_TX:
             __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
@@ -227,31 +239,33 @@ static void fr_proxy_completions(ferry_ep_t ep, const fr_cqe_t *cqe, int n,
 
 static void *fr_proxy_main(void *arg)
 {
-    ferry_ep_t ep = arg;
+    fr_proxy_th_t *th = arg;
+    ferry_ep_t ep = th->ep;
     fr_proxy_t *p = &ep->proxy;
+    int k0 = th->j * p->per, k1 = k0 + p->per; /* its NIC endpoints */
     fr_log_set_rank(ep->rank);
     long idle_us = fr_proxy_idle_us(ep->cfg.device == FERRY_DEVICE_CUDA);
     fr_cqe_t cqe[64];
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
         int work = 0;
-        fr_proxy_ring_t *rg = p->ring;
+        fr_proxy_ring_t *rg = th->ring;
         uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
         uint64_t noticed = rg->head < tail ? fr_now_ns() : 0, t = noticed;
         while (rg->head < tail) {
             fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
             __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
-            fr_proxy_take(ep, &q, noticed, &t);
+            fr_proxy_take(ep, th, &q, noticed, &t);
             work = 1;
         }
         if (p->ready_seen)
-            work |= fr_proxy_scan_ready(ep);
-        if (work)
-            fr_ep_stats_tp(ep); /* the provider's share, -FI_EAGAIN */
+            work |= fr_proxy_scan_ready(ep, th);
+        if (work) /* the provider's share, -FI_EAGAIN */
+            fr_ep_stats_tp_nics(ep, th->st, k0, k1);
         fr_err_t err = {{0}};
         int n = 0;
         uint64_t t_poll = fr_now_ns();
-        for (int k = 0; k < ep->nics.n && n < 48; k++) {
+        for (int k = k0; k < k1 && k < ep->nics.n && n < 48; k++) {
             int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
             if (got < 0) {
                 fr_proxy_async_fail(ep, got, -1, err.msg);
@@ -260,10 +274,10 @@ static void *fr_proxy_main(void *arg)
             n += got;
         }
         fr_proxy_flush(ep, cqe, n);
-        fr_proxy_completions(ep, cqe, n, &err);
+        fr_proxy_completions(ep, th, cqe, n, &err);
         if (n > 0) {
-            fr_stat_add(&ep->st.polls, 1);
-            fr_stat_add(&ep->st.poll_ns, fr_now_ns() - t_poll);
+            fr_stat_add(&th->st->polls, 1);
+            fr_stat_add(&th->st->poll_ns, fr_now_ns() - t_poll);
         }
         if (work || n > 0) {
             idle = 0;
@@ -277,10 +291,17 @@ static void *fr_proxy_main(void *arg)
 /* The tables fr_proxy_start allocated (none of them is used after). */
 static void fr_proxy_tables_free(fr_proxy_t *p)
 {
+    for (int j = 0; p->th && j < p->nth; j++) {
+        free(p->th[j].gslices);
+        free(p->th[j].scan);
+    }
+    free(p->th);
     free(p->gnic);
     free(p->gpos);
     free(p->ready_seen);
     free(p->xfer);
+    p->th = NULL;
+    p->nth = 0;
     p->gnic = p->gpos = NULL;
     p->ready_seen = NULL;
     p->xfer = NULL;
@@ -290,11 +311,10 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
 int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err)
 {
     size_t nf = (size_t)(ep->nfabric ? ep->nfabric : 1);
-    ep->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
     if (!ep->slices)
         ep->slices = calloc(2 * FR_NSETS * nf, sizeof(fr_slice_t));
     ep->flag_last = calloc(2 * FR_NSETS * (size_t)ep->N, sizeof(uint64_t));
-    if (!ep->gslices || !ep->slices || !ep->flag_last)
+    if (!ep->slices || !ep->flag_last)
         return FR_ERR(err, FERRY_ERR_NOMEM, "proxy tables");
     if (!ep->proxy.ring) {
         if (!ep->ring_mem)
@@ -308,14 +328,52 @@ int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err)
 
 void fr_proxy_tables_release(ferry_ep_t ep)
 {
-    free(ep->gslices);
     free(ep->slices);
     free(ep->flag_last);
     free(ep->ring_mem);
-    ep->gslices = NULL;
     ep->slices = NULL;
     ep->flag_last = NULL;
     ep->ring_mem = NULL;
+}
+
+/* Thread j's tables: its ring, scatter scratch, counters and the doorbell
+ * words of its peers (fabric peer g on NIC gnic[g], owned by gnic[g] % nth). */
+static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
+{
+    fr_proxy_t *p = &ep->proxy;
+    int nf = ep->nfabric;
+    th->j = j;
+    th->ep = ep;
+    th->ring = j == 0 ? p->ring : &th->own;
+    th->st = j == 0 ? &ep->st : &th->mine;
+    th->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
+    th->scan = calloc(2 * FR_NSETS * (size_t)(nf > 0 ? nf : 1), sizeof(int));
+    if (!th->gslices || !th->scan)
+        return -1;
+    for (int i = 0; p->ready_seen && i < 2 * FR_NSETS * nf; i++)
+        if (p->gnic[i % nf] / p->per == j)
+            th->scan[th->nscan++] = i;
+    return 0;
+}
+
+/* Thread j > 0's counters into ep->st, once it has stopped. */
+static void fr_proxy_th_merge(ferry_ep_t ep, const fr_proxy_th_t *th)
+{
+    fr_ep_stats_t *d = &ep->st;
+    const fr_ep_stats_t *s = &th->mine;
+    d->writes += s->writes;
+    d->bytes += s->bytes;
+    d->requests += s->requests;
+    d->post_ns += s->post_ns;
+    d->tx += s->tx;
+    d->rx += s->rx;
+    d->polls += s->polls;
+    d->poll_ns += s->poll_ns;
+    d->tp.prov_ns += s->tp.prov_ns;
+    d->tp.retry_ns += s->tp.retry_ns;
+    d->tp.prov_calls += s->tp.prov_calls;
+    d->tp.eagain += s->tp.eagain;
+    fr_hist_merge(&d->d2p, &s->d2p);
 }
 
 int fr_proxy_start(ferry_ep_t ep)
@@ -324,11 +382,19 @@ int fr_proxy_start(ferry_ep_t ep)
     fr_proxy_ring_t *ring = p->ring;
     memset(p, 0, sizeof(*p));
     p->ring = ring;
+    /* threads: FERRY_PROXY_THREADS (ep->proxy_threads); create.c opened
+     * that many endpoints per interface (fewer where FR_MAX_NICS caps
+     * them), thread j owning the j-th interface-many */
+    int want = ep->proxy_threads > 0 ? ep->proxy_threads : 1;
+    p->per = ep->nics.ifaces > 0 ? ep->nics.ifaces : (ep->nics.n > 0 ? ep->nics.n : 1);
+    int can = ep->nics.n / p->per > 0 ? ep->nics.n / p->per : 1;
+    p->nth = want < can ? want : can;
     /* where each fabric peer sits: its NIC, its place in that NIC's group */
     int nf = ep->nfabric > 0 ? ep->nfabric : 1;
     p->gnic = calloc((size_t)nf, sizeof(int));
     p->gpos = calloc((size_t)nf, sizeof(int));
-    if (!p->gnic || !p->gpos) {
+    p->th = calloc((size_t)p->nth, sizeof(fr_proxy_th_t));
+    if (!p->gnic || !p->gpos || !p->th) {
         fr_proxy_tables_free(p);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy peer tables");
     }
@@ -340,16 +406,32 @@ int fr_proxy_start(ferry_ep_t ep)
             return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy doorbell table");
         }
     }
-    if (fr_cfg_str(FR_CFG_PROXY_STATS)[0]) {
+    for (int j = 0; j < p->nth; j++)
+        if (fr_proxy_th_init(ep, &p->th[j], j) != 0) {
+            fr_proxy_tables_free(p);
+            return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy thread tables");
+        }
+    /* the transfer lines count arrivals across the fabric peers: one thread */
+    if (fr_cfg_str(FR_CFG_PROXY_STATS)[0] && p->nth == 1) {
         p->xfer = calloc(2, sizeof(fr_hist_t));
         p->stats = p->xfer != NULL;
     }
-    int e = pthread_create(&p->thread, NULL, fr_proxy_main, ep);
-    if (e != 0) {
-        fr_proxy_tables_free(p);
-        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting the proxy thread: %s",
-                          strerror(e));
+    for (int j = 0; j < p->nth; j++) {
+        int e = pthread_create(&p->th[j].thread, NULL, fr_proxy_main, &p->th[j]);
+        if (e != 0) {
+            char why[64];
+            snprintf(why, sizeof(why), "%s", strerror(e));
+            __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+            for (int i = 0; i < j; i++)
+                pthread_join(p->th[i].thread, NULL);
+            fr_proxy_tables_free(p);
+            return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "starting proxy thread %d: %s", j, why);
+        }
+        p->th[j].started = 1;
     }
+    if (p->nth > 1)
+        FR_LOG_INFO(FR_SUB_PROXY, "%d proxy threads over %d NIC endpoints", p->nth,
+                    ep->nics.n);
     p->running = 1;
     return FERRY_OK;
 }
@@ -359,10 +441,22 @@ int fr_proxy_stop(ferry_ep_t ep)
     fr_proxy_t *p = &ep->proxy;
     if (!p->running)
         return 0;
-    if (fr_proxy_join(p->thread, &p->stop, FR_PROXY_JOIN_MS,
-                      "endpoint destroy") != 0)
-        return -1;
+    if (!p->th) { /* an engine's own thread in this slot (cuda_ht/fab.c) */
+        if (fr_proxy_join(p->thread, &p->stop, FR_PROXY_JOIN_MS, "endpoint destroy") != 0)
+            return -1;
+        p->running = 0;
+        return 0;
+    }
+    int stuck = 0;
+    for (int j = 0; j < p->nth; j++)
+        if (p->th[j].started &&
+            fr_proxy_join(p->th[j].thread, &p->stop, FR_PROXY_JOIN_MS, "endpoint destroy") != 0)
+            stuck = 1;
+    if (stuck)
+        return -1; /* left running: its tables stay */
     p->running = 0;
+    for (int j = 1; j < p->nth; j++)
+        fr_proxy_th_merge(ep, &p->th[j]);
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
             const fr_hist_t *h = &p->xfer[ph];
@@ -380,12 +474,19 @@ int fr_proxy_stop(ferry_ep_t ep)
     return 0;
 }
 
-int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
+void fr_proxy_stats_clear(ferry_ep_t ep)
 {
-    fr_proxy_t *p = &ep->proxy;
+    memset(&ep->st, 0, sizeof(ep->st));
+    for (int j = 1; ep->proxy.th && j < ep->proxy.nth; j++)
+        memset(&ep->proxy.th[j].mine, 0, sizeof(ep->proxy.th[j].mine));
+}
+
+/* Push a request into one ring (the rank thread is its only producer). */
+static int fr_proxy_push(ferry_ep_t ep, fr_proxy_ring_t *rg, int phase, int set,
+                         uint64_t epoch, int peer)
+{
     uint64_t iter = 0;
     uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    fr_proxy_ring_t *rg = p->ring;
     while (rg->tail - __atomic_load_n(&rg->head, __ATOMIC_ACQUIRE) >=
            FR_PROXY_RING) {
         fr_backoff(&iter, ep->spin);
@@ -404,13 +505,42 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
     return FERRY_OK;
 }
 
+int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
+{
+    fr_proxy_t *p = &ep->proxy;
+    if (p->nth <= 1)
+        return fr_proxy_push(ep, p->ring, phase, set, epoch, peer);
+    if (peer >= 0) /* the thread that owns the peer's NIC */
+        return fr_proxy_push(ep, p->th[p->gnic[peer] / p->per].ring, phase, set, epoch, peer);
+    for (int j = 0; j < p->nth; j++) { /* every peer: each thread posts to its own */
+        int rc = fr_proxy_push(ep, p->th[j].ring, phase, set, epoch, peer);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
+/* Every request ring empty. */
+static int fr_proxy_rings_empty(const fr_proxy_t *p)
+{
+    if (!p->th)
+        return __atomic_load_n(&p->ring->head, __ATOMIC_ACQUIRE) ==
+               __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE);
+    for (int j = 0; j < p->nth; j++) {
+        const fr_proxy_ring_t *rg = p->th[j].ring;
+        if (__atomic_load_n(&rg->head, __ATOMIC_ACQUIRE) !=
+            __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE))
+            return 0;
+    }
+    return 1;
+}
+
 int fr_proxy_wait_set(ferry_ep_t ep, int set)
 {
     fr_proxy_t *p = &ep->proxy;
     uint64_t iter = 0;
     uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    while (__atomic_load_n(&p->ring->head, __ATOMIC_ACQUIRE) !=
-               __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE) ||
+    while (!fr_proxy_rings_empty(p) ||
            __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
         int rc = fr_ep_async_check(ep);
         if (rc != FERRY_OK)

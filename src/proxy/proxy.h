@@ -21,6 +21,9 @@ int fr_proxy_stop(ferry_ep_t ep); /* -1: left running (fr_proxy_join) */
 /* Ask the proxy to post (phase, set)'s slices: to every fabric peer
  * (peer < 0), or to fabric peer `peer` (its index in ep->slices) alone. */
 int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer);
+/* Zero the counters of every proxy thread (ep->st and the others'), with
+ * nothing in flight (a benchmark's warm-up done). */
+void fr_proxy_stats_clear(ferry_ep_t ep);
 /* Wait until the proxy has no writes in flight from `set` (bounded). */
 int fr_proxy_wait_set(ferry_ep_t ep, int set);
 

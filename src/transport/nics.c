@@ -10,6 +10,12 @@
 int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
                  int flags, fr_err_t *err)
 {
+    return fr_nics_open_eps(x, boot, name, want, 0, flags, err);
+}
+
+int fr_nics_open_eps(fr_nics_t *x, fr_boot_t *boot, const char *name, long want, int rails,
+                     int flags, fr_err_t *err)
+{
     memset(x, 0, sizeof(*x));
     /* libfabric shm regions of ranks of an earlier, killed job (their
      * launcher could not remove them), once per process */
@@ -18,20 +24,29 @@ int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
         fr_shm_sweep_dead();
     x->N = fr_boot_size(boot);
     x->rank = fr_boot_rank(boot);
-    int K = want > 0 ? (int)(want < FR_MAX_NICS ? want : FR_MAX_NICS)
-                     : FR_MAX_NICS;
+    int K = want > 0 ? (int)(want < FR_MAX_NIC_IFACES ? want : FR_MAX_NIC_IFACES)
+                     : FR_MAX_NIC_IFACES;
+    int R = rails > 1 ? rails : 1;
+    if (R > FR_MAX_NICS)
+        R = FR_MAX_NICS;
+    while (R * K > FR_MAX_NICS) /* rails before interfaces */
+        K--;
+    int E = R * K;
+    x->ifaces = K;
     x->nic_of = calloc((size_t)x->N, sizeof(int));
     if (!x->nic_of)
         return FR_ERR(err, FERRY_ERR_NOMEM, "NIC tables");
-    for (int k = 0; k < K; k++) {
-        int rc = fr_transport_open(name, boot, k, flags, &x->ops, &x->tp[k],
+    for (int k = 0; k < E; k++) { /* endpoint k over interface k mod K */
+        int rc = fr_transport_open(name, boot, k % K, flags, &x->ops, &x->tp[k],
                                    err);
         if (rc != FERRY_OK)
             return rc;
         x->n = k + 1;
     }
     for (int i = 0; i < x->N; i++) {
-        int k = (x->rank + i) % K;
+        int k = (x->rank + i) % E;
+        if (!x->ops->has_peer(x->tp[k], i)) /* the same rail on interface 0 */
+            k = k / K * K;
         x->nic_of[i] = x->ops->has_peer(x->tp[k], i) ? k : 0;
     }
     return FERRY_OK;

@@ -7,6 +7,13 @@
  * A pair of ranks (a, b) talks over NIC (a + b) mod K when both have it,
  * else over NIC 0, so both sides agree without another exchange. Opening
  * NIC k is collective: a rank without it still takes part.
+ *
+ * "NIC" here is an endpoint: a rank may open R endpoints per interface
+ * (fr_nics_open_eps), endpoint v = r * K + k going over interface k of K,
+ * so that R proxy threads each own one endpoint per interface (r: the
+ * thread, src/proxy/). Peers are sharded over the R * K endpoints as
+ * above; where a pair lacks its endpoint's interface, it takes the same
+ * thread's endpoint on interface 0, else endpoint 0.
  */
 #ifndef FR_NICS_H
 #define FR_NICS_H
@@ -17,11 +24,13 @@
 extern "C" {
 #endif
 
-#define FR_MAX_NICS 2
+#define FR_MAX_NICS 8        /* endpoints */
+#define FR_MAX_NIC_IFACES 2  /* interfaces opened by default (FERRY_NICS_PER_RANK 0) */
 
 typedef struct fr_nics {
     const fr_transport_ops_t *ops;
-    int n;                           /* NIC indices opened */
+    int n;                           /* NIC indices (endpoints) opened */
+    int ifaces;                      /* interfaces: endpoint v is on v % ifaces */
     int N, rank;
     fr_transport_t *tp[FR_MAX_NICS];
     int *nic_of;                     /* [N] NIC each rank is reached through */
@@ -44,10 +53,15 @@ typedef struct fr_nic_groups {
     int *idx[FR_MAX_NICS];
 } fr_nic_groups_t;
 
-/* Open `want` NICs (0: as many as the node has, up to FR_MAX_NICS) of
- * transport `name` with FR_TP_OPEN_* flags. Collective. */
+/* Open `want` NICs (0: as many as the node has, up to FR_MAX_NIC_IFACES)
+ * of transport `name` with FR_TP_OPEN_* flags. Collective. */
 int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
                  int flags, fr_err_t *err);
+/* fr_nics_open with `rails` endpoints per interface (0 or 1: one; the
+ * total capped at FR_MAX_NICS, fewer interfaces then). Collective,
+ * `rails` the same on every rank. */
+int fr_nics_open_eps(fr_nics_t *x, fr_boot_t *boot, const char *name, long want, int rails,
+                     int flags, fr_err_t *err);
 /* Register [p, p+len) on every NIC this rank has; remote_write: peers
  * write into it, and every rank's descriptors are exchanged (collective). */
 int fr_nics_reg(fr_nics_t *x, fr_boot_t *boot, void *p, size_t len,
