@@ -46,7 +46,9 @@ static void fr_log_setup(void)
 
 void fr_log_init(void) { pthread_once(&fr_log_once, fr_log_setup); }
 
-void fr_log_set_rank(int rank) { fr_log_rank = rank; }
+/* Set by every thread that logs for a rank (the proxy's threads too): the
+ * same value, stored and read atomically. */
+void fr_log_set_rank(int rank) { __atomic_store_n(&fr_log_rank, rank, __ATOMIC_RELAXED); }
 
 int fr_log_enabled(int level, int subsys)
 {
@@ -62,7 +64,7 @@ void fr_log_emit(int level, int subsys, const char *fmt, ...)
     (void)subsys;
     char line[1024];
     int n = snprintf(line, sizeof(line), "%s:%d:%d ferry %s ", fr_log_host,
-                     (int)getpid(), fr_log_rank, names[level]);
+                     (int)getpid(), __atomic_load_n(&fr_log_rank, __ATOMIC_RELAXED), names[level]);
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < sizeof(line))
