@@ -39,14 +39,7 @@ src=$(ls -d "$W"/x/ferry_ep-*)
   { echo "FAIL: libferry was not built inside the unpacked sdist ($src/native/build)"; exit 1; }
 whl=$(ls "$W"/whl/ferry_ep-*.whl)
 python3 -c "import sys, zipfile; n = zipfile.ZipFile(sys.argv[1]).namelist(); assert 'ferry/libferry.so' in n, n" "$whl"
-python3 -m venv --system-site-packages "$W/venv"
-"$W/venv/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"
+"$ROOT/tests/wheel_venv.sh" "$whl" "$W/venv"
 cd "$W"
-env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" - "$W/venv" <<'PY'
-import os, sys, ferry
-here = os.path.realpath(ferry.__file__)
-assert here.startswith(os.path.realpath(sys.argv[1])), f"ferry imported from {here}, not the venv"
-print(f"ferry {ferry._lib_handle().ferry_version_string().decode()} from {os.path.dirname(here)}")
-PY
 env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" "$ROOT/python/tests/test_native.py" 1 3
 echo "sdist $(basename "$sd"): built from itself, installed and tested"

@@ -23,15 +23,7 @@ assert not missing, f"missing from the wheel: {missing}"
 assert not grafted, f"libraries grafted into the wheel (libfabric must stay the system's): {grafted}"
 print(f"wheel holds {len(names)} files, libferry.so included, nothing grafted")
 PY
-python3 -m venv --system-site-packages "$W/venv"
-"$W/venv/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"
+"$ROOT/tests/wheel_venv.sh" "$whl" "$W/venv"
 cd "$W"
-env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" - "$W/venv" <<'PY'
-import os, sys, ferry
-here = os.path.realpath(ferry.__file__)
-assert here.startswith(os.path.realpath(sys.argv[1])), f"ferry imported from {here}, not the venv"
-lib = ferry._lib_handle()
-print(f"ferry {lib.ferry_version_string().decode()} from {os.path.dirname(here)}")
-PY
 env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" "$ROOT/python/tests/test_native.py" 1 3
 echo "wheel $(basename "$whl"): installed and tested"

@@ -15,8 +15,7 @@ W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 "$ROOT/scripts/wheel.sh" "$W/dist" > "$W/wheel.log" 2>&1 || { cat "$W/wheel.log"; exit 1; }
 whl=$(ls "$W"/dist/ferry_ep-*.whl)
-python3 -m venv --system-site-packages "$W/venv"
-"$W/venv/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"
+"$ROOT/tests/wheel_venv.sh" "$whl" "$W/venv"
 # what to hide: every compiler on PATH (the files they resolve to) and make
 hide=""
 for c in cc gcc g++ c++ clang nvcc make; do

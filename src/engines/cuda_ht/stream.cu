@@ -414,23 +414,6 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
  * peer of the warp's first unfinished ring. Every decision is the warp's
  * (ballots, broadcasts), so its lanes leave together. */
 
-/* The warp's stop check, every 16th busy pass and every 64th idle one:
- * 0 go on, 1 the context failed, 2 this warp timed out (t0: its last
- * progress). */
-static __device__ __forceinline__ int fr_cuht_many_stop(const fr_cuht_args_t &A, bool moved,
-                                                        unsigned int *pass,
-                                                        unsigned long long *t0)
-{
-    int stop = 0;
-    if (moved)
-        *t0 = fr_sys_timer();
-    if ((++*pass & (moved ? 15u : 63u)) != 0)
-        return 0;
-    if ((threadIdx.x & 31) == 0)
-        stop = fr_cuht_failed(A) ? 1 : !moved && fr_sys_timer() - *t0 > A.timeout_ns ? 2 : 0;
-    return __shfl_sync(FR_FULL, stop, 0);
-}
-
 /* The rank of the warp's first unfinished ring (peer[] of the slots whose
  * rings have records left, `left`), for a timeout's message. */
 static __device__ __forceinline__ int fr_cuht_many_first(const int *peer, const bool *left)
@@ -442,6 +425,32 @@ static __device__ __forceinline__ int fr_cuht_many_first(const int *peer, const 
             return __shfl_sync(FR_FULL, peer[q], __ffs(b) - 1);
     }
     return -1;
+}
+
+/* The warp's stop check, every 16th busy pass and every 64th idle one:
+ * true when it must leave, the context having failed, or this warp
+ * having moved nothing for the timeout (t0: its last progress), which it
+ * reports (`what`, naming the peer of its first unfinished ring). */
+static __device__ __forceinline__ bool fr_cuht_many_stop(const fr_cuht_args_t &A, bool moved,
+                                                         unsigned int *pass,
+                                                         unsigned long long *t0,
+                                                         const int *peer, const bool *left,
+                                                         int what)
+{
+    int stop = 0;
+    if (moved)
+        *t0 = fr_sys_timer();
+    if ((++*pass & (moved ? 15u : 63u)) != 0)
+        return false;
+    if ((threadIdx.x & 31) == 0)
+        stop = fr_cuht_failed(A) ? 1 : !moved && fr_sys_timer() - *t0 > A.timeout_ns ? 2 : 0;
+    stop = __shfl_sync(FR_FULL, stop, 0);
+    if (stop == 2) {
+        int who = fr_cuht_many_first(peer, left);
+        if ((threadIdx.x & 31) == 0)
+            fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
+    }
+    return stop != 0;
 }
 
 /* Sender warp w of W over rings (c, this rank) at d = me + 1 + r for
@@ -534,13 +543,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                 moved = true;
             }
         }
-        int stop = fr_cuht_many_stop(A, moved, &pass, &t0);
-        if (stop == 2) {
-            int who = fr_cuht_many_first(d, left);
-            if (lane == 0)
-                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
-        }
-        if (stop)
+        if (fr_cuht_many_stop(A, moved, &pass, &t0, d, left, what))
             return;
     }
 #pragma unroll
@@ -649,13 +652,7 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
                 moved = true;
             }
         }
-        int stop = fr_cuht_many_stop(A, moved, &pass, &t0);
-        if (stop == 2) {
-            int who = fr_cuht_many_first(s, left);
-            if (lane == 0)
-                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, FR_CUHT_WHAT_DISPATCH, 0);
-        }
-        if (stop)
+        if (fr_cuht_many_stop(A, moved, &pass, &t0, s, left, FR_CUHT_WHAT_DISPATCH))
             return;
     }
 #pragma unroll
