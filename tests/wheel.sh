@@ -27,3 +27,23 @@ PY
 cd "$W"
 env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" "$ROOT/python/tests/test_native.py" 1 3
 echo "wheel $(basename "$whl"): installed and tested"
+# the compat wheel: the hook at the top of site-packages, the module in
+# ferry_deep_ep/; installed beside ferry-ep, `import deep_ep` is ferry's
+cw=$(ls "$W"/dist/ferry_deep_ep-*-py3-none-any.whl)
+python3 - "$cw" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+need = ["ferry-deep-ep.pth", "ferry_deep_ep/deep_ep/__init__.py", "ferry_deep_ep/_hook.py"]
+missing = [n for n in need if n not in names]
+assert not missing, f"missing from the compat wheel: {missing}"
+assert not any(n.startswith("deep_ep/") for n in names), "the compat wheel installs a deep_ep/ folder"
+PY
+"$W/venv/bin/python" -m pip install -q --no-deps --force-reinstall "$cw"
+if env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" -c "import torch" 2>/dev/null; then
+  env -u FERRY_LIB -u PYTHONPATH "$W/venv/bin/python" -c "
+import deep_ep, ferry_deep_ep
+assert deep_ep.backend == 'ferry' and deep_ep.__version__ == '1.2.1', deep_ep
+print('compat wheel $(basename "$cw"): import deep_ep gives ferry\'s (DeepEP API', deep_ep.__version__ + ')')"
+else
+  echo "compat wheel $(basename "$cw"): installed; import deep_ep not tried (no torch here)"
+fi
