@@ -6,7 +6,7 @@ import weakref
 import torch
 
 from .deep_ep import (EP, EventOverlap, FerryError, _LLHandle, _Plan, _as_list, _event_after,
-                      _fmt_shape, _lib, _no_event, _plain_torch, _recv_or_hook, _tensor)
+                      _fmt_shape, _ll_recv_tensors, _lib, _no_event, _plain_torch, _recv_or_hook, _tensor)
 
 
 class _LowLatency:
@@ -233,15 +233,7 @@ class _LowLatency:
         dev = "cuda" if x.is_cuda else "cpu"
         ep = self._ep(num_experts, K, H, num_max_dispatch_tokens_per_rank, use_fp8, dev,
                       round_scale, ue8m0)
-        El, cap = ep.num_local_experts, ep.capacity
-        d = x.device
-        recv_x = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                             device=d)
-        scales = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=d)) \
-            if use_fp8 else None
-        count = torch.empty(El, dtype=torch.int32, device=d)
-        src_rank = torch.empty((El, cap), dtype=torch.int32, device=d)
-        src_token = torch.empty((El, cap), dtype=torch.int32, device=d)
+        recv_x, scales, count, src_rank, src_token = _ll_recv_tensors(ep, use_fp8, x.device)
         topk_idx = topk_idx.contiguous()
         for plan in self._plans.values():  # a round the fast path left in the next set
             if plan.ep is ep and plan.pending[ep.next_set()]:
@@ -301,20 +293,13 @@ class _LowLatency:
         """A combine of a handle whose round has ended (combined before, or
         settled): its routing is dispatched again, zeros as x (the rows'
         places depend on the routing alone), and that round is combined."""
-        ep, T = handle.ep, handle.ntok
-        El, cap, H = ep.num_local_experts, ep.capacity, ep.hidden
+        ep, T, H = handle.ep, handle.ntok, handle.ep.hidden
         idx = handle.topk_idx
         self._settle_slow(ep, ep.next_set())
         d = idx.device
         rnd = ep.dispatch_send(torch.zeros((T, H), dtype=torch.bfloat16, device=d), idx,
                                num_tokens=T)
-        fp8 = ep.dtype == "fp8"
-        rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                         device=d)
-        sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=d)) if fp8 else None
-        cnt = torch.empty(El, dtype=torch.int32, device=d)
-        sr = torch.empty((El, cap), dtype=torch.int32, device=d)
-        stok = torch.empty((El, cap), dtype=torch.int32, device=d)
+        rx, sc, cnt, sr, stok = _ll_recv_tensors(ep, ep.dtype == "fp8", d)
         ep.dispatch_recv(rnd, rx, cnt, sc, sr, stok)
         return rnd
 

@@ -206,6 +206,22 @@ class _LLHandle(tuple):
         return iter([self[j] for j in range(5)])
 
 
+def _ll_recv_tensors(ep, fp8, dev):
+    """A low-latency dispatch's outputs for context `ep` on device `dev`:
+    recv_x [E_local, capacity, H] (fp8 or bf16), its scales (DeepEP's
+    column-major layout, written so by the kernel; None without fp8), the
+    per-expert counts, and each row's source rank and token."""
+    El, cap, H = ep.num_local_experts, ep.capacity, ep.hidden
+    rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+                     device=dev)
+    sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=dev)) \
+        if fp8 else None
+    cnt = torch.empty(El, dtype=torch.int32, device=dev)
+    sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
+    st = torch.empty((El, cap), dtype=torch.int32, device=dev)
+    return rx, sc, cnt, sr, st
+
+
 class _Plan:
     """One context's reusable state: the output tensors of each buffer set,
     the argument structs, and the C entry points (no per-call allocation)."""
@@ -217,15 +233,7 @@ class _Plan:
         self.yshape = (El, cap, H)
         self.sets = []
         for _ in range(2):
-            rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
-                             device=dev)
-            # DeepEP's layout: column-major in the last two dims (float32, or
-            # UE8M0 words), written so by the kernel
-            sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=dev)) \
-                if fp8 else None
-            cnt = torch.empty(El, dtype=torch.int32, device=dev)
-            sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
-            st = torch.empty((El, cap), dtype=torch.int32, device=dev)
+            rx, sc, cnt, sr, st = _ll_recv_tensors(ep, fp8, dev)
             out = torch.empty((self.T, H), dtype=torch.bfloat16, device=dev)
             dout = _lib.DispatchOut(C.sizeof(_lib.DispatchOut), rx.data_ptr(),
                                     sc.data_ptr() if fp8 else None, cnt.data_ptr(),
