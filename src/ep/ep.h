@@ -71,6 +71,7 @@ typedef struct fr_proxy_ring {
 typedef struct fr_proxy_th {
     pthread_t thread;
     int j, started;
+    int k0, k1;                            /* its NIC endpoints [k0, k1) */
     ferry_ep_t ep;
     fr_proxy_ring_t *ring;                 /* thread 0: fr_proxy_t's ring */
     fr_proxy_ring_t own;                   /* the ring of a thread j > 0 */

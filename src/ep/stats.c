@@ -3,7 +3,6 @@
  * public view (ferry_ep_get_stats) and the FERRY_PROXY_STATS line.
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "ep/ep.h"
@@ -37,38 +36,46 @@ void fr_ep_stats_tp_nics(ferry_ep_t ep, fr_ep_stats_t *st, int k0, int k1)
     __atomic_store_n(&st->tp.eagain, sum.eagain, __ATOMIC_RELAXED);
 }
 
+void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src)
+{
+    uint64_t *d[] = {&dst->writes, &dst->bytes, &dst->requests, &dst->post_ns, &dst->tx,
+                     &dst->rx, &dst->polls, &dst->poll_ns, &dst->tp.prov_ns,
+                     &dst->tp.retry_ns, &dst->tp.prov_calls, &dst->tp.eagain};
+    const uint64_t *v[] = {&src->writes, &src->bytes, &src->requests, &src->post_ns, &src->tx,
+                           &src->rx, &src->polls, &src->poll_ns, &src->tp.prov_ns,
+                           &src->tp.retry_ns, &src->tp.prov_calls, &src->tp.eagain};
+    for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
+        fr_stat_add(d[i], ld(v[i]));
+    fr_hist_merge(&dst->d2p, &src->d2p);
+}
+
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
 {
-    ferry_ep_stats_t s;
-    memset(&s, 0, sizeof(s));
-    s.size = out->size;
     /* ep->st, and the counters of proxy threads past the first while they
      * run (merged into ep->st when they stop) */
     const fr_proxy_t *p = &ep->proxy;
-    int nst = p->running && p->th ? p->nth : 1;
-    fr_hist_t *h = calloc(1, sizeof(*h)); /* the threads' histograms merged */
-    for (int j = 0; j < nst; j++) {
-        const fr_ep_stats_t *st = j == 0 ? &ep->st : &p->th[j].mine;
-        s.writes += ld(&st->writes);
-        s.bytes += ld(&st->bytes);
-        s.requests += ld(&st->requests);
-        s.completions += ld(&st->tx);
-        s.arrivals += ld(&st->rx);
-        s.eagain += ld(&st->tp.eagain);
-        s.post_ns += ld(&st->post_ns);
-        s.provider_ns += ld(&st->tp.prov_ns);
-        s.provider_calls += ld(&st->tp.prov_calls);
-        s.retry_ns += ld(&st->tp.retry_ns);
-        s.polls += ld(&st->polls);
-        s.poll_ns += ld(&st->poll_ns);
-        if (h)
-            fr_hist_merge(h, &st->d2p);
-    }
-    const fr_hist_t *q = h ? h : &ep->st.d2p;
-    s.doorbells = ld(&q->count);
-    s.doorbell_to_post_p50_us = fr_hist_quantile(q, 0.50) / 1e3;
-    s.doorbell_to_post_p99_us = fr_hist_quantile(q, 0.99) / 1e3;
-    free(h);
+    fr_ep_stats_t sum;
+    memset(&sum, 0, sizeof(sum));
+    for (int j = 0; j < (p->running && p->th ? p->nth : 1); j++)
+        fr_ep_stats_add(&sum, j == 0 ? &ep->st : &p->th[j].mine);
+    ferry_ep_stats_t s;
+    memset(&s, 0, sizeof(s));
+    s.size = out->size;
+    s.writes = sum.writes;
+    s.bytes = sum.bytes;
+    s.requests = sum.requests;
+    s.completions = sum.tx;
+    s.arrivals = sum.rx;
+    s.eagain = sum.tp.eagain;
+    s.post_ns = sum.post_ns;
+    s.provider_ns = sum.tp.prov_ns;
+    s.provider_calls = sum.tp.prov_calls;
+    s.retry_ns = sum.tp.retry_ns;
+    s.polls = sum.polls;
+    s.poll_ns = sum.poll_ns;
+    s.doorbells = sum.d2p.count;
+    s.doorbell_to_post_p50_us = fr_hist_quantile(&sum.d2p, 0.50) / 1e3;
+    s.doorbell_to_post_p99_us = fr_hist_quantile(&sum.d2p, 0.99) / 1e3;
     memcpy(out, &s, out->size < sizeof(s) ? out->size : sizeof(s));
 }
 

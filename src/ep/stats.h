@@ -46,6 +46,10 @@ void fr_ep_stats_tp(ferry_ep_t ep);
 /* The same over NICs [k0, k1) into *st (a proxy thread's). */
 void fr_ep_stats_tp_nics(ferry_ep_t ep, fr_ep_stats_t *st, int k0, int k1);
 
+/* *dst += *src, every counter and the histogram (src read with relaxed
+ * loads: its writer may still add; dst has one writer, the caller). */
+void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src);
+
 /* Fill the public struct (fields up to out->size). */
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out);
 

@@ -104,16 +104,20 @@ static int fr_proxy_post_one(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_re
         return FERRY_ERR_INTERNAL;
     }
     int k = ep->proxy.gnic[g];
+    /* counted before it is posted (as a scatter's writes are): a write
+     * that landed at a peer has been counted here */
+    fr_stat_add(&th->st->writes, 1);
+    fr_stat_add(&th->st->bytes, sl[g].len);
     __atomic_add_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
     int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], ep->proxy.gpos[g], &sl[g],
                                      (uint64_t)q->set, &err);
-    if (rc != FERRY_OK) {
+    if (rc != FERRY_OK) { /* not posted: uncounted */
+        fr_stat_add(&th->st->writes, (uint64_t)0 - 1);
+        fr_stat_add(&th->st->bytes, (uint64_t)0 - sl[g].len);
         __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
         fr_proxy_async_fail(ep, rc, -1, err.msg);
         return rc;
     }
-    fr_stat_add(&th->st->writes, 1);
-    fr_stat_add(&th->st->bytes, sl[g].len);
     return FERRY_OK;
 }
 
@@ -127,8 +131,7 @@ static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
     if (q->peer1 > 0)
         return fr_proxy_post_one(ep, th, q, sl);
-    int per = ep->proxy.per > 0 ? ep->proxy.per : ep->nics.n;
-    for (int k = th->j * per; k < (th->j + 1) * per && k < ep->nics.n; k++) { /* its NICs */
+    for (int k = th->k0; k < th->k1; k++) { /* its NICs */
         int n = ep->groups.n[k];
         if (n == 0)
             continue;
@@ -143,7 +146,9 @@ static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
         __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
         int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], th->gslices,
                                      (uint64_t)q->set, &err);
-        if (rc != FERRY_OK) {
+        if (rc != FERRY_OK) { /* a failed scatter posted nothing: uncounted */
+            fr_stat_add(&th->st->bytes, (uint64_t)0 - bytes);
+            fr_stat_add(&th->st->writes, (uint64_t)0 - (uint64_t)n);
             __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], n,
                                __ATOMIC_ACQ_REL);
             fr_proxy_async_fail(ep, rc, -1, err.msg);
@@ -242,7 +247,6 @@ static void *fr_proxy_main(void *arg)
     fr_proxy_th_t *th = arg;
     ferry_ep_t ep = th->ep;
     fr_proxy_t *p = &ep->proxy;
-    int k0 = th->j * p->per, k1 = k0 + p->per; /* its NIC endpoints */
     fr_log_set_rank(ep->rank);
     long idle_us = fr_proxy_idle_us(ep->cfg.device == FERRY_DEVICE_CUDA);
     fr_cqe_t cqe[64];
@@ -261,11 +265,11 @@ static void *fr_proxy_main(void *arg)
         if (p->ready_seen)
             work |= fr_proxy_scan_ready(ep, th);
         if (work) /* the provider's share, -FI_EAGAIN */
-            fr_ep_stats_tp_nics(ep, th->st, k0, k1);
+            fr_ep_stats_tp_nics(ep, th->st, th->k0, th->k1);
         fr_err_t err = {{0}};
         int n = 0;
         uint64_t t_poll = fr_now_ns();
-        for (int k = k0; k < k1 && k < ep->nics.n && n < 48; k++) {
+        for (int k = th->k0; k < th->k1 && n < 48; k++) {
             int got = ep->nics.ops->poll(ep->nics.tp[k], cqe + n, 64 - n, &err);
             if (got < 0) {
                 fr_proxy_async_fail(ep, got, -1, err.msg);
@@ -336,14 +340,22 @@ void fr_proxy_tables_release(ferry_ep_t ep)
     ep->ring_mem = NULL;
 }
 
-/* Thread j's tables: its ring, scatter scratch, counters and the doorbell
- * words of its peers (fabric peer g on NIC gnic[g], owned by gnic[g] % nth). */
+/* The thread that owns fabric peer g: the one owning its NIC endpoint. */
+static int fr_proxy_owner(const fr_proxy_t *p, int g)
+{
+    return p->gnic[g] / p->per;
+}
+
+/* Thread j's tables: its NIC endpoints, ring, scatter scratch, counters
+ * and the doorbell words of its peers. */
 static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
 {
     fr_proxy_t *p = &ep->proxy;
     int nf = ep->nfabric;
     th->j = j;
     th->ep = ep;
+    th->k0 = j * p->per;
+    th->k1 = th->k0 + p->per < ep->nics.n ? th->k0 + p->per : ep->nics.n;
     th->ring = j == 0 ? p->ring : &th->own;
     th->st = j == 0 ? &ep->st : &th->mine;
     th->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
@@ -351,29 +363,9 @@ static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
     if (!th->gslices || !th->scan)
         return -1;
     for (int i = 0; p->ready_seen && i < 2 * FR_NSETS * nf; i++)
-        if (p->gnic[i % nf] / p->per == j)
+        if (fr_proxy_owner(p, i % nf) == j)
             th->scan[th->nscan++] = i;
     return 0;
-}
-
-/* Thread j > 0's counters into ep->st, once it has stopped. */
-static void fr_proxy_th_merge(ferry_ep_t ep, const fr_proxy_th_t *th)
-{
-    fr_ep_stats_t *d = &ep->st;
-    const fr_ep_stats_t *s = &th->mine;
-    d->writes += s->writes;
-    d->bytes += s->bytes;
-    d->requests += s->requests;
-    d->post_ns += s->post_ns;
-    d->tx += s->tx;
-    d->rx += s->rx;
-    d->polls += s->polls;
-    d->poll_ns += s->poll_ns;
-    d->tp.prov_ns += s->tp.prov_ns;
-    d->tp.retry_ns += s->tp.retry_ns;
-    d->tp.prov_calls += s->tp.prov_calls;
-    d->tp.eagain += s->tp.eagain;
-    fr_hist_merge(&d->d2p, &s->d2p);
 }
 
 int fr_proxy_start(ferry_ep_t ep)
@@ -455,8 +447,8 @@ int fr_proxy_stop(ferry_ep_t ep)
     if (stuck)
         return -1; /* left running: its tables stay */
     p->running = 0;
-    for (int j = 1; j < p->nth; j++)
-        fr_proxy_th_merge(ep, &p->th[j]);
+    for (int j = 1; j < p->nth; j++) /* stopped: their counters into ep->st */
+        fr_ep_stats_add(&ep->st, &p->th[j].mine);
     if (p->stats) {
         for (int ph = 0; ph < 2; ph++) {
             const fr_hist_t *h = &p->xfer[ph];
@@ -511,7 +503,7 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
     if (p->nth <= 1)
         return fr_proxy_push(ep, p->ring, phase, set, epoch, peer);
     if (peer >= 0) /* the thread that owns the peer's NIC */
-        return fr_proxy_push(ep, p->th[p->gnic[peer] / p->per].ring, phase, set, epoch, peer);
+        return fr_proxy_push(ep, p->th[fr_proxy_owner(p, peer)].ring, phase, set, epoch, peer);
     for (int j = 0; j < p->nth; j++) { /* every peer: each thread posts to its own */
         int rc = fr_proxy_push(ep, p->th[j].ring, phase, set, epoch, peer);
         if (rc != FERRY_OK)

@@ -23,10 +23,10 @@ static int ep_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
 }
 
 /* The counters after the warm-up. Every rank finished its warm-up rounds
- * first (a barrier: each warm-up write has landed, so it was posted) and
- * this rank's writes have all completed (a write is counted just after
- * its post returns), so none of the warm-up's writes counts in the timed
- * rounds (bounded: 200 ms). */
+ * first (a barrier: each warm-up write has landed, so it was posted, and
+ * counted: the proxy counts a write before posting it) and this rank's
+ * writes have all completed, so none of the warm-up's writes counts in
+ * the timed rounds (bounded: 200 ms). */
 void stats_mark(bench_t *b)
 {
     if (b->comm)
@@ -57,6 +57,10 @@ static int cmp_d(const void *a, const void *b)
 int stats_gather(bench_t *b, pstats_t *ps)
 {
     double mine[NSTAT] = {0};
+    /* every rank finished the timed rounds: each of their writes landed,
+     * so each was counted (the proxy counts a write before posting it) */
+    if (b->comm && ferry_comm_barrier(b->comm) != FERRY_OK)
+        return -1;
     for (int i = 0; i < 2; i++) {
         ferry_ep_t ep = b->eps[i] ? b->eps[i] : (i == 0 ? b->ep : NULL);
         ferry_ep_stats_t s, *z = &b->st0[i];
