@@ -241,6 +241,14 @@ typedef struct ferry_ep_layout {
     size_t expert_y_bytes;   /* E_local * capacity * H * 2 (bf16) */
     size_t shm_bytes;        /* this rank's shared receive segment */
     size_t host_bytes;       /* other buffers this rank holds */
+    /* 1: every call of this context needs a CUDA stream created with
+     * cudaStreamNonBlocking (GPU memory on the fabric path through a
+     * provider that copies on the legacy default stream, shm with FI_HMEM;
+     * docs/architecture.md, "Streams"), and nothing queued on the legacy
+     * or a blocking stream may wait for a call still in flight; 0: any
+     * stream. Filled when size covers it (callers built before it pass a
+     * size ending at host_bytes). */
+    int needs_nonblocking_stream;
 } ferry_ep_layout_t;
 
 FERRY_API int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *layout);

@@ -1,5 +1,6 @@
 """deep_ep.Buffer's normal (high-throughput) mode: get_dispatch_layout,
 dispatch and combine, intranode and internode, on ferry's routes."""
+import contextlib
 import warnings
 
 import torch
@@ -39,6 +40,36 @@ class _Normal:
         else:
             self._ht_sms_check(ep, sms, "dispatch")
         return ep
+
+    @contextlib.contextmanager
+    def _call_stream(self, ep):
+        """The stream a normal-mode call of ep runs on. The caller's current
+        stream, except where ep needs one made with cudaStreamNonBlocking
+        (GPU memory on the fabric path through a provider that copies on
+        the legacy default stream: shm) and the caller is on its default
+        stream (DeepEP's tests, most engines): then the call runs on the
+        Buffer's own stream (DeepEP's comm stream), which first waits for
+        the caller's, and returns once that stream is done (a host wait),
+        because nothing queued on the legacy stream may wait for a call in
+        flight there (docs/architecture.md, "Streams"). Its events are
+        then complete when returned. Inside a capture: the caller's."""
+        if ep.device != "cuda" or not ep.needs_nonblocking_stream or \
+                torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        cur = torch.cuda.current_stream()
+        if cur.cuda_stream != torch.cuda.default_stream(cur.device).cuda_stream:
+            yield  # the caller's own stream (ferry refuses a blocking one by name)
+            return
+        comm = self._comm_streams.get(cur.device.index)
+        if comm is None:
+            comm = self._comm_streams[cur.device.index] = torch.cuda.Stream(device=cur.device)
+        comm.wait_stream(cur)
+        try:
+            with torch.cuda.stream(comm):
+                yield
+        finally:
+            comm.synchronize()
 
     @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
@@ -113,86 +144,92 @@ class _Normal:
         _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, ("T", "H"))
         xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
         xt = xt.contiguous()
-        cached = handle is not None
-        by_rank = False  # routed by is_token_in_rank alone (no top-k)
-        if not cached:
-            N = self.group_size
-            T = xt.shape[0]
-            E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
-                                                            torch.Tensor) else None
-            if E is None:
-                raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
-                                "get_dispatch_layout) is required without a handle: it gives "
-                                "the number of experts")
-            if E % N:
-                raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
-                                 f"group size {N}")
-            if topk_idx is None:
-                # DeepEP's dispatch without top-k: tokens go to the ranks
-                # is_token_in_rank names; ferry routes each to the first
-                # expert of those ranks (a context with top-k = N)
-                if is_token_in_rank is None:
-                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
-                                    "is_token_in_rank is required without a handle")
-                if topk_weights is not None:
-                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
-                                    "topk_idx")
-                _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
-                first = torch.arange(N, dtype=torch.int64, device=xt.device) * (E // N)
-                routing = torch.where(is_token_in_rank.to(xt.device), first.view(1, N),
-                                      torch.full_like(first, -1).view(1, N)).contiguous()
-                by_rank = True
+        # the stream is chosen once the context is known (_call_stream)
+        cs = contextlib.ExitStack()
+        with cs:
+            cached = handle is not None
+            by_rank = False  # routed by is_token_in_rank alone (no top-k)
+            if not cached:
+                N = self.group_size
+                T = xt.shape[0]
+                E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
+                                                                torch.Tensor) else None
+                if E is None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
+                                    "get_dispatch_layout) is required without a handle: it gives "
+                                    "the number of experts")
+                if E % N:
+                    raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
+                                     f"group size {N}")
+                if topk_idx is None:
+                    # DeepEP's dispatch without top-k: tokens go to the ranks
+                    # is_token_in_rank names; ferry routes each to the first
+                    # expert of those ranks (a context with top-k = N)
+                    if is_token_in_rank is None:
+                        raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
+                                        "is_token_in_rank is required without a handle")
+                    if topk_weights is not None:
+                        raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
+                                        "topk_idx")
+                    _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
+                    first = torch.arange(N, dtype=torch.int64, device=xt.device) * (E // N)
+                    routing = torch.where(is_token_in_rank.to(xt.device), first.view(1, N),
+                                          torch.full_like(first, -1).view(1, N)).contiguous()
+                    by_rank = True
+                else:
+                    _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
+                    routing = topk_idx.contiguous()
+                ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
+                                 self._config_sms(config, "dispatch"))
+                cs.enter_context(self._call_stream(ep))
+                route = ep.route(routing, 1 if by_rank else expert_alignment,
+                                 max_recv=num_worst_tokens)
+                in_rank = is_token_in_rank
+                if num_tokens_per_rank is None or in_rank is None:
+                    per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
+                    num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
+                        num_tokens_per_rank
+                rt = self.runtime
+                handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
+                                   in_rank, internode=rt.get_num_rdma_ranks() > 1)
+                if handle.internode:
+                    handle.ep_nodes = list(rt._node_of)
+            elif not isinstance(handle, _HtHandle):
+                raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                                f"{type(handle).__name__}")
             else:
-                _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
-                routing = topk_idx.contiguous()
-            ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
-                             self._config_sms(config, "dispatch"))
-            route = ep.route(routing, 1 if by_rank else expert_alignment,
-                             max_recv=num_worst_tokens)
-            in_rank = is_token_in_rank
-            if num_tokens_per_rank is None or in_rank is None:
-                per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
-                num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
-                    num_tokens_per_rank
-            rt = self.runtime
-            handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
-                               in_rank, internode=rt.get_num_rdma_ranks() > 1)
-            if handle.internode:
-                handle.ep_nodes = list(rt._node_of)
-        elif not isinstance(handle, _HtHandle):
-            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
-                            f"{type(handle).__name__}")
-        ep, route = handle.ep, handle.route
-        if topk_weights is not None:
-            _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
-            topk_weights = topk_weights.contiguous()
-        if xt.shape[0] != handle.T:
-            raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
-        # a cached dispatch returns recv_x alone; the first one also the
-        # top-k ids and weights, and keeps the source tokens in the handle
-        o = ep.ht_dispatch(route, xt, xs, topk_weights,
-                           outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
-                                                      "recv_src_token", "recv_src_rank"))
-        rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
-        recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
-        ev = _event_after(xt) if async_finish else _no_event()
-        if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
-            return recv_x, None, None, None, None, ev
-        handle.src_idx = o["recv_src_token"]
-        handle.src_rank = o["recv_src_rank"]
-        # a bounded route (num_worst_tokens): rows padded to the bound, no
-        # host wait, so no per-expert list (DeepEP returns it empty too)
-        if route.num_recv_real is not None:
-            counts = []
-        elif by_rank:
-            # per expert from the callers' counts, as DeepEP's notify sums them
-            counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
-        else:
-            counts = [int(c) for c in route.expert_counts]
-        if by_rank:
-            return recv_x, None, None, counts, handle, ev
-        return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
-                counts, handle, ev)
+                cs.enter_context(self._call_stream(handle.ep))
+            ep, route = handle.ep, handle.route
+            if topk_weights is not None:
+                _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
+                topk_weights = topk_weights.contiguous()
+            if xt.shape[0] != handle.T:
+                raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
+            # a cached dispatch returns recv_x alone; the first one also the
+            # top-k ids and weights, and keeps the source tokens in the handle
+            o = ep.ht_dispatch(route, xt, xs, topk_weights,
+                               outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
+                                                          "recv_src_token", "recv_src_rank"))
+            rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
+            recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
+            ev = _event_after(xt) if async_finish else _no_event()
+            if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
+                return recv_x, None, None, None, None, ev
+            handle.src_idx = o["recv_src_token"]
+            handle.src_rank = o["recv_src_rank"]
+            # a bounded route (num_worst_tokens): rows padded to the bound, no
+            # host wait, so no per-expert list (DeepEP returns it empty too)
+            if route.num_recv_real is not None:
+                counts = []
+            elif by_rank:
+                # per expert from the callers' counts, as DeepEP's notify sums them
+                counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
+            else:
+                counts = [int(c) for c in route.expert_counts]
+            if by_rank:
+                return recv_x, None, None, counts, handle, ev
+            return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
+                    counts, handle, ev)
 
     @staticmethod
     def _scales_in(xt, xs):
@@ -293,13 +330,15 @@ class _Normal:
                          for b in (bias if isinstance(bias, tuple) else (bias,)))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
-            # DeepEP's combined_topk_weights: slot k summed over the rows of
-            # every rank the token went to
-            out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
-                                   weights_sum=True, bias=bias)
-        else:
-            out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
-        return out, w, (_event_after(x) if async_finish else _no_event())
+        with self._call_stream(ep):
+            if topk_weights is not None:
+                # DeepEP's combined_topk_weights: slot k summed over the rows
+                # of every rank the token went to
+                out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
+                                       weights_sum=True, bias=bias)
+            else:
+                out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
+            return out, w, (_event_after(x) if async_finish else _no_event())
 
     # DeepEP's names for the calls across nodes (its arguments, in its
     # order: no num_worst_tokens): ferry's dispatch and combine pick the

@@ -91,6 +91,9 @@ class EP:
         self.capacity = lay.expert_capacity
         self.num_scales = lay.num_scales
         self.token_bytes = lay.token_bytes
+        # calls need a stream made with cudaStreamNonBlocking (GPU memory on
+        # the fabric path through a provider copying on the legacy stream)
+        self.needs_nonblocking_stream = bool(lay.needs_nonblocking_stream)
         self._cuda_index = _current_cuda_device() if device == "cuda" else None
         self._keep = {}
         self._rounds = {}  # round -> T (rows of topk_weights and out at combine)

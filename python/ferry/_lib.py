@@ -35,7 +35,7 @@ class Layout(C.Structure):
                 ("token_bytes", C.c_size_t), ("num_scales", C.c_int),
                 ("expert_x_bytes", C.c_size_t), ("expert_scales_bytes", C.c_size_t),
                 ("expert_y_bytes", C.c_size_t), ("shm_bytes", C.c_size_t),
-                ("host_bytes", C.c_size_t)]
+                ("host_bytes", C.c_size_t), ("needs_nonblocking_stream", C.c_int)]
 
 
 class DispatchIn(C.Structure):

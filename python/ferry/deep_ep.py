@@ -636,6 +636,7 @@ class Buffer(_LowLatency, _Normal):
         self._plans = {}
         self._masked = set()  # ranks masked (low_latency_update_mask_buffer)
         self._sms_warned = False  # _ht_sms_check's one warning
+        self._comm_streams = {}  # device -> the normal mode's own stream (_call_stream)
         # every rank's node and GPU (collective): the default SMs, and what
         # runtime reports of the nodes
         me = _node_and_gpu()
@@ -792,7 +793,10 @@ class Buffer(_LowLatency, _Normal):
 
     def get_comm_stream(self):
         """DeepEP's communication stream: ferry runs on the caller's current
-        stream, so that is the stream returned (None without CUDA)."""
+        stream, so that is the stream returned (None without CUDA). (Where
+        a context needs a non-blocking stream and the caller is on its
+        default stream, a normal-mode call runs on a stream of the Buffer's
+        and has finished when it returns: Buffer._call_stream.)"""
         return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):

@@ -545,7 +545,9 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
 {
     if (!ep || !lay)
         return FERRY_ERR_INVALID;
-    if (lay->size < sizeof(*lay))
+    /* the first version ended at host_bytes */
+    size_t first = offsetof(ferry_ep_layout_t, needs_nonblocking_stream);
+    if (lay->size < first)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "layout: size %zu, expected %zu (set it to "
                           "sizeof(ferry_ep_layout_t))",
@@ -565,6 +567,8 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
     lay->host_bytes = (ep->send ? L->send_bytes : 0) +
                       (size_t)L->T * (L->tok_bytes + 4 * L->nscales) +
                       FR_NSETS * ((size_t)L->T * L->K * 4 + L->send_crows * 4);
+    if (lay->size >= sizeof(*lay))
+        lay->needs_nonblocking_stream = ep->rx_flush == FR_RX_FLUSH_COPIES;
     return FERRY_OK;
 }
 

@@ -178,8 +178,19 @@ static int run_args(ferry_comm_t comm)
     fw_input_t in;
     fw_input_alloc(&s, &in);
     fw_generate(&s, 1, me, &in);
-    ferry_ep_layout_t lay = {.size = sizeof(lay)};
+    ferry_ep_layout_t lay = {.size = sizeof(lay), .needs_nonblocking_stream = -1};
     CHECK_RC(ferry_ep_get_layout(ep, &lay), FERRY_OK);
+    CHECK(lay.needs_nonblocking_stream == 0, "host memory needs no stream"); /* any stream */
+    {   /* a caller built before the field: filled up to host_bytes only */
+        ferry_ep_layout_t old = {.size = offsetof(ferry_ep_layout_t, needs_nonblocking_stream),
+                                 .needs_nonblocking_stream = -1};
+        CHECK_RC(ferry_ep_get_layout(ep, &old), FERRY_OK);
+        CHECK(old.host_bytes == lay.host_bytes && old.needs_nonblocking_stream == -1,
+              "the old size: filled to host_bytes only");
+        old.size = offsetof(ferry_ep_layout_t, host_bytes);
+        CHECK_RC(ferry_ep_get_layout(ep, &old), FERRY_ERR_INVALID);
+        CHECK_MSG(ep, "layout: size");
+    }
     uint8_t *ex = calloc(lay.expert_x_bytes, 1);
     float *exs = calloc(lay.expert_scales_bytes, 1);
     int32_t *cnt = calloc((size_t)lay.num_local_experts, 4);
