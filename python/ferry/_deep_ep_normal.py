@@ -10,6 +10,10 @@ from .deep_ep import (EP, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strid
                       _plain_torch, _tensor)
 
 
+def _no_settle():
+    pass
+
+
 class _Normal:
     """The normal (high-throughput) mode of deep_ep.Buffer."""
 
@@ -52,14 +56,20 @@ class _Normal:
         the caller's, and returns once that stream is done (a host wait),
         because nothing queued on the legacy stream may wait for a call in
         flight there (docs/architecture.md, "Streams"). Its events are
-        then complete when returned. Inside a capture: the caller's."""
+        then complete when returned. Inside a capture: the caller's.
+        Yields settle(): called after each of ferry's launches, it waits
+        for that stream there, so no kernel of the call's own (PyTorch's,
+        whose first launch may load its module, which waits for the
+        kernels running) starts while a ferry kernel waits for the
+        provider's copies ("Kernel loading")."""
         if ep.device != "cuda" or not ep.needs_nonblocking_stream or \
                 torch.cuda.is_current_stream_capturing():
-            yield
+            yield _no_settle
             return
         cur = torch.cuda.current_stream()
         if cur.cuda_stream != torch.cuda.default_stream(cur.device).cuda_stream:
-            yield  # the caller's own stream (ferry refuses a blocking one by name)
+            # the caller's own stream (ferry refuses a blocking one by name)
+            yield _no_settle
             return
         comm = self._comm_streams.get(cur.device.index)
         if comm is None:
@@ -67,7 +77,7 @@ class _Normal:
         comm.wait_stream(cur)
         try:
             with torch.cuda.stream(comm):
-                yield
+                yield comm.synchronize
         finally:
             comm.synchronize()
 
@@ -181,9 +191,10 @@ class _Normal:
                     routing = topk_idx.contiguous()
                 ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
                                  self._config_sms(config, "dispatch"))
-                cs.enter_context(self._call_stream(ep))
+                settle = cs.enter_context(self._call_stream(ep))
                 route = ep.route(routing, 1 if by_rank else expert_alignment,
                                  max_recv=num_worst_tokens)
+                settle()
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
                     per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
@@ -198,7 +209,7 @@ class _Normal:
                 raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                                 f"{type(handle).__name__}")
             else:
-                cs.enter_context(self._call_stream(handle.ep))
+                settle = cs.enter_context(self._call_stream(handle.ep))
             ep, route = handle.ep, handle.route
             if topk_weights is not None:
                 _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
@@ -210,6 +221,7 @@ class _Normal:
             o = ep.ht_dispatch(route, xt, xs, topk_weights,
                                outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
                                                           "recv_src_token", "recv_src_rank"))
+            settle()
             rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
             recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
             ev = _event_after(xt) if async_finish else _no_event()
@@ -330,7 +342,7 @@ class _Normal:
                          for b in (bias if isinstance(bias, tuple) else (bias,)))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
-        with self._call_stream(ep):
+        with self._call_stream(ep) as settle:
             if topk_weights is not None:
                 # DeepEP's combined_topk_weights: slot k summed over the rows
                 # of every rank the token went to
@@ -338,6 +350,7 @@ class _Normal:
                                        weights_sum=True, bias=bias)
             else:
                 out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
+            settle()
             return out, w, (_event_after(x) if async_finish else _no_event())
 
     # DeepEP's names for the calls across nodes (its arguments, in its
