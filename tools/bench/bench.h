@@ -110,7 +110,8 @@ typedef struct bench {
      * combine, bytes; --mode ht: bytes this rank wrote to fabric peers in
      * the dispatch and in the combine (ferry_ep_stats_t.bytes), and the
      * rows the routing sends over the fabric (per destination node when
-     * forwarding, else per destination rank) */
+     * forwarding, else per destination rank), and the route's part of the
+     * dispatch time (ferry_route_create with its host wait) */
     double *tm;
     long wrong;
     int fwd;          /* --mode ht: the context forwards (ferry_ep_get_nodes) */
@@ -125,7 +126,7 @@ typedef struct bench {
 #endif
 } bench_t;
 
-#define BENCH_COLS 8
+#define BENCH_COLS 9
 
 double now_us(void);
 

@@ -650,6 +650,7 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         r[5] = (double)(f1.bytes - f0.bytes);
         r[6] = (double)(f2.bytes - f1.bytes);
         r[7] = ht_fabric_rows(b);
+        r[8] = t1 - t0;
     }
     return NULL;
 }

@@ -19,6 +19,7 @@ typedef struct summary {
     double bytes;                  /* sent to other ranks, per rank and round */
     double gbs, speed;
     double fab_d, fab_c, fab_rows; /* --mode ht: per call, the largest rank's mean */
+    double rp50;                   /* --mode ht: the route's part of the dispatch (us) */
     long wrong; /* all ranks */
 } summary_t;
 
@@ -47,18 +48,19 @@ static void summarize(const bench_t *b, const double *all, size_t per, summary_t
 {
     const opts_t *o = b->o;
     int N = b->N;
-    double *col[4];
-    for (int c = 0; c < 4; c++)
+    double *col[5]; /* dispatch, combine, base dispatch, base combine, route */
+    static const int src[5] = {0, 1, 2, 3, 8};
+    for (int c = 0; c < 5; c++)
         col[c] = calloc((size_t)o->iters, sizeof(double));
     double bytes = 0;
     long twrong = 0;
     for (int rk = 0; rk < N; rk++)
         twrong += (long)all[(size_t)rk * per + per - 1];
     for (int i = 0; i < o->iters; i++) {
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 5; c++) {
             double m = 0;
             for (int rk = 0; rk < N; rk++) {
-                double v = all[(size_t)rk * per + (size_t)i * BENCH_COLS + c];
+                double v = all[(size_t)rk * per + (size_t)i * BENCH_COLS + src[c]];
                 m = v > m ? v : m;
             }
             col[c][i] = m;
@@ -81,13 +83,14 @@ static void summarize(const bench_t *b, const double *all, size_t per, summary_t
     r->dp99 = pct(col[0], o->iters, 0.99);
     r->cp50 = pct(col[1], o->iters, 0.5);
     r->cp99 = pct(col[1], o->iters, 0.99);
+    r->rp50 = pct(col[4], o->iters, 0.5);
     r->bd50 = b->have_base ? pct(col[2], o->iters, 0.5) : NAN;
     r->bc50 = b->have_base ? pct(col[3], o->iters, 0.5) : NAN;
     r->bytes = bytes;
     r->gbs = bytes / ((r->dp50 + r->cp50) * 1e-6) / 1e9;
     r->speed = b->have_base ? (r->bd50 + r->bc50) / (r->dp50 + r->cp50) : NAN;
     r->wrong = twrong;
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < 5; c++)
         free(col[c]);
 }
 
@@ -205,8 +208,9 @@ static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
             o->check ? "true" : "false");
     if (o->ht)
         fprintf(f, ", \"forward\": %s, \"fabric_bytes_dispatch\": %.0f, "
-                "\"fabric_bytes_combine\": %.0f, \"fabric_rows\": %.1f",
-                b->fwd ? "true" : "false", r->fab_d, r->fab_c, r->fab_rows);
+                "\"fabric_bytes_combine\": %.0f, \"fabric_rows\": %.1f, "
+                "\"route_p50_us\": %.3f",
+                b->fwd ? "true" : "false", r->fab_d, r->fab_c, r->fab_rows, r->rp50);
     if (ps)
         stats_json(f, ps);
     fprintf(f, "}\n");
