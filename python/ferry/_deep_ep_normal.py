@@ -10,6 +10,10 @@ from .deep_ep import (EP, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strid
                       _plain_torch, _tensor)
 
 
+#: most experts (slots) per token in a ferry context (FR_MAX_TOPK)
+_MAX_TOPK = 16
+
+
 def _no_settle():
     pass
 
@@ -182,9 +186,7 @@ class _Normal:
                         raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
                                         "topk_idx")
                     _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
-                    first = torch.arange(N, dtype=torch.int64, device=xt.device) * (E // N)
-                    routing = torch.where(is_token_in_rank.to(xt.device), first.view(1, N),
-                                          torch.full_like(first, -1).view(1, N)).contiguous()
+                    routing = self._rank_routing(is_token_in_rank.to(xt.device), E)
                     by_rank = True
                 else:
                     _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
@@ -242,6 +244,26 @@ class _Normal:
                 return recv_x, None, None, counts, handle, ev
             return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
                     counts, handle, ev)
+
+    @staticmethod
+    def _rank_routing(in_rank, E):
+        """The routing of a dispatch without top-k: each token to the first
+        expert of every rank is_token_in_rank [T, N] names, as a top-k of
+        N slots (-1 elsewhere); above _MAX_TOPK ranks, the named ranks
+        gathered into _MAX_TOPK slots (a host wait to check that no token
+        names more: ValueError naming is_token_in_rank)."""
+        T, N = in_rank.shape
+        first = torch.arange(N, dtype=torch.int64, device=in_rank.device) * (E // N)
+        if N <= _MAX_TOPK:
+            return torch.where(in_rank, first.view(1, N),
+                               torch.full_like(first, -1).view(1, N)).contiguous()
+        most = int(in_rank.sum(1).max()) if T else 0
+        if most > _MAX_TOPK:
+            raise ValueError(f"is_token_in_rank: a token goes to {most} ranks; ferry's "
+                             f"dispatch without top-k takes at most {_MAX_TOPK} per token")
+        # the named ranks first (value 1), then -1 for the slots left
+        val, rk = torch.topk(in_rank.to(torch.int32), _MAX_TOPK, dim=1)
+        return torch.where(val > 0, first[rk], torch.full_like(rk, -1)).contiguous()
 
     @staticmethod
     def _scales_in(xt, xs):

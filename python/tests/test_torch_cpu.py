@@ -689,12 +689,43 @@ def rank_main_normal(rank, N, port, q):
         q.put((rank, [traceback.format_exc()]))
 
 
+def rank_routing_checks():
+    """A dispatch without top-k above 16 ranks: the ranks is_token_in_rank
+    names gathered into 16 slots (each the rank's first expert), -1 for
+    the rest; a token to more than 16 ranks refused naming the argument.
+    No ranks needed (the routing is made before any call)."""
+    from ferry.deep_ep import _Normal
+    N, E = 40, 80
+    g = torch.Generator().manual_seed(3)
+    inr = torch.rand((9, N), generator=g) < 0.2
+    inr[0] = False          # a token to no rank
+    inr[1, :16] = True      # exactly 16
+    inr[1, 16:] = False
+    r = _Normal._rank_routing(inr, E)
+    assert r.shape == (9, 16) and r.dtype == torch.int64, r.shape
+    for t in range(9):
+        got = sorted(int(e) // (E // N) for e in r[t] if e >= 0)
+        assert all(int(e) % (E // N) == 0 for e in r[t] if e >= 0), r[t]
+        assert got == inr[t].nonzero().flatten().tolist(), (t, got)
+    inr[2] = False
+    inr[2, 3:20] = True  # 17 ranks
+    try:
+        _Normal._rank_routing(inr, E)
+    except ValueError as e:
+        assert "is_token_in_rank" in str(e) and "17" in str(e), e
+    else:
+        raise AssertionError("a token to 17 ranks was accepted")
+    small = torch.tensor([[True, False, True, False]])
+    assert _Normal._rank_routing(small, 8).tolist() == [[0, -1, 4, -1]]
+
+
 def main():
     """test_torch_cpu.py [normal] [N ...]: every check at each N ranks
     (default 1 2 3), or with `normal` the normal mode's alone."""
     args = sys.argv[1:]
     normal = bool(args) and args[0] == "normal"
     sizes = [int(a) for a in args[1 if normal else 0:]] or [1, 2, 3]
+    rank_routing_checks()
     if normal:
         return ranks_main(rank_main_normal, sizes, "DeepEP normal mode on CPU tensors")
     return ranks_main(rank_main, sizes, "DeepEP API (low latency and normal mode) on CPU tensors")
