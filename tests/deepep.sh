@@ -2,7 +2,8 @@
 # DeepEP v1.2.1's own tests, unmodified, on ferry's deep_ep, every rank on
 # the one GPU (MPS, started by scripts/gpu_check.sh) through the shim of
 # shared-gpu (set_device to GPU 0, gloo for the tests' own collectives).
-# Usage: tests/deepep.sh intra N | ll N [ds] | inter NODES   ($B: build)
+# Usage: tests/deepep.sh intra N | ll N [ds] | inter NODES [ARGS...]
+#   ($B: build; ARGS go to test_internode.py, e.g. --num-tokens 1024)
 #   FERRY_DEEPEP       DeepEP-1.2.1.tar.gz (default ../shared/peers/...)
 #   FERRY_SHARED_GPU   the shim's folder (default ../shared/tools/shared-gpu)
 # Skips (exit 77) saying why without a GPU, the tarball, the shim or torch.
@@ -32,7 +33,7 @@ inter)
   export MASTER_PORT
   pids=""
   for r in $(seq 0 $((n - 1))); do
-    RANK=$r python3 test_internode.py --num-processes 8 > "$W/node$r.log" 2>&1 & pids="$pids $!"
+    RANK=$r python3 test_internode.py --num-processes 8 "${@:3}" > "$W/node$r.log" 2>&1 & pids="$pids $!"
   done
   rc=0; for p in $pids; do wait "$p" || rc=1; done
   cat "$W"/node*.log
