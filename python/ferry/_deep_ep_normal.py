@@ -364,7 +364,8 @@ class _Normal:
                          for b in (bias if isinstance(bias, tuple) else (bias,)))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
-        with self._call_stream(ep) as settle:
+        # no kernel of ours follows ht_combine: leaving the block waits
+        with self._call_stream(ep):
             if topk_weights is not None:
                 # DeepEP's combined_topk_weights: slot k summed over the rows
                 # of every rank the token went to
@@ -372,7 +373,6 @@ class _Normal:
                                        weights_sum=True, bias=bias)
             else:
                 out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
-            settle()
             return out, w, (_event_after(x) if async_finish else _no_event())
 
     # DeepEP's names for the calls across nodes (its arguments, in its
