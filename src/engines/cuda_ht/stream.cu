@@ -110,6 +110,34 @@ static __device__ __forceinline__ bool fr_cuht_lead(const fr_cuht_grp_t &g)
 /* ---------------------------------------------------------------------- */
 /* senders (dispatch and combine)                                         */
 
+/* What the records and rows of a role look like, read from the geometry
+ * once per role and passed to the per-record helpers (fr_cuht_put,
+ * fr_cuht_self, fr_cuht_take). Read inside them, through the reference
+ * to the geometry, the dispatch kernel was 7-8% slower at 2 and 8 ranks
+ * than with the fields read once before the loops (docs/benchmarks.md). */
+typedef struct fr_cuht_fmt {
+    size_t rowb;  /* row bytes: H, or 2H (bf16, and every combine row) */
+    size_t hdr;   /* record header bytes before the row */
+    size_t woff;  /* dispatch: where the weights start in the header */
+    int nsc;      /* fp8 scales per row (dispatch), else 0 */
+    int K, El, me, T;
+} fr_cuht_fmt_t;
+
+static __device__ __forceinline__ fr_cuht_fmt_t fr_cuht_fmt(const fr_cuht_geo_t &G,
+                                                            const fr_cuht_io_t &io, bool comb)
+{
+    fr_cuht_fmt_t F;
+    F.rowb = !comb && io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
+    F.nsc = !comb && io.fp8 ? G.H / 128 : 0;
+    F.hdr = comb ? G.chdr : G.dhdr;
+    F.woff = fr_ht_woff(G.K);
+    F.K = G.K;
+    F.El = G.El;
+    F.me = G.rank;
+    F.T = G.T;
+    return F;
+}
+
 /* Record i of a sender's run into slot `rec` of the ring at d (the whole
  * warp):
  *   dispatch: the channel's i-th token to d (tok_of[i]) as core/ht_rec.h's
@@ -118,17 +146,14 @@ static __device__ __forceinline__ bool fr_cuht_lead(const fr_cuht_grp_t &g)
  *   combine:  row row0 + i of y with its K weights, after its place among
  *             the channel's rows and the route number (both checked) */
 template <bool COMB, int U>
-static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_args_t &A,
+static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
                                                    const fr_cuht_rdev_t &R,
                                                    const fr_cuht_io_t &io, int d, int i,
                                                    int row0, const int32_t *tok_of,
                                                    uint8_t *rec, int32_t flags)
 {
-    const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El;
-    size_t rowb = !COMB && io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
-    int nsc = !COMB && io.fp8 ? G.H / 128 : 0;
-    size_t hdr = COMB ? G.chdr : G.dhdr;
+    int lane = threadIdx.x & 31, K = F.K, El = F.El, nsc = F.nsc;
+    size_t rowb = F.rowb, hdr = F.hdr;
     const uint8_t *src;
     if (COMB) {
         size_t row = (size_t)row0 + (size_t)i;
@@ -141,7 +166,7 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_args_t &A,
         src = io.x + row * rowb;
     } else {
         int tok = tok_of[i];
-        size_t woff = fr_ht_woff(K);
+        size_t woff = F.woff;
         if (lane == 0) {
             ((int32_t *)rec)[0] = tok;
             ((int32_t *)rec)[1] = flags;
@@ -173,6 +198,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                                     const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, COMB);
     int C = G.C;
     bool lead = fr_cuht_lead(g);
     int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
@@ -218,7 +244,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
             pub = sent;
         }
         for (int k = g.j; k < m; k += g.P)
-            fr_cuht_put<COMB, U>(A, R, io, d, i0 + k, row0, tok_of,
+            fr_cuht_put<COMB, U>(F, R, io, d, i0 + k, row0, tok_of,
                                  ring + ((sent + (unsigned long long)k) % RT) * recb, flags);
     }
     fr_cuht_gbar(g);
@@ -235,14 +261,12 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
 /* The own token `tok` straight from x into row `row` (no ring, no
  * counters; the whole warp): the same values a receiver would write. */
 template <int U>
-static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_args_t &A,
+static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_fmt_t &F,
                                                     const fr_cuht_rdev_t &R,
                                                     const fr_cuht_io_t &io, int tok, size_t row)
 {
-    const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El, me = G.rank;
-    size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
-    int nsc = io.fp8 ? G.H / 128 : 0;
+    int lane = threadIdx.x & 31, K = F.K, El = F.El, me = F.me, nsc = F.nsc;
+    size_t rowb = F.rowb;
     fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
     for (int q = lane; q < nsc; q += 32)
         io.rxs[row * nsc + q] = io.xs[tok * io.xs0 + q * io.xs1];
@@ -266,11 +290,12 @@ template <int U>
 static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c, const fr_cuht_grp_t &g)
 {
+    const fr_cuht_fmt_t F = fr_cuht_fmt(A.G, io, false);
     int C = A.G.C, me = A.G.rank;
     int n = R.ccnt[(size_t)me * C + c], row0 = R.rbase[(size_t)me * C + c];
     const int32_t *tok_of = R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c);
     for (int i = g.j; i < n; i += g.P)
-        fr_cuht_self<U>(A, R, io, tok_of[i], (size_t)row0 + (size_t)i);
+        fr_cuht_self<U>(F, R, io, tok_of[i], (size_t)row0 + (size_t)i);
 }
 
 /* A record of ring (c, s) here, at `rec`, into row `row` (the whole warp):
@@ -282,25 +307,23 @@ static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev
  * timeout). */
 template <int U>
 static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
+                                                    const fr_cuht_fmt_t &F,
                                                     const fr_cuht_rdev_t &R,
                                                     const fr_cuht_io_t &io, int s, size_t row,
                                                     const uint8_t *rec)
 {
-    const fr_cuht_geo_t &G = A.G;
-    int lane = threadIdx.x & 31, K = G.K, El = G.El;
-    size_t rowb = io.fp8 ? (size_t)G.H : 2 * (size_t)G.H;
-    int nsc = io.fp8 ? G.H / 128 : 0;
-    size_t woff = fr_ht_woff(K);
+    int lane = threadIdx.x & 31, K = F.K, El = F.El, nsc = F.nsc;
+    size_t rowb = F.rowb, woff = F.woff, dhdr = F.hdr;
     int tok = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec), 0);
     int flags = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec + 1), 0);
     int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
     float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
-    fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + G.dhdr, rowb);
+    fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + dhdr, rowb);
     for (int q = lane; q < nsc; q += 32)
-        io.rxs[row * nsc + q] = __ldcg((const float *)(rec + G.dhdr + rowb) + q);
+        io.rxs[row * nsc + q] = __ldcg((const float *)(rec + dhdr + rowb) + q);
     bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
     int what = 0, detail = 0;
-    if (tok < 0 || tok >= G.T) {
+    if (tok < 0 || tok >= F.T) {
         what = FR_CUHT_WHAT_RECORD;
         detail = tok;
     } else if (((unsigned)flags >> 8 & 0xffu) != (R.id & 0xffu)) {
@@ -342,6 +365,7 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                                      const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, false);
     int C = G.C;
     bool lead = fr_cuht_lead(g);
     unsigned long long RT = (unsigned long long)G.RT;
@@ -384,7 +408,7 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
         int lim = *g.lim;
         for (int k = taken + g.j; k < lim; k += g.P) /* the leader sees a failure
                                                           at the next step */
-            if (!fr_cuht_take<U>(A, R, io, s, (size_t)row0 + (size_t)k,
+            if (!fr_cuht_take<U>(A, F, R, io, s, (size_t)row0 + (size_t)k,
                                  ring + ((start + (unsigned long long)k) % RT) * G.drec))
                 break;
         taken = lim;
@@ -460,6 +484,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                                          const fr_cuht_io_t &io, int c, int w, int W, int S)
 {
     const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, COMB);
     int lane = threadIdx.x & 31, N = G.N, me = G.rank, C = G.C;
     int kind = COMB ? FR_CUHT_CTAIL : FR_CUHT_DTAIL, hkind = COMB ? FR_CUHT_CHEAD : FR_CUHT_DHEAD;
     int what = COMB ? FR_CUHT_WHAT_COMBINE : FR_CUHT_WHAT_DISPATCH;
@@ -531,7 +556,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                 int row0 = COMB ? R.rbase[(size_t)dd * C + c] : 0;
                 const int32_t *tok_of = R.rtok + (size_t)dd * R.T + fr_cuht_chan_lo(R.T, C, c);
                 for (int k = 0; k < mm; k++)
-                    fr_cuht_put<COMB, U>(A, R, io, dd, i0 + k, row0, tok_of,
+                    fr_cuht_put<COMB, U>(F, R, io, dd, i0 + k, row0, tok_of,
                                          ring + ((sent + (unsigned long long)k) % RT) * recb,
                                          flags);
                 __syncwarp(); /* the step's records before its tail */
@@ -560,6 +585,7 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
                                           const fr_cuht_io_t &io, int c, int w, int W, int S)
 {
     const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, false);
     int lane = threadIdx.x & 31, N = G.N, me = G.rank, C = G.C;
     unsigned long long RT = (unsigned long long)G.RT;
     int s[FR_CUHT_RPL], n[FR_CUHT_RPL], taken[FR_CUHT_RPL];
@@ -633,11 +659,11 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
                     const int32_t *tok_of =
                         R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c) + i0;
                     for (int k = 0; k < mm; k++)
-                        fr_cuht_self<U>(A, R, io, tok_of[k], row0 + (size_t)k);
+                        fr_cuht_self<U>(F, R, io, tok_of[k], row0 + (size_t)k);
                 } else {
                     const uint8_t *ring = A.seg + fr_cuht_off_ring(G, 0, c, ss);
                     for (int k = 0; k < mm; k++)
-                        if (!fr_cuht_take<U>(A, R, io, ss, row0 + (size_t)k,
+                        if (!fr_cuht_take<U>(A, F, R, io, ss, row0 + (size_t)k,
                                              ring + ((at + (unsigned long long)k) % RT) *
                                                         G.drec))
                             return; /* every lane: the header was broadcast */
