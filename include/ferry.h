@@ -185,7 +185,25 @@ typedef struct ferry_ep_config {
      * which does not forward yet. ferry_ep_get_nodes says what was
      * chosen. */
     int forward;
-    int reserved;
+    /* DP groups (pplx-kernels' dp_size): ranks in a data-parallel group,
+     * consecutive ranks (group g = ranks g * dp_size .. g * dp_size +
+     * dp_size - 1), dividing the world, each group inside one node; 0 or
+     * 1: no groups. Every member holds the group's tokens and calls with
+     * the same arguments (num_tokens = the group's T, at most max_tokens,
+     * and the same x, topk_idx, weights); member m sends only its share,
+     * tokens [m * T / G, (m + 1) * T / G) (integer division: a balanced
+     * split, the same on every member), so each token leaves the group
+     * once, and the combine writes every token's result into `out` on
+     * every member (the members' shares gathered through shared memory).
+     * The receivers see each member as a source rank with its share:
+     * source token ids (expert_src_token, recv_src_token) are indices in
+     * that share. Buffers are sized for ceil(max_tokens / G) tokens per
+     * source. Members whose inputs differ are not detected: each sends its
+     * share of its own inputs, and every member gets the gathered shares.
+     * CPU ranks; a CUDA context with dp_size > 1 is FERRY_ERR_UNSUPPORTED.
+     * Not with num_tokens_dev (the split needs T on the host). Earlier
+     * headers called this field `reserved` (0). */
+    int dp_size;
 } ferry_ep_config_t;
 
 typedef enum ferry_forward {

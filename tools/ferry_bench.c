@@ -57,6 +57,10 @@ static void usage(FILE *f)
             "                       destination node and is passed on there (on; auto:\n"
             "                       on with several nodes, FERRY_HT_FORWARD) or once per\n"
             "                       destination rank (off); config.forward\n"
+            "      --dp G           DP groups of G consecutive ranks (config.dp_size):\n"
+            "                       members hold the same tokens, each sends its share,\n"
+            "                       every member gets every token's combine; verified\n"
+            "                       against the reference, which knows the groups\n"
             "      --nodes N        split the ranks into N nodes, rank r on node\n"
             "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
             "                       use peer memory, the others the fabric path, as on\n"
@@ -101,7 +105,7 @@ static int parse(int argc, char **argv, opts_t *o)
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
         {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'}, {"forward", 1, 0, 'F'},    {"stats", 0, 0, 'Z'},
-        {"peers", 1, 0, 'P'},
+        {"peers", 1, 0, 'P'},   {"dp", 1, 0, 'y'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
@@ -191,6 +195,7 @@ static int parse(int argc, char **argv, opts_t *o)
                 return -1;
             }
             break;
+        case 'y': o->dp = (int)strtol(optarg, &end, 10); break;
         case 'F':
             if (strcmp(optarg, "auto") == 0)
                 o->forward = FERRY_FORWARD_AUTO;
@@ -397,7 +402,7 @@ static int make_config(bench_t *b)
                        .T = o->tokens, .fp8 = o->fp8, .zipf_s = o->zipf,
                        .mask_p = o->mask, .vary_tokens = o->vary, .empty_p = o->empty,
                        .seed = o->seed, .round_scale = o->round_scale,
-                       .groups = o->groups, .gpick = o->gpick};
+                       .groups = o->groups, .gpick = o->gpick, .dp = o->dp};
     ferry_ep_config_t cfg = FERRY_EP_CONFIG_INIT;
     cfg.num_experts = o->experts;
     cfg.topk = o->topk;
@@ -411,6 +416,7 @@ static int make_config(bench_t *b)
     cfg.fp8_round_scale = o->round_scale;
     cfg.scales_layout = o->scales;
     cfg.forward = o->forward;
+    cfg.dp_size = o->dp;
     b->cfg = cfg;
     if (o->groups && (o->experts % o->groups || o->topk > o->gpick * (o->experts / o->groups))) {
         fprintf(stderr, "ferry-bench: --routing groups:%d:%d: the groups must divide the %d "
@@ -429,6 +435,11 @@ static int make_config(bench_t *b)
     if (o->scales == FERRY_SCALES_UE8M0 && !o->round_scale) {
         fprintf(stderr, "ferry-bench: --scales ue8m0 needs --round-scale (UE8M0 holds "
                         "powers of two only)\n");
+        return 2;
+    }
+    if (o->dp > 1 && (o->graph || b->have_base || o->fp8 == 2)) {
+        fprintf(stderr, "ferry-bench: --dp runs without --graph, --dtype mixed or the MPI "
+                        "baseline (start the ranks with --launcher fork)\n");
         return 2;
     }
     if (o->ht && o->fp8 == 2) {

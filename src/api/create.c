@@ -111,6 +111,14 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
                       "forward = %d: unknown (FERRY_FORWARD_AUTO = %d, FERRY_FORWARD_OFF = %d, "
                       "FERRY_FORWARD_ON = %d)", c->forward, (int)FERRY_FORWARD_AUTO,
                       (int)FERRY_FORWARD_OFF, (int)FERRY_FORWARD_ON);
+    if (c->dp_size < 0 || c->dp_size > N || (c->dp_size > 1 && N % c->dp_size))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "dp_size = %d: must divide the world size (%d), or be 0 or 1 (no DP "
+                      "groups)", c->dp_size, N);
+    if (c->dp_size > 1 && c->device == FERRY_DEVICE_CUDA)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "dp_size = %d with device = cuda: DP groups run on CPU ranks only in "
+                      "this version", c->dp_size);
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);
@@ -130,6 +138,7 @@ typedef struct fr_setup_msg {
     int32_t fwd;    /* forwarding asked for (ferry_forward_t, FERRY_HT_FORWARD
                        applied) */
     int32_t pth;    /* FERRY_PROXY_THREADS: the endpoints every rank opens */
+    int32_t dp;     /* dp_size (1: none) */
 } fr_setup_msg_t;
 
 static void *fr_zalloc(size_t n)
@@ -166,6 +175,7 @@ static void fr_ep_free(ferry_ep_t ep)
     free(ep->node_lidx);
     free(ep->node_off);
     free(ep->node_ranks);
+    fr_dp_close(ep);
     fr_proxy_tables_release(ep);
     free(ep);
 }
@@ -221,6 +231,13 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         msg.mode = config->mode;
         msg.ring = config->ring_tokens;
         msg.shrink = config->mask_on_timeout;
+        msg.dp = config->dp_size > 1 ? config->dp_size : 1;
+        /* DP groups: the engine is made for a member's share of the
+         * group's tokens; the API layer splits each call */
+        ep->dp.G = msg.dp;
+        ep->dp.m = me % msg.dp;
+        ep->dp.T = config->max_tokens;
+        ep->cfg.max_tokens = (config->max_tokens + msg.dp - 1) / msg.dp;
     }
     int rc = fr_boot_allgather(ep->comm->boot, &msg, all, sizeof(msg), err);
     if (rc == FERRY_OK && msg.status != FERRY_OK)
@@ -243,6 +260,10 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
                         me, msg.E, msg.K, msg.H, msg.T, msg.dtype, msg.mode, msg.ring,
                         msg.shrink, i, all[i].E, all[i].K, all[i].H, all[i].T, all[i].dtype,
                         all[i].mode, all[i].ring, all[i].shrink);
+        } else if (all[i].dp != msg.dp) {
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "dp_size differs between ranks: rank %d has %d, rank %d has %d", me,
+                        msg.dp, i, all[i].dp);
         } else if (all[i].fwd != msg.fwd) {
             static const char *fwn[] = {"auto", "off", "on"};
             rc = FR_ERR(err, FERRY_ERR_INVALID,
@@ -346,6 +367,25 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
     return fr_create_nodes(ep, force_fabric, err);
 }
 
+/* DP groups: each inside one node (the gather goes through shared
+ * memory), alike on every rank (the node tables are); then the members'
+ * regions (collective). */
+static int fr_create_dp(ferry_ep_t ep, fr_err_t *err)
+{
+    int G = ep->dp.G;
+    for (int g0 = 0; G > 1 && g0 < ep->N; g0 += G)
+        for (int j = 1; j < G; j++)
+            if (ep->node_of[g0 + j] != ep->node_of[g0])
+                return FR_ERR(err, FERRY_ERR_INVALID,
+                              "dp_size = %d: ranks %d and %d of DP group %d are on different "
+                              "nodes%s (a group must be inside one node)", G, g0, g0 + j,
+                              g0 / G,
+                              strcmp(fr_cfg_str(FR_CFG_TRANSPORT), "fabric") == 0
+                                  ? " (FERRY_TRANSPORT=fabric puts every rank alone)"
+                                  : "");
+    return fr_dp_open(ep, err);
+}
+
 /* Step 4: when any peer is on the fabric (every rank joins: opening a
  * NIC is collective), open the NICs, register the engine's segment and
  * send region, make the peer groups, start the proxy. */
@@ -438,6 +478,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
+    FR_CHECK_GOTO(fr_create_dp(ep, &err), rc, fail);
     int native = 0;
     /* forward = on across nodes: the GPU-memory fabric path does not
      * forward; its fabric engine (staged, over the CPU engine) does */

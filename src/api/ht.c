@@ -30,16 +30,16 @@ static int fr_ht_usable(ferry_ep_t ep, const char *call)
 }
 
 int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
-                        fr_err_t *err)
+                        int groupT, fr_err_t *err)
 {
     if (!FR_HT_SIZE_OK(in->size, ferry_route_in_t) &&
         in->size != offsetof(ferry_route_in_t, max_recv))
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "in->size = %zu: set it to sizeof(ferry_route_in_t)", in->size);
-    int T = in->num_tokens;
-    if (T < 0 || T > L->T)
+    int T = in->num_tokens, Tmax = groupT > 0 ? groupT : L->T;
+    if (T < 0 || T > Tmax)
         return FR_ERR(err, FERRY_ERR_INVALID, "num_tokens = %d: must be 0..max_tokens (%d)",
-                      T, L->T);
+                      T, Tmax);
     if (T > 0 && !in->topk_idx)
         return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx: NULL pointer");
     if (in->expert_alignment < 0 || in->expert_alignment > (1 << 20))
@@ -65,15 +65,25 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL pointer");
     *route = NULL;
     fr_err_t aerr;
-    if ((rc = fr_check_route_args(&ep->L, in, ep->cfg.device == FERRY_DEVICE_CUDA, &aerr)))
+    if ((rc = fr_check_route_args(&ep->L, in, ep->cfg.device == FERRY_DEVICE_CUDA,
+                                  ep->dp.G > 1 ? ep->dp.T : 0, &aerr)))
         return fr_ep_fail(ep, rc, "%s", aerr.msg);
     ferry_route_in_t cur; /* the engine sees the current struct */
     fr_args_current(&cur, sizeof(cur), in);
+    int gT = cur.num_tokens, glo = 0, ghi = gT;
+    if (ep->dp.G > 1) { /* this member's share of the group's tokens */
+        fr_dp_share(gT, ep->dp.G, ep->dp.m, &glo, &ghi);
+        cur.num_tokens = ghi - glo;
+        if (cur.topk_idx)
+            cur.topk_idx += (size_t)glo * (size_t)ep->L.K;
+    }
     ferry_route_t r = calloc(1, sizeof(*r));
     if (!r)
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "route");
     r->ep = ep;
     r->bound = cur.max_recv;
+    r->gT = gT;
+    r->glo = glo;
     rc = fr_check_stream(ep, cur.stream, "in->stream");
     if (rc == FERRY_OK)
         rc = ep->eng->route_create(ep, &cur, r);
@@ -153,7 +163,7 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
     ferry_ht_dispatch_in_t cur; /* the engine sees the current struct */
     fr_args_current(&cur, sizeof(cur), in);
     in = &cur;
-    if (route->T > 0 && !in->x)
+    if (route->gT > 0 && !in->x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
     if (in->x_scales && ep->L.H % 128 != 0)
         return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
@@ -172,6 +182,14 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
             return fr_ep_fail(ep, FERRY_ERR_INVALID,
                               "x_scales_stride = {%lld, %lld}: the scales would span more "
                               "than 2^63 bytes", (long long)s0, (long long)s1);
+    }
+    if (route->glo > 0) { /* DP groups: this member's share of the group's rows */
+        size_t lo = (size_t)route->glo;
+        cur.x = (const uint8_t *)cur.x + lo * (cur.x_scales ? 1 : 2) * (size_t)ep->L.H;
+        if (cur.x_scales)
+            cur.x_scales += lo * (size_t)cur.x_scales_stride[0];
+        if (cur.topk_weights)
+            cur.topk_weights += lo * (size_t)ep->L.K;
     }
     int rows = fr_route_rows(route);
     if (rows > 0 && !out->recv_x)
@@ -208,12 +226,27 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     if (rows > 0 && !in->y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",
                           rows);
-    if (route->T > 0 && !out->out)
+    if (route->gT > 0 && !out->out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     if (route->T == 0) { /* no rows of bias to read */
         cur.bias[0] = cur.bias[1] = NULL;
     }
     if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
         return rc;
-    return ep->eng->ht_combine(ep, route, in, out);
+    if (ep->dp.G <= 1)
+        return ep->eng->ht_combine(ep, route, in, out);
+    /* DP groups: this member's rows, then every member's */
+    ferry_ht_combine_out_t share = *out;
+    size_t lo = (size_t)route->glo, H = (size_t)ep->L.H;
+    if (route->T > 0) {
+        share.out = (uint8_t *)out->out + lo * 2 * H;
+        if (share.topk_weights)
+            share.topk_weights += lo * (size_t)ep->L.K;
+        for (int i = 0; i < 2; i++)
+            if (cur.bias[i])
+                cur.bias[i] = (const uint8_t *)cur.bias[i] + lo * 2 * H;
+    }
+    if ((rc = ep->eng->ht_combine(ep, route, in, &share)))
+        return rc;
+    return fr_dp_gather(ep, out->out, out->topk_weights, route->gT, "ht_combine");
 }

@@ -117,18 +117,51 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
     return on_gpu ? FERRY_OK : fr_check_topk(L, in->topk_idx, T, err);
 }
 
+/* DP groups: `in` (the group's tokens) checked against the group's
+ * max_tokens and made this member's share in `share`; *in then points
+ * there. */
+static int fr_dp_share_in(ferry_ep_t ep, const ferry_dispatch_in_t **in,
+                          ferry_dispatch_in_t *share)
+{
+    const ferry_dispatch_in_t *a = *in;
+    if (ep->dp.G <= 1 || a->size < sizeof(*a))
+        return FERRY_OK; /* the size is refused by the checks that follow */
+    if (a->num_tokens_dev)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "num_tokens_dev: not with dp_size = %d (the group's tokens are split "
+                          "on the host: pass num_tokens)", ep->dp.G);
+    int T = a->num_tokens, lo, hi;
+    if (T < 0 || T > ep->dp.T)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "num_tokens = %d: must be 0..max_tokens (%d)",
+                          T, ep->dp.T);
+    fr_dp_share(T, ep->dp.G, ep->dp.m, &lo, &hi);
+    size_t xrow = (a->x_scales ? 1 : 2) * (size_t)ep->L.H;
+    *share = *a;
+    share->num_tokens = hi - lo;
+    share->x = a->x ? (const uint8_t *)a->x + (size_t)lo * xrow : NULL;
+    share->x_scales = a->x_scales ? a->x_scales + (size_t)lo * (size_t)(ep->L.H / 128) : NULL;
+    share->topk_idx = a->topk_idx ? a->topk_idx + (size_t)lo * (size_t)ep->L.K : NULL;
+    *in = share;
+    return FERRY_OK;
+}
+
 /* dispatch_send's checks and the round slot it would take; nothing is
- * changed (fr_send_take does it once every check has passed). */
-static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const void *round,
-                         const char *call, fr_round_t **out)
+ * changed (fr_send_take does it once every check has passed). With DP
+ * groups, *in becomes this member's share (in `share`). */
+static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t **inp,
+                         ferry_dispatch_in_t *share, const void *round, const char *call,
+                         fr_round_t **out)
 {
     int rc = fr_ep_usable(ep);
     if (rc || (rc = fr_ll_only(ep, call)))
         return rc;
-    if (!in)
+    if (!*inp)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in: NULL pointer");
     if (!round)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "round: NULL pointer");
+    if ((rc = fr_dp_share_in(ep, inp, share)))
+        return rc;
+    const ferry_dispatch_in_t *in = *inp;
     int on_gpu = ep->cfg.device == FERRY_DEVICE_CUDA;
     fr_err_t aerr;
     rc = fr_check_dispatch_args(&ep->L, in, on_gpu, &aerr);
@@ -154,10 +187,17 @@ static int fr_send_begin(ferry_ep_t ep, const ferry_dispatch_in_t *in, const voi
     return FERRY_OK;
 }
 
-static void fr_send_take(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *in)
+static void fr_send_take(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t *group,
+                         const ferry_dispatch_in_t *in)
 {
     r->epoch = ++ep->next_epoch;
     r->T = in->num_tokens;
+    r->gT = group->num_tokens;
+    r->glo = 0;
+    if (ep->dp.G > 1) {
+        int hi;
+        fr_dp_share(r->gT, ep->dp.G, ep->dp.m, &r->glo, &hi);
+    }
 }
 
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
@@ -166,10 +206,12 @@ int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     if (!ep)
         return FERRY_ERR_INVALID;
     fr_round_t *r = NULL;
-    int rc = fr_send_begin(ep, in, round, "dispatch_send", &r);
+    const ferry_dispatch_in_t *group = in;
+    ferry_dispatch_in_t share;
+    int rc = fr_send_begin(ep, &in, &share, round, "dispatch_send", &r);
     if (rc)
         return rc;
-    fr_send_take(ep, r, in);
+    fr_send_take(ep, r, group, in);
     rc = ep->eng->dispatch_send(ep, r, in);
     if (rc)
         return rc;
@@ -301,14 +343,28 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
     return FERRY_OK;
 }
 
-static int fr_check_combine_out(ferry_ep_t ep, const fr_round_t *r,
-                                const ferry_combine_out_t *out)
+/* Checks the caller's `out` (the group's tokens, r->gT); with DP groups
+ * `cur` becomes this member's rows of it. */
+static int fr_check_combine_out(ferry_ep_t ep, const fr_round_t *r, ferry_combine_out_t *cur)
 {
-    if (r->T > 0 && !out->out)
+    if (r->gT > 0 && !cur->out)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
-    if (r->T > 0 && !out->topk_weights)
+    if (r->gT > 0 && !cur->topk_weights)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
-    return fr_check_stream(ep, out->stream, "out->stream");
+    if (ep->dp.G > 1 && r->gT > 0) {
+        cur->out = (uint8_t *)cur->out + (size_t)r->glo * 2 * (size_t)ep->L.H;
+        cur->topk_weights += (size_t)r->glo * (size_t)ep->L.K;
+    }
+    return fr_check_stream(ep, cur->stream, "out->stream");
+}
+
+/* DP groups: once this member's rows are in, every member's. */
+static int fr_dp_combined(ferry_ep_t ep, const fr_round_t *r, const ferry_combine_out_t *out,
+                          const char *call)
+{
+    if (ep->dp.G <= 1)
+        return FERRY_OK;
+    return fr_dp_gather(ep, out->out, NULL, r->gT, call);
 }
 
 int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
@@ -328,7 +384,7 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
-    return FERRY_OK;
+    return fr_dp_combined(ep, r, out, "combine_recv");
 }
 
 int ferry_ep_sync(ferry_ep_t ep, void *stream)
@@ -351,7 +407,9 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     /* every check of both halves before anything starts */
     uint64_t rr = 0;
     fr_round_t *r = NULL;
-    int rc = fr_send_begin(ep, in, &rr, "dispatch", &r);
+    const ferry_dispatch_in_t *group = in;
+    ferry_dispatch_in_t share;
+    int rc = fr_send_begin(ep, &in, &share, &rr, "dispatch", &r);
     ferry_dispatch_out_t cur;
     if (rc || (rc = fr_check_args_size(ep, out, FR_DOUT_MIN, "out", "ferry_dispatch_out_t")) ||
         (rc = fr_out_current(ep, out, FR_DOUT_MIN, FR_DOUT_WC, &cur, sizeof(cur),
@@ -363,7 +421,7 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_dispatch runs on one "
                           "stream (use dispatch_send and dispatch_recv for two)");
-    fr_send_take(ep, r, in);
+    fr_send_take(ep, r, group, in);
     if (ep->eng->dispatch) {
         rc = ep->eng->dispatch(ep, r, in, out);
     } else {
@@ -395,6 +453,7 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
         (rc = fr_out_current(ep, out, FR_COUT_MIN, 0, &cur, sizeof(cur), "ferry_combine_out_t")) ||
         (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
+    const ferry_combine_out_t *group = out;
     out = &cur;
     if (!in->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
@@ -416,5 +475,5 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
-    return FERRY_OK;
+    return fr_dp_combined(ep, r, group, "combine");
 }

@@ -100,6 +100,7 @@ struct ferry_route {
     ferry_ep_t ep;
     uint64_t id;         /* 1, 2, 3... per context, the same on every rank */
     int T;               /* this rank's tokens */
+    int gT, glo;         /* DP groups: the group's tokens, this member's first */
     int num_recv;        /* rows this rank receives (a bounded route on
                             CUDA ranks: not known on the host, 0) */
     int bound;           /* max_recv of a bounded route, else 0 */

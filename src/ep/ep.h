@@ -40,7 +40,21 @@ typedef struct fr_round {
     uint64_t epoch;
     int state;
     int T;               /* tokens this rank sent */
+    int gT, glo;         /* DP groups: the group's tokens, this member's first */
 } fr_round_t;
+
+/* DP groups (config.dp_size, dp.c): each member's region in shared
+ * memory, where the combine's shares are gathered. */
+typedef struct fr_dp {
+    int G;               /* members per group (1: no groups) */
+    int m;               /* this rank's index in its group */
+    int T;               /* max_tokens as given (the group's) */
+    int share;           /* ceil(T / G): the most tokens a member sends */
+    size_t bytes;        /* each member's region */
+    uint8_t **peer;      /* [G] the members' regions, this one's included */
+    char name[96];       /* this rank's region, until the members mapped it */
+    uint64_t epoch;      /* gathers done */
+} fr_dp_t;
 
 /* Request from the rank thread (or the GPU send kernel) to its proxy
  * (single producer/consumer): post (phase, set)'s slices to every fabric
@@ -144,6 +158,7 @@ struct ferry_ep {
     int fwd_req;         /* forwarding asked for (ferry_forward_t; FERRY_HT_FORWARD
                             applied), alike on every rank */
     int forward;         /* the high-throughput engine forwards (its setup) */
+    fr_dp_t dp;          /* DP groups (dp.c) */
 
     /* set up by the engine */
     uint8_t *seg;        /* own receive segment */
@@ -208,6 +223,22 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
 int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err);
 /* Unmap the peers' and the own segment, unlink its name if still there. */
 void fr_ep_segments_close(ferry_ep_t ep);
+
+/* DP groups (dp.c). Member m of G sends tokens [lo, hi) of the group's T. */
+static inline void fr_dp_share(int T, int G, int m, int *lo, int *hi)
+{
+    *lo = (int)((long long)T * m / G);
+    *hi = (int)((long long)T * (m + 1) / G);
+}
+/* Map the group's regions (collective over every rank; nothing when
+ * dp.G is 1). */
+int fr_dp_open(ferry_ep_t ep, fr_err_t *err);
+void fr_dp_close(ferry_ep_t ep);
+/* The combine's result of the group's T tokens on every member: this
+ * member's rows [lo, hi) of out (bf16 [T][H]) and of w (float [T][K],
+ * may be NULL, alike on every member) are in place; the other members'
+ * are copied in. Waits for the members (timeout and dead members named). */
+int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, const char *what);
 
 /* The EP's asynchronous error (a proxy or fabric thread's), kept when one
  * is already set; the next call reports it. Logged at WARN. */

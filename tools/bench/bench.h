@@ -26,6 +26,7 @@ typedef struct opts {
     int peers;       /* --transport null: simulated peers */
     int forward;     /* --forward: config.forward (ferry_forward_t) */
     int groups, gpick; /* --routing groups:G:M */
+    int dp;          /* --dp: config.dp_size (DP groups) */
     double zipf, mask, empty;
     uint64_t seed;
     const char *transport, *device, *json, *launcher, *routing, *gpu;

@@ -237,11 +237,14 @@ static void ht_experts(bench_t *b, ht_io_t *io, uint64_t round, int n)
         }
         if (r != src)
             fw_generate(s, round, src = r, &io->other);
-        if (t < 0 || t >= io->other.T) {
+        int t0, t1; /* DP groups: t is an index in the source's share */
+        fw_share(s, io->other.T, r, &t0, &t1);
+        t += t0;
+        if (t < t0 || t >= t1) {
             memset(y, 0, 2 * (size_t)s->H);
             if (b->wrong++ < 3)
                 fprintf(stderr, "ferry-bench: rank %d: received row %d names token %d of "
-                        "rank %d (it has %d)\n", b->me, i, t, r, io->other.T);
+                        "rank %d (it has %d)\n", b->me, i, t - t0, r, t1 - t0);
             continue;
         }
         ht_partial(s, &io->other, t, b->me, io, y);
@@ -261,10 +264,12 @@ static long ht_check_dispatch(bench_t *b, uint64_t round, ht_io_t *io, int n)
     float *sc = io->sc;
     for (int src = 0; src < s->N; src++) {
         fw_generate(s, round, src, &io->other);
-        for (int t = 0; t < io->other.T; t++) {
+        int t0, t1;
+        fw_share(s, io->other.T, src, &t0, &t1);
+        for (int t = t0; t < t1; t++) {
             if (!ht_goes(s, &io->other, t, b->me))
                 continue;
-            int bad = i >= n || io->rsr[i] != src || io->rst[i] != t;
+            int bad = i >= n || io->rsr[i] != src || io->rst[i] != t - t0;
             if (!bad) {
                 ht_row(s, &io->other, t, row, sc);
                 bad = memcmp(io->rx + (size_t)i * rb, row, rb) != 0 ||

@@ -47,10 +47,24 @@ void fw_input_free(fw_input_t *in)
     memset(in, 0, sizeof(*in));
 }
 
+/* Whose inputs `rank` holds: its own, or its DP group's first rank's. */
+static int fw_gen_rank(const fw_spec_t *s, int rank)
+{
+    return s->dp > 1 ? rank - rank % s->dp : rank;
+}
+
+void fw_share(const fw_spec_t *s, int T, int rank, int *lo, int *hi)
+{
+    int G = s->dp > 1 ? s->dp : 1, m = rank % G;
+    *lo = (int)((long long)T * m / G);
+    *hi = (int)((long long)T * (m + 1) / G);
+}
+
 int fw_num_tokens(const fw_spec_t *s, uint64_t round, int rank)
 {
     if (s->masked && s->masked[rank])
         return 0;
+    rank = fw_gen_rank(s, rank);
     if (!s->vary_tokens)
         return s->T;
     uint64_t h = fw_hash(s->seed, round, (uint64_t)rank, 0x7070);
@@ -130,7 +144,7 @@ void fw_generate_idx(const fw_spec_t *s, uint64_t round, int rank, int T,
             perm[j] = t;
         }
     }
-    fw_rng_t rng = {fw_hash(s->seed, round, (uint64_t)rank, 0x1d1d)};
+    fw_rng_t rng = {fw_hash(s->seed, round, (uint64_t)fw_gen_rank(s, rank), 0x1d1d)};
     for (int t = 0; t < T; t++) {
         int64_t *row = idx + (size_t)t * s->K;
         if (s->groups > 0) {
@@ -166,6 +180,7 @@ void fw_generate(const fw_spec_t *s, uint64_t round, int rank, fw_input_t *in)
     int T = fw_num_tokens(s, round, rank);
     in->T = T;
     fw_generate_idx(s, round, rank, T, in->idx);
+    rank = fw_gen_rank(s, rank);
     for (int t = 0; t < T; t++) {
         for (int b = 0; b < s->H; b += 128) {
             /* a different magnitude per 128-block exercises fp8 scales */
@@ -278,7 +293,9 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
     for (int i = 0; i < s->N; i++) {
         int src = (rank + i) % s->N;
         fw_generate(s, round, src, &in);
-        for (int t = 0; t < in.T; t++) {
+        int t0, t1;
+        fw_share(s, in.T, src, &t0, &t1);
+        for (int t = t0; t < t1; t++) {
             for (int k = 0; k < s->K; k++) {
                 int64_t e = in.idx[(size_t)t * s->K + k];
                 if (e < lo || e >= lo + El)
@@ -294,7 +311,7 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
                 int bad = 0;
                 if (src_rank && src_rank[row] != src)
                     bad = 1;
-                if (src_token && src_token[row] != t)
+                if (src_token && src_token[row] != t - t0) /* its index in the share */
                     bad = 2;
                 const uint8_t *got = (const uint8_t *)expert_x + row * tb;
                 if (!bad && s->fp8) {

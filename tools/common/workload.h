@@ -34,6 +34,10 @@ typedef struct fw_spec {
      * them: they send no tokens, and slots whose expert lives on one are
      * -1 (the routing is generated as without the mask, then cut) */
     const int32_t *masked;
+    /* DP groups (config.dp_size; 0 or 1: none): the members of a group
+     * (consecutive ranks) hold the same inputs, those of its first rank,
+     * and each sends its share, fw_share */
+    int dp;
 } fw_spec_t;
 
 /* Everything one rank passes in one round (owned buffers). */
@@ -48,6 +52,10 @@ int fw_input_alloc(const fw_spec_t *s, fw_input_t *in);
 void fw_input_free(fw_input_t *in);
 
 int fw_num_tokens(const fw_spec_t *s, uint64_t round, int rank);
+/* The tokens [lo, hi) of its inputs (T of them) that `rank` sends: all of
+ * them, or with DP groups its share, tokens [m T / G, (m + 1) T / G) for
+ * member m of G (ferry.h, dp_size). */
+void fw_share(const fw_spec_t *s, int T, int rank, int *lo, int *hi);
 /* Fill in for (round, rank); in->T is set. */
 void fw_generate(const fw_spec_t *s, uint64_t round, int rank, fw_input_t *in);
 /* Routing only (cheap), for counting. */
