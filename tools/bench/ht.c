@@ -513,8 +513,9 @@ static int ht_dev_recv(bench_t *b, ht_io_t *io, int n)
 }
 
 /* Rows this rank's routing sends over the fabric per call: one per
- * (token, other node it reaches) when forwarding, else one per (token,
- * rank on another node it reaches); combine sends as many back. */
+ * (token of its share, other node it reaches) when forwarding, else one
+ * per (token, rank on another node it reaches); combine sends as many
+ * back. */
 static double ht_fabric_rows(const bench_t *b)
 {
     const fw_spec_t *s = &b->s;
@@ -524,7 +525,9 @@ static double ht_fabric_rows(const bench_t *b)
     if (!seen)
         return NAN;
     double rows = 0;
-    for (int t = 0; t < b->in.T; t++) {
+    int t0, t1; /* DP groups: its share of the group's tokens */
+    fw_share(s, b->in.T, b->me, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
         memset(seen, 0, (size_t)s->N);
         for (int d = 0; d < s->N; d++) {
             if (node[d] == node[b->me] || !ht_goes(s, &b->in, t, d))
