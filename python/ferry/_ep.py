@@ -34,13 +34,19 @@ class EP:
     may say otherwise), "on" (a token crosses the fabric once per
     destination node and a rank there passes it on) or "off" (once per
     destination rank); nodes() says what each rank's node is and whether
-    this context forwards."""
+    this context forwards. dp_size (CPU ranks): DP groups of that many
+    consecutive ranks (pplx-kernels' dp_size; 1, the default: none).
+    Members hold the group's tokens and call with the same arguments
+    (max_tokens and each call's T are the group's); member m sends tokens
+    [m*T//G, (m+1)*T//G) and every member's combine output holds every
+    token's result. Receivers see each member as a source with its share
+    (source token ids index that share)."""
 
     _FORWARD = {"auto": 0, "off": 1, "on": 2}
 
     def __init__(self, comm, num_experts, topk, hidden, max_tokens, dtype="bf16",
                  device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False,
-                 scales_layout="rows", mask_on_timeout=False, forward="auto"):
+                 scales_layout="rows", mask_on_timeout=False, forward="auto", dp_size=1):
         if dtype not in _lib.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
         if mode not in _lib.MODES:
@@ -53,10 +59,11 @@ class EP:
             raise ValueError(f"forward={forward!r}: use 'auto', 'on' or 'off'")
         if not isinstance(comm, Comm):
             raise TypeError(f"comm: expected a ferry.Comm, got {type(comm).__name__}")
-        num_experts, topk, hidden, max_tokens, num_sms, ring_tokens = (
+        num_experts, topk, hidden, max_tokens, num_sms, ring_tokens, dp_size = (
             _lib.c_int(v, n) for v, n in ((num_experts, "num_experts"), (topk, "topk"),
                                           (hidden, "hidden"), (max_tokens, "max_tokens"),
-                                          (num_sms, "num_sms"), (ring_tokens, "ring_tokens")))
+                                          (num_sms, "num_sms"), (ring_tokens, "ring_tokens"),
+                                          (dp_size, "dp_size")))
         ch = comm._handle()
         lib = _lib_handle()
         self._h = C.c_void_p()
@@ -65,7 +72,7 @@ class EP:
                             _lib.DTYPES[dtype], _lib.DEVICES[device], num_sms,
                             _lib.MODES[mode], ring_tokens, int(bool(fp8_round_scale)),
                             _lib.SCALES[scales_layout], int(bool(mask_on_timeout)),
-                            self._FORWARD[forward])
+                            self._FORWARD[forward], dp_size)
         rc = lib.ferry_ep_create(ch, C.byref(cfg), C.byref(self._h))
         if rc != 0:
             self._h = C.c_void_p()
@@ -82,6 +89,7 @@ class EP:
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.max_tokens, self.dtype, self.device = max_tokens, dtype, device
         self.mode = mode
+        self.dp_size = max(dp_size, 1)
         self.num_sms = num_sms  # as asked (0: the engine's default)
         self.fp8_round_scale = bool(fp8_round_scale)
         self.scales_layout = scales_layout

@@ -26,7 +26,7 @@ class EpConfig(C.Structure):
                 ("max_tokens", C.c_int), ("dispatch_dtype", C.c_int), ("device", C.c_int),
                 ("num_sms", C.c_int), ("mode", C.c_int), ("ring_tokens", C.c_int),
                 ("fp8_round_scale", C.c_int), ("scales_layout", C.c_int),
-                ("mask_on_timeout", C.c_int), ("forward", C.c_int), ("reserved", C.c_int)]
+                ("mask_on_timeout", C.c_int), ("forward", C.c_int), ("dp_size", C.c_int)]
 
 
 class Layout(C.Structure):

@@ -199,6 +199,42 @@ def run_bounded(ep, rank, N, rnd):
     route.close()
 
 
+def run_dp(ferry, comm, rank, N, G):
+    """DP groups of G (dp_size): every member passes its group's tokens
+    (those of the group's first rank); member m's share, tokens
+    [m*T//G, (m+1)*T//G), is what it sends; every member's combine holds
+    every token's result (identity experts: x times the ranks it reached)."""
+    El = E_PER_RANK
+    ep = ferry.EP(comm, num_experts=El * N, topk=K, hidden=H, max_tokens=T, mode="ht",
+                  ring_tokens=8, dp_size=G)
+    check(ep.dp_size == G, f"dp_size {ep.dp_size}")
+    for rnd in range(3):  # back to back, the routing changing
+        grp = [inputs(s - s % G, 20 + rnd, N) for s in range(N)]  # every rank's inputs
+        x, idx, w = grp[rank][0], grp[rank][1], grp[rank][2]
+        route = ep.route(idx)
+        rows = []  # (source, index in its share, token) of the rows this rank receives
+        for s in range(N):
+            Ts = grp[s][1].shape[0]
+            lo, hi = (s % G) * Ts // G, (s % G + 1) * Ts // G
+            for t in range(lo, hi):
+                if any(e >= 0 and e // El == rank for e in grp[s][1][t]):
+                    rows.append((s, t - lo, t))
+        check(route.num_recv == len(rows), f"dp: num_recv {route.num_recv}, expected {len(rows)}")
+        o = ep.ht_dispatch(route, x, topk_weights=w)
+        for i, (s, j, t) in enumerate(rows):
+            check(np.array_equal(o["recv_x"][i], grp[s][0][t]), f"dp: row {i} wrong data")
+            check(o["recv_src_rank"][i] == s and o["recv_src_token"][i] == j,
+                  f"dp: row {i}: source ({o['recv_src_rank'][i]}, {o['recv_src_token'][i]}), "
+                  f"expected ({s}, {j})")
+        out, _ = ep.ht_combine(route, o["recv_x"], topk_weights=o["recv_topk_weights"])
+        for t in range(x.shape[0]):
+            m = len({int(e) // El for e in idx[t] if e >= 0})
+            want = bf16(f32(x[t]) * m) if m else np.zeros(H, np.uint16)
+            check(np.array_equal(out[t], want), f"dp: combined token {t} of {x.shape[0]}")
+        route.close()
+    ep.close()
+
+
 def rank_main(rank, N, port, q):
     try:
         os.environ.update(FERRY_RANK=str(rank), FERRY_WORLD_SIZE=str(N),
@@ -217,6 +253,9 @@ def rank_main(rank, N, port, q):
         for rnd in range(4):
             sums.append(run_round(ferry, ep, rank, N, rnd, 16 if rnd % 2 else 0))
         run_bounded(ep, rank, N, 5)
+        dp = int(os.environ.get("FERRY_TEST_DP", "1"))
+        if dp > 1:
+            run_dp(ferry, comm, rank, N, dp)
         try:
             ep.dispatch_send(np.zeros((1, H), np.uint16), np.zeros((1, K), np.int64))
             raise AssertionError("a low-latency call on an HT context was accepted")

@@ -59,6 +59,12 @@ def test_ht_nodes(nranks):
                env={"FERRY_TEST_NODES": "2", "FI_PROVIDER": "tcp"})
 
 
+@pytest.mark.parametrize("nranks,dp", [(4, 2), (8, 4)])
+def test_ht_dp(nranks, dp):
+    """DP groups (dp_size): shares sent, every member's combine complete."""
+    run_script("test_ht.py", [str(nranks)], needs=("numpy",), env={"FERRY_TEST_DP": str(dp)})
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_torch_cpu(nranks):
     run_script("test_torch_cpu.py", [str(nranks)], needs=("torch",))
