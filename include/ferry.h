@@ -200,7 +200,8 @@ typedef struct ferry_ep_config {
      * that share. Buffers are sized for ceil(max_tokens / G) tokens per
      * source. Members whose inputs differ are not detected: each sends its
      * share of its own inputs, and every member gets the gathered shares.
-     * CPU ranks; a CUDA context with dp_size > 1 is FERRY_ERR_UNSUPPORTED.
+     * CUDA ranks gather through device memory shared by CUDA IPC, with
+     * kernels on the combine's stream (capturable in a CUDA graph).
      * Not with num_tokens_dev (the split needs T on the host). Earlier
      * headers called this field `reserved` (0). */
     int dp_size;

@@ -34,7 +34,7 @@ class EP:
     may say otherwise), "on" (a token crosses the fabric once per
     destination node and a rank there passes it on) or "off" (once per
     destination rank); nodes() says what each rank's node is and whether
-    this context forwards. dp_size (CPU ranks): DP groups of that many
+    this context forwards. dp_size: DP groups of that many
     consecutive ranks (pplx-kernels' dp_size; 1, the default: none).
     Members hold the group's tokens and call with the same arguments
     (max_tokens and each call's T are the group's); member m sends tokens

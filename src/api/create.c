@@ -115,10 +115,6 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "dp_size = %d: must divide the world size (%d), or be 0 or 1 (no DP "
                       "groups)", c->dp_size, N);
-    if (c->dp_size > 1 && c->device == FERRY_DEVICE_CUDA)
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "dp_size = %d with device = cuda: DP groups run on CPU ranks only in "
-                      "this version", c->dp_size);
     if (c->ring_tokens < 0 || c->ring_tokens > (1 << 20))
         return FR_ERR(err, FERRY_ERR_INVALID, "ring_tokens = %d: must be 0 "
                       "(default) or 1..%d", c->ring_tokens, 1 << 20);

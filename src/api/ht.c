@@ -235,18 +235,16 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
         return rc;
     if (ep->dp.G <= 1)
         return ep->eng->ht_combine(ep, route, in, out);
-    /* DP groups: this member's rows, then every member's */
+    /* DP groups: this member's rows (where fr_dp_target says), then every
+     * member's */
     ferry_ht_combine_out_t share = *out;
     size_t lo = (size_t)route->glo, H = (size_t)ep->L.H;
-    if (route->T > 0) {
-        share.out = (uint8_t *)out->out + lo * 2 * H;
-        if (share.topk_weights)
-            share.topk_weights += lo * (size_t)ep->L.K;
-        for (int i = 0; i < 2; i++)
-            if (cur.bias[i])
-                cur.bias[i] = (const uint8_t *)cur.bias[i] + lo * 2 * H;
-    }
-    if ((rc = ep->eng->ht_combine(ep, route, in, &share)))
+    fr_dp_target(ep, out->out, out->topk_weights, route->glo, &share.out, &share.topk_weights);
+    for (int i = 0; i < 2; i++)
+        if (cur.bias[i])
+            cur.bias[i] = (const uint8_t *)cur.bias[i] + lo * 2 * H;
+    if ((rc = fr_dp_begin(ep, in->stream, "ht_combine")) ||
+        (rc = ep->eng->ht_combine(ep, route, in, &share)))
         return rc;
-    return fr_dp_gather(ep, out->out, out->topk_weights, route->gT, "ht_combine");
+    return fr_dp_gather(ep, out->out, out->topk_weights, route->gT, in->stream, "ht_combine");
 }

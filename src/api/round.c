@@ -21,6 +21,8 @@ int fr_ep_usable(ferry_ep_t ep)
 {
     if (!ep->failed && ep->eng->check(ep) != FERRY_OK)
         return ep->failed ? ep->failed : FERRY_ERR_INVALID;
+    if (!ep->failed && fr_dp_check(ep) != FERRY_OK)
+        return ep->failed ? ep->failed : FERRY_ERR_INVALID;
     if (!ep->failed)
         return FERRY_OK;
     /* the cause kept when the status became sticky: ep->err.msg holds the
@@ -351,20 +353,28 @@ static int fr_check_combine_out(ferry_ep_t ep, const fr_round_t *r, ferry_combin
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->out: NULL pointer");
     if (r->gT > 0 && !cur->topk_weights)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "topk_weights: NULL pointer");
-    if (ep->dp.G > 1 && r->gT > 0) {
-        cur->out = (uint8_t *)cur->out + (size_t)r->glo * 2 * (size_t)ep->L.H;
+    if (ep->dp.G > 1 && r->gT > 0) { /* the weights are an input: this member's rows */
+        float *none;
+        fr_dp_target(ep, cur->out, NULL, r->glo, &cur->out, &none);
         cur->topk_weights += (size_t)r->glo * (size_t)ep->L.K;
     }
     return fr_check_stream(ep, cur->stream, "out->stream");
 }
 
-/* DP groups: once this member's rows are in, every member's. */
+/* DP groups: the engine's combine between these two (begin: CUDA, wait
+ * until the members have read the previous gather from this member's
+ * region; combined: every member's rows into out). */
+static int fr_dp_combining(ferry_ep_t ep, void *stream, const char *call)
+{
+    return ep->dp.G > 1 ? fr_dp_begin(ep, stream, call) : FERRY_OK;
+}
+
 static int fr_dp_combined(ferry_ep_t ep, const fr_round_t *r, const ferry_combine_out_t *out,
-                          const char *call)
+                          void *stream, const char *call)
 {
     if (ep->dp.G <= 1)
         return FERRY_OK;
-    return fr_dp_gather(ep, out->out, NULL, r->gT, call);
+    return fr_dp_gather(ep, out->out, NULL, r->gT, stream, call);
 }
 
 int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
@@ -378,13 +388,14 @@ int ferry_combine_recv(ferry_ep_t ep, uint64_t round,
     ferry_combine_out_t cur;
     if (rc ||
         (rc = fr_out_current(ep, out, FR_COUT_MIN, 0, &cur, sizeof(cur), "ferry_combine_out_t")) ||
-        (rc = fr_check_combine_out(ep, r, &cur)))
+        (rc = fr_check_combine_out(ep, r, &cur)) ||
+        (rc = fr_dp_combining(ep, cur.stream, "combine_recv")))
         return rc;
     rc = ep->eng->combine_recv(ep, r, &cur);
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
-    return fr_dp_combined(ep, r, out, "combine_recv");
+    return fr_dp_combined(ep, r, out, cur.stream, "combine_recv");
 }
 
 int ferry_ep_sync(ferry_ep_t ep, void *stream)
@@ -393,7 +404,8 @@ int ferry_ep_sync(ferry_ep_t ep, void *stream)
         return FERRY_ERR_INVALID;
     if (ep->failed)
         return ep->failed;
-    return ep->eng->sync(ep, stream);
+    int rc = ep->eng->sync(ep, stream);
+    return rc ? rc : fr_dp_check(ep);
 }
 
 /* The one-shot forms: every check of both halves first (a bad `out` starts
@@ -463,6 +475,8 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "out->stream differs from in->stream: ferry_combine runs on one "
                           "stream (use combine_send and combine_recv for two)");
+    if ((rc = fr_dp_combining(ep, out->stream, "combine")))
+        return rc;
     if (ep->eng->combine) {
         rc = ep->eng->combine(ep, r, in, out);
     } else {
@@ -475,5 +489,5 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
     if (rc)
         return rc;
     r->state = FR_ROUND_FREE;
-    return fr_dp_combined(ep, r, group, "combine");
+    return fr_dp_combined(ep, r, group, out->stream, "combine");
 }

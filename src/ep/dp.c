@@ -15,6 +15,11 @@
  * one still copies from this region), write the own share, ready = e;
  * then copy each other member's share once its ready is e, read = e.
  * Every member runs the same gathers in the same order (one per combine).
+ *
+ * CUDA ranks (dp_cuda.cu): the regions are device memory shared through
+ * CUDA IPC, the engine's combine writes the own rows straight into the
+ * own region, and the same steps run as kernels on the call's stream,
+ * the gather count kept on the GPU so that a captured graph replays it.
  */
 #include "ep/ep.h"
 
@@ -26,15 +31,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FR_DP_READY 0
-#define FR_DP_T 8
-#define FR_DP_W 12
-#define FR_DP_READ 64
-#define FR_DP_ROWS 128
-
+/* What each rank tells the others at create: its region's shm name (CPU)
+ * or IPC handle (CUDA). */
 typedef struct fr_dp_hello {
     int32_t status;
     char name[96];
+    uint8_t handle[64];
 } fr_dp_hello_t;
 
 static uint64_t *fr_dp_word(uint8_t *region, size_t off)
@@ -51,6 +53,7 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
     d->share = (d->T + G - 1) / G;
     d->bytes = FR_DP_ROWS + (size_t)d->share * (2 * (size_t)ep->cfg.hidden +
                                                  4 * (size_t)ep->cfg.topk);
+    d->cuda = ep->cfg.device == FERRY_DEVICE_CUDA;
     d->peer = calloc((size_t)G, sizeof(uint8_t *));
     fr_dp_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
     memset(&mine, 0, sizeof(mine));
@@ -58,13 +61,17 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
         free(all);
         return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
     }
-    mine.name[0] = '/';
-    if (fr_shm_name(mine.name + 1, sizeof(mine.name) - 1, FR_SHM_EP, "g%d-%llx", me,
-                    (unsigned long long)fr_now_ns()) < 0)
-        mine.status = FR_ERR(err, FERRY_ERR_INTERNAL, "dp_size: region name too long");
-    if (mine.status == FERRY_OK) {
-        snprintf(d->name, sizeof(d->name), "%s", mine.name);
-        mine.status = fr_shm_create(d->name, d->bytes, &d->peer[d->m], err);
+    if (d->cuda) {
+        mine.status = fr_dp_cuda_alloc(d->bytes, (void **)&d->peer[d->m], mine.handle, err);
+    } else {
+        mine.name[0] = '/';
+        if (fr_shm_name(mine.name + 1, sizeof(mine.name) - 1, FR_SHM_EP, "g%d-%llx", me,
+                        (unsigned long long)fr_now_ns()) < 0)
+            mine.status = FR_ERR(err, FERRY_ERR_INTERNAL, "dp_size: region name too long");
+        if (mine.status == FERRY_OK) {
+            snprintf(d->name, sizeof(d->name), "%s", mine.name);
+            mine.status = fr_shm_create(d->name, d->bytes, &d->peer[d->m], err);
+        }
     }
     int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
     if (rc == FERRY_OK && mine.status != FERRY_OK)
@@ -76,9 +83,20 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
     for (int j = 0; j < G && rc == FERRY_OK; j++) {
         all[g0 + j].name[sizeof(all[0].name) - 1] = 0;
         if (j != d->m)
-            rc = fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
+            rc = d->cuda ? fr_dp_cuda_open(all[g0 + j].handle, (void **)&d->peer[j], err)
+                         : fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
     }
     free(all);
+    if (rc == FERRY_OK && d->cuda) {
+        d->cu.G = G;
+        d->cu.m = d->m;
+        d->cu.g0 = g0;
+        d->cu.H = ep->cfg.hidden;
+        d->cu.K = ep->cfg.topk;
+        d->cu.share = d->share;
+        d->cu.timeout_ns = (long long)ep->timeout_ms * 1000000ll;
+        rc = fr_dp_cuda_tables(&d->cu, d->peer, err);
+    }
     /* every member mapped every region: the names can go */
     if (rc == FERRY_OK)
         rc = fr_boot_barrier(ep->comm->boot, err);
@@ -91,10 +109,15 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
 void fr_dp_close(ferry_ep_t ep)
 {
     fr_dp_t *d = &ep->dp;
+    if (d->cuda)
+        fr_dp_cuda_tables_free(&d->cu);
     if (d->peer)
-        for (int j = 0; j < d->G; j++)
-            if (d->peer[j])
+        for (int j = 0; j < d->G; j++) {
+            if (d->peer[j] && d->cuda)
+                fr_dp_cuda_close(d->peer[j], j == d->m);
+            else if (d->peer[j])
                 fr_shm_unmap(d->peer[j], d->bytes);
+        }
     if (d->name[0])
         fr_shm_unlink(d->name);
     free(d->peer);
@@ -137,9 +160,61 @@ static int fr_dp_wait(ferry_ep_t ep, int j, size_t off, uint64_t v, const char *
     }
 }
 
-int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, const char *what)
+void fr_dp_target(ferry_ep_t ep, void *out, float *w, int lo, void **tout, float **tw)
 {
     fr_dp_t *d = &ep->dp;
+    if (d->cuda) {
+        uint8_t *rows = d->peer[d->m] + FR_DP_ROWS;
+        *tout = rows;
+        *tw = w ? (float *)(rows + (size_t)d->share * 2 * (size_t)ep->cfg.hidden) : NULL;
+        return;
+    }
+    *tout = out ? (uint8_t *)out + (size_t)lo * 2 * (size_t)ep->cfg.hidden : NULL;
+    *tw = w ? w + (size_t)lo * (size_t)ep->cfg.topk : NULL;
+}
+
+int fr_dp_begin(ferry_ep_t ep, void *stream, const char *what)
+{
+    fr_err_t err;
+    if (!ep->dp.cuda || fr_dp_cuda_begin(&ep->dp.cu, stream, &err) == FERRY_OK)
+        return FERRY_OK;
+    return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: %s", what, err.msg);
+}
+
+int fr_dp_check(ferry_ep_t ep)
+{
+    fr_dp_t *d = &ep->dp;
+    if (!d->cuda || !d->cu.err_host || !__atomic_load_n(&d->cu.err_host[0], __ATOMIC_ACQUIRE))
+        return FERRY_OK;
+    int st = d->cu.err_host[0], rank = d->cu.err_host[1], what = d->cu.err_host[2];
+    int detail = d->cu.err_host[3];
+    if (what == 3)
+        return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                          "combine: DP group member rank %d passed %d tokens, this rank a "
+                          "different count: members call with the same arguments", rank, detail);
+    if (what == 4)
+        return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                          "combine: DP group member rank %d gave no topk_weights where this "
+                          "rank did: members call with the same arguments", rank);
+    int dead = fr_boot_dead_rank(ep->comm->boot);
+    if (dead >= 0)
+        return fr_ep_fail(ep, FERRY_ERR_PEER, "combine: rank %d died (the GPU waited for DP "
+                          "group member rank %d)", dead, rank);
+    return fr_ep_fail(ep, st, "combine: DP group member rank %d did not %s after %ld ms "
+                      "(FERRY_TIMEOUT_MS; checked on the GPU)", rank,
+                      what == 1 ? "read the previous gather" : "write its share",
+                      ep->timeout_ms);
+}
+
+int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, void *stream, const char *what)
+{
+    fr_dp_t *d = &ep->dp;
+    if (d->cuda) {
+        fr_err_t err;
+        if (fr_dp_cuda_gather(&d->cu, out, w, T, stream, &err) == FERRY_OK)
+            return FERRY_OK;
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "%s: %s", what, err.msg);
+    }
     int G = d->G, m = d->m, H = ep->cfg.hidden, K = ep->cfg.topk, rc = FERRY_OK;
     size_t rowb = 2 * (size_t)H, wrow = sizeof(float) * (size_t)K;
     uint64_t e = ++d->epoch;

@@ -18,6 +18,7 @@
 #include "core/err.h"
 #include "core/log.h"
 #include "core/layout.h"
+#include "ep/dp_cuda.h"
 #include "ep/stats.h"
 #include "runtime/rt.h"
 #include "transport/nics.h"
@@ -43,17 +44,20 @@ typedef struct fr_round {
     int gT, glo;         /* DP groups: the group's tokens, this member's first */
 } fr_round_t;
 
-/* DP groups (config.dp_size, dp.c): each member's region in shared
- * memory, where the combine's shares are gathered. */
+/* DP groups (config.dp_size, dp.c): each member's region (POSIX shared
+ * memory on CPU ranks, device memory shared through CUDA IPC on CUDA
+ * ranks), where the combine's shares are gathered. */
 typedef struct fr_dp {
     int G;               /* members per group (1: no groups) */
     int m;               /* this rank's index in its group */
     int T;               /* max_tokens as given (the group's) */
     int share;           /* ceil(T / G): the most tokens a member sends */
+    int cuda;            /* CUDA ranks: the regions and the gather on the GPU */
     size_t bytes;        /* each member's region */
     uint8_t **peer;      /* [G] the members' regions, this one's included */
     char name[96];       /* this rank's region, until the members mapped it */
-    uint64_t epoch;      /* gathers done */
+    uint64_t epoch;      /* gathers done (CPU; CUDA ranks count on the GPU) */
+    fr_dp_cuda_t cu;     /* CUDA ranks: what the kernels need */
 } fr_dp_t;
 
 /* Request from the rank thread (or the GPU send kernel) to its proxy
@@ -234,11 +238,21 @@ static inline void fr_dp_share(int T, int G, int m, int *lo, int *hi)
  * dp.G is 1). */
 int fr_dp_open(ferry_ep_t ep, fr_err_t *err);
 void fr_dp_close(ferry_ep_t ep);
-/* The combine's result of the group's T tokens on every member: this
- * member's rows [lo, hi) of out (bf16 [T][H]) and of w (float [T][K],
- * may be NULL, alike on every member) are in place; the other members'
- * are copied in. Waits for the members (timeout and dead members named). */
-int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, const char *what);
+/* Where the engine's combine writes this member's rows (and weights)
+ * of the group's out / w, whose first row is the member's `lo`: there on
+ * CPU ranks, in the member's region on CUDA ranks. */
+void fr_dp_target(ferry_ep_t ep, void *out, float *w, int lo, void **tout, float **tw);
+/* Before the engine's combine (CUDA: a kernel on stream waiting until the
+ * members have read the previous gather; CPU: nothing). */
+int fr_dp_begin(ferry_ep_t ep, void *stream, const char *what);
+/* After it: the combine's result of the group's T tokens on every member,
+ * out (bf16 [T][H]) and w (float [T][K], may be NULL, alike on every
+ * member). CPU: waits for the members (timeout and dead members named);
+ * CUDA: kernels on stream, errors reported by fr_dp_check. */
+int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, void *stream, const char *what);
+/* An error the GPU's gather kernels reported, made the context's (FERRY_OK
+ * when none). */
+int fr_dp_check(ferry_ep_t ep);
 
 /* The EP's asynchronous error (a proxy or fabric thread's), kept when one
  * is already set; the next call reports it. Logged at WARN. */

@@ -102,6 +102,7 @@ static ferry_ep_t spec_ep(ferry_comm_t comm, const fw_spec_t *s,
     cfg.dispatch_dtype = s->fp8 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
     cfg.device = dev;
     cfg.num_sms = num_sms;
+    cfg.dp_size = s->dp;
     ferry_ep_t ep = NULL;
     int rc = ferry_ep_create(comm, &cfg, &ep);
     CHECK(rc == FERRY_OK, "%s create: %s", dev == FERRY_DEVICE_CUDA ? "gpu" : "cpu",
@@ -133,6 +134,13 @@ static int run_graph(ferry_comm_t comm, int one_call)
     int E = 4 * N, K = 4, H = 256, T = 24;
     fw_spec_t s = {.N = N, .E = E, .K = K, .H = H, .T = T, .fp8 = 1, .zipf_s = 1.2,
                    .mask_p = 0.1, .vary_tokens = 1, .empty_p = 0.2, .seed = 21};
+    /* FERRY_TEST_DP=G: DP groups of G, every round the group's T tokens
+     * (the split needs T on the host: no num_tokens_dev) */
+    int dp = getenv("FERRY_TEST_DP") ? atoi(getenv("FERRY_TEST_DP")) : 0;
+    if (dp > 1) {
+        s.dp = dp;
+        s.vary_tokens = 0;
+    }
     ferry_ep_t ep = spec_ep(comm, &s, FERRY_DEVICE_CUDA, 4);
     if (!ep)
         return 1;
@@ -143,8 +151,9 @@ static int run_graph(ferry_comm_t comm, int one_call)
     bufs_init(&b, &s, &lay);
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = 0, .x = b.x,
-                               .topk_idx = b.idx, .stream = st, .num_tokens_dev = b.ntok};
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = dp > 1 ? T : 0, .x = b.x,
+                               .topk_idx = b.idx, .stream = st,
+                               .num_tokens_dev = dp > 1 ? NULL : b.ntok};
     ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b.ex,
                                  .expert_x_scales = b.exs, .expert_num_tokens = b.cnt,
                                  .expert_src_rank = b.sr, .expert_src_token = b.st,
@@ -227,8 +236,9 @@ static int run_graph(ferry_comm_t comm, int one_call)
         wrong += fw_check_combine(&s, (uint64_t)it, me, &in, b.hout, 3);
     }
     CHECK(wrong == 0, "%ld wrong after graph replays", wrong);
-    printf("rank %d: %d graph replays (%s), %ld wrong\n", me, replays,
-           one_call ? "ferry_dispatch/ferry_combine" : "send/recv calls", wrong);
+    printf("rank %d: %d graph replays (%s%s), %ld wrong\n", me, replays,
+           one_call ? "ferry_dispatch/ferry_combine" : "send/recv calls",
+           dp > 1 ? ", DP groups" : "", wrong);
     CHECK_RC(ferry_ep_destroy(ep), FERRY_OK);
     return fr_test_result();
 }
