@@ -650,7 +650,9 @@ static const char *ht_round(bench_t *b, ht_io_t *io, int it)
         r[3] = bc;
         /* rows this rank sent to other ranks, both ways */
         double rb = (double)(s->fp8 ? s->H + 4 * ns : 2 * (size_t)s->H), bytes = 0;
-        for (int t = 0; t < b->in.T; t++)
+        int lo, hi; /* DP groups: its share */
+        fw_share(s, b->in.T, b->me, &lo, &hi);
+        for (int t = lo; t < hi; t++)
             for (int d = 0; d < s->N; d++)
                 if (d != b->me && ht_goes(s, &b->in, t, d))
                     bytes += rb + 2.0 * s->H;

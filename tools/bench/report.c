@@ -130,6 +130,10 @@ static void print_table(const bench_t *b, const summary_t *r, const pstats_t *ps
                "K", "H", "T", "dtype", "disp_p50", "disp_p99", "comb_p50",
                "comb_p99", "MB/rank", "GB/s", "base_disp", "base_comb",
                "speedup", "#wrong");
+    if (head && o->dp > 1)
+        printf("# --dp %d: MB/rank (and fab_MB) count what a member sends, its share of the "
+               "group's tokens: 1/%d of the bytes of every member dispatching them all\n",
+               o->dp, o->dp);
     if (head && o->ht)
         printf("#%-4s %12s %12s %12s   (--mode ht: per call, the largest rank's mean: MB "
                "written to fabric peers in dispatch and combine, rows its routing sends "

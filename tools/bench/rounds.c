@@ -26,12 +26,15 @@ double now_us(void)
     return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
 }
 
-/* Dispatch bytes this rank sends to other ranks: one record per (token,
- * remote rank). */
-static double dispatch_bytes(const fw_input_t *in, int K, int El, int me, size_t rec)
+/* Dispatch bytes this rank sends to other ranks: one record per (token
+ * of its share, remote rank). */
+static double dispatch_bytes(const fw_spec_t *s, const fw_input_t *in, int K, int El, int me,
+                             size_t rec)
 {
     double bytes = 0;
-    for (int t = 0; t < in->T; t++) {
+    int t0, t1;
+    fw_share(s, in->T, me, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
         const int64_t *row = in->idx + (size_t)t * K;
         for (int k = 0; k < K; k++) {
             if (row[k] < 0 || row[k] / El == me)
@@ -178,7 +181,7 @@ static const char *ferry_combine_step(bench_t *b, uint64_t round_id, uint64_t ro
 /* bytes this rank sent to other ranks this round */
 static double round_bytes(const bench_t *b)
 {
-    double bytes = dispatch_bytes(&b->in, b->s.K, (int)b->El, b->me,
+    double bytes = dispatch_bytes(&b->s, &b->in, b->s.K, (int)b->El, b->me,
                                   b->lay.token_bytes + 4 * (size_t)b->lay.num_scales);
     for (size_t le = 0; le < b->El; le++)
         for (int i = 0; i < b->cnt[le]; i++)
@@ -284,8 +287,10 @@ static void gpu_queue_rounds(bench_t *b, cudaEvent_t *evs, int total)
 static double gpu_round_bytes(const bench_t *b)
 {
     size_t rec = b->lay.token_bytes + 4 * (size_t)b->lay.num_scales;
-    double bytes = dispatch_bytes(&b->in, b->s.K, (int)b->El, b->me, rec);
-    for (int i = 0; i < b->in.T * b->s.K; i++)
+    double bytes = dispatch_bytes(&b->s, &b->in, b->s.K, (int)b->El, b->me, rec);
+    int t0, t1;
+    fw_share(&b->s, b->in.T, b->me, &t0, &t1);
+    for (int i = t0 * b->s.K; i < t1 * b->s.K; i++)
         if (b->in.idx[i] >= 0 && b->in.idx[i] / (int)b->El != b->me)
             bytes += 2.0 * b->o->hidden;
     return bytes;
