@@ -771,6 +771,10 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     int t0 = fr_cuht_chan_lo(R.T, C, c), t1 = fr_cuht_chan_lo(R.T, C, c + 1);
     unsigned long long RT = (unsigned long long)G.RT;
     size_t self0 = (size_t)R.rbase[(size_t)me * C + c]; /* own rows of y */
+    /* the rings' geometry read once, not through G inside the loops
+     * (fr_cuht_fmt_t says why): ring (c, d) starts at cring0 + d * ringb */
+    size_t crec = G.crec, chdr = G.chdr, ringb = (size_t)G.RT * G.crec;
+    const uint8_t *cring0 = A.seg + fr_cuht_off_ring(G, 1, c, 0);
     /* per peer d: its ring's first record of this call (sbase), the tail
      * seen, the records the batches so far need (a token's place + 1) and
      * the head published, both counted from sbase */
@@ -831,11 +835,11 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 if (dk == me) {
                     dp = (const int4 *)(io.x + (self0 + (size_t)pos) * 2 * (size_t)H);
                 } else {
-                    hrec = A.seg + fr_cuht_off_ring(G, 1, c, dk) +
-                           ((sbase[dk] + (unsigned long long)pos) % RT) * G.crec;
+                    hrec = cring0 + (size_t)dk * ringb +
+                           ((sbase[dk] + (unsigned long long)pos) % RT) * crec;
                     hpos = __ldcg((const int32_t *)hrec);
                     hid = __ldcg((const uint32_t *)hrec + 1);
-                    dp = (const int4 *)(hrec + G.chdr);
+                    dp = (const int4 *)(hrec + chdr);
                 }
             }
             unsigned int pres = __ballot_sync(FR_FULL, dp != NULL);
@@ -925,9 +929,9 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                     int d = dl[q], p = pl[q];
                     if (d == me)
                         return io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
-                    return __ldcg((const float *)(A.seg + fr_cuht_off_ring(G, 1, c, d) +
+                    return __ldcg((const float *)(cring0 + (size_t)d * ringb +
                                                   ((sbase[d] + (unsigned long long)p) % RT) *
-                                                      G.crec + 8) + lane);
+                                                      crec + 8) + lane);
                 };
                 float w = 0.f;
                 if (io.wsum) { /* every rank's row, in rank order */
