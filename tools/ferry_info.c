@@ -6,6 +6,52 @@
 #include <string.h>
 
 #include "ferry.h"
+#include "runtime/peer_mem.h"
+
+/* Each visible GPU: the kinds of peer memory it offers (and why not the
+ * others) and its NVLink domain. */
+static void gpus(void)
+{
+    char why[512] = "";
+    if (!ferry_cuda_available(why, sizeof(why))) {
+        printf("GPUs: none (%s)\n", why);
+        return;
+    }
+    const char *pm = getenv("FERRY_PEER_MEM");
+    printf("GPUs (peer memory FERRY_PEER_MEM=%s; kinds each GPU offers, its NVLink domain):\n",
+           pm && *pm ? pm : "auto");
+    for (int d = 0; d < 64; d++) {
+        uint8_t u[16], cl[16];
+        fr_err_t err;
+        if (fr_cuda_device_uuid(d, u, &err) != FERRY_OK)
+            break;
+        int k = fr_pmem_kinds(d, why, sizeof(why));
+        /* what the attributes offer, tried (an IMEX channel or MPS may
+         * still refuse it) */
+        for (int t = FR_PMEM_VMM; t <= FR_PMEM_FABRIC; t <<= 1)
+            if ((k & t) && fr_pmem_try(t, d, &err) != FERRY_OK) {
+                k &= ~t;
+                size_t l = strlen(why);
+                snprintf(why + l, sizeof(why) - l, "%s%s: trial allocation: %.160s",
+                         l ? "; " : "", fr_pmem_name(t), err.msg);
+            }
+        printf("  %d: GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\n", d,
+               u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
+               u[13], u[14], u[15]);
+        printf("     peer memory: %s%s%s%s%s\n", (k & FR_PMEM_LEGACY) ? "legacy" : "",
+               (k & FR_PMEM_VMM) ? " vmm" : "", (k & FR_PMEM_FABRIC) ? " fabric" : "",
+               why[0] ? "; " : "", why);
+        unsigned clique = 0;
+        int dom = fr_cuda_nvlink_domain(d, cl, &clique, why, sizeof(why));
+        if (dom == 1)
+            printf("     NVLink domain: cluster %02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+                   "%02x%02x%02x%02x%02x%02x clique %u\n", cl[0], cl[1], cl[2], cl[3], cl[4],
+                   cl[5], cl[6], cl[7], cl[8], cl[9], cl[10], cl[11], cl[12], cl[13], cl[14],
+                   cl[15], clique);
+        else
+            printf("     NVLink domain: none beyond this host (%s)\n", why);
+    }
+}
 
 int main(int argc, char **argv)
 {
@@ -71,6 +117,7 @@ int main(int argc, char **argv)
            "on: GPU memory wherever the provider offers FI_HMEM; off: pinned host memory.\n"
            "ferry_ep_create says which, and why, at FERRY_LOG=INFO\n",
            hm && *hm ? hm : "auto");
+    gpus();
     ferry_setting_t set[64];
     int n = ferry_settings(set, 64);
     printf("settings:\n");

@@ -88,6 +88,17 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "DMA (efa, verbs), else in pinned host memory; "
                             "on: GPU memory or an error naming the "
                             "provider; off: host memory."},
+    [FR_CFG_PEER_MEM] = {"FERRY_PEER_MEM", "auto",
+                         "How GPU ranks of a node map each other's "
+                         "segments: vmm (CUDA VMM allocations shared by "
+                         "POSIX file descriptor over a Unix socket), "
+                         "fabric (VMM shared by fabric handle, where the "
+                         "device offers it), legacy (cudaMalloc and CUDA "
+                         "IPC), or auto: vmm where every rank offers it "
+                         "and no segment is also registered with the "
+                         "fabric provider, else legacy. A kind asked for "
+                         "that a rank lacks fails create on every rank, "
+                         "naming the rank and why. Alike on every rank."},
     [FR_CFG_HT_FORWARD] = {"FERRY_HT_FORWARD", "auto",
                            "High-throughput mode across nodes, when the "
                            "config's forward field is left at AUTO: auto "

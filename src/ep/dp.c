@@ -22,6 +22,7 @@
  * the gather count kept on the GPU so that a captured graph replays it.
  */
 #include "ep/ep.h"
+#include "runtime/peer_mem.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -31,17 +32,45 @@
 #include <time.h>
 #include <unistd.h>
 
-/* What each rank tells the others at create: its region's shm name (CPU)
- * or IPC handle (CUDA). */
+/* What each rank tells the others at create: its region's shm name (CPU
+ * ranks; CUDA ranks share theirs as peer memory, ep/pmem.c). */
 typedef struct fr_dp_hello {
     int32_t status;
     char name[96];
-    uint8_t handle[64];
 } fr_dp_hello_t;
 
 static uint64_t *fr_dp_word(uint8_t *region, size_t off)
 {
     return (uint64_t *)(region + off);
+}
+
+/* CUDA ranks: this member's region in device memory, of the kind of peer
+ * memory every rank agrees on, and the members' opened (collective). */
+static int fr_dp_cuda_regions(ferry_ep_t ep, fr_err_t *err)
+{
+    fr_dp_t *d = &ep->dp;
+    int N = ep->N, g0 = ep->rank - d->m, dev = -1, kind = 0, same = 1, rc;
+    fr_pmem_t own;
+    memset(&own, 0, sizeof(own));
+    int st = fr_cuda_device_current(&dev, err);
+    d->pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
+    if (st == FERRY_OK && !d->pm)
+        st = FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
+    if ((rc = fr_ep_pmem_kind(ep, st, dev, NULL, &kind, &same, err)) != FERRY_OK)
+        return rc;
+    st = fr_pmem_alloc(kind, dev, d->bytes, &own, err);
+    if (st != FERRY_OK) {
+        char m[FR_ERRMSG_LEN];
+        snprintf(m, sizeof(m), "%s", err->msg);
+        st = FR_ERR(err, st, "dp_size: the group region: %s", m);
+    }
+    rc = fr_ep_pmem_share(ep, st, &own, g0, g0 + d->G, d->pm, err);
+    d->pm[ep->rank] = own;
+    if (rc != FERRY_OK)
+        return rc;
+    for (int j = 0; j < d->G; j++)
+        d->peer[j] = (uint8_t *)d->pm[g0 + j].ptr;
+    return FERRY_OK;
 }
 
 int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
@@ -55,15 +84,18 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
                                                  4 * (size_t)ep->cfg.topk);
     d->cuda = ep->cfg.device == FERRY_DEVICE_CUDA;
     d->peer = calloc((size_t)G, sizeof(uint8_t *));
+    if (!d->peer)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
+    int rc;
+    if (d->cuda) {
+        rc = fr_dp_cuda_regions(ep, err);
+        goto tables;
+    }
     fr_dp_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
     memset(&mine, 0, sizeof(mine));
-    if (!d->peer || !all) {
-        free(all);
+    if (!all)
         return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
-    }
-    if (d->cuda) {
-        mine.status = fr_dp_cuda_alloc(d->bytes, (void **)&d->peer[d->m], mine.handle, err);
-    } else {
+    {
         mine.name[0] = '/';
         if (fr_shm_name(mine.name + 1, sizeof(mine.name) - 1, FR_SHM_EP, "g%d-%llx", me,
                         (unsigned long long)fr_now_ns()) < 0)
@@ -73,7 +105,7 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
             mine.status = fr_shm_create(d->name, d->bytes, &d->peer[d->m], err);
         }
     }
-    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
     if (rc == FERRY_OK && mine.status != FERRY_OK)
         rc = mine.status;
     for (int i = 0; i < N && rc == FERRY_OK; i++)
@@ -83,10 +115,10 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
     for (int j = 0; j < G && rc == FERRY_OK; j++) {
         all[g0 + j].name[sizeof(all[0].name) - 1] = 0;
         if (j != d->m)
-            rc = d->cuda ? fr_dp_cuda_open(all[g0 + j].handle, (void **)&d->peer[j], err)
-                         : fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
+            rc = fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
     }
     free(all);
+tables:
     if (rc == FERRY_OK && d->cuda) {
         d->cu.G = G;
         d->cu.m = d->m;
@@ -111,13 +143,15 @@ void fr_dp_close(ferry_ep_t ep)
     fr_dp_t *d = &ep->dp;
     if (d->cuda)
         fr_dp_cuda_tables_free(&d->cu);
-    if (d->peer)
-        for (int j = 0; j < d->G; j++) {
-            if (d->peer[j] && d->cuda)
-                fr_dp_cuda_close(d->peer[j], j == d->m);
-            else if (d->peer[j])
+    if (d->pm) /* CUDA ranks: the own region and the members' */
+        for (int i = 0; i < ep->N; i++)
+            fr_pmem_close(&d->pm[i]);
+    free(d->pm);
+    d->pm = NULL;
+    if (d->peer && !d->cuda)
+        for (int j = 0; j < d->G; j++)
+            if (d->peer[j])
                 fr_shm_unmap(d->peer[j], d->bytes);
-        }
     if (d->name[0])
         fr_shm_unlink(d->name);
     free(d->peer);

@@ -118,42 +118,6 @@ static int fr_dp_cu_fail(fr_err_t *err, const char *what, cudaError_t e)
                   "dp_size: %s: %s", what, cudaGetErrorString(e));
 }
 
-int fr_dp_cuda_alloc(size_t bytes, void **dev, void *handle, fr_err_t *err)
-{
-    cudaError_t e = cudaMalloc(dev, bytes);
-    if (e != cudaSuccess) {
-        *dev = NULL;
-        return fr_dp_cu_fail(err, "cudaMalloc", e);
-    }
-    if ((e = cudaMemset(*dev, 0, bytes)) != cudaSuccess ||
-        (e = cudaIpcGetMemHandle((cudaIpcMemHandle_t *)handle, *dev)) != cudaSuccess) {
-        cudaFree(*dev);
-        *dev = NULL;
-        return fr_dp_cu_fail(err, "the group region", e);
-    }
-    return FERRY_OK;
-}
-
-int fr_dp_cuda_open(const void *handle, void **dev, fr_err_t *err)
-{
-    cudaIpcMemHandle_t h;
-    memcpy(&h, handle, sizeof(h));
-    cudaError_t e = cudaIpcOpenMemHandle(dev, h, cudaIpcMemLazyEnablePeerAccess);
-    if (e != cudaSuccess) {
-        *dev = NULL;
-        return fr_dp_cu_fail(err, "cudaIpcOpenMemHandle (a member's region)", e);
-    }
-    return FERRY_OK;
-}
-
-void fr_dp_cuda_close(void *dev, int own)
-{
-    if (dev && own)
-        cudaFree(dev);
-    else if (dev)
-        cudaIpcCloseMemHandle(dev);
-}
-
 int fr_dp_cuda_tables(fr_dp_cuda_t *g, uint8_t *const *regions, fr_err_t *err)
 {
     void *host = NULL, *dev = NULL;

@@ -42,11 +42,6 @@ typedef struct fr_dp_cuda {
     int *err_host;          /* the same words as the host reads them */
 } fr_dp_cuda_t;
 
-/* This member's zeroed region (device memory) and its IPC handle (64
- * bytes); a member's region opened from its handle; closed. */
-int fr_dp_cuda_alloc(size_t bytes, void **dev, void *handle, fr_err_t *err);
-int fr_dp_cuda_open(const void *handle, void **dev, fr_err_t *err);
-void fr_dp_cuda_close(void *dev, int own);
 /* The device array of the members' regions and the error words. */
 int fr_dp_cuda_tables(fr_dp_cuda_t *g, uint8_t *const *regions, fr_err_t *err);
 void fr_dp_cuda_tables_free(fr_dp_cuda_t *g);

@@ -7,24 +7,6 @@ static int fr_dp_cuda_none(fr_err_t *err)
     return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
 }
 
-int fr_dp_cuda_alloc(size_t bytes, void **dev, void *handle, fr_err_t *err)
-{
-    (void)bytes;
-    (void)handle;
-    *dev = NULL;
-    return fr_dp_cuda_none(err);
-}
-int fr_dp_cuda_open(const void *handle, void **dev, fr_err_t *err)
-{
-    (void)handle;
-    *dev = NULL;
-    return fr_dp_cuda_none(err);
-}
-void fr_dp_cuda_close(void *dev, int own)
-{
-    (void)dev;
-    (void)own;
-}
 int fr_dp_cuda_tables(fr_dp_cuda_t *g, uint8_t *const *regions, fr_err_t *err)
 {
     (void)g;

@@ -55,6 +55,8 @@ typedef struct fr_dp {
     int cuda;            /* CUDA ranks: the regions and the gather on the GPU */
     size_t bytes;        /* each member's region */
     uint8_t **peer;      /* [G] the members' regions, this one's included */
+    struct fr_pmem *pm;  /* CUDA ranks: [N] the regions (own at rank, the
+                            members' opened; runtime/peer_mem.h) */
     char name[96];       /* this rank's region, until the members mapped it */
     uint64_t epoch;      /* gathers done (CPU; CUDA ranks count on the GPU) */
     fr_dp_cuda_t cu;     /* CUDA ranks: what the kernels need */
@@ -227,6 +229,22 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
 int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err);
 /* Unmap the peers' and the own segment, unlink its name if still there. */
 void fr_ep_segments_close(ferry_ep_t ep);
+
+/* Peer memory of the GPU engines and DP groups (pmem.c over
+ * runtime/peer_mem.h). Collective: the kind every rank's segments use,
+ * from FERRY_PEER_MEM and what every rank's `device` offers (legacy_only:
+ * why this rank's segment must stay on legacy CUDA IPC, else NULL), and
+ * the ranks sharing this rank's GPU; a rank whose `status` is not
+ * FERRY_OK still joins and every rank fails naming it. */
+int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_only,
+                    int *kind, int *same_gpu, fr_err_t *err);
+/* Collective: the allocations of the ranks in [r0, r1) on the
+ * shared-memory path opened into peers[N] (others left empty;
+ * fr_pmem_close each). The ranges are symmetric: a rank in this one's
+ * range has this one in its own (the whole world, or a DP group). */
+struct fr_pmem;
+int fr_ep_pmem_share(ferry_ep_t ep, int status, const struct fr_pmem *mine, int r0, int r1,
+                     struct fr_pmem *peers, fr_err_t *err);
 
 /* DP groups (dp.c). Member m of G sends tokens [lo, hi) of the group's T. */
 static inline void fr_dp_share(int T, int G, int m, int *lo, int *hi)

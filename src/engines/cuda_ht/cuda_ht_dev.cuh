@@ -44,6 +44,7 @@
 #include "engines/cuda_ht/geo.h"
 #include "ep/ahead.h"
 #include "runtime/cuda_mem.h"
+#include "runtime/peer_mem.h"
 #include "runtime/cuda_sync.cuh"
 
 /* Defaults (setup.cu): channels = num_sms, or FR_CUHT_SMS_DEFAULT (one
@@ -143,7 +144,10 @@ struct fr_cuht_ep {
                                      rank) */
     struct fr_cuht_route *pool[FR_CUHT_POOL]; /* bounded routes' tables */
     int pool_used[FR_CUHT_POOL], pool_next;
-    uint8_t **peer_host;          /* [N] IPC-opened pointers to close */
+    uint8_t **peer_host;          /* [N] the peers' segments as opened here */
+    fr_pmem_t seg_pm;             /* ep->seg (runtime/peer_mem.h) */
+    int share;                    /* ranks on this rank's GPU, >= 1 */
+    fr_pmem_t *peer_pm;           /* [N] what closes the peers' */
     void *dmem;                   /* device tables: peer[N], ctr, dflag */
     int *err_host;
     void *err_dev;

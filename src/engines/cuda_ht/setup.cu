@@ -59,14 +59,12 @@ static int fr_cuht_ring_tokens(const ferry_ep_t ep)
 }
 
 typedef struct fr_cuht_msg {
-    cudaIpcMemHandle_t h;
     int status;        /* this rank's set-up so far */
     int channels;      /* must agree: they shape every segment */
 } fr_cuht_msg_t;
 
 /* Checks and the own segment; FERRY_OK or the status every rank learns. */
-static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *mine,
-                         fr_err_t *err)
+static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, int kind, fr_err_t *err)
 {
     int rc = FERRY_OK;
     const fr_cuht_geo_t *G = &c->a.G;
@@ -81,12 +79,13 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, fr_cuht_msg_t *min
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "num_experts = %d: the high-throughput records hold 16-bit expert ids",
                       G->E);
-    FR_CU(cudaGetDevice(&c->device), err, fail);
-    FR_CU(cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device), err,
-          fail);
-    FR_CU(cudaMalloc((void **)&ep->seg, G->seg_bytes), err, fail);
-    FR_CU(cudaMemset(ep->seg, 0, G->seg_bytes), err, fail);
-    FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
+    if (kind == 0) /* the vote failed on every rank (fr_cuht_setup) */
+        return FERRY_ERR_INTERNAL;
+    /* the segment, of the kind every rank agreed on (fr_cuht_setup) */
+    rc = fr_pmem_alloc(kind, c->device, G->seg_bytes, &c->seg_pm, err);
+    ep->seg = (uint8_t *)c->seg_pm.ptr;
+    if (rc != FERRY_OK)
+        goto fail;
     if (ep->nfabric > 0) { /* outboxes (registered by the EP) and host-mapped words */
         size_t ob = (size_t)G->ob_bytes * (size_t)ep->nfabric;
         FR_CU(cudaMalloc((void **)&ep->send, ob), err, fail);
@@ -124,14 +123,12 @@ fail:
 }
 
 /* Peers' segments, the device tables and the host-mapped words. */
-static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg_t *all,
-                          fr_err_t *err)
+static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
 {
     int rc = FERRY_OK, N = ep->N;
     fr_cuht_args_t *A = &c->a;
     const fr_cuht_geo_t *G = &A->G;
     fr_cuht_peer_t *peer = NULL;
-    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
     peer = (fr_cuht_peer_t *)calloc((size_t)N, sizeof(*peer));
     if (!c->peer_host || !peer) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
@@ -151,14 +148,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, const fr_cuht_msg
             }
             continue;
         }
-        uint8_t *p = ep->seg;
-        if (ep->path[i] != FR_PATH_SELF) {
-            void *v = NULL;
-            FR_CU(cudaIpcOpenMemHandle(&v, all[i].h, cudaIpcMemLazyEnablePeerAccess), err,
-                  fail);
-            c->peer_host[i] = (uint8_t *)v;
-            p = (uint8_t *)v;
-        }
+        uint8_t *p = ep->path[i] == FR_PATH_SELF ? ep->seg : c->peer_host[i];
         q->wnot = q->wword = p;
         q->rword = ep->seg;
         for (int k = 0; k < 2; k++) {
@@ -279,12 +269,32 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     fr_cuht_geo_init(&c->a.G, ep, C, RT);
     ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
     ep->L.send_bytes = 0; /* the outboxes, with fabric peers (fr_cuht_local) */
-    /* A rank whose checks or segment failed still joins the exchange with
-     * its status, so every rank fails at once. */
+    /* A rank whose checks or segment failed still joins the exchanges with
+     * its status, so every rank fails at once: the kind of peer memory
+     * (ep/pmem.c; a segment that fabric peers write is registered with the
+     * provider, so it stays on legacy IPC), then the checks and the
+     * segment, then the peers' segments opened. */
+    int kind = 0, st = FERRY_OK;
+    if (cudaGetDevice(&c->device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device) !=
+            cudaSuccess) {
+        (void)cudaGetLastError();
+        st = FR_ERR(err, FERRY_ERR_SYSTEM, "cuda_ht: cannot read the current device");
+    }
+    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
+    c->peer_pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
+    if (st == FERRY_OK && (!c->peer_host || !c->peer_pm))
+        st = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
+    if ((rc = fr_ep_pmem_kind(ep, st, c->device,
+                              ep->nfabric > 0 ? "its segment takes fabric peers' writes, "
+                                                "registered with the provider (FI_HMEM)"
+                                              : NULL,
+                              &kind, &c->share, err)) != FERRY_OK)
+        return rc;
     fr_cuht_msg_t mine, *all = NULL;
     memset(&mine, 0, sizeof(mine));
     mine.channels = C;
-    mine.status = fr_cuht_local(ep, c, &mine, err);
+    mine.status = fr_cuht_local(ep, c, kind, err);
     all = (fr_cuht_msg_t *)calloc((size_t)N, sizeof(*all));
     if (!all)
         return FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
@@ -301,9 +311,13 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
                         "uses %d (every rank passes the same num_sms)", ep->rank, C, i,
                         all[i].channels);
     }
-    if (rc == FERRY_OK)
-        rc = fr_cuht_tables(ep, c, all, err);
     free(all);
+    if (rc == FERRY_OK)
+        rc = fr_ep_pmem_share(ep, FERRY_OK, &c->seg_pm, 0, N, c->peer_pm, err);
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        c->peer_host[i] = (uint8_t *)c->peer_pm[i].ptr;
+    if (rc == FERRY_OK)
+        rc = fr_cuht_tables(ep, c, err);
     if (rc == FERRY_OK)
         FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: %d channels, rings of %d tokens, segment %llu B",
                     C, RT, (unsigned long long)c->a.G.seg_bytes);
@@ -316,14 +330,13 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
     if (!c)
         return;
     cudaDeviceSynchronize();
-    if (c->peer_host)
+    if (c->peer_pm)
         for (int i = 0; i < ep->N; i++)
-            if (c->peer_host[i])
-                cudaIpcCloseMemHandle(c->peer_host[i]);
+            fr_pmem_close(&c->peer_pm[i]);
+    free(c->peer_pm);
     free(c->peer_host);
     fr_cuht_pool_free(ep);
-    if (ep->seg)
-        cudaFree(ep->seg);
+    fr_pmem_close(&c->seg_pm);
     ep->seg = NULL;
     if (ep->send) /* the outboxes (the NICs let go of them first: fr_ep_free) */
         cudaFree(ep->send);

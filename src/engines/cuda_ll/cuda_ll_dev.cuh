@@ -18,6 +18,7 @@
 #include "engines/cuda_ll/cuda_ll.h"
 #include "ep/ahead.h"
 #include "runtime/cuda_mem.h"
+#include "runtime/peer_mem.h"
 #include "runtime/cuda_sync.cuh"
 
 /* FR_CU_TRACE (a tracing build): a timeline of the rounds of epochs 41
@@ -116,10 +117,14 @@ struct fr_cuda_ep {
                                 ep->fab_device >= 0, else pinned host memory
                                 mapped into the GPU) */
     void *dev_seg, *dev_send, *dev_slices, *dev_flags, *dev_ready; /* GPU views */
-    void *iseg_own;          /* mixed paths with seg in host memory: the GPU
-                                segment IPC peers write (cudaMalloc'd here) */
+    fr_pmem_t iseg;          /* the segment the node's peers map
+                                (runtime/peer_mem.h): seg itself, or with
+                                mixed paths and seg in host memory a GPU
+                                segment of its own; borrowed (seg, legacy
+                                IPC) where seg is registered with FI_HMEM */
     void *dmem;              /* one device allocation for the tables */
-    uint8_t **peer_host;     /* [N] IPC-opened pointers to close */
+    uint8_t **peer_host;     /* [N] the peers' segments as opened here */
+    fr_pmem_t *peer_pm;      /* [N] what closes them */
     int *err_host;
     void *err_dev;
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */

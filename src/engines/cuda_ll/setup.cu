@@ -56,13 +56,6 @@ extern "C" int ferry_cuda_available(char *why, size_t len)
     return 0;
 }
 
-typedef struct fr_ipc_msg {
-    cudaIpcMemHandle_t h;
-    unsigned char uuid[16]; /* the GPU's: ranks with the same one share it */
-    int device;
-    int status;        /* this rank's segment set-up */
-} fr_ipc_msg_t;
-
 /* Where a rank whose peers are all on the fabric keeps its receive
  * segment and send region (FERRY_FABRIC_HMEM): GPU memory registered with
  * the provider (FI_HMEM) when it offers that, the flags beside it in
@@ -124,20 +117,18 @@ fail:
     return rc;
 }
 
-/* This rank's receive segment (device memory, or pinned host memory mapped
- * into the GPU when peers are on the fabric) and what peers need to map it. */
-static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
-                           fr_ipc_msg_t *mine, fr_err_t *err)
+/* This rank's receive segment, step 1: with peers on the fabric, its
+ * receive region (GPU memory, or pinned host memory mapped into the GPU)
+ * and the proxy's tables. *legacy_only: why the segment the node's peers
+ * map must be shared through legacy CUDA IPC (it is the fabric's GPU
+ * region, which the provider registered). */
+static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c, const char **legacy_only,
+                           fr_err_t *err)
 {
     int rc = FERRY_OK;
     const fr_layout_t *L = &ep->L;
+    *legacy_only = NULL;
     FR_CU(cudaGetDevice(&c->device), err, fail);
-    mine->device = c->device;
-    {
-        cudaDeviceProp prop;
-        FR_CU(cudaGetDeviceProperties(&prop, c->device), err, fail);
-        memcpy(mine->uuid, prop.uuid.bytes, sizeof(mine->uuid));
-    }
     c->host_seg = ep->nfabric > 0;
     /* peers on both paths (ranks of one node among several): the fabric's
      * receive region as with the fabric alone, and a GPU segment for the
@@ -158,20 +149,9 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
             rc = fr_ahead_init(ep, &c->ahead, FR_CU_AHEAD, err); /* after rx_flush is known */
         if (rc != FERRY_OK)
             return rc;
-        if (c->a.mixed) {
-            uint8_t *is = ep->seg;
-            if (ep->fab_device < 0) { /* seg is host memory: a GPU one beside it */
-                FR_CU(cudaMalloc(&c->iseg_own, L->seg_bytes), err, fail);
-                FR_CU(cudaMemset(c->iseg_own, 0, L->seg_bytes), err, fail);
-                is = (uint8_t *)c->iseg_own;
-            }
-            FR_CU(cudaIpcGetMemHandle(&mine->h, is), err, fail);
-            c->a.iseg = is;
-            FR_LOG_INFO(FR_SUB_INIT, "peers on both paths: %d over IPC into %s, %d over the "
-                        "fabric", ep->nshm, c->iseg_own ? "a GPU segment of their own"
-                                                         : "the fabric's GPU segment",
-                        ep->nfabric);
-        }
+        if (c->a.mixed && ep->fab_device >= 0)
+            *legacy_only = "its segment is also the fabric's receive region in GPU memory, "
+                           "registered with the provider (FI_HMEM)";
         /* the proxy's tables: pinned host memory mapped into the GPU
          * (runtime/cuda_mem.h) */
         void *h;
@@ -180,13 +160,40 @@ static int fr_cuda_segment(ferry_ep_t ep, struct fr_cuda_ep *c,
         ep->slices = (fr_slice_t *)h;
         FR_CUH(fr_cuda_host_alloc(nsl * sizeof(uint64_t), &h, &c->dev_ready, err), fail);
         ep->ready = (uint64_t *)h;
-    } else {
-        FR_CU(cudaMalloc((void **)&ep->seg, L->seg_bytes), err, fail);
-        FR_CU(cudaMemset(ep->seg, 0, L->seg_bytes), err, fail);
-        FR_CU(cudaIpcGetMemHandle(&mine->h, ep->seg), err, fail);
     }
 fail:
     return rc;
+}
+
+/* Step 2: the segment the node's peers map, of the agreed kind: seg itself
+ * (every peer through IPC), a GPU segment beside the fabric's host one
+ * (mixed), or the fabric's GPU region, borrowed. */
+static int fr_cuda_iseg(ferry_ep_t ep, struct fr_cuda_ep *c, int kind, fr_err_t *err)
+{
+    const fr_layout_t *L = &ep->L;
+    if (!c->host_seg) {
+        int rc = fr_pmem_alloc(kind, c->device, L->seg_bytes, &c->iseg, err);
+        ep->seg = (uint8_t *)c->iseg.ptr;
+        return rc;
+    }
+    if (!c->a.mixed)
+        return FERRY_OK;
+    if (ep->fab_device >= 0) {
+        c->iseg.kind = FR_PMEM_LEGACY;
+        c->iseg.own = -1;
+        c->iseg.device = c->device;
+        c->iseg.ptr = ep->seg;
+        c->iseg.size = L->seg_bytes;
+    } else {
+        int rc = fr_pmem_alloc(kind, c->device, L->seg_bytes, &c->iseg, err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    c->a.iseg = (uint8_t *)c->iseg.ptr;
+    FR_LOG_INFO(FR_SUB_INIT, "peers on both paths: %d over IPC into %s, %d over the fabric",
+                ep->nshm, ep->fab_device < 0 ? "a GPU segment of their own"
+                                             : "the fabric's GPU segment", ep->nfabric);
+    return FERRY_OK;
 }
 
 /* Every kernel of the engine loaded now, and the one-launch grids sized.
@@ -248,46 +255,29 @@ static size_t fr_cuda_carve(fr_cu_args_t *A, uint8_t *b, const fr_layout_t *L, i
     return at;
 }
 
-/* Set-up step 2: every rank's segment handle (a rank that failed its own
- * joins with its status, so all fail at once), the node's peers opened,
- * the ranks sharing this GPU counted. */
+/* Set-up step 3: the kind of peer memory agreed (a rank that failed its
+ * segment joins with its status, so all fail at once), the ranks sharing
+ * this GPU counted, the node's peers' segments opened
+ * (ep/pmem.c). */
 static int fr_cuda_exchange(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
 {
-    int N = ep->N, rc;
-    fr_ipc_msg_t mine;
-    memset(&mine, 0, sizeof(mine));
-    mine.status = fr_cuda_segment(ep, c, &mine, err);
-    fr_ipc_msg_t *all = (fr_ipc_msg_t *)calloc((size_t)N, sizeof(*all));
+    int N = ep->N, rc, kind = 0;
+    const char *legacy_only = NULL;
+    int status = fr_cuda_segment(ep, c, &legacy_only, err);
     c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
-    if (!all || !c->peer_host) {
-        rc = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
-        goto fail;
-    }
-    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-    if (rc == FERRY_OK)
-        rc = mine.status;
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (all[i].status != FERRY_OK)
-            rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU segment (%s)", i,
-                        ferry_strerror(all[i].status));
+    c->peer_pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
+    if (status == FERRY_OK && (!c->peer_host || !c->peer_pm))
+        status = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
+    rc = fr_ep_pmem_kind(ep, status, c->device, legacy_only, &kind, &c->share, err);
     if (rc != FERRY_OK)
-        goto fail;
-    c->share = 0;
+        return rc;
+    status = fr_cuda_iseg(ep, c, kind, err);
+    if ((rc = fr_ep_pmem_share(ep, status, &c->iseg, 0, N, c->peer_pm, err)) != FERRY_OK)
+        return rc;
     for (int i = 0; i < N; i++)
-        c->share += memcmp(all[i].uuid, mine.uuid, sizeof(mine.uuid)) == 0;
-    c->share = c->share < 1 ? 1 : c->share;
-    for (int i = 0; i < N; i++) {
-        if (ep->path[i] == FR_PATH_SELF) {
-            c->peer_host[i] = c->host_seg ? NULL : ep->seg;
-        } else if (ep->path[i] == FR_PATH_SHM) {
-            void *p = NULL;
-            FR_CU(cudaIpcOpenMemHandle(&p, all[i].h, cudaIpcMemLazyEnablePeerAccess), err, fail);
-            c->peer_host[i] = (uint8_t *)p;
-        }
-    }
-fail:
-    free(all);
-    return rc;
+        c->peer_host[i] = ep->path[i] == FR_PATH_SELF ? (c->host_seg ? NULL : ep->seg)
+                                                      : (uint8_t *)c->peer_pm[i].ptr;
+    return FERRY_OK;
 }
 
 /* Step 3: the device tables (fr_cuda_carve) and what the kernels are
@@ -400,10 +390,10 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     if (!c)
         return;
     cudaDeviceSynchronize();
-    if (c->peer_host)
+    if (c->peer_pm)
         for (int i = 0; i < ep->N; i++)
-            if (ep->path && ep->path[i] == FR_PATH_SHM && c->peer_host[i])
-                cudaIpcCloseMemHandle(c->peer_host[i]);
+            fr_pmem_close(&c->peer_pm[i]);
+    free(c->peer_pm);
     free(c->peer_host);
     if (ep->fab_device >= 0) {
         cudaFree(ep->seg);
@@ -412,15 +402,12 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
     } else if (c->host_seg) {
         fr_cuda_host_free(ep->seg);
         fr_cuda_host_free(ep->send);
-    } else if (ep->seg) {
-        cudaFree(ep->seg);
     }
     if (c->host_seg) {
         fr_cuda_host_free(ep->slices);
         fr_cuda_host_free(ep->ready);
     }
-    if (c->iseg_own)
-        cudaFree(c->iseg_own);
+    fr_pmem_close(&c->iseg); /* seg itself without the fabric; borrowed: nothing */
     ep->seg = NULL;
     ep->send = NULL;
     ep->flags = NULL;

@@ -1,0 +1,246 @@
+/*
+ * Peer memory for the GPU engines and DP groups (runtime/peer_mem.h):
+ * which kind every rank uses (FERRY_PEER_MEM and what each rank's device
+ * offers, agreed in one allgather), and the exchange that opens the
+ * node's peers' allocations (handles in an allgather; file descriptors
+ * over Unix sockets, each checked to come from the rank that announced
+ * it).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/config.h"
+#include "core/log.h"
+#include "ep/ep.h"
+#include "runtime/peer_mem.h"
+#include "runtime/rt.h"
+
+/* err's message with `what` in front (the message copied first: FR_ERR
+ * writes into it). */
+static int fr_pmem_wrap(fr_err_t *err, int rc, const char *what, int rank)
+{
+    char m[FR_ERRMSG_LEN];
+    snprintf(m, sizeof(m), "%s", err->msg);
+    return FR_ERR(err, rc, "peer memory: %s rank %d's segment: %s", what, rank, m);
+}
+
+typedef struct fr_pmem_vote {
+    int status;       /* this rank's set-up so far */
+    int kinds;        /* FR_PMEM_* the device offers (and the segment allows) */
+    uint8_t uuid[16]; /* the GPU's */
+    char why[160];    /* why a kind is missing */
+} fr_pmem_vote_t;
+
+static int fr_pmem_asked(int *kind, fr_err_t *err)
+{
+    const char *v = fr_cfg_str(FR_CFG_PEER_MEM);
+    if (!v || !*v || !strcmp(v, "auto"))
+        *kind = 0;
+    else if (!strcmp(v, "vmm"))
+        *kind = FR_PMEM_VMM;
+    else if (!strcmp(v, "fabric"))
+        *kind = FR_PMEM_FABRIC;
+    else if (!strcmp(v, "legacy"))
+        *kind = FR_PMEM_LEGACY;
+    else
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "FERRY_PEER_MEM=%s: must be auto, vmm, fabric or legacy", v);
+    return FERRY_OK;
+}
+
+int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_only,
+                    int *kind, int *same_gpu, fr_err_t *err)
+{
+    int N = ep->N, asked = 0, rc;
+    fr_pmem_vote_t mine, *all = NULL;
+    memset(&mine, 0, sizeof(mine));
+    mine.status = status;
+    if (mine.status == FERRY_OK)
+        mine.status = fr_pmem_asked(&asked, err);
+    if (mine.status == FERRY_OK)
+        mine.status = fr_cuda_device_uuid(device, mine.uuid, err);
+    if (mine.status == FERRY_OK) {
+        mine.kinds = fr_pmem_kinds(device, mine.why, sizeof(mine.why));
+        if (legacy_only) {
+            mine.kinds &= FR_PMEM_LEGACY;
+            snprintf(mine.why, sizeof(mine.why), "%s", legacy_only);
+        }
+        /* the kind that would be used, tried: attributes can offer what
+         * the process may not do */
+        int want = asked ? asked : FR_PMEM_VMM;
+        fr_err_t terr;
+        if (want != FR_PMEM_LEGACY && (mine.kinds & want) &&
+            fr_pmem_try(want, device, &terr) != FERRY_OK) {
+            mine.kinds &= ~want;
+            snprintf(mine.why, sizeof(mine.why), "%s: trial allocation: %.120s",
+                     fr_pmem_name(want), terr.msg);
+        }
+    }
+    all = (fr_pmem_vote_t *)calloc((size_t)N, sizeof(*all));
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
+    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    if (rc == FERRY_OK)
+        rc = mine.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU memory (%s)", i,
+                        ferry_strerror(all[i].status));
+    int common = FR_PMEM_LEGACY | FR_PMEM_VMM | FR_PMEM_FABRIC, first = -1;
+    for (int i = 0; i < N && rc == FERRY_OK; i++) {
+        if ((all[i].kinds & FR_PMEM_VMM) == 0 && first < 0)
+            first = i;
+        common &= all[i].kinds;
+    }
+    if (rc == FERRY_OK) {
+        if (asked) {
+            *kind = asked;
+            for (int i = 0; i < N && rc == FERRY_OK; i++)
+                if (!(all[i].kinds & asked))
+                    rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                                "FERRY_PEER_MEM=%s: rank %d cannot (%s)", fr_pmem_name(asked), i,
+                                all[i].why);
+        } else {
+            *kind = (common & FR_PMEM_VMM) ? FR_PMEM_VMM : FR_PMEM_LEGACY;
+        }
+    }
+    if (rc == FERRY_OK) {
+        int n = 0;
+        for (int i = 0; i < N; i++)
+            n += memcmp(all[i].uuid, mine.uuid, sizeof(mine.uuid)) == 0;
+        *same_gpu = n < 1 ? 1 : n;
+        if (ep->rank == 0) {
+            if (*kind == FR_PMEM_LEGACY && !asked && first >= 0)
+                FR_LOG_INFO(FR_SUB_INIT, "peer memory: legacy CUDA IPC (FERRY_PEER_MEM=auto; "
+                            "rank %d: %s)", first, all[first].why);
+            else
+                FR_LOG_INFO(FR_SUB_INIT, "peer memory: %s (FERRY_PEER_MEM=%s)",
+                            fr_pmem_name(*kind), fr_cfg_str(FR_CFG_PEER_MEM));
+        }
+    }
+    free(all);
+    return rc;
+}
+
+typedef struct fr_pmem_msg {
+    int status;
+    int kind;
+    unsigned long long size;
+    long pid;
+    unsigned long long pidns;
+    char sock[48];               /* vmm: where this rank takes descriptors */
+    uint8_t blob[FR_PMEM_BLOB];  /* legacy, fabric: the handle */
+} fr_pmem_msg_t;
+
+/* vmm: send the own descriptor to every peer on the shared-memory path,
+ * then take one from each (every send is queued without an accept, so
+ * no rank waits for another's order). */
+static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t *all,
+                        int r0, int r1, fr_pmem_t *peers, int device, fr_err_t *err)
+{
+    int N = ep->N, rc = FERRY_OK, want = 0;
+    for (int i = r0; i < r1; i++) {
+        if (ep->path[i] != FR_PATH_SHM)
+            continue;
+        want++;
+        if ((rc = fr_fdx_send(all[i].sock, ep->rank, fd, err)) != FERRY_OK)
+            return fr_pmem_wrap(err, rc, "passing this rank's descriptor to", i);
+    }
+    char *got = (char *)calloc(N > 0 ? (size_t)N : 1, 1);
+    if (!got)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
+    unsigned long long ns = fr_pidns();
+    for (int k = 0; k < want && rc == FERRY_OK; k++) {
+        int tag = -1, f = -1;
+        pid_t pid;
+        uid_t uid;
+        rc = fr_fdx_recv(x, ep->timeout_ms, &tag, &f, &pid, &uid, err);
+        if (rc != FERRY_OK) {
+            int miss = -1;
+            for (int i = r0; i < r1 && miss < 0; i++)
+                if (ep->path[i] == FR_PATH_SHM && !got[i])
+                    miss = i;
+            rc = fr_pmem_wrap(err, rc, "waiting for", miss);
+            break;
+        }
+        if (tag < r0 || tag >= r1 || ep->path[tag] != FR_PATH_SHM || got[tag] || uid != getuid() ||
+            (all[tag].pidns == ns && (long)pid != all[tag].pid)) {
+            close(f);
+            rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
+                        "peer memory: a descriptor on @%s claimed rank %d but came from pid "
+                        "%ld uid %ld (refused)", x->name, tag, (long)pid, (long)uid);
+            break;
+        }
+        got[tag] = 1;
+        rc = fr_pmem_open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag],
+                          err);
+        if (rc != FERRY_OK)
+            rc = fr_pmem_wrap(err, rc, "opening", tag);
+    }
+    free(got);
+    return rc;
+}
+
+int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, int r1,
+                     fr_pmem_t *peers, fr_err_t *err)
+{
+    static unsigned seq; /* listeners this process made */
+    int N = ep->N, rc = FERRY_OK, fd = -1;
+    fr_fdx_t x = {-1, ""};
+    fr_pmem_msg_t m, *all = NULL;
+    memset(&m, 0, sizeof(m));
+    memset(peers, 0, sizeof(*peers) * (size_t)N);
+    m.status = status;
+    m.kind = mine->kind;
+    m.size = mine->size;
+    m.pid = (long)getpid();
+    m.pidns = fr_pidns();
+    if (m.status == FERRY_OK && mine->kind)
+        m.status = fr_pmem_export(mine, m.blob, &fd, err);
+    int near = 0; /* peers in range on the shared-memory path */
+    for (int i = r0; i < r1; i++)
+        near += ep->path[i] == FR_PATH_SHM;
+    if (m.status == FERRY_OK && mine->kind == FR_PMEM_VMM && near > 0) {
+        snprintf(m.sock, sizeof(m.sock), "ferry-pm-%ld-%llx-%u", m.pid, m.pidns,
+                 __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+        m.status = fr_fdx_listen(&x, m.sock, near, err);
+    }
+    all = (fr_pmem_msg_t *)calloc((size_t)N, sizeof(*all));
+    if (!all) {
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
+        goto out; /* every rank then fails at the engine's next exchange */
+    }
+    rc = fr_boot_allgather(ep->comm->boot, &m, all, sizeof(m), err);
+    if (rc == FERRY_OK)
+        rc = m.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU segment (%s)", i,
+                        ferry_strerror(all[i].status));
+        else if (i >= r0 && i < r1 && ep->path[i] == FR_PATH_SHM && all[i].kind != mine->kind)
+            rc = FR_ERR(err, FERRY_ERR_INTERNAL, "peer memory: rank %d shares %s, this rank %s",
+                        i, fr_pmem_name(all[i].kind), fr_pmem_name(mine->kind));
+    if (rc != FERRY_OK)
+        goto out;
+    if (mine->kind == FR_PMEM_VMM) {
+        if (near > 0)
+            rc = fr_pmem_pass(ep, &x, fd, all, r0, r1, peers, mine->device, err);
+    } else {
+        for (int i = r0; i < r1 && rc == FERRY_OK; i++)
+            if (ep->path[i] == FR_PATH_SHM &&
+                (rc = fr_pmem_open(mine->kind, mine->device, all[i].blob, -1,
+                                   (size_t)all[i].size, &peers[i], err)) != FERRY_OK)
+                rc = fr_pmem_wrap(err, rc, "opening", i);
+    }
+out:
+    if (rc != FERRY_OK)
+        for (int i = 0; i < N; i++)
+            fr_pmem_close(&peers[i]);
+    if (fd >= 0)
+        close(fd);
+    fr_fdx_close(&x);
+    free(all);
+    return rc;
+}

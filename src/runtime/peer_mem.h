@@ -1,0 +1,103 @@
+/*
+ * Peer memory: device memory that other ranks map, one allocation at a
+ * time (an engine's segment, a DP group's region). Three kinds:
+ *
+ *   vmm     the CUDA VMM API (cuMemCreate at the granularity the device
+ *           asks for, cuMemAddressReserve, cuMemMap, cuMemSetAccess),
+ *           shared by a POSIX file descriptor: within one host, passed
+ *           over a Unix socket (fdpass below);
+ *   fabric  the same allocation shared by a fabric handle
+ *           (CU_MEM_HANDLE_TYPE_FABRIC): across the hosts of an NVLink
+ *           domain, where the device offers it and IMEX runs;
+ *   legacy  cudaMalloc and cudaIpcGetMemHandle (one host).
+ *
+ * What one process does; which kind every rank uses and the exchange are
+ * the EP's (ep/pmem.c). The driver calls are taken through
+ * cudaGetDriverEntryPointByVersion, so nothing links libcuda. Without
+ * CUDA (peer_mem_stub.c) every call answers FERRY_ERR_UNSUPPORTED.
+ */
+#ifndef FR_PEER_MEM_H
+#define FR_PEER_MEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "core/err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { FR_PMEM_LEGACY = 1, FR_PMEM_VMM = 2, FR_PMEM_FABRIC = 4 };
+#define FR_PMEM_BLOB 64 /* cudaIpcMemHandle_t and CUmemFabricHandle: 64 bytes */
+
+typedef struct fr_pmem {
+    int kind;                /* FR_PMEM_*; 0: nothing held */
+    int own;                 /* 1: allocated here (freed by close), 0: a
+                                peer's opened here (closed), -1: borrowed
+                                (close forgets it) */
+    int device;
+    void *ptr;               /* this process's view */
+    size_t size;             /* mapped bytes (vmm, fabric: rounded up to the
+                                granularity) */
+    unsigned long long h;    /* the VMM allocation's handle */
+} fr_pmem_t;
+
+/* The calling thread's current CUDA device. */
+int fr_cuda_device_current(int *device, fr_err_t *err);
+/* The device's UUID (16 bytes): ranks with equal ones share a GPU.
+ * FERRY_OK or the error. */
+int fr_cuda_device_uuid(int device, uint8_t uuid[16], fr_err_t *err);
+/* The NVLink domain `device` belongs to (NVML's GPU fabric info, loaded
+ * with dlopen: the cluster UUID and clique id a fabric manager gave it):
+ * 1 with both, 0 when it has none and -1 when NVML cannot say; `why`
+ * says which (the state, or the call that failed). */
+int fr_cuda_nvlink_domain(int device, uint8_t cluster[16], unsigned *clique, char *why,
+                          size_t whylen);
+/* "legacy", "vmm", "fabric" (kind 0: "none"). */
+const char *fr_pmem_name(int kind);
+/* The kinds `device` offers this process (FR_PMEM_* bits; legacy always),
+ * and in `why` the first reason each other kind is missing (the attribute
+ * or call that said no), "" when none is. */
+int fr_pmem_kinds(int device, char *why, size_t whylen);
+/* A trial: the smallest allocation of `kind` made, exported and freed
+ * (MPS clients, containers without the descriptor or IMEX channel may
+ * refuse what the attributes offer). FERRY_OK, or the error (why). */
+int fr_pmem_try(int kind, int device, fr_err_t *err);
+/* A zeroed allocation of at least `bytes` on `device`, shareable as
+ * `kind`. */
+int fr_pmem_alloc(int kind, int device, size_t bytes, fr_pmem_t *m, fr_err_t *err);
+/* What a peer opens `m` with: legacy and fabric fill blob, vmm returns a
+ * new file descriptor in *fd (the caller closes it once passed). */
+int fr_pmem_export(const fr_pmem_t *m, uint8_t blob[FR_PMEM_BLOB], int *fd, fr_err_t *err);
+/* Open a peer's allocation of `size` bytes (its fr_pmem_t size) from its
+ * blob or its file descriptor (closed here, opened or not) for `device`. */
+int fr_pmem_open(int kind, int device, const uint8_t *blob, int fd, size_t size, fr_pmem_t *m,
+                 fr_err_t *err);
+/* Unmap a peer's, or free an own allocation; m is cleared. */
+void fr_pmem_close(fr_pmem_t *m);
+
+/* File descriptors passed between processes of one host: a listening
+ * Unix socket in the abstract namespace (per network namespace), one
+ * connection per descriptor, each carrying an int tag (the sender's rank)
+ * and the descriptor (SCM_RIGHTS). A sender does not wait for the
+ * receiver to accept, so every rank can send all its descriptors before
+ * receiving any. fdpass.c, plain POSIX. */
+typedef struct fr_fdx {
+    int lfd;
+    char name[64]; /* without the leading NUL */
+} fr_fdx_t;
+int fr_fdx_listen(fr_fdx_t *x, const char *name, int backlog, fr_err_t *err);
+int fr_fdx_send(const char *peer_name, int tag, int fd, fr_err_t *err);
+/* One descriptor, waiting up to timeout_ms: its tag, the descriptor and
+ * the sender's pid and uid (SO_PEERCRED). */
+int fr_fdx_recv(fr_fdx_t *x, long timeout_ms, int *tag, int *fd, pid_t *pid, uid_t *uid,
+                fr_err_t *err);
+void fr_fdx_close(fr_fdx_t *x);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
