@@ -65,6 +65,9 @@ static void usage(FILE *f)
             "                       r * N / ranks (FERRY_NODE_ID): ranks of one node\n"
             "                       use peer memory, the others the fabric path, as on\n"
             "                       a cluster (default, or 1: the host names decide)\n"
+            "      --hosts H        simulate H hosts (FERRY_HOST_NAME, rank r on host\n"
+            "                       r * H / ranks) that node ids do not fix: GPU ranks\n"
+            "                       of one NVLink domain (FERRY_NVLINK_DOMAIN) join them\n"
             "      --device cpu|cuda\n"
             "      --sms N          CUDA: blocks the copy kernels use (default 16)\n"
             "      --gpu auto|N     CUDA: this rank's GPU (default auto: local rank\n"
@@ -105,12 +108,12 @@ static int parse(int argc, char **argv, opts_t *o)
         {"gpu", 1, 0, 'G'},     {"mode", 1, 0, 'M'},     {"ring", 1, 0, 'R'},
         {"graph", 0, 0, 'g'},   {"split", 0, 0, 'p'},    {"round-scale", 0, 0, 'o'},
         {"scales", 1, 0, 'x'},  {"nodes", 1, 0, 'N'}, {"forward", 1, 0, 'F'},    {"stats", 0, 0, 'Z'},
-        {"peers", 1, 0, 'P'},   {"dp", 1, 0, 'y'},
+        {"peers", 1, 0, 'P'},   {"dp", 1, 0, 'y'},      {"hosts", 1, 0, 'W'},
         {0, 0, 0, 0}};
     *o = (opts_t){.ranks = 8, .experts = 256, .topk = 8, .hidden = 7168,
                   .tokens = 128, .iters = 20, .warmup = 3, .fp8 = 1,
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
-                  .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1,
+                  .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1, .hosts = 1,
                   .peers = 64};
     int c;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
@@ -152,6 +155,7 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'G': o->gpu = optarg; break;
         case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
         case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
+        case 'W': o->hosts = (int)strtol(optarg, &end, 10); break;
         case 'P': o->peers = (int)strtol(optarg, &end, 10); break;
         case 'Z': o->stats = 1; break;
         case 'o': o->round_scale = 1; break;
@@ -250,6 +254,10 @@ static int parse(int argc, char **argv, opts_t *o)
     if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {
         fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
         return -1;
+    }
+    if (o->hosts < 1) {
+        fprintf(stderr, "ferry-bench: --hosts %d: want 1 or more hosts\n", o->hosts);
+        return 2;
     }
     if (o->nodes < 1) {
         fprintf(stderr, "ferry-bench: --nodes %d: want 1 or more nodes\n", o->nodes);
@@ -616,10 +624,11 @@ static int teardown(bench_t *b, int status)
     return status;
 }
 
-/* --nodes: this rank's FERRY_NODE_ID from its rank and the world size (as
- * the fork launcher, tests/cluster.sh or mpirun set them), before the
- * communicator reads it. */
-static int split_nodes(const opts_t *o)
+/* --nodes (hosts = 0): this rank's FERRY_NODE_ID from its rank and the
+ * world size (as the fork launcher, tests/cluster.sh or mpirun set them),
+ * before the communicator reads it; --hosts (hosts = 1): its
+ * FERRY_HOST_NAME. */
+static int split_nodes(const opts_t *o, int hosts)
 {
     int rank = -1, size = 0;
     for (size_t i = 0; i < N_LAUNCHER_ENV && rank < 0; i++) {
@@ -635,12 +644,19 @@ static int split_nodes(const opts_t *o)
                         "PMI_RANK/PMI_SIZE, SLURM_PROCID/SLURM_NTASKS or RANK/WORLD_SIZE)\n");
         return 2;
     }
-    if (o->nodes > size) {
-        fprintf(stderr, "ferry-bench: --nodes %d: more nodes than the %d ranks\n", o->nodes,
-                size);
+    int n = hosts ? o->hosts : o->nodes;
+    if (n > size) {
+        fprintf(stderr, "ferry-bench: --%s %d: more than the %d ranks\n",
+                hosts ? "hosts" : "nodes", n, size);
         return 2;
     }
-    fr_launch_set_node(rank, size, o->nodes);
+    if (hosts) {
+        char v[32];
+        snprintf(v, sizeof(v), "host%d", (int)((long)rank * n / size));
+        setenv("FERRY_HOST_NAME", v, 1);
+    } else {
+        fr_launch_set_node(rank, size, n);
+    }
     return 0;
 }
 
@@ -669,7 +685,9 @@ int main(int argc, char **argv)
     } else if (o.transport) {
         setenv("FERRY_TRANSPORT", o.transport, 1);
     }
-    if (o.nodes > 1 && (rc0 = split_nodes(&o)) != 0)
+    if (o.nodes > 1 && (rc0 = split_nodes(&o, 0)) != 0)
+        return rc0;
+    if (o.hosts > 1 && (rc0 = split_nodes(&o, 1)) != 0)
         return rc0;
 
     /* This process is one rank from here on. */

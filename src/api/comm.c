@@ -29,9 +29,12 @@ static int fr_comm_finish(ferry_comm_t c, fr_err_t *err)
                       c->size);
     fr_peer_info_t me;
     memset(&me, 0, sizeof(me));
-    const char *node = fr_cfg_str(FR_CFG_NODE_ID);
+    const char *node = fr_cfg_str(FR_CFG_NODE_ID), *host = fr_cfg_str(FR_CFG_HOST_NAME);
+    me.node_set = node && *node;
     if (node && *node)
         snprintf(me.node, sizeof(me.node), "%s", node);
+    else if (host && *host)
+        snprintf(me.node, sizeof(me.node), "%s", host);
     else if (gethostname(me.node, sizeof(me.node) - 1) != 0)
         snprintf(me.node, sizeof(me.node), "localhost");
     me.pid = (int32_t)getpid();

@@ -288,7 +288,8 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
 /* The nodes: ranks with equal node ids (each rank alone under
  * FERRY_TRANSPORT=fabric), numbered in the order of their lowest rank;
  * the same tables on every rank. */
-static int fr_create_nodes(ferry_ep_t ep, int force_fabric, fr_err_t *err)
+static int fr_create_nodes(ferry_ep_t ep, int force_fabric, char (*key)[FR_NODE_ID_LEN],
+                           fr_err_t *err)
 {
     int N = ep->N;
     ep->node_of = fr_zalloc(sizeof(int) * (size_t)N);
@@ -301,7 +302,7 @@ static int fr_create_nodes(ferry_ep_t ep, int force_fabric, fr_err_t *err)
     for (int i = 0; i < N; i++) {
         int j = 0;
         if (!force_fabric)
-            while (j < i && strcmp(ep->comm->peers[j].node, ep->comm->peers[i].node) != 0)
+            while (j < i && strcmp(key[j], key[i]) != 0)
                 j++;
         else
             j = i;
@@ -321,20 +322,28 @@ static int fr_create_nodes(ferry_ep_t ep, int force_fabric, fr_err_t *err)
  * node, or every peer under FERRY_TRANSPORT=fabric). */
 static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
 {
-    ferry_comm_t comm = ep->comm;
     int N = ep->N, me = ep->rank;
     /* auto or fabric, alike on every rank (fr_create_exchange) */
     int force_fabric = strcmp(fr_cfg_str(FR_CFG_TRANSPORT), "fabric") == 0;
-    /* every rank reaches the same answer (the node names are common) */
+    /* each rank's node: its host's, or its NVLink domain's (GPU ranks) */
+    char(*key)[FR_NODE_ID_LEN] = fr_zalloc(sizeof(*key) * (size_t)N);
+    if (!key)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "node keys");
+    int rc = fr_ep_domains(ep, key, err);
+    /* every rank reaches the same answer (the node keys are common) */
     int one_node = !force_fabric;
     for (int i = 1; i < N && one_node; i++)
-        one_node = strcmp(comm->peers[i].node, comm->peers[0].node) == 0;
-    if (ep->cfg.mask_on_timeout && !one_node)
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+        one_node = strcmp(key[i], key[0]) == 0;
+    if (rc == FERRY_OK && ep->cfg.mask_on_timeout && !one_node)
+        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "mask_on_timeout = 1 with ranks on the fabric path (%s): writes the "
                       "proxy posted to a rank that died cannot be taken back, so its buffers "
                       "could not be reused; ranks of one node only (ferry_ep_mask_rank works "
                       "on every path)", force_fabric ? "FERRY_TRANSPORT=fabric" : "several nodes");
+    if (rc != FERRY_OK) {
+        free(key);
+        return rc;
+    }
     ep->path = fr_zalloc(sizeof(int) * (size_t)N);
     ep->peer_seg = fr_zalloc(sizeof(uint8_t *) * (size_t)N);
     ep->group_index = fr_zalloc(sizeof(int) * (size_t)N);
@@ -342,14 +351,15 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
     ep->mask = fr_zalloc(sizeof(int32_t) * (size_t)N);
     ep->mask_since = fr_zalloc(sizeof(uint64_t) * (size_t)N);
     if (!ep->path || !ep->peer_seg || !ep->group_index || !ep->group_peers || !ep->mask ||
-        !ep->mask_since)
+        !ep->mask_since) {
+        free(key);
         return FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
+    }
     for (int i = 0; i < N; i++) {
         ep->group_index[i] = -1;
         if (i == me)
             ep->path[i] = FR_PATH_SELF;
-        else if (!force_fabric &&
-                 strcmp(comm->peers[i].node, comm->peers[me].node) == 0)
+        else if (!force_fabric && strcmp(key[i], key[me]) == 0)
             ep->path[i] = FR_PATH_SHM;
         else
             ep->path[i] = FR_PATH_FABRIC;
@@ -360,7 +370,9 @@ static int fr_create_paths(ferry_ep_t ep, fr_err_t *err)
             ep->nshm++;
         }
     }
-    return fr_create_nodes(ep, force_fabric, err);
+    rc = fr_create_nodes(ep, force_fabric, key, err);
+    free(key);
+    return rc;
 }
 
 /* DP groups: each inside one node (the gather goes through shared
@@ -488,6 +500,13 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
         FR_LOG_INFO(FR_SUB_INIT, "engine %s for peers on the fabric path (instead of %s)",
                     ep->eng->fabric_engine->name, ep->eng->name);
         ep->eng = ep->eng->fabric_engine;
+        if (ep->pmem_cross) { /* alike on every rank */
+            rc = FR_ERR(&err, FERRY_ERR_UNSUPPORTED,
+                        "engine %s: its node peers share host memory, which cannot span the "
+                        "hosts of an NVLink domain; keep GPU memory on the fabric path "
+                        "(FERRY_FABRIC_HMEM) or set FERRY_NODE_ID", ep->eng->name);
+            goto fail;
+        }
     }
     /* Step 3: the engine lays out and allocates its buffers, maps the
      * peers' (collective). */

@@ -19,6 +19,8 @@ typedef struct fr_peer_info {
     char node[FR_NODE_ID_LEN];
     int32_t pid;
     int32_t rank;
+    int32_t node_set;  /* node came from FERRY_NODE_ID */
+    int32_t pad;
 } fr_peer_info_t;
 
 struct ferry_comm {

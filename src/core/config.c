@@ -50,7 +50,20 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                         "if TMPDIR is unset) and $HOME/.ferry."},
     [FR_CFG_NODE_ID] = {"FERRY_NODE_ID", "",
                         "Node identity; ranks with equal ids share memory. "
-                        "Default: the host name."},
+                        "Default: the host name, or for GPU ranks of one "
+                        "NVLink domain the domain. Set, it is the node "
+                        "(no domain joins nodes)."},
+    [FR_CFG_HOST_NAME] = {"FERRY_HOST_NAME", "",
+                          "The host name ranks are grouped by when "
+                          "FERRY_NODE_ID is unset (default: the system's); "
+                          "for tests that simulate hosts on one machine."},
+    [FR_CFG_NVLINK_DOMAIN] = {"FERRY_NVLINK_DOMAIN", "",
+                              "The NVLink domain of this rank's GPU: empty "
+                              "asks NVML (the fabric cluster UUID and clique "
+                              "id), none says there is none, any other text "
+                              "names it (tests). GPU ranks of one domain are "
+                              "one node for peer memory, across hosts when "
+                              "every rank can share by fabric handle."},
     [FR_CFG_TRANSPORT] = {"FERRY_TRANSPORT", "auto",
                           "auto: shared memory inside a node, fabric between "
                           "nodes; fabric: every peer through the proxy and "

@@ -164,6 +164,8 @@ struct ferry_ep {
     int fwd_req;         /* forwarding asked for (ferry_forward_t; FERRY_HT_FORWARD
                             applied), alike on every rank */
     int forward;         /* the high-throughput engine forwards (its setup) */
+    int pmem_cross;      /* a node spans hosts (an NVLink domain): peer memory
+                            by fabric handle (create.c, pmem.c) */
     fr_dp_t dp;          /* DP groups (dp.c) */
 
     /* set up by the engine */
@@ -229,6 +231,28 @@ static inline uint64_t *fr_flag_ptr(const fr_layout_t *L, uint8_t *seg,
 int fr_ep_segments(ferry_ep_t ep, char tag, int status, fr_err_t *err);
 /* Unmap the peers' and the own segment, unlink its name if still there. */
 void fr_ep_segments_close(ferry_ep_t ep);
+
+/* NVLink domains as nodes (domain.c). What a GPU rank reports: */
+typedef struct fr_dom {
+    int32_t has;          /* its GPU is in an NVLink domain */
+    int32_t fabric_ok;    /* it can share GPU memory by fabric handle */
+    char dom[48];         /* the domain's name (cluster UUID and clique) */
+    char fdkey[96];       /* where its file descriptors reach: the real host
+                             name and network namespace */
+    char why[128];        /* why not fabric_ok */
+} fr_dom_t;
+/* Each rank's node key into keys[N]: its host's (peers[i].node), or where
+ * every rank is in a domain, FERRY_NODE_ID is set nowhere, each host's
+ * ranks report one domain, and ranks of a domain on different hosts can
+ * all share by fabric handle, its domain's. 1 when a domain joined
+ * hosts (*cross: a node spans hosts, so its peer memory must be fabric
+ * handles), else 0 (why says, when a domain could not). */
+int fr_dom_keys(int N, const fr_peer_info_t *peers, const fr_dom_t *d,
+                char (*keys)[FR_NODE_ID_LEN], int *cross, char *why, size_t whylen);
+/* Collective: the node key of every rank for ep (its host's, or on GPU
+ * ranks its NVLink domain's, fr_dom_keys over what every rank reports;
+ * sets ep->pmem_cross). */
+int fr_ep_domains(ferry_ep_t ep, char (*keys)[FR_NODE_ID_LEN], fr_err_t *err);
 
 /* Peer memory of the GPU engines and DP groups (pmem.c over
  * runtime/peer_mem.h). Collective: the kind every rank's segments use,

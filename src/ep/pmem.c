@@ -69,7 +69,7 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
         }
         /* the kind that would be used, tried: attributes can offer what
          * the process may not do */
-        int want = asked ? asked : FR_PMEM_VMM;
+        int want = asked ? asked : ep->pmem_cross ? FR_PMEM_FABRIC : FR_PMEM_VMM;
         fr_err_t terr;
         if (want != FR_PMEM_LEGACY && (mine.kinds & want) &&
             fr_pmem_try(want, device, &terr) != FERRY_OK) {
@@ -94,7 +94,18 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
             first = i;
         common &= all[i].kinds;
     }
-    if (rc == FERRY_OK) {
+    if (rc == FERRY_OK && ep->pmem_cross && asked && asked != FR_PMEM_FABRIC)
+        rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                    "FERRY_PEER_MEM=%s: the ranks of a node span hosts (an NVLink domain), "
+                    "and only fabric handles cross hosts", fr_pmem_name(asked));
+    if (rc == FERRY_OK && ep->pmem_cross && !asked) {
+        *kind = FR_PMEM_FABRIC;
+        for (int i = 0; i < N && rc == FERRY_OK; i++)
+            if (!(all[i].kinds & FR_PMEM_FABRIC))
+                rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                            "peer memory: the ranks of a node span hosts (an NVLink domain), "
+                            "and rank %d cannot share by fabric handle (%s)", i, all[i].why);
+    } else if (rc == FERRY_OK) {
         if (asked) {
             *kind = asked;
             for (int i = 0; i < N && rc == FERRY_OK; i++)

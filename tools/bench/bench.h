@@ -22,6 +22,7 @@ typedef struct opts {
     int round_scale; /* --round-scale: fp8 scales rounded up to powers of two */
     int scales;      /* --scales: expert_x_scales layout (ferry_scales_layout_t) */
     int nodes;       /* --nodes: ranks split into this many nodes (FERRY_NODE_ID) */
+    int hosts;       /* --hosts: this many simulated hosts (FERRY_HOST_NAME) */
     int stats;       /* --stats: the fabric path's counters in the row */
     int peers;       /* --transport null: simulated peers */
     int forward;     /* --forward: config.forward (ferry_forward_t) */

@@ -204,12 +204,12 @@ static int write_json(const bench_t *b, const summary_t *r, const pstats_t *ps)
             "\"combine_p50_us\": %.3f, \"combine_p99_us\": %.3f, "
             "\"bytes_per_rank\": %.0f, \"gbps\": %.4f, "
             "\"baseline_dispatch_p50_us\": %.3f, \"baseline_combine_p50_us\": %.3f, "
-            "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s",
+            "\"speedup\": %.4f, \"wrong\": %ld, \"checked\": %s, \"nodes\": %d",
             b->N, o->experts, o->topk, o->hidden, o->tokens, dtype_name(o),
             o->routing, tr ? tr : "auto", o->device, o->iters, r->dp50, r->dp99, r->cp50,
             r->cp99, r->bytes, r->gbs, b->have_base ? r->bd50 : -1.0,
             b->have_base ? r->bc50 : -1.0, b->have_base ? r->speed : -1.0, r->wrong,
-            o->check ? "true" : "false");
+            o->check ? "true" : "false", b->nnodes);
     if (o->ht)
         fprintf(f, ", \"forward\": %s, \"fabric_bytes_dispatch\": %.0f, "
                 "\"fabric_bytes_combine\": %.0f, \"fabric_rows\": %.1f, "

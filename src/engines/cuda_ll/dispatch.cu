@@ -847,14 +847,21 @@ static __device__ int fr_dr_wait(const fr_cu_args_t &A, int set, int s,
 
 /* Records a block places at once (its records y, y + G, ... of a sender). */
 #define FR_DR_RECS 64
+/* Senders a block waits for at once, a lane of warp 0 each (a window), and
+ * the most local experts whose per-sender row counts a window keeps in
+ * shared memory (more: read per sender, as they come). */
+#define FR_DR_WIN 32
+#define FR_DR_WIN_EL 64
 
 /* Dynamic shared memory of the receive part: per local expert the rows
  * before the current sender (base) and after it (run), then per record of
- * a batch its rows. */
+ * a batch its rows, then (El <= FR_DR_WIN_EL) the window's senders' rows
+ * per expert. */
 static __host__ __device__ size_t fr_dr_smem(int El)
 {
     return 2 * sizeof(int32_t) * (size_t)El +
-           sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 2);
+           sizeof(int32_t) * FR_DR_RECS * (FR_MAX_TOPK + 2) +
+           (El <= FR_DR_WIN_EL ? sizeof(int32_t) * FR_DR_WIN * (size_t)El : 0);
 }
 
 /* Dynamic shared memory of the one-launch dispatch (its send part, then
@@ -917,9 +924,13 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, const uint8_t *slice, c
 /* The receive part, for the round of `epoch`. Senders in the order of
  * the rows: this rank, then rank + 1, ... (mod N). direct: the send part
  * of this kernel wrote this rank's own tokens in place (self_run rows per
- * own expert). Per sender, one thread waits for its flag; the sender's
- * rows per expert (after the slice header) give every expert's first row
- * for it; then block y takes records y, y + G, ...: a thread per record
+ * own expert). Senders come in windows of FR_DR_WIN: a lane of warp 0 per
+ * sender waits for its flag and checks its slice header, and the block
+ * reads every window sender's rows per expert (after the header) at once,
+ * so the waits and reads of 32 senders overlap instead of following each
+ * other (a dependent chain per sender was most of a round's fixed cost at
+ * 32 ranks). Per sender in order, its rows per expert give every expert's
+ * first row for it; then block y takes records y, y + G, ...: a thread per record
  * checks its header and turns the positions the sender wrote (pos[]) into
  * rows, and the whole block copies the records to all their rows. Work
  * follows the records, not the experts, so a popular expert is spread
@@ -934,7 +945,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     int32_t *run = base + El;
     int32_t *ri = run + El, *rn = ri + FR_DR_RECS; /* a batch's records, their row counts */
     int32_t *rows = rn + FR_DR_RECS;
-    __shared__ int s_ok, s_count, s_np, s_co, s_skip, s_nmask;
+    int32_t *wcnt = rows + FR_DR_RECS * FR_MAX_TOPK; /* [FR_DR_WIN][El] when kept */
+    bool keep = El <= FR_DR_WIN_EL;
+    /* the window: per sender the wait's result, its records and pairs */
+    __shared__ int s_ww[FR_DR_WIN], s_wc[FR_DR_WIN], s_wnp[FR_DR_WIN];
+    __shared__ int s_ok, s_nmask;
     __shared__ unsigned long long s_epoch;
     if (threadIdx.x == 0) {
         s_epoch = epoch;
@@ -948,37 +963,56 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         run[le] = direct ? A.self_run[set * El + le] : 0;
     FR_TR_DECL;
     FR_TR();
-    for (int si = direct ? 1 : 0; si < N; si++) {
+    int first = direct ? 1 : 0;
+    for (int si = first; si < N; si++) {
         int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
+        int l = (si - first) % FR_DR_WIN;
         __syncthreads(); /* everyone is done with the previous sender */
-        if (threadIdx.x == 0) {
-            s_count = s_np = s_co = 0;
-            long long t0 = clock64();
-            /* a masked sender: nothing from it, never waited for */
-            int w = s_nmask && A.mask[s] ? 2 : fr_dr_wait(A, set, s, s_epoch, &s_count, &s_np, &s_co);
-            s_skip = w == 2;
-            s_ok = w != 0;
-            if (s_ok && y == 0) {
-                A.pair_n[set * N + s] = s_np;
-                A.scomb_off[set * N + s] = s_co;
-                if (o.wait_cost && !s_skip) /* a masked one: no cost, as in the combine */
-                    atomicAdd((unsigned long long *)(o.wait_cost + s),
-                              (unsigned long long)(clock64() - t0));
+        if (l == 0) { /* a new window: senders si .. si + nw - 1 */
+            int nw = min(FR_DR_WIN, N - si);
+            if (threadIdx.x < nw) {
+                int sj = si + threadIdx.x, sl = A.rank + sj < N ? A.rank + sj : A.rank + sj - N;
+                int c = 0, np = 0, co = 0;
+                long long t0 = clock64();
+                /* a masked sender: nothing from it, never waited for */
+                int w = s_nmask && A.mask[sl] ? 2 : fr_dr_wait(A, set, sl, s_epoch, &c, &np, &co);
+                s_ww[threadIdx.x] = w;
+                s_wc[threadIdx.x] = c;
+                s_wnp[threadIdx.x] = np;
+                if (w != 0 && y == 0) {
+                    A.pair_n[set * N + sl] = np;
+                    A.scomb_off[set * N + sl] = co;
+                    /* from the window's start; a masked one: no cost, as in
+                     * the combine */
+                    if (o.wait_cost && w != 2)
+                        atomicAdd((unsigned long long *)(o.wait_cost + sl),
+                                  (unsigned long long)(clock64() - t0));
+                }
             }
+            __syncthreads();
+            for (int f = threadIdx.x; keep && f < nw * El; f += blockDim.x) {
+                int j = f / El, le = f - j * El;
+                int sj = si + j, sl = A.rank + sj < N ? A.rank + sj : A.rank + sj - N;
+                wcnt[f] = s_ww[j] == 1 ? ((const int32_t *)(fr_cu_rseg(A, sl) +
+                                                            fr_off_drecv(&L, set, sl) +
+                                                            FR_SLICE_HDR))[le]
+                                       : 0;
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        if (si == (int)direct)
+        int w = s_ww[l];
+        if (si == first)
             FR_TR();
-        if (!s_ok)
+        if (w == 0)
             return;
-        if (s_skip)
+        if (w == 2)
             continue;
-        int count = s_count, np = s_np;
+        int count = s_wc[l], np = s_wnp[l];
         const uint8_t *slice = fr_cu_rseg(A, s) + fr_off_drecv(&L, set, s);
         const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
         for (int le = threadIdx.x; le < El; le += blockDim.x) {
             int b = run[le];
-            uint32_t c = srows[le];
+            uint32_t c = keep ? (uint32_t)wcnt[l * El + le] : srows[le];
             base[le] = b;
             run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
         }
