@@ -57,10 +57,41 @@ int fr_dom_keys(int N, const fr_peer_info_t *peers, const fr_dom_t *d,
         }
     if (!joined)
         return 0;
+    /* across kernels only when the whole job is one domain: with other
+     * nodes left, segments take fabric peers' writes too and are
+     * registered with the provider, which takes them from legacy CUDA IPC
+     * allocations (not fabric handles) */
+    for (int i = 1; i < N && x; i++)
+        if (strcmp(d[i].dom, d[0].dom) != 0) {
+            if (why && whylen)
+                snprintf(why, whylen, "NVLink domains %s and %s span kernels, and a domain "
+                         "across kernels is one node only when it holds every rank", d[0].dom,
+                         d[i].dom);
+            return 0;
+        }
     for (int i = 0; i < N; i++)
         snprintf(keys[i], FR_NODE_ID_LEN, "nvl:%s", d[i].dom);
     *cross = x;
     return 1;
+}
+
+void fr_ep_fdkey(char *buf, size_t len)
+{
+    /* the kernel (its boot id: host names repeat) and the network
+     * namespace (abstract Unix sockets are per namespace) */
+    char boot[64] = "";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (!f || !fgets(boot, sizeof(boot), f)) {
+        if (gethostname(boot, sizeof(boot) - 1) != 0)
+            snprintf(boot, sizeof(boot), "unknown");
+    }
+    if (f)
+        fclose(f);
+    boot[strcspn(boot, "\n")] = 0;
+    struct stat st;
+    unsigned long long netns =
+        stat("/proc/self/ns/net", &st) == 0 ? (unsigned long long)st.st_ino : 0;
+    snprintf(buf, len, "%.60s:%llx", boot, netns);
 }
 
 /* What this rank reports: its GPU's domain (FERRY_NVLINK_DOMAIN, else
@@ -69,13 +100,7 @@ int fr_dom_keys(int N, const fr_peer_info_t *peers, const fr_dom_t *d,
 static void fr_dom_mine(fr_dom_t *m)
 {
     memset(m, 0, sizeof(*m));
-    char host[64] = "localhost";
-    if (gethostname(host, sizeof(host) - 1) != 0)
-        snprintf(host, sizeof(host), "localhost");
-    struct stat st;
-    unsigned long long netns = stat("/proc/self/ns/net", &st) == 0 ? (unsigned long long)st.st_ino
-                                                                    : 0;
-    snprintf(m->fdkey, sizeof(m->fdkey), "%.60s:%llx", host, netns);
+    fr_ep_fdkey(m->fdkey, sizeof(m->fdkey));
     int dev = -1;
     fr_err_t e;
     if (fr_cuda_device_current(&dev, &e) != FERRY_OK)

@@ -237,14 +237,17 @@ typedef struct fr_dom {
     int32_t has;          /* its GPU is in an NVLink domain */
     int32_t fabric_ok;    /* it can share GPU memory by fabric handle */
     char dom[48];         /* the domain's name (cluster UUID and clique) */
-    char fdkey[96];       /* where its file descriptors reach: the real host
-                             name and network namespace */
+    char fdkey[96];       /* where its file descriptors reach (fr_ep_fdkey) */
     char why[128];        /* why not fabric_ok */
 } fr_dom_t;
+/* Where this process's file descriptors can be passed: its kernel's boot
+ * id and its network namespace. */
+void fr_ep_fdkey(char *buf, size_t len);
 /* Each rank's node key into keys[N]: its host's (peers[i].node), or where
  * every rank is in a domain, FERRY_NODE_ID is set nowhere, each host's
- * ranks report one domain, and ranks of a domain on different hosts can
- * all share by fabric handle, its domain's. 1 when a domain joined
+ * ranks report one domain, and (for a domain whose ranks are on different
+ * kernels or network namespaces) the domain holds every rank and each can
+ * share by fabric handle, its domain's. 1 when a domain joined
  * hosts (*cross: a node spans hosts, so its peer memory must be fabric
  * handles), else 0 (why says, when a domain could not). */
 int fr_dom_keys(int N, const fr_peer_info_t *peers, const fr_dom_t *d,

@@ -23,15 +23,31 @@ static int fr_pmem_wrap(fr_err_t *err, int rc, const char *what, int rank)
 {
     char m[FR_ERRMSG_LEN];
     snprintf(m, sizeof(m), "%s", err->msg);
-    return FR_ERR(err, rc, "peer memory: %s rank %d's segment: %s", what, rank, m);
+    return FR_ERR(err, rc, "peer memory: %s %d: %s", what, rank, m);
 }
 
 typedef struct fr_pmem_vote {
     int status;       /* this rank's set-up so far */
     int kinds;        /* FR_PMEM_* the device offers (and the segment allows) */
+    int asked;        /* FERRY_PEER_MEM (0: auto) */
     uint8_t uuid[16]; /* the GPU's */
+    char fdkey[96];   /* where its descriptors reach (fr_ep_fdkey) */
     char why[160];    /* why a kind is missing */
 } fr_pmem_vote_t;
+
+/* Two ranks of one node whose descriptors cannot reach each other (other
+ * kernels, or network namespaces: containers on one host), or -1. */
+static int fr_pmem_apart(ferry_ep_t ep, const fr_pmem_vote_t *all, int *other)
+{
+    for (int i = 0; i < ep->N; i++)
+        for (int j = 0; j < i; j++)
+            if (ep->node_of && ep->node_of[i] == ep->node_of[j] &&
+                strcmp(all[i].fdkey, all[j].fdkey) != 0) {
+                *other = j;
+                return i;
+            }
+    return -1;
+}
 
 static int fr_pmem_asked(int *kind, fr_err_t *err)
 {
@@ -61,6 +77,8 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
         mine.status = fr_pmem_asked(&asked, err);
     if (mine.status == FERRY_OK)
         mine.status = fr_cuda_device_uuid(device, mine.uuid, err);
+    mine.asked = asked;
+    fr_ep_fdkey(mine.fdkey, sizeof(mine.fdkey));
     if (mine.status == FERRY_OK) {
         mine.kinds = fr_pmem_kinds(device, mine.why, sizeof(mine.why));
         if (legacy_only) {
@@ -88,11 +106,27 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
         if (all[i].status != FERRY_OK)
             rc = FR_ERR(err, all[i].status, "rank %d failed to set up its GPU memory (%s)", i,
                         ferry_strerror(all[i].status));
-    int common = FR_PMEM_LEGACY | FR_PMEM_VMM | FR_PMEM_FABRIC, first = -1;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].asked != asked)
+            rc = FR_ERR(err, FERRY_ERR_INVALID,
+                        "FERRY_PEER_MEM differs between ranks: rank %d has %s, rank %d has %s "
+                        "(set it alike on every rank)", ep->rank, fr_pmem_name(asked), i,
+                        fr_pmem_name(all[i].asked));
+    int common = FR_PMEM_LEGACY | FR_PMEM_VMM | FR_PMEM_FABRIC, first = -1, other = -1;
     for (int i = 0; i < N && rc == FERRY_OK; i++) {
         if ((all[i].kinds & FR_PMEM_VMM) == 0 && first < 0)
             first = i;
         common &= all[i].kinds;
+    }
+    /* descriptors pass only between processes of one kernel and network
+     * namespace: a node whose ranks are not takes another kind */
+    int apart = rc == FERRY_OK && !ep->pmem_cross ? fr_pmem_apart(ep, all, &other) : -1;
+    if (apart >= 0) {
+        common &= ~FR_PMEM_VMM;
+        first = apart;
+        snprintf(all[apart].why, sizeof(all[apart].why),
+                 "vmm: ranks %d and %d of one node are in different network namespaces or "
+                 "kernels, which file descriptors do not cross", other, apart);
     }
     if (rc == FERRY_OK && ep->pmem_cross && asked && asked != FR_PMEM_FABRIC)
         rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
@@ -108,6 +142,9 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
     } else if (rc == FERRY_OK) {
         if (asked) {
             *kind = asked;
+            if (asked == FR_PMEM_VMM && apart >= 0)
+                rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED, "FERRY_PEER_MEM=vmm: %s",
+                            all[apart].why + 5);
             for (int i = 0; i < N && rc == FERRY_OK; i++)
                 if (!(all[i].kinds & asked))
                     rc = FR_ERR(err, FERRY_ERR_UNSUPPORTED,
@@ -147,48 +184,65 @@ typedef struct fr_pmem_msg {
 
 /* vmm: send the own descriptor to every peer on the shared-memory path,
  * then take one from each (every send is queued without an accept, so
- * no rank waits for another's order). */
+ * no rank waits for another's order). Every send is tried and every
+ * descriptor taken even after a failure, so that no peer waits for this
+ * rank until its timeout; the first failure is returned. */
 static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t *all,
                         int r0, int r1, fr_pmem_t *peers, int device, fr_err_t *err)
 {
     int N = ep->N, rc = FERRY_OK, want = 0;
+    fr_err_t e;
     for (int i = r0; i < r1; i++) {
         if (ep->path[i] != FR_PATH_SHM)
             continue;
         want++;
-        if ((rc = fr_fdx_send(all[i].sock, ep->rank, fd, err)) != FERRY_OK)
-            return fr_pmem_wrap(err, rc, "passing this rank's descriptor to", i);
+        int r = fr_fdx_send(all[i].sock, ep->rank, fd, ep->timeout_ms, &e);
+        if (r != FERRY_OK && rc == FERRY_OK) {
+            *err = e;
+            rc = fr_pmem_wrap(err, r, "passing this rank's descriptor to rank", i);
+        }
     }
     char *got = (char *)calloc(N > 0 ? (size_t)N : 1, 1);
     if (!got)
         return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
     unsigned long long ns = fr_pidns();
-    for (int k = 0; k < want && rc == FERRY_OK; k++) {
+    for (int k = 0; k < want; k++) {
         int tag = -1, f = -1;
         pid_t pid;
         uid_t uid;
-        rc = fr_fdx_recv(x, ep->timeout_ms, &tag, &f, &pid, &uid, err);
-        if (rc != FERRY_OK) {
+        int r = fr_fdx_recv(x, ep->timeout_ms, &tag, &f, &pid, &uid, &e);
+        if (r != FERRY_OK) { /* nothing more is coming: name the first missing */
             int miss = -1;
             for (int i = r0; i < r1 && miss < 0; i++)
                 if (ep->path[i] == FR_PATH_SHM && !got[i])
                     miss = i;
-            rc = fr_pmem_wrap(err, rc, "waiting for", miss);
+            if (rc == FERRY_OK) {
+                *err = e;
+                rc = fr_pmem_wrap(err, r, "waiting for the descriptor of rank", miss);
+            }
             break;
         }
-        if (tag < r0 || tag >= r1 || ep->path[tag] != FR_PATH_SHM || got[tag] || uid != getuid() ||
-            (all[tag].pidns == ns && (long)pid != all[tag].pid)) {
+        if (tag < r0 || tag >= r1 || ep->path[tag] != FR_PATH_SHM || got[tag] ||
+            uid != geteuid() || (all[tag].pidns == ns && (long)pid != all[tag].pid)) {
             close(f);
-            rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
-                        "peer memory: a descriptor on @%s claimed rank %d but came from pid "
-                        "%ld uid %ld (refused)", x->name, tag, (long)pid, (long)uid);
-            break;
+            if (rc == FERRY_OK)
+                rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
+                            "peer memory: a descriptor on @%s claimed rank %d but came from "
+                            "pid %ld uid %ld (refused)", x->name, tag, (long)pid, (long)uid);
+            k--; /* not one of the peers': the peers' are still due */
+            continue;
         }
         got[tag] = 1;
-        rc = fr_pmem_open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag],
-                          err);
-        if (rc != FERRY_OK)
-            rc = fr_pmem_wrap(err, rc, "opening", tag);
+        if (rc != FERRY_OK) { /* failed already: taken so the sender is done, not opened */
+            close(f);
+            continue;
+        }
+        r = fr_pmem_open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag],
+                         &e);
+        if (r != FERRY_OK) {
+            *err = e;
+            rc = fr_pmem_wrap(err, r, "opening the memory of rank", tag);
+        }
     }
     free(got);
     return rc;
@@ -221,7 +275,8 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
     all = (fr_pmem_msg_t *)calloc((size_t)N, sizeof(*all));
     if (!all) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
-        goto out; /* every rank then fails at the engine's next exchange */
+        goto out; /* the others wait in the allgather until the bootstrap's
+                     timeout (an allocation of a few KB failed) */
     }
     rc = fr_boot_allgather(ep->comm->boot, &m, all, sizeof(m), err);
     if (rc == FERRY_OK)
@@ -243,7 +298,24 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
             if (ep->path[i] == FR_PATH_SHM &&
                 (rc = fr_pmem_open(mine->kind, mine->device, all[i].blob, -1,
                                    (size_t)all[i].size, &peers[i], err)) != FERRY_OK)
-                rc = fr_pmem_wrap(err, rc, "opening", i);
+                rc = fr_pmem_wrap(err, rc, "opening the memory of rank", i);
+    }
+    /* every rank that got here (all of them: the statuses above are
+     * common) joins one more exchange of its outcome, so that all return
+     * alike: a rank that opened everything does not go on to the next
+     * collective while a peer failed (all[] holds the outcome now) */
+    {
+        fr_err_t e2;
+        m.status = rc;
+        if (fr_boot_allgather(ep->comm->boot, &m, all, sizeof(m), &e2) != FERRY_OK &&
+            rc == FERRY_OK) {
+            *err = e2;
+            rc = FERRY_ERR_BOOTSTRAP;
+        }
+        for (int i = 0; i < N && rc == FERRY_OK; i++)
+            if (all[i].status != FERRY_OK)
+                rc = FR_ERR(err, all[i].status, "rank %d failed to open its peers' memory (%s)",
+                            i, ferry_strerror(all[i].status));
     }
 out:
     if (rc != FERRY_OK)

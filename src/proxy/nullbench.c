@@ -6,7 +6,10 @@
  * with the peer's arrival. The calling thread plays a CPU rank whose
  * every peer is on the fabric path: per phase it fills a slice per peer
  * and pushes one request per peer (as engines/cpu_ll does), then waits
- * for every peer's flag and for its writes' completions. No bytes move,
+ * for every peer's flag and for its writes' completions. With `gpu` it
+ * plays a GPU rank: a kernel fills the slices and rings a doorbell per
+ * peer in host-mapped memory, which the proxy scans (as for the CUDA
+ * low-latency engine). No bytes move,
  * no other process runs: what the rounds cost is the proxy's and the
  * request ring's own work, and the EP's counters (ep/stats.h) say where
  * it went.
@@ -17,11 +20,45 @@
 #include <unistd.h>
 
 #include "core/config.h"
+#include "proxy/nullbench_cuda.h"
 #include "proxy/proxy.h"
+#include "runtime/cuda_mem.h"
+
+/* A GPU rank (fr_proxy_bench_t.gpu): the slices and doorbells in pinned
+ * host memory mapped into the GPU, as the low-latency engine keeps them
+ * for its proxy, and a kernel per phase ringing every peer's doorbell. */
+typedef struct nb_gpu {
+    void *sl_dev, *ready_dev, *stream;
+} nb_gpu_t;
+
+static int nb_gpu_setup(ferry_ep_t ep, int peers, nb_gpu_t *g, fr_err_t *err)
+{
+    size_t n = 2 * FR_NSETS * (size_t)peers;
+    void *h = NULL;
+    ep->cfg.device = FERRY_DEVICE_CUDA; /* the proxy idles as for GPU producers */
+    int rc = fr_cuda_host_alloc(n * sizeof(fr_slice_t), &h, &g->sl_dev, err);
+    ep->slices = (fr_slice_t *)h;
+    if (rc == FERRY_OK) {
+        rc = fr_cuda_host_alloc(n * sizeof(uint64_t), &h, &g->ready_dev, err);
+        ep->ready = (uint64_t *)h;
+    }
+    if (rc == FERRY_OK && fr_nb_cuda_stream(&g->stream) != FERRY_OK)
+        rc = FR_ERR(err, FERRY_ERR_SYSTEM, "null bench: a CUDA stream");
+    return rc;
+}
+
+static void nb_gpu_free(ferry_ep_t ep, nb_gpu_t *g)
+{
+    fr_nb_cuda_stream_free(g->stream);
+    fr_cuda_host_free(ep->slices);
+    fr_cuda_host_free(ep->ready);
+    ep->slices = NULL; /* the engine's own (proxy.h) */
+    ep->ready = NULL;
+}
 
 /* The parts of an EP the proxy reads, for `peers` fabric peers (rank 0
  * is this one). */
-static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
+static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, fr_err_t *err)
 {
     int N = peers + 1, rc;
     ep->N = N;
@@ -42,6 +79,10 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, fr_err_t *err)
     ep->group_peers = calloc((size_t)N, sizeof(int));
     ep->nics.nic_of = calloc((size_t)N, sizeof(int));
     fr_mr_desc_t *remote = calloc((size_t)peers, sizeof(fr_mr_desc_t));
+    if (gpu && (rc = nb_gpu_setup(ep, peers, gpu, err)) != FERRY_OK) {
+        free(remote);
+        return rc;
+    }
     if (!ep->flags || !ep->path || !ep->group_peers || !ep->nics.nic_of || !remote ||
         fr_proxy_tables(ep, err) != FERRY_OK) {
         free(remote);
@@ -116,13 +157,19 @@ static void nb_free(ferry_ep_t ep)
     fr_proxy_tables_release(ep);
 }
 
-/* One phase of round e: a request per peer, then every peer's flag and
+/* One phase of round e: a request per peer (a CPU rank), or a kernel
+ * ringing every peer's doorbell (a GPU rank), then every peer's flag and
  * every write's completion. */
-static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, fr_err_t *err)
+static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const nb_gpu_t *gpu,
+                    fr_err_t *err)
 {
     int set = (int)(e & 1), nf = ep->nfabric;
-    fr_slice_t *sl = ep->slices + ((size_t)phase * FR_NSETS + set) * nf;
-    for (int g = 0; g < nf; g++) {
+    size_t i0 = ((size_t)phase * FR_NSETS + set) * nf;
+    fr_slice_t *sl = ep->slices + i0;
+    if (gpu && fr_nb_cuda_ring((fr_slice_t *)gpu->sl_dev + i0, (uint64_t *)gpu->ready_dev + i0,
+                               nf, bytes, fr_imm_make(phase, e, 0), e, gpu->stream) != FERRY_OK)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "null bench: the doorbell kernel did not launch");
+    for (int g = 0; !gpu && g < nf; g++) {
         sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
         int rc = fr_proxy_submit(ep, phase, set, e, g);
         if (rc != FERRY_OK)
@@ -155,7 +202,8 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
                  FR_MAX_RANKS - 1);
         return FERRY_ERR_INVALID;
     }
-    int rc = nb_setup(&ep, b->peers, b->bytes, &err);
+    nb_gpu_t gpu = {0}, *gp = b->gpu ? &gpu : NULL;
+    int rc = nb_setup(&ep, b->peers, b->bytes, gp, &err);
     if (rc == FERRY_OK && (rc = fr_proxy_start(&ep)) != FERRY_OK)
         snprintf(err.msg, sizeof(err.msg), "%s", ep.err.msg);
     for (int r = 0; rc == FERRY_OK && r < b->warmup + b->rounds; r++) {
@@ -164,8 +212,8 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
             fr_proxy_stats_clear(&ep);
         }
         uint64_t e = (uint64_t)r + 1, t0 = fr_now_ns();
-        if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, &err)) == FERRY_OK)
-            rc = nb_phase(&ep, FR_PH_COMBINE, e, b->bytes, &err);
+        if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, gp, &err)) == FERRY_OK)
+            rc = nb_phase(&ep, FR_PH_COMBINE, e, b->bytes, gp, &err);
         if (rc == FERRY_OK && r >= b->warmup && b->round_us)
             b->round_us[r - b->warmup] = (double)(fr_now_ns() - t0) / 1e3;
     }
@@ -178,6 +226,8 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
     fr_ep_stats_get(&ep, &b->st);
     if (rc != FERRY_OK)
         snprintf(b->err, sizeof(b->err), "%s", err.msg);
+    if (gp)
+        nb_gpu_free(&ep, gp);
     nb_free(&ep);
     return rc;
 }

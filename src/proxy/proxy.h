@@ -34,6 +34,7 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set);
  * and phase), warmup + rounds rounds of dispatch and combine. */
 typedef struct fr_proxy_bench {
     int peers, rounds, warmup;    /* IN */
+    int gpu;                      /* IN: a GPU rank's doorbells (a kernel rings them) */
     uint64_t bytes;               /* IN: each write's length (nothing moves) */
     double *round_us;             /* OUT, optional: [rounds] each timed round */
     ferry_ep_stats_t st;          /* OUT: the proxy's counters, timed rounds */

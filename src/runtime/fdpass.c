@@ -51,19 +51,26 @@ int fr_fdx_listen(fr_fdx_t *x, const char *name, int backlog, fr_err_t *err)
     return FERRY_OK;
 }
 
-int fr_fdx_send(const char *peer_name, int tag, int fd, fr_err_t *err)
+int fr_fdx_send(const char *peer_name, int tag, int fd, long timeout_ms, fr_err_t *err)
 {
     struct sockaddr_un a;
     socklen_t len = fr_fdx_addr(&a, peer_name);
-    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s < 0)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "socket(AF_UNIX): %s", strerror(errno));
-    if (connect(s, (struct sockaddr *)&a, len) != 0) {
+    /* a full backlog answers EAGAIN at once: retried until the bound, so a
+     * listener that never accepts cannot hold this rank forever */
+    uint64_t end = fr_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    while (connect(s, (struct sockaddr *)&a, len) != 0) {
         int e = errno;
+        if ((e == EAGAIN || e == EINTR) && fr_now_ns() < end) {
+            usleep(200);
+            continue;
+        }
         close(s);
-        return FR_ERR(err, FERRY_ERR_SYSTEM,
-                      "connect to @%s: %s (the peer is on another host, or in another "
-                      "network namespace)", peer_name, strerror(e));
+        return FR_ERR(err, e == EAGAIN ? FERRY_ERR_TIMEOUT : FERRY_ERR_SYSTEM,
+                      "connect to @%s: %s (the peer is on another host, in another network "
+                      "namespace, or not listening)", peer_name, strerror(e));
     }
     char cbuf[CMSG_SPACE(sizeof(int))];
     struct iovec iov;
@@ -75,9 +82,18 @@ int fr_fdx_send(const char *peer_name, int tag, int fd, fr_err_t *err)
     c->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(c), &fd, sizeof(int));
     ssize_t n;
-    do
+    for (;;) {
         n = sendmsg(s, &m, MSG_NOSIGNAL);
-    while (n < 0 && errno == EINTR);
+        if (n >= 0)
+            break;
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN && fr_now_ns() < end) {
+            usleep(200);
+            continue;
+        }
+        break;
+    }
     int e = errno;
     close(s); /* what was sent stays queued for the peer's accept */
     if (n != (ssize_t)sizeof(tag))
@@ -103,8 +119,8 @@ int fr_fdx_recv(fr_fdx_t *x, long timeout_ms, int *tag, int *fd, pid_t *pid, uid
             return FR_ERR(err, FERRY_ERR_TIMEOUT,
                           "no file descriptor came to @%s within %ld ms", x->name, timeout_ms);
         struct pollfd p = {x->lfd, POLLIN, 0};
-        int ms = (int)((end - now) / 1000000ull) + 1;
-        (void)poll(&p, 1, ms > 100 ? 100 : ms);
+        uint64_t ms = (end - now) / 1000000ull + 1;
+        (void)poll(&p, 1, ms > 100 ? 100 : (int)ms);
     }
     struct ucred cr;
     socklen_t cl = sizeof(cr);
@@ -116,8 +132,9 @@ int fr_fdx_recv(fr_fdx_t *x, long timeout_ms, int *tag, int *fd, pid_t *pid, uid
     *pid = cr.pid;
     *uid = cr.uid;
     struct pollfd p = {s, POLLIN, 0};
-    long left = (long)((end - fr_now_ns()) / 1000000ull);
-    if (poll(&p, 1, (int)(left < 1 ? 1 : left)) <= 0) {
+    uint64_t now = fr_now_ns();
+    long left = now < end ? (long)((end - now) / 1000000ull) : 0;
+    if (poll(&p, 1, (int)(left < 1 ? 1 : left > 60000 ? 60000 : left)) <= 0) {
         close(s);
         return FR_ERR(err, FERRY_ERR_TIMEOUT, "a connection to @%s sent nothing", x->name);
     }

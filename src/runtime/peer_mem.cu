@@ -118,8 +118,42 @@ typedef struct fr_nvml_fabric {
                                  3 completed */
 } fr_nvml_fabric_t;
 
+/* NVML's answer per device, asked once per process (nvmlInit takes long). */
+#define FR_NVL_DEVS 64
+static struct {
+    int done, res;
+    uint8_t cluster[16];
+    unsigned clique;
+    char why[160];
+} fr_nvl_cache[FR_NVL_DEVS];
+static pthread_mutex_t fr_nvl_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int fr_nvl_query(int device, uint8_t cluster[16], unsigned *clique, char *why,
+                        size_t whylen);
+
 int fr_cuda_nvlink_domain(int device, uint8_t cluster[16], unsigned *clique, char *why,
                           size_t whylen)
+{
+    if (device < 0 || device >= FR_NVL_DEVS)
+        return fr_nvl_query(device, cluster, clique, why, whylen);
+    pthread_mutex_lock(&fr_nvl_lock);
+    if (!fr_nvl_cache[device].done) {
+        fr_nvl_cache[device].res =
+            fr_nvl_query(device, fr_nvl_cache[device].cluster, &fr_nvl_cache[device].clique,
+                         fr_nvl_cache[device].why, sizeof(fr_nvl_cache[device].why));
+        fr_nvl_cache[device].done = 1;
+    }
+    int res = fr_nvl_cache[device].res;
+    memcpy(cluster, fr_nvl_cache[device].cluster, 16);
+    *clique = fr_nvl_cache[device].clique;
+    if (why && whylen)
+        snprintf(why, whylen, "%s", fr_nvl_cache[device].why);
+    pthread_mutex_unlock(&fr_nvl_lock);
+    return res;
+}
+
+static int fr_nvl_query(int device, uint8_t cluster[16], unsigned *clique, char *why,
+                        size_t whylen)
 {
     typedef int (*init_t)(void);
     typedef int (*byid_t)(const char *, void **);
@@ -159,9 +193,15 @@ int fr_cuda_nvlink_domain(int device, uint8_t cluster[16], unsigned *clique, cha
             snprintf(w, sizeof(w), "fabric state: %s%s%s", f.state < 4 ? states[f.state] : "?",
                      f.state == 3 ? ", registration: " : "", f.state == 3 ? str(f.status) : "");
         } else {
-            res = 1;
-            memcpy(cluster, f.cluster, 16);
-            *clique = f.clique;
+            static const unsigned char zero[16] = {0};
+            if (memcmp(f.cluster, zero, 16) == 0) { /* a lone NVSwitch box */
+                res = 0;
+                snprintf(w, sizeof(w), "fabric registered with an all-zero cluster UUID");
+            } else {
+                res = 1;
+                memcpy(cluster, f.cluster, 16);
+                *clique = f.clique;
+            }
         }
         fini();
     }
@@ -303,8 +343,9 @@ int fr_pmem_alloc(int kind, int device, size_t bytes, fr_pmem_t *m, fr_err_t *er
         return fr_cu_fail(err, "cuMemGetAllocationGranularity", r);
     size_t size = (bytes + g - 1) / g * g;
     CUmemGenericAllocationHandle h;
-    if ((r = d->create(&h, size, &p, 0)) != CUDA_SUCCESS && p.allocFlags.gpuDirectRDMACapable) {
-        p.allocFlags.gpuDirectRDMACapable = 0; /* as cudaMalloc's memory */
+    if ((r = d->create(&h, size, &p, 0)) != CUDA_SUCCESS && p.allocFlags.gpuDirectRDMACapable &&
+        (r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_NOT_SUPPORTED)) {
+        p.allocFlags.gpuDirectRDMACapable = 0; /* refused with the flag: as cudaMalloc's */
         r = d->create(&h, size, &p, 0);
     }
     if (r != CUDA_SUCCESS)
@@ -330,7 +371,36 @@ int fr_pmem_alloc(int kind, int device, size_t bytes, fr_pmem_t *m, fr_err_t *er
     return FERRY_OK;
 }
 
+/* A trial's outcome per (kind, device), once per process. */
+static struct {
+    int done, rc;
+    char msg[200];
+} fr_try_cache[3][FR_NVL_DEVS];
+static pthread_mutex_t fr_try_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int fr_pmem_try_once(int kind, int device, fr_err_t *err);
+
 int fr_pmem_try(int kind, int device, fr_err_t *err)
+{
+    int k = kind == FR_PMEM_LEGACY ? 0 : kind == FR_PMEM_VMM ? 1 : 2;
+    if (device < 0 || device >= FR_NVL_DEVS)
+        return fr_pmem_try_once(kind, device, err);
+    pthread_mutex_lock(&fr_try_lock);
+    if (!fr_try_cache[k][device].done) {
+        fr_err_t e = {{0}};
+        fr_try_cache[k][device].rc = fr_pmem_try_once(kind, device, &e);
+        snprintf(fr_try_cache[k][device].msg, sizeof(fr_try_cache[k][device].msg), "%s",
+                 e.msg);
+        fr_try_cache[k][device].done = 1;
+    }
+    int rc = fr_try_cache[k][device].rc;
+    if (rc != FERRY_OK)
+        FR_ERR(err, rc, "%s", fr_try_cache[k][device].msg);
+    pthread_mutex_unlock(&fr_try_lock);
+    return rc;
+}
+
+static int fr_pmem_try_once(int kind, int device, fr_err_t *err)
 {
     fr_pmem_t m;
     uint8_t blob[FR_PMEM_BLOB];

@@ -89,7 +89,8 @@ typedef struct fr_fdx {
     char name[64]; /* without the leading NUL */
 } fr_fdx_t;
 int fr_fdx_listen(fr_fdx_t *x, const char *name, int backlog, fr_err_t *err);
-int fr_fdx_send(const char *peer_name, int tag, int fd, fr_err_t *err);
+/* Bounded by timeout_ms (a listener whose backlog stays full). */
+int fr_fdx_send(const char *peer_name, int tag, int fd, long timeout_ms, fr_err_t *err);
 /* One descriptor, waiting up to timeout_ms: its tag, the descriptor and
  * the sender's pid and uid (SO_PEERCRED). */
 int fr_fdx_recv(fr_fdx_t *x, long timeout_ms, int *tag, int *fd, pid_t *pid, uid_t *uid,

@@ -1,7 +1,8 @@
 /*
  * NVLink domains as nodes (fr_dom_keys): two hosts of one domain become one
  * node when their ranks share a kernel (descriptors) or every rank can use
- * fabric handles; not when one rank cannot (named), when FERRY_NODE_ID is
+ * fabric handles (the whole job one domain); not when one rank cannot
+ * (named), when domains across kernels leave several nodes, when FERRY_NODE_ID is
  * set anywhere, when a rank is outside any domain, or when one host's
  * ranks report different domains (named).
  */
@@ -89,9 +90,18 @@ int main(void)
         snprintf(d[i].fdkey, sizeof(d[i].fdkey), "%.60s", peers[i].node);
         snprintf(d[i].dom, sizeof(d[i].dom), "%s", i < 4 ? "A" : "B");
     }
+    /* ... across kernels: not joined while other nodes remain (segments
+     * with fabric peers stay on legacy IPC), named */
+    CHECK(fr_dom_keys(N, peers, d, keys, &cross, why, sizeof(why)) == 0 && hosts_kept() &&
+              cross == 0,
+          "two domains across kernels");
+    CHECK(strstr(why, "holds every rank") != NULL, "why: %s", why);
+    /* ... on one kernel each (simulated hosts): joined, two nodes */
+    for (int i = 0; i < N; i++)
+        snprintf(d[i].fdkey, sizeof(d[i].fdkey), "box:%d", i / 4);
     CHECK(fr_dom_keys(N, peers, d, keys, &cross, why, sizeof(why)) == 1, "joined");
     CHECK(strcmp(keys[0], keys[3]) == 0 && strcmp(keys[4], keys[7]) == 0 &&
-              strcmp(keys[0], keys[4]) != 0 && cross == 1,
+              strcmp(keys[0], keys[4]) != 0 && cross == 0,
           "two domains: %s %s %s", keys[0], keys[3], keys[4]);
     /* each host a domain of its own: nothing joined */
     setup(0, 1);

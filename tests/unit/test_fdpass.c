@@ -51,7 +51,7 @@ static int child(int i, int go_fd)
     for (int j = 0; j < P; j++) {
         char peer[64];
         name_of(peer, sizeof(peer), j);
-        if (j != i && fr_fdx_send(peer, i, f, &err) != FERRY_OK) {
+        if (j != i && fr_fdx_send(peer, i, f, 10000, &err) != FERRY_OK) {
             fprintf(stderr, "send %d->%d: %s\n", i, j, err.msg);
             return 5;
         }
@@ -121,7 +121,7 @@ int main(void)
     CHECK_RC(fr_fdx_listen(&y, me, 1, &err), FERRY_ERR_SYSTEM);
     fr_fdx_close(&x);
     /* nobody listening there */
-    CHECK_RC(fr_fdx_send(me, 0, 0, &err), FERRY_ERR_SYSTEM);
+    CHECK_RC(fr_fdx_send(me, 0, 0, 100, &err), FERRY_ERR_SYSTEM);
     CHECK(strstr(err.msg, me) != NULL, "msg: %s", err.msg);
     if (fr_test_result() == 0)
         printf("fdpass: %d processes passed descriptors to each other before accepting; "

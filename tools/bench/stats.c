@@ -144,9 +144,12 @@ static void null_print(const opts_t *o, const fr_proxy_bench_t *nb, const pstats
     if (!o->quiet)
         printf("# ferry-bench: the proxy alone, one process, %d simulated fabric peers on the "
                "null transport (writes complete at once, no bytes move: #wrong not checked), "
-               "a request per peer and phase as a CPU rank makes them, %d rounds after %d "
-               "warmup\n#%5s %8s %10s %10s",
-               nb->peers, nb->rounds, nb->warmup, "peers", "bytes", "round_p50", "round_p99");
+               "%s, %d rounds after %d warmup\n#%5s %8s %10s %10s",
+               nb->peers,
+               nb->gpu ? "a kernel ringing a doorbell per peer and phase in host-mapped memory "
+                         "as a GPU rank does"
+                       : "a request per peer and phase as a CPU rank makes them",
+               nb->rounds, nb->warmup, "peers", "bytes", "round_p50", "round_p99");
     if (!o->quiet) {
         stats_header();
         printf(" %7s\n", "#wrong");
@@ -159,7 +162,8 @@ static void null_print(const opts_t *o, const fr_proxy_bench_t *nb, const pstats
 int run_null(const opts_t *o)
 {
     fr_proxy_bench_t nb = {.peers = o->peers, .rounds = o->iters, .warmup = o->warmup,
-                           .bytes = (uint64_t)o->tokens * (uint64_t)o->hidden};
+                           .bytes = (uint64_t)o->tokens * (uint64_t)o->hidden,
+                           .gpu = strcmp(o->device, "cuda") == 0};
     nb.round_us = calloc((size_t)o->iters, sizeof(double));
     if (!nb.round_us)
         return 1;
@@ -189,10 +193,12 @@ int run_null(const opts_t *o)
             free(nb.round_us);
             return 1;
         }
-        fprintf(f, "{\"transport\": \"null\", \"peers\": %d, \"bytes\": %llu, \"iters\": %d, "
+        fprintf(f, "{\"transport\": \"null\", \"device\": \"%s\", \"peers\": %d, "
+                   "\"bytes\": %llu, \"iters\": %d, "
                    "\"round_p50_us\": %.3f, \"round_p99_us\": %.3f, \"checked\": false, "
                    "\"wrong\": null",
-                nb.peers, (unsigned long long)nb.bytes, o->iters, p50, p99);
+                nb.gpu ? "cuda" : "cpu", nb.peers, (unsigned long long)nb.bytes, o->iters, p50,
+                p99);
         stats_json(f, &ps);
         fprintf(f, "}\n");
         fclose(f);

@@ -964,6 +964,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     FR_TR_DECL;
     FR_TR();
     int first = direct ? 1 : 0;
+    bool kept = false; /* the window's counts are in wcnt */
     for (int si = first; si < N; si++) {
         int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
         int l = (si - first) % FR_DR_WIN;
@@ -990,7 +991,12 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                 }
             }
             __syncthreads();
-            for (int f = threadIdx.x; keep && f < nw * El; f += blockDim.x) {
+            /* a window of one sender (the one-launch kernel at 2 ranks, or
+             * the last window when N - first is 1 mod 32) reads its counts
+             * as they are used, without a second barrier; kept is alike in
+             * the block */
+            kept = keep && nw > 1;
+            for (int f = threadIdx.x; kept && f < nw * El; f += blockDim.x) {
                 int j = f / El, le = f - j * El;
                 int sj = si + j, sl = A.rank + sj < N ? A.rank + sj : A.rank + sj - N;
                 wcnt[f] = s_ww[j] == 1 ? ((const int32_t *)(fr_cu_rseg(A, sl) +
@@ -998,7 +1004,8 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                                                             FR_SLICE_HDR))[le]
                                        : 0;
             }
-            __syncthreads();
+            if (kept)
+                __syncthreads();
         }
         int w = s_ww[l];
         if (si == first)
@@ -1012,7 +1019,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
         const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
         for (int le = threadIdx.x; le < El; le += blockDim.x) {
             int b = run[le];
-            uint32_t c = keep ? (uint32_t)wcnt[l * El + le] : srows[le];
+            uint32_t c = kept ? (uint32_t)wcnt[l * El + le] : srows[le];
             base[le] = b;
             run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
         }
