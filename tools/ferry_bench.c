@@ -646,8 +646,8 @@ static int split_nodes(const opts_t *o, int hosts)
     }
     int n = hosts ? o->hosts : o->nodes;
     if (n > size) {
-        fprintf(stderr, "ferry-bench: --%s %d: more than the %d ranks\n",
-                hosts ? "hosts" : "nodes", n, size);
+        fprintf(stderr, "ferry-bench: --%s %d: more %s than the %d ranks\n",
+                hosts ? "hosts" : "nodes", n, hosts ? "hosts" : "nodes", size);
         return 2;
     }
     if (hosts) {
