@@ -25,16 +25,18 @@ static void gpus(void)
         fr_err_t err;
         if (fr_cuda_device_uuid(d, u, &err) != FERRY_OK)
             break;
-        int k = fr_pmem_kinds(d, why, sizeof(why));
         /* what the attributes offer, tried (an IMEX channel or MPS may
-         * still refuse it) */
-        for (int t = FR_PMEM_VMM; t <= FR_PMEM_FABRIC; t <<= 1)
-            if ((k & t) && fr_pmem_try(t, d, &err) != FERRY_OK) {
-                k &= ~t;
-                size_t l = strlen(why);
-                snprintf(why + l, sizeof(why) - l, "%s%s: trial allocation: %.160s",
-                         l ? "; " : "", fr_pmem_name(t), err.msg);
-            }
+         * still refuse it); each reason once */
+        int k = 0;
+        why[0] = 0;
+        for (int t = FR_PMEM_LEGACY; t <= FR_PMEM_FABRIC; t <<= 1) {
+            char w[256];
+            size_t l = strlen(why);
+            if (fr_pmem_usable(t, d, w, sizeof(w)))
+                k |= t;
+            else if (w[0] && !strstr(why, w))
+                snprintf(why + l, sizeof(why) - l, "%s%s", l ? "; " : "", w);
+        }
         printf("  %d: GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x\n", d,
                u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
                u[13], u[14], u[15]);

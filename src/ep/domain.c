@@ -121,13 +121,7 @@ static void fr_dom_mine(fr_dom_t *m)
     }
     if (!m->has)
         return;
-    char why[256] = "";
-    if (!(fr_pmem_kinds(dev, why, sizeof(why)) & FR_PMEM_FABRIC))
-        snprintf(m->why, sizeof(m->why), "%.120s", why);
-    else if (fr_pmem_try(FR_PMEM_FABRIC, dev, &e) != FERRY_OK)
-        snprintf(m->why, sizeof(m->why), "trial allocation: %.100s", e.msg);
-    else
-        m->fabric_ok = 1;
+    m->fabric_ok = fr_pmem_usable(FR_PMEM_FABRIC, dev, m->why, sizeof(m->why));
 }
 
 int fr_ep_domains(ferry_ep_t ep, char (*keys)[FR_NODE_ID_LEN], fr_err_t *err)

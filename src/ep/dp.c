@@ -49,14 +49,14 @@ static uint64_t *fr_dp_word(uint8_t *region, size_t off)
 static int fr_dp_cuda_regions(ferry_ep_t ep, fr_err_t *err)
 {
     fr_dp_t *d = &ep->dp;
-    int N = ep->N, g0 = ep->rank - d->m, dev = -1, kind = 0, same = 1, rc;
+    int N = ep->N, g0 = ep->rank - d->m, dev = -1, kind = 0, rc;
     fr_pmem_t own;
     memset(&own, 0, sizeof(own));
     int st = fr_cuda_device_current(&dev, err);
     d->pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
     if (st == FERRY_OK && !d->pm)
         st = FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
-    if ((rc = fr_ep_pmem_kind(ep, st, dev, NULL, &kind, &same, err)) != FERRY_OK)
+    if ((rc = fr_ep_pmem_kind(ep, st, dev, NULL, &kind, NULL, err)) != FERRY_OK)
         return rc;
     st = fr_pmem_alloc(kind, dev, d->bytes, &own, err);
     if (st != FERRY_OK) {

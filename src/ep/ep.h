@@ -261,7 +261,7 @@ int fr_ep_domains(ferry_ep_t ep, char (*keys)[FR_NODE_ID_LEN], fr_err_t *err);
  * runtime/peer_mem.h). Collective: the kind every rank's segments use,
  * from FERRY_PEER_MEM and what every rank's `device` offers (legacy_only:
  * why this rank's segment must stay on legacy CUDA IPC, else NULL), and
- * the ranks sharing this rank's GPU; a rank whose `status` is not
+ * the ranks sharing this rank's GPU (same_gpu may be NULL); a rank whose `status` is not
  * FERRY_OK still joins and every rank fails naming it. */
 int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_only,
                     int *kind, int *same_gpu, fr_err_t *err);

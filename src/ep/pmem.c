@@ -88,13 +88,8 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
         /* the kind that would be used, tried: attributes can offer what
          * the process may not do */
         int want = asked ? asked : ep->pmem_cross ? FR_PMEM_FABRIC : FR_PMEM_VMM;
-        fr_err_t terr;
-        if (want != FR_PMEM_LEGACY && (mine.kinds & want) &&
-            fr_pmem_try(want, device, &terr) != FERRY_OK) {
+        if ((mine.kinds & want) && !fr_pmem_usable(want, device, mine.why, sizeof(mine.why)))
             mine.kinds &= ~want;
-            snprintf(mine.why, sizeof(mine.why), "%s: trial allocation: %.120s",
-                     fr_pmem_name(want), terr.msg);
-        }
     }
     all = (fr_pmem_vote_t *)calloc((size_t)N, sizeof(*all));
     if (!all)
@@ -156,9 +151,10 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
     }
     if (rc == FERRY_OK) {
         int n = 0;
-        for (int i = 0; i < N; i++)
+        for (int i = 0; same_gpu && i < N; i++)
             n += memcmp(all[i].uuid, mine.uuid, sizeof(mine.uuid)) == 0;
-        *same_gpu = n < 1 ? 1 : n;
+        if (same_gpu)
+            *same_gpu = n < 1 ? 1 : n;
         if (ep->rank == 0) {
             if (*kind == FR_PMEM_LEGACY && !asked && first >= 0)
                 FR_LOG_INFO(FR_SUB_INIT, "peer memory: legacy CUDA IPC (FERRY_PEER_MEM=auto; "

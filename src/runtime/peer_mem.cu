@@ -413,6 +413,20 @@ static int fr_pmem_try_once(int kind, int device, fr_err_t *err)
     return rc;
 }
 
+int fr_pmem_usable(int kind, int device, char *why, size_t whylen)
+{
+    char w[256] = "";
+    fr_err_t e;
+    int ok = (fr_pmem_kinds(device, w, sizeof(w)) & kind) != 0;
+    if (ok && kind != FR_PMEM_LEGACY && fr_pmem_try(kind, device, &e) != FERRY_OK) {
+        ok = 0;
+        snprintf(w, sizeof(w), "%s: trial allocation: %.200s", fr_pmem_name(kind), e.msg);
+    }
+    if (why && whylen)
+        snprintf(why, whylen, "%s", ok ? "" : w);
+    return ok;
+}
+
 int fr_pmem_export(const fr_pmem_t *m, uint8_t blob[FR_PMEM_BLOB], int *fd, fr_err_t *err)
 {
     memset(blob, 0, FR_PMEM_BLOB);

@@ -63,8 +63,12 @@ const char *fr_pmem_name(int kind);
 int fr_pmem_kinds(int device, char *why, size_t whylen);
 /* A trial: the smallest allocation of `kind` made, exported and freed
  * (MPS clients, containers without the descriptor or IMEX channel may
- * refuse what the attributes offer). FERRY_OK, or the error (why). */
+ * refuse what the attributes offer). FERRY_OK, or the error (why). Once
+ * per process, kind and device. */
 int fr_pmem_try(int kind, int device, fr_err_t *err);
+/* 1 when `device` offers `kind` (fr_pmem_kinds) and its trial passes,
+ * else 0 and in `why` the attribute or call that said no. */
+int fr_pmem_usable(int kind, int device, char *why, size_t whylen);
 /* A zeroed allocation of at least `bytes` on `device`, shareable as
  * `kind`. */
 int fr_pmem_alloc(int kind, int device, size_t bytes, fr_pmem_t *m, fr_err_t *err);

@@ -44,6 +44,10 @@ int fr_pmem_try(int kind, int device, fr_err_t *err)
     (void)kind, (void)device;
     return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "device = cuda: this build has no CUDA kernels");
 }
+int fr_pmem_usable(int kind, int device, char *why, size_t whylen)
+{
+    return fr_pmem_kinds(device, why, whylen) & kind;
+}
 int fr_pmem_alloc(int kind, int device, size_t bytes, fr_pmem_t *m, fr_err_t *err)
 {
     (void)kind, (void)device, (void)bytes;

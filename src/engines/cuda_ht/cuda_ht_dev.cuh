@@ -144,10 +144,8 @@ struct fr_cuht_ep {
                                      rank) */
     struct fr_cuht_route *pool[FR_CUHT_POOL]; /* bounded routes' tables */
     int pool_used[FR_CUHT_POOL], pool_next;
-    uint8_t **peer_host;          /* [N] the peers' segments as opened here */
     fr_pmem_t seg_pm;             /* ep->seg (runtime/peer_mem.h) */
-    int share;                    /* ranks on this rank's GPU, >= 1 */
-    fr_pmem_t *peer_pm;           /* [N] what closes the peers' */
+    fr_pmem_t *peer_pm;           /* [N] the node's peers' segments as opened here */
     void *dmem;                   /* device tables: peer[N], ctr, dflag */
     int *err_host;
     void *err_dev;

@@ -79,8 +79,6 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, int kind, fr_err_t
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "num_experts = %d: the high-throughput records hold 16-bit expert ids",
                       G->E);
-    if (kind == 0) /* the vote failed on every rank (fr_cuht_setup) */
-        return FERRY_ERR_INTERNAL;
     /* the segment, of the kind every rank agreed on (fr_cuht_setup) */
     rc = fr_pmem_alloc(kind, c->device, G->seg_bytes, &c->seg_pm, err);
     ep->seg = (uint8_t *)c->seg_pm.ptr;
@@ -130,7 +128,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     const fr_cuht_geo_t *G = &A->G;
     fr_cuht_peer_t *peer = NULL;
     peer = (fr_cuht_peer_t *)calloc((size_t)N, sizeof(*peer));
-    if (!c->peer_host || !peer) {
+    if (!peer) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer tables");
         goto fail;
     }
@@ -148,7 +146,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
             }
             continue;
         }
-        uint8_t *p = ep->path[i] == FR_PATH_SELF ? ep->seg : c->peer_host[i];
+        uint8_t *p = ep->path[i] == FR_PATH_SELF ? ep->seg : (uint8_t *)c->peer_pm[i].ptr;
         q->wnot = q->wword = p;
         q->rword = ep->seg;
         for (int k = 0; k < 2; k++) {
@@ -281,15 +279,14 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
         (void)cudaGetLastError();
         st = FR_ERR(err, FERRY_ERR_SYSTEM, "cuda_ht: cannot read the current device");
     }
-    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
     c->peer_pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
-    if (st == FERRY_OK && (!c->peer_host || !c->peer_pm))
+    if (st == FERRY_OK && !c->peer_pm)
         st = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
     if ((rc = fr_ep_pmem_kind(ep, st, c->device,
                               ep->nfabric > 0 ? "its segment takes fabric peers' writes, "
                                                 "registered with the provider (FI_HMEM)"
                                               : NULL,
-                              &kind, &c->share, err)) != FERRY_OK)
+                              &kind, NULL, err)) != FERRY_OK)
         return rc;
     fr_cuht_msg_t mine, *all = NULL;
     memset(&mine, 0, sizeof(mine));
@@ -314,8 +311,6 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     free(all);
     if (rc == FERRY_OK)
         rc = fr_ep_pmem_share(ep, FERRY_OK, &c->seg_pm, 0, N, c->peer_pm, err);
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        c->peer_host[i] = (uint8_t *)c->peer_pm[i].ptr;
     if (rc == FERRY_OK)
         rc = fr_cuht_tables(ep, c, err);
     if (rc == FERRY_OK)
@@ -334,7 +329,6 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
         for (int i = 0; i < ep->N; i++)
             fr_pmem_close(&c->peer_pm[i]);
     free(c->peer_pm);
-    free(c->peer_host);
     fr_cuht_pool_free(ep);
     fr_pmem_close(&c->seg_pm);
     ep->seg = NULL;

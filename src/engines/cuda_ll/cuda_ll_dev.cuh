@@ -123,8 +123,7 @@ struct fr_cuda_ep {
                                 segment of its own; borrowed (seg, legacy
                                 IPC) where seg is registered with FI_HMEM */
     void *dmem;              /* one device allocation for the tables */
-    uint8_t **peer_host;     /* [N] the peers' segments as opened here */
-    fr_pmem_t *peer_pm;      /* [N] what closes them */
+    fr_pmem_t *peer_pm;      /* [N] the node's peers' segments as opened here */
     int *err_host;
     void *err_dev;
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */

@@ -264,20 +264,14 @@ static int fr_cuda_exchange(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
     int N = ep->N, rc, kind = 0;
     const char *legacy_only = NULL;
     int status = fr_cuda_segment(ep, c, &legacy_only, err);
-    c->peer_host = (uint8_t **)calloc((size_t)N, sizeof(uint8_t *));
     c->peer_pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
-    if (status == FERRY_OK && (!c->peer_host || !c->peer_pm))
+    if (status == FERRY_OK && !c->peer_pm)
         status = FR_ERR(err, FERRY_ERR_NOMEM, "IPC table");
     rc = fr_ep_pmem_kind(ep, status, c->device, legacy_only, &kind, &c->share, err);
     if (rc != FERRY_OK)
         return rc;
     status = fr_cuda_iseg(ep, c, kind, err);
-    if ((rc = fr_ep_pmem_share(ep, status, &c->iseg, 0, N, c->peer_pm, err)) != FERRY_OK)
-        return rc;
-    for (int i = 0; i < N; i++)
-        c->peer_host[i] = ep->path[i] == FR_PATH_SELF ? (c->host_seg ? NULL : ep->seg)
-                                                      : (uint8_t *)c->peer_pm[i].ptr;
-    return FERRY_OK;
+    return fr_ep_pmem_share(ep, status, &c->iseg, 0, N, c->peer_pm, err);
 }
 
 /* Step 3: the device tables (fr_cuda_carve) and what the kernels are
@@ -319,7 +313,7 @@ static int fr_cuda_tables(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_t *err)
     if (!peer)
         return FR_ERR(err, FERRY_ERR_NOMEM, "peer table");
     for (int i = 0; i < N; i++)
-        peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : c->peer_host[i];
+        peer[i] = ep->path[i] == FR_PATH_SELF ? A->seg : (uint8_t *)c->peer_pm[i].ptr;
     e1 = cudaMemcpy(A->peer, peer, sizeof(uint8_t *) * N, cudaMemcpyHostToDevice);
     free(peer);
     FR_CU(e1, err, fail);
@@ -394,7 +388,6 @@ extern "C" void fr_cuda_free(ferry_ep_t ep)
         for (int i = 0; i < ep->N; i++)
             fr_pmem_close(&c->peer_pm[i]);
     free(c->peer_pm);
-    free(c->peer_host);
     if (ep->fab_device >= 0) {
         cudaFree(ep->seg);
         cudaFree(ep->send);
