@@ -257,7 +257,7 @@ static int parse(int argc, char **argv, opts_t *o)
     }
     if (o->hosts < 1) {
         fprintf(stderr, "ferry-bench: --hosts %d: want 1 or more hosts\n", o->hosts);
-        return 2;
+        return -1;
     }
     if (o->nodes < 1) {
         fprintf(stderr, "ferry-bench: --nodes %d: want 1 or more nodes\n", o->nodes);

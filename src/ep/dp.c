@@ -73,12 +73,46 @@ static int fr_dp_cuda_regions(ferry_ep_t ep, fr_err_t *err)
     return FERRY_OK;
 }
 
+/* CPU ranks: this member's region in POSIX shared memory, named to the
+ * others in an allgather, and the members' mapped (collective). */
+static int fr_dp_shm_regions(ferry_ep_t ep, fr_err_t *err)
+{
+    fr_dp_t *d = &ep->dp;
+    int N = ep->N, me = ep->rank, g0 = me - d->m;
+    fr_dp_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
+    memset(&mine, 0, sizeof(mine));
+    if (!all)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
+    mine.name[0] = '/';
+    if (fr_shm_name(mine.name + 1, sizeof(mine.name) - 1, FR_SHM_EP, "g%d-%llx", me,
+                    (unsigned long long)fr_now_ns()) < 0)
+        mine.status = FR_ERR(err, FERRY_ERR_INTERNAL, "dp_size: region name too long");
+    if (mine.status == FERRY_OK) {
+        snprintf(d->name, sizeof(d->name), "%s", mine.name);
+        mine.status = fr_shm_create(d->name, d->bytes, &d->peer[d->m], err);
+    }
+    int rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
+    if (rc == FERRY_OK && mine.status != FERRY_OK)
+        rc = mine.status;
+    for (int i = 0; i < N && rc == FERRY_OK; i++)
+        if (all[i].status != FERRY_OK)
+            rc = FR_ERR(err, all[i].status, "rank %d failed to create its DP group region (%s)",
+                        i, ferry_strerror(all[i].status));
+    for (int j = 0; j < d->G && rc == FERRY_OK; j++) {
+        all[g0 + j].name[sizeof(all[0].name) - 1] = 0;
+        if (j != d->m)
+            rc = fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
+    }
+    free(all);
+    return rc;
+}
+
 int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
 {
     fr_dp_t *d = &ep->dp;
     if (d->G <= 1)
         return FERRY_OK;
-    int N = ep->N, me = ep->rank, G = d->G, g0 = me - d->m;
+    int G = d->G;
     d->share = (d->T + G - 1) / G;
     d->bytes = FR_DP_ROWS + (size_t)d->share * (2 * (size_t)ep->cfg.hidden +
                                                  4 * (size_t)ep->cfg.topk);
@@ -86,43 +120,11 @@ int fr_dp_open(ferry_ep_t ep, fr_err_t *err)
     d->peer = calloc((size_t)G, sizeof(uint8_t *));
     if (!d->peer)
         return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
-    int rc;
-    if (d->cuda) {
-        rc = fr_dp_cuda_regions(ep, err);
-        goto tables;
-    }
-    fr_dp_hello_t mine, *all = calloc((size_t)N, sizeof(*all));
-    memset(&mine, 0, sizeof(mine));
-    if (!all)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "dp_size: region tables");
-    {
-        mine.name[0] = '/';
-        if (fr_shm_name(mine.name + 1, sizeof(mine.name) - 1, FR_SHM_EP, "g%d-%llx", me,
-                        (unsigned long long)fr_now_ns()) < 0)
-            mine.status = FR_ERR(err, FERRY_ERR_INTERNAL, "dp_size: region name too long");
-        if (mine.status == FERRY_OK) {
-            snprintf(d->name, sizeof(d->name), "%s", mine.name);
-            mine.status = fr_shm_create(d->name, d->bytes, &d->peer[d->m], err);
-        }
-    }
-    rc = fr_boot_allgather(ep->comm->boot, &mine, all, sizeof(mine), err);
-    if (rc == FERRY_OK && mine.status != FERRY_OK)
-        rc = mine.status;
-    for (int i = 0; i < N && rc == FERRY_OK; i++)
-        if (all[i].status != FERRY_OK)
-            rc = FR_ERR(err, all[i].status, "rank %d failed to create its DP group region (%s)",
-                        i, ferry_strerror(all[i].status));
-    for (int j = 0; j < G && rc == FERRY_OK; j++) {
-        all[g0 + j].name[sizeof(all[0].name) - 1] = 0;
-        if (j != d->m)
-            rc = fr_shm_map(all[g0 + j].name, d->bytes, &d->peer[j], err);
-    }
-    free(all);
-tables:
+    int rc = d->cuda ? fr_dp_cuda_regions(ep, err) : fr_dp_shm_regions(ep, err);
     if (rc == FERRY_OK && d->cuda) {
         d->cu.G = G;
         d->cu.m = d->m;
-        d->cu.g0 = g0;
+        d->cu.g0 = ep->rank - d->m;
         d->cu.H = ep->cfg.hidden;
         d->cu.K = ep->cfg.topk;
         d->cu.share = d->share;

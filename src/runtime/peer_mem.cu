@@ -212,20 +212,6 @@ static int fr_nvl_query(int device, uint8_t cluster[16], unsigned *clique, char 
     return res;
 }
 
-const char *fr_pmem_name(int kind)
-{
-    switch (kind) {
-    case FR_PMEM_LEGACY:
-        return "legacy";
-    case FR_PMEM_VMM:
-        return "vmm";
-    case FR_PMEM_FABRIC:
-        return "fabric";
-    default:
-        return "none";
-    }
-}
-
 /* A device attribute through the driver (the runtime's enum lacks the
  * VMM ones); 0 when it cannot be read. */
 static int fr_drv_attr(const fr_drv_t *d, int device, CUdevice_attribute a)

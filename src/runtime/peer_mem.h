@@ -87,7 +87,7 @@ void fr_pmem_close(fr_pmem_t *m);
  * connection per descriptor, each carrying an int tag (the sender's rank)
  * and the descriptor (SCM_RIGHTS). A sender does not wait for the
  * receiver to accept, so every rank can send all its descriptors before
- * receiving any. fdpass.c, plain POSIX. */
+ * receiving any. peer_mem_host.c, plain POSIX. */
 typedef struct fr_fdx {
     int lfd;
     char name[64]; /* without the leading NUL */

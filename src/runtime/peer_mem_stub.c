@@ -26,12 +26,6 @@ int fr_cuda_nvlink_domain(int device, uint8_t cluster[16], unsigned *clique, cha
         strncpy(why, "this build has no CUDA", whylen - 1), why[whylen - 1] = 0;
     return -1;
 }
-const char *fr_pmem_name(int kind)
-{
-    return kind == FR_PMEM_LEGACY ? "legacy"
-           : kind == FR_PMEM_VMM  ? "vmm"
-           : kind == FR_PMEM_FABRIC ? "fabric" : "none";
-}
 int fr_pmem_kinds(int device, char *why, size_t whylen)
 {
     (void)device;

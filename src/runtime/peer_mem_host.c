@@ -1,4 +1,6 @@
-/* File descriptors between processes of one host (peer_mem.h: fr_fdx). */
+/* The parts of peer_mem.h that need no CUDA, built with or without it:
+ * the kinds' names and file descriptors between processes of one host
+ * (fr_fdx). */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -9,6 +11,20 @@
 
 #include "runtime/peer_mem.h"
 #include "runtime/rt.h"
+
+const char *fr_pmem_name(int kind)
+{
+    switch (kind) {
+    case FR_PMEM_LEGACY:
+        return "legacy";
+    case FR_PMEM_VMM:
+        return "vmm";
+    case FR_PMEM_FABRIC:
+        return "fabric";
+    default:
+        return "none";
+    }
+}
 
 static socklen_t fr_fdx_addr(struct sockaddr_un *a, const char *name)
 {
