@@ -488,10 +488,11 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_dp(ep, &err), rc, fail);
     int native = 0;
-    /* forward = on across nodes: the GPU-memory fabric path does not
-     * forward; its fabric engine (staged, over the CPU engine) does */
+    /* forward = on across nodes: an engine that cannot forward on its own
+     * fabric path says so in fabric_native, and its fabric engine (staged,
+     * over the CPU engine) forwards */
     int want_fwd = ep->fwd_req == FERRY_FORWARD_ON && ep->nnodes > 1 && ep->nnodes < ep->N;
-    if (ep->nfabric > 0 && ep->eng->fabric_engine && ep->eng->fabric_native && !want_fwd)
+    if (ep->nfabric > 0 && ep->eng->fabric_engine && ep->eng->fabric_native)
         FR_CHECK_GOTO(ep->eng->fabric_native(ep, &native, &err), rc, fail);
     if (ep->nfabric > 0 && ep->eng->fabric_engine && !native) {
         /* the same on every rank: a rank with a peer on another node makes

@@ -299,6 +299,15 @@ int fr_dp_gather(ferry_ep_t ep, void *out, float *w, int T, void *stream, const 
  * when none). */
 int fr_dp_check(ferry_ep_t ep);
 
+/* Forwarding through one rank per node (high-throughput mode): the rank of
+ * node b that source s's tokens for b go through, the one with s's local
+ * index modulo b's size (with equal nodes the same GPU index). */
+static inline int fr_ep_fwd_of(ferry_ep_t ep, int s, int b)
+{
+    int n = ep->node_off[b + 1] - ep->node_off[b];
+    return ep->node_ranks[ep->node_off[b] + ep->node_lidx[s] % n];
+}
+
 /* The EP's asynchronous error (a proxy or fabric thread's), kept when one
  * is already set; the next call reports it. Logged at WARN. */
 #define fr_ep_async_fail(ep, code, peer, ...) \

@@ -245,11 +245,6 @@ uint32_t fr_ht_imm(int kind, int src, uint64_t val);
 
 /* forward.c */
 /* The rank of node b that forwards source s's tokens. */
-static inline int fr_ht_fwd_of(ferry_ep_t ep, int s, int b)
-{
-    int n = ep->node_off[b + 1] - ep->node_off[b];
-    return ep->node_ranks[ep->node_off[b] + ep->node_lidx[s] % n];
-}
 int fr_ht_fwd_setup(ferry_ep_t ep, fr_err_t *err);   /* decides ep->forward */
 void fr_ht_fwd_free(ferry_ep_t ep);
 int fr_ht_fwd_call_init(fr_ht_call_t *c);

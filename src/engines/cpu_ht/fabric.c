@@ -126,8 +126,8 @@ static int fr_ht_on_imm(ferry_ep_t ep, uint32_t imm)
         /* forwarding: records and their credits flow between a rank and
          * its forwarders only; sums and theirs back the other way */
         int me = ep->rank, mn = ep->node_of[me];
-        int i_fwd_s = fr_ht_fwd_of(ep, s, mn) == me;            /* s sends through me */
-        int s_fwd_me = fr_ht_fwd_of(ep, me, ep->node_of[s]) == s; /* I send through s */
+        int i_fwd_s = fr_ep_fwd_of(ep, s, mn) == me;            /* s sends through me */
+        int s_fwd_me = fr_ep_fwd_of(ep, me, ep->node_of[s]) == s; /* I send through s */
         int ok = kind == FR_HT_IMM_DATA || kind == FR_HT_IMM_CCREDIT ? i_fwd_s : s_fwd_me;
         if (!ok)
             return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,

@@ -87,7 +87,7 @@ static void fr_ht_need_all(fr_ht_call_t *c, int combine)
     for (int b = 0; b < ep->nnodes; b++) {
         if (b == mn)
             continue;
-        int f = fr_ht_fwd_of(ep, me, b), n = p->nd_off[b + 1] - p->nd_off[b];
+        int f = fr_ep_fwd_of(ep, me, b), n = p->nd_off[b + 1] - p->nd_off[b];
         if (combine ? c->done_rx[f] < n : c->done_tx[f] < n) {
             c->need[f] = 1; /* and the node's ranks it waits for */
             for (int x = ep->node_off[b]; x < ep->node_off[b + 1]; x++) {
@@ -277,7 +277,7 @@ static int fr_ht_dispatch_rx(fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out
     uint64_t tail = __atomic_load_n(fr_ht_tail(ring), __ATOMIC_ACQUIRE);
     /* the ring's writer: s, or its forwarder on this node */
     int wr = c->ep->forward && c->ep->path[s] == FR_PATH_FABRIC
-                 ? fr_ht_fwd_of(c->ep, s, c->ep->node_of[c->ep->rank])
+                 ? fr_ep_fwd_of(c->ep, s, c->ep->node_of[c->ep->rank])
                  : s;
     if (fr_ht_ring_check(c, "ht_dispatch", wr, 1, tail, st->drx[s]) != FERRY_OK)
         return -1;
@@ -330,7 +330,7 @@ static int fr_ht_dispatch_pass(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in
             /* one stream per remote node, to its forwarder, from the
              * node's first rank in this rotation */
             int b = ep->node_of[d];
-            if (fr_ht_fwd_of(ep, me, b) != d)
+            if (fr_ep_fwd_of(ep, me, b) != d)
                 continue;
             m = fr_ht_fab_dispatch_tx(c, in, d, b);
             n = p->nd_off[b + 1] - p->nd_off[b];
@@ -357,7 +357,7 @@ static int fr_ht_dispatch_pass(fr_ht_call_t *c, const ferry_ht_dispatch_in_t *in
         int s = (me + N - i) % N, m;
         int remote = ep->path[s] == FR_PATH_FABRIC;
         if (fwd && ep->node_of[s] != mn) /* through the forwarder's ring */
-            m = fr_ht_fwd_of(ep, s, mn) == me ? 0 : fr_ht_dispatch_rx(c, out, s);
+            m = fr_ep_fwd_of(ep, s, mn) == me ? 0 : fr_ht_dispatch_rx(c, out, s);
         else
             m = remote ? fr_ht_fab_dispatch_rx(c, out, s) : fr_ht_dispatch_rx(c, out, s);
         if (m < 0 || ep->failed)
@@ -569,7 +569,7 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         int d = me;
         while (cur < nct && rc == FERRY_OK) {
             int x = ep->forward ? fw->ctb[cur] : cur, node = x < 0 ? -x - 1 : -1;
-            d = node >= 0 ? fr_ht_fwd_of(ep, me, node) : x;
+            d = node >= 0 ? fr_ep_fwd_of(ep, me, node) : x;
             int n = node >= 0 ? c.p->nd_off[node + 1] - c.p->nd_off[node]
                               : c.p->dst_off[d + 1] - c.p->dst_off[d];
             if (d == me) { /* own rows, read in place */

@@ -73,12 +73,41 @@ enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE =
        FR_CUHT_WHAT_BADIDX = 10 };
 
 /* Per peer: where the kernels write for it and read what it wrote
- * (accessors below). */
+ * (accessors below). Counter (kind, c) this rank stores for the peer is
+ * at w[kind] + c * csw[kind], the one the peer stores for this rank at
+ * r[kind] + c * csr[kind]: the peer's segment or this one, the outbox
+ * words of a fabric peer, or with forwarding, for a remote source whose
+ * forwarder is another rank of this node, that forwarder's lines. */
 typedef struct fr_cuht_peer {
-    uint8_t *wnot, *wword, *rword;
+    uint8_t *wnot;                /* notify entries this rank writes for the peer */
+    uint8_t *wnid, *rnid;         /* their route numbers: stored, read */
+    uint8_t *w[4], *r[4];
+    unsigned long long csw[4], csr[4];
     uint8_t *ring[2];             /* ring (0, this rank) of each kind */
     unsigned long long stride[2]; /* from ring c to ring c + 1 */
 } fr_cuht_peer_t;
+
+/* Forwarding through one rank per node (G.fwd; docs/architecture.md):
+ * this rank's side of it. */
+typedef struct fr_cuht_fw {
+    int L, j, nf;                 /* this node's ranks, this rank's local index,
+                                     remote sources it forwards for */
+    int node;                     /* this rank's node */
+    const int *node_of, *lidx;    /* [N] a rank's node, its local index there */
+    const int *nrank;             /* [L] the node's ranks by local index */
+    uint8_t *const *nseg;         /* [L] their segments, mapped here */
+    const int *fl;                /* [nf] the sources forwarded here, ascending */
+    const int *fslot;             /* [N] a source's place in fl, else -1 */
+    const int *key;               /* [N] where records for an expert rank go: the
+                                     rank itself in this node, else this
+                                     rank's forwarder in the expert's node */
+    const int *kord;              /* [N] a key's place in the order of sums:
+                                     by node, then rank */
+    unsigned long long *fsent;    /* [C][N][NL] records forwarded into ring (c, s)
+                                     of the node's rank j (cumulative) */
+    unsigned long long *ftake;    /* [C][N][NL] combine records of source s taken
+                                     from local index j's ring here (cumulative) */
+} fr_cuht_fw_t;
 
 /* What every kernel gets (by value). */
 typedef struct fr_cuht_args {
@@ -93,6 +122,7 @@ typedef struct fr_cuht_args {
     const volatile int *abort;    /* host-mapped, set by the fabric thread when
                                      it failed (NULL: no such thread) */
     unsigned long long timeout_ns;
+    fr_cuht_fw_t fw;              /* forwarding (when G.fwd) */
 } fr_cuht_args_t;
 
 /* A route on the device (route->priv's tables). */
@@ -114,6 +144,12 @@ typedef struct fr_cuht_rdev {
                                      to d at [d][chan_lo(c) + i] */
     const int32_t *ccnt;          /* [N][C] own tokens to d per channel */
     const int32_t *rcnt, *rbase;  /* [N][C] rows from s per channel, first row */
+    /* forwarding: ccnt, rtok, dst and dpos are by key (fr_cuht_fw_t.key);
+     * per source forwarded here, its node-level records per channel,
+     * their first index, and the node-relative expert ids of each
+     * ([NF x T][K], kept by the dispatch for the combine) */
+    const int32_t *fcnt, *fbase;  /* [N][C] */
+    int16_t *fids;
 } fr_cuht_rdev_t;
 
 /* The route's result the host reads after its one synchronisation
@@ -147,6 +183,7 @@ struct fr_cuht_ep {
     fr_pmem_t seg_pm;             /* ep->seg (runtime/peer_mem.h) */
     fr_pmem_t *peer_pm;           /* [N] the node's peers' segments as opened here */
     void *dmem;                   /* device tables: peer[N], ctr, dflag */
+    void *fw_mem;                 /* forwarding's tables (a.fw) */
     int *err_host;
     void *err_dev;
     fr_cuht_res_t *res_host;
@@ -180,6 +217,10 @@ typedef struct fr_cuht_route {
     cudaEvent_t done;             /* deferred frees: after its last call */
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
     int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */
+    int32_t *rcc;                 /* device: tokens per (rank, channel), what
+                                     notify sends (ccnt, unless forwarding) */
+    int dispatched;               /* a dispatch ran on it (forwarding: the
+                                     combine needs the dispatch's ids) */
     int slot;                     /* bounded: its place in the pool, else -1 */
     int captured;                 /* made while its stream was captured: a
                                      graph replays into these tables, so
@@ -235,27 +276,34 @@ static __device__ __forceinline__ uint8_t *fr_cuht_wnot(const fr_cuht_args_t &A,
 static __device__ __forceinline__ unsigned long long *fr_cuht_wnotid(const fr_cuht_args_t &A,
                                                                      int d, int parity)
 {
-    return (unsigned long long *)(A.pt[d].wword + fr_cuht_off_notify(A.G, parity, A.G.rank));
+    return (unsigned long long *)(A.pt[d].wnid + fr_cuht_off_notify(A.G, parity, A.G.rank));
 }
 static __device__ __forceinline__ const unsigned long long *
 fr_cuht_rnotid(const fr_cuht_args_t &A, int s, int parity)
 {
-    return (const unsigned long long *)(A.pt[s].rword + fr_cuht_off_notify(A.G, parity, s));
+    return (const unsigned long long *)(A.pt[s].rnid + fr_cuht_off_notify(A.G, parity, s));
 }
 static __device__ __forceinline__ unsigned long long *fr_cuht_wctr(const fr_cuht_args_t &A,
                                                                    int d, int kind, int c)
 {
-    return (unsigned long long *)(A.pt[d].wword + fr_cuht_off_ctr(A.G, kind, c, A.G.rank));
+    const fr_cuht_peer_t &p = A.pt[d];
+    return (unsigned long long *)(p.w[kind] + (unsigned long long)c * p.csw[kind]);
 }
 static __device__ __forceinline__ const unsigned long long *
 fr_cuht_rctr(const fr_cuht_args_t &A, int s, int kind, int c)
 {
-    return (const unsigned long long *)(A.pt[s].rword + fr_cuht_off_ctr(A.G, kind, c, s));
+    const fr_cuht_peer_t &p = A.pt[s];
+    return (const unsigned long long *)(p.r[kind] + (unsigned long long)c * p.csr[kind]);
 }
 static __device__ __forceinline__ uint8_t *fr_cuht_wring(const fr_cuht_args_t &A, int d,
                                                          int combine, int c)
 {
     return A.pt[d].ring[combine] + (unsigned long long)c * A.pt[d].stride[combine];
+}
+/* Forwarding: whether source s's rings here are this rank's to forward. */
+static __device__ __forceinline__ bool fr_cuht_fwd_here(const fr_cuht_args_t &A, int s)
+{
+    return A.G.fwd && A.fw.fslot[s] >= 0;
 }
 
 /* The own copy of counter (kind, c, r). */

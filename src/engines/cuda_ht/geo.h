@@ -28,6 +28,13 @@ typedef struct fr_cuht_geo {
     unsigned long long notify_entry, off_notify, off_ctr, off_drec, off_crec, seg_bytes;
     unsigned long long dhdr, drec, chdr, crec;
     unsigned long long ob_drec, ob_crec, ob_bytes, hdr_bytes;
+    /* forwarding through one rank per node (fwd = 1; docs/architecture.md):
+     * NL ranks in the largest node, NF remote sources a rank forwards for
+     * at most; in every segment the forwarded dispatch heads [C][N][NL]
+     * and combine tails [C][N][NL] (a line each, stored by the node's
+     * destinations) and the forwarded combine rings [C][NF][NL][RT] */
+    int fwd, NL, NF;
+    unsigned long long off_fhead, off_fctail, off_fcring;
 } fr_cuht_geo_t;
 
 /* Byte offsets in a segment. */
@@ -45,6 +52,20 @@ FR_HD unsigned long long fr_cuht_geo_ring(const fr_cuht_geo_t *G, int combine, i
     unsigned long long rec = combine ? G->crec : G->drec;
     return (combine ? G->off_crec : G->off_drec) +
            ((unsigned long long)c * G->N + r) * (unsigned long long)G->RT * rec;
+}
+/* Forwarding: the line of (channel c, remote source s, local index j). */
+FR_HD unsigned long long fr_cuht_geo_fline(const fr_cuht_geo_t *G, int combine, int c, int s,
+                                           int j)
+{
+    return (combine ? G->off_fctail : G->off_fhead) +
+           (((unsigned long long)c * G->N + s) * G->NL + j) * FR_CUHT_LINE;
+}
+/* Forwarding: the combine ring at a forwarder where its node's rank of
+ * local index j writes the rows of the forwarder's slot-th remote source. */
+FR_HD unsigned long long fr_cuht_geo_fcring(const fr_cuht_geo_t *G, int c, int slot, int j)
+{
+    return G->off_fcring +
+           (((unsigned long long)c * G->NF + slot) * G->NL + j) * G->RT * G->crec;
 }
 /* Ring c in an outbox. */
 FR_HD unsigned long long fr_cuht_geo_obring(const fr_cuht_geo_t *G, int combine, int c)

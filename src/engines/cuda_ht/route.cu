@@ -50,9 +50,15 @@
  * bitmap per warp and rank (bit l: lane l's token goes there) and the
  * running count per rank, so the work per token is O(K + warps) whatever
  * the number of ranks. */
+/* With forwarding it runs twice: by rank (kmap NULL: idx, dcnt, bad and
+ * the counts notify sends; dst, dpos and rtok NULL), then by key (kmap:
+ * an expert's rank to the rank its records go to, kord the order of
+ * sums; dst, dpos, rtok and ccnt for the senders and the combine; idx,
+ * dcnt and bad NULL). */
 __global__ void __launch_bounds__(FR_RL_THREADS)
-fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32_t *dst,
-               int32_t *dpos, int32_t *rtok, int32_t *ccnt, int32_t *dcnt, int32_t *bad)
+fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, const int *kord,
+               int32_t *idx, int32_t *dst, int32_t *dpos, int32_t *rtok, int32_t *ccnt,
+               int32_t *dcnt, int32_t *bad)
 {
     const fr_cuht_geo_t &G = A.G;
     int N = G.N, K = G.K, El = G.El, c = blockIdx.x;
@@ -76,25 +82,31 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
                 for (int j = 0; j < k && ok && e >= 0; j++)
                     ok = row[j] != e;
                 if (!ok) {
-                    atomicMin(bad, t * K + k);
+                    if (bad)
+                        atomicMin(bad, t * K + k);
                     e = -1;
                 }
-                idx[(size_t)t * K + k] = (int32_t)e;
+                if (idx)
+                    idx[(size_t)t * K + k] = (int32_t)e;
                 if (e < 0)
                     continue;
                 int d = (int)(e / El), j = nd;
-                atomicAdd(&dcnt[(size_t)d * El + (int)(e % El)], 1);
+                if (dcnt)
+                    atomicAdd(&dcnt[(size_t)d * El + (int)(e % El)], 1);
+                if (kmap)
+                    d = kmap[d];
                 bool dup = false;
                 for (int q = 0; q < nd; q++)
                     dup = dup || dl[q] == d;
                 if (dup)
                     continue;
-                for (; j > 0 && dl[j - 1] > d; j--) /* kept ascending */
+                /* kept ascending (by kord with forwarding) */
+                for (; j > 0 && (kord ? kord[dl[j - 1]] > kord[d] : dl[j - 1] > d); j--)
                     dl[j] = dl[j - 1];
                 dl[j] = d;
                 nd++;
             }
-            for (int k = 0; k < K; k++)
+            for (int k = 0; dst && k < K; k++)
                 dst[(size_t)t * K + k] = k < nd ? dl[k] : -1;
         }
         for (int k = 0; k < nd; k++)
@@ -107,8 +119,10 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
             for (int w = 0; w < warp; w++)
                 pos += __popc(bits[w][d]);
             pos += __popc(bits[warp][d] & ((1u << lane) - 1u));
-            dpos[(size_t)t * K + k] = pos;
-            rtok[(size_t)d * T + t0 + pos] = t;
+            if (dpos)
+                dpos[(size_t)t * K + k] = pos;
+            if (rtok)
+                rtok[(size_t)d * T + t0 + pos] = t;
         }
         __syncthreads();
         /* the chunk's last token to d adds the chunk's count */
@@ -142,10 +156,14 @@ typedef struct fr_cuht_nout {
     int32_t *nrecv_out, *ecnt_out; /* the caller's, or NULL */
 } fr_cuht_nout_t;
 
+/* ccnt: this rank's tokens per (rank, channel); with forwarding kcnt its
+ * records per (key, channel), which a remote key (a forwarder) learns as
+ * fc[C], and fcnt / fbase the records per (source, channel) that come
+ * here to be forwarded, and the first of each. */
 __global__ void __launch_bounds__(FR_RN_THREADS)
 fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
-               const int32_t *dcnt, const int32_t *bad, int32_t *rcnt, int32_t *rbase,
-               fr_cuht_nout_t o)
+               const int32_t *kcnt, const int32_t *dcnt, const int32_t *bad, int32_t *rcnt,
+               int32_t *rbase, int32_t *fcnt, int32_t *fbase, fr_cuht_nout_t o)
 {
     const fr_cuht_geo_t &G = A.G;
     /* the route number: counted here, on the device, so that a replayed
@@ -171,6 +189,11 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
             cc[i] = isbad ? 0 : ccnt[(size_t)d * C + i];
         for (int i = threadIdx.x; i < El; i += blockDim.x)
             ec[i] = isbad ? 0 : dcnt[(size_t)d * El + i];
+        if (G.fwd) { /* a remote key forwards these */
+            bool key = A.fw.key[d] == d && A.fw.node_of[d] != A.fw.node;
+            for (int i = threadIdx.x; i < C; i += blockDim.x)
+                ec[El + i] = isbad || !key ? 0 : kcnt[(size_t)d * C + i];
+        }
         if (threadIdx.x == 0) {
             int n = 0;
             for (int i = 0; i < C; i++)
@@ -254,6 +277,20 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         if (i == C && sum != n)
             fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, sum);
         stot[s] = n;
+        if (G.fwd) { /* records to forward: only from the sources forwarded here */
+            const volatile int32_t *fc = cc + C + El;
+            int here = A.fw.fslot[s] >= 0, fsum = 0;
+            for (i = 0; i < C; i++) {
+                int v = fc[i];
+                if (v < 0 || (v > 0 && !here) || v > G.T - fsum) {
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, C + El + i);
+                    break;
+                }
+                fcnt[(size_t)s * C + i] = v;
+                fbase[(size_t)s * C + i] = fsum;
+                fsum += v;
+            }
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -369,10 +406,14 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     if (fr_cuht(ep)->defer) /* every block of one size, so that any is reused */
         T = G->T;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
+    /* with forwarding also: the counts by rank (ccnt is by key), the
+     * records to forward and their first index, their expert ids */
+    size_t nf = G->fwd ? 1 : 0, fids = nf * 2 * (size_t)G->NF * (size_t)G->T * K;
     size_t sz[] = {4 * t * K, 4 * t * K, 4 * t * K, 4 * N * C, 4 * N * (size_t)G->El,
-                   4 * N * C, 4 * N * C, 16, 4 * N * t, 16};
-    size_t off[10], tot = 0;
-    for (int i = 0; i < 10; i++) {
+                   4 * N * C, 4 * N * C, 16, 4 * N * t, 16,
+                   nf * 4 * N * C, nf * 4 * N * C, nf * 4 * N * C, fids};
+    size_t off[14], tot = 0;
+    for (int i = 0; i < 14; i++) {
         off[i] = tot;
         tot += (sz[i] + 255) & ~(size_t)255;
     }
@@ -420,6 +461,10 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     p->r.nrecv = (const int32_t *)(b + off[9] + 8);
     p->ccnt = *ccnt;
     p->dcnt = *dcnt;
+    p->rcc = G->fwd ? (int32_t *)(b + off[10]) : p->ccnt;
+    p->r.fcnt = G->fwd ? (const int32_t *)(b + off[11]) : NULL;
+    p->r.fbase = G->fwd ? (const int32_t *)(b + off[12]) : NULL;
+    p->r.fids = G->fwd ? (int16_t *)(b + off[13]) : NULL;
     return FERRY_OK;
 }
 
@@ -538,12 +583,22 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
         }
         cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
         cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
-        fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
-            c->a, T, in->topk_idx, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
-            (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
-        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(c->a, c->rseq, ccnt, dcnt, p->bad,
-                                                    (int32_t *)p->r.rcnt,
-                                                    (int32_t *)p->r.rbase, o);
+        if (!G->fwd) {
+            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+                c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
+                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
+        } else { /* by rank for the counts, by key for the records */
+            const fr_cuht_fw_t *fw = &c->a.fw;
+            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+                c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, NULL, NULL, NULL,
+                p->rcc, dcnt, p->bad);
+            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+                c->a, T, in->topk_idx, fw->key, fw->kord, NULL, (int32_t *)p->r.dst,
+                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, NULL, NULL);
+        }
+        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
+            c->a, c->rseq, p->rcc, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
+            (int32_t *)p->r.rbase, (int32_t *)p->r.fcnt, (int32_t *)p->r.fbase, o);
         rc = fr_cuht_launch_check(ep, "route_create");
         fr_cuht_route_used(route, st);
     }

@@ -15,8 +15,50 @@ static unsigned long long fr_cuht_align(unsigned long long v, unsigned long long
     return (v + a - 1) / a * a;
 }
 
+/* Forwarding through one rank per node on this engine's fabric path
+ * (docs/architecture.md): asked for (config.forward, FERRY_HT_FORWARD: on,
+ * or auto), the ranks in more than one node and not every rank alone, and
+ * what the records can say: node-relative expert ids in 16 bits, a node's
+ * ranks in one warp's lanes. 1 with the largest node (NL) and the most
+ * remote sources a rank forwards for (NF); 0, with why when asked but
+ * impossible. The same on every rank (the node tables and the config are). */
+static int fr_cuht_fwd_plan(const ferry_ep_t ep, int *NL, int *NF, char *why, size_t n)
+{
+    int N = ep->N, M = ep->nnodes, El = ep->cfg.num_experts / N;
+    *NL = *NF = 0;
+    if (why && n)
+        why[0] = 0;
+    if (ep->fwd_req == FERRY_FORWARD_OFF || M < 2 || M >= N || ep->nfabric == 0)
+        return 0;
+    for (int b = 0; b < M; b++) {
+        int sz = ep->node_off[b + 1] - ep->node_off[b];
+        *NL = sz > *NL ? sz : *NL;
+    }
+    if (*NL > 32 || (long)*NL * El > 32767) {
+        if (why)
+            snprintf(why, n, "a node of %d ranks: forwarding on GPU ranks takes nodes of at "
+                     "most 32 ranks and %d experts", *NL, 32767);
+        *NL = 0;
+        return 0;
+    }
+    int *cnt = (int *)calloc((size_t)N, sizeof(int));
+    if (!cnt) {
+        if (why)
+            snprintf(why, n, "out of memory");
+        return 0;
+    }
+    for (int s = 0; s < N; s++)
+        for (int b = 0; b < M; b++)
+            if (b != ep->node_of[s])
+                cnt[fr_ep_fwd_of(ep, s, b)]++;
+    for (int f = 0; f < N; f++)
+        *NF = cnt[f] > *NF ? cnt[f] : *NF;
+    free(cnt);
+    return 1;
+}
+
 /* The segment's geometry from the config (every rank computes the same). */
-static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int RT)
+static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int RT, int NL, int NF)
 {
     const ferry_ep_config_t *cfg = &ep->cfg;
     memset(G, 0, sizeof(*G));
@@ -29,7 +71,11 @@ static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int R
     G->T = cfg->max_tokens;
     G->C = C;
     G->RT = RT;
-    G->notify_entry = fr_cuht_align(16 + 4ull * C + 4ull * G->El, 128);
+    G->fwd = NL > 0;
+    G->NL = NL;
+    G->NF = NF;
+    /* with forwarding the entry also holds the records to forward per channel */
+    G->notify_entry = fr_cuht_align(16 + 4ull * C + 4ull * G->El + (G->fwd ? 4ull * C : 0), 128);
     G->off_notify = 0;
     G->off_ctr = fr_cuht_align(2ull * G->N * G->notify_entry, 4096);
     /* a dispatch record holds a bf16 row or an fp8 row with its scales */
@@ -40,6 +86,14 @@ static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int R
     G->off_drec = fr_cuht_align(G->off_ctr + 4ull * C * G->N * FR_CUHT_LINE, 4096);
     G->off_crec = fr_cuht_align(G->off_drec + (unsigned long long)C * G->N * RT * G->drec, 4096);
     G->seg_bytes = fr_cuht_align(G->off_crec + (unsigned long long)C * G->N * RT * G->crec, 4096);
+    if (G->fwd) { /* forwarding's lines and combine rings (geo.h) */
+        unsigned long long lines = (unsigned long long)C * G->N * NL * FR_CUHT_LINE;
+        G->off_fhead = G->seg_bytes;
+        G->off_fctail = fr_cuht_align(G->off_fhead + lines, 4096);
+        G->off_fcring = fr_cuht_align(G->off_fctail + lines, 4096);
+        G->seg_bytes = fr_cuht_align(G->off_fcring + (unsigned long long)C * NF * NL * RT *
+                                     G->crec, 4096);
+    }
     /* a fabric peer's outbox and host-mapped words (geo.h) */
     G->ob_drec = G->off_ctr;
     G->ob_crec = fr_cuht_align(G->ob_drec + (unsigned long long)C * RT * G->drec, 4096);
@@ -120,6 +174,79 @@ fail:
     return rc;
 }
 
+/* Forwarding's device tables (fr_cuht_fw_t), in one allocation. */
+static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
+{
+    const fr_cuht_geo_t *G = &c->a.G;
+    fr_cuht_fw_t *fw = &c->a.fw;
+    int N = ep->N, me = ep->rank, node = ep->node_of[me];
+    int L = ep->node_off[node + 1] - ep->node_off[node];
+    size_t nctr = (size_t)G->C * N * G->NL;
+    /* ints: nrank[L], fl[N], fslot[N], key[N], kord[N], node_of[N], lidx[N];
+     * then the segments [L]; then fsent and ftake */
+    size_t ni = (size_t)L + 6 * (size_t)N, o_seg = (ni * 4 + 15) & ~(size_t)15;
+    size_t o_ctr = o_seg + (size_t)L * sizeof(uint8_t *), bytes = o_ctr + 2 * nctr * 8;
+    uint8_t *h = (uint8_t *)calloc(1, bytes);
+    if (!h)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "forwarding tables");
+    int *nrank = (int *)h, *fl = nrank + L, *fslot = fl + N, *key = fslot + N,
+        *kord = key + N, *nodeof = kord + N, *lix = nodeof + N;
+    uint8_t **nseg = (uint8_t **)(h + o_seg);
+    int nf = 0, ord = 0;
+    for (int j = 0; j < L; j++) {
+        int r = ep->node_ranks[ep->node_off[node] + j];
+        nrank[j] = r;
+        nseg[j] = r == me ? ep->seg : (uint8_t *)c->peer_pm[r].ptr;
+    }
+    for (int s = 0; s < N; s++) {
+        fslot[s] = -1;
+        nodeof[s] = ep->node_of[s];
+        lix[s] = ep->node_lidx[s];
+        if (ep->node_of[s] != node && fr_ep_fwd_of(ep, s, node) == me) {
+            fslot[s] = nf;
+            fl[nf++] = s;
+        }
+        key[s] = ep->node_of[s] == node ? s : fr_ep_fwd_of(ep, me, ep->node_of[s]);
+    }
+    for (int b = 0; b < ep->nnodes; b++) /* sums by node, then rank */
+        for (int i = ep->node_off[b]; i < ep->node_off[b + 1]; i++)
+            kord[ep->node_ranks[i]] = ord++;
+    int rc = FERRY_OK;
+    void *d = NULL;
+    cudaError_t e = cudaMalloc(&d, bytes);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(d, h, o_ctr, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess)
+        e = cudaMemset((uint8_t *)d + o_ctr, 0, 2 * nctr * 8);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (d)
+            cudaFree(d);
+        rc = FR_ERR(err, FERRY_ERR_NOMEM, "forwarding tables: %s", cudaGetErrorString(e));
+    } else {
+        int *di = (int *)d;
+        c->fw_mem = d;
+        fw->L = L;
+        fw->j = ep->node_lidx[me];
+        fw->nf = nf;
+        fw->node = node;
+        fw->nrank = di;
+        fw->fl = di + L;
+        fw->fslot = di + L + N;
+        fw->key = di + L + 2 * N;
+        fw->kord = di + L + 3 * N;
+        fw->node_of = di + L + 4 * N;
+        fw->lidx = di + L + 5 * N;
+        fw->nseg = (uint8_t *const *)((uint8_t *)d + o_seg);
+        fw->fsent = (unsigned long long *)((uint8_t *)d + o_ctr);
+        fw->ftake = fw->fsent + nctr;
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: forwarding between %d nodes: this rank forwards "
+                    "for %d remote ranks, %d channels forward", ep->nnodes, nf, G->C);
+    }
+    free(h);
+    return rc;
+}
+
 /* Peers' segments, the device tables and the host-mapped words. */
 static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
 {
@@ -134,26 +261,59 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     }
     for (int i = 0; i < N; i++) {
         fr_cuht_peer_t *q = &peer[i];
+        uint8_t *w, *r; /* the words this rank stores for i, and i for this rank */
+        unsigned long long line = (unsigned long long)N * FR_CUHT_LINE;
         if (ep->path[i] == FR_PATH_FABRIC) { /* the outbox and words of geo.h */
             int g = ep->group_index[i];
             uint8_t *ob = ep->send + (size_t)g * G->ob_bytes;
             q->wnot = ob;
-            q->wword = (uint8_t *)c->hm_out_dev + (size_t)g * G->hdr_bytes;
-            q->rword = (uint8_t *)c->hm_in_dev;
+            w = (uint8_t *)c->hm_out_dev + (size_t)g * G->hdr_bytes;
+            r = (uint8_t *)c->hm_in_dev;
             for (int k = 0; k < 2; k++) {
                 q->ring[k] = ob + fr_cuht_geo_obring(G, k, 0);
                 q->stride[k] = (unsigned long long)G->RT * (k ? G->crec : G->drec);
             }
-            continue;
+        } else {
+            uint8_t *p = ep->path[i] == FR_PATH_SELF ? ep->seg : (uint8_t *)c->peer_pm[i].ptr;
+            q->wnot = w = p;
+            r = ep->seg;
+            for (int k = 0; k < 2; k++) {
+                q->ring[k] = p + fr_cuht_geo_ring(G, k, 0, ep->rank);
+                q->stride[k] = (unsigned long long)N * G->RT * (k ? G->crec : G->drec);
+            }
         }
-        uint8_t *p = ep->path[i] == FR_PATH_SELF ? ep->seg : (uint8_t *)c->peer_pm[i].ptr;
-        q->wnot = q->wword = p;
-        q->rword = ep->seg;
-        for (int k = 0; k < 2; k++) {
-            q->ring[k] = p + fr_cuht_geo_ring(G, k, 0, ep->rank);
-            q->stride[k] = (unsigned long long)N * G->RT * (k ? G->crec : G->drec);
+        q->wnid = w;
+        q->rnid = r;
+        for (int k = 0; k < 4; k++) {
+            q->w[k] = w + fr_cuht_geo_ctr(G, k, 0, ep->rank);
+            q->r[k] = r + fr_cuht_geo_ctr(G, k, 0, i);
+            q->csw[k] = q->csr[k] = line;
+        }
+        int f = G->fwd && ep->node_of[i] != ep->node_of[ep->rank]
+                    ? fr_ep_fwd_of(ep, i, ep->node_of[ep->rank]) : ep->rank;
+        if (f != ep->rank) {
+            /* a remote source whose forwarder f is another rank of this
+             * node: its dispatch records come from f (tail stored here by
+             * f, head to f's line), its combine rows go to f (a ring, a
+             * tail line at f, the head stored here by f) */
+            uint8_t *fs = (uint8_t *)c->peer_pm[f].ptr;
+            int j = ep->node_lidx[ep->rank], slot = 0;
+            for (int s = 0; s < i; s++) /* i's place among f's remote sources */
+                slot += ep->node_of[s] != ep->node_of[f] &&
+                        fr_ep_fwd_of(ep, s, ep->node_of[f]) == f;
+            unsigned long long fline = (unsigned long long)N * G->NL * FR_CUHT_LINE;
+            q->r[FR_CUHT_DTAIL] = ep->seg + fr_cuht_geo_ctr(G, FR_CUHT_DTAIL, 0, i);
+            q->w[FR_CUHT_DHEAD] = fs + fr_cuht_geo_fline(G, 0, 0, i, j);
+            q->csw[FR_CUHT_DHEAD] = fline;
+            q->ring[1] = fs + fr_cuht_geo_fcring(G, 0, slot, j);
+            q->stride[1] = (unsigned long long)G->NF * G->NL * G->RT * G->crec;
+            q->w[FR_CUHT_CTAIL] = fs + fr_cuht_geo_fline(G, 1, 0, i, j);
+            q->csw[FR_CUHT_CTAIL] = fline;
+            q->r[FR_CUHT_CHEAD] = ep->seg + fr_cuht_geo_ctr(G, FR_CUHT_CHEAD, 0, i);
         }
     }
+    if (G->fwd && (rc = fr_cuht_fw_tables(ep, c, err)) != FERRY_OK)
+        goto fail;
     {
         size_t nctr = 4 * (size_t)A->G.C * N;
         size_t o_ctr = ((size_t)N * sizeof(fr_cuht_peer_t) + 255) & ~(size_t)255;
@@ -263,8 +423,26 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
     if (C < 0)
         return FERRY_ERR_SYSTEM; /* err says why; every rank failed with it */
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
-    int RT = fr_cuht_ring_tokens(ep);
-    fr_cuht_geo_init(&c->a.G, ep, C, RT);
+    int RT = fr_cuht_ring_tokens(ep), NL = 0, NF = 0;
+    char why[160];
+    /* forwarding: half the blocks forward (num_sms stays the SM budget) */
+    if (ep->fab_device >= 0 && fr_cuht_fwd_plan(ep, &NL, &NF, why, sizeof(why))) {
+        if (C < 2 && ep->fwd_req == FERRY_FORWARD_ON)
+            return FR_ERR(err, FERRY_ERR_UNSUPPORTED, "forward = on: a GPU rank forwards "
+                          "with half its blocks and has %d (num_sms, or the GPU's SMs over "
+                          "the ranks sharing it)", C);
+        if (C < 2) {
+            FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: no forwarding between nodes: 1 block per "
+                        "rank (forwarding takes half of them)");
+            NL = NF = 0;
+        } else {
+            C /= 2;
+        }
+    } else if (why[0]) {
+        FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: no forwarding between nodes: %s", why);
+    }
+    fr_cuht_geo_init(&c->a.G, ep, C, RT, NL, NF);
+    ep->forward = c->a.G.fwd;
     ep->L.seg_bytes = c->a.G.seg_bytes; /* what ferry_ep_get_layout reports */
     ep->L.send_bytes = 0; /* the outboxes, with fabric peers (fr_cuht_local) */
     /* A rank whose checks or segment failed still joins the exchanges with
@@ -352,6 +530,8 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
         fr_cuda_host_free(c->fab.abort);
     if (c->dmem)
         cudaFree(c->dmem);
+    if (c->fw_mem)
+        cudaFree(c->fw_mem);
     if (c->err_host)
         fr_cuda_host_free(c->err_host);
     if (c->res_host)
@@ -489,6 +669,14 @@ extern "C" int fr_cuht_fabric_native(ferry_ep_t ep, int *native, fr_err_t *err)
     if (mine.status == FERRY_OK && h.ok &&
         fr_cuht_fab_fmt(ep->N, fr_cuht_ring_tokens(ep), &fmt, h.why, sizeof(h.why)) != 0)
         h.ok = 0;
+    if (mine.status == FERRY_OK && h.ok && ep->fwd_req == FERRY_FORWARD_ON) {
+        int nl, nfs; /* forwarding asked for, and this engine cannot: the staged one does */
+        char w[160];
+        if (!fr_cuht_fwd_plan(ep, &nl, &nfs, w, sizeof(w)) && w[0]) {
+            h.ok = 0;
+            snprintf(h.why, sizeof(h.why), "forward = on: %s", w);
+        }
+    }
     if (mine.status == FERRY_OK && h.ok && ep->cfg.num_experts > 32767) {
         h.ok = 0;
         snprintf(h.why, sizeof(h.why), "num_experts = %d (this engine takes at most 32767)",

@@ -150,7 +150,8 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
                                                    const fr_cuht_rdev_t &R,
                                                    const fr_cuht_io_t &io, int d, int i,
                                                    int row0, const int32_t *tok_of,
-                                                   uint8_t *rec, int32_t flags)
+                                                   uint8_t *rec, int32_t flags,
+                                                   const int *nof, const int *lix)
 {
     int lane = threadIdx.x & 31, K = F.K, El = F.El, nsc = F.nsc;
     size_t rowb = F.rowb, hdr = F.hdr;
@@ -172,10 +173,16 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
             ((int32_t *)rec)[1] = flags;
         }
         if (lane < K) {
-            int e = R.idx[(size_t)tok * K + lane];
-            bool loc = e >= 0 && e / El == d;
-            ((int16_t *)(rec + 8))[lane] = (int16_t)(loc ? e % El : -1);
-            ((float *)(rec + woff))[lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
+            /* d's local expert ids; a node-level record for a forwarder d
+             * (nof set): ids relative to d's node (local index x El +
+             * local expert) */
+            int e = R.idx[(size_t)tok * K + lane], le = -1;
+            if (e >= 0 && !nof && e / El == d)
+                le = e % El;
+            else if (e >= 0 && nof && nof[e / El] == nof[d])
+                le = lix[e / El] * El + e % El;
+            ((int16_t *)(rec + 8))[lane] = (int16_t)le;
+            ((float *)(rec + woff))[lane] = le >= 0 && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
         }
         for (int q = lane; q < nsc; q += 32)
             ((float *)(rec + hdr + rowb))[q] = io.xs[tok * io.xs0 + q * io.xs1];
@@ -198,10 +205,13 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                                     const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
+    if (COMB && fr_cuht_fwd_here(A, d)) /* its rows go with the forwarded sums */
+        return;
     const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, COMB);
     int C = G.C;
     bool lead = fr_cuht_lead(g);
     int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
+    const int *nof = !COMB && G.fwd && A.fw.node_of[d] != A.fw.node ? A.fw.node_of : NULL;
     int row0 = COMB ? R.rbase[(size_t)d * C + c] : 0;
     const int32_t *tok_of = R.rtok + (size_t)d * R.T + fr_cuht_chan_lo(R.T, C, c);
     unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
@@ -245,7 +255,8 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
         }
         for (int k = g.j; k < m; k += g.P)
             fr_cuht_put<COMB, U>(F, R, io, d, i0 + k, row0, tok_of,
-                                 ring + ((sent + (unsigned long long)k) % RT) * recb, flags);
+                                 ring + ((sent + (unsigned long long)k) % RT) * recb, flags,
+                                 nof, A.fw.lidx);
     }
     fr_cuht_gbar(g);
     if (lead) {
@@ -365,6 +376,8 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                                      const fr_cuht_grp_t &g)
 {
     const fr_cuht_geo_t &G = A.G;
+    if (fr_cuht_fwd_here(A, s)) /* a forward block passes them on (fr_cuht_dfwd) */
+        return;
     const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, false);
     int C = G.C;
     bool lead = fr_cuht_lead(g);
@@ -498,7 +511,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
         d[q] = -1;
         n[q] = done[q] = 0;
         st[q] = head[q] = 0;
-        if (r < N - 1) {
+        if (r < N - 1 && !(COMB && fr_cuht_fwd_here(A, (me + 1 + r) % N))) {
             d[q] = (me + 1 + r) % N;
             n[q] = COMB ? R.rcnt[(size_t)d[q] * C + c] : R.ccnt[(size_t)d[q] * C + c];
             st[q] = *fr_cuht_my_ctr(A, kind, c, d[q]);
@@ -555,10 +568,12 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                 uint8_t *ring = fr_cuht_wring(A, dd, COMB, c);
                 int row0 = COMB ? R.rbase[(size_t)dd * C + c] : 0;
                 const int32_t *tok_of = R.rtok + (size_t)dd * R.T + fr_cuht_chan_lo(R.T, C, c);
+                const int *nof =
+                    !COMB && G.fwd && A.fw.node_of[dd] != A.fw.node ? A.fw.node_of : NULL;
                 for (int k = 0; k < mm; k++)
                     fr_cuht_put<COMB, U>(F, R, io, dd, i0 + k, row0, tok_of,
                                          ring + ((sent + (unsigned long long)k) % RT) * recb,
-                                         flags);
+                                         flags, nof, A.fw.lidx);
                 __syncwarp(); /* the step's records before its tail */
                 if (lane == L) {
                     done[q] += mm;
@@ -596,7 +611,7 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
         s[q] = -1;
         n[q] = taken[q] = 0;
         st[q] = tail[q] = 0;
-        if (r < N) {
+        if (r < N && !(r < N - 1 && fr_cuht_fwd_here(A, (me + N - 1 - r) % N))) {
             s[q] = r == N - 1 ? me : (me + N - 1 - r) % N;
             n[q] = r == N - 1 ? R.ccnt[(size_t)me * C + c] : R.rcnt[(size_t)s[q] * C + c];
             if (r < N - 1)
@@ -687,6 +702,254 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
             *fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s[q]) = st[q] + (unsigned long long)n[q];
 }
 
+/* ---------------------------------------------------------------------- */
+/* forwarding through one rank per node                                   */
+
+/* A forward block's warps wait on one ring of one source at a time, and
+ * take the sources forwarded here one after the other, in ascending
+ * order (every rank of the node writes its combine rows for them in that
+ * order): each wait is for data or room that moves without this warp
+ * (a source's senders and a destination's receivers serve their own
+ * rings), so no wait closes a cycle. */
+
+/* The warp's stop check while it polls: true when it must leave (the
+ * context failed, or nothing moved for the timeout, which it reports
+ * naming `who`). */
+static __device__ __forceinline__ bool fr_cuht_fwd_stop(const fr_cuht_args_t &A,
+                                                        unsigned int *pass,
+                                                        unsigned long long t0, int who, int what)
+{
+    if ((++*pass & 63u) != 0)
+        return false;
+    int stop = 0;
+    if ((threadIdx.x & 31) == 0) {
+        stop = fr_cuht_failed(A) ? 1 : fr_sys_timer() - t0 > A.timeout_ns ? 2 : 0;
+        if (stop == 2)
+            fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
+    }
+    return __shfl_sync(FR_FULL, stop, 0) != 0;
+}
+
+/* The step's records' masks of this node's ranks (lane k < m: record k's
+ * node-relative ids at ids[k * K], or -1 from the record when `rec` is
+ * set, checked), and per local index j (lane j) how many of them go
+ * there. false after a bad record, which fails the context naming s. */
+static __device__ __forceinline__ bool fr_cuht_fwd_masks(const fr_cuht_args_t &A, int s, int m,
+                                                         int K, int El, int L,
+                                                         const int16_t *ids, unsigned *mask,
+                                                         int *cnt)
+{
+    int lane = threadIdx.x & 31, bad = 0;
+    unsigned mk = 0;
+    if (lane < m) {
+        for (int k = 0; k < K; k++) {
+            int e = ids[(size_t)lane * K + k];
+            if (e < -1 || e >= L * El)
+                bad = 1;
+            else if (e >= 0)
+                mk |= 1u << (e / El);
+        }
+        bad |= mk == 0; /* a record forwarded to no rank */
+    }
+    unsigned bm = __ballot_sync(FR_FULL, bad);
+    if (bm) {
+        if (lane == __ffs(bm) - 1)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_RECORD, -1);
+        return false;
+    }
+    int n = 0;
+    for (int j = 0; j < L; j++) {
+        unsigned b = __ballot_sync(FR_FULL, (mk >> j) & 1u);
+        if (lane == j)
+            n = __popc(b);
+    }
+    *mask = mk;
+    *cnt = n;
+    return true;
+}
+
+/* Dispatch (one warp of a forward block): source s's node-level records of
+ * channel c, which land in ring (c, s) here over the fabric, passed on in
+ * order: into ring (c, s) of each rank of this node that holds one of the
+ * token's experts (that rank's expert ids and weights, as s would have
+ * written them), and for this rank straight into its rows. Each step
+ * takes what landed (at most 32 records, at most a ring), once every
+ * destination ring has room for the step's records to it; the
+ * node-relative ids are kept for the combine (R.fids). Lane j < L keeps
+ * the node's rank j: records forwarded into its ring, its head seen. */
+template <int U>
+static __device__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                    const fr_cuht_io_t &io, int c, int s)
+{
+    const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fw_t &fw = A.fw;
+    const fr_cuht_fmt_t F = fr_cuht_fmt(G, io, false);
+    int lane = threadIdx.x & 31, C = G.C, K = F.K, El = F.El, L = fw.L, mj = fw.j, nsc = F.nsc;
+    unsigned long long RT = (unsigned long long)G.RT;
+    size_t drec = G.drec, hdr = F.hdr, rowb = F.rowb, woff = F.woff;
+    int n = R.fcnt[(size_t)s * C + c], nmine = R.rcnt[(size_t)s * C + c];
+    size_t row0 = (size_t)R.rbase[(size_t)s * C + c];
+    int16_t *ids = R.fids + ((size_t)fw.fslot[s] * G.T + R.fbase[(size_t)s * C + c]) * K;
+    const uint8_t *ring = A.seg + fr_cuht_off_ring(G, 0, c, s);
+    const unsigned long long *tailw = fr_cuht_rctr(A, s, FR_CUHT_DTAIL, c);
+    unsigned long long *headw = fr_cuht_wctr(A, s, FR_CUHT_DHEAD, c);
+    unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_DHEAD, c, s);
+    unsigned long long start = *mine, tail = start;
+    size_t fi = ((size_t)c * G.N + s) * G.NL;
+    unsigned long long sent = 0, head = 0;
+    uint8_t *dring = NULL;
+    unsigned long long *dtail = NULL;
+    const unsigned long long *dhead = NULL;
+    if (lane < L && lane != mj) {
+        uint8_t *seg = fw.nseg[lane];
+        sent = fw.fsent[fi + lane];
+        head = sent > RT ? sent - RT : 0; /* never more than a ring outstanding */
+        dring = seg + fr_cuht_off_ring(G, 0, c, s);
+        dtail = (unsigned long long *)(seg + fr_cuht_off_ctr(G, FR_CUHT_DTAIL, c, s));
+        dhead = (const unsigned long long *)(A.seg + fr_cuht_geo_fline(&G, 0, c, s, lane));
+    }
+    int32_t flags = fr_ht_flags(io.fp8, R.id);
+    int taken = 0, own = 0;
+    while (taken < n) {
+        int ok = 1;
+        if (lane == 0 && tail <= start + (unsigned long long)taken) {
+            ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1, s,
+                                 FR_CUHT_WHAT_DISPATCH, &tail);
+            if (ok && tail > start + (unsigned long long)taken + RT) { /* more than fits */
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN,
+                             (int)(tail - start - taken - RT));
+                ok = 0;
+            }
+        }
+        if (!__shfl_sync(FR_FULL, ok, 0))
+            return;
+        unsigned long long av = __shfl_sync(FR_FULL, tail, 0) - start - (unsigned long long)taken;
+        int m = n - taken;
+        m = av < (unsigned long long)m ? (int)av : m;
+        m = m < 32 ? m : 32;
+        m = (unsigned long long)m < RT ? m : (int)RT;
+        /* the records' headers and ids (kept for the combine), checked */
+        int bad = 0;
+        if (lane < m) {
+            const uint8_t *rec = ring + ((start + taken + lane) % RT) * drec;
+            int fl = __ldcg((const int32_t *)rec + 1), tok = __ldcg((const int32_t *)rec);
+            if (tok < 0 || tok >= G.T)
+                bad = FR_CUHT_WHAT_RECORD;
+            else if (((unsigned)fl >> 8 & 0xffu) != (R.id & 0xffu))
+                bad = FR_CUHT_WHAT_ORDER;
+            else if ((fl & 1) != io.fp8)
+                bad = FR_CUHT_WHAT_DTYPE;
+            for (int k = 0; k < K; k++)
+                ids[(size_t)(taken + lane) * K + k] = __ldcg((const short *)(rec + 8) + k);
+        }
+        unsigned bm = __ballot_sync(FR_FULL, bad != 0);
+        if (bm) {
+            if (lane == __ffs(bm) - 1)
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, bad, taken + lane);
+            return;
+        }
+        __syncwarp();
+        unsigned mask;
+        int cnt;
+        if (!fr_cuht_fwd_masks(A, s, m, K, El, L, ids + (size_t)taken * K, &mask, &cnt))
+            return;
+        /* room in every destination ring for its records of the step */
+        unsigned long long t0 = fr_sys_timer();
+        unsigned int pass = 0;
+        for (;;) {
+            bool need = dhead && sent + (unsigned long long)cnt - head > RT;
+            int over = 0;
+            if (need && fr_sys_ld_relaxed(dhead) > head) {
+                unsigned long long h = fr_sys_ld_acquire(dhead);
+                over = h > sent;
+                head = h;
+                need = sent + (unsigned long long)cnt - head > RT;
+            }
+            unsigned ob = __ballot_sync(FR_FULL, over);
+            if (ob) { /* taken more than was forwarded */
+                if (lane == __ffs(ob) - 1)
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, fw.nrank[lane], FR_CUHT_WHAT_OVERRUN, 0);
+                return;
+            }
+            unsigned nb = __ballot_sync(FR_FULL, need);
+            if (!nb)
+                break;
+            if (fr_cuht_fwd_stop(A, &pass, t0, fw.nrank[__ffs(nb) - 1], FR_CUHT_WHAT_DISPATCH))
+                return;
+        }
+        __syncwarp(); /* the heads' acquires before the slots are rewritten */
+        /* the records in order; lane j keeps its destination's next slot */
+        unsigned long long at = sent;
+        for (int k = 0; k < m; k++) {
+            unsigned mk = __shfl_sync(FR_FULL, mask, k);
+            const uint8_t *rec = ring + ((start + taken + k) % RT) * drec;
+            int tok = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec), 0);
+            int e = lane < K ? ids[(size_t)(taken + k) * K + lane] : -1;
+            float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
+            while (mk) {
+                int j = __ffs(mk) - 1;
+                mk &= mk - 1;
+                bool loc = e >= 0 && e / El == j;
+                if (j == mj) { /* this rank's row */
+                    if (own >= nmine) { /* more than s said (alike in every lane) */
+                        if (lane == 0)
+                            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, own);
+                        return;
+                    }
+                    size_t row = row0 + (size_t)own;
+                    fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + hdr, rowb);
+                    for (int q = lane; q < nsc; q += 32)
+                        io.rxs[row * nsc + q] = __ldcg((const float *)(rec + hdr + rowb) + q);
+                    if (lane < K && io.ridx)
+                        io.ridx[row * K + lane] = loc ? e % El : -1;
+                    if (lane < K && io.rw)
+                        io.rw[row * K + lane] = loc ? w : 0.f;
+                    if (lane == 0 && io.rsr)
+                        io.rsr[row] = s;
+                    if (lane == 0 && io.rst)
+                        io.rst[row] = tok;
+                    own++;
+                } else { /* into ring (c, s) of the node's rank j */
+                    unsigned long long slot = __shfl_sync(FR_FULL, at, j);
+                    uint8_t *dr = (uint8_t *)__shfl_sync(FR_FULL, (unsigned long long)dring, j) +
+                                  (slot % RT) * drec;
+                    if (lane == 0) {
+                        ((int32_t *)dr)[0] = tok;
+                        ((int32_t *)dr)[1] = flags;
+                    }
+                    if (lane < K) {
+                        ((int16_t *)(dr + 8))[lane] = (int16_t)(loc ? e % El : -1);
+                        ((float *)(dr + woff))[lane] = loc ? w : 0.f;
+                    }
+                    fr_warp_copy16u<U, true>(dr + hdr, rec + hdr, rowb);
+                    for (int q = lane; q < nsc; q += 32)
+                        ((float *)(dr + hdr + rowb))[q] =
+                            __ldcg((const float *)(rec + hdr + rowb) + q);
+                    if (lane == j)
+                        at++;
+                }
+            }
+        }
+        __syncwarp(); /* the step's records before the tails */
+        if (dtail && cnt > 0) {
+            sent += (unsigned long long)cnt;
+            fr_cuht_publish(dtail, sent);
+        }
+        taken += m;
+        if (lane == 0) /* the node-level slots go back to s */
+            fr_cuht_publish(headw, start + (unsigned long long)taken);
+    }
+    if (own != nmine) { /* s said this rank gets nmine of its rows */
+        if (lane == 0)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, own);
+        return;
+    }
+    if (lane == 0)
+        *mine = start + (unsigned long long)n;
+    if (dhead)
+        fw.fsent[fi + lane] = sent;
+}
+
 /* Warps per ring when a role's W warps serve `rings` rings: W / rings
  * each (the rest idle when rings does not divide W). */
 template <int W>
@@ -719,6 +982,11 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     __syncthreads();
     if (dead) /* the context failed earlier: nothing moves */
         return;
+    if (A.G.fwd && c >= A.G.C) { /* a forward block: the sources forwarded here */
+        for (int i = warp; i < A.fw.nf; i += 2 * W)
+            fr_cuht_dfwd<U>(A, R, io, c - A.G.C, A.fw.fl[i]);
+        return;
+    }
     int role = warp < W ? 0 : 1, rings = role == 0 && N > 1 ? N - 1 : N;
     if (MANY && rings > W) { /* each warp serves several rings, waiting on none */
         int S = FR_CUHT_STEP < A.G.RT ? FR_CUHT_STEP : A.G.RT;
@@ -939,8 +1207,9 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                         w += slot(q);
                 } else { /* the row of the rank of expert `lane` */
                     int e = R.idx[(size_t)t * K + lane];
+                    int ek = e < 0 ? -1 : G.fwd ? A.fw.key[e / El] : e / El;
                     for (int q = 0; e >= 0 && q < np; q++)
-                        if (dl[q] == e / El)
+                        if (dl[q] == ek)
                             w = slot(q);
                 }
                 io.rw[(size_t)t * K + lane] = w;
@@ -967,6 +1236,205 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 sbase[d] + (unsigned long long)R.ccnt[(size_t)d * C + c];
 }
 
+/* Combine (one warp of a forward block): for source s's node-level records
+ * of channel c, in order (their node-relative ids kept by the dispatch),
+ * the rows of this node's ranks that the token went to (this rank's from
+ * y, the others' from their rings (c, s) here, each in the order of its
+ * rows from s), summed in fp32 in rank order and rounded once, go to s
+ * as one combine record: its place among the node-level records, the
+ * route, the slot weights of this node's experts (summed over the rows
+ * with weights_sum). A step is at most what s's combine takes beside a
+ * batch (as a sender's) and at most a batch (what the node's senders
+ * leave room for), and waits for its rows. Lane j < L keeps the
+ * node's rank j: rows taken from its ring here. */
+template <int U>
+static __device__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+                                    const fr_cuht_io_t &io, int c, int s)
+{
+    const fr_cuht_geo_t &G = A.G;
+    const fr_cuht_fw_t &fw = A.fw;
+    int lane = threadIdx.x & 31, C = G.C, K = G.K, El = G.El, L = fw.L, mj = fw.j, H = G.H;
+    unsigned long long RT = (unsigned long long)G.RT;
+    size_t crec = G.crec, chdr = G.chdr;
+    int n = R.fcnt[(size_t)s * C + c], nmine = R.rcnt[(size_t)s * C + c];
+    size_t row0 = (size_t)R.rbase[(size_t)s * C + c];
+    int slot = fw.fslot[s];
+    const int16_t *ids = R.fids + ((size_t)slot * G.T + R.fbase[(size_t)s * C + c]) * K;
+    uint8_t *oring = fr_cuht_wring(A, s, 1, c);
+    unsigned long long *tailw = fr_cuht_wctr(A, s, FR_CUHT_CTAIL, c);
+    const unsigned long long *headw = fr_cuht_rctr(A, s, FR_CUHT_CHEAD, c);
+    unsigned long long *mine = fr_cuht_my_ctr(A, FR_CUHT_CTAIL, c, s);
+    unsigned long long sent0 = *mine, head = sent0 > RT ? sent0 - RT : 0;
+    size_t fi = ((size_t)c * G.N + s) * G.NL;
+    /* lane j: rows of rank j taken (cumulative; tk0 at this call's start),
+     * its tail seen, its ring here, where its head goes */
+    unsigned long long tk = 0, tk0 = 0, tl = 0;
+    const uint8_t *jring = NULL;
+    const unsigned long long *jtail = NULL;
+    unsigned long long *jhead = NULL;
+    if (lane < L && lane != mj) {
+        tk = tk0 = tl = fw.ftake[fi + lane];
+        jring = A.seg + fr_cuht_geo_fcring(&G, c, slot, lane);
+        jtail = (const unsigned long long *)(A.seg + fr_cuht_geo_fline(&G, 1, c, s, lane));
+        jhead = (unsigned long long *)(fw.nseg[lane] + fr_cuht_off_ctr(G, FR_CUHT_CHEAD, c, s));
+    }
+    /* a step: what s's combine takes beside a batch (as a sender's), and
+     * at most a batch of any rank's rows here (whose senders' steps are
+     * sized for a batch's need) */
+    int B = fr_cuht_cbatch(G.RT), room = G.RT + 1 - B;
+    int S = room < B ? room : B, own = 0, H8 = H / 8;
+    S = S < 32 ? S : 32;
+    for (int i0 = 0; i0 < n;) {
+        int m = n - i0 < S ? n - i0 : S;
+        unsigned long long sent = sent0 + (unsigned long long)i0;
+        int ok = 1;
+        if (lane == 0 && sent + (unsigned long long)m - head > RT) { /* room at s */
+            ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT, s,
+                                 FR_CUHT_WHAT_COMBINE, &head);
+            if (ok && head > sent) {
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN, (int)(head - sent));
+                ok = 0;
+            }
+        }
+        if (!__shfl_sync(FR_FULL, ok, 0))
+            return;
+        unsigned mask;
+        int cnt;
+        if (!fr_cuht_fwd_masks(A, s, m, K, El, L, ids + (size_t)i0 * K, &mask, &cnt))
+            return;
+        /* the step's rows of every rank in */
+        unsigned long long t0 = fr_sys_timer();
+        unsigned int pass = 0;
+        for (;;) {
+            bool need = jtail && tl < tk + (unsigned long long)cnt;
+            int over = 0;
+            if (need && fr_sys_ld_relaxed(jtail) > tl) {
+                tl = fr_sys_ld_acquire(jtail);
+                over = tl > tk + RT; /* more than the room it was given */
+                need = tl < tk + (unsigned long long)cnt;
+            }
+            unsigned ob = __ballot_sync(FR_FULL, over);
+            if (ob) {
+                if (lane == __ffs(ob) - 1)
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, fw.nrank[lane], FR_CUHT_WHAT_OVERRUN, 0);
+                return;
+            }
+            unsigned nb = __ballot_sync(FR_FULL, need);
+            if (!nb)
+                break;
+            if (fr_cuht_fwd_stop(A, &pass, t0, fw.nrank[__ffs(nb) - 1], FR_CUHT_WHAT_COMBINE))
+                return;
+        }
+        __syncwarp();
+        for (int k = 0; k < m; k++) {
+            unsigned mk = __shfl_sync(FR_FULL, mask, k);
+            int e = lane < K ? ids[(size_t)(i0 + k) * K + lane] : -1;
+            /* lane q < np: the q-th row (local index order), checked */
+            int np = __popc(mk), bad = 0, jq = 0;
+            const uint8_t *rp = NULL;
+            const float *wp = NULL;
+            {
+                unsigned rest = mk;
+                for (int q = 0; rest; q++) {
+                    int j = __ffs(rest) - 1;
+                    rest &= rest - 1;
+                    unsigned long long pos = __shfl_sync(FR_FULL, tk, j);
+                    unsigned long long p0 = __shfl_sync(FR_FULL, tk0, j);
+                    const uint8_t *jr =
+                        (const uint8_t *)__shfl_sync(FR_FULL, (unsigned long long)jring, j);
+                    if (lane == q) {
+                        jq = j;
+                        if (j == mj) {
+                            if (own >= nmine)
+                                bad = FR_CUHT_WHAT_COUNTS;
+                            size_t row = row0 + (size_t)own;
+                            rp = io.x + row * 2 * (size_t)H;
+                            wp = io.w ? io.w + row * K : NULL;
+                        } else {
+                            const uint8_t *rec = jr + (pos % RT) * crec;
+                            if (__ldcg((const int32_t *)rec) != (int)(pos - p0) ||
+                                __ldcg((const uint32_t *)rec + 1) != R.id)
+                                bad = FR_CUHT_WHAT_RECORD;
+                            rp = rec + chdr;
+                            wp = (const float *)(rec + 8);
+                        }
+                    }
+                    if (lane == j)
+                        tk++;
+                }
+                if (mk >> mj & 1u)
+                    own++;
+            }
+            unsigned bm = __ballot_sync(FR_FULL, bad != 0);
+            if (bm) {
+                int j = __shfl_sync(FR_FULL, jq, __ffs(bm) - 1);
+                if (lane == 0)
+                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, j == mj ? s : fw.nrank[j],
+                                 FR_CUHT_WHAT_RECORD, i0 + k);
+                return;
+            }
+            uint8_t *orec = oring + ((sent + (unsigned long long)k) % RT) * crec;
+            for (int h0 = 0; h0 < H8; h0 += 32) { /* every lane in every pass (shuffles) */
+                int h = h0 + lane;
+                float acc[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    acc[i] = 0.f;
+                for (int q = 0; q < np; q++) { /* rank order, fp32 */
+                    const int4 *p = (const int4 *)__shfl_sync(FR_FULL, (unsigned long long)rp, q);
+                    if (h < H8) {
+                        int4 v = __ldcg(p + h);
+                        const uint16_t *y = (const uint16_t *)&v;
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            acc[i] += fr_bf16_to_f32(y[i]);
+                    }
+                }
+                if (h < H8) {
+                    int4 o;
+                    uint16_t *ov = (uint16_t *)&o;
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        ov[i] = fr_f32_to_bf16(acc[i]);
+                    ((int4 *)(orec + chdr))[h] = o;
+                }
+            }
+            /* the slot weights: summed, or the row of the slot's rank */
+            float w = 0.f;
+            for (int q = 0; q < np; q++) {
+                const float *p = (const float *)__shfl_sync(FR_FULL, (unsigned long long)wp, q);
+                int j = __shfl_sync(FR_FULL, jq, q);
+                float v = p && lane < K ? __ldcg(p + lane) : 0.f;
+                if (io.wsum)
+                    w += v;
+                else if (e >= 0 && e / El == j && p)
+                    w = v;
+            }
+            if (lane == 0) {
+                ((int32_t *)orec)[0] = i0 + k; /* its place among the node-level records */
+                ((uint32_t *)orec)[1] = R.id;
+            }
+            if (lane < K)
+                ((float *)(orec + 8))[lane] = w;
+        }
+        __syncwarp(); /* the step's rows read and records written */
+        if (jtail && tk > tk0 && cnt > 0) /* the rows' slots go back */
+            fr_cuht_publish(jhead, tk);
+        i0 += m;
+        if (lane == 0)
+            fr_cuht_publish(tailw, sent0 + (unsigned long long)i0);
+    }
+    if (own != nmine) {
+        if (lane == 0)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, own);
+        return;
+    }
+    if (lane == 0)
+        *mine = sent0 + (unsigned long long)n;
+    if (jtail)
+        fw.ftake[fi + lane] = tk;
+}
+
 template <int W, bool MANY>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
@@ -980,6 +1448,11 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     __syncthreads();
     if (dead)
         return;
+    if (A.G.fwd && c >= A.G.C) { /* a forward block: the sources forwarded here */
+        for (int i = warp; i < A.fw.nf; i += 2 * W)
+            fr_cuht_cfwd<U>(A, R, io, c - A.G.C, A.fw.fl[i]);
+        return;
+    }
     if (MANY && warp < W && N - 1 > W) { /* each warp serves several rings, waiting on none */
         int room = A.G.RT + 1 - fr_cuht_cbatch(A.G.RT);
         fr_cuht_send_many<true, U>(A, R, io, c, warp, W,
@@ -1050,12 +1523,14 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     if ((rc = fr_ahead_wait(ep, &c->ahead, c->ncomb, in->stream, call, fr_cuht_check)))
         return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
+    int nb = c->a.G.fwd ? 2 * c->a.G.C : c->a.G.C; /* forward blocks after the channels' */
     if (ep->N <= 8)
-        fr_cuht_dispatch_k<8, false><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<8, false><<<nb, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else if (ep->N <= 16)
-        fr_cuht_dispatch_k<16, false><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<16, false><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_dispatch_k<16, true><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<16, true><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    p->dispatched = 1;
     fr_cuht_pad_rows(route, out, in->stream);
     fr_cuht_route_used(route, in->stream);
     return fr_cuht_launch_check(ep, call);
@@ -1085,13 +1560,20 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     io.rx = (uint8_t *)out->out;
     io.rw = out->topk_weights;
     io.wsum = in->weights_sum != 0;
+    if (c->a.G.fwd && !p->dispatched) /* alike on every rank: calls are collective */
+        return fr_ep_fail(ep, FERRY_ERR_STATE,
+                          "ht_combine: route %llu has had no ht_dispatch; with forwarding "
+                          "between nodes a combine follows a dispatch on its route (the "
+                          "forwarders keep what the dispatch routed)",
+                          (unsigned long long)route->id);
     cudaStream_t st = (cudaStream_t)in->stream;
+    int nb = c->a.G.fwd ? 2 * c->a.G.C : c->a.G.C;
     if (ep->N <= 8)
-        fr_cuht_combine_k<8, false><<<c->a.G.C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<8, false><<<nb, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
     else if (ep->N <= 16)
-        fr_cuht_combine_k<16, false><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<16, false><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_combine_k<16, true><<<c->a.G.C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<16, true><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_route_used(route, in->stream);
     rc = fr_cuht_launch_check(ep, call);
     /* after the launch check: a failed record clears CUDA's last error */
