@@ -259,14 +259,17 @@ fr_cuht_off_ring(const fr_cuht_geo_t &G, int combine, int c, int r)
 }
 
 /* Where this rank writes for peer d and reads what d wrote (the peer
- * table: d's segment through CUDA IPC, or for a peer on the fabric path
- * the outbox and host-mapped words of geo.h):
+ * table: d's segment through peer memory, or for a peer on the fabric
+ * path the outbox and host-mapped words of geo.h; with forwarding, for a
+ * remote source whose forwarder is another rank of this node, its
+ * dispatch head and combine ring, tail and head at that forwarder):
  *   wnot(d)      d's notify entry [parity][this rank], its contents
- *   wword(d)     the words this rank stores for d: that entry's route
- *                number and the counters [kind][c][this rank]
- *   rword(s)     the words s stores for this rank: the route number of
- *                entry [parity][s] and counters [kind][c][s] (the entry's
- *                contents and the rings are always in the own segment)
+ *   wnotid(d)    that entry's route number, stored here
+ *   rnotid(s)    the route number of entry [parity][s] that s stores
+ *   wctr(d, k, c)  counter (kind k, channel c) this rank stores for d
+ *   rctr(s, k, c)  the one s (or its forwarder) stores for this rank
+ *                (the entries' contents and the rings this rank reads are
+ *                always in the own segment)
  *   wring(d, k, c)  ring (c, this rank) of kind k that d reads */
 static __device__ __forceinline__ uint8_t *fr_cuht_wnot(const fr_cuht_args_t &A, int d,
                                                         int parity)

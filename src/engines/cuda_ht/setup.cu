@@ -103,12 +103,19 @@ static void fr_cuht_geo_init(fr_cuht_geo_t *G, const ferry_ep_t ep, int C, int R
 
 /* Records per (channel, peer) ring: ring_tokens, or by default enough to
  * keep the links busy between publications, fewer as N grows so the
- * segment stays bounded (cuda_ht_dev.cuh). */
+ * segment stays bounded (cuda_ht_dev.cuh). With forwarding a rank's
+ * traffic to another node goes through one ring per node, so the budget
+ * is shared by the rings of a node's ranks and one per other node
+ * (rings of 46 records at 4 nodes of 8 where 32 ranks flat get 16; the
+ * same 8 as flat at 1024 ranks). */
 static int fr_cuht_ring_tokens(const ferry_ep_t ep)
 {
     if (ep->cfg.ring_tokens > 0)
         return ep->cfg.ring_tokens;
-    int RT = FR_CUHT_RING_BUDGET / ep->N;
+    int NL, NF, rings = ep->N;
+    if (fr_cuht_fwd_plan(ep, &NL, &NF, NULL, 0))
+        rings = NL + ep->nnodes - 1;
+    int RT = FR_CUHT_RING_BUDGET / rings;
     return RT < FR_CUHT_RING_MIN ? FR_CUHT_RING_MIN : RT > FR_CUHT_RING_MAX ? FR_CUHT_RING_MAX : RT;
 }
 

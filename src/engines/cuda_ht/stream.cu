@@ -63,6 +63,7 @@
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
 #define FR_FULL 0xffffffffu
+#define FR_CUHT_FSUM 4 /* a forwarder's combine: vectors of each row in flight per lane */
 
 /* Pointers of one dispatch or combine call (device memory). */
 typedef struct fr_cuht_io {
@@ -1374,29 +1375,47 @@ static __device__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_
                 return;
             }
             uint8_t *orec = oring + ((sent + (unsigned long long)k) % RT) * crec;
-            for (int h0 = 0; h0 < H8; h0 += 32) { /* every lane in every pass (shuffles) */
-                int h = h0 + lane;
-                float acc[8];
+            /* the rows' pointers through shared memory; then U vectors of
+             * each row in flight per lane, rows in rank order, fp32 */
+            __shared__ const int4 *fsp[32][32];
+            const int4 **sp = fsp[threadIdx.x >> 5];
+            if (lane < np)
+                sp[lane] = (const int4 *)rp;
+            __syncwarp();
+            for (int h0 = lane; h0 < H8; h0 += 32 * FR_CUHT_FSUM) {
+                float acc[FR_CUHT_FSUM][8];
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    acc[i] = 0.f;
-                for (int q = 0; q < np; q++) { /* rank order, fp32 */
-                    const int4 *p = (const int4 *)__shfl_sync(FR_FULL, (unsigned long long)rp, q);
-                    if (h < H8) {
-                        int4 v = __ldcg(p + h);
-                        const uint16_t *y = (const uint16_t *)&v;
-#pragma unroll
-                        for (int i = 0; i < 8; i++)
-                            acc[i] += fr_bf16_to_f32(y[i]);
-                    }
-                }
-                if (h < H8) {
-                    int4 o;
-                    uint16_t *ov = (uint16_t *)&o;
+                for (int u = 0; u < FR_CUHT_FSUM; u++)
 #pragma unroll
                     for (int i = 0; i < 8; i++)
-                        ov[i] = fr_f32_to_bf16(acc[i]);
-                    ((int4 *)(orec + chdr))[h] = o;
+                        acc[u][i] = 0.f;
+                for (int q = 0; q < np; q++) {
+                    const int4 *p = sp[q];
+                    int4 v[FR_CUHT_FSUM];
+#pragma unroll
+                    for (int u = 0; u < FR_CUHT_FSUM; u++)
+                        if (h0 + 32 * u < H8)
+                            v[u] = __ldcg(p + h0 + 32 * u);
+#pragma unroll
+                    for (int u = 0; u < FR_CUHT_FSUM; u++) {
+                        if (h0 + 32 * u < H8) {
+                            const uint16_t *y = (const uint16_t *)&v[u];
+#pragma unroll
+                            for (int i = 0; i < 8; i++)
+                                acc[u][i] += fr_bf16_to_f32(y[i]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < FR_CUHT_FSUM; u++) {
+                    if (h0 + 32 * u < H8) {
+                        int4 o;
+                        uint16_t *ov = (uint16_t *)&o;
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            ov[i] = fr_f32_to_bf16(acc[u][i]);
+                        ((int4 *)(orec + chdr))[h0 + 32 * u] = o;
+                    }
                 }
             }
             /* the slot weights: summed, or the row of the slot's rank */
@@ -1416,6 +1435,7 @@ static __device__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_
             }
             if (lane < K)
                 ((float *)(orec + 8))[lane] = w;
+            __syncwarp(); /* sp is rewritten for the next record */
         }
         __syncwarp(); /* the step's rows read and records written */
         if (jtail && tk > tk0 && cnt > 0) /* the rows' slots go back */
