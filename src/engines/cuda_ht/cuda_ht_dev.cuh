@@ -93,7 +93,7 @@ typedef struct fr_cuht_fw {
     int L, j, nf;                 /* this node's ranks, this rank's local index,
                                      remote sources it forwards for */
     int node;                     /* this rank's node */
-    const int *node_of, *lidx;    /* [N] a rank's node, its local index there */
+    const int *nl;                /* [N] a rank's node << 16 | its local index there */
     const int *nrank;             /* [L] the node's ranks by local index */
     uint8_t *const *nseg;         /* [L] their segments, mapped here */
     const int *fl;                /* [nf] the sources forwarded here, ascending */

@@ -190,7 +190,7 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         for (int i = threadIdx.x; i < El; i += blockDim.x)
             ec[i] = isbad ? 0 : dcnt[(size_t)d * El + i];
         if (G.fwd) { /* a remote key forwards these */
-            bool key = A.fw.key[d] == d && A.fw.node_of[d] != A.fw.node;
+            bool key = A.fw.key[d] == d && (A.fw.nl[d] >> 16) != A.fw.node;
             for (int i = threadIdx.x; i < C; i += blockDim.x)
                 ec[El + i] = isbad || !key ? 0 : kcnt[(size_t)d * C + i];
         }

@@ -152,7 +152,7 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
                                                    const fr_cuht_io_t &io, int d, int i,
                                                    int row0, const int32_t *tok_of,
                                                    uint8_t *rec, int32_t flags,
-                                                   const int *nof, const int *lix)
+                                                   const int *nl)
 {
     int lane = threadIdx.x & 31, K = F.K, El = F.El, nsc = F.nsc;
     size_t rowb = F.rowb, hdr = F.hdr;
@@ -175,13 +175,13 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
         }
         if (lane < K) {
             /* d's local expert ids; a node-level record for a forwarder d
-             * (nof set): ids relative to d's node (local index x El +
+             * (nl set): ids relative to d's node (local index x El +
              * local expert) */
             int e = R.idx[(size_t)tok * K + lane], le = -1;
-            if (e >= 0 && !nof && e / El == d)
+            if (e >= 0 && !nl && e / El == d)
                 le = e % El;
-            else if (e >= 0 && nof && nof[e / El] == nof[d])
-                le = lix[e / El] * El + e % El;
+            else if (e >= 0 && nl && (nl[e / El] >> 16) == (nl[d] >> 16))
+                le = (nl[e / El] & 0xffff) * El + e % El;
             ((int16_t *)(rec + 8))[lane] = (int16_t)le;
             ((float *)(rec + woff))[lane] = le >= 0 && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
         }
@@ -212,7 +212,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
     int C = G.C;
     bool lead = fr_cuht_lead(g);
     int n = COMB ? R.rcnt[(size_t)d * C + c] : R.ccnt[(size_t)d * C + c];
-    const int *nof = !COMB && G.fwd && A.fw.node_of[d] != A.fw.node ? A.fw.node_of : NULL;
+    const int *nl = !COMB && G.fwd && (A.fw.nl[d] >> 16) != A.fw.node ? A.fw.nl : NULL;
     int row0 = COMB ? R.rbase[(size_t)d * C + c] : 0;
     const int32_t *tok_of = R.rtok + (size_t)d * R.T + fr_cuht_chan_lo(R.T, C, c);
     unsigned long long RT = (unsigned long long)G.RT, recb = COMB ? G.crec : G.drec;
@@ -257,7 +257,7 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
         for (int k = g.j; k < m; k += g.P)
             fr_cuht_put<COMB, U>(F, R, io, d, i0 + k, row0, tok_of,
                                  ring + ((sent + (unsigned long long)k) % RT) * recb, flags,
-                                 nof, A.fw.lidx);
+                                 nl);
     }
     fr_cuht_gbar(g);
     if (lead) {
@@ -569,12 +569,12 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                 uint8_t *ring = fr_cuht_wring(A, dd, COMB, c);
                 int row0 = COMB ? R.rbase[(size_t)dd * C + c] : 0;
                 const int32_t *tok_of = R.rtok + (size_t)dd * R.T + fr_cuht_chan_lo(R.T, C, c);
-                const int *nof =
-                    !COMB && G.fwd && A.fw.node_of[dd] != A.fw.node ? A.fw.node_of : NULL;
+                const int *nl =
+                    !COMB && G.fwd && (A.fw.nl[dd] >> 16) != A.fw.node ? A.fw.nl : NULL;
                 for (int k = 0; k < mm; k++)
                     fr_cuht_put<COMB, U>(F, R, io, dd, i0 + k, row0, tok_of,
                                          ring + ((sent + (unsigned long long)k) % RT) * recb,
-                                         flags, nof, A.fw.lidx);
+                                         flags, nl);
                 __syncwarp(); /* the step's records before its tail */
                 if (lane == L) {
                     done[q] += mm;
@@ -779,7 +779,7 @@ static __device__ __forceinline__ bool fr_cuht_fwd_masks(const fr_cuht_args_t &A
  * node-relative ids are kept for the combine (R.fids). Lane j < L keeps
  * the node's rank j: records forwarded into its ring, its head seen. */
 template <int U>
-static __device__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+static __device__ __noinline__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                     const fr_cuht_io_t &io, int c, int s)
 {
     const fr_cuht_geo_t &G = A.G;
@@ -963,7 +963,7 @@ static __device__ __forceinline__ int fr_cuht_per_ring(int rings)
  * at N = 1 the own tokens). The receiver role serves the N - 1 peer rings
  * and the own tokens (W / N warps each): the own tokens are a local copy,
  * the peers' rings the links. */
-template <int W, bool MANY>
+template <int W, bool MANY, bool FWD>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
@@ -983,7 +983,7 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     __syncthreads();
     if (dead) /* the context failed earlier: nothing moves */
         return;
-    if (A.G.fwd && c >= A.G.C) { /* a forward block: the sources forwarded here */
+    if (FWD && c >= A.G.C) { /* a forward block: the sources forwarded here */
         for (int i = warp; i < A.fw.nf; i += 2 * W)
             fr_cuht_dfwd<U>(A, R, io, c - A.G.C, A.fw.fl[i]);
         return;
@@ -1249,7 +1249,7 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
  * leave room for), and waits for its rows. Lane j < L keeps the
  * node's rank j: rows taken from its ring here. */
 template <int U>
-static __device__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
+static __device__ __noinline__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                     const fr_cuht_io_t &io, int c, int s)
 {
     const fr_cuht_geo_t &G = A.G;
@@ -1455,7 +1455,7 @@ static __device__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const fr_cuht_rdev_
         fw.ftake[fi + lane] = tk;
 }
 
-template <int W, bool MANY>
+template <int W, bool MANY, bool FWD>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
@@ -1468,7 +1468,7 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
     __syncthreads();
     if (dead)
         return;
-    if (A.G.fwd && c >= A.G.C) { /* a forward block: the sources forwarded here */
+    if (FWD && c >= A.G.C) { /* a forward block: the sources forwarded here */
         for (int i = warp; i < A.fw.nf; i += 2 * W)
             fr_cuht_cfwd<U>(A, R, io, c - A.G.C, A.fw.fl[i]);
         return;
@@ -1543,13 +1543,21 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     if ((rc = fr_ahead_wait(ep, &c->ahead, c->ncomb, in->stream, call, fr_cuht_check)))
         return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
-    int nb = c->a.G.fwd ? 2 * c->a.G.C : c->a.G.C; /* forward blocks after the channels' */
-    if (ep->N <= 8)
-        fr_cuht_dispatch_k<8, false><<<nb, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (ep->N <= 16)
-        fr_cuht_dispatch_k<16, false><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    /* with forwarding, forward blocks after the channels' (their own
+     * instantiations: the forward code's registers stay out of the others) */
+    int C = c->a.G.C, N = ep->N;
+    if (c->a.G.fwd && N <= 8)
+        fr_cuht_dispatch_k<8, false, true><<<2 * C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (c->a.G.fwd && N <= 16)
+        fr_cuht_dispatch_k<16, false, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    else if (c->a.G.fwd)
+        fr_cuht_dispatch_k<16, true, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    else if (N <= 8)
+        fr_cuht_dispatch_k<8, false, false><<<C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (N <= 16)
+        fr_cuht_dispatch_k<16, false, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_dispatch_k<16, true><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_dispatch_k<16, true, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     p->dispatched = 1;
     fr_cuht_pad_rows(route, out, in->stream);
     fr_cuht_route_used(route, in->stream);
@@ -1587,13 +1595,19 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
                           "forwarders keep what the dispatch routed)",
                           (unsigned long long)route->id);
     cudaStream_t st = (cudaStream_t)in->stream;
-    int nb = c->a.G.fwd ? 2 * c->a.G.C : c->a.G.C;
-    if (ep->N <= 8)
-        fr_cuht_combine_k<8, false><<<nb, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (ep->N <= 16)
-        fr_cuht_combine_k<16, false><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    int C = c->a.G.C, N = ep->N;
+    if (c->a.G.fwd && N <= 8)
+        fr_cuht_combine_k<8, false, true><<<2 * C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (c->a.G.fwd && N <= 16)
+        fr_cuht_combine_k<16, false, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    else if (c->a.G.fwd)
+        fr_cuht_combine_k<16, true, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    else if (N <= 8)
+        fr_cuht_combine_k<8, false, false><<<C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
+    else if (N <= 16)
+        fr_cuht_combine_k<16, false, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     else
-        fr_cuht_combine_k<16, true><<<nb, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+        fr_cuht_combine_k<16, true, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
     fr_cuht_route_used(route, in->stream);
     rc = fr_cuht_launch_check(ep, call);
     /* after the launch check: a failed record clears CUDA's last error */
@@ -1604,10 +1618,15 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
 extern "C" int fr_cuht_load_stream(void)
 {
     cudaFuncAttributes fa;
-    return cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<8, false>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16, false>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_dispatch_k<16, true>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<8, false>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16, false>) != cudaSuccess ||
-           cudaFuncGetAttributes(&fa, fr_cuht_combine_k<16, true>) != cudaSuccess;
+    const void *k[] = {
+        (const void *)fr_cuht_dispatch_k<8, false, false>, (const void *)fr_cuht_dispatch_k<16, false, false>,
+        (const void *)fr_cuht_dispatch_k<16, true, false>, (const void *)fr_cuht_dispatch_k<8, false, true>,
+        (const void *)fr_cuht_dispatch_k<16, false, true>, (const void *)fr_cuht_dispatch_k<16, true, true>,
+        (const void *)fr_cuht_combine_k<8, false, false>, (const void *)fr_cuht_combine_k<16, false, false>,
+        (const void *)fr_cuht_combine_k<16, true, false>, (const void *)fr_cuht_combine_k<8, false, true>,
+        (const void *)fr_cuht_combine_k<16, false, true>, (const void *)fr_cuht_combine_k<16, true, true>};
+    for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++)
+        if (cudaFuncGetAttributes(&fa, k[i]) != cudaSuccess)
+            return 1;
+    return 0;
 }
