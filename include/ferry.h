@@ -179,11 +179,11 @@ typedef struct ferry_ep_config {
      * per destination node, to the rank there with the sender's local
      * index, which passes it on to that node's destinations through
      * shared memory and sums their combine rows before one row crosses
-     * back. CPU ranks forward; CUDA ranks forward through the staged
-     * engine (host copies), which ON selects; under AUTO a CUDA context
-     * that can keep its fabric regions in GPU memory takes that path,
-     * which does not forward yet. ferry_ep_get_nodes says what was
-     * chosen. */
+     * back. CPU ranks forward; CUDA ranks forward from GPU memory with
+     * half of num_sms as forward blocks (nodes of up to 32 ranks, and
+     * at least 2 blocks), or else through the staged engine (host
+     * copies), which ON then selects (AUTO stays flat).
+     * ferry_ep_get_nodes says what was chosen. */
     int forward;
     /* DP groups (pplx-kernels' dp_size): ranks in a data-parallel group,
      * consecutive ranks (group g = ranks g * dp_size .. g * dp_size +
