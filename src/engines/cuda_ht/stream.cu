@@ -731,6 +731,39 @@ static __device__ __forceinline__ bool fr_cuht_fwd_stop(const fr_cuht_args_t &A,
     return __shfl_sync(FR_FULL, stop, 0) != 0;
 }
 
+/* Every lane with a word w (its rank of the node's) waits until *w
+ * reaches want, *seen its last value; a value above lim is a protocol
+ * error naming that rank. false when the warp must leave. */
+static __device__ bool fr_cuht_fwd_wait(const fr_cuht_args_t &A, const unsigned long long *w,
+                                        unsigned long long want, unsigned long long lim,
+                                        unsigned long long *seen, int what)
+{
+    int lane = threadIdx.x & 31;
+    unsigned long long t0 = fr_sys_timer();
+    unsigned int pass = 0;
+    for (;;) {
+        bool need = w && *seen < want;
+        int over = 0;
+        if (need && fr_sys_ld_relaxed(w) > *seen) {
+            unsigned long long v = fr_sys_ld_acquire(w);
+            over = v > lim;
+            *seen = v;
+            need = v < want;
+        }
+        unsigned ob = __ballot_sync(FR_FULL, over);
+        if (ob) {
+            if (lane == __ffs(ob) - 1)
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, A.fw.nrank[lane], FR_CUHT_WHAT_OVERRUN, 0);
+            return false;
+        }
+        unsigned nb = __ballot_sync(FR_FULL, need);
+        if (!nb)
+            return true;
+        if (fr_cuht_fwd_stop(A, &pass, t0, A.fw.nrank[__ffs(nb) - 1], what))
+            return false;
+    }
+}
+
 /* The step's records' masks of this node's ranks (lane k < m: record k's
  * node-relative ids at ids[k * K], or -1 from the record when `rec` is
  * set, checked), and per local index j (lane j) how many of them go
@@ -855,29 +888,9 @@ static __device__ __noinline__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const 
         if (!fr_cuht_fwd_masks(A, s, m, K, El, L, ids + (size_t)taken * K, &mask, &cnt))
             return;
         /* room in every destination ring for its records of the step */
-        unsigned long long t0 = fr_sys_timer();
-        unsigned int pass = 0;
-        for (;;) {
-            bool need = dhead && sent + (unsigned long long)cnt - head > RT;
-            int over = 0;
-            if (need && fr_sys_ld_relaxed(dhead) > head) {
-                unsigned long long h = fr_sys_ld_acquire(dhead);
-                over = h > sent;
-                head = h;
-                need = sent + (unsigned long long)cnt - head > RT;
-            }
-            unsigned ob = __ballot_sync(FR_FULL, over);
-            if (ob) { /* taken more than was forwarded */
-                if (lane == __ffs(ob) - 1)
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, fw.nrank[lane], FR_CUHT_WHAT_OVERRUN, 0);
-                return;
-            }
-            unsigned nb = __ballot_sync(FR_FULL, need);
-            if (!nb)
-                break;
-            if (fr_cuht_fwd_stop(A, &pass, t0, fw.nrank[__ffs(nb) - 1], FR_CUHT_WHAT_DISPATCH))
-                return;
-        }
+        unsigned long long want = sent + (unsigned long long)cnt > RT ? sent + cnt - RT : 0;
+        if (!fr_cuht_fwd_wait(A, dhead, want, sent, &head, FR_CUHT_WHAT_DISPATCH))
+            return;
         __syncwarp(); /* the heads' acquires before the slots are rewritten */
         /* the records in order; lane j keeps its destination's next slot */
         unsigned long long at = sent;
@@ -1019,6 +1032,26 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
 
+/* Eight bf16 of v added to acc in fp32 (the combine's sums). */
+static __device__ __forceinline__ void fr_cuht_acc8(float *acc, const int4 &v)
+{
+    const uint16_t *y = (const uint16_t *)&v;
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        acc[i] += fr_bf16_to_f32(y[i]);
+}
+
+/* acc rounded once to eight bf16. */
+static __device__ __forceinline__ int4 fr_cuht_round8(const float *acc)
+{
+    int4 o;
+    uint16_t *ov = (uint16_t *)&o;
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        ov[i] = fr_f32_to_bf16(acc[i]);
+    return o;
+}
+
 /* Tokens per combine batch: half a ring (the senders fill the other half
  * meanwhile), at most FR_CUHT_CBATCH. */
 static __device__ __forceinline__ int fr_cuht_cbatch(int RT)
@@ -1140,15 +1173,9 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         if (h + 32 * u < H8) {
-                            const uint16_t *y0 = (const uint16_t *)&v0[u];
-                            const uint16_t *y1 = (const uint16_t *)&v1[u];
-#pragma unroll
-                            for (int i = 0; i < 8; i++)
-                                acc[u][i] += fr_bf16_to_f32(y0[i]);
+                            fr_cuht_acc8(acc[u], v0[u]);
                             if (two)
-#pragma unroll
-                                for (int i = 0; i < 8; i++)
-                                    acc[u][i] += fr_bf16_to_f32(y1[i]);
+                                fr_cuht_acc8(acc[u], v1[u]);
                         }
                     }
                 }
@@ -1159,26 +1186,15 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                         continue;
 #pragma unroll
                     for (int u = 0; u < U; u++) {
-                        if (h + 32 * u < H8) {
-                            int4 bv = __ldg(io.bias[b] + (size_t)t * H8 + h + 32 * u);
-                            const uint16_t *bb = (const uint16_t *)&bv;
-#pragma unroll
-                            for (int i = 0; i < 8; i++)
-                                acc[u][i] += fr_bf16_to_f32(bb[i]);
-                        }
+                        if (h + 32 * u < H8)
+                            fr_cuht_acc8(acc[u], __ldg(io.bias[b] + (size_t)t * H8 + h + 32 * u));
                     }
                 }
 #pragma unroll
-                for (int u = 0; u < U; u++) {
-                    if (h + 32 * u < H8) {
-                        int4 o;
-                        uint16_t *ov = (uint16_t *)&o;
-#pragma unroll
-                        for (int i = 0; i < 8; i++)
-                            ov[i] = fr_f32_to_bf16(acc[u][i]);
-                        ((int4 *)(io.rx + (size_t)t * 2 * H))[h + 32 * u] = o;
-                    }
-                }
+                for (int u = 0; u < U; u++)
+                    if (h + 32 * u < H8)
+                        ((int4 *)(io.rx + (size_t)t * 2 * H))[h + 32 * u] =
+                            fr_cuht_round8(acc[u]);
             }
             /* the headers (loaded before the sum) checked before their
              * weights are used */
@@ -1303,29 +1319,11 @@ static __device__ __noinline__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const 
         int cnt;
         if (!fr_cuht_fwd_masks(A, s, m, K, El, L, ids + (size_t)i0 * K, &mask, &cnt))
             return;
-        /* the step's rows of every rank in */
-        unsigned long long t0 = fr_sys_timer();
-        unsigned int pass = 0;
-        for (;;) {
-            bool need = jtail && tl < tk + (unsigned long long)cnt;
-            int over = 0;
-            if (need && fr_sys_ld_relaxed(jtail) > tl) {
-                tl = fr_sys_ld_acquire(jtail);
-                over = tl > tk + RT; /* more than the room it was given */
-                need = tl < tk + (unsigned long long)cnt;
-            }
-            unsigned ob = __ballot_sync(FR_FULL, over);
-            if (ob) {
-                if (lane == __ffs(ob) - 1)
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, fw.nrank[lane], FR_CUHT_WHAT_OVERRUN, 0);
-                return;
-            }
-            unsigned nb = __ballot_sync(FR_FULL, need);
-            if (!nb)
-                break;
-            if (fr_cuht_fwd_stop(A, &pass, t0, fw.nrank[__ffs(nb) - 1], FR_CUHT_WHAT_COMBINE))
-                return;
-        }
+        /* the step's rows of every rank in (more than the room it was
+         * given is a protocol error) */
+        if (!fr_cuht_fwd_wait(A, jtail, tk + (unsigned long long)cnt, tk + RT, &tl,
+                              FR_CUHT_WHAT_COMBINE))
+            return;
         __syncwarp();
         for (int k = 0; k < m; k++) {
             unsigned mk = __shfl_sync(FR_FULL, mask, k);
@@ -1397,26 +1395,14 @@ static __device__ __noinline__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const 
                         if (h0 + 32 * u < H8)
                             v[u] = __ldcg(p + h0 + 32 * u);
 #pragma unroll
-                    for (int u = 0; u < FR_CUHT_FSUM; u++) {
-                        if (h0 + 32 * u < H8) {
-                            const uint16_t *y = (const uint16_t *)&v[u];
-#pragma unroll
-                            for (int i = 0; i < 8; i++)
-                                acc[u][i] += fr_bf16_to_f32(y[i]);
-                        }
-                    }
+                    for (int u = 0; u < FR_CUHT_FSUM; u++)
+                        if (h0 + 32 * u < H8)
+                            fr_cuht_acc8(acc[u], v[u]);
                 }
 #pragma unroll
-                for (int u = 0; u < FR_CUHT_FSUM; u++) {
-                    if (h0 + 32 * u < H8) {
-                        int4 o;
-                        uint16_t *ov = (uint16_t *)&o;
-#pragma unroll
-                        for (int i = 0; i < 8; i++)
-                            ov[i] = fr_f32_to_bf16(acc[u][i]);
-                        ((int4 *)(orec + chdr))[h0 + 32 * u] = o;
-                    }
-                }
+                for (int u = 0; u < FR_CUHT_FSUM; u++)
+                    if (h0 + 32 * u < H8)
+                        ((int4 *)(orec + chdr))[h0 + 32 * u] = fr_cuht_round8(acc[u]);
             }
             /* the slot weights: summed, or the row of the slot's rank */
             float w = 0.f;
@@ -1508,6 +1494,34 @@ static int fr_cuht_aligned(ferry_ep_t ep, const void *p, unsigned a, const char 
                       "context", call, name, p, a);
 }
 
+/* The dispatch or combine kernel for this context (W = 8 up to 8 ranks,
+ * 16 above, warps serving many rings above 16; with forwarding its own
+ * instantiations, whose forward blocks follow the channels': the forward
+ * code's registers stay out of the others), launched on st. */
+static const void *const fr_cuht_kern[2][2][3] = {
+    {{(const void *)fr_cuht_dispatch_k<8, false, false>,
+      (const void *)fr_cuht_dispatch_k<16, false, false>,
+      (const void *)fr_cuht_dispatch_k<16, true, false>},
+     {(const void *)fr_cuht_dispatch_k<8, false, true>,
+      (const void *)fr_cuht_dispatch_k<16, false, true>,
+      (const void *)fr_cuht_dispatch_k<16, true, true>}},
+    {{(const void *)fr_cuht_combine_k<8, false, false>,
+      (const void *)fr_cuht_combine_k<16, false, false>,
+      (const void *)fr_cuht_combine_k<16, true, false>},
+     {(const void *)fr_cuht_combine_k<8, false, true>,
+      (const void *)fr_cuht_combine_k<16, false, true>,
+      (const void *)fr_cuht_combine_k<16, true, true>}}};
+
+static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht_io_t *io,
+                           cudaStream_t st)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? 0 : ep->N <= 16 ? 1 : 2;
+    void *args[] = {&c->a, &p->r, io};
+    cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
+                     dim3(2 * (w ? 16 : 8) * 32), args, 0, st);
+}
+
 extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
                                 const ferry_ht_dispatch_in_t *in,
                                 const ferry_ht_dispatch_out_t *out)
@@ -1543,21 +1557,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     if ((rc = fr_ahead_wait(ep, &c->ahead, c->ncomb, in->stream, call, fr_cuht_check)))
         return rc;
     cudaStream_t st = (cudaStream_t)in->stream;
-    /* with forwarding, forward blocks after the channels' (their own
-     * instantiations: the forward code's registers stay out of the others) */
-    int C = c->a.G.C, N = ep->N;
-    if (c->a.G.fwd && N <= 8)
-        fr_cuht_dispatch_k<8, false, true><<<2 * C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (c->a.G.fwd && N <= 16)
-        fr_cuht_dispatch_k<16, false, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else if (c->a.G.fwd)
-        fr_cuht_dispatch_k<16, true, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else if (N <= 8)
-        fr_cuht_dispatch_k<8, false, false><<<C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (N <= 16)
-        fr_cuht_dispatch_k<16, false, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else
-        fr_cuht_dispatch_k<16, true, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    fr_cuht_launch(ep, false, p, &io, st);
     p->dispatched = 1;
     fr_cuht_pad_rows(route, out, in->stream);
     fr_cuht_route_used(route, in->stream);
@@ -1595,19 +1595,7 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
                           "forwarders keep what the dispatch routed)",
                           (unsigned long long)route->id);
     cudaStream_t st = (cudaStream_t)in->stream;
-    int C = c->a.G.C, N = ep->N;
-    if (c->a.G.fwd && N <= 8)
-        fr_cuht_combine_k<8, false, true><<<2 * C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (c->a.G.fwd && N <= 16)
-        fr_cuht_combine_k<16, false, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else if (c->a.G.fwd)
-        fr_cuht_combine_k<16, true, true><<<2 * C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else if (N <= 8)
-        fr_cuht_combine_k<8, false, false><<<C, 2 * 8 * 32, 0, st>>>(c->a, p->r, io);
-    else if (N <= 16)
-        fr_cuht_combine_k<16, false, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
-    else
-        fr_cuht_combine_k<16, true, false><<<C, 2 * 16 * 32, 0, st>>>(c->a, p->r, io);
+    fr_cuht_launch(ep, true, p, &io, st);
     fr_cuht_route_used(route, in->stream);
     rc = fr_cuht_launch_check(ep, call);
     /* after the launch check: a failed record clears CUDA's last error */
@@ -1618,14 +1606,8 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
 extern "C" int fr_cuht_load_stream(void)
 {
     cudaFuncAttributes fa;
-    const void *k[] = {
-        (const void *)fr_cuht_dispatch_k<8, false, false>, (const void *)fr_cuht_dispatch_k<16, false, false>,
-        (const void *)fr_cuht_dispatch_k<16, true, false>, (const void *)fr_cuht_dispatch_k<8, false, true>,
-        (const void *)fr_cuht_dispatch_k<16, false, true>, (const void *)fr_cuht_dispatch_k<16, true, true>,
-        (const void *)fr_cuht_combine_k<8, false, false>, (const void *)fr_cuht_combine_k<16, false, false>,
-        (const void *)fr_cuht_combine_k<16, true, false>, (const void *)fr_cuht_combine_k<8, false, true>,
-        (const void *)fr_cuht_combine_k<16, false, true>, (const void *)fr_cuht_combine_k<16, true, true>};
-    for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++)
+    const void *const *k = &fr_cuht_kern[0][0][0];
+    for (int i = 0; i < 12; i++)
         if (cudaFuncGetAttributes(&fa, k[i]) != cudaSuccess)
             return 1;
     return 0;
