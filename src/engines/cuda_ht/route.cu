@@ -543,6 +543,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                 c->pool_used[k] = 1;
                 c->pool_next = k + 1;
                 p->captured = capturing;
+                p->dispatched = 0; /* a new route: no dispatch on it yet */
             }
         }
     }

@@ -429,7 +429,7 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
         return FERRY_ERR_SYSTEM; /* err says why; every rank failed with it */
     C = C < FR_CUHT_MAX_CHANNELS ? C : FR_CUHT_MAX_CHANNELS;
     int RT = fr_cuht_ring_tokens(ep), NL = 0, NF = 0;
-    char why[160];
+    char why[160] = "";
     /* forwarding: half the blocks forward (num_sms stays the SM budget) */
     if (ep->fab_device >= 0 && fr_cuht_fwd_plan(ep, &NL, &NF, why, sizeof(why))) {
         if (C < 2 && ep->fwd_req == FERRY_FORWARD_ON)

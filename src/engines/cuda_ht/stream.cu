@@ -855,6 +855,7 @@ static __device__ __noinline__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const 
                 ok = 0;
             }
         }
+        __syncwarp(); /* lane 0's acquire before any lane reads the records */
         if (!__shfl_sync(FR_FULL, ok, 0))
             return;
         unsigned long long av = __shfl_sync(FR_FULL, tail, 0) - start - (unsigned long long)taken;
