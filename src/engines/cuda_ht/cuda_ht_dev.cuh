@@ -94,6 +94,8 @@ typedef struct fr_cuht_fw {
                                      remote sources it forwards for */
     int node;                     /* this rank's node */
     const int *nl;                /* [N] a rank's node << 16 | its local index there */
+    const int *via;               /* [N] who serves a source's rings here: its
+                                     forwarder in this node (or itself) */
     const int *nrank;             /* [L] the node's ranks by local index */
     uint8_t *const *nseg;         /* [L] their segments, mapped here */
     const int *fl;                /* [nf] the sources forwarded here, ascending */
@@ -302,6 +304,13 @@ static __device__ __forceinline__ uint8_t *fr_cuht_wring(const fr_cuht_args_t &A
                                                          int combine, int c)
 {
     return A.pt[d].ring[combine] + (unsigned long long)c * A.pt[d].stride[combine];
+}
+/* The rank that writes source s's records and takes its combine rows
+ * here (its forwarder in this node with forwarding), for what a wait
+ * on them names. */
+static __device__ __forceinline__ int fr_cuht_via(const fr_cuht_args_t &A, int s)
+{
+    return A.G.fwd ? A.fw.via[s] : s;
 }
 /* Forwarding: whether source s's rings here are this rank's to forward. */
 static __device__ __forceinline__ bool fr_cuht_fwd_here(const fr_cuht_args_t &A, int s)

@@ -189,15 +189,15 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     int N = ep->N, me = ep->rank, node = ep->node_of[me];
     int L = ep->node_off[node + 1] - ep->node_off[node];
     size_t nctr = (size_t)G->C * N * G->NL;
-    /* ints: nrank[L], fl[N], fslot[N], key[N], kord[N], nl[N]; then the
-     * segments [L]; then fsent and ftake */
-    size_t ni = (size_t)L + 5 * (size_t)N, o_seg = (ni * 4 + 15) & ~(size_t)15;
+    /* ints: nrank[L], fl[N], fslot[N], key[N], kord[N], nl[N], via[N];
+     * then the segments [L]; then fsent and ftake */
+    size_t ni = (size_t)L + 6 * (size_t)N, o_seg = (ni * 4 + 15) & ~(size_t)15;
     size_t o_ctr = o_seg + (size_t)L * sizeof(uint8_t *), bytes = o_ctr + 2 * nctr * 8;
     uint8_t *h = (uint8_t *)calloc(1, bytes);
     if (!h)
         return FR_ERR(err, FERRY_ERR_NOMEM, "forwarding tables");
     int *nrank = (int *)h, *fl = nrank + L, *fslot = fl + N, *key = fslot + N,
-        *kord = key + N, *nl = kord + N;
+        *kord = key + N, *nl = kord + N, *via = nl + N;
     uint8_t **nseg = (uint8_t **)(h + o_seg);
     int nf = 0, ord = 0;
     for (int j = 0; j < L; j++) {
@@ -208,6 +208,7 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     for (int s = 0; s < N; s++) {
         fslot[s] = -1;
         nl[s] = ep->node_of[s] << 16 | ep->node_lidx[s];
+        via[s] = ep->node_of[s] == node ? s : fr_ep_fwd_of(ep, s, node);
         if (ep->node_of[s] != node && fr_ep_fwd_of(ep, s, node) == me) {
             fslot[s] = nf;
             fl[nf++] = s;
@@ -242,6 +243,7 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
         fw->key = di + L + 2 * N;
         fw->kord = di + L + 3 * N;
         fw->nl = di + L + 4 * N;
+        fw->via = di + L + 5 * N;
         fw->nseg = (uint8_t *const *)((uint8_t *)d + o_seg);
         fw->fsent = (unsigned long long *)((uint8_t *)d + o_ctr);
         fw->ftake = fw->fsent + nctr;

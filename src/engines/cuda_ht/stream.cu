@@ -237,7 +237,8 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                     fr_cuht_publish(tailw, sent);
                     pub = sent;
                 }
-                ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT, d, what,
+                ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT,
+                                     COMB ? fr_cuht_via(A, d) : d, what,
                                      &head);
                 if (ok && head > sent) {
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
@@ -399,8 +400,8 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                     fr_cuht_publish(headw, start + (unsigned long long)taken);
                     pub = taken;
                 }
-                ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1, s,
-                                     FR_CUHT_WHAT_DISPATCH, &tail);
+                ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1,
+                                     fr_cuht_via(A, s), FR_CUHT_WHAT_DISPATCH, &tail);
                 if (ok && tail > start + (unsigned long long)pub + RT) { /* more than fits */
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN,
                                  (int)(tail - start - (unsigned long long)pub - RT));
@@ -468,12 +469,13 @@ static __device__ __forceinline__ int fr_cuht_many_first(const int *peer, const 
 /* The warp's stop check, every 16th busy pass and every 64th idle one:
  * true when it must leave, the context having failed, or this warp
  * having moved nothing for the timeout (t0: its last progress), which it
- * reports (`what`, naming the peer of its first unfinished ring). */
+ * reports (`what`, naming the peer of its first unfinished ring, or for
+ * a source's rings (src) the rank that serves them: fr_cuht_via). */
 static __device__ __forceinline__ bool fr_cuht_many_stop(const fr_cuht_args_t &A, bool moved,
                                                          unsigned int *pass,
                                                          unsigned long long *t0,
                                                          const int *peer, const bool *left,
-                                                         int what)
+                                                         int what, bool src)
 {
     int stop = 0;
     if (moved)
@@ -485,6 +487,8 @@ static __device__ __forceinline__ bool fr_cuht_many_stop(const fr_cuht_args_t &A
     stop = __shfl_sync(FR_FULL, stop, 0);
     if (stop == 2) {
         int who = fr_cuht_many_first(peer, left);
+        if (src && who >= 0) /* a source's rings: whoever serves them here */
+            who = fr_cuht_via(A, who);
         if ((threadIdx.x & 31) == 0)
             fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
     }
@@ -584,7 +588,7 @@ static __device__ void fr_cuht_send_many(const fr_cuht_args_t &A, const fr_cuht_
                 moved = true;
             }
         }
-        if (fr_cuht_many_stop(A, moved, &pass, &t0, d, left, what))
+        if (fr_cuht_many_stop(A, moved, &pass, &t0, d, left, what, COMB))
             return;
     }
 #pragma unroll
@@ -694,7 +698,7 @@ static __device__ void fr_cuht_drecv_many(const fr_cuht_args_t &A, const fr_cuht
                 moved = true;
             }
         }
-        if (fr_cuht_many_stop(A, moved, &pass, &t0, s, left, FR_CUHT_WHAT_DISPATCH))
+        if (fr_cuht_many_stop(A, moved, &pass, &t0, s, left, FR_CUHT_WHAT_DISPATCH, true))
             return;
     }
 #pragma unroll
