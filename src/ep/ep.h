@@ -308,6 +308,24 @@ static inline int fr_ep_fwd_of(ferry_ep_t ep, int s, int b)
     return ep->node_ranks[ep->node_off[b] + ep->node_lidx[s] % n];
 }
 
+/* Forwarding's plan (fwd.c), the same on every rank: NL the largest
+ * node's ranks, NF the most remote sources one rank forwards for. */
+void fr_ep_fwd_sizes(const ferry_ep_t ep, int *NL, int *NF);
+/* Source s's place among the remote sources f forwards for (ascending),
+ * or -1 when f does not forward s. */
+int fr_ep_fwd_slot(const ferry_ep_t ep, int s, int f);
+/* Rank me's view, per rank r ([N] each, the caller's): where records
+ * for an expert on r go (key: r in me's node, else me's forwarder in
+ * r's node), who serves source r's rings at me (via: r in me's node,
+ * else r's forwarder in me's node), r's place among the sources me
+ * forwards for (fslot, -1), r's place in the order of sums (kord: by
+ * node, then rank); fl gets the sources me forwards for, ascending.
+ * Returns their count. */
+typedef struct fr_fwd_view {
+    int *key, *via, *fslot, *kord, *fl;
+} fr_fwd_view_t;
+int fr_ep_fwd_view(const ferry_ep_t ep, int me, fr_fwd_view_t *v);
+
 /* The EP's asynchronous error (a proxy or fabric thread's), kept when one
  * is already set; the next call reports it. Logged at WARN. */
 #define fr_ep_async_fail(ep, code, peer, ...) \

@@ -30,30 +30,14 @@ static int fr_cuht_fwd_plan(const ferry_ep_t ep, int *NL, int *NF, char *why, si
         why[0] = 0;
     if (ep->fwd_req == FERRY_FORWARD_OFF || M < 2 || M >= N || ep->nfabric == 0)
         return 0;
-    for (int b = 0; b < M; b++) {
-        int sz = ep->node_off[b + 1] - ep->node_off[b];
-        *NL = sz > *NL ? sz : *NL;
-    }
+    fr_ep_fwd_sizes(ep, NL, NF);
     if (*NL > 32 || (long)*NL * El > 32767) {
         if (why)
             snprintf(why, n, "a node of %d ranks: forwarding on GPU ranks takes nodes of at "
                      "most 32 ranks and %d experts", *NL, 32767);
-        *NL = 0;
+        *NL = *NF = 0;
         return 0;
     }
-    int *cnt = (int *)calloc((size_t)N, sizeof(int));
-    if (!cnt) {
-        if (why)
-            snprintf(why, n, "out of memory");
-        return 0;
-    }
-    for (int s = 0; s < N; s++)
-        for (int b = 0; b < M; b++)
-            if (b != ep->node_of[s])
-                cnt[fr_ep_fwd_of(ep, s, b)]++;
-    for (int f = 0; f < N; f++)
-        *NF = cnt[f] > *NF ? cnt[f] : *NF;
-    free(cnt);
     return 1;
 }
 
@@ -199,25 +183,15 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     int *nrank = (int *)h, *fl = nrank + L, *fslot = fl + N, *key = fslot + N,
         *kord = key + N, *nl = kord + N, *via = nl + N;
     uint8_t **nseg = (uint8_t **)(h + o_seg);
-    int nf = 0, ord = 0;
     for (int j = 0; j < L; j++) {
         int r = ep->node_ranks[ep->node_off[node] + j];
         nrank[j] = r;
         nseg[j] = r == me ? ep->seg : (uint8_t *)c->peer_pm[r].ptr;
     }
-    for (int s = 0; s < N; s++) {
-        fslot[s] = -1;
+    for (int s = 0; s < N; s++)
         nl[s] = ep->node_of[s] << 16 | ep->node_lidx[s];
-        via[s] = ep->node_of[s] == node ? s : fr_ep_fwd_of(ep, s, node);
-        if (ep->node_of[s] != node && fr_ep_fwd_of(ep, s, node) == me) {
-            fslot[s] = nf;
-            fl[nf++] = s;
-        }
-        key[s] = ep->node_of[s] == node ? s : fr_ep_fwd_of(ep, me, ep->node_of[s]);
-    }
-    for (int b = 0; b < ep->nnodes; b++) /* sums by node, then rank */
-        for (int i = ep->node_off[b]; i < ep->node_off[b + 1]; i++)
-            kord[ep->node_ranks[i]] = ord++;
+    fr_fwd_view_t v = {key, via, fslot, kord, fl};
+    int nf = fr_ep_fwd_view(ep, me, &v);
     int rc = FERRY_OK;
     void *d = NULL;
     cudaError_t e = cudaMalloc(&d, bytes);
@@ -304,10 +278,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
              * f, head to f's line), its combine rows go to f (a ring, a
              * tail line at f, the head stored here by f) */
             uint8_t *fs = (uint8_t *)c->peer_pm[f].ptr;
-            int j = ep->node_lidx[ep->rank], slot = 0;
-            for (int s = 0; s < i; s++) /* i's place among f's remote sources */
-                slot += ep->node_of[s] != ep->node_of[f] &&
-                        fr_ep_fwd_of(ep, s, ep->node_of[f]) == f;
+            int j = ep->node_lidx[ep->rank], slot = fr_ep_fwd_slot(ep, i, f);
             unsigned long long fline = (unsigned long long)N * G->NL * FR_CUHT_LINE;
             q->r[FR_CUHT_DTAIL] = ep->seg + fr_cuht_geo_ctr(G, FR_CUHT_DTAIL, 0, i);
             q->w[FR_CUHT_DHEAD] = fs + fr_cuht_geo_fline(G, 0, 0, i, j);
