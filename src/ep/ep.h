@@ -307,6 +307,12 @@ static inline int fr_ep_fwd_of(ferry_ep_t ep, int s, int b)
     int n = ep->node_off[b + 1] - ep->node_off[b];
     return ep->node_ranks[ep->node_off[b] + ep->node_lidx[s] % n];
 }
+/* Does rank f forward source s's tokens (s on another node)? */
+static inline int fr_ep_fwd_by(ferry_ep_t ep, int s, int f)
+{
+    int b = ep->node_of[f];
+    return ep->node_of[s] != b && fr_ep_fwd_of(ep, s, b) == f;
+}
 
 /* Forwarding's plan (fwd.c), the same on every rank: NL the largest
  * node's ranks, NF the most remote sources one rank forwards for. */

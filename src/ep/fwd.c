@@ -7,13 +7,6 @@
  */
 #include "ep/ep.h"
 
-/* Is source s forwarded by f (a rank of another node)? */
-static int fr_fwd_by(const ferry_ep_t ep, int s, int f)
-{
-    int b = ep->node_of[f];
-    return ep->node_of[s] != b && fr_ep_fwd_of(ep, s, b) == f;
-}
-
 void fr_ep_fwd_sizes(const ferry_ep_t ep, int *NL, int *NF)
 {
     *NL = *NF = 0;
@@ -24,18 +17,18 @@ void fr_ep_fwd_sizes(const ferry_ep_t ep, int *NL, int *NF)
     for (int f = 0; f < ep->N; f++) {
         int n = 0;
         for (int s = 0; s < ep->N; s++)
-            n += fr_fwd_by(ep, s, f);
+            n += fr_ep_fwd_by(ep, s, f);
         *NF = n > *NF ? n : *NF;
     }
 }
 
 int fr_ep_fwd_slot(const ferry_ep_t ep, int s, int f)
 {
-    if (!fr_fwd_by(ep, s, f))
+    if (!fr_ep_fwd_by(ep, s, f))
         return -1;
     int slot = 0;
     for (int x = 0; x < s; x++)
-        slot += fr_fwd_by(ep, x, f);
+        slot += fr_ep_fwd_by(ep, x, f);
     return slot;
 }
 
@@ -44,7 +37,7 @@ int fr_ep_fwd_view(const ferry_ep_t ep, int me, fr_fwd_view_t *v)
     int N = ep->N, node = ep->node_of[me], nf = 0, ord = 0;
     for (int r = 0; r < N; r++) {
         v->fslot[r] = -1;
-        if (fr_fwd_by(ep, r, me)) {
+        if (fr_ep_fwd_by(ep, r, me)) {
             v->fslot[r] = nf;
             v->fl[nf++] = r;
         }

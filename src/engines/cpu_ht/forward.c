@@ -66,7 +66,7 @@ int fr_ht_fwd_setup(ferry_ep_t ep, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_NOMEM, "forwarding tables");
     fw->nfsrc = 0;
     for (int s = 0; s < N; s++)
-        if (ep->node_of[s] != fw->me_node && fr_ep_fwd_of(ep, s, fw->me_node) == me)
+        if (fr_ep_fwd_by(ep, s, me))
             fw->fsrc[fw->nfsrc++] = s;
     /* combine: nodes in order; this node's ranks one by one, every other
      * node's sum as one row */
@@ -307,7 +307,7 @@ int fr_ht_fwd_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, int *
             return FERRY_ERR_PROTOCOL;
         /* the remote sources f forwards for, ascending */
         for (int s = c->fw_cur[l]; s < ep->N; s = ++c->fw_cur[l]) {
-            if (ep->node_of[s] == fw->me_node || fr_ep_fwd_of(ep, s, fw->me_node) != f)
+            if (!fr_ep_fwd_by(ep, s, f))
                 continue;
             int n = fr_ht_rows_from(c, s), wrote = 0;
             while (c->done_tx[s] < n && *sent - head < (uint64_t)h->RT) {

@@ -144,7 +144,7 @@ static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t
         *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
         /* forwarding: the node-level records d passes on for this rank */
         int b = ep->node_of[d];
-        int fwd = ep->forward && b != ep->node_of[ep->rank] && fr_ep_fwd_of(ep, ep->rank, b) == d;
+        int fwd = ep->forward && fr_ep_fwd_by(ep, ep->rank, d);
         *(int32_t *)(e + 12) = fwd ? p->nd_off[b + 1] - p->nd_off[b] : 0;
         /* ... and the tokens for each rank of d's node, which d checks */
         int32_t *pl = (int32_t *)(e + 16 + 4 * (size_t)El);
@@ -215,8 +215,7 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
         /* forwarding: records s sends here to pass on (only where this
          * rank is s's forwarder) */
         int32_t nf = *(const volatile int32_t *)(e + 12);
-        int fwd_me = ep->forward && ep->node_of[s] != ep->node_of[ep->rank] &&
-                     fr_ep_fwd_of(ep, s, ep->node_of[ep->rank]) == ep->rank;
+        int fwd_me = ep->forward && fr_ep_fwd_by(ep, s, ep->rank);
         if (nf < 0 || nf > ep->L.T || (nf && !fwd_me)) {
             free(need);
             return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
