@@ -71,6 +71,9 @@ enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE =
        FR_CUHT_WHAT_COUNTS = 4, FR_CUHT_WHAT_RECORD = 5, FR_CUHT_WHAT_ORDER = 6,
        FR_CUHT_WHAT_DTYPE = 7, FR_CUHT_WHAT_OVERRUN = 8, FR_CUHT_WHAT_BOUND = 9,
        FR_CUHT_WHAT_BADIDX = 10 };
+/* the detail of a timeout on a source's rings: the host names the rank
+ * that serves them here (its forwarder in this node, with forwarding) */
+#define FR_CUHT_VIA 1
 
 /* Per peer: where the kernels write for it and read what it wrote
  * (accessors below). Counter (kind, c) this rank stores for the peer is
@@ -94,8 +97,6 @@ typedef struct fr_cuht_fw {
                                      remote sources it forwards for */
     int node;                     /* this rank's node */
     const int *nl;                /* [N] a rank's node << 16 | its local index there */
-    const int *via;               /* [N] who serves a source's rings here: its
-                                     forwarder in this node (or itself) */
     const int *nrank;             /* [L] the node's ranks by local index */
     uint8_t *const *nseg;         /* [L] their segments, mapped here */
     const int *fl;                /* [nf] the sources forwarded here, ascending */
@@ -305,13 +306,6 @@ static __device__ __forceinline__ uint8_t *fr_cuht_wring(const fr_cuht_args_t &A
 {
     return A.pt[d].ring[combine] + (unsigned long long)c * A.pt[d].stride[combine];
 }
-/* The rank that writes source s's records and takes its combine rows
- * here (its forwarder in this node with forwarding), for what a wait
- * on them names. */
-static __device__ __forceinline__ int fr_cuht_via(const fr_cuht_args_t &A, int s)
-{
-    return A.G.fwd ? A.fw.via[s] : s;
-}
 /* Forwarding: whether source s's rings here are this rank's to forward. */
 static __device__ __forceinline__ bool fr_cuht_fwd_here(const fr_cuht_args_t &A, int s)
 {
@@ -347,10 +341,13 @@ static __device__ __forceinline__ bool fr_cuht_failed(const fr_cuht_args_t &A)
 
 /* One thread waits until the counter *w reaches `target` (counters only
  * grow): relaxed polls, one acquire once it is there. Bounded by the
- * timeout (error naming `rank`, for `what`); false after any failure. */
+ * timeout (error naming `rank`, for `what`; with src, `rank` is a source
+ * whose rings here its forwarder may serve: FR_CUHT_VIA in the detail,
+ * and the host names the rank that serves them); false after any
+ * failure. */
 static __device__ bool fr_cuht_wait_ge(const fr_cuht_args_t &A, const unsigned long long *w,
                                        unsigned long long target, int rank, int what,
-                                       unsigned long long *seen)
+                                       unsigned long long *seen, bool src = false)
 {
     unsigned long long t0 = fr_sys_timer();
     unsigned int n = 0;
@@ -363,7 +360,7 @@ static __device__ bool fr_cuht_wait_ge(const fr_cuht_args_t &A, const unsigned l
             if (fr_cuht_failed(A))
                 return false;
             if (fr_sys_timer() - t0 > A.timeout_ns) {
-                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, rank, what, 0);
+                fr_cuht_fail(A, FERRY_ERR_TIMEOUT, rank, what, src ? FR_CUHT_VIA : 0);
                 return false;
             }
         }

@@ -173,8 +173,9 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
     int N = ep->N, me = ep->rank, node = ep->node_of[me];
     int L = ep->node_off[node + 1] - ep->node_off[node];
     size_t nctr = (size_t)G->C * N * G->NL;
-    /* ints: nrank[L], fl[N], fslot[N], key[N], kord[N], nl[N], via[N];
-     * then the segments [L]; then fsent and ftake */
+    /* ints: nrank[L], fl[N], fslot[N], key[N], kord[N], nl[N], and the
+     * view's via[N] (the kernels do not read it: a timeout is named on the
+     * host, fr_cuht_check); then the segments [L]; then fsent and ftake */
     size_t ni = (size_t)L + 6 * (size_t)N, o_seg = (ni * 4 + 15) & ~(size_t)15;
     size_t o_ctr = o_seg + (size_t)L * sizeof(uint8_t *), bytes = o_ctr + 2 * nctr * 8;
     uint8_t *h = (uint8_t *)calloc(1, bytes);
@@ -217,7 +218,6 @@ static int fr_cuht_fw_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
         fw->key = di + L + 2 * N;
         fw->kord = di + L + 3 * N;
         fw->nl = di + L + 4 * N;
-        fw->via = di + L + 5 * N;
         fw->nseg = (uint8_t *const *)((uint8_t *)d + o_seg);
         fw->fsent = (unsigned long long *)((uint8_t *)d + o_ctr);
         fw->ftake = fw->fsent + nctr;
@@ -569,6 +569,10 @@ extern "C" int fr_cuht_check(ferry_ep_t ep)
         return fr_ep_fail(ep, st, "GPU: rank %d wrote %d records past its ring's room", rank,
                           detail);
     default:
+        /* a source's rings served here by its forwarder: name the forwarder */
+        if (st == FERRY_ERR_TIMEOUT && detail == FR_CUHT_VIA && ep->forward && rank >= 0 &&
+            rank < ep->N && ep->node_of[rank] != ep->node_of[ep->rank])
+            rank = fr_ep_fwd_of(ep, rank, ep->node_of[ep->rank]);
         if (st == FERRY_ERR_TIMEOUT)
             return fr_ep_fail_gpu_wait(ep, call, rank);
         if (what == FR_CUHT_WHAT_ROUTE)

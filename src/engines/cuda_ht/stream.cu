@@ -237,9 +237,8 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
                     fr_cuht_publish(tailw, sent);
                     pub = sent;
                 }
-                ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT,
-                                     COMB ? fr_cuht_via(A, d) : d, what,
-                                     &head);
+                ok = fr_cuht_wait_ge(A, headw, sent + (unsigned long long)m - RT, d, what,
+                                     &head, COMB);
                 if (ok && head > sent) {
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, d, FR_CUHT_WHAT_OVERRUN,
                                  (int)(head - sent));
@@ -311,6 +310,21 @@ static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev
         fr_cuht_self<U>(F, R, io, tok_of[i], (size_t)row0 + (size_t)i);
 }
 
+/* A dispatch record's header against what this call expects (a token
+ * below T, this route's number, this dtype): 0, or what is wrong
+ * (FR_CUHT_WHAT_RECORD, _ORDER, _DTYPE). Receivers and forwarders alike. */
+static __device__ __forceinline__ int fr_cuht_hdr_bad(int tok, int flags, int T, unsigned id,
+                                                      int fp8)
+{
+    if (tok < 0 || tok >= T)
+        return FR_CUHT_WHAT_RECORD;
+    if (((unsigned)flags >> 8 & 0xffu) != (id & 0xffu))
+        return FR_CUHT_WHAT_ORDER;
+    if ((flags & 1) != fp8)
+        return FR_CUHT_WHAT_DTYPE;
+    return 0;
+}
+
 /* A record of ring (c, s) here, at `rec`, into row `row` (the whole warp):
  * its header is loaded with the row and checked before any of its fields
  * is used; a bad one fails the context, naming s (its outputs are then
@@ -335,21 +349,13 @@ static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
     for (int q = lane; q < nsc; q += 32)
         io.rxs[row * nsc + q] = __ldcg((const float *)(rec + dhdr + rowb) + q);
     bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
-    int what = 0, detail = 0;
-    if (tok < 0 || tok >= F.T) {
+    int what = fr_cuht_hdr_bad(tok, flags, F.T, R.id, io.fp8);
+    if (!what && badle)
         what = FR_CUHT_WHAT_RECORD;
-        detail = tok;
-    } else if (((unsigned)flags >> 8 & 0xffu) != (R.id & 0xffu)) {
-        what = FR_CUHT_WHAT_ORDER;
-        detail = (int)((unsigned)flags >> 8 & 0xffu);
-    } else if ((flags & 1) != io.fp8) {
-        what = FR_CUHT_WHAT_DTYPE;
-        detail = flags & 1;
-    } else if (badle) {
-        what = FR_CUHT_WHAT_RECORD;
-        detail = tok;
-    }
     if (what) {
+        int detail = what == FR_CUHT_WHAT_ORDER   ? (int)((unsigned)flags >> 8 & 0xffu)
+                     : what == FR_CUHT_WHAT_DTYPE ? flags & 1
+                                                  : tok;
         if (lane == 0)
             fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, what, detail);
         return false;
@@ -400,8 +406,8 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                     fr_cuht_publish(headw, start + (unsigned long long)taken);
                     pub = taken;
                 }
-                ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1,
-                                     fr_cuht_via(A, s), FR_CUHT_WHAT_DISPATCH, &tail);
+                ok = fr_cuht_wait_ge(A, tailw, start + (unsigned long long)taken + 1, s,
+                                     FR_CUHT_WHAT_DISPATCH, &tail, true);
                 if (ok && tail > start + (unsigned long long)pub + RT) { /* more than fits */
                     fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_OVERRUN,
                                  (int)(tail - start - (unsigned long long)pub - RT));
@@ -469,8 +475,8 @@ static __device__ __forceinline__ int fr_cuht_many_first(const int *peer, const 
 /* The warp's stop check, every 16th busy pass and every 64th idle one:
  * true when it must leave, the context having failed, or this warp
  * having moved nothing for the timeout (t0: its last progress), which it
- * reports (`what`, naming the peer of its first unfinished ring, or for
- * a source's rings (src) the rank that serves them: fr_cuht_via). */
+ * reports (`what`, naming the peer of its first unfinished ring; src:
+ * a source's rings, fr_cuht_wait_ge says how they are named). */
 static __device__ __forceinline__ bool fr_cuht_many_stop(const fr_cuht_args_t &A, bool moved,
                                                          unsigned int *pass,
                                                          unsigned long long *t0,
@@ -487,10 +493,8 @@ static __device__ __forceinline__ bool fr_cuht_many_stop(const fr_cuht_args_t &A
     stop = __shfl_sync(FR_FULL, stop, 0);
     if (stop == 2) {
         int who = fr_cuht_many_first(peer, left);
-        if (src && who >= 0) /* a source's rings: whoever serves them here */
-            who = fr_cuht_via(A, who);
         if ((threadIdx.x & 31) == 0)
-            fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, 0);
+            fr_cuht_fail(A, FERRY_ERR_TIMEOUT, who, what, src ? FR_CUHT_VIA : 0);
     }
     return stop != 0;
 }
@@ -871,13 +875,8 @@ static __device__ __noinline__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const 
         int bad = 0;
         if (lane < m) {
             const uint8_t *rec = ring + ((start + taken + lane) % RT) * drec;
-            int fl = __ldcg((const int32_t *)rec + 1), tok = __ldcg((const int32_t *)rec);
-            if (tok < 0 || tok >= G.T)
-                bad = FR_CUHT_WHAT_RECORD;
-            else if (((unsigned)fl >> 8 & 0xffu) != (R.id & 0xffu))
-                bad = FR_CUHT_WHAT_ORDER;
-            else if ((fl & 1) != io.fp8)
-                bad = FR_CUHT_WHAT_DTYPE;
+            bad = fr_cuht_hdr_bad(__ldcg((const int32_t *)rec), __ldcg((const int32_t *)rec + 1),
+                                  G.T, R.id, io.fp8);
             for (int k = 0; k < K; k++)
                 ids[(size_t)(taken + lane) * K + k] = __ldcg((const short *)(rec + 8) + k);
         }
