@@ -4,7 +4,7 @@
 # built with CUDA: FERRY_HMEM_LIBFABRIC names its lib folder (see
 # docs/benchmarks.md, "GPU memory on the fabric path"). The case fails
 # unless every rank says its regions are GPU memory registered with
-# FI_HMEM (FERRY_HMEM_BOTH: see below). Exits 77 (skip) saying why where there is no GPU or no such
+# FI_HMEM (FERRY_HMEM_BOTH, FERRY_HMEM_FWD: see below). Exits 77 (skip) saying why where there is no GPU or no such
 # libfabric. Usage: tests/gpu_hmem.sh COMMAND...   ($B: the build folder)
 why=$("$B/bin/ferry-info" --cuda 2>&1)
 if [ $? -ne 0 ]; then
@@ -39,6 +39,15 @@ if [ -n "${FERRY_HMEM_BOTH:-}" ]; then
   echo "gpu_hmem: $b rank(s) with peers on both paths (want $FERRY_HMEM_BOTH)"
   grep -m1 "peers on both paths" "$log"
   [ "$b" -eq "$FERRY_HMEM_BOTH" ] || exit 1
+fi
+# FERRY_HMEM_FWD=N: exactly N processes must forward between nodes (the
+# CUDA engine's "forwarding between" line; each process says it once per
+# context)
+if [ -n "${FERRY_HMEM_FWD:-}" ]; then
+  f=$(grep -o "[^ ]*:[0-9]*:[0-9]* ferry INFO cuda_ht: forwarding between" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+  echo "gpu_hmem: $f rank(s) forwarding between nodes (want $FERRY_HMEM_FWD)"
+  grep -m1 "forwarding between" "$log"
+  [ "$f" -eq "$FERRY_HMEM_FWD" ] || exit 1
 fi
 if [ "$expect" = host ]; then
   [ "$h" -ge 1 ] && [ "$n" -eq 0 ] && exit 0

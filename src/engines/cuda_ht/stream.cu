@@ -1085,7 +1085,7 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
      * seen, the records the batches so far need (a token's place + 1) and
      * the head published, both counted from sbase */
     __shared__ unsigned long long sbase[FR_CUHT_MAX_RANKS], stail[FR_CUHT_MAX_RANKS];
-    __shared__ int sneed[FR_CUHT_MAX_RANKS], spub[FR_CUHT_MAX_RANKS];
+    __shared__ int sneed[FR_CUHT_MAX_RANKS], sgot[FR_CUHT_MAX_RANKS], spub[FR_CUHT_MAX_RANKS];
     __shared__ const int4 *sptr[W][FR_MAX_TOPK]; /* a token's rows, by rank */
     /* failures seen while waiting, and while summing: two words, each
      * read only after the barrier that ends its phase and written again
@@ -1099,20 +1099,29 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     }
     if (tid == 0)
         wok = sok = 1;
-    fr_bar_sync(15, W * 32);
     int B = fr_cuht_cbatch(G.RT); /* a batch's records of one peer fit its ring */
     int H8 = H / 8;
-    for (int b0 = t0; b0 < t1; b0 += B) {
+    /* what the batch at b0 needs of each peer: its last token's place + 1,
+     * raised in sneed (monotonic) by the warps, for the first batch here
+     * and for each next one beside the sums of the one before (no barrier
+     * of its own: the waits copy sneed to sgot, which the thread that
+     * waits on a peer alone reads and publishes from) */
+    auto need = [&](int b0) {
         int nb = t1 - b0 < B ? t1 - b0 : B;
-        /* what the batch needs of each peer: its last token's place + 1 */
         for (int j = gw; j < nb; j += W) {
             int t = b0 + j, d = lane < K ? R.dst[(size_t)t * K + lane] : -1;
             if (d >= 0 && d != me)
                 atomicMax(&sneed[d], R.dpos[(size_t)t * K + lane] + 1);
         }
-        fr_bar_sync(15, W * 32);
+    };
+    fr_bar_sync(15, W * 32); /* sneed cleared */
+    need(t0);
+    fr_bar_sync(15, W * 32);
+    for (int b0 = t0; b0 < t1; b0 += B) {
+        int nb = t1 - b0 < B ? t1 - b0 : B;
         for (int d = tid; d < N; d += W * 32) { /* a thread per peer waits */
-            unsigned long long want = sbase[d] + (unsigned long long)sneed[d], v = stail[d];
+            sgot[d] = sneed[d];
+            unsigned long long want = sbase[d] + (unsigned long long)sgot[d], v = stail[d];
             if (d == me || v >= want)
                 continue;
             if (!fr_cuht_wait_ge(A, fr_cuht_rctr(A, d, FR_CUHT_CTAIL, c), want, d,
@@ -1237,19 +1246,18 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             }
             __syncwarp(); /* sptr is rewritten for the next token */
         }
+        if (b0 + B < t1)
+            need(b0 + B);
         fr_bar_sync(15, W * 32);
         if (!sok)
             return;
         for (int d = tid; d < N; d += W * 32) { /* the batch's slots go back */
-            if (d != me && sneed[d] > spub[d]) {
+            if (d != me && sgot[d] > spub[d]) {
                 fr_cuht_publish(fr_cuht_wctr(A, d, FR_CUHT_CHEAD, c),
-                                sbase[d] + (unsigned long long)sneed[d]);
-                spub[d] = sneed[d];
+                                sbase[d] + (unsigned long long)sgot[d]);
+                spub[d] = sgot[d];
             }
         }
-        /* the next batch raises sneed only once every head went out: a
-         * head published from it would hand back slots not yet read */
-        fr_bar_sync(15, W * 32);
     }
     for (int d = tid; d < N; d += W * 32)
         if (d != me)
