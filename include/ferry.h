@@ -320,6 +320,10 @@ typedef struct ferry_ep_stats {
                                  of 8 buckets per power of two: +-6%) */
     uint64_t bytes;           /* OUT: bytes of the writes posted to fabric
                                  peers (payload) */
+    uint64_t batched;         /* OUT: of the writes, those posted with
+                                 FI_MORE: the provider may ring the NIC
+                                 once for a batch (a pass of the proxy, a
+                                 scatter) instead of once per write */
 } ferry_ep_stats_t;
 
 /* Read ep's counters into *stats (IN: stats->size; OUT: the rest).

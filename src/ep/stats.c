@@ -29,21 +29,25 @@ void fr_ep_stats_tp_nics(ferry_ep_t ep, fr_ep_stats_t *st, int k0, int k1)
         sum.retry_ns += s.retry_ns;
         sum.prov_calls += s.prov_calls;
         sum.eagain += s.eagain;
+        sum.more += s.more;
     }
     __atomic_store_n(&st->tp.prov_ns, sum.prov_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&st->tp.retry_ns, sum.retry_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&st->tp.prov_calls, sum.prov_calls, __ATOMIC_RELAXED);
     __atomic_store_n(&st->tp.eagain, sum.eagain, __ATOMIC_RELAXED);
+    __atomic_store_n(&st->tp.more, sum.more, __ATOMIC_RELAXED);
 }
 
 void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src)
 {
     uint64_t *d[] = {&dst->writes, &dst->bytes, &dst->requests, &dst->post_ns, &dst->tx,
                      &dst->rx, &dst->polls, &dst->poll_ns, &dst->tp.prov_ns,
-                     &dst->tp.retry_ns, &dst->tp.prov_calls, &dst->tp.eagain};
+                     &dst->tp.retry_ns, &dst->tp.prov_calls, &dst->tp.eagain,
+                     &dst->tp.more};
     const uint64_t *v[] = {&src->writes, &src->bytes, &src->requests, &src->post_ns, &src->tx,
                            &src->rx, &src->polls, &src->poll_ns, &src->tp.prov_ns,
-                           &src->tp.retry_ns, &src->tp.prov_calls, &src->tp.eagain};
+                           &src->tp.retry_ns, &src->tp.prov_calls, &src->tp.eagain,
+                           &src->tp.more};
     for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
         fr_stat_add(d[i], ld(v[i]));
     fr_hist_merge(&dst->d2p, &src->d2p);
@@ -70,6 +74,7 @@ void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
     s.post_ns = sum.post_ns;
     s.provider_ns = sum.tp.prov_ns;
     s.provider_calls = sum.tp.prov_calls;
+    s.batched = sum.tp.more;
     s.retry_ns = sum.tp.retry_ns;
     s.polls = sum.polls;
     s.poll_ns = sum.poll_ns;

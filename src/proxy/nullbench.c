@@ -9,7 +9,8 @@
  * for every peer's flag and for its writes' completions. With `gpu` it
  * plays a GPU rank: a kernel fills the slices and rings a doorbell per
  * peer in host-mapped memory, which the proxy scans (as for the CUDA
- * low-latency engine). No bytes move,
+ * low-latency engine); with `bells` the calling thread rings those
+ * doorbells itself (the same scan, where there is no GPU). No bytes move,
  * no other process runs: what the rounds cost is the proxy's and the
  * request ring's own work, and the EP's counters (ep/stats.h) say where
  * it went.
@@ -58,7 +59,8 @@ static void nb_gpu_free(ferry_ep_t ep, nb_gpu_t *g)
 
 /* The parts of an EP the proxy reads, for `peers` fabric peers (rank 0
  * is this one). */
-static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, fr_err_t *err)
+static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, int bells,
+                    fr_err_t *err)
 {
     int N = peers + 1, rc;
     ep->N = N;
@@ -82,6 +84,14 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, fr_
     if (gpu && (rc = nb_gpu_setup(ep, peers, gpu, err)) != FERRY_OK) {
         free(remote);
         return rc;
+    }
+    if (bells && !gpu) { /* doorbell words in host memory, as a GPU rank's */
+        ep->cfg.device = FERRY_DEVICE_CUDA; /* the proxy idles as for GPU producers */
+        ep->ready = calloc(2 * FR_NSETS * (size_t)peers, sizeof(uint64_t));
+        if (!ep->ready) {
+            free(remote);
+            return FR_ERR(err, FERRY_ERR_NOMEM, "null bench: doorbells for %d peers", peers);
+        }
     }
     if (!ep->flags || !ep->path || !ep->group_peers || !ep->nics.nic_of || !remote ||
         fr_proxy_tables(ep, err) != FERRY_OK) {
@@ -158,10 +168,10 @@ static void nb_free(ferry_ep_t ep)
 }
 
 /* One phase of round e: a request per peer (a CPU rank), or a kernel
- * ringing every peer's doorbell (a GPU rank), then every peer's flag and
- * every write's completion. */
+ * ringing every peer's doorbell (a GPU rank; with bells this thread rings
+ * them), then every peer's flag and every write's completion. */
 static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const nb_gpu_t *gpu,
-                    fr_err_t *err)
+                    int bells, fr_err_t *err)
 {
     int set = (int)(e & 1), nf = ep->nfabric;
     size_t i0 = ((size_t)phase * FR_NSETS + set) * nf;
@@ -169,7 +179,11 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
     if (gpu && fr_nb_cuda_ring((fr_slice_t *)gpu->sl_dev + i0, (uint64_t *)gpu->ready_dev + i0,
                                nf, bytes, fr_imm_make(phase, e, 0), e, gpu->stream) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "null bench: the doorbell kernel did not launch");
-    for (int g = 0; !gpu && g < nf; g++) {
+    for (int g = 0; !gpu && bells && g < nf; g++) { /* slice, then its doorbell */
+        sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
+        __atomic_store_n(&ep->ready[i0 + g], e, __ATOMIC_RELEASE);
+    }
+    for (int g = 0; !gpu && !bells && g < nf; g++) {
         sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
         int rc = fr_proxy_submit(ep, phase, set, e, g);
         if (rc != FERRY_OK)
@@ -203,7 +217,7 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
         return FERRY_ERR_INVALID;
     }
     nb_gpu_t gpu = {0}, *gp = b->gpu ? &gpu : NULL;
-    int rc = nb_setup(&ep, b->peers, b->bytes, gp, &err);
+    int rc = nb_setup(&ep, b->peers, b->bytes, gp, b->bells, &err);
     if (rc == FERRY_OK && (rc = fr_proxy_start(&ep)) != FERRY_OK)
         snprintf(err.msg, sizeof(err.msg), "%s", ep.err.msg);
     for (int r = 0; rc == FERRY_OK && r < b->warmup + b->rounds; r++) {
@@ -212,8 +226,8 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
             fr_proxy_stats_clear(&ep);
         }
         uint64_t e = (uint64_t)r + 1, t0 = fr_now_ns();
-        if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, gp, &err)) == FERRY_OK)
-            rc = nb_phase(&ep, FR_PH_COMBINE, e, b->bytes, gp, &err);
+        if ((rc = nb_phase(&ep, FR_PH_DISPATCH, e, b->bytes, gp, b->bells, &err)) == FERRY_OK)
+            rc = nb_phase(&ep, FR_PH_COMBINE, e, b->bytes, gp, b->bells, &err);
         if (rc == FERRY_OK && r >= b->warmup && b->round_us)
             b->round_us[r - b->warmup] = (double)(fr_now_ns() - t0) / 1e3;
     }
@@ -228,6 +242,8 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
         snprintf(b->err, sizeof(b->err), "%s", err.msg);
     if (gp)
         nb_gpu_free(&ep, gp);
+    else if (b->bells)
+        free(ep.ready);
     nb_free(&ep);
     return rc;
 }

@@ -175,29 +175,101 @@ static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     return rc;
 }
 
+/* Post one batch of n rung doorbells' writes (th->bidx: group places,
+ * th->bsl: slices) on NIC k for set `set`, counted as one provider batch
+ * (write_batch), else write_imm each. Returns the status; a failure is
+ * the EP's asynchronous error. */
+static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int n)
+{
+    fr_err_t err = {{0}};
+    uint64_t bytes = 0;
+    for (int b = 0; b < n; b++)
+        bytes += th->bsl[b].len;
+    /* counted before they are posted (as a scatter's writes are) */
+    fr_stat_add(&th->st->writes, (uint64_t)n);
+    fr_stat_add(&th->st->bytes, bytes);
+    __atomic_add_fetch(&ep->proxy.tx_pending[set], n, __ATOMIC_ACQ_REL);
+    const fr_transport_ops_t *ops = ep->nics.ops;
+    int rc = FERRY_OK, posted = 0;
+    if (ops->write_batch) {
+        rc = ops->write_batch(ep->nics.tp[k], ep->groups.g[k], th->bidx, th->bsl, n,
+                              (uint64_t)set, &err);
+        posted = rc == FERRY_OK ? n : 0; /* all or none */
+    } else {
+        for (; posted < n && rc == FERRY_OK; posted += rc == FERRY_OK)
+            rc = ops->write_imm(ep->nics.tp[k], ep->groups.g[k], th->bidx[posted],
+                                &th->bsl[posted], (uint64_t)set, &err);
+    }
+    if (rc != FERRY_OK) { /* the ones not posted: uncounted */
+        uint64_t left = 0;
+        for (int b = posted; b < n; b++)
+            left += th->bsl[b].len;
+        fr_stat_add(&th->st->writes, (uint64_t)0 - (uint64_t)(n - posted));
+        fr_stat_add(&th->st->bytes, (uint64_t)0 - left);
+        __atomic_sub_fetch(&ep->proxy.tx_pending[set], n - posted, __ATOMIC_ACQ_REL);
+        fr_proxy_async_fail(ep, rc, -1, err.msg);
+    }
+    return rc;
+}
+
 /* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
- * soon as its slice is packed, while the kernel packs the next peers.
- * Returns whether anything was posted. */
+ * soon as its slice is packed, while the kernel packs the next peers. A
+ * pass reads every doorbell word of this thread's peers first, then posts
+ * the rung ones, per (phase, set) and NIC one batch (write_batch: one
+ * provider doorbell where it allows, one count of ferry's bookkeeping).
+ * The delay counted for each write runs from the start of the previous
+ * pass, the latest time its doorbell was still seen unrung (so an upper
+ * bound, which includes a nap of an idle proxy), to its batch's post
+ * returning. Returns whether anything was posted. */
 static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
 {
     fr_proxy_t *p = &ep->proxy;
-    int nf = ep->nfabric, work = 0;
-    uint64_t noticed = 0, t = 0;
+    int nf = ep->nfabric, nhit = 0;
+    uint64_t prev = th->t_scan;
+    th->t_scan = fr_now_ns();
     for (int x = 0; x < th->nscan; x++) { /* the words of this thread's peers */
         int i = th->scan[x];
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
-        if (v == p->ready_seen[i])
-            continue;
-        p->ready_seen[i] = v;
-        fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
-                            .epoch = v, .peer1 = i % nf + 1};
-        if (!noticed)
-            noticed = t = fr_now_ns();
-        if (fr_proxy_take(ep, th, &q, noticed, &t) != FERRY_OK)
-            return 1; /* the failure is the EP's asynchronous error now */
-        work = 1;
+        if (v != p->ready_seen[i]) {
+            p->ready_seen[i] = v;
+            th->hit[nhit++] = i;
+        }
     }
-    return work;
+    if (nhit == 0)
+        return 0;
+    uint64_t bell = prev ? prev : th->t_scan, t = fr_now_ns();
+    /* th->scan ascends: the words of one (phase, set) are a run of hits */
+    for (int a = 0, b; a < nhit; a = b) {
+        int ps = th->hit[a] / nf; /* phase * FR_NSETS + set */
+        for (b = a; b < nhit && th->hit[b] / nf == ps; b++)
+            ;
+        int phase = ps / FR_NSETS, set = ps % FR_NSETS;
+        const fr_slice_t *sl = ep->slices + (size_t)ps * nf;
+        if (p->stats && p->t_pick[phase & 1][set & 1] == 0)
+            p->t_pick[phase & 1][set & 1] = t; /* the phase's first write */
+        for (int k = th->k0; k < th->k1; k++) { /* a batch per NIC */
+            int n = 0;
+            for (int h = a; h < b; h++) {
+                int g = th->hit[h] % nf;
+                if (p->gnic[g] != k)
+                    continue;
+                th->bidx[n] = p->gpos[g];
+                th->bsl[n++] = sl[g];
+            }
+            if (n == 0)
+                continue;
+            int rc = fr_proxy_batch(ep, th, k, set, n);
+            uint64_t t1 = fr_now_ns();
+            fr_stat_add(&th->st->post_ns, t1 - t);
+            fr_stat_add(&th->st->requests, (uint64_t)n);
+            for (int w = 0; w < n; w++)
+                fr_hist_add(&th->st->d2p, t1 - bell);
+            t = t1;
+            if (rc != FERRY_OK)
+                return 1; /* the failure is the EP's asynchronous error now */
+        }
+    }
+    return 1;
 }
 
 /* Arrivals of this batch: make their bytes visible to the GPU's kernels
@@ -218,6 +290,7 @@ static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_
 {
     fr_proxy_t *p = &ep->proxy;
     const char *why = errp->msg;
+    int64_t done[FR_NSETS] = {0}; /* TX completions per set: one update each */
     for (int i = 0; i < n; i++) {
         if (cqe[i].kind != FR_CQE_RX && cqe[i].kind != FR_CQE_RXERR)
             fr_stat_add(&th->st->tx, 1);
@@ -226,8 +299,7 @@ static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_
             fr_proxy_rx(ep, th, cqe[i].imm);
             break;
         case FR_CQE_TX:
-            __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
-                               __ATOMIC_ACQ_REL);
+            done[cqe[i].ctx % FR_NSETS]++;
             break;
         default: { /* the rank thread blames a dead rank (fr_ep_async_check) */
             char msg[FR_ERRMSG_LEN];
@@ -240,6 +312,9 @@ static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_
         }
         }
     }
+    for (int s = 0; s < FR_NSETS; s++)
+        if (done[s])
+            __atomic_sub_fetch(&p->tx_pending[s], done[s], __ATOMIC_ACQ_REL);
 }
 
 static void *fr_proxy_main(void *arg)
@@ -298,6 +373,9 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
     for (int j = 0; p->th && j < p->nth; j++) {
         free(p->th[j].gslices);
         free(p->th[j].scan);
+        free(p->th[j].hit);
+        free(p->th[j].bidx);
+        free(p->th[j].bsl);
     }
     free(p->th);
     free(p->gnic);
@@ -359,8 +437,12 @@ static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
     th->ring = j == 0 ? p->ring : &th->own;
     th->st = j == 0 ? &ep->st : &th->mine;
     th->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
-    th->scan = calloc(2 * FR_NSETS * (size_t)(nf > 0 ? nf : 1), sizeof(int));
-    if (!th->gslices || !th->scan)
+    size_t words = 2 * FR_NSETS * (size_t)(nf > 0 ? nf : 1);
+    th->scan = calloc(words, sizeof(int));
+    th->hit = calloc(words, sizeof(int));
+    th->bidx = calloc(words, sizeof(int));
+    th->bsl = calloc(words, sizeof(fr_slice_t));
+    if (!th->gslices || !th->scan || !th->hit || !th->bidx || !th->bsl)
         return -1;
     for (int i = 0; p->ready_seen && i < 2 * FR_NSETS * nf; i++)
         if (fr_proxy_owner(p, i % nf) == j)

@@ -35,6 +35,9 @@ int fr_proxy_wait_set(ferry_ep_t ep, int set);
 typedef struct fr_proxy_bench {
     int peers, rounds, warmup;    /* IN */
     int gpu;                      /* IN: a GPU rank's doorbells (a kernel rings them) */
+    int bells;                    /* IN, without gpu: the same doorbells rung by the
+                                     calling thread in host memory (the GPU rank's
+                                     protocol, where there is no GPU) */
     uint64_t bytes;               /* IN: each write's length (nothing moves) */
     double *round_us;             /* OUT, optional: [rounds] each timed round */
     ferry_ep_stats_t st;          /* OUT: the proxy's counters, timed rounds */

@@ -77,6 +77,8 @@ typedef struct fr_tp_stats {
     uint64_t prov_calls; /* those calls */
     uint64_t eagain;     /* of them, the ones that returned -FI_EAGAIN
                             (the post was queued and retried from poll) */
+    uint64_t more;       /* writes posted with FI_MORE (write_batch: the
+                            provider may hold them for the batch's last) */
 } fr_tp_stats_t;
 
 enum { FR_TP_OPEN_FENCE = 1, FR_TP_OPEN_DELIVERY = 2, FR_TP_OPEN_HMEM = 4 };
@@ -130,6 +132,13 @@ typedef struct fr_transport_ops {
     /* One write with immediate to group member `index`. */
     int (*write_imm)(fr_transport_t *t, fr_group_t *g, int index,
                      const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
+    /* write_imm to members index[0..n) (slices[i] for index[i]) in one
+     * call: all checked before any is posted (an error posts none), then
+     * posted in order; where the provider allows, all but the last carry
+     * FI_MORE (one doorbell for the batch). NULL: callers post write_imm
+     * each. */
+    int (*write_batch)(fr_transport_t *t, fr_group_t *g, const int *index,
+                       const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err);
     /* Drive progress (manual-progress providers need it on both sides) and
      * return up to max completions. Returns the count, or a negative
      * status. */

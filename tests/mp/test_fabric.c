@@ -19,8 +19,11 @@
  *    them.
  * Before the rounds it checks that out-of-bounds slices and bad indices are
  * FERRY_ERR_INVALID and post nothing; after them, a burst of small writes
- * with no polling in between drives the provider into -FI_EAGAIN so that
- * the transport's queue is used.
+ * with no polling in between (every other round of it one write_batch to
+ * all peers, FI_MORE on all but its last) drives the provider into
+ * -FI_EAGAIN so that the transport's queue is used. Scatters and batches
+ * carry FI_MORE where the transmit queue has room (counted; the rounds'
+ * scatters must have).
  *
  * -F: FI_PROVIDER names no usable provider: open() must fail with
  * FERRY_ERR_FABRIC naming fi_getinfo (and clean up, for the sanitizers).
@@ -417,21 +420,50 @@ static int progressing_barrier(ctx_t *c, fr_boot_t *boot, fr_err_t *err)
     return a.rc;
 }
 
+/* per_peer writes to every peer, posted without polling: odd rounds as
+ * one write_batch to all peers (FI_MORE on all but the last where the
+ * transmit queue has room: counted by the stats op), the others one
+ * write_imm each */
 static int burst(ctx_t *c, int per_peer)
 {
     fr_err_t err = {{0}};
     g_cur_round = c->rounds; /* TX ctx checks */
     int maxpend = 0;
-    for (int i = 0; i < per_peer; i++)
+    fr_tp_stats_t st0 = {0}, st1 = {0};
+    c->ops->stats(c->t, &st0);
+    int *idx = calloc((size_t)c->n, sizeof(int));
+    fr_slice_t *bs = calloc((size_t)c->n, sizeof(fr_slice_t));
+    if (!idx || !bs) {
+        free(idx);
+        free(bs);
+        CHECK(0, "burst: out of memory");
+        return -1;
+    }
+    for (int i = 0; i < per_peer; i++) {
         for (int p = 0; p < c->n; p++) {
             fr_slice_t s = {(size_t)p * c->slot, (size_t)c->rank * c->slot, 8,
                             imm_make(K_BURST, 0, c->rank)};
-            CHECK_RC(c->ops->write_imm(c->t, c->g[0], p, &s, K_BURST, &err),
-                     FERRY_OK);
-            int pd = c->ops->pending(c->t);
-            if (pd > maxpend)
-                maxpend = pd;
+            idx[p] = p;
+            bs[p] = s;
+            if (i % 2 == 0)
+                CHECK_RC(c->ops->write_imm(c->t, c->g[0], p, &s, K_BURST, &err),
+                         FERRY_OK);
         }
+        if (i % 2 == 1)
+            CHECK_RC(c->ops->write_batch(c->t, c->g[0], idx, bs, c->n, K_BURST, &err),
+                     FERRY_OK);
+        int pd = c->ops->pending(c->t);
+        if (pd > maxpend)
+            maxpend = pd;
+    }
+    /* a bad index posts nothing and names itself */
+    idx[0] = c->n;
+    CHECK(c->ops->write_batch(c->t, c->g[0], idx, bs, c->n, K_BURST, &err) ==
+                  FERRY_ERR_INVALID && strstr(err.msg, "index"),
+          "write_batch with index %d of %d: %s", c->n, c->n, err.msg);
+    free(idx);
+    free(bs);
+    c->ops->stats(c->t, &st1);
     long want = (long)per_peer * c->n;
     fr_cqe_t cq[64];
     double t0 = now_s();
@@ -458,8 +490,8 @@ static int burst(ctx_t *c, int per_peer)
     CHECK(c->ops->pending(c->t) == 0, "rank %d: pending %d after burst",
           c->rank, c->ops->pending(c->t));
     if (c->rank == 0)
-        printf("rank 0: burst of %ld writes in %.3f s, max pending %d\n", want,
-               now_s() - t0, maxpend);
+        printf("rank 0: burst of %ld writes in %.3f s, max pending %d, %llu with FI_MORE\n",
+               want, now_s() - t0, maxpend, (unsigned long long)(st1.more - st0.more));
     return 0;
 }
 
@@ -682,6 +714,13 @@ int main(int argc, char **argv)
 
     oob_checks(&c);
     if (run_rounds(&c) == 0) {
+        /* the rounds' scatters start with nothing in flight: all but the
+         * last write of each carried FI_MORE (a provider with a transmit
+         * queue of at least n) */
+        fr_tp_stats_t st = {0};
+        c.ops->stats(c.t, &st);
+        CHECK(c.n < 2 || st.more > 0, "rank %d: no write of the rounds' scatters carried FI_MORE",
+              c.rank);
         CHECK(c.total_bar_rx == (long)rounds * c.n &&
                   c.total_bar_tx == (long)rounds * c.n,
               "rank %d: barriers rx %ld tx %ld, want %ld", c.rank,

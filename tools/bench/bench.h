@@ -161,7 +161,7 @@ void run_ht_rounds(bench_t *b);
 typedef struct pstats {
     double writes, eagain, post_us, prov_us, poll_us; /* all ranks */
     double d2p50, d2p99; /* median of the ranks' p50s, largest p99 */
-    double completions, arrivals;
+    double completions, arrivals, batched; /* batched: posted with FI_MORE */
 } pstats_t;
 void stats_mark(bench_t *b);
 int stats_gather(bench_t *b, pstats_t *ps);

@@ -50,6 +50,7 @@ typedef struct fr_fab_op {
     int peer;
     int err;        /* libfabric status of a failed post (error list) */
     int fence;      /* post with FI_FENCE (nicfence signals) */
+    int more;       /* post with FI_MORE (a batch's write before its last) */
     int state;      /* FR_FAB_OP_*: a completion's op_context is one of
                        ours only when it is in the pool and POSTED */
 } fr_fab_op_t;
@@ -128,6 +129,9 @@ struct fr_transport {
     int fence_caps;      /* opened with FI_FENCE in caps */
     int hmem;            /* opened with FI_HMEM in caps: reg_dev works */
     size_t max_msg;      /* the provider's ep_attr->max_msg_size */
+    size_t tx_size;      /* the provider's tx_attr->size (0: unknown) */
+    uint64_t op_flags;   /* the endpoint's default op flags ferry asked
+                            for (fi_writemsg takes its flags instead) */
     uintptr_t pool_lo, pool_hi; /* address range of the pool's chunks */
 };
 
@@ -177,6 +181,8 @@ int fab_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
                 uint64_t ctx, fr_err_t *err);
 int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm,
                 uint64_t ctx, fr_err_t *err);
+int fab_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
+                    const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err);
 int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
                   const fr_slice_t *slice, uint64_t ctx, fr_err_t *err);
 int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,

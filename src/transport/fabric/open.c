@@ -284,6 +284,7 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
                     info->fabric_attr->prov_name);
     }
     info->tx_attr->op_flags |= op_flags;
+    t->op_flags = op_flags;
     /* sockets defaults to a progress thread per domain that spins for 10
      * ms at a time, beside the proxy that polls anyway: on a loaded host
      * the two fight for the CPU (rounds 5-20x slower). ferry drives
@@ -298,6 +299,7 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
     snprintf(t->iface, sizeof(t->iface), "%s", info->domain_attr->name);
     t->mr_mode = info->domain_attr->mr_mode;
     t->max_msg = info->ep_attr->max_msg_size;
+    t->tx_size = info->tx_attr ? info->tx_attr->size : 0;
     snprintf(t->prov, sizeof(t->prov), "%s", info->fabric_attr->prov_name);
     FR_LOG_INFO(FR_SUB_NET,
                 "fabric: provider %s (fabric %s, domain %s), mr_mode 0x%llx"
@@ -570,6 +572,7 @@ const fr_transport_ops_t fr_transport_fabric = {
     .scatter = fab_scatter,
     .barrier = fab_barrier,
     .write_imm = fab_write_imm,
+    .write_batch = fab_write_batch,
     .poll = fab_poll,
     .pending = fab_pending,
     .close = fab_close,

@@ -11,6 +11,13 @@
  * completion: FR_CQE_TX or FR_CQE_ERR. A call that returns an error
  * (FERRY_ERR_INVALID for bad bounds or index) posted nothing.
  *
+ * Batches (write_batch, scatter): every write but the last carries FI_MORE, which
+ * lets a provider ring the NIC once for the batch, but only while nothing
+ * is queued and the whole batch fits the provider's transmit queue beside
+ * what is in flight: a held write then never waits behind a queue that
+ * only its own doorbell could drain. A write queued after -FI_EAGAIN
+ * loses FI_MORE, so the retry that posts it rings for what came before.
+ *
  * Zero-byte writes: tcp;ofi_rxm, shm, sockets and udp;ofi_rxd accept
  * fi_writedata with len 0 and deliver the remote CQ data, to other ranks
  * and to self (checked by tests/mp/test_fabric). They are posted as real
@@ -110,18 +117,25 @@ fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 /* ------------------------------------------------------------------ */
 
 /* The op is marked posted first: from here on a completion may name it.
- * The provider call is timed (two clock reads) for the stats op. */
+ * The provider call is timed (two clock reads) for the stats op. A fenced
+ * or batched write goes through fi_writemsg, whose flags replace the
+ * endpoint's defaults: a batched one keeps those ferry asked for (e.g.
+ * FI_DELIVERY_COMPLETE). */
 static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op, int retry)
 {
     op->state = FR_FAB_OP_POSTED;
     ssize_t rc;
     uint64_t t0 = fr_now_ns();
-    if (op->fence) {
+    if (op->fence || op->more) {
         struct iovec iov = {(void *)op->buf, op->len};
         struct fi_rma_iov rma = {op->raddr, op->len, op->key};
         struct fi_msg_rma msg = {&iov, &op->desc, 1, op->addr, &rma, 1,
                                  op, op->imm};
-        rc = fi_writemsg(t->ep, &msg, FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION);
+        uint64_t fl = op->fence ? FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION
+                                : t->op_flags | FI_MORE | FI_REMOTE_CQ_DATA | FI_COMPLETION;
+        rc = fi_writemsg(t->ep, &msg, fl);
+        if (rc == 0 && op->more)
+            t->st.more++;
     } else {
         rc = fi_writedata(t->ep, op->buf, op->len, op->desc, op->imm, op->addr,
                           op->raddr, op->key, op);
@@ -155,6 +169,7 @@ static void fab_submit(fr_transport_t *t, fr_fab_op_t *op)
             return;
         }
     }
+    op->more = 0; /* its retry rings for the batch's writes before it */
     fab_list_push(&t->q_head, &t->q_tail, op);
     t->nqueued++;
     t->nwaited++;
@@ -197,7 +212,7 @@ static int fab_check_slice(const fr_transport_t *t, const fr_group_t *g,
 }
 
 static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
-                   const fr_slice_t *s, uint64_t ctx, int fence, fr_err_t *err)
+                   const fr_slice_t *s, uint64_t ctx, int fence, int more, fr_err_t *err)
 {
     fr_fab_op_t *op = fab_op_get(t);
     if (!op)
@@ -214,8 +229,17 @@ static int fab_add(fr_transport_t *t, fr_group_t *g, int i,
     op->peer = p->rank;
     op->err = 0;
     op->fence = fence;
+    op->more = more;
     fab_submit(t, op);
     return FERRY_OK;
+}
+
+/* Whether a batch of n writes may carry FI_MORE (all but its last): only
+ * where it cannot meet a full queue (see the top of this file). */
+static int fab_batch_more(const fr_transport_t *t, int n)
+{
+    return n > 1 && !t->q_head && t->tx_size > 0 &&
+           (size_t)t->inflight + (size_t)n <= t->tx_size;
 }
 
 /* Reserve n ops up front so that a call posts all of its slices or none. */
@@ -245,8 +269,9 @@ int fab_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
             return rc;
     if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
         return rc;
+    int more = fab_batch_more(t, g->npeers);
     for (int i = 0; i < g->npeers; i++)
-        fab_add(t, g, i, &slices[i], ctx, 0, err);
+        fab_add(t, g, i, &slices[i], ctx, 0, more && i < g->npeers - 1 && !t->q_head, err);
     return FERRY_OK;
 }
 
@@ -260,7 +285,7 @@ int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm, uint64_t ctx,
         return rc;
     fr_slice_t s = {0, 0, 0, imm};
     for (int i = 0; i < g->npeers; i++)
-        fab_add(t, g, i, &s, ctx, 0, err);
+        fab_add(t, g, i, &s, ctx, 0, 0, err);
     return FERRY_OK;
 }
 
@@ -274,7 +299,31 @@ int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
                       g ? g->npeers : 0);
     if ((rc = fab_check_slice(t, g, index, slice, err)) != FERRY_OK)
         return rc;
-    return fab_add(t, g, index, slice, ctx, 0, err);
+    return fab_add(t, g, index, slice, ctx, 0, 0, err);
+}
+
+int fab_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
+                    const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    if (!g || n < 0 || (n > 0 && (!index || !slices)))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "fabric: write_batch: group %p, %d writes, index %p, slices %p",
+                      (void *)g, n, (const void *)index, (const void *)slices);
+    for (int i = 0; i < n; i++) {
+        if (index[i] < 0 || index[i] >= g->npeers)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "fabric: write_batch: write %d: index %d of a group of %d", i,
+                          index[i], g->npeers);
+        if ((rc = fab_check_slice(t, g, index[i], &slices[i], err)) != FERRY_OK)
+            return rc;
+    }
+    if ((rc = fab_reserve(t, n, err)) != FERRY_OK)
+        return rc;
+    int more = fab_batch_more(t, n);
+    for (int i = 0; i < n; i++)
+        fab_add(t, g, index[i], &slices[i], ctx, 0, more && i < n - 1 && !t->q_head, err);
+    return FERRY_OK;
 }
 
 int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
@@ -291,5 +340,5 @@ int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,
                       g ? g->npeers : 0);
     if ((rc = fab_check_slice(t, g, index, slice, err)) != FERRY_OK)
         return rc;
-    return fab_add(t, g, index, slice, ctx, 1, err);
+    return fab_add(t, g, index, slice, ctx, 1, 0, err);
 }

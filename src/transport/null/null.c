@@ -177,6 +177,26 @@ static int nul_write_imm(fr_transport_t *t, fr_group_t *g, int index, const fr_s
     return nul_one(t, g, index, slice, ctx, err);
 }
 
+static int nul_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
+                           const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err)
+{
+    for (int i = 0; i < n; i++) { /* all checked before any is posted */
+        if (index[i] < 0 || index[i] >= g->npeers)
+            return FR_ERR(err, FERRY_ERR_INVALID, "null: peer index %d of %d", index[i],
+                          g->npeers);
+        int rc = fr_slice_in_bounds("null", index[i], g->rank[index[i]], &slices[i], g->slen,
+                                    g->rlen[index[i]], err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    for (int i = 0; i < n; i++) {
+        int rc = nul_one(t, g, index[i], &slices[i], ctx, err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
 static int nul_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
 {
     int k = 0;
@@ -231,6 +251,7 @@ const fr_transport_ops_t fr_transport_null = {
     .scatter = nul_scatter,
     .barrier = nul_barrier,
     .write_imm = nul_write_imm,
+    .write_batch = nul_write_batch,
     .poll = nul_poll,
     .pending = nul_pending,
     .close = nul_close,
