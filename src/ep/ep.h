@@ -97,9 +97,10 @@ typedef struct fr_proxy_th {
     fr_proxy_ring_t own;                   /* the ring of a thread j > 0 */
     fr_slice_t *gslices;                   /* scatter scratch [N + 1] */
     int *scan, nscan;                      /* doorbell words it scans */
-    int *hit, *bidx;                       /* [nscan]: a pass's rung words, a
-                                              batch's group places */
-    fr_slice_t *bsl;                       /* [nscan]: a batch's slices */
+    fr_proxy_req_t *rq;                    /* [nrq]: a run of per-peer requests */
+    int *bidx, *bq, nrq;                   /* [nrq]: a batch's group places, and
+                                              its requests' places in the run */
+    fr_slice_t *bsl;                       /* [nrq]: a batch's slices */
     uint64_t t_scan;                       /* when the last pass began */
     fr_ep_stats_t *st;                     /* thread 0: &ep->st; else &mine */
     fr_ep_stats_t mine;                    /* merged into ep->st at stop */

@@ -91,46 +91,15 @@ static void fr_proxy_rx(ferry_ep_t ep, fr_proxy_th_t *th, uint32_t imm)
     }
 }
 
-/* One fabric peer's write (request peer1 = g + 1). */
-static int fr_proxy_post_one(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q,
-                             const fr_slice_t *sl)
-{
-    fr_err_t err = {{0}};
-    int g = q->peer1 - 1;
-    if (g >= ep->nfabric) {
-        char msg[120];
-        snprintf(msg, sizeof(msg), "proxy request for fabric peer %d of %d", g, ep->nfabric);
-        fr_proxy_async_fail(ep, FERRY_ERR_INTERNAL, -1, msg);
-        return FERRY_ERR_INTERNAL;
-    }
-    int k = ep->proxy.gnic[g];
-    /* counted before it is posted (as a scatter's writes are): a write
-     * that landed at a peer has been counted here */
-    fr_stat_add(&th->st->writes, 1);
-    fr_stat_add(&th->st->bytes, sl[g].len);
-    __atomic_add_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
-    int rc = ep->nics.ops->write_imm(ep->nics.tp[k], ep->groups.g[k], ep->proxy.gpos[g], &sl[g],
-                                     (uint64_t)q->set, &err);
-    if (rc != FERRY_OK) { /* not posted: uncounted */
-        fr_stat_add(&th->st->writes, (uint64_t)0 - 1);
-        fr_stat_add(&th->st->bytes, (uint64_t)0 - sl[g].len);
-        __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], 1, __ATOMIC_ACQ_REL);
-        fr_proxy_async_fail(ep, rc, -1, err.msg);
-        return rc;
-    }
-    return FERRY_OK;
-}
-
+/* A scatter request (peer1 0): one write per fabric peer of this
+ * thread's NICs, a scatter per NIC. */
 static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q)
 {
-    uint64_t *pick = &ep->proxy.t_pick[q->phase & 1][q->set & 1];
-    if (ep->proxy.stats && (q->peer1 == 0 || *pick == 0))
-        *pick = fr_now_ns(); /* the phase's first request */
+    if (ep->proxy.stats) /* the phase's request */
+        ep->proxy.t_pick[q->phase & 1][q->set & 1] = fr_now_ns();
     fr_err_t err = {{0}};
     const fr_slice_t *sl =
         ep->slices + ((size_t)q->phase * FR_NSETS + q->set) * ep->nfabric;
-    if (q->peer1 > 0)
-        return fr_proxy_post_one(ep, th, q, sl);
     for (int k = th->k0; k < th->k1; k++) { /* its NICs */
         int n = ep->groups.n[k];
         if (n == 0)
@@ -158,9 +127,9 @@ static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     return FERRY_OK;
 }
 
-/* Post request q and count it: the time since *t (the previous post's
- * end, or when the request was noticed) as posting, and the delay from
- * its doorbell (stamped by the producer, else noticed) to now. */
+/* Post scatter request q and count it: the time since *t (the previous
+ * post's end, or when the request was noticed) as posting, and the delay
+ * from its doorbell (stamped by the producer, else noticed) to now. */
 static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q,
                          uint64_t noticed, uint64_t *t)
 {
@@ -175,10 +144,9 @@ static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     return rc;
 }
 
-/* Post one batch of n rung doorbells' writes (th->bidx: group places,
- * th->bsl: slices) on NIC k for set `set`, counted as one provider batch
- * (write_batch), else write_imm each. Returns the status; a failure is
- * the EP's asynchronous error. */
+/* Post one batch of n writes (th->bidx: group places, th->bsl: slices)
+ * on NIC k for set `set`: one write_batch call, else write_imm each.
+ * Returns the status; a failure is the EP's asynchronous error. */
 static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int n)
 {
     fr_err_t err = {{0}};
@@ -212,63 +180,117 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
     return rc;
 }
 
+/* Post a run of per-peer requests th->rq[0..n), all of one (phase, set):
+ * one batch per NIC (write_batch: one provider doorbell where it allows,
+ * one share of ferry's bookkeeping). Counted as posting from *t to each
+ * batch's return, and each request's delay from its doorbell (stamped by
+ * the producer, else `bell`) to that return. */
+static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, uint64_t *t)
+{
+    fr_proxy_t *p = &ep->proxy;
+    int nf = ep->nfabric, phase = th->rq[0].phase, set = th->rq[0].set;
+    if (n == 0)
+        return FERRY_OK;
+    const fr_slice_t *sl = ep->slices + ((size_t)phase * FR_NSETS + set) * nf;
+    for (int r = 0; r < n; r++)
+        if (th->rq[r].peer1 < 1 || th->rq[r].peer1 > nf) {
+            char msg[120];
+            snprintf(msg, sizeof(msg), "proxy request for fabric peer %d of %d",
+                     th->rq[r].peer1 - 1, nf);
+            fr_proxy_async_fail(ep, FERRY_ERR_INTERNAL, -1, msg);
+            return FERRY_ERR_INTERNAL;
+        }
+    if (p->stats && p->t_pick[phase & 1][set & 1] == 0)
+        p->t_pick[phase & 1][set & 1] = *t; /* the phase's first write */
+    for (int k = th->k0; k < th->k1; k++) { /* its NICs */
+        int m = 0;
+        for (int r = 0; r < n; r++) {
+            int g = th->rq[r].peer1 - 1;
+            if (p->gnic[g] != k)
+                continue;
+            th->bidx[m] = p->gpos[g];
+            th->bsl[m] = sl[g];
+            th->bq[m++] = r;
+        }
+        if (m == 0)
+            continue;
+        int rc = fr_proxy_batch(ep, th, k, set, m);
+        uint64_t t1 = fr_now_ns();
+        fr_stat_add(&th->st->post_ns, t1 - *t);
+        fr_stat_add(&th->st->requests, (uint64_t)m);
+        for (int b = 0; b < m; b++) {
+            uint64_t tr = th->rq[th->bq[b]].t_ring;
+            fr_hist_add(&th->st->d2p, t1 - (tr && tr <= t1 ? tr : bell));
+        }
+        *t = t1;
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
 /* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
  * soon as its slice is packed, while the kernel packs the next peers. A
  * pass reads every doorbell word of this thread's peers first, then posts
- * the rung ones, per (phase, set) and NIC one batch (write_batch: one
- * provider doorbell where it allows, one count of ferry's bookkeeping).
- * The delay counted for each write runs from the start of the previous
- * pass, the latest time its doorbell was still seen unrung (so an upper
- * bound, which includes a nap of an idle proxy), to its batch's post
- * returning. Returns whether anything was posted. */
+ * the rung ones, a run per (phase, set) (fr_proxy_run). The delay counted
+ * for each write runs from the start of the previous pass, the latest
+ * time its doorbell was still seen unrung (so an upper bound, which
+ * includes a nap of an idle proxy), to its batch's post returning.
+ * Returns whether anything was posted. */
 static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
 {
     fr_proxy_t *p = &ep->proxy;
-    int nf = ep->nfabric, nhit = 0;
+    int nf = ep->nfabric, n = 0;
     uint64_t prev = th->t_scan;
     th->t_scan = fr_now_ns();
-    for (int x = 0; x < th->nscan; x++) { /* the words of this thread's peers */
+    uint64_t bell = prev ? prev : th->t_scan, t = 0;
+    /* th->scan ascends: the words of one (phase, set) come together */
+    for (int x = 0; x < th->nscan; x++) {
         int i = th->scan[x];
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
-        if (v != p->ready_seen[i]) {
-            p->ready_seen[i] = v;
-            th->hit[nhit++] = i;
-        }
-    }
-    if (nhit == 0)
-        return 0;
-    uint64_t bell = prev ? prev : th->t_scan, t = fr_now_ns();
-    /* th->scan ascends: the words of one (phase, set) are a run of hits */
-    for (int a = 0, b; a < nhit; a = b) {
-        int ps = th->hit[a] / nf; /* phase * FR_NSETS + set */
-        for (b = a; b < nhit && th->hit[b] / nf == ps; b++)
-            ;
-        int phase = ps / FR_NSETS, set = ps % FR_NSETS;
-        const fr_slice_t *sl = ep->slices + (size_t)ps * nf;
-        if (p->stats && p->t_pick[phase & 1][set & 1] == 0)
-            p->t_pick[phase & 1][set & 1] = t; /* the phase's first write */
-        for (int k = th->k0; k < th->k1; k++) { /* a batch per NIC */
-            int n = 0;
-            for (int h = a; h < b; h++) {
-                int g = th->hit[h] % nf;
-                if (p->gnic[g] != k)
-                    continue;
-                th->bidx[n] = p->gpos[g];
-                th->bsl[n++] = sl[g];
-            }
-            if (n == 0)
-                continue;
-            int rc = fr_proxy_batch(ep, th, k, set, n);
-            uint64_t t1 = fr_now_ns();
-            fr_stat_add(&th->st->post_ns, t1 - t);
-            fr_stat_add(&th->st->requests, (uint64_t)n);
-            for (int w = 0; w < n; w++)
-                fr_hist_add(&th->st->d2p, t1 - bell);
-            t = t1;
-            if (rc != FERRY_OK)
+        if (v == p->ready_seen[i])
+            continue;
+        p->ready_seen[i] = v;
+        fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
+                            .epoch = v, .peer1 = i % nf + 1};
+        if (n > 0 && (q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
+            if (fr_proxy_run(ep, th, n, bell, &t) != FERRY_OK)
                 return 1; /* the failure is the EP's asynchronous error now */
+            n = 0;
         }
+        if (n == 0 && t == 0)
+            t = fr_now_ns(); /* the words read: posting starts */
+        th->rq[n++] = q;
     }
+    if (n > 0)
+        fr_proxy_run(ep, th, n, bell, &t);
+    return t != 0;
+}
+
+/* The requests pushed into this thread's ring: per-peer ones in runs of
+ * one (phase, set) (fr_proxy_run), a scatter request alone, in order.
+ * Returns whether there were any. */
+static int fr_proxy_take_ring(ferry_ep_t ep, fr_proxy_th_t *th)
+{
+    fr_proxy_ring_t *rg = th->ring;
+    uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
+    if (rg->head >= tail)
+        return 0;
+    uint64_t noticed = fr_now_ns(), t = noticed;
+    int n = 0;
+    while (rg->head < tail) {
+        fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
+        __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
+        if (n > 0 && (q.peer1 == 0 || q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
+            fr_proxy_run(ep, th, n, noticed, &t);
+            n = 0;
+        }
+        if (q.peer1 == 0)
+            fr_proxy_take(ep, th, &q, noticed, &t);
+        else
+            th->rq[n++] = q;
+    }
+    fr_proxy_run(ep, th, n, noticed, &t);
     return 1;
 }
 
@@ -328,17 +350,12 @@ static void *fr_proxy_main(void *arg)
     uint64_t idle = 0;
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
         int work = 0;
-        fr_proxy_ring_t *rg = th->ring;
-        uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
-        uint64_t noticed = rg->head < tail ? fr_now_ns() : 0, t = noticed;
-        while (rg->head < tail) {
-            fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
-            __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
-            fr_proxy_take(ep, th, &q, noticed, &t);
+        work = fr_proxy_take_ring(ep, th);
+        /* doorbells rung while a batch was posted go out before the
+         * completions are handled (a few passes at most: the arrivals
+         * of this phase wait behind them) */
+        for (int pass = 0; p->ready_seen && pass < 4 && fr_proxy_scan_ready(ep, th); pass++)
             work = 1;
-        }
-        if (p->ready_seen)
-            work |= fr_proxy_scan_ready(ep, th);
         if (work) /* the provider's share, -FI_EAGAIN */
             fr_ep_stats_tp_nics(ep, th->st, th->k0, th->k1);
         fr_err_t err = {{0}};
@@ -373,8 +390,9 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
     for (int j = 0; p->th && j < p->nth; j++) {
         free(p->th[j].gslices);
         free(p->th[j].scan);
-        free(p->th[j].hit);
+        free(p->th[j].rq);
         free(p->th[j].bidx);
+        free(p->th[j].bq);
         free(p->th[j].bsl);
     }
     free(p->th);
@@ -438,11 +456,14 @@ static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
     th->st = j == 0 ? &ep->st : &th->mine;
     th->gslices = calloc((size_t)ep->N + 1, sizeof(fr_slice_t));
     size_t words = 2 * FR_NSETS * (size_t)(nf > 0 ? nf : 1);
+    /* a run: at most a pass's words, or a ring's requests */
+    th->nrq = (int)(words > FR_PROXY_RING ? words : FR_PROXY_RING);
     th->scan = calloc(words, sizeof(int));
-    th->hit = calloc(words, sizeof(int));
-    th->bidx = calloc(words, sizeof(int));
-    th->bsl = calloc(words, sizeof(fr_slice_t));
-    if (!th->gslices || !th->scan || !th->hit || !th->bidx || !th->bsl)
+    th->rq = calloc((size_t)th->nrq, sizeof(fr_proxy_req_t));
+    th->bidx = calloc((size_t)th->nrq, sizeof(int));
+    th->bq = calloc((size_t)th->nrq, sizeof(int));
+    th->bsl = calloc((size_t)th->nrq, sizeof(fr_slice_t));
+    if (!th->gslices || !th->scan || !th->rq || !th->bidx || !th->bq || !th->bsl)
         return -1;
     for (int i = 0; p->ready_seen && i < 2 * FR_NSETS * nf; i++)
         if (fr_proxy_owner(p, i % nf) == j)

@@ -1066,8 +1066,11 @@ static __device__ __forceinline__ int fr_cuht_cbatch(int RT)
 /* The receiving group (W warps, named barrier 15): the channel's own
  * tokens in batches; per batch, the records of each peer it needs are
  * waited for (one thread per peer), summed, and their ring slots handed
- * back. The own rank's rows are read straight from y. */
-template <int W, int U>
+ * back. The own rank's rows are read straight from y. NMAX: the most
+ * ranks of the kernel (its per-peer shared arrays; 16 outside the
+ * many-rank kernels, whose 1024 would take 24 KB of shared memory, and
+ * of L1 with it, from every kernel). */
+template <int W, int U, int NMAX>
 static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c)
 {
@@ -1084,8 +1087,8 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     /* per peer d: its ring's first record of this call (sbase), the tail
      * seen, the records the batches so far need (a token's place + 1) and
      * the head published, both counted from sbase */
-    __shared__ unsigned long long sbase[FR_CUHT_MAX_RANKS], stail[FR_CUHT_MAX_RANKS];
-    __shared__ int sneed[FR_CUHT_MAX_RANKS], sgot[FR_CUHT_MAX_RANKS], spub[FR_CUHT_MAX_RANKS];
+    __shared__ unsigned long long sbase[NMAX], stail[NMAX];
+    __shared__ int sneed[NMAX], sgot[NMAX], spub[NMAX];
     __shared__ const int4 *sptr[W][FR_MAX_TOPK]; /* a token's rows, by rank */
     /* failures seen while waiting, and while summing: two words, each
      * read only after the barrier that ends its phase and written again
@@ -1488,7 +1491,7 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
         int S = P * FR_CUHT_STEP < room ? P * FR_CUHT_STEP : room;
         fr_cuht_send<true, U>(A, R, io, c, s, S, g);
     } else {
-        fr_cuht_crecv<W, US>(A, R, io, c);
+        fr_cuht_crecv<W, US, MANY ? FR_CUHT_MAX_RANKS : 16>(A, R, io, c);
     }
 }
 
