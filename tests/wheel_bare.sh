@@ -9,7 +9,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 unshare -m true 2>/dev/null || { echo "skipped: no mount namespace here (unshare -m needs root)"; exit 77; }
-lf=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+lf=$(ldconfig -p | awk '/libfabric\.so\.1 / && !f {print $NF; f = 1}')  # no early exit: ldconfig would die of SIGPIPE (pipefail)
 [ -n "$lf" ] || { echo "skipped: no system libfabric.so.1 to hide"; exit 77; }
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
