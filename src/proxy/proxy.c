@@ -188,15 +188,16 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
 static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, uint64_t *t)
 {
     fr_proxy_t *p = &ep->proxy;
-    int nf = ep->nfabric, phase = th->rq[0].phase, set = th->rq[0].set;
     if (n == 0)
         return FERRY_OK;
+    int nf = ep->nfabric, phase = th->rq[0].phase, set = th->rq[0].set;
     const fr_slice_t *sl = ep->slices + ((size_t)phase * FR_NSETS + set) * nf;
     for (int r = 0; r < n; r++)
-        if (th->rq[r].peer1 < 1 || th->rq[r].peer1 > nf) {
-            char msg[120];
-            snprintf(msg, sizeof(msg), "proxy request for fabric peer %d of %d",
-                     th->rq[r].peer1 - 1, nf);
+        if (th->rq[r].peer1 < 1 || th->rq[r].peer1 > nf ||
+            p->gnic[th->rq[r].peer1 - 1] < th->k0 || p->gnic[th->rq[r].peer1 - 1] >= th->k1) {
+            char msg[120]; /* not a peer, or not one of this thread's NICs */
+            snprintf(msg, sizeof(msg), "proxy thread %d: request for fabric peer %d of %d",
+                     th->j, th->rq[r].peer1 - 1, nf);
             fr_proxy_async_fail(ep, FERRY_ERR_INTERNAL, -1, msg);
             return FERRY_ERR_INTERNAL;
         }
@@ -276,21 +277,28 @@ static int fr_proxy_take_ring(ferry_ep_t ep, fr_proxy_th_t *th)
     uint64_t tail = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
     if (rg->head >= tail)
         return 0;
-    uint64_t noticed = fr_now_ns(), t = noticed;
+    uint64_t noticed = fr_now_ns(), t = noticed, h = rg->head;
     int n = 0;
-    while (rg->head < tail) {
-        fr_proxy_req_t q = rg->req[rg->head % FR_PROXY_RING];
-        __atomic_store_n(&rg->head, rg->head + 1, __ATOMIC_RELEASE);
+    /* the head moves past a request only once it is posted (counted in
+     * tx_pending): a rank waiting for its set to drain (an empty ring and
+     * nothing in flight) never misses a request held in a run */
+    while (h < tail) {
+        fr_proxy_req_t q = rg->req[h % FR_PROXY_RING];
         if (n > 0 && (q.peer1 == 0 || q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
             fr_proxy_run(ep, th, n, noticed, &t);
             n = 0;
+            __atomic_store_n(&rg->head, h, __ATOMIC_RELEASE);
         }
-        if (q.peer1 == 0)
+        if (q.peer1 == 0) {
             fr_proxy_take(ep, th, &q, noticed, &t);
-        else
+            __atomic_store_n(&rg->head, h + 1, __ATOMIC_RELEASE);
+        } else {
             th->rq[n++] = q;
+        }
+        h++;
     }
     fr_proxy_run(ep, th, n, noticed, &t);
+    __atomic_store_n(&rg->head, h, __ATOMIC_RELEASE);
     return 1;
 }
 

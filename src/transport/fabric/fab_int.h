@@ -130,8 +130,9 @@ struct fr_transport {
     int hmem;            /* opened with FI_HMEM in caps: reg_dev works */
     size_t max_msg;      /* the provider's ep_attr->max_msg_size */
     size_t tx_size;      /* the provider's tx_attr->size (0: unknown) */
-    uint64_t op_flags;   /* the endpoint's default op flags ferry asked
-                            for (fi_writemsg takes its flags instead) */
+    uint64_t op_flags;   /* the endpoint's default op flags (tx_attr's,
+                            ferry's added): fi_writemsg takes its flags
+                            instead of them */
     uintptr_t pool_lo, pool_hi; /* address range of the pool's chunks */
 };
 

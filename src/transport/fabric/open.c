@@ -284,7 +284,7 @@ static int fab_prepare(fr_transport_t *t, uint64_t op_flags, fr_err_t *err)
                     info->fabric_attr->prov_name);
     }
     info->tx_attr->op_flags |= op_flags;
-    t->op_flags = op_flags;
+    t->op_flags = info->tx_attr->op_flags; /* what fi_writedata uses */
     /* sockets defaults to a progress thread per domain that spins for 10
      * ms at a time, beside the proxy that polls anyway: on a loaded host
      * the two fight for the CPU (rounds 5-20x slower). ferry drives

@@ -17,6 +17,10 @@
  * what is in flight: a held write then never waits behind a queue that
  * only its own doorbell could drain. A write queued after -FI_EAGAIN
  * loses FI_MORE, so the retry that posts it rings for what came before.
+ * A batch's last write that fails outright (not -FI_EAGAIN) leaves the
+ * writes held before it to the next post's doorbell: its error
+ * completion fails the EP (the proxy's asynchronous error), which
+ * nothing then waits on.
  *
  * Zero-byte writes: tcp;ofi_rxm, shm, sockets and udp;ofi_rxd accept
  * fi_writedata with len 0 and deliver the remote CQ data, to other ranks

@@ -105,10 +105,14 @@ static void nul_group_destroy(fr_transport_t *t, fr_group_t *g)
     free(g);
 }
 
-static int nul_push(fr_transport_t *t, fr_cqe_t c)
+/* Room for m more completions (grown before a call posts any write, so
+ * a call never fails halfway through its writes). */
+static int nul_room(fr_transport_t *t, size_t m)
 {
-    if (t->n == t->cap) {
+    if (t->n + m > t->cap) {
         size_t cap = t->cap ? 2 * t->cap : 1024;
+        while (cap < t->n + m)
+            cap *= 2;
         fr_cqe_t *q = malloc(cap * sizeof(*q));
         if (!q)
             return -1;
@@ -119,6 +123,13 @@ static int nul_push(fr_transport_t *t, fr_cqe_t c)
         t->head = 0;
         t->cap = cap;
     }
+    return 0;
+}
+
+static int nul_push(fr_transport_t *t, fr_cqe_t c)
+{
+    if (nul_room(t, 1) != 0)
+        return -1;
     t->q[(t->head + t->n++) % t->cap] = c;
     return 0;
 }
@@ -151,6 +162,8 @@ static int nul_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slice
         if (rc != FERRY_OK)
             return rc;
     }
+    if (nul_room(t, 2 * (size_t)g->npeers) != 0) /* all posted, or none */
+        return FR_ERR(err, FERRY_ERR_NOMEM, "null: completion queue");
     for (int i = 0; i < g->npeers; i++) {
         int rc = nul_one(t, g, i, &slices[i], ctx, err);
         if (rc != FERRY_OK)
@@ -189,6 +202,8 @@ static int nul_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
         if (rc != FERRY_OK)
             return rc;
     }
+    if (nul_room(t, 2 * (size_t)n) != 0) /* all posted, or none */
+        return FR_ERR(err, FERRY_ERR_NOMEM, "null: completion queue");
     for (int i = 0; i < n; i++) {
         int rc = nul_one(t, g, index[i], &slices[i], ctx, err);
         if (rc != FERRY_OK)
