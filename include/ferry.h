@@ -324,6 +324,14 @@ typedef struct ferry_ep_stats {
                                  FI_MORE: the provider may ring the NIC
                                  once for a batch (a pass of the proxy, a
                                  scatter) instead of once per write */
+    double seen_to_post_p50_us; /* OUT: from the proxy first seeing a
+                                 doorbell rung (the request in its ring,
+                                 the doorbell word changed) to the write
+                                 being posted, the proxy's own share of
+                                 the delay above and a lower bound of it
+                                 (for a GPU rank's doorbells that delay is
+                                 an upper bound): median, and */
+    double seen_to_post_p99_us; /* OUT: 99th percentile */
 } ferry_ep_stats_t;
 
 /* Read ep's counters into *stats (IN: stats->size; OUT: the rest).

@@ -51,6 +51,7 @@ void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src)
     for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
         fr_stat_add(d[i], ld(v[i]));
     fr_hist_merge(&dst->d2p, &src->d2p);
+    fr_hist_merge(&dst->s2p, &src->s2p);
 }
 
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
@@ -75,6 +76,8 @@ void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
     s.provider_ns = sum.tp.prov_ns;
     s.provider_calls = sum.tp.prov_calls;
     s.batched = sum.tp.more;
+    s.seen_to_post_p50_us = fr_hist_quantile(&sum.s2p, 0.50) / 1e3;
+    s.seen_to_post_p99_us = fr_hist_quantile(&sum.s2p, 0.99) / 1e3;
     s.retry_ns = sum.tp.retry_ns;
     s.polls = sum.polls;
     s.poll_ns = sum.poll_ns;

@@ -140,6 +140,7 @@ static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     fr_stat_add(&st->requests, 1);
     uint64_t bell = q->t_ring && q->t_ring <= t1 ? q->t_ring : noticed;
     fr_hist_add(&st->d2p, t1 - bell);
+    fr_hist_add(&st->s2p, t1 - noticed);
     *t = t1;
     return rc;
 }
@@ -184,8 +185,10 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
  * one batch per NIC (write_batch: one provider doorbell where it allows,
  * one share of ferry's bookkeeping). Counted as posting from *t to each
  * batch's return, and each request's delay from its doorbell (stamped by
- * the producer, else `bell`) to that return. */
-static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, uint64_t *t)
+ * the producer, else `bell`) and from when the proxy saw it (`seen`) to
+ * that return. */
+static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, uint64_t seen,
+                        uint64_t *t)
 {
     fr_proxy_t *p = &ep->proxy;
     if (n == 0)
@@ -222,6 +225,7 @@ static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, 
         for (int b = 0; b < m; b++) {
             uint64_t tr = th->rq[th->bq[b]].t_ring;
             fr_hist_add(&th->st->d2p, t1 - (tr && tr <= t1 ? tr : bell));
+            fr_hist_add(&th->st->s2p, t1 - seen);
         }
         *t = t1;
         if (rc != FERRY_OK)
@@ -236,7 +240,8 @@ static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, 
  * the rung ones, a run per (phase, set) (fr_proxy_run). The delay counted
  * for each write runs from the start of the previous pass, the latest
  * time its doorbell was still seen unrung (so an upper bound, which
- * includes a nap of an idle proxy), to its batch's post returning.
+ * includes a nap of an idle proxy), to its batch's post returning; the
+ * one from its run's words read to that return is a lower bound (s2p).
  * Returns whether anything was posted. */
 static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
 {
@@ -244,8 +249,10 @@ static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
     int nf = ep->nfabric, n = 0;
     uint64_t prev = th->t_scan;
     th->t_scan = fr_now_ns();
-    uint64_t bell = prev ? prev : th->t_scan, t = 0;
-    /* th->scan ascends: the words of one (phase, set) come together */
+    uint64_t bell = prev ? prev : th->t_scan, t = 0, seen;
+    /* th->scan ascends: the words of one (phase, set) come together; a
+     * run goes out once its words are read (`seen`, after every read of
+     * them: the lower bound's start, and posting's) */
     for (int x = 0; x < th->nscan; x++) {
         int i = th->scan[x];
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
@@ -255,16 +262,19 @@ static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
         fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
                             .epoch = v, .peer1 = i % nf + 1};
         if (n > 0 && (q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
-            if (fr_proxy_run(ep, th, n, bell, &t) != FERRY_OK)
+            seen = fr_now_ns();
+            t = t ? t : seen;
+            if (fr_proxy_run(ep, th, n, bell, seen, &t) != FERRY_OK)
                 return 1; /* the failure is the EP's asynchronous error now */
             n = 0;
         }
-        if (n == 0 && t == 0)
-            t = fr_now_ns(); /* the words read: posting starts */
         th->rq[n++] = q;
     }
-    if (n > 0)
-        fr_proxy_run(ep, th, n, bell, &t);
+    if (n > 0) {
+        seen = fr_now_ns();
+        t = t ? t : seen;
+        fr_proxy_run(ep, th, n, bell, seen, &t);
+    }
     return t != 0;
 }
 
@@ -285,7 +295,7 @@ static int fr_proxy_take_ring(ferry_ep_t ep, fr_proxy_th_t *th)
     while (h < tail) {
         fr_proxy_req_t q = rg->req[h % FR_PROXY_RING];
         if (n > 0 && (q.peer1 == 0 || q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
-            fr_proxy_run(ep, th, n, noticed, &t);
+            fr_proxy_run(ep, th, n, noticed, noticed, &t);
             n = 0;
             __atomic_store_n(&rg->head, h, __ATOMIC_RELEASE);
         }
@@ -297,7 +307,7 @@ static int fr_proxy_take_ring(ferry_ep_t ep, fr_proxy_th_t *th)
         }
         h++;
     }
-    fr_proxy_run(ep, th, n, noticed, &t);
+    fr_proxy_run(ep, th, n, noticed, noticed, &t);
     __atomic_store_n(&rg->head, h, __ATOMIC_RELEASE);
     return 1;
 }

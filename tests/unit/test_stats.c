@@ -64,11 +64,18 @@ static void test_null(int peers, int bells)
               s->doorbell_to_post_p99_us >= s->doorbell_to_post_p50_us,
           "doorbell to post p50 %.3f p99 %.3f", s->doorbell_to_post_p50_us,
           s->doorbell_to_post_p99_us);
+    CHECK(s->seen_to_post_p50_us > 0 &&
+              s->seen_to_post_p50_us <= s->doorbell_to_post_p50_us &&
+              s->seen_to_post_p99_us <= s->doorbell_to_post_p99_us,
+          "seen to post p50 %.3f p99 %.3f: at most the doorbell's %.3f, %.3f",
+          s->seen_to_post_p50_us, s->seen_to_post_p99_us, s->doorbell_to_post_p50_us,
+          s->doorbell_to_post_p99_us);
     printf("null, %d peers%s: %llu writes, %.3f us per write posting, %.3f polling, doorbell "
-           "to post p50 %.1f us p99 %.1f us\n", peers, bells ? " (doorbells)" : "",
-           (unsigned long long)s->writes,
+           "to post p50 %.1f us p99 %.1f us (seen to post %.1f, %.1f)\n", peers,
+           bells ? " (doorbells)" : "", (unsigned long long)s->writes,
            s->post_ns / 1e3 / (double)s->writes, s->poll_ns / 1e3 / (double)s->writes,
-           s->doorbell_to_post_p50_us, s->doorbell_to_post_p99_us);
+           s->doorbell_to_post_p50_us, s->doorbell_to_post_p99_us, s->seen_to_post_p50_us,
+           s->seen_to_post_p99_us);
     fr_proxy_bench_t bad = {.peers = 0, .rounds = 1};
     CHECK(fr_proxy_bench_null(&bad) == FERRY_ERR_INVALID && strstr(bad.err, "peers"),
           "0 peers: %s", bad.err);

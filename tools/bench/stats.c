@@ -13,7 +13,7 @@
 #include "bench.h"
 #include "proxy/proxy.h"
 
-#define NSTAT 10
+#define NSTAT 12
 
 static int ep_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
 {
@@ -76,9 +76,11 @@ int stats_gather(bench_t *b, pstats_t *ps)
         mine[7] += (double)(s.completions - z->completions);
         mine[8] += (double)(s.arrivals - z->arrivals);
         mine[9] += (double)(s.batched - z->batched);
+        mine[10] = fmax(mine[10], s.seen_to_post_p50_us);
+        mine[11] = fmax(mine[11], s.seen_to_post_p99_us);
     }
     double *all = calloc((size_t)NSTAT * b->N, sizeof(double));
-    double *p50 = calloc((size_t)b->N, sizeof(double));
+    double *p50 = calloc(2 * (size_t)b->N, sizeof(double)), *s50 = p50 + b->N;
     if (!all || !p50 ||
         ferry_comm_allgather(b->comm, mine, all, sizeof(mine)) != FERRY_OK) {
         free(all);
@@ -98,9 +100,13 @@ int stats_gather(bench_t *b, pstats_t *ps)
         ps->completions += v[7];
         ps->arrivals += v[8];
         ps->batched += v[9];
+        s50[r] = v[10];
+        ps->s2p99 = fmax(ps->s2p99, v[11]);
     }
     qsort(p50, (size_t)b->N, sizeof(double), cmp_d);
     ps->d2p50 = p50[b->N / 2];
+    qsort(s50, (size_t)b->N, sizeof(double), cmp_d);
+    ps->s2p50 = s50[b->N / 2];
     free(all);
     free(p50);
     return 0;
@@ -134,11 +140,13 @@ void stats_json(FILE *f, const pstats_t *ps)
             "\"post_us_per_write\": %.4f, \"provider_us_per_write\": %.4f, "
             "\"ferry_post_us_per_write\": %.4f, \"poll_us_per_write\": %.4f, "
             "\"doorbell_to_post_us_p50\": %.3f, \"doorbell_to_post_us_p99\": %.3f, "
-            "\"writes_batched\": %.0f",
+            "\"writes_batched\": %.0f, \"seen_to_post_us_p50\": %.3f, "
+            "\"seen_to_post_us_p99\": %.3f",
             ps->writes, ps->completions, ps->arrivals, ps->eagain,
             per_write(ps, ps->post_us + ps->poll_us),
             per_write(ps, ps->post_us), per_write(ps, ps->prov_us), per_write(ps, ferry),
-            per_write(ps, ps->poll_us), ps->d2p50, ps->d2p99, ps->batched);
+            per_write(ps, ps->poll_us), ps->d2p50, ps->d2p99, ps->batched, ps->s2p50,
+            ps->s2p99);
 }
 
 static void null_print(const opts_t *o, const fr_proxy_bench_t *nb, const pstats_t *ps,
@@ -181,7 +189,8 @@ int run_null(const opts_t *o)
                    .completions = (double)s->completions, .arrivals = (double)s->arrivals,
                    .post_us = s->post_ns / 1e3, .prov_us = s->provider_ns / 1e3,
                    .poll_us = s->poll_ns / 1e3, .d2p50 = s->doorbell_to_post_p50_us,
-                   .d2p99 = s->doorbell_to_post_p99_us, .batched = (double)s->batched};
+                   .d2p99 = s->doorbell_to_post_p99_us, .batched = (double)s->batched,
+                   .s2p50 = s->seen_to_post_p50_us, .s2p99 = s->seen_to_post_p99_us};
     qsort(nb.round_us, (size_t)o->iters, sizeof(double), cmp_d);
     double p50 = nb.round_us[(o->iters - 1) / 2];
     double p99 = nb.round_us[(int)ceil(0.99 * o->iters) - 1];
