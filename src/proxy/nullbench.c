@@ -179,12 +179,12 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
     if (gpu && fr_nb_cuda_ring((fr_slice_t *)gpu->sl_dev + i0, (uint64_t *)gpu->ready_dev + i0,
                                nf, bytes, fr_imm_make(phase, e, 0), e, gpu->stream) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "null bench: the doorbell kernel did not launch");
-    for (int g = 0; !gpu && bells && g < nf; g++) { /* slice, then its doorbell */
+    for (int g = 0; !gpu && g < nf; g++) { /* slice, then its doorbell or request */
         sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
-        __atomic_store_n(&ep->ready[i0 + g], e, __ATOMIC_RELEASE);
-    }
-    for (int g = 0; !gpu && !bells && g < nf; g++) {
-        sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
+        if (bells) {
+            __atomic_store_n(&ep->ready[i0 + g], e, __ATOMIC_RELEASE);
+            continue;
+        }
         int rc = fr_proxy_submit(ep, phase, set, e, g);
         if (rc != FERRY_OK)
             return FR_ERR(err, rc, "%s", ep->err.msg);

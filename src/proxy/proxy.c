@@ -91,6 +91,16 @@ static void fr_proxy_rx(ferry_ep_t ep, fr_proxy_th_t *th, uint32_t imm)
     }
 }
 
+/* n writes of `bytes` in all for set `set` counted before they are posted
+ * (a write that landed at a peer has been counted here), or with
+ * negative values uncounted when not posted. */
+static void fr_proxy_count(ferry_ep_t ep, fr_proxy_th_t *th, int set, int64_t n, int64_t bytes)
+{
+    fr_stat_add(&th->st->writes, (uint64_t)n);
+    fr_stat_add(&th->st->bytes, (uint64_t)bytes);
+    __atomic_add_fetch(&ep->proxy.tx_pending[set], n, __ATOMIC_ACQ_REL);
+}
+
 /* A scatter request (peer1 0): one write per fabric peer of this
  * thread's NICs, a scatter per NIC. */
 static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q)
@@ -110,16 +120,11 @@ static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
             th->gslices[i] = sl[ep->groups.idx[k][i]];
             bytes += th->gslices[i].len;
         }
-        fr_stat_add(&th->st->bytes, bytes);
-        fr_stat_add(&th->st->writes, (uint64_t)n);
-        __atomic_add_fetch(&ep->proxy.tx_pending[q->set], n, __ATOMIC_ACQ_REL);
+        fr_proxy_count(ep, th, q->set, n, (int64_t)bytes);
         int rc = ep->nics.ops->scatter(ep->nics.tp[k], ep->groups.g[k], th->gslices,
                                      (uint64_t)q->set, &err);
         if (rc != FERRY_OK) { /* a failed scatter posted nothing: uncounted */
-            fr_stat_add(&th->st->bytes, (uint64_t)0 - bytes);
-            fr_stat_add(&th->st->writes, (uint64_t)0 - (uint64_t)n);
-            __atomic_sub_fetch(&ep->proxy.tx_pending[q->set], n,
-                               __ATOMIC_ACQ_REL);
+            fr_proxy_count(ep, th, q->set, -n, -(int64_t)bytes);
             fr_proxy_async_fail(ep, rc, -1, err.msg);
             return rc;
         }
@@ -154,10 +159,7 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
     uint64_t bytes = 0;
     for (int b = 0; b < n; b++)
         bytes += th->bsl[b].len;
-    /* counted before they are posted (as a scatter's writes are) */
-    fr_stat_add(&th->st->writes, (uint64_t)n);
-    fr_stat_add(&th->st->bytes, bytes);
-    __atomic_add_fetch(&ep->proxy.tx_pending[set], n, __ATOMIC_ACQ_REL);
+    fr_proxy_count(ep, th, set, n, (int64_t)bytes);
     const fr_transport_ops_t *ops = ep->nics.ops;
     int rc = FERRY_OK, posted = 0;
     if (ops->write_batch) {
@@ -173,9 +175,7 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
         uint64_t left = 0;
         for (int b = posted; b < n; b++)
             left += th->bsl[b].len;
-        fr_stat_add(&th->st->writes, (uint64_t)0 - (uint64_t)(n - posted));
-        fr_stat_add(&th->st->bytes, (uint64_t)0 - left);
-        __atomic_sub_fetch(&ep->proxy.tx_pending[set], n - posted, __ATOMIC_ACQ_REL);
+        fr_proxy_count(ep, th, set, -(int64_t)(n - posted), -(int64_t)left);
         fr_proxy_async_fail(ep, rc, -1, err.msg);
     }
     return rc;
@@ -234,6 +234,18 @@ static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, 
     return FERRY_OK;
 }
 
+/* A scan's run, its words read: posted with now as when the proxy saw
+ * them (after every read of them: the lower bound's start) and, for the
+ * pass's first run, as posting's start. */
+static int fr_proxy_scan_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell,
+                             uint64_t *t)
+{
+    uint64_t seen = fr_now_ns();
+    if (*t == 0)
+        *t = seen;
+    return fr_proxy_run(ep, th, n, bell, seen, t);
+}
+
 /* Per-peer doorbells (GPU ranks): post peer g's write of (phase, set) as
  * soon as its slice is packed, while the kernel packs the next peers. A
  * pass reads every doorbell word of this thread's peers first, then posts
@@ -249,10 +261,9 @@ static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
     int nf = ep->nfabric, n = 0;
     uint64_t prev = th->t_scan;
     th->t_scan = fr_now_ns();
-    uint64_t bell = prev ? prev : th->t_scan, t = 0, seen;
+    uint64_t bell = prev ? prev : th->t_scan, t = 0;
     /* th->scan ascends: the words of one (phase, set) come together; a
-     * run goes out once its words are read (`seen`, after every read of
-     * them: the lower bound's start, and posting's) */
+     * run goes out once its words are read (fr_proxy_scan_run) */
     for (int x = 0; x < th->nscan; x++) {
         int i = th->scan[x];
         uint64_t v = __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE);
@@ -262,19 +273,14 @@ static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
         fr_proxy_req_t q = {.phase = i / (FR_NSETS * nf), .set = (i / nf) % FR_NSETS,
                             .epoch = v, .peer1 = i % nf + 1};
         if (n > 0 && (q.phase != th->rq[0].phase || q.set != th->rq[0].set)) {
-            seen = fr_now_ns();
-            t = t ? t : seen;
-            if (fr_proxy_run(ep, th, n, bell, seen, &t) != FERRY_OK)
+            if (fr_proxy_scan_run(ep, th, n, bell, &t) != FERRY_OK)
                 return 1; /* the failure is the EP's asynchronous error now */
             n = 0;
         }
         th->rq[n++] = q;
     }
-    if (n > 0) {
-        seen = fr_now_ns();
-        t = t ? t : seen;
-        fr_proxy_run(ep, th, n, bell, seen, &t);
-    }
+    if (n > 0)
+        fr_proxy_scan_run(ep, th, n, bell, &t);
     return t != 0;
 }
 

@@ -123,7 +123,7 @@ fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 /* The op is marked posted first: from here on a completion may name it.
  * The provider call is timed (two clock reads) for the stats op. A fenced
  * or batched write goes through fi_writemsg, whose flags replace the
- * endpoint's defaults: a batched one keeps those ferry asked for (e.g.
+ * endpoint's defaults: a batched one takes them back (t->op_flags, e.g.
  * FI_DELIVERY_COMPLETE). */
 static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op, int retry)
 {
@@ -260,23 +260,38 @@ static int fab_reserve(fr_transport_t *t, int n, fr_err_t *err)
 /* ops                                                                 */
 /* ------------------------------------------------------------------ */
 
+/* n writes, slices[i] to member index[i] (index NULL: member i), all
+ * checked before any is posted (scatter, write_batch). A write queued
+ * after -FI_EAGAIN drops its FI_MORE (fab_submit). */
+static int fab_post_many(fr_transport_t *t, fr_group_t *g, const int *index,
+                         const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err)
+{
+    int rc;
+    for (int i = 0; i < n; i++) {
+        int m = index ? index[i] : i;
+        if (m < 0 || m >= g->npeers)
+            return FR_ERR(err, FERRY_ERR_INVALID,
+                          "fabric: write_batch: write %d: index %d of a group of %d", i, m,
+                          g->npeers);
+        if ((rc = fab_check_slice(t, g, m, &slices[i], err)) != FERRY_OK)
+            return rc;
+    }
+    if ((rc = fab_reserve(t, n, err)) != FERRY_OK)
+        return rc;
+    int more = fab_batch_more(t, n);
+    for (int i = 0; i < n; i++)
+        fab_add(t, g, index ? index[i] : i, &slices[i], ctx, 0, more && i < n - 1, err);
+    return FERRY_OK;
+}
+
 int fab_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices,
                 uint64_t ctx, fr_err_t *err)
 {
-    int rc;
     if (!g || (g->npeers > 0 && !slices))
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: scatter: group %p, slices %p", (void *)g,
                       (const void *)slices);
-    for (int i = 0; i < g->npeers; i++)
-        if ((rc = fab_check_slice(t, g, i, &slices[i], err)) != FERRY_OK)
-            return rc;
-    if ((rc = fab_reserve(t, g->npeers, err)) != FERRY_OK)
-        return rc;
-    int more = fab_batch_more(t, g->npeers);
-    for (int i = 0; i < g->npeers; i++)
-        fab_add(t, g, i, &slices[i], ctx, 0, more && i < g->npeers - 1 && !t->q_head, err);
-    return FERRY_OK;
+    return fab_post_many(t, g, NULL, slices, g->npeers, ctx, err);
 }
 
 int fab_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm, uint64_t ctx,
@@ -309,25 +324,11 @@ int fab_write_imm(fr_transport_t *t, fr_group_t *g, int index,
 int fab_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
                     const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err)
 {
-    int rc;
     if (!g || n < 0 || (n > 0 && (!index || !slices)))
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "fabric: write_batch: group %p, %d writes, index %p, slices %p",
                       (void *)g, n, (const void *)index, (const void *)slices);
-    for (int i = 0; i < n; i++) {
-        if (index[i] < 0 || index[i] >= g->npeers)
-            return FR_ERR(err, FERRY_ERR_INVALID,
-                          "fabric: write_batch: write %d: index %d of a group of %d", i,
-                          index[i], g->npeers);
-        if ((rc = fab_check_slice(t, g, index[i], &slices[i], err)) != FERRY_OK)
-            return rc;
-    }
-    if ((rc = fab_reserve(t, n, err)) != FERRY_OK)
-        return rc;
-    int more = fab_batch_more(t, n);
-    for (int i = 0; i < n; i++)
-        fab_add(t, g, index[i], &slices[i], ctx, 0, more && i < n - 1 && !t->q_head, err);
-    return FERRY_OK;
+    return fab_post_many(t, g, index, slices, n, ctx, err);
 }
 
 int fab_write_fence(fr_transport_t *t, fr_group_t *g, int index,

@@ -134,16 +134,20 @@ static int nul_push(fr_transport_t *t, fr_cqe_t c)
     return 0;
 }
 
-/* One write: bounds as the fabric transport checks them, then its local
- * completion and the simulated peer's arrival. */
-static int nul_one(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s, uint64_t ctx,
-                   fr_err_t *err)
+/* Write i's checks: the index and the bounds, as the fabric transport
+ * checks them. */
+static int nul_check(const fr_group_t *g, int i, const fr_slice_t *s, fr_err_t *err)
 {
     if (i < 0 || i >= g->npeers)
         return FR_ERR(err, FERRY_ERR_INVALID, "null: peer index %d of %d", i, g->npeers);
-    int rc = fr_slice_in_bounds("null", i, g->rank[i], s, g->slen, g->rlen[i], err);
-    if (rc != FERRY_OK)
-        return rc;
+    return fr_slice_in_bounds("null", i, g->rank[i], s, g->slen, g->rlen[i], err);
+}
+
+/* A checked write: its local completion and the simulated peer's
+ * arrival. */
+static int nul_put(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s, uint64_t ctx,
+                   fr_err_t *err)
+{
     uint32_t mask = (1u << FR_IMM_SENDER_BITS) - 1;
     fr_cqe_t tx = {.kind = FR_CQE_TX, .peer = g->rank[i], .ctx = ctx};
     fr_cqe_t rx = {.kind = FR_CQE_RX, .imm = (s->imm & ~mask) | ((uint32_t)g->rank[i] & mask),
@@ -154,22 +158,35 @@ static int nul_one(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s,
     return FERRY_OK;
 }
 
+static int nul_one(fr_transport_t *t, fr_group_t *g, int i, const fr_slice_t *s, uint64_t ctx,
+                   fr_err_t *err)
+{
+    int rc = nul_check(g, i, s, err);
+    return rc != FERRY_OK ? rc : nul_put(t, g, i, s, ctx, err);
+}
+
+/* n writes, slices[i] to member index[i] (index NULL: member i): all
+ * checked and their completions' room made before any is posted (all
+ * posted, or none: scatter, write_batch). */
+static int nul_many(fr_transport_t *t, fr_group_t *g, const int *index, const fr_slice_t *slices,
+                    int n, uint64_t ctx, fr_err_t *err)
+{
+    for (int i = 0; i < n; i++) {
+        int rc = nul_check(g, index ? index[i] : i, &slices[i], err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    if (nul_room(t, 2 * (size_t)n) != 0)
+        return FR_ERR(err, FERRY_ERR_NOMEM, "null: completion queue");
+    for (int i = 0; i < n; i++)
+        nul_put(t, g, index ? index[i] : i, &slices[i], ctx, err); /* room made: cannot fail */
+    return FERRY_OK;
+}
+
 static int nul_scatter(fr_transport_t *t, fr_group_t *g, const fr_slice_t *slices, uint64_t ctx,
                        fr_err_t *err)
 {
-    for (int i = 0; i < g->npeers; i++) { /* all checked before any is posted */
-        int rc = fr_slice_in_bounds("null", i, g->rank[i], &slices[i], g->slen, g->rlen[i], err);
-        if (rc != FERRY_OK)
-            return rc;
-    }
-    if (nul_room(t, 2 * (size_t)g->npeers) != 0) /* all posted, or none */
-        return FR_ERR(err, FERRY_ERR_NOMEM, "null: completion queue");
-    for (int i = 0; i < g->npeers; i++) {
-        int rc = nul_one(t, g, i, &slices[i], ctx, err);
-        if (rc != FERRY_OK)
-            return rc;
-    }
-    return FERRY_OK;
+    return nul_many(t, g, NULL, slices, g->npeers, ctx, err);
 }
 
 static int nul_barrier(fr_transport_t *t, fr_group_t *g, uint32_t imm, uint64_t ctx,
@@ -193,23 +210,7 @@ static int nul_write_imm(fr_transport_t *t, fr_group_t *g, int index, const fr_s
 static int nul_write_batch(fr_transport_t *t, fr_group_t *g, const int *index,
                            const fr_slice_t *slices, int n, uint64_t ctx, fr_err_t *err)
 {
-    for (int i = 0; i < n; i++) { /* all checked before any is posted */
-        if (index[i] < 0 || index[i] >= g->npeers)
-            return FR_ERR(err, FERRY_ERR_INVALID, "null: peer index %d of %d", index[i],
-                          g->npeers);
-        int rc = fr_slice_in_bounds("null", index[i], g->rank[index[i]], &slices[i], g->slen,
-                                    g->rlen[index[i]], err);
-        if (rc != FERRY_OK)
-            return rc;
-    }
-    if (nul_room(t, 2 * (size_t)n) != 0) /* all posted, or none */
-        return FR_ERR(err, FERRY_ERR_NOMEM, "null: completion queue");
-    for (int i = 0; i < n; i++) {
-        int rc = nul_one(t, g, index[i], &slices[i], ctx, err);
-        if (rc != FERRY_OK)
-            return rc;
-    }
-    return FERRY_OK;
+    return nul_many(t, g, index, slices, n, ctx, err);
 }
 
 static int nul_poll(fr_transport_t *t, fr_cqe_t *out, int max, fr_err_t *err)
