@@ -65,6 +65,7 @@
 #define FR_CUHT_RPL 2            /* rings per lane of a warp that serves many */
 #define FR_CUHT_STEP 4           /* records per warp between publications */
 #define FR_CUHT_CBATCH 64        /* most tokens per combine batch */
+#define FR_CUHT_CBATCH_MIN 8     /* fewest, where a channel is split to overlap */
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CUHT_WHAT_ROUTE = 1, FR_CUHT_WHAT_DISPATCH = 2, FR_CUHT_WHAT_COMBINE = 3,

@@ -1063,6 +1063,19 @@ static __device__ __forceinline__ int fr_cuht_cbatch(int RT)
     return RT >= 2 ? (RT / 2 < FR_CUHT_CBATCH ? RT / 2 : FR_CUHT_CBATCH) : 1;
 }
 
+/* The receiving group's batch for a channel of ntok tokens: at most
+ * fr_cuht_cbatch (a batch's records of one peer fit its ring), and at
+ * most half the channel (8 tokens at least), so that the sums of one
+ * batch overlap the peers' sends of the next: as one batch (2 ranks, 64
+ * tokens a channel) nothing is summed until every record is in, and the
+ * combine took 3% longer (docs/benchmarks.md). */
+static __device__ __forceinline__ int fr_cuht_crecv_batch(int RT, int ntok)
+{
+    int B = fr_cuht_cbatch(RT), half = (ntok + 1) / 2;
+    half = half < FR_CUHT_CBATCH_MIN ? FR_CUHT_CBATCH_MIN : half;
+    return half < B ? half : B;
+}
+
 /* The receiving group (W warps, named barrier 15): the channel's own
  * tokens in batches; per batch, the records of each peer it needs are
  * waited for (one thread per peer), summed, and their ring slots handed
@@ -1102,7 +1115,7 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
     }
     if (tid == 0)
         wok = sok = 1;
-    int B = fr_cuht_cbatch(G.RT); /* a batch's records of one peer fit its ring */
+    int B = fr_cuht_crecv_batch(G.RT, t1 - t0);
     int H8 = H / 8;
     /* what the batch at b0 needs of each peer: its last token's place + 1,
      * raised in sneed (monotonic) by the warps, for the first batch here
@@ -1223,29 +1236,27 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 sok = 0;
                 break;
             }
-            if (io.rw && lane < K) {
-                const int32_t *dl = R.dst + (size_t)t * K, *pl = R.dpos + (size_t)t * K;
-                /* slot `lane` of the row of the token's q-th rank */
-                auto slot = [&](int q) -> float {
-                    int d = dl[q], p = pl[q];
-                    if (d == me)
-                        return io.w ? io.w[(self0 + (size_t)p) * K + lane] : 0.f;
-                    return __ldcg((const float *)(cring0 + (size_t)d * ringb +
-                                                  ((sbase[d] + (unsigned long long)p) % RT) *
-                                                      crec + 8) + lane);
-                };
+            if (io.rw) { /* uniform: every lane takes part in the shuffles */
+                /* lane k < K: slot k of the rows' weights; lane q < np
+                 * holds the token's q-th rank (dk), its place (pos) and
+                 * record (hrec), handed over by shuffles rather than read
+                 * again from the route */
+                int e = lane < K && !io.wsum ? R.idx[(size_t)t * K + lane] : -1;
+                int ek = e < 0 ? -1 : G.fwd ? A.fw.key[e / El] : e / El;
                 float w = 0.f;
-                if (io.wsum) { /* every rank's row, in rank order */
-                    for (int q = 0; q < np; q++)
-                        w += slot(q);
-                } else { /* the row of the rank of expert `lane` */
-                    int e = R.idx[(size_t)t * K + lane];
-                    int ek = e < 0 ? -1 : G.fwd ? A.fw.key[e / El] : e / El;
-                    for (int q = 0; e >= 0 && q < np; q++)
-                        if (dl[q] == ek)
-                            w = slot(q);
+                for (int q = 0; q < np; q++) {
+                    int dq = __shfl_sync(FR_FULL, dk, q), pq = __shfl_sync(FR_FULL, pos, q);
+                    const uint8_t *hq = (const uint8_t *)__shfl_sync(
+                        FR_FULL, (unsigned long long)(uintptr_t)hrec, q);
+                    if (lane < K && (io.wsum || dq == ek)) {
+                        float v = dq == me ? (io.w ? io.w[(self0 + (size_t)pq) * K + lane] : 0.f)
+                                           : __ldcg((const float *)(hq + 8) + lane);
+                        w = io.wsum ? w + v : v; /* every rank's row in rank order, or
+                                                    the row of expert lane's rank */
+                    }
                 }
-                io.rw[(size_t)t * K + lane] = w;
+                if (lane < K)
+                    io.rw[(size_t)t * K + lane] = w;
             }
             __syncwarp(); /* sptr is rewritten for the next token */
         }
