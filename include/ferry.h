@@ -332,6 +332,14 @@ typedef struct ferry_ep_stats {
                                  (for a GPU rank's doorbells that delay is
                                  an upper bound): median, and */
     double seen_to_post_p99_us; /* OUT: 99th percentile */
+    uint64_t doorbells_stamped; /* OUT: of the doorbells, those whose delay
+                                 starts when it rang, as its ringer
+                                 recorded it (a request pushed by the rank
+                                 thread; a doorbell word with a stamp
+                                 beside it, as ferry-bench's null
+                                 transport keeps); a GPU rank's other
+                                 doorbells count from the proxy's previous
+                                 look at the word, an upper bound */
 } ferry_ep_stats_t;
 
 /* Read ep's counters into *stats (IN: stats->size; OUT: the rest).

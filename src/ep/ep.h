@@ -88,6 +88,14 @@ typedef struct fr_proxy_ring {
 
 /* One proxy thread: it owns the NIC endpoints [j * per, (j + 1) * per), their
  * peers' requests (its ring) and doorbells, and their completions. */
+/* A write's delay waiting for its doorbell's stamp: word i, the epoch,
+ * when the write was posted (t1), first seen by the proxy, and the
+ * previous pass's start (the delay's start without a stamp). */
+typedef struct fr_proxy_pend {
+    size_t i;
+    uint64_t epoch, t1, seen, bell;
+} fr_proxy_pend_t;
+
 typedef struct fr_proxy_th {
     pthread_t thread;
     int j, started;
@@ -102,6 +110,10 @@ typedef struct fr_proxy_th {
                                               its requests' places in the run */
     fr_slice_t *bsl;                       /* [nrq]: a batch's slices */
     uint64_t t_scan;                       /* when the last pass began */
+    /* delays whose doorbell stamp (ep->ready_ts) was not there yet when
+     * the write was posted: counted once it is (fr_proxy_pend) */
+    struct fr_proxy_pend *pend;            /* [words this thread scans] */
+    int npend;
     fr_ep_stats_t *st;                     /* thread 0: &ep->st; else &mine */
     fr_ep_stats_t mine;                    /* merged into ep->st at stop */
 } fr_proxy_th_t;
@@ -188,6 +200,11 @@ struct ferry_ep {
     uint64_t *ready;     /* [phase 2][set 2][nfabric] per-peer doorbells
                             (the epoch whose slice is packed), when the
                             engine uses them instead of the ring */
+    uint64_t *ready_ts;  /* optional, benchmarks: [2 x ready] beside each
+                            doorbell word the epoch last stamped (stored
+                            last, release) and when it rang (fr_now_ns),
+                            recorded by the ringer or a thread watching
+                            the words: the delay's start (proxy.c) */
     uint8_t *send;       /* send region (when nfabric > 0) */
     fr_slice_t *slices;  /* [phase 2][set 2][nfabric] filled by the sender */
     fr_proxy_ring_t *ring_mem; /* the engine's ring, or one owned here */

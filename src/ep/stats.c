@@ -43,11 +43,11 @@ void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src)
     uint64_t *d[] = {&dst->writes, &dst->bytes, &dst->requests, &dst->post_ns, &dst->tx,
                      &dst->rx, &dst->polls, &dst->poll_ns, &dst->tp.prov_ns,
                      &dst->tp.retry_ns, &dst->tp.prov_calls, &dst->tp.eagain,
-                     &dst->tp.more};
+                     &dst->tp.more, &dst->stamped};
     const uint64_t *v[] = {&src->writes, &src->bytes, &src->requests, &src->post_ns, &src->tx,
                            &src->rx, &src->polls, &src->poll_ns, &src->tp.prov_ns,
                            &src->tp.retry_ns, &src->tp.prov_calls, &src->tp.eagain,
-                           &src->tp.more};
+                           &src->tp.more, &src->stamped};
     for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
         fr_stat_add(d[i], ld(v[i]));
     fr_hist_merge(&dst->d2p, &src->d2p);
@@ -82,6 +82,7 @@ void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
     s.polls = sum.polls;
     s.poll_ns = sum.poll_ns;
     s.doorbells = sum.d2p.count;
+    s.doorbells_stamped = sum.stamped;
     s.doorbell_to_post_p50_us = fr_hist_quantile(&sum.d2p, 0.50) / 1e3;
     s.doorbell_to_post_p99_us = fr_hist_quantile(&sum.d2p, 0.99) / 1e3;
     memcpy(out, &s, out->size < sizeof(s) ? out->size : sizeof(s));

@@ -31,6 +31,7 @@ typedef struct fr_ep_stats {
     uint64_t polls;       /* polls that returned completions */
     uint64_t poll_ns;     /* those polls and the handling of what they returned */
     fr_tp_stats_t tp;     /* the transports' own counters, summed over NICs */
+    uint64_t stamped;     /* d2p's samples that start at the ringer's stamp */
     fr_hist_t d2p;        /* doorbell rung -> write posted (ns) */
     fr_hist_t s2p;        /* doorbell first seen by the proxy -> write
                              posted (ns): d2p's lower bound */

@@ -9,8 +9,10 @@
  * for every peer's flag and for its writes' completions. With `gpu` it
  * plays a GPU rank: a kernel fills the slices and rings a doorbell per
  * peer in host-mapped memory, which the proxy scans (as for the CUDA
- * low-latency engine); with `bells` the calling thread rings those
- * doorbells itself (the same scan, where there is no GPU). No bytes move,
+ * low-latency engine) while the calling thread watches the words and
+ * stamps when each rang (ep->ready_ts: the delay's start); with `bells`
+ * the calling thread rings those doorbells itself, stamped (the same
+ * scan, where there is no GPU). No bytes move,
  * no other process runs: what the rounds cost is the proxy's and the
  * request ring's own work, and the EP's counters (ep/stats.h) say where
  * it went.
@@ -93,6 +95,14 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, int
             return FR_ERR(err, FERRY_ERR_NOMEM, "null bench: doorbells for %d peers", peers);
         }
     }
+    if (gpu || bells) { /* when each doorbell rang (proxy.c: the delay's start) */
+        ep->ready_ts = calloc(4 * FR_NSETS * (size_t)peers, sizeof(uint64_t));
+        if (!ep->ready_ts) {
+            free(remote);
+            return FR_ERR(err, FERRY_ERR_NOMEM, "null bench: doorbell stamps for %d peers",
+                          peers);
+        }
+    }
     if (!ep->flags || !ep->path || !ep->group_peers || !ep->nics.nic_of || !remote ||
         fr_proxy_tables(ep, err) != FERRY_OK) {
         free(remote);
@@ -161,15 +171,49 @@ static void nb_free(ferry_ep_t ep)
         free(ep->groups.idx[k]);
     }
     free(x->nic_of);
+    free(ep->ready_ts);
     free(ep->flags);
     free(ep->path);
     free(ep->group_peers);
     fr_proxy_tables_release(ep);
 }
 
+/* Stamp doorbell word i as rung for epoch e at `ns` (beside it:
+ * ep->ready_ts, the epoch stored last). */
+static void nb_stamp(ferry_ep_t ep, size_t i, uint64_t e, uint64_t ns)
+{
+    ep->ready_ts[2 * i + 1] = ns;
+    __atomic_store_n(&ep->ready_ts[2 * i], e, __ATOMIC_RELEASE);
+}
+
+/* A kernel's doorbells [i0, i0 + nf) for epoch e, watched: each stamped
+ * when this thread first sees it rung, one look at every word per pass
+ * (the stamp is as late as a pass after the word reached host memory;
+ * the proxy takes its own first sight where that is earlier). */
+static int nb_watch(ferry_ep_t ep, size_t i0, int nf, uint64_t e, fr_err_t *err)
+{
+    uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
+    for (int left = nf, pass = 0; left > 0; pass++) {
+        for (int g = 0; g < nf; g++) {
+            size_t i = i0 + (size_t)g;
+            if (ep->ready_ts[2 * i] == e ||
+                __atomic_load_n(&ep->ready[i], __ATOMIC_ACQUIRE) != e)
+                continue;
+            nb_stamp(ep, i, e, fr_now_ns());
+            left--;
+        }
+        if (left > 0 && (pass & 1023) == 1023 && fr_now_ns() > deadline)
+            return FR_ERR(err, FERRY_ERR_TIMEOUT,
+                          "null bench: %d doorbells of round %llu not rung", left,
+                          (unsigned long long)e);
+    }
+    return FERRY_OK;
+}
+
 /* One phase of round e: a request per peer (a CPU rank), or a kernel
- * ringing every peer's doorbell (a GPU rank; with bells this thread rings
- * them), then every peer's flag and every write's completion. */
+ * ringing every peer's doorbell (a GPU rank, watched by this thread; with
+ * bells this thread rings them, stamped), then every peer's flag and
+ * every write's completion. */
 static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const nb_gpu_t *gpu,
                     int bells, fr_err_t *err)
 {
@@ -179,9 +223,13 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
     if (gpu && fr_nb_cuda_ring((fr_slice_t *)gpu->sl_dev + i0, (uint64_t *)gpu->ready_dev + i0,
                                nf, bytes, fr_imm_make(phase, e, 0), e, gpu->stream) != FERRY_OK)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "null bench: the doorbell kernel did not launch");
+    int wrc = gpu ? nb_watch(ep, i0, nf, e, err) : FERRY_OK;
+    if (wrc != FERRY_OK)
+        return wrc;
     for (int g = 0; !gpu && g < nf; g++) { /* slice, then its doorbell or request */
         sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
         if (bells) {
+            nb_stamp(ep, i0 + g, e, fr_now_ns());
             __atomic_store_n(&ep->ready[i0 + g], e, __ATOMIC_RELEASE);
             continue;
         }

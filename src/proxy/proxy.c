@@ -132,6 +132,68 @@ static int fr_proxy_post(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     return FERRY_OK;
 }
 
+/* Where a write's delay starts: the ringer's stamp tr where there is
+ * one (counted as stamped), else `other`. */
+static uint64_t fr_proxy_bell(fr_proxy_th_t *th, uint64_t tr, uint64_t t1, uint64_t other)
+{
+    if (tr == 0 || tr > t1)
+        return other;
+    fr_stat_add(&th->st->stamped, 1);
+    return tr;
+}
+
+/* Doorbell word i's stamp for `epoch` (ep->ready_ts: the benchmarks'
+ * ringer, or a thread watching the words, records when it rang), as
+ * early as `seen` (a watcher may look after the proxy): 1 and *ts, else
+ * 0 (none yet) or -1 (a later epoch's: this one will not come). */
+static int fr_proxy_stamp(ferry_ep_t ep, size_t i, uint64_t epoch, uint64_t seen, uint64_t *ts)
+{
+    uint64_t e = __atomic_load_n(&ep->ready_ts[2 * i], __ATOMIC_ACQUIRE);
+    if (e != epoch)
+        return e > epoch ? -1 : 0;
+    *ts = ep->ready_ts[2 * i + 1] < seen ? ep->ready_ts[2 * i + 1] : seen;
+    return 1;
+}
+
+/* The delays waiting for their stamps: counted from the stamp once it is
+ * there, from the previous pass's start (an upper bound) once it cannot
+ * come, is 100 us late, or `all` (the thread stops). */
+static void fr_proxy_pend(ferry_ep_t ep, fr_proxy_th_t *th, int all)
+{
+    uint64_t now = all ? 0 : fr_now_ns(), ts = 0;
+    int n = 0;
+    for (int k = 0; k < th->npend; k++) {
+        fr_proxy_pend_t *w = &th->pend[k];
+        int got = fr_proxy_stamp(ep, w->i, w->epoch, w->seen, &ts);
+        if (got == 0 && !all && now - w->t1 < 100000) {
+            th->pend[n++] = *w; /* not yet */
+            continue;
+        }
+        fr_hist_add(&th->st->d2p, w->t1 - fr_proxy_bell(th, got > 0 ? ts : 0, w->t1, w->bell));
+    }
+    th->npend = n;
+}
+
+/* The delay of request q, posted at t1: from its ringer's stamp (in the
+ * request, or beside its doorbell word, else later: fr_proxy_pend), else
+ * from `bell`. */
+static void fr_proxy_delay(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t *q,
+                           uint64_t t1, uint64_t seen, uint64_t bell)
+{
+    uint64_t tr = q->t_ring;
+    if (!tr && ep->ready_ts) {
+        size_t i = ((size_t)q->phase * FR_NSETS + (size_t)q->set) * (size_t)ep->nfabric +
+                   (size_t)(q->peer1 - 1);
+        int got = fr_proxy_stamp(ep, i, q->epoch, seen, &tr);
+        if (got == 0 && th->npend < th->nscan) {
+            th->pend[th->npend++] = (fr_proxy_pend_t){i, q->epoch, t1, seen, bell};
+            return;
+        }
+        tr = got > 0 ? tr : 0;
+    }
+    fr_hist_add(&th->st->d2p, t1 - fr_proxy_bell(th, tr, t1, bell));
+}
+
 /* Post scatter request q and count it: the time since *t (the previous
  * post's end, or when the request was noticed) as posting, and the delay
  * from its doorbell (stamped by the producer, else noticed) to now. */
@@ -143,8 +205,7 @@ static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
     fr_ep_stats_t *st = th->st;
     fr_stat_add(&st->post_ns, t1 - *t);
     fr_stat_add(&st->requests, 1);
-    uint64_t bell = q->t_ring && q->t_ring <= t1 ? q->t_ring : noticed;
-    fr_hist_add(&st->d2p, t1 - bell);
+    fr_hist_add(&st->d2p, t1 - fr_proxy_bell(th, q->t_ring, t1, noticed));
     fr_hist_add(&st->s2p, t1 - noticed);
     *t = t1;
     return rc;
@@ -185,8 +246,8 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
  * one batch per NIC (write_batch: one provider doorbell where it allows,
  * one share of ferry's bookkeeping). Counted as posting from *t to each
  * batch's return, and each request's delay from its doorbell (stamped by
- * the producer, else `bell`) and from when the proxy saw it (`seen`) to
- * that return. */
+ * the producer in the request or beside the word, else `bell`) and from
+ * when the proxy saw it (`seen`) to that return. */
 static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, uint64_t seen,
                         uint64_t *t)
 {
@@ -223,8 +284,7 @@ static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, 
         fr_stat_add(&th->st->post_ns, t1 - *t);
         fr_stat_add(&th->st->requests, (uint64_t)m);
         for (int b = 0; b < m; b++) {
-            uint64_t tr = th->rq[th->bq[b]].t_ring;
-            fr_hist_add(&th->st->d2p, t1 - (tr && tr <= t1 ? tr : bell));
+            fr_proxy_delay(ep, th, &th->rq[th->bq[b]], t1, seen, bell);
             fr_hist_add(&th->st->s2p, t1 - seen);
         }
         *t = t1;
@@ -250,9 +310,10 @@ static int fr_proxy_scan_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t b
  * soon as its slice is packed, while the kernel packs the next peers. A
  * pass reads every doorbell word of this thread's peers first, then posts
  * the rung ones, a run per (phase, set) (fr_proxy_run). The delay counted
- * for each write runs from the start of the previous pass, the latest
- * time its doorbell was still seen unrung (so an upper bound, which
- * includes a nap of an idle proxy), to its batch's post returning; the
+ * for each write runs from when the word rang, where a stamp beside it
+ * says (ep->ready_ts), else from the start of the previous pass, the
+ * latest time its doorbell was still seen unrung (so an upper bound,
+ * which includes a nap of an idle proxy), to its batch's post returning; the
  * one from its run's words read to that return is a lower bound (s2p).
  * Returns whether anything was posted. */
 static int fr_proxy_scan_ready(ferry_ep_t ep, fr_proxy_th_t *th)
@@ -399,12 +460,15 @@ static void *fr_proxy_main(void *arg)
             fr_stat_add(&th->st->polls, 1);
             fr_stat_add(&th->st->poll_ns, fr_now_ns() - t_poll);
         }
+        if (th->npend > 0)
+            fr_proxy_pend(ep, th, 0);
         if (work || n > 0) {
             idle = 0;
             continue;
         }
         fr_proxy_idle(&idle, idle_us);
     }
+    fr_proxy_pend(ep, th, 1);
     return NULL;
 }
 
@@ -418,6 +482,7 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
         free(p->th[j].bidx);
         free(p->th[j].bq);
         free(p->th[j].bsl);
+        free(p->th[j].pend);
     }
     free(p->th);
     free(p->gnic);
@@ -487,7 +552,8 @@ static int fr_proxy_th_init(ferry_ep_t ep, fr_proxy_th_t *th, int j)
     th->bidx = calloc((size_t)th->nrq, sizeof(int));
     th->bq = calloc((size_t)th->nrq, sizeof(int));
     th->bsl = calloc((size_t)th->nrq, sizeof(fr_slice_t));
-    if (!th->gslices || !th->scan || !th->rq || !th->bidx || !th->bq || !th->bsl)
+    th->pend = calloc(words, sizeof(fr_proxy_pend_t));
+    if (!th->gslices || !th->scan || !th->rq || !th->bidx || !th->bq || !th->bsl || !th->pend)
         return -1;
     for (int i = 0; p->ready_seen && i < 2 * FR_NSETS * nf; i++)
         if (fr_proxy_owner(p, i % nf) == j)

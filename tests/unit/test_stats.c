@@ -56,6 +56,9 @@ static void test_null(int peers, int bells)
     CHECK(s->requests == s->writes && s->doorbells == s->writes,
           "requests %llu, doorbells %llu: one per write", (unsigned long long)s->requests,
           (unsigned long long)s->doorbells);
+    CHECK(s->doorbells_stamped == s->doorbells,
+          "doorbells stamped %llu of %llu: each delay starts at its ringer's stamp",
+          (unsigned long long)s->doorbells_stamped, (unsigned long long)s->doorbells);
     CHECK(s->post_ns > 0 && s->poll_ns > 0 && s->polls > 0, "times: post %llu poll %llu",
           (unsigned long long)s->post_ns, (unsigned long long)s->poll_ns);
     CHECK(s->provider_ns == 0 && s->eagain == 0 && s->batched == 0,

@@ -13,7 +13,7 @@
 #include "bench.h"
 #include "proxy/proxy.h"
 
-#define NSTAT 12
+#define NSTAT 14
 
 static int ep_stats(ferry_ep_t ep, ferry_ep_stats_t *st)
 {
@@ -78,6 +78,8 @@ int stats_gather(bench_t *b, pstats_t *ps)
         mine[9] += (double)(s.batched - z->batched);
         mine[10] = fmax(mine[10], s.seen_to_post_p50_us);
         mine[11] = fmax(mine[11], s.seen_to_post_p99_us);
+        mine[12] += (double)s.doorbells; /* since create, as the quantiles */
+        mine[13] += (double)s.doorbells_stamped;
     }
     double *all = calloc((size_t)NSTAT * b->N, sizeof(double));
     double *p50 = calloc(2 * (size_t)b->N, sizeof(double)), *s50 = p50 + b->N;
@@ -102,6 +104,8 @@ int stats_gather(bench_t *b, pstats_t *ps)
         ps->batched += v[9];
         s50[r] = v[10];
         ps->s2p99 = fmax(ps->s2p99, v[11]);
+        ps->bells += v[12];
+        ps->stamped += v[13];
     }
     qsort(p50, (size_t)b->N, sizeof(double), cmp_d);
     ps->d2p50 = p50[b->N / 2];
@@ -141,12 +145,12 @@ void stats_json(FILE *f, const pstats_t *ps)
             "\"ferry_post_us_per_write\": %.4f, \"poll_us_per_write\": %.4f, "
             "\"doorbell_to_post_us_p50\": %.3f, \"doorbell_to_post_us_p99\": %.3f, "
             "\"writes_batched\": %.0f, \"seen_to_post_us_p50\": %.3f, "
-            "\"seen_to_post_us_p99\": %.3f",
+            "\"seen_to_post_us_p99\": %.3f, \"doorbells\": %.0f, \"doorbells_stamped\": %.0f",
             ps->writes, ps->completions, ps->arrivals, ps->eagain,
             per_write(ps, ps->post_us + ps->poll_us),
             per_write(ps, ps->post_us), per_write(ps, ps->prov_us), per_write(ps, ferry),
             per_write(ps, ps->poll_us), ps->d2p50, ps->d2p99, ps->batched, ps->s2p50,
-            ps->s2p99);
+            ps->s2p99, ps->bells, ps->stamped);
 }
 
 static void null_print(const opts_t *o, const fr_proxy_bench_t *nb, const pstats_t *ps,
@@ -158,7 +162,7 @@ static void null_print(const opts_t *o, const fr_proxy_bench_t *nb, const pstats
                "%s, %d rounds after %d warmup\n#%5s %8s %10s %10s",
                nb->peers,
                nb->gpu ? "a kernel ringing a doorbell per peer and phase in host-mapped memory "
-                         "as a GPU rank does"
+                         "as a GPU rank does (this thread stamps when each rang)"
                        : "a request per peer and phase as a CPU rank makes them",
                nb->rounds, nb->warmup, "peers", "bytes", "round_p50", "round_p99");
     if (!o->quiet) {
@@ -190,7 +194,8 @@ int run_null(const opts_t *o)
                    .post_us = s->post_ns / 1e3, .prov_us = s->provider_ns / 1e3,
                    .poll_us = s->poll_ns / 1e3, .d2p50 = s->doorbell_to_post_p50_us,
                    .d2p99 = s->doorbell_to_post_p99_us, .batched = (double)s->batched,
-                   .s2p50 = s->seen_to_post_p50_us, .s2p99 = s->seen_to_post_p99_us};
+                   .s2p50 = s->seen_to_post_p50_us, .s2p99 = s->seen_to_post_p99_us,
+                   .bells = (double)s->doorbells, .stamped = (double)s->doorbells_stamped};
     qsort(nb.round_us, (size_t)o->iters, sizeof(double), cmp_d);
     double p50 = nb.round_us[(o->iters - 1) / 2];
     double p99 = nb.round_us[(int)ceil(0.99 * o->iters) - 1];
