@@ -78,12 +78,20 @@ typedef struct fr_proxy_req {
 
 #define FR_PROXY_RING 64
 
+/* A member that starts a cache line (this header is C and C++). */
+#ifdef __cplusplus
+#define FR_LINE_ALIGN alignas(64)
+#else
+#define FR_LINE_ALIGN _Alignas(64)
+#endif
+
 /* The doorbell ring: in host memory, mapped into the GPU for CUDA ranks
  * (the send kernel is the producer there). */
 typedef struct fr_proxy_ring {
     fr_proxy_req_t req[FR_PROXY_RING];
-    uint64_t head;                         /* consumer (proxy) */
-    uint64_t tail;                         /* producer */
+    /* a cache line each: the proxy moves one, the rank thread the other */
+    FR_LINE_ALIGN uint64_t head;            /* consumer (proxy) */
+    FR_LINE_ALIGN uint64_t tail;            /* producer */
 } fr_proxy_ring_t;
 
 /* One proxy thread: it owns the NIC endpoints [j * per, (j + 1) * per), their
@@ -116,6 +124,10 @@ typedef struct fr_proxy_th {
     int npend;
     fr_ep_stats_t *st;                     /* thread 0: &ep->st; else &mine */
     fr_ep_stats_t mine;                    /* merged into ep->st at stop */
+    /* writes this thread posted still in flight, per set (atomic; the
+     * rank thread sums the threads'): its own cache line, and each
+     * thread's struct starts a line, so that no two threads write one */
+    FR_LINE_ALIGN int64_t inflight[FR_NSETS];
 } fr_proxy_th_t;
 
 typedef struct fr_proxy {
@@ -126,7 +138,6 @@ typedef struct fr_proxy {
     int per;                               /* NIC endpoints per thread */
     fr_proxy_th_t *th;
     fr_proxy_ring_t *ring;
-    int64_t tx_pending[FR_NSETS];          /* atomic: writes in flight per set */
     /* FERRY_PROXY_STATS: per phase, time from picking up this rank's
      * request to the last peer's write of the same phase landing here
      * (the counters every EP keeps are ep->st) */

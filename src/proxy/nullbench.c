@@ -241,7 +241,7 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
     for (int s = 1; s <= nf; s++) {
         const uint64_t *f = fr_flag_ptr(&ep->L, ep->flags, phase, set, s);
         while (__atomic_load_n(f, __ATOMIC_ACQUIRE) != e ||
-               (s == nf && __atomic_load_n(&ep->proxy.tx_pending[set], __ATOMIC_ACQUIRE))) {
+               (s == nf && fr_proxy_in_flight(ep, set) > 0)) {
             if (fr_async_status(&ep->async) != FERRY_OK)
                 return FR_ERR(err, fr_async_status(&ep->async), "%s", ep->async.msg);
             if (fr_now_ns() > deadline)

@@ -98,7 +98,7 @@ static void fr_proxy_count(ferry_ep_t ep, fr_proxy_th_t *th, int set, int64_t n,
 {
     fr_stat_add(&th->st->writes, (uint64_t)n);
     fr_stat_add(&th->st->bytes, (uint64_t)bytes);
-    __atomic_add_fetch(&ep->proxy.tx_pending[set], n, __ATOMIC_ACQ_REL);
+    __atomic_add_fetch(&th->inflight[set], n, __ATOMIC_ACQ_REL);
 }
 
 /* A scatter request (peer1 0): one write per fabric peer of this
@@ -357,7 +357,7 @@ static int fr_proxy_take_ring(ferry_ep_t ep, fr_proxy_th_t *th)
     uint64_t noticed = fr_now_ns(), t = noticed, h = rg->head;
     int n = 0;
     /* the head moves past a request only once it is posted (counted in
-     * tx_pending): a rank waiting for its set to drain (an empty ring and
+     * th->inflight): a rank waiting for its set to drain (an empty ring and
      * nothing in flight) never misses a request held in a run */
     while (h < tail) {
         fr_proxy_req_t q = rg->req[h % FR_PROXY_RING];
@@ -395,7 +395,6 @@ static void fr_proxy_flush(ferry_ep_t ep, const fr_cqe_t *cqe, int n)
 static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_t *cqe,
                                  int n, const fr_err_t *errp)
 {
-    fr_proxy_t *p = &ep->proxy;
     const char *why = errp->msg;
     int64_t done[FR_NSETS] = {0}; /* TX completions per set: one update each */
     for (int i = 0; i < n; i++) {
@@ -413,15 +412,14 @@ static void fr_proxy_completions(ferry_ep_t ep, fr_proxy_th_t *th, const fr_cqe_
             int who;
             int st = fr_cqe_failure(&cqe[i], -1, NULL, "proxy", why, &who, msg, sizeof(msg));
             if (cqe[i].kind == FR_CQE_ERR)
-                __atomic_sub_fetch(&p->tx_pending[cqe[i].ctx % FR_NSETS], 1,
-                                   __ATOMIC_ACQ_REL);
+                __atomic_sub_fetch(&th->inflight[cqe[i].ctx % FR_NSETS], 1, __ATOMIC_ACQ_REL);
             fr_proxy_async_fail(ep, st, who, msg);
         }
         }
     }
     for (int s = 0; s < FR_NSETS; s++)
         if (done[s])
-            __atomic_sub_fetch(&p->tx_pending[s], done[s], __ATOMIC_ACQ_REL);
+            __atomic_sub_fetch(&th->inflight[s], done[s], __ATOMIC_ACQ_REL);
 }
 
 static void *fr_proxy_main(void *arg)
@@ -497,6 +495,16 @@ static void fr_proxy_tables_free(fr_proxy_t *p)
     p->stats = 0;
 }
 
+/* Zeroed memory starting a cache line (the ring's and the threads'
+ * lines, ep.h); bytes a multiple of 64. */
+static void *fr_proxy_zalloc(size_t bytes)
+{
+    void *m = aligned_alloc(64, bytes);
+    if (m)
+        memset(m, 0, bytes);
+    return m;
+}
+
 int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err)
 {
     size_t nf = (size_t)(ep->nfabric ? ep->nfabric : 1);
@@ -507,7 +515,7 @@ int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_NOMEM, "proxy tables");
     if (!ep->proxy.ring) {
         if (!ep->ring_mem)
-            ep->ring_mem = calloc(1, sizeof(fr_proxy_ring_t));
+            ep->ring_mem = fr_proxy_zalloc(sizeof(fr_proxy_ring_t));
         if (!ep->ring_mem)
             return FR_ERR(err, FERRY_ERR_NOMEM, "proxy ring");
         ep->proxy.ring = ep->ring_mem;
@@ -523,12 +531,6 @@ void fr_proxy_tables_release(ferry_ep_t ep)
     ep->slices = NULL;
     ep->flag_last = NULL;
     ep->ring_mem = NULL;
-}
-
-/* The thread that owns fabric peer g: the one owning its NIC endpoint. */
-static int fr_proxy_owner(const fr_proxy_t *p, int g)
-{
-    return p->gnic[g] / p->per;
 }
 
 /* Thread j's tables: its NIC endpoints, ring, scatter scratch, counters
@@ -578,7 +580,7 @@ int fr_proxy_start(ferry_ep_t ep)
     int nf = ep->nfabric > 0 ? ep->nfabric : 1;
     p->gnic = calloc((size_t)nf, sizeof(int));
     p->gpos = calloc((size_t)nf, sizeof(int));
-    p->th = calloc((size_t)p->nth, sizeof(fr_proxy_th_t));
+    p->th = fr_proxy_zalloc((size_t)p->nth * sizeof(fr_proxy_th_t));
     if (!p->gnic || !p->gpos || !p->th) {
         fr_proxy_tables_free(p);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "proxy peer tables");
@@ -664,85 +666,4 @@ void fr_proxy_stats_clear(ferry_ep_t ep)
     memset(&ep->st, 0, sizeof(ep->st));
     for (int j = 1; ep->proxy.th && j < ep->proxy.nth; j++)
         memset(&ep->proxy.th[j].mine, 0, sizeof(ep->proxy.th[j].mine));
-}
-
-/* Push a request into one ring (the rank thread is its only producer). */
-static int fr_proxy_push(ferry_ep_t ep, fr_proxy_ring_t *rg, int phase, int set,
-                         uint64_t epoch, int peer)
-{
-    uint64_t iter = 0;
-    uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    while (rg->tail - __atomic_load_n(&rg->head, __ATOMIC_ACQUIRE) >=
-           FR_PROXY_RING) {
-        fr_backoff(&iter, ep->spin);
-        if (fr_now_ns() > deadline)
-            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
-                              "the proxy thread did not take requests for "
-                              "%ld ms", ep->timeout_ms);
-    }
-    fr_proxy_req_t *q = &rg->req[rg->tail % FR_PROXY_RING];
-    q->phase = phase;
-    q->set = set;
-    q->epoch = epoch;
-    q->peer1 = peer < 0 ? 0 : peer + 1;
-    q->t_ring = fr_now_ns();
-    __atomic_store_n(&rg->tail, rg->tail + 1, __ATOMIC_RELEASE);
-    return FERRY_OK;
-}
-
-int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
-{
-    fr_proxy_t *p = &ep->proxy;
-    if (p->nth <= 1)
-        return fr_proxy_push(ep, p->ring, phase, set, epoch, peer);
-    if (peer >= 0) /* the thread that owns the peer's NIC */
-        return fr_proxy_push(ep, p->th[fr_proxy_owner(p, peer)].ring, phase, set, epoch, peer);
-    for (int j = 0; j < p->nth; j++) { /* every peer: each thread posts to its own */
-        int rc = fr_proxy_push(ep, p->th[j].ring, phase, set, epoch, peer);
-        if (rc != FERRY_OK)
-            return rc;
-    }
-    return FERRY_OK;
-}
-
-/* Every request ring empty. */
-static int fr_proxy_rings_empty(const fr_proxy_t *p)
-{
-    if (!p->th)
-        return __atomic_load_n(&p->ring->head, __ATOMIC_ACQUIRE) ==
-               __atomic_load_n(&p->ring->tail, __ATOMIC_ACQUIRE);
-    for (int j = 0; j < p->nth; j++) {
-        const fr_proxy_ring_t *rg = p->th[j].ring;
-        if (__atomic_load_n(&rg->head, __ATOMIC_ACQUIRE) !=
-            __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE))
-            return 0;
-    }
-    return 1;
-}
-
-int fr_proxy_wait_set(ferry_ep_t ep, int set)
-{
-    fr_proxy_t *p = &ep->proxy;
-    uint64_t iter = 0;
-    uint64_t deadline = fr_now_ns() + (uint64_t)ep->timeout_ms * 1000000ull;
-    while (!fr_proxy_rings_empty(p) ||
-           __atomic_load_n(&p->tx_pending[set], __ATOMIC_ACQUIRE) > 0) {
-        int rc = fr_ep_async_check(ep);
-        if (rc != FERRY_OK)
-            return rc;
-        fr_backoff(&iter, ep->spin);
-        int dead = fr_boot_dead_rank(ep->comm->boot);
-        if (dead >= 0 && !fr_ep_masked(ep, dead)) /* a masked one is sent nothing */
-            return fr_ep_fail(ep, FERRY_ERR_PEER,
-                              "writes still in flight when rank %d died", dead);
-        if (fr_now_ns() > deadline) {
-            return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
-                              "%lld writes of buffer set %d not completed "
-                              "after %ld ms",
-                              (long long)__atomic_load_n(&p->tx_pending[set],
-                                                         __ATOMIC_ACQUIRE),
-                              set, ep->timeout_ms);
-        }
-    }
-    return FERRY_OK;
 }

@@ -17,6 +17,11 @@ int fr_proxy_tables(ferry_ep_t ep, fr_err_t *err);
  * its to free, and it clears the pointers). */
 void fr_proxy_tables_release(ferry_ep_t ep);
 int fr_proxy_start(ferry_ep_t ep);
+/* The thread that owns fabric peer g: the one owning its NIC endpoint. */
+static inline int fr_proxy_owner(const fr_proxy_t *p, int g)
+{
+    return p->gnic[g] / p->per;
+}
 int fr_proxy_stop(ferry_ep_t ep); /* -1: left running (fr_proxy_join) */
 /* Ask the proxy to post (phase, set)'s slices: to every fabric peer
  * (peer < 0), or to fabric peer `peer` (its index in ep->slices) alone. */
@@ -24,6 +29,8 @@ int fr_proxy_submit(ferry_ep_t ep, int phase, int set, uint64_t epoch, int peer)
 /* Zero the counters of every proxy thread (ep->st and the others'), with
  * nothing in flight (a benchmark's warm-up done). */
 void fr_proxy_stats_clear(ferry_ep_t ep);
+/* Writes of `set` in flight, summed over the proxy threads. */
+int64_t fr_proxy_in_flight(ferry_ep_t ep, int set);
 /* Wait until the proxy has no writes in flight from `set` (bounded). */
 int fr_proxy_wait_set(ferry_ep_t ep, int set);
 
