@@ -212,7 +212,8 @@ static int fr_proxy_take(ferry_ep_t ep, fr_proxy_th_t *th, const fr_proxy_req_t 
 }
 
 /* Post one batch of n writes (th->bidx: group places, th->bsl: slices)
- * on NIC k for set `set`: one write_batch call, else write_imm each.
+ * on NIC k for set `set`: one write_batch call, else (a transport
+ * without it, or a batch of one) write_imm each.
  * Returns the status; a failure is the EP's asynchronous error. */
 static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int n)
 {
@@ -223,7 +224,7 @@ static int fr_proxy_batch(ferry_ep_t ep, fr_proxy_th_t *th, int k, int set, int 
     fr_proxy_count(ep, th, set, n, (int64_t)bytes);
     const fr_transport_ops_t *ops = ep->nics.ops;
     int rc = FERRY_OK, posted = 0;
-    if (ops->write_batch) {
+    if (ops->write_batch && n > 1) { /* a single write: write_imm */
         rc = ops->write_batch(ep->nics.tp[k], ep->groups.g[k], th->bidx, th->bsl, n,
                               (uint64_t)set, &err);
         posted = rc == FERRY_OK ? n : 0; /* all or none */
