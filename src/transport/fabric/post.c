@@ -123,7 +123,7 @@ fr_fab_op_t *fab_list_pop(fr_fab_op_t **head, fr_fab_op_t **tail)
 /* The op is marked posted first: from here on a completion may name it.
  * The provider call is timed (two clock reads) for the stats op. A fenced
  * or batched write goes through fi_writemsg, whose flags replace the
- * endpoint's defaults: a batched one takes them back (t->op_flags, e.g.
+ * endpoint's defaults: both take them back (t->op_flags, e.g.
  * FI_DELIVERY_COMPLETE). */
 static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op, int retry)
 {
@@ -135,8 +135,8 @@ static ssize_t fab_post(fr_transport_t *t, fr_fab_op_t *op, int retry)
         struct fi_rma_iov rma = {op->raddr, op->len, op->key};
         struct fi_msg_rma msg = {&iov, &op->desc, 1, op->addr, &rma, 1,
                                  op, op->imm};
-        uint64_t fl = op->fence ? FI_FENCE | FI_REMOTE_CQ_DATA | FI_COMPLETION
-                                : t->op_flags | FI_MORE | FI_REMOTE_CQ_DATA | FI_COMPLETION;
+        uint64_t fl = t->op_flags | (op->fence ? FI_FENCE : FI_MORE) | FI_REMOTE_CQ_DATA |
+                      FI_COMPLETION;
         rc = fi_writemsg(t->ep, &msg, fl);
         if (rc == 0 && op->more)
             t->st.more++;
