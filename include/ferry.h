@@ -333,11 +333,13 @@ typedef struct ferry_ep_stats {
                                  an upper bound): median, and */
     double seen_to_post_p99_us; /* OUT: 99th percentile */
     uint64_t doorbells_stamped; /* OUT: of the doorbells, those whose delay
-                                 starts when it rang, as its ringer
-                                 recorded it (a request pushed by the rank
-                                 thread; a doorbell word with a stamp
-                                 beside it, as ferry-bench's null
-                                 transport keeps); a GPU rank's other
+                                 starts at a record of when it rang: a
+                                 request's push time (the rank thread
+                                 stamps it), or a stamp beside a doorbell
+                                 word (ferry-bench's null transport: its
+                                 ringer's, or a thread watching the words;
+                                 the proxy's own first sight where that
+                                 came earlier). A GPU rank's other
                                  doorbells count from the proxy's previous
                                  look at the word, an upper bound */
 } ferry_ep_stats_t;

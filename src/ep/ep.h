@@ -94,8 +94,6 @@ typedef struct fr_proxy_ring {
     FR_LINE_ALIGN uint64_t tail;            /* producer */
 } fr_proxy_ring_t;
 
-/* One proxy thread: it owns the NIC endpoints [j * per, (j + 1) * per), their
- * peers' requests (its ring) and doorbells, and their completions. */
 /* A write's delay waiting for its doorbell's stamp: word i, the epoch,
  * when the write was posted (t1), first seen by the proxy, and the
  * previous pass's start (the delay's start without a stamp). */
@@ -104,6 +102,8 @@ typedef struct fr_proxy_pend {
     uint64_t epoch, t1, seen, bell;
 } fr_proxy_pend_t;
 
+/* One proxy thread: it owns the NIC endpoints [j * per, (j + 1) * per), their
+ * peers' requests (its ring) and doorbells, and their completions. */
 typedef struct fr_proxy_th {
     pthread_t thread;
     int j, started;
@@ -120,7 +120,8 @@ typedef struct fr_proxy_th {
     uint64_t t_scan;                       /* when the last pass began */
     /* delays whose doorbell stamp (ep->ready_ts) was not there yet when
      * the write was posted: counted once it is (fr_proxy_pend) */
-    struct fr_proxy_pend *pend;            /* [words this thread scans] */
+    struct fr_proxy_pend *pend;            /* [every doorbell word]; at most
+                                              nscan of them used */
     int npend;
     fr_ep_stats_t *st;                     /* thread 0: &ep->st; else &mine */
     fr_ep_stats_t mine;                    /* merged into ep->st at stop */

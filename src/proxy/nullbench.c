@@ -270,7 +270,9 @@ int fr_proxy_bench_null(fr_proxy_bench_t *b)
         snprintf(err.msg, sizeof(err.msg), "%s", ep.err.msg);
     for (int r = 0; rc == FERRY_OK && r < b->warmup + b->rounds; r++) {
         if (r == b->warmup) { /* every write of the warm-up has completed */
-            usleep(1000);     /* and the proxy has counted the last poll */
+            usleep(1000);     /* and the proxy has counted the last poll and
+                                 every delay waiting for its stamp (at most
+                                 100 us: proxy.c) */
             fr_proxy_stats_clear(&ep);
         }
         uint64_t e = (uint64_t)r + 1, t0 = fr_now_ns();

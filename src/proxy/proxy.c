@@ -258,11 +258,13 @@ static int fr_proxy_run(ferry_ep_t ep, fr_proxy_th_t *th, int n, uint64_t bell, 
     int nf = ep->nfabric, phase = th->rq[0].phase, set = th->rq[0].set;
     const fr_slice_t *sl = ep->slices + ((size_t)phase * FR_NSETS + set) * nf;
     for (int r = 0; r < n; r++)
-        if (th->rq[r].peer1 < 1 || th->rq[r].peer1 > nf ||
+        if (th->rq[r].peer1 < 1 || th->rq[r].peer1 > nf || th->rq[r].phase < 0 ||
+            th->rq[r].phase > 1 || th->rq[r].set < 0 || th->rq[r].set >= FR_NSETS ||
             p->gnic[th->rq[r].peer1 - 1] < th->k0 || p->gnic[th->rq[r].peer1 - 1] >= th->k1) {
-            char msg[120]; /* not a peer, or not one of this thread's NICs */
-            snprintf(msg, sizeof(msg), "proxy thread %d: request for fabric peer %d of %d",
-                     th->j, th->rq[r].peer1 - 1, nf);
+            char msg[160]; /* not a peer, not one of this thread's NICs, or no slice */
+            snprintf(msg, sizeof(msg),
+                     "proxy thread %d: request for fabric peer %d of %d, phase %d, set %d",
+                     th->j, th->rq[r].peer1 - 1, nf, th->rq[r].phase, th->rq[r].set);
             fr_proxy_async_fail(ep, FERRY_ERR_INTERNAL, -1, msg);
             return FERRY_ERR_INTERNAL;
         }

@@ -6,6 +6,7 @@
  *
  *   test_stats [peers]   (default 16)
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,9 +118,28 @@ static void test_api(void)
         st.size = sizeof(st);
         CHECK(ferry_ep_get_stats(ep, &st) == FERRY_OK, "get: %s", ferry_ep_last_error(ep));
         CHECK(st.size == sizeof(st) && st.writes == 0 && st.arrivals == 0 &&
-                  st.completions == 0 && st.doorbells == 0,
+                  st.completions == 0 && st.doorbells == 0 && st.doorbells_stamped == 0,
               "one rank, no fabric peer: all zero (writes %llu)",
               (unsigned long long)st.writes);
+        /* callers built against earlier versions: their fields filled, the
+         * rest of the caller's struct untouched */
+        size_t older[] = {offsetof(ferry_ep_stats_t, bytes),
+                          offsetof(ferry_ep_stats_t, doorbells_stamped)};
+        for (int i = 0; i < 2; i++) {
+            memset(&st, 0xab, sizeof(st));
+            st.size = older[i];
+            int orc = ferry_ep_get_stats(ep, &st);
+            const unsigned char *tail = (const unsigned char *)&st + older[i];
+            int kept = 1;
+            for (size_t b = 0; b < sizeof(st) - older[i]; b++)
+                kept &= tail[b] == 0xab;
+            CHECK(orc == FERRY_OK && st.writes == 0 && st.doorbells == 0 && kept,
+                  "size %zu (an earlier version): rc %d, fields past it %s", older[i], orc,
+                  kept ? "untouched" : "written");
+        }
+        ferry_ep_stats_t v0 = {.size = offsetof(ferry_ep_stats_t, bytes) - 8};
+        CHECK(ferry_ep_get_stats(ep, &v0) == FERRY_ERR_INVALID,
+              "size below the first version's: refused");
         CHECK(ferry_ep_destroy(ep) == FERRY_OK, "destroy");
     }
     ferry_comm_destroy(comm);

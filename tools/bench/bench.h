@@ -163,8 +163,8 @@ typedef struct pstats {
     double d2p50, d2p99; /* median of the ranks' p50s, largest p99 */
     double completions, arrivals, batched; /* batched: posted with FI_MORE */
     double s2p50, s2p99; /* seen by the proxy -> posted, as d2p */
-    double bells, stamped; /* d2p's samples (since create), and those that
-                              start at the ringer's stamp */
+    double bells, stamped; /* d2p's samples (timed rounds), and those that
+                              start at a stamp of when the doorbell rang */
 } pstats_t;
 void stats_mark(bench_t *b);
 int stats_gather(bench_t *b, pstats_t *ps);

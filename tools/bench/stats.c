@@ -78,8 +78,8 @@ int stats_gather(bench_t *b, pstats_t *ps)
         mine[9] += (double)(s.batched - z->batched);
         mine[10] = fmax(mine[10], s.seen_to_post_p50_us);
         mine[11] = fmax(mine[11], s.seen_to_post_p99_us);
-        mine[12] += (double)s.doorbells; /* since create, as the quantiles */
-        mine[13] += (double)s.doorbells_stamped;
+        mine[12] += (double)(s.doorbells - z->doorbells);
+        mine[13] += (double)(s.doorbells_stamped - z->doorbells_stamped);
     }
     double *all = calloc((size_t)NSTAT * b->N, sizeof(double));
     double *p50 = calloc(2 * (size_t)b->N, sizeof(double)), *s50 = p50 + b->N;
