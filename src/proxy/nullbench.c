@@ -228,8 +228,11 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
         return wrc;
     for (int g = 0; !gpu && g < nf; g++) { /* slice, then its doorbell or request */
         sl[g] = (fr_slice_t){.len = bytes, .imm = fr_imm_make(phase, e, 0)};
-        if (bells) {
-            nb_stamp(ep, i0 + g, e, fr_now_ns());
+        if (bells) { /* 2: the time now, its epoch once every write landed */
+            if (bells == 1)
+                nb_stamp(ep, i0 + g, e, fr_now_ns());
+            else
+                ep->ready_ts[2 * (i0 + g) + 1] = fr_now_ns();
             __atomic_store_n(&ep->ready[i0 + g], e, __ATOMIC_RELEASE);
             continue;
         }
@@ -250,6 +253,10 @@ static int nb_phase(ferry_ep_t ep, int phase, uint64_t e, uint64_t bytes, const 
             fr_backoff(&iter, ep->spin);
         }
     }
+    /* bells 2: the stamps once every write landed, after the proxy posted
+     * them all (its delays wait for them: proxy.c) */
+    for (int g = 0; !gpu && bells == 2 && g < nf; g++)
+        __atomic_store_n(&ep->ready_ts[2 * (i0 + g)], e, __ATOMIC_RELEASE);
     return FERRY_OK;
 }
 

@@ -44,7 +44,10 @@ typedef struct fr_proxy_bench {
     int gpu;                      /* IN: a GPU rank's doorbells (a kernel rings them) */
     int bells;                    /* IN, without gpu: the same doorbells rung by the
                                      calling thread in host memory (the GPU rank's
-                                     protocol, where there is no GPU) */
+                                     protocol, where there is no GPU), each stamped
+                                     before it rings (1), or with the time it
+                                     rang once every write landed (2: the proxy's
+                                     delays wait for their stamps) */
     uint64_t bytes;               /* IN: each write's length (nothing moves) */
     double *round_us;             /* OUT, optional: [rounds] each timed round */
     ferry_ep_stats_t st;          /* OUT: the proxy's counters, timed rounds */
