@@ -9,8 +9,8 @@
  *   combine_send / combine_recv launch it once per part.
  *
  * Ordering (IPC path): data stores, a block barrier, one system fence by
- * thread 0, then relaxed system-scope adds to the destinations' flags
- * (fr_cu_arrive: flags count arrivals). Fabric path: a count of finished
+ * warp 0, then its lanes' relaxed system-scope adds to the destinations'
+ * flags (fr_cu_arrive: flags count arrivals). Fabric path: a count of finished
  * blocks, and the block that finishes fills each peer's slice and rings
  * its doorbell for the proxy.
  * Receivers poll relaxed and acquire once. Waits are bounded by
@@ -25,6 +25,8 @@
 
 /* threads per block of ferry::combine, whichever parts a launch runs */
 #define FR_CS_THREADS 512
+/* sources whose pair counts and destinations the send part loads at once */
+#define FR_CS_SRC 256
 
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
@@ -48,29 +50,50 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     __syncthreads();
     /* items of 4 KB (a warp's 8 x 16 bytes per lane) of every row, all
      * warps of the grid over each source's rows in turn; own rows are
-     * read in place by combine_recv */
+     * read in place by combine_recv. Each source's pair count and
+     * destination are loaded first, a thread per source, FR_CS_SRC at a
+     * time: a source after another, each behind its own loads, was a
+     * chain as long as the ranks even with nothing to send. */
+    __shared__ int s_np[FR_CS_SRC];
+    __shared__ uint8_t *s_dst[FR_CS_SRC];
     int cpr = (int)((L.crow + 4095) / 4096);
     int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int nwg = gridDim.x * (blockDim.x >> 5);
-    for (int s = 0; s < N && !s_fail; s++) {
-        if (s == A.rank || (s_mk && s_mk[s])) /* a masked rank's memory: never */
-            continue;
-        int p0 = (int)(s * pstride), np = pn[s];
-        const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + p0;
-        uint8_t *dst = A.path[s] == FR_PATH_FABRIC
-                           ? A.send + fr_off_csend(&L, set, (uint64_t)p0)
-                           : A.peer[s] + fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + s]);
-        for (int q = gw; q < np * cpr; q += nwg) {
-            int p = q / cpr, c = q - p * cpr;
-            if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
+    for (int s0 = 0; s0 < N && !s_fail; s0 += FR_CS_SRC) {
+        int nsrc = min(FR_CS_SRC, N - s0);
+        if (s0 > 0)
+            __syncthreads(); /* the previous sources' entries are read */
+        for (int i = threadIdx.x; i < nsrc; i += blockDim.x) {
+            int s = s0 + i;
+            /* a masked rank's memory: never */
+            int np = s == A.rank || (s_mk && s_mk[s]) ? 0 : pn[s];
+            s_np[i] = np;
+            if (np > 0)
+                s_dst[i] = A.path[s] == FR_PATH_FABRIC
+                               ? A.send + fr_off_csend(&L, set, (uint64_t)(s * pstride))
+                               : A.peer[s] + fr_off_crecv(&L, set,
+                                                          (uint64_t)A.scomb_off[set * N + s]);
+        }
+        __syncthreads();
+        for (int i = 0; i < nsrc; i++) {
+            int np = s_np[i];
+            if (np == 0)
                 continue;
-            size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
-            fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off, y + (size_t)rows[p] * L.crow + off, len);
+            const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + (s0 + i) * pstride;
+            uint8_t *dst = s_dst[i];
+            for (int q = gw; q < np * cpr; q += nwg) {
+                int p = q / cpr, c = q - p * cpr;
+                if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
+                    continue;
+                size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
+                fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off,
+                                          y + (size_t)rows[p] * L.crow + off, len);
+            }
         }
     }
     __shared__ bool last;
     if (A.nfabric == 0) {
-        fr_cu_arrive(A, FR_PH_COMBINE, set, s_mk); /* barrier first, then thread 0 */
+        fr_cu_arrive(A, FR_PH_COMBINE, set, s_mk); /* barrier first, then warp 0 */
         return;
     }
     /* the block's stores, then one system fence (fr_cu_arrive says why

@@ -386,22 +386,28 @@ static __device__ int fr_cu_wait_peer(const fr_cu_args_t &A, int phase, int set,
 
 /* This block's share of (phase, set) to every destination (IPC path).
  * Every thread of the block calls it after its stores; after a barrier,
- * thread 0 alone fences at system scope (cumulative over the block's
- * stores, ordered before it by the barrier, as a grid barrier's fence is)
- * and then adds to every destination's flag: the fence and the adds in
- * one thread make the release. One system fence per block: fences are
- * costly and, with many ranks on one GPU, contend with each other. Nothing
- * is added once the context has failed (thread 0 decides, so the whole
+ * warp 0 fences at system scope (one fence instruction for the warp,
+ * cumulative over the block's stores, ordered before it by the barrier,
+ * as a grid barrier's fence is) and then each lane adds to its
+ * destinations' flags (lane l: l, l + 32, ...): the fence and the adds in
+ * one thread make each release. One system fence per block: fences are
+ * costly and, with many ranks on one GPU, contend with each other. The
+ * adds used to be thread 0's alone, one after another, each behind the
+ * load of its destination's address: a chain as long as the ranks. Nothing
+ * is added once the context has failed (lane 0 decides, so the whole
  * block agrees). */
 static __device__ void fr_cu_arrive(const fr_cu_args_t &A, int phase, int set,
-                                     const int32_t *mk)
+                                    const int32_t *mk)
 {
     __syncthreads();
-    if (threadIdx.x != 0 || fr_cu_failed(A))
+    if (threadIdx.x >= 32)
+        return;
+    int failed = threadIdx.x == 0 ? fr_cu_failed(A) : 0;
+    if (__shfl_sync(0xffffffffu, failed, 0))
         return;
     unsigned long long add = blockIdx.x == 0 ? FR_CU_ROUND - (gridDim.x - 1) : 1ull;
     __threadfence_system();
-    for (int d = 0; d < A.N; d++) {
+    for (int d = threadIdx.x; d < A.N; d += 32) {
         if (mk && mk[d]) /* a masked rank is told nothing */
             continue;
         unsigned long long *f =

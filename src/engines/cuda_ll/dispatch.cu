@@ -665,7 +665,7 @@ static __device__ void fr_ds_finish_ipc(const fr_cu_args_t &A, int set,
             h->npairs = (uint32_t)sh[3 * N + d];
             h->comb_off = (uint32_t)sh[4 * N + d];
         }
-    fr_cu_arrive(A, FR_PH_DISPATCH, set, mk); /* barrier first, then thread 0 */
+    fr_cu_arrive(A, FR_PH_DISPATCH, set, mk); /* barrier first, then warp 0 */
     if (threadIdx.x == 0 && atomicAdd(A.dpub + set, 1u) == gridDim.x - 1) {
         A.dpub[set] = 0;
         A.epoch[set] = epoch;
@@ -968,7 +968,11 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
     for (int si = first; si < N; si++) {
         int s = A.rank + si < N ? A.rank + si : A.rank + si - N;
         int l = (si - first) % FR_DR_WIN;
-        __syncthreads(); /* everyone is done with the previous sender */
+        /* everyone is done with the previous sender (kept: with the
+         * previous window; a window's senders need no barrier between
+         * them, only their batches do) */
+        if (l == 0 || !kept)
+            __syncthreads();
         if (l == 0) { /* a new window: senders si .. si + nw - 1 */
             int nw = min(FR_DR_WIN, N - si);
             if (threadIdx.x < nw) {
@@ -993,8 +997,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             __syncthreads();
             /* a window of one sender (the one-launch kernel at 2 ranks, or
              * the last window when N - first is 1 mod 32) reads its counts
-             * as they are used, without a second barrier; kept is alike in
-             * the block */
+             * as they are used; kept is alike in the block */
             kept = keep && nw > 1;
             for (int f = threadIdx.x; kept && f < nw * El; f += blockDim.x) {
                 int j = f / El, le = f - j * El;
@@ -1004,8 +1007,23 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                                                             FR_SLICE_HDR))[le]
                                        : 0;
             }
-            if (kept)
+            if (kept) {
                 __syncthreads();
+                /* every window sender's first row per expert at once: a
+                 * thread per expert turns the counts into bases (clamped to
+                 * the capacity, as below); run[] ends at the window's end,
+                 * and sender j's rows end at sender j + 1's base */
+                for (int le = threadIdx.x; le < El; le += blockDim.x) {
+                    int b = run[le];
+                    for (int j = 0; j < nw; j++) {
+                        uint32_t c = (uint32_t)wcnt[j * El + le];
+                        wcnt[j * El + le] = b;
+                        b = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+                    }
+                    run[le] = b;
+                }
+                __syncthreads();
+            }
         }
         int w = s_ww[l];
         if (si == first)
@@ -1016,14 +1034,21 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
             continue;
         int count = s_wc[l], np = s_wnp[l];
         const uint8_t *slice = fr_cu_rseg(A, s) + fr_off_drecv(&L, set, s);
-        const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
-        for (int le = threadIdx.x; le < El; le += blockDim.x) {
-            int b = run[le];
-            uint32_t c = kept ? (uint32_t)wcnt[l * El + le] : srows[le];
-            base[le] = b;
-            run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+        /* this sender's first row per expert (sb) and its rows' end (se) */
+        const int32_t *sb = base, *se = run;
+        if (kept) {
+            sb = wcnt + l * El;
+            se = l + 1 < min(FR_DR_WIN, N - (si - l)) ? sb + El : run;
+        } else {
+            const uint32_t *srows = (const uint32_t *)(slice + FR_SLICE_HDR);
+            for (int le = threadIdx.x; le < El; le += blockDim.x) {
+                int b = run[le];
+                uint32_t c = srows[le];
+                base[le] = b;
+                run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+            }
+            __syncthreads();
         }
-        __syncthreads();
         int32_t *prow = A.pair_row + (size_t)set * L.send_crows + (size_t)s * L.T * L.kmax;
         for (int j0 = y; j0 < count; j0 += G * FR_DR_RECS) {
             int nb = min(FR_DR_RECS, (count - j0 + G - 1) / G);
@@ -1045,9 +1070,9 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                         dup = dup || h->le[j2] == le;
                     /* a row inside what the sender said it has for le */
                     bool okj = le < (uint32_t)El && !dup &&
-                               p < (uint32_t)(run[le] - base[le]);
+                               p < (uint32_t)(se[le] - sb[le]);
                     bad = bad || !okj;
-                    int row = okj ? (int)((size_t)le * L.cap + base[le] + p) : -1;
+                    int row = okj ? (int)((size_t)le * L.cap + sb[le] + p) : -1;
                     rows[q * FR_MAX_TOPK + j] = row;
                     prow[pr + j] = row;
                     if (okj && o.src_rank)
