@@ -112,8 +112,9 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     for (int d = threadIdx.x; d < N && ok; d += blockDim.x) {
         if (s_mk && s_mk[d]) /* a masked rank is sent nothing */
             continue;
-        int p0 = (int)(d * pstride), np = pn[d];
-        fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch, fr_off_csend(&L, set, (uint64_t)p0),
+        int np = pn[d];
+        fr_cu_publish(A, FR_PH_COMBINE, set, d, epoch,
+                      fr_off_csend(&L, set, (uint64_t)(d * pstride)),
                       fr_off_crecv(&L, set, (uint64_t)A.scomb_off[set * N + d]),
                       (uint64_t)np * L.crow);
     }

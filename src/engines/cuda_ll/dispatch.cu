@@ -929,8 +929,11 @@ static __device__ void fr_dr_copy(const fr_cu_args_t &A, const uint8_t *slice, c
  * reads every window sender's rows per expert (after the header) at once,
  * so the waits and reads of 32 senders overlap instead of following each
  * other (a dependent chain per sender was most of a round's fixed cost at
- * 32 ranks). Per sender in order, its rows per expert give every expert's
- * first row for it; then block y takes records y, y + G, ...: a thread per record
+ * 32 ranks). A thread per expert then gives every window sender its first
+ * row per expert at once (a running sum over the window's senders), so a
+ * window's senders need no barrier between them (more than FR_DR_WIN_EL
+ * experts, or a window of one: per sender as it comes, behind a barrier).
+ * Per sender in order, block y takes records y, y + G, ...: a thread per record
  * checks its header and turns the positions the sender wrote (pos[]) into
  * rows, and the whole block copies the records to all their rows. Work
  * follows the records, not the experts, so a popular expert is spread
