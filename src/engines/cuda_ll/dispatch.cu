@@ -845,6 +845,13 @@ static __device__ int fr_dr_wait(const fr_cu_args_t &A, int set, int s,
     return 1;
 }
 
+/* The end of a sender's rows for one expert: its first row b plus the c
+ * rows it announced, clamped to the capacity. */
+static __device__ __forceinline__ int fr_dr_end(int b, uint32_t c, int cap)
+{
+    return c > (uint32_t)cap - (uint32_t)b ? cap : b + (int)c;
+}
+
 /* Records a block places at once (its records y, y + G, ... of a sender). */
 #define FR_DR_RECS 64
 /* Senders a block waits for at once, a lane of warp 0 each (a window), and
@@ -1014,14 +1021,14 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                 __syncthreads();
                 /* every window sender's first row per expert at once: a
                  * thread per expert turns the counts into bases (clamped to
-                 * the capacity, as below); run[] ends at the window's end,
+                 * the capacity: fr_dr_end); run[] ends at the window's end,
                  * and sender j's rows end at sender j + 1's base */
                 for (int le = threadIdx.x; le < El; le += blockDim.x) {
                     int b = run[le];
                     for (int j = 0; j < nw; j++) {
                         uint32_t c = (uint32_t)wcnt[j * El + le];
                         wcnt[j * El + le] = b;
-                        b = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+                        b = fr_dr_end(b, c, (int)L.cap);
                     }
                     run[le] = b;
                 }
@@ -1048,7 +1055,7 @@ static __device__ __forceinline__ void fr_dr_run(const fr_cu_args_t &A, int set,
                 int b = run[le];
                 uint32_t c = srows[le];
                 base[le] = b;
-                run[le] = c > (uint32_t)L.cap - (uint32_t)b ? (int)L.cap : b + (int)c;
+                run[le] = fr_dr_end(b, c, (int)L.cap);
             }
             __syncthreads();
         }
