@@ -31,14 +31,24 @@ Checked every configuration, for each library (#wrong):
     token t went to), exact in bf16.
 topk_idx: K distinct experts per token, Zipf-like skew, ~3% of slots -1.
 
-Usage: python3 tools/bench_peers_ht.py [--gpus N] [--tokens 4096] [--hidden 7168]
+Also, per call kind: the profiler's GPU kernel time per call, the call's
+host time, and its host synchronisations (cudaStreamSynchronize /
+cudaEventSynchronize / cudaDeviceSynchronize rows of the profiler); with
+--async G, the asynchronous use SGLang makes (previous_event, async_finish,
+allocate_on_comm_stream, G bf16 GEMMs between the call and
+event.current_stream_wait()) against each alone.
+
+Usage: python3 tools/bench_peers_ht.py [--gpus N] [--tokens 4096[,8192...]] [--hidden 7168]
            [--experts 256] [--topk 8] [--dtype bf16|fp8] [--sms 24] [--iters 20]
+           [--prof-reps 5] [--async G] [--json]
 Needs DeepEP importable (deep_ep on PYTHONPATH) and ferry's library
 (FERRY_LIB); python/ is added to the path here.
 """
 import argparse
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -114,8 +124,16 @@ def check(rank, N, E, K, H, T, recv_x, counts, out, x, gathered, fp8):
     return wrong
 
 
+def _sync_rows():
+    return ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
 def run_lib(buf, x, xs, idx, w, E, N, warmup, iters):
-    td, tcd, tc = [], [], []
+    """Timed rounds: get_dispatch_layout + dispatch with a new routing, the
+    cached dispatch, the combine, each after a barrier and a synchronize.
+    Returns per call kind (new, cached, combine) the event times and the
+    host times (us), and the last round's (recv_x, counts, out)."""
+    t = {k: [] for k in ("new", "cached", "combine", "h_new", "h_cached", "h_combine")}
     st = torch.cuda.current_stream()
     arg = (x, xs) if xs is not None else x
     res = None
@@ -123,31 +141,153 @@ def run_lib(buf, x, xs, idx, w, E, N, warmup, iters):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         torch.cuda.synchronize()
         dist.barrier()
+        h0 = time.perf_counter()
         ev[0].record(st)
         pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
         rx, ridx, rw, counts, handle, _ = buf.dispatch(
             arg, num_tokens_per_rank=pr, is_token_in_rank=inr, num_tokens_per_expert=pe,
             topk_idx=idx, topk_weights=w, config=buf.get_dispatch_config(N))
         ev[1].record(st)
+        h1 = time.perf_counter()
         torch.cuda.synchronize()
         dist.barrier()
+        h2 = time.perf_counter()
         ev[2].record(st)
         rx2, *_ = buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
         ev[3].record(st)
+        h3 = time.perf_counter()
         y = rx2 if xs is None else dequant(rx2).to(torch.bfloat16)
         torch.cuda.synchronize()
         dist.barrier()
+        h4 = time.perf_counter()
         ev[4].record(st)
         out, _, _ = buf.combine(y, handle, config=buf.get_combine_config(N))
         ev[5].record(st)
+        h5 = time.perf_counter()
         torch.cuda.synchronize()
         if i >= warmup:
-            td.append(ev[0].elapsed_time(ev[1]) * 1000)
-            tcd.append(ev[2].elapsed_time(ev[3]) * 1000)
-            tc.append(ev[4].elapsed_time(ev[5]) * 1000)
+            t["new"].append(ev[0].elapsed_time(ev[1]) * 1000)
+            t["cached"].append(ev[2].elapsed_time(ev[3]) * 1000)
+            t["combine"].append(ev[4].elapsed_time(ev[5]) * 1000)
+            t["h_new"].append((h1 - h0) * 1e6)
+            t["h_cached"].append((h3 - h2) * 1e6)
+            t["h_combine"].append((h5 - h4) * 1e6)
         res = (rx, counts, out)
         del handle
-    return td, tcd, tc, res
+    return t, res
+
+
+def run_prof(buf, x, xs, idx, w, E, N, reps):
+    """Per call kind, under the torch profiler: GPU kernel time per call
+    (us, memsets and copies apart) and host synchronisations per call
+    (cudaStreamSynchronize / cudaEventSynchronize / cudaDeviceSynchronize
+    rows)."""
+    from torch.profiler import ProfilerActivity, profile
+    arg = (x, xs) if xs is not None else x
+    pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+    _, _, _, _, handle, _ = buf.dispatch(arg, num_tokens_per_rank=pr, is_token_in_rank=inr,
+                                         num_tokens_per_expert=pe, topk_idx=idx,
+                                         topk_weights=w, config=buf.get_dispatch_config(N))
+    rx2, *_ = buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
+    y = rx2 if xs is None else dequant(rx2).to(torch.bfloat16)
+
+    def new():
+        p, _, e, r, _ = buf.get_dispatch_layout(idx, E)
+        buf.dispatch(arg, num_tokens_per_rank=p, is_token_in_rank=r, num_tokens_per_expert=e,
+                     topk_idx=idx, topk_weights=w, config=buf.get_dispatch_config(N))
+
+    def cached():
+        buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
+
+    def comb():
+        buf.combine(y, handle, config=buf.get_combine_config(N))
+
+    out = {}
+    for name, fn in (("new", new), ("cached", cached), ("combine", comb)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            # every rank's profiler started before the calls (a rank's
+            # kernels would otherwise wait for a peer still starting it)
+            torch.cuda.synchronize()
+            dist.barrier()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        k = syncs = 0.0
+        for e in prof.events():
+            n = e.name
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                if "memcpy" not in n.lower() and "memset" not in n.lower():
+                    k += e.time_range.elapsed_us()
+            elif n in _sync_rows():
+                syncs += 1
+        # the two synchronize calls above are the bench's, not the calls'
+        out["k_" + name] = k / reps
+        out["s_" + name] = max(0.0, syncs - 2) / reps
+    return out
+
+
+def run_async(buf, x, xs, idx, w, E, N, iters, gemms):
+    """DeepEP's asynchronous use (SGLang's prefill): previous_event =
+    Buffer.capture(), async_finish and allocate_on_comm_stream, then
+    `gemms` 4096x4096 bf16 GEMMs on the current stream, then
+    event.current_stream_wait(); for layout + dispatch with a new routing
+    and for the combine. Returns p50 us of: the GEMMs alone, each call
+    alone (synchronous), each call with the GEMMs overlapped."""
+    arg = (x, xs) if xs is not None else x
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def compute():
+        for _ in range(gemms):
+            torch.mm(a, b)
+
+    def new(asy):
+        kw = dict(previous_event=buf.capture(), async_finish=True,
+                  allocate_on_comm_stream=True) if asy else {}
+        p, _, e, r, ev = buf.get_dispatch_layout(idx, E, **kw)
+        if asy:
+            kw["previous_event"] = ev
+        rx, _, _, _, h, ev = buf.dispatch(arg, num_tokens_per_rank=p, is_token_in_rank=r,
+                                          num_tokens_per_expert=e, topk_idx=idx, topk_weights=w,
+                                          config=buf.get_dispatch_config(N), **kw)
+        return ev, (rx, h)
+
+    _, (rx, handle) = new(False)
+    y = rx if xs is None else dequant(rx).to(torch.bfloat16)
+
+    def comb(asy):
+        kw = dict(previous_event=buf.capture(), async_finish=True,
+                  allocate_on_comm_stream=True) if asy else {}
+        out, _, ev = buf.combine(y, handle, config=buf.get_combine_config(N), **kw)
+        return ev, out
+
+    res = {}
+    st = torch.cuda.current_stream()
+    cases = (("gemm", lambda: (compute(), None)),
+             ("new_alone", lambda: new(False)), ("combine_alone", lambda: comb(False)),
+             ("new_overlap", None), ("combine_overlap", None))
+    for name, fn in cases:
+        ts = []
+        for i in range(2 + iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(st)
+            if name.endswith("_overlap"):
+                ev, keep = (new if name.startswith("new") else comb)(True)
+                compute()
+                ev.current_stream_wait()
+            else:
+                fn()
+            e1.record(st)
+            torch.cuda.synchronize()
+            if i >= 2:
+                ts.append(e0.elapsed_time(e1) * 1000)
+        res[name] = pct(ts, .5)
+    return res
+
+
+KINDS = ("new", "cached", "combine")
 
 
 def rank_main(rank, N, port, args, q):
@@ -160,40 +300,55 @@ def rank_main(rank, N, port, args, q):
         group = dist.new_group(list(range(N)))
         import deep_ep as dpe
         from ferry import deep_ep as fde
-        E, K, H, T = args.experts, args.topk, args.hidden, args.tokens
+        E, K, H = args.experts, args.topk, args.hidden
         fp8 = args.dtype == "fp8"
         for lib in (fde, dpe):
             lib.Buffer.set_num_sms(args.sms)
-        hb = H * (1 if fp8 else 2)
-        nvl = max(c.get_nvl_buffer_size_hint(hb, N) for c in (
+        # sized for bf16 rows: the combine sends bf16 whatever the dispatch
+        nvl = max(c.get_nvl_buffer_size_hint(H * 2, N) for c in (
             dpe.Buffer.get_dispatch_config(N), dpe.Buffer.get_combine_config(N)))
         dbuf = dpe.Buffer(group, nvl, 0, explicitly_destroy=True)
         fbuf = fde.Buffer(group, nvl, 0, low_latency_mode=False)
-        x, idx, w = make_inputs(rank, T, E, K, H, seed=1000003 * rank + T)
-        xs = None
-        if fp8:
-            from ferry.reference import fp8_block_quant
-            xq, xs = fp8_block_quant(x)
-            xin = xq
-        else:
+        rows = []
+        for T in args.tokens:
+            x, idx, w = make_inputs(rank, T, E, K, H, seed=1000003 * rank + T)
+            xs = None
             xin = x
-        gathered = torch.empty((N, T, K), dtype=torch.int64, device="cuda")
-        dist.all_gather_into_tensor(gathered, idx, group=group)
-        stats, wrong = [], []
-        for buf in (fbuf, dbuf):
-            td, tcd, tc, (rx, counts, out) = run_lib(buf, xin, xs, idx, w, E, N,
-                                                     args.warmup, args.iters)
-            stats += [pct(td, .5), pct(td, .99), pct(tcd, .5), pct(tcd, .99),
-                      pct(tc, .5), pct(tc, .99)]
-            wrong.append(check(rank, N, E, K, H, T, rx, counts, out, x, gathered, fp8))
-        st = torch.tensor(stats, dtype=torch.float64, device="cuda")
+            if fp8:
+                from ferry.reference import fp8_block_quant
+                xin, xs = fp8_block_quant(x)
+            gathered = torch.empty((N, T, K), dtype=torch.int64, device="cuda")
+            dist.all_gather_into_tensor(gathered, idx, group=group)
+            for name, buf in (("ferry", fbuf), ("DeepEP", dbuf)):
+                t, (rx, counts, out) = run_lib(buf, xin, xs, idx, w, E, N, args.warmup,
+                                               args.iters)
+                r = {}
+                for k in KINDS:
+                    r[k], r[k + "_p99"] = pct(t[k], .5), pct(t[k], .99)
+                    r["h_" + k] = pct(t["h_" + k], .5)
+                r.update(run_prof(buf, xin, xs, idx, w, E, N, args.prof_reps))
+                if args.async_gemms:
+                    r.update(run_async(buf, xin, xs, idx, w, E, N, args.iters,
+                                       args.async_gemms))
+                r["wrong"] = check(rank, N, E, K, H, T, rx, counts, out, x, gathered, fp8)
+                rows.append((name, T, r))
+        keys = sorted(rows[0][2])
+        st = torch.tensor([r[k] for _, _, r in rows for k in keys], dtype=torch.float64,
+                          device="cuda")
+        # the slowest rank's times; #wrong summed over ranks
+        wr = torch.tensor([r["wrong"] for _, _, r in rows], dtype=torch.float64, device="cuda")
         dist.all_reduce(st, op=dist.ReduceOp.MAX, group=group)
-        wr = torch.tensor(wrong, dtype=torch.int64, device="cuda")
         dist.all_reduce(wr, group=group)
+        st = st.view(len(rows), len(keys)).tolist()
+        out = []
+        for i, (name, T, _) in enumerate(rows):
+            r = dict(zip(keys, st[i]))
+            r["wrong"] = int(wr[i])
+            out.append((name, T, r))
         fbuf.destroy()
         dbuf.destroy()
         dist.destroy_process_group()
-        q.put((rank, (st.tolist(), wr.tolist())))
+        q.put((rank, out))
     except Exception:
         import traceback
         q.put((rank, traceback.format_exc()))
@@ -202,7 +357,8 @@ def rank_main(rank, N, port, args, q):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096",
+                    help="tokens per rank, or a comma-separated list (a sweep)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
@@ -210,26 +366,64 @@ def main():
     ap.add_argument("--sms", type=int, default=24)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--prof-reps", type=int, default=5,
+                    help="calls of each kind under the profiler (kernel time, host syncs)")
+    ap.add_argument("--async", dest="async_gemms", type=int, default=0, metavar="G",
+                    help="also time the asynchronous use with G 4096x4096 bf16 GEMMs between "
+                         "each call and its event's current_stream_wait() (0: off)")
+    ap.add_argument("--json", action="store_true", help="one JSON row per (library, T)")
     args = ap.parse_args()
+    try:
+        args.tokens = [int(v) for v in str(args.tokens).split(",") if v.strip()]
+    except ValueError:
+        sys.exit(f"bench_peers_ht: --tokens {args.tokens!r}: expected integers, comma-separated")
     if args.gpus < 2:
         sys.exit("bench_peers_ht: needs at least 2 GPUs (one process per GPU)")
-    if args.gpus > 8 or args.tokens > 32768 or args.hidden < 128:
-        sys.exit("bench_peers_ht: up to 8 GPUs, 32768 tokens, hidden >= 128 (rows carry their "
-                 "source in their last channels)")
+    if not args.tokens or args.gpus > 8 or max(args.tokens) > 32768 or min(args.tokens) < 1 \
+            or args.hidden < 128:
+        sys.exit("bench_peers_ht: up to 8 GPUs, 1 to 32768 tokens, hidden >= 128 (rows carry "
+                 "their source in their last channels)")
     N = args.gpus
     res = spawn_ranks(rank_main, N, args, timeout=1800, join_s=60)
-    st, wr = res[0]
-    print(f"# EP{N} normal mode, T={args.tokens} H={args.hidden} top-{args.topk} of "
-          f"{args.experts}, {args.dtype}, {args.sms} SMs each, {args.iters} iters after "
-          f"{args.warmup}; slowest rank's p50 (p99), us")
-    print("\n| library | layout + dispatch | dispatch (cached) | combine | #wrong |\n"
-          "|---|---|---|---|---|")
-    for name, o, wv in (("ferry", 0, wr[0]), ("DeepEP", 6, wr[1])):
-        print(f"| {name} | {st[o]:.1f} ({st[o+1]:.1f}) | {st[o+2]:.1f} ({st[o+3]:.1f}) "
-              f"| {st[o+4]:.1f} ({st[o+5]:.1f}) | {wv} |")
-    print(f"\nferry / DeepEP, p50: layout + dispatch {st[0] / st[6]:.2f}, cached dispatch "
-          f"{st[2] / st[8]:.2f}, combine {st[4] / st[10]:.2f}")
-    sys.exit(1 if sum(wr) else 0)
+    rows = res[0]
+    if args.json:
+        for name, T, r in rows:
+            print(json.dumps(dict(library=name, ranks=N, tokens=T, hidden=args.hidden,
+                                  experts=args.experts, topk=args.topk, dtype=args.dtype,
+                                  sms=args.sms, iters=args.iters, **r)))
+        sys.exit(1 if any(r["wrong"] for _, _, r in rows) else 0)
+    print(f"# EP{N} normal mode, H={args.hidden} top-{args.topk} of {args.experts}, "
+          f"{args.dtype}, {args.sms} SMs each, {args.iters} iters after {args.warmup}; slowest "
+          f"rank's p50 (p99) us by CUDA events; kernel: profiler kernel time per call; host: "
+          f"the call's host time; syncs: host synchronisations per call")
+    print("\n| T | library | layout + dispatch | dispatch (cached) | combine | kernel new / cached "
+          "/ combine | host new / cached / combine | syncs new / cached / combine | #wrong |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    by = {}
+    for name, T, r in rows:
+        by[(name, T)] = r
+        print(f"| {T} | {name} | {r['new']:.1f} ({r['new_p99']:.1f}) | {r['cached']:.1f} "
+              f"({r['cached_p99']:.1f}) | {r['combine']:.1f} ({r['combine_p99']:.1f}) | "
+              f"{r['k_new']:.1f} / {r['k_cached']:.1f} / {r['k_combine']:.1f} | "
+              f"{r['h_new']:.0f} / {r['h_cached']:.0f} / {r['h_combine']:.0f} | "
+              f"{r['s_new']:.1f} / {r['s_cached']:.1f} / {r['s_combine']:.1f} | {r['wrong']} |")
+    print("\nferry / DeepEP, p50:")
+    for T in args.tokens:
+        f, d = by[("ferry", T)], by[("DeepEP", T)]
+        print(f"  T={T}: layout + dispatch {f['new'] / d['new']:.2f}, cached dispatch "
+              f"{f['cached'] / d['cached']:.2f}, combine {f['combine'] / d['combine']:.2f}")
+    if args.async_gemms:
+        print(f"\nasync, {args.async_gemms} GEMMs between call and wait, p50 us: saved = call "
+              f"alone + GEMMs alone - the overlapped pair")
+        print("\n| T | library | GEMMs | layout + dispatch alone / overlapped / saved | combine "
+              "alone / overlapped / saved |\n|---|---|---|---|---|")
+        for name, T, r in rows:
+            sn = r["new_alone"] + r["gemm"] - r["new_overlap"]
+            sc = r["combine_alone"] + r["gemm"] - r["combine_overlap"]
+            print(f"| {T} | {name} | {r['gemm']:.0f} | {r['new_alone']:.0f} / "
+                  f"{r['new_overlap']:.0f} / {sn:.0f} | {r['combine_alone']:.0f} / "
+                  f"{r['combine_overlap']:.0f} / {sc:.0f} |")
+    sys.exit(1 if any(r["wrong"] for _, _, r in rows) else 0)
 
 
 if __name__ == "__main__":

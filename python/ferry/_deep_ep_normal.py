@@ -1,11 +1,10 @@
 """deep_ep.Buffer's normal (high-throughput) mode: get_dispatch_layout,
 dispatch and combine, intranode and internode, on ferry's routes."""
-import contextlib
 import warnings
 
 import torch
 
-from .deep_ep import (EP, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
+from .deep_ep import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
                       _event_after, _fmt_shape, _layout_c, _layout_torch, _lib, _no_event,
                       _plain_torch, _tensor)
 
@@ -14,8 +13,68 @@ from .deep_ep import (EP, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strid
 _MAX_TOPK = 16
 
 
-def _no_settle():
-    pass
+class _Call:
+    """One normal-mode call's streams (Buffer._call). `with call:` makes
+    the comm stream current (ferry's launches and the call's own torch
+    work go there; outputs are made there); call.stream is its handle for
+    ferry's calls (None: the current stream); settle() after each of
+    ferry's launches (the legacy-stream case: there it waits for the comm
+    stream, so that no kernel of the call's own, e.g. one whose first
+    launch loads its module, starts while a ferry kernel waits for the
+    provider's copies, docs/architecture.md "Kernel loading");
+    finish(made, read) returns the call's event."""
+    __slots__ = ("comm", "compute", "async_finish", "legacy", "like", "_ctx")
+
+    def __init__(self, comm, compute, async_finish, legacy, like):
+        self.comm, self.compute, self.async_finish = comm, compute, async_finish
+        self.legacy, self.like, self._ctx = legacy, like, None
+
+    @property
+    def stream(self):
+        return self.comm.cuda_stream if self.comm is not None else None
+
+    def __enter__(self):
+        if self.comm is not None:
+            self._ctx = torch.cuda.stream(self.comm)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+            if exc[0] is not None:  # whatever was queued, the caller's stream after it
+                if self.legacy:
+                    self.comm.synchronize()
+                else:
+                    self.compute.wait_stream(self.comm)
+        return False
+
+    def settle(self):
+        if self.legacy:
+            self.comm.synchronize()
+
+    def finish(self, made=(), read=()):
+        """The event the call returns. made: the tensors it made (on the
+        comm stream) that outlive it; read: the caller's tensors it read
+        there."""
+        if self.comm is None:
+            return _event_after(self.like) if self.async_finish else _no_event()
+        for t in made:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(self.compute)
+        if self.legacy:  # finished on the host (_call)
+            self.comm.synchronize()
+            return _no_event()
+        if not self.async_finish:
+            self.compute.wait_stream(self.comm)
+            return _no_event()
+        for t in read:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.comm)
+        ev = torch.cuda.Event()
+        ev.record(self.comm)
+        return EventOverlap(ev)
 
 
 class _Normal:
@@ -49,41 +108,47 @@ class _Normal:
             self._ht_sms_check(ep, sms, "dispatch")
         return ep
 
-    @contextlib.contextmanager
-    def _call_stream(self, ep):
-        """The stream a normal-mode call of ep runs on. The caller's current
-        stream, except where ep needs one made with cudaStreamNonBlocking
-        (GPU memory on the fabric path through a provider that copies on
-        the legacy default stream: shm) and the caller is on its default
-        stream (DeepEP's tests, most engines): then the call runs on the
-        Buffer's own stream (DeepEP's comm stream), which first waits for
-        the caller's, and returns once that stream is done (a host wait),
-        because nothing queued on the legacy stream may wait for a call in
-        flight there (docs/architecture.md, "Streams"). Its events are
-        then complete when returned. Inside a capture: the caller's.
-        Yields settle(): called after each of ferry's launches, it waits
-        for that stream there, so no kernel of the call's own (PyTorch's,
-        whose first launch may load its module, which waits for the
-        kernels running) starts while a ferry kernel waits for the
-        provider's copies ("Kernel loading")."""
-        if ep.device != "cuda" or not ep.needs_nonblocking_stream or \
-                torch.cuda.is_current_stream_capturing():
-            yield _no_settle
-            return
-        cur = torch.cuda.current_stream()
-        if cur.cuda_stream != torch.cuda.default_stream(cur.device).cuda_stream:
-            # the caller's own stream (ferry refuses a blocking one by name)
-            yield _no_settle
-            return
-        comm = self._comm_streams.get(cur.device.index)
+    def _comm_stream(self, device):
+        """The Buffer's communication stream on device (DeepEP's comm
+        stream): made at first use, non-blocking, at the highest priority
+        (as DeepEP's), so that its blocks are scheduled before those of
+        the caller's compute queued beside them."""
+        comm = self._comm_streams.get(device.index)
         if comm is None:
-            comm = self._comm_streams[cur.device.index] = torch.cuda.Stream(device=cur.device)
-        comm.wait_stream(cur)
-        try:
-            with torch.cuda.stream(comm):
-                yield comm.synchronize
-        finally:
-            comm.synchronize()
+            comm = self._comm_streams[device.index] = torch.cuda.Stream(device=device,
+                                                                        priority=-1)
+        return comm
+
+    def _call(self, ep, like, previous_event, async_finish, allocate_on_comm_stream):
+        """How a normal-mode call runs (_Call), as DeepEP's do: on the
+        Buffer's comm stream, after previous_event (or the current
+        stream); the call returns once its kernels are queued. With
+        async_finish the returned event is recorded on the comm stream and
+        every tensor the call reads or makes is recorded for the streams
+        that use it (the caching allocator's record_stream), else the
+        current stream waits for the comm stream (a stream wait, not the
+        host). CPU contexts and CUDA graph captures run on the caller's
+        stream (a capture: the caller's, as before)."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: expected the EventOverlap of Buffer.capture() "
+                            f"or of an earlier call, got {type(previous_event).__name__}")
+        if ep.device != "cuda" or not like.is_cuda or torch.cuda.is_current_stream_capturing():
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            return _Call(None, None, async_finish, False, like)
+        compute = torch.cuda.current_stream(like.device)
+        comm = self._comm_stream(like.device)
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        # GPU memory on the fabric path through a provider that copies on
+        # the legacy default stream (shm): nothing queued there may wait
+        # for a call in flight, so a caller on that stream gets its call
+        # finished on the host (docs/architecture.md, "Streams")
+        legacy = ep.needs_nonblocking_stream and \
+            compute.cuda_stream == torch.cuda.default_stream(like.device).cuda_stream
+        return _Call(comm, compute, async_finish, legacy, like)
 
     @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
@@ -101,8 +166,22 @@ class _Normal:
             raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
                              f"the group size {N}")
         _lib.c_int(num_experts, "num_experts")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        call = self._layout_call(topk_idx, previous_event, async_finish, allocate_on_comm_stream)
+        with call:
+            out = self._layout(topk_idx, num_experts)
+            return out + (call.finish(made=out, read=(topk_idx,)),)
+
+    def _layout_call(self, topk_idx, previous_event, async_finish, allocate_on_comm_stream):
+        """get_dispatch_layout's streams: a GPU topk_idx's on the Buffer's
+        comm stream, as the calls' (_call)."""
+        class _Dev:
+            device = "cuda" if topk_idx.is_cuda else "cpu"
+            needs_nonblocking_stream = False
+        return self._call(_Dev, topk_idx, previous_event, async_finish, allocate_on_comm_stream)
+
+    def _layout(self, topk_idx, num_experts):
+        """get_dispatch_layout's four tensors, on the current stream."""
+        N = self.group_size
         rt = self.runtime
         per_node = None
         # nodes of equal size in rank order: the kernel counts them too
@@ -117,8 +196,7 @@ class _Normal:
                               dtype=torch.int32, device=topk_idx.device)
             hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))
             per_node = (hit > 0).sum(0, dtype=torch.int32)
-        return per_rank, per_node, per_expert, is_token_in_rank, \
-            (_event_after(topk_idx) if async_finish else _no_event())
+        return per_rank, per_node, per_expert, is_token_in_rank
 
     @_plain_torch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -145,8 +223,6 @@ class _Normal:
             raise ValueError(f"num_worst_tokens: {num_worst_tokens}, but the handle's routing "
                              f"receives {handle.route.num_recv} rows (a cached dispatch keeps "
                              f"the handle's routing)")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
         fp8 = isinstance(x, tuple)
         xt, xs = (x[0], x[1]) if fp8 else (x, None)
         byte_dt = None
@@ -156,94 +232,104 @@ class _Normal:
             # their dtype, as DeepEP (which checks the size, not the dtype)
             byte_dt, xt = xt.dtype, xt.view(torch.float8_e4m3fn)
         _tensor(xt, "x", torch.float8_e4m3fn if fp8 else torch.bfloat16, ("T", "H"))
-        xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
-        xt = xt.contiguous()
-        # the stream is chosen once the context is known (_call_stream)
-        cs = contextlib.ExitStack()
-        with cs:
-            cached = handle is not None
-            by_rank = False  # routed by is_token_in_rank alone (no top-k)
+        cached = handle is not None
+        if cached and not isinstance(handle, _HtHandle):
+            raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
+                            f"{type(handle).__name__}")
+        by_rank = False  # routed by is_token_in_rank alone (no top-k)
+        if not cached:
+            N = self.group_size
+            T = xt.shape[0]
+            E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
+                                                            torch.Tensor) else None
+            if E is None:
+                raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
+                                "get_dispatch_layout) is required without a handle: it gives "
+                                "the number of experts")
+            if E % N:
+                raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
+                                 f"group size {N}")
+            if topk_idx is None:
+                # DeepEP's dispatch without top-k: tokens go to the ranks
+                # is_token_in_rank names; ferry routes each to the first
+                # expert of those ranks (a context with top-k = N)
+                if is_token_in_rank is None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
+                                    "is_token_in_rank is required without a handle")
+                if topk_weights is not None:
+                    raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
+                                    "topk_idx")
+                _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
+                K = N if N <= _MAX_TOPK else _MAX_TOPK
+                by_rank = True
+            else:
+                _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
+                K = topk_idx.shape[1]
+            ep = self._ht_ep(E, K, xt.shape[1], "cuda" if xt.is_cuda else "cpu",
+                             self._config_sms(config, "dispatch"))
+        else:
+            ep = handle.ep
+        if topk_weights is not None:
+            _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
+        if cached and xt.shape[0] != handle.T:
+            raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
+        call = self._call(ep, xt, previous_event, async_finish, allocate_on_comm_stream)
+        with call:
+            read = (xt, xs, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank)
+            xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
+            xt = xt.contiguous()
             if not cached:
-                N = self.group_size
-                T = xt.shape[0]
-                E = num_tokens_per_expert.numel() if isinstance(num_tokens_per_expert,
-                                                                torch.Tensor) else None
-                if E is None:
-                    raise TypeError("ferry.deep_ep.Buffer.dispatch: num_tokens_per_expert (from "
-                                    "get_dispatch_layout) is required without a handle: it gives "
-                                    "the number of experts")
-                if E % N:
-                    raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
-                                     f"group size {N}")
-                if topk_idx is None:
-                    # DeepEP's dispatch without top-k: tokens go to the ranks
-                    # is_token_in_rank names; ferry routes each to the first
-                    # expert of those ranks (a context with top-k = N)
-                    if is_token_in_rank is None:
-                        raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_idx or "
-                                        "is_token_in_rank is required without a handle")
-                    if topk_weights is not None:
-                        raise TypeError("ferry.deep_ep.Buffer.dispatch: topk_weights needs "
-                                        "topk_idx")
-                    _tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (T, N))
-                    routing = self._rank_routing(is_token_in_rank.to(xt.device), E)
-                    by_rank = True
-                else:
-                    _tensor(topk_idx, "topk_idx", torch.int64, (T, None))
-                    routing = topk_idx.contiguous()
-                ep = self._ht_ep(E, routing.shape[1], xt.shape[1], "cuda" if xt.is_cuda else "cpu",
-                                 self._config_sms(config, "dispatch"))
-                settle = cs.enter_context(self._call_stream(ep))
+                routing = self._rank_routing(is_token_in_rank.to(xt.device), E) if by_rank \
+                    else topk_idx.contiguous()
                 route = ep.route(routing, 1 if by_rank else expert_alignment,
-                                 max_recv=num_worst_tokens)
-                settle()
+                                 stream=call.stream, max_recv=num_worst_tokens)
+                call.settle()
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
-                    per_rank, _, _, in_rank, _ = self.get_dispatch_layout(routing, E)
+                    per_rank, _, _, in_rank = self._layout(routing, E)
                     num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
                         num_tokens_per_rank
                 rt = self.runtime
-                handle = _HtHandle(ep, route, T, self._rank_prefix(num_tokens_per_rank, xt.device),
-                                   in_rank, internode=rt.get_num_rdma_ranks() > 1)
+                handle = _HtHandle(ep, route, T, None, in_rank,
+                                   internode=rt.get_num_rdma_ranks() > 1)
+                # rank_prefix_matrix needs every rank's counts: gathered when
+                # first read (collective then; DeepEP's own callers never read it)
+                handle._prefix_of = (self, num_tokens_per_rank.to(torch.int32).reshape(N))
                 if handle.internode:
                     handle.ep_nodes = list(rt._node_of)
-            elif not isinstance(handle, _HtHandle):
-                raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
-                                f"{type(handle).__name__}")
-            else:
-                settle = cs.enter_context(self._call_stream(handle.ep))
-            ep, route = handle.ep, handle.route
+            route = handle.route
             if topk_weights is not None:
-                _tensor(topk_weights, "topk_weights", torch.float32, (xt.shape[0], ep.topk))
                 topk_weights = topk_weights.contiguous()
-            if xt.shape[0] != handle.T:
-                raise ValueError(f"x: {xt.shape[0]} tokens, the handle's routing has {handle.T}")
             # a cached dispatch returns recv_x alone; the first one also the
             # top-k ids and weights, and keeps the source tokens in the handle
-            o = ep.ht_dispatch(route, xt, xs, topk_weights,
+            o = ep.ht_dispatch(route, xt, xs, topk_weights, stream=call.stream,
                                outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
                                                           "recv_src_token", "recv_src_rank"))
-            settle()
+            call.settle()
             rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
-            recv_x = (rx, self._scales_out(o["recv_x_scales"], carried)) if fp8 else rx
-            ev = _event_after(xt) if async_finish else _no_event()
+            rs = self._scales_out(o["recv_x_scales"], carried) if fp8 else None
+            recv_x = (rx, rs) if fp8 else rx
             if cached:  # DeepEP returns no handle for a cached dispatch (the caller has it)
-                return recv_x, None, None, None, None, ev
+                return recv_x, None, None, None, None, call.finish((rx, rs), read)
             handle.src_idx = o["recv_src_token"]
             handle.src_rank = o["recv_src_rank"]
+            ridx = o["recv_topk_idx"].to(torch.int64)
+            made = (rx, rs, ridx, o["recv_topk_weights"], handle.src_idx, handle.src_rank,
+                    handle.in_rank, handle._prefix_of[1])
             # a bounded route (num_worst_tokens): rows padded to the bound, no
             # host wait, so no per-expert list (DeepEP returns it empty too)
             if route.num_recv_real is not None:
                 counts = []
+                made += (route.num_recv_real, route.expert_counts)
             elif by_rank:
                 # per expert from the callers' counts, as DeepEP's notify sums them
                 counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
             else:
                 counts = [int(c) for c in route.expert_counts]
+            ev = call.finish(made, read)
             if by_rank:
                 return recv_x, None, None, counts, handle, ev
-            return (recv_x, o["recv_topk_idx"].to(torch.int64), o["recv_topk_weights"],
-                    counts, handle, ev)
+            return recv_x, ridx, o["recv_topk_weights"], counts, handle, ev
 
     @staticmethod
     def _rank_routing(in_rank, E):
@@ -352,28 +438,29 @@ class _Normal:
         if not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
         ep, route = handle.ep, handle.route
         self._ht_sms_check(ep, self._config_sms(config, "combine"), "combine")
         _tensor(x, "x", torch.bfloat16, (route.num_recv, ep.hidden))
-        # DeepEP takes strided bias; ht_combine checks the count, shapes,
-        # dtype and device, naming bias[i]
-        if bias is not None:
-            bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
-                         for b in (bias if isinstance(bias, tuple) else (bias,)))
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", torch.float32, (route.num_recv, ep.topk))
-        # no kernel of ours follows ht_combine: leaving the block waits
-        with self._call_stream(ep):
+        call = self._call(ep, x, previous_event, async_finish, allocate_on_comm_stream)
+        with call:
+            read = (x, topk_weights) + (bias if isinstance(bias, tuple) else (bias,))
+            # DeepEP takes strided bias; ht_combine checks the count, shapes,
+            # dtype and device, naming bias[i]
+            if bias is not None:
+                bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
+                             for b in (bias if isinstance(bias, tuple) else (bias,)))
             if topk_weights is not None:
                 # DeepEP's combined_topk_weights: slot k summed over the rows
                 # of every rank the token went to
                 out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
-                                       weights_sum=True, bias=bias)
+                                       stream=call.stream, weights_sum=True, bias=bias)
             else:
-                out, w = ep.ht_combine(route, x.contiguous(), bias=bias), None
-            return out, w, (_event_after(x) if async_finish else _no_event())
+                out, w = ep.ht_combine(route, x.contiguous(), stream=call.stream,
+                                       bias=bias), None
+            call.settle()
+            return out, w, call.finish((out, w), read)
 
     # DeepEP's names for the calls across nodes (its arguments, in its
     # order: no num_worst_tokens): ferry's dispatch and combine pick the

@@ -407,17 +407,29 @@ class _HtHandle:
 
     def __init__(self, ep, route, T, prefix=None, in_rank=None, internode=False):
         self.ep, self.route, self.T = ep, route, T
-        self.prefix, self.in_rank = prefix, in_rank
+        self._prefix, self.in_rank = prefix, in_rank
+        self._prefix_of = None  # (the Buffer, this rank's tokens per rank): prefix's source
         self.internode = internode
         self.src_idx = None   # set by the dispatch that made the route
         self.src_rank = None  # each received row's source rank (same)
         self._gbl = self._rdma = None  # the prefix sums, made when first read
 
+    @property
+    def prefix(self):
+        """rank_prefix_matrix: int32 [N, N], [i][j] = tokens ranks 0..i send
+        to rank j. It needs every rank's counts, which no call needs: they
+        are gathered when it is first read (collective: every rank of the
+        group reads it, as DeepEP's tests do), not by the dispatch."""
+        if self._prefix is None and self._prefix_of is not None:
+            buf, mine = self._prefix_of
+            self._prefix = buf._rank_prefix(mine, mine.device)
+        return self._prefix
+
     def _recv_prefix(self):
         """recv_gbl_rank_prefix_sum: int32 [N], rows this rank received from
         ranks 0..i (rows arrive by source rank)."""
         if self._gbl is None and self.src_rank is not None:
-            N = self.prefix.shape[0]
+            N = self.ep.num_ranks
             self._gbl = torch.cumsum(torch.bincount(self.src_rank.long(), minlength=N),
                                      0, dtype=torch.int32)
         return self._gbl
@@ -792,12 +804,13 @@ class Buffer(_LowLatency, _Normal):
         return _lib.c_int(v, f"ferry.deep_ep.Buffer.{what}: config.num_sms") if v >= 1 else None
 
     def get_comm_stream(self):
-        """DeepEP's communication stream: ferry runs on the caller's current
-        stream, so that is the stream returned (None without CUDA). (Where
-        a context needs a non-blocking stream and the caller is on its
-        default stream, a normal-mode call runs on a stream of the Buffer's
-        and has finished when it returns: Buffer._call_stream.)"""
-        return torch.cuda.current_stream() if torch.cuda.is_available() else None
+        """DeepEP's communication stream: the stream of this Buffer's on the
+        current device where normal-mode calls run (after previous_event or
+        the current stream; see dispatch), None without CUDA. Low-latency
+        calls run on the current stream."""
+        if not torch.cuda.is_available():
+            return None
+        return self._comm_stream(torch.device("cuda", torch.cuda.current_device()))
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """DeepEP's raw buffer as a tensor of `dtype`, from byte `offset`

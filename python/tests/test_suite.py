@@ -90,3 +90,15 @@ def test_torch_cuda(nranks):
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_torch_ht_cuda(nranks):
     run_script("test_torch_ht_cuda.py", [str(nranks)], gpu=True)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_normal_async_cpu(nranks):
+    """deep_ep normal mode: no host round trips, async calls' outputs equal."""
+    run_script("test_normal_async.py", ["cpu", str(nranks)], needs=("torch",))
+
+
+@pytest.mark.parametrize("nranks", [2])
+def test_normal_async_cuda(nranks):
+    """The same on CUDA, with the profiler's host syncs and real overlap."""
+    run_script("test_normal_async.py", ["cuda", str(nranks)], gpu=True)

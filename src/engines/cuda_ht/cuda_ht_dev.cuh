@@ -156,12 +156,14 @@ typedef struct fr_cuht_rdev {
     int16_t *fids;
 } fr_cuht_rdev_t;
 
-/* The route's result the host reads after its one synchronisation
- * (host-mapped): num_recv, the first source with a bad topk_idx (-1:
- * none), the local experts' counts. */
+/* The route's result the host polls for, its one wait (host-mapped, as
+ * DeepEP's receive counter): num_recv, the first source with a bad
+ * topk_idx (-1: none), the local experts' counts; `done` is stored last,
+ * after a system fence, once all of them are. */
 typedef struct fr_cuht_res {
     int num_recv, bad_rank;
-    unsigned int id, pad;         /* the route number (low 32 bits) */
+    unsigned int id;              /* the route number (low 32 bits) */
+    volatile unsigned int done;   /* 0 while notify runs (the host clears it) */
     int ecnt[1];                  /* [El] */
 } fr_cuht_res_t;
 
@@ -200,16 +202,18 @@ struct fr_cuht_ep {
      * calls (ep/ahead.h); ncomb: combines launched so far */
     fr_ahead_t ahead;
     unsigned long long ncomb;
-    /* exact routes' tables on that path: never cudaFree'd while the
-     * context lives (a free waits for the device, and so for kernels that
-     * wait on the thread's copies); a freed route's block is reused once
-     * the event recorded after its last call has passed */
+    /* exact routes' tables: never cudaFree'd while the context lives (a
+     * free waits for the device: a route's release would wait for its
+     * kernels, and on the fabric path for kernels that wait on the
+     * thread's copies); a freed route's block is reused once the event
+     * recorded after its last call has passed */
     struct fr_cuht_spare *spare;
-    int defer;
+    cudaEvent_t rdone;            /* recorded after an exact route's notify */
 };
 
 typedef struct fr_cuht_spare {
-    void *mem;                    /* sized for max_tokens, as every block there */
+    void *mem;
+    size_t size;                  /* bytes (a power of two's tokens: few sizes) */
     cudaEvent_t done;
     struct fr_cuht_spare *next;
 } fr_cuht_spare_t;
@@ -218,7 +222,9 @@ typedef struct fr_cuht_spare {
 typedef struct fr_cuht_route {
     fr_cuht_rdev_t r;
     void *mem;                    /* one device allocation for its tables */
-    cudaEvent_t done;             /* deferred frees: after its last call */
+    size_t size;                  /* its bytes */
+    cudaEvent_t done;             /* recorded after its last call: its block
+                                     is reused once that has passed */
     int32_t *bad;                 /* device: the first bad t * K + k of topk_idx */
     int32_t *ccnt, *dcnt;         /* device: counts the layout kernel makes */
     int32_t *rcc;                 /* device: tokens per (rank, channel), what

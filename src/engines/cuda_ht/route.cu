@@ -31,6 +31,7 @@
  * context stays usable (route numbers advanced everywhere alike).
  */
 #include <limits.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -337,6 +338,13 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         if (o.ecnt_out)
             o.ecnt_out[le] = o.align > 1 ? (sum + o.align - 1) / o.align * o.align : sum;
     }
+    if (res) { /* the host polls this: stored after every other result */
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            res->done = 1;
+        }
+    }
 }
 
 /* A bounded route's rows past the real count: padding. */
@@ -371,24 +379,21 @@ extern "C" void fr_cuht_route_free(ferry_route_t route)
          * when a graph replays into them */
         if (!p->captured)
             fr_cuht(route->ep)->pool_used[p->slot] = 0;
-    } else if (p && fr_cuht(route->ep)->defer) {
-        /* kept for a later route (cuda_ht_dev.cuh: no cudaFree here) */
+    } else if (p) {
+        /* kept for a later route, reused once the event after its last
+         * call has passed: no wait here (a cudaFree would wait for the
+         * device) */
         struct fr_cuht_ep *c = fr_cuht(route->ep);
         fr_cuht_spare_t *sp = (fr_cuht_spare_t *)calloc(1, sizeof(*sp));
         if (sp && p->mem) {
             sp->mem = p->mem;
+            sp->size = p->size;
             sp->done = p->done;
             sp->next = c->spare;
             c->spare = sp;
         } else {
             free(sp); /* out of host memory: the block is lost until exit */
         }
-        free(p);
-    } else if (p) {
-        /* kernels of this route may still be queued: wait for the GPU */
-        cudaDeviceSynchronize();
-        if (p->mem)
-            cudaFree(p->mem);
         free(p);
     }
     if (route) {
@@ -403,8 +408,12 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
                              int32_t **dcnt)
 {
     const fr_cuht_geo_t *G = &fr_cuht(ep)->a.G;
-    if (fr_cuht(ep)->defer) /* every block of one size, so that any is reused */
-        T = G->T;
+    /* tokens rounded up to a power of two (at least 256, at most
+     * max_tokens): few block sizes, so that spare blocks are reused */
+    int t2 = 256;
+    while (t2 < T)
+        t2 *= 2;
+    T = t2 < G->T ? t2 : G->T;
     size_t N = (size_t)G->N, C = (size_t)G->C, t = (size_t)T, K = (size_t)G->K;
     /* with forwarding also: the counts by rank (ccnt is by key), the
      * records to forward and their first index, their expert ids */
@@ -420,25 +429,28 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     struct fr_cuht_ep *c = fr_cuht(ep);
     cudaError_t e = cudaSuccess;
     p->mem = NULL;
-    if (c->defer) {
-        /* a spare block whose last call has run (all are sized for
-         * max_tokens), else a new one with its event */
-        for (fr_cuht_spare_t **q = &c->spare; *q; q = &(*q)->next) {
-            fr_cuht_spare_t *sp = *q;
-            if (cudaEventQuery(sp->done) == cudaSuccess) {
-                p->mem = sp->mem;
-                p->done = sp->done;
-                *q = sp->next;
-                free(sp);
-                break;
-            }
+    /* a spare block big enough whose last call has run, else a new one
+     * with its event */
+    for (fr_cuht_spare_t **q = &c->spare; *q; q = &(*q)->next) {
+        fr_cuht_spare_t *sp = *q;
+        if (sp->size >= tot && cudaEventQuery(sp->done) == cudaSuccess) {
+            p->mem = sp->mem;
+            p->size = sp->size;
+            p->done = sp->done;
+            *q = sp->next;
+            free(sp);
+            break;
         }
-        (void)cudaGetLastError(); /* a query's cudaErrorNotReady */
-        if (!p->mem && (e = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming)) ==
-                           cudaSuccess)
-            e = cudaMalloc(&p->mem, tot);
-    } else {
+    }
+    (void)cudaGetLastError(); /* a query's cudaErrorNotReady */
+    if (!p->mem && (e = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming)) ==
+                       cudaSuccess) {
         e = cudaMalloc(&p->mem, tot);
+        p->size = tot;
+        if (e != cudaSuccess) {
+            cudaEventDestroy(p->done);
+            p->done = NULL;
+        }
     }
     if (!p->mem || e != cudaSuccess) {
         p->mem = NULL;
@@ -493,6 +505,8 @@ extern "C" void fr_cuht_pool_free(ferry_ep_t ep)
             continue;
         if (c->pool[i]->mem)
             cudaFree(c->pool[i]->mem);
+        if (c->pool[i]->done)
+            cudaEventDestroy(c->pool[i]->done);
         free(c->pool[i]);
         c->pool[i] = NULL;
     }
@@ -519,6 +533,42 @@ static int fr_cuht_route_bad(ferry_ep_t ep, const ferry_route_in_t *in, fr_cuht_
     return fr_ep_fail(ep, FERRY_ERR_INVALID,
                       "route_create: rank %d passed a bad topk_idx (checked on its GPU; no "
                       "route was made)", bad_rank);
+}
+
+/* An exact route's one host wait: polls the host-mapped word notify
+ * stores last (as DeepEP's host polls its receive counter), never a
+ * stream, event or device synchronisation. The event recorded after
+ * notify ends the wait where notify returned early (a failure, which the
+ * error word then names); notify's own waits are bounded by the
+ * timeout, and it runs after whatever the stream held before it. */
+static int fr_cuht_route_wait(ferry_ep_t ep, cudaStream_t st)
+{
+    struct fr_cuht_ep *c = fr_cuht(ep);
+    volatile fr_cuht_res_t *res = c->res_host;
+    cudaError_t e = cudaEventRecord(c->rdone, st);
+    for (unsigned n = 0; e == cudaSuccess; n++) {
+        if (res->done)
+            break;
+        if ((n & 15) == 15) {
+            e = cudaEventQuery(c->rdone);
+            if (e == cudaErrorNotReady) {
+                e = cudaSuccess;
+                if (n > 4096) /* long: let ranks sharing the cores run */
+                    sched_yield();
+            } else if (e == cudaSuccess) {
+                if (!res->done) { /* notify ended early: the error word says why */
+                    int rc = fr_cuht_check(ep);
+                    return rc ? rc : fr_ep_fail(ep, FERRY_ERR_INTERNAL, "route_create: "
+                                                "notify ended without its counts");
+                }
+                break;
+            }
+        }
+    }
+    if (e != cudaSuccess)
+        return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "route_create: %s", cudaGetErrorString(e));
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the counts after the flag */
+    return fr_cuht_check(ep);
 }
 
 extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
@@ -580,6 +630,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
             fr_cuht_res_t *res = c->res_host;
             res->num_recv = -1;
             res->bad_rank = -1;
+            res->done = 0; /* no notify writes it now: the last exact one was waited for */
             o.res = (fr_cuht_res_t *)c->res_dev;
         }
         cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
@@ -605,13 +656,8 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     }
     if (rc == FERRY_OK && bounded)
         return FERRY_OK; /* counts, bound and topk_idx are checked on the GPU */
-    if (rc == FERRY_OK) {
-        /* the one host synchronisation */
-        cudaError_t e = cudaStreamSynchronize(st);
-        rc = e != cudaSuccess ? fr_ep_fail(ep, FERRY_ERR_SYSTEM, "route_create: %s",
-                                           cudaGetErrorString(e))
-                              : fr_cuht_check(ep);
-    }
+    if (rc == FERRY_OK) /* the one host wait: for notify's counts */
+        rc = fr_cuht_route_wait(ep, st);
     if (rc == FERRY_OK) {
         volatile fr_cuht_res_t *res = c->res_host;
         route->id = res->id;
@@ -658,6 +704,6 @@ extern "C" int fr_cuht_load_route(void)
 void fr_cuht_route_used(ferry_route_t route, void *stream)
 {
     fr_cuht_route_t *p = (fr_cuht_route_t *)route->priv;
-    if (p && p->slot < 0 && p->done)
+    if (p && p->done)
         cudaEventRecord(p->done, (cudaStream_t)stream);
 }
