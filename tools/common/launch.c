@@ -27,7 +27,6 @@
 #include "runtime/rt.h"
 #include "transport/transport.h"
 
-#define FR_LAUNCH_MAX 4096
 #define FR_LAUNCH_POLL_MS 20
 
 /* Children still running, for the signal handler (0: reaped). */
