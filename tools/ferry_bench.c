@@ -8,6 +8,7 @@
  */
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,11 @@
 #include "bench/bench.h"
 #include "ferry.h"
 #include "launch.h"
+#include "opt.h"
+
+#define TOOL "ferry-bench"
+/* the most rounds of either kind: warm-up plus timed stays an int */
+#define MAX_ROUNDS 1000000000L
 
 static void usage(FILE *f)
 {
@@ -95,6 +101,32 @@ static void usage(FILE *f)
             "  -q, --quiet          no header line\n");
 }
 
+/* --mask, --empty: a probability */
+static int parse_prob(const char *name, const char *arg, double *out)
+{
+    char *end = NULL;
+    double p = strtod(arg, &end);
+    if (end == arg || *end || !(p >= 0 && p <= 1)) {
+        fprintf(stderr, TOOL ": --%s %s: a probability, 0..1\n", name, arg);
+        return -1;
+    }
+    *out = p;
+    return 0;
+}
+
+/* --routing groups:G:M (1 <= M <= G, M <= 64): 0, else -1 */
+static int parse_groups(const char *arg, opts_t *o)
+{
+    const char *g = arg + strlen("groups:"), *m = strchr(g, ':');
+    long G, M;
+    if (strncmp(arg, "groups:", 7) != 0 || !m || fr_opt_num(g, m, 1, INT_MAX, &G) != 0 ||
+        fr_opt_num(m + 1, NULL, 1, 64, &M) != 0 || M > G)
+        return -1;
+    o->groups = (int)G;
+    o->gpick = (int)M;
+    return 0;
+}
+
 static int parse(int argc, char **argv, opts_t *o)
 {
     static struct option lo[] = {
@@ -115,48 +147,36 @@ static int parse(int argc, char **argv, opts_t *o)
                   .check = 1, .seed = 1, .transport = NULL, .device = "cpu",
                   .launcher = "auto", .routing = "uniform", .gpu = "auto", .nodes = 1, .hosts = 1,
                   .peers = 64};
-    int c;
+    int c, bad = 0;
     while ((c = getopt_long(argc, argv, "n:qh", lo, NULL)) != -1) {
         char *end = NULL;
+        /* every number whole and in range, else refused naming the option
+         * (a cast of strtol's long wrapped: -n 4294967298 ran 2 ranks) */
         switch (c) {
-        case 'n': o->ranks = (int)strtol(optarg, &end, 10); break;
-        case 'E': o->experts = (int)strtol(optarg, &end, 10); break;
-        case 'K': o->topk = (int)strtol(optarg, &end, 10); break;
-        case 'H': o->hidden = (int)strtol(optarg, &end, 10); break;
-        case 'T': {
-            o->ntoks = 0;
-            const char *p = optarg;
-            do {
-                if (o->ntoks == (int)(sizeof(o->toks) / sizeof(o->toks[0]))) {
-                    fprintf(stderr, "ferry-bench: --tokens %s: at most %d values\n", optarg,
-                            o->ntoks);
-                    return -1;
-                }
-                o->toks[o->ntoks++] = (int)strtol(p, &end, 10);
-                if (end == p || (*end && *end != ',')) {
-                    fprintf(stderr, "ferry-bench: --tokens %s: numbers, separated by commas\n",
-                            optarg);
-                    return -1;
-                }
-                p = *end == ',' ? end + 1 : end;
-            } while (*end == ',');
+        case 'n': bad = fr_opt_int(TOOL, "ranks", optarg, 1, FR_LAUNCH_MAX, &o->ranks); break;
+        case 'E': bad = fr_opt_int(TOOL, "experts", optarg, 1, INT_MAX, &o->experts); break;
+        case 'K': bad = fr_opt_int(TOOL, "topk", optarg, 1, INT_MAX, &o->topk); break;
+        case 'H': bad = fr_opt_int(TOOL, "hidden", optarg, 1, INT_MAX, &o->hidden); break;
+        case 'T':
+            o->ntoks = fr_opt_list(TOOL, "tokens", optarg, 0, INT_MAX, o->toks,
+                                   (int)(sizeof(o->toks) / sizeof(o->toks[0])));
+            bad = o->ntoks < 0;
+            o->ntoks = bad ? 0 : o->ntoks;
             o->tokens = o->toks[0];
-            end = NULL;
             break;
-        }
         case 'c': o->csv = optarg; break;
-        case 'i': o->iters = (int)strtol(optarg, &end, 10); break;
-        case 'w': o->warmup = (int)strtol(optarg, &end, 10); break;
-        case 's': o->seed = strtoull(optarg, &end, 10); break;
-        case 'm': o->mask = strtod(optarg, &end); break;
-        case 'z': o->empty = strtod(optarg, &end); break;
+        case 'i': bad = fr_opt_int(TOOL, "iters", optarg, 1, MAX_ROUNDS, &o->iters); break;
+        case 'w': bad = fr_opt_int(TOOL, "warmup", optarg, 0, MAX_ROUNDS, &o->warmup); break;
+        case 's': bad = fr_opt_u64(TOOL, "seed", optarg, &o->seed); break;
+        case 'm': bad = parse_prob("mask", optarg, &o->mask); break;
+        case 'z': bad = parse_prob("empty", optarg, &o->empty); break;
         case 'v': o->vary = 1; break;
-        case 'S': o->sms = (int)strtol(optarg, &end, 10); break;
+        case 'S': bad = fr_opt_int(TOOL, "sms", optarg, 0, INT_MAX, &o->sms); break;
         case 'G': o->gpu = optarg; break;
-        case 'R': o->ring = (int)strtol(optarg, &end, 10); break;
-        case 'N': o->nodes = (int)strtol(optarg, &end, 10); break;
-        case 'W': o->hosts = (int)strtol(optarg, &end, 10); break;
-        case 'P': o->peers = (int)strtol(optarg, &end, 10); break;
+        case 'R': bad = fr_opt_int(TOOL, "ring", optarg, 0, INT_MAX, &o->ring); break;
+        case 'N': bad = fr_opt_int(TOOL, "nodes", optarg, 1, FR_LAUNCH_MAX, &o->nodes); break;
+        case 'W': bad = fr_opt_int(TOOL, "hosts", optarg, 1, FR_LAUNCH_MAX, &o->hosts); break;
+        case 'P': bad = fr_opt_int(TOOL, "peers", optarg, 1, INT_MAX, &o->peers); break;
         case 'Z': o->stats = 1; break;
         case 'o': o->round_scale = 1; break;
         case 'x':
@@ -199,7 +219,7 @@ static int parse(int argc, char **argv, opts_t *o)
                 return -1;
             }
             break;
-        case 'y': o->dp = (int)strtol(optarg, &end, 10); break;
+        case 'y': bad = fr_opt_int(TOOL, "dp", optarg, 0, INT_MAX, &o->dp); break;
         case 'F':
             if (strcmp(optarg, "auto") == 0)
                 o->forward = FERRY_FORWARD_AUTO;
@@ -218,8 +238,7 @@ static int parse(int argc, char **argv, opts_t *o)
             o->groups = o->gpick = 0;
             if (strcmp(optarg, "uniform") == 0)
                 o->zipf = 0;
-            else if (sscanf(optarg, "groups:%d:%d", &o->groups, &o->gpick) == 2 &&
-                     o->groups >= 1 && o->gpick >= 1 && o->gpick <= o->groups && o->gpick <= 64)
+            else if (parse_groups(optarg, o) == 0)
                 end = NULL;
             else if (strncmp(optarg, "zipf:", 5) == 0 &&
                      (o->zipf = strtod(optarg + 5, &end)) > 0 && *end == 0)
@@ -233,6 +252,8 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
+        if (bad)
+            return -1;
         if (end && *end) {
             fprintf(stderr, "ferry-bench: bad number '%s'\n", optarg);
             return -1;
@@ -248,21 +269,6 @@ static int parse(int argc, char **argv, opts_t *o)
     }
     if (o->ntoks == 0)
         o->toks[o->ntoks++] = o->tokens;
-    for (int i = 0; i < o->ntoks; i++)
-        if (o->toks[i] < 0)
-            o->tokens = -1;
-    if (o->iters < 1 || o->warmup < 0 || o->ranks < 1 || o->tokens < 0) {
-        fprintf(stderr, "ferry-bench: --iters >= 1, --warmup >= 0, --ranks >= 1, --tokens >= 0\n");
-        return -1;
-    }
-    if (o->hosts < 1) {
-        fprintf(stderr, "ferry-bench: --hosts %d: want 1 or more hosts\n", o->hosts);
-        return -1;
-    }
-    if (o->nodes < 1) {
-        fprintf(stderr, "ferry-bench: --nodes %d: want 1 or more nodes\n", o->nodes);
-        return -1;
-    }
     return 0;
 }
 

@@ -30,7 +30,13 @@
 #include "ferry.h"
 #include "ferry_signal.h"
 #include "launch.h"
+#include "opt.h"
 #include "signal_kernels.h"
+
+#define TOOL "ferry-signal-bench"
+#define MAX_ROUNDS 1000000000L     /* --iters, --warmup: their sum an int */
+#define MAX_TILES (1L << 24)       /* --peers x --per-peer: transfers a round */
+#define MAX_SIZE 1099511627776.0   /* --sizes: 2^40 bytes, the largest heap */
 
 #ifndef FERRY_HAVE_CUDA
 /* without CUDA the GPU side answers "unsupported" */
@@ -86,16 +92,17 @@ static int parse(int argc, char **argv, opts_t *o)
                   .warmup = 3, .check = 1};
     snprintf(o->sizes, sizeof(o->sizes), "4K,16K,64K,256K,1M,4M");
     o->modes[0] = 0;
-    int c;
+    int c, bad = 0;
     while ((c = getopt_long(argc, argv, "n:P:M:s:m:i:w:h", lo, NULL)) != -1) {
+        /* whole numbers in range, else refused naming the option */
         switch (c) {
-        case 'n': o->ranks = atoi(optarg); break;
-        case 'P': o->peers = atoi(optarg); break;
-        case 'M': o->per_peer = atoi(optarg); break;
+        case 'n': bad = fr_opt_int(TOOL, "ranks", optarg, 2, FR_LAUNCH_MAX, &o->ranks); break;
+        case 'P': bad = fr_opt_int(TOOL, "peers", optarg, 1, MAX_TILES, &o->peers); break;
+        case 'M': bad = fr_opt_int(TOOL, "per-peer", optarg, 1, MAX_TILES, &o->per_peer); break;
         case 's': snprintf(o->sizes, sizeof(o->sizes), "%s", optarg); break;
         case 'm': snprintf(o->modes, sizeof(o->modes), "%s", optarg); break;
-        case 'i': o->iters = atoi(optarg); break;
-        case 'w': o->warmup = atoi(optarg); break;
+        case 'i': bad = fr_opt_int(TOOL, "iters", optarg, 1, MAX_ROUNDS, &o->iters); break;
+        case 'w': bad = fr_opt_int(TOOL, "warmup", optarg, 0, MAX_ROUNDS, &o->warmup); break;
         case 'C': o->check = 0; break;
         case 'd':
             if (strcmp(optarg, "cuda") == 0)
@@ -108,11 +115,12 @@ static int parse(int argc, char **argv, opts_t *o)
         case 'F': o->fill_in_kernel = 1; break;
         default: usage(); return -1;
         }
+        if (bad)
+            return -1;
     }
-    if (o->ranks < 2 || o->peers < 1 || o->per_peer < 1 || o->iters < 1 ||
-        o->warmup < 0) {
-        fprintf(stderr, "ferry-signal-bench: need --ranks >= 2, --peers >= 1, "
-                        "--per-peer >= 1, --iters >= 1, --warmup >= 0\n");
+    if ((long)o->peers * o->per_peer > MAX_TILES) {
+        fprintf(stderr, TOOL ": --peers %d x --per-peer %d: at most %ld transfers per round\n",
+                o->peers, o->per_peer, MAX_TILES);
         return -1;
     }
     return 0;
@@ -130,7 +138,7 @@ static int parse_sizes(const char *s, uint64_t *v, int max)
         if (*end == 'K' || *end == 'k') x *= 1024;
         else if (*end == 'M' || *end == 'm') x *= 1024 * 1024;
         else if (*end) return -1;
-        if (x < 1) return -1;
+        if (end == t || !(x >= 1 && x <= MAX_SIZE) || (end[0] && end[1])) return -1;
         v[n++] = (uint64_t)x;
     }
     return n;
@@ -227,7 +235,8 @@ int main(int argc, char **argv)
     uint64_t sizes[32];
     int nsizes = parse_sizes(o.sizes, sizes, 32);
     if (nsizes <= 0) {
-        fprintf(stderr, "ferry-signal-bench: --sizes %s: a list like 4K,16K,1M\n", o.sizes);
+        fprintf(stderr, TOOL ": --sizes %s: a list like 4K,16K,1M, each 1..%.0f bytes\n",
+                o.sizes, MAX_SIZE);
         return 2;
     }
     if (!in_launcher()) {

@@ -68,6 +68,8 @@ int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen)
         fr_errbuf(errbuf, errlen, "out of memory");
         return FERRY_ERR_NOMEM;
     }
+    /* the time settings in range before any deadline is computed */
+    FR_CHECK_GOTO(fr_cfg_check(&err), rc, fail);
     fr_boot_env_t env;
     rc = fr_boot_env_read(&env, &err);
     if (rc == FERRY_OK)
@@ -110,6 +112,7 @@ int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
         fr_errbuf(errbuf, errlen, "out of memory");
         return FERRY_ERR_NOMEM;
     }
+    FR_CHECK_GOTO(fr_cfg_check(&err), rc, fail);
     FR_CHECK_GOTO(fr_boot_init_callback(rank, nranks, fn, ctx, &c->boot, &err),
                   rc, fail);
     FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);

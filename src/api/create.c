@@ -189,6 +189,9 @@ static int fr_create_exchange(ferry_ep_t ep, const ferry_ep_config_t *config,
         return FR_ERR(err, FERRY_ERR_NOMEM, "config exchange");
     memset(&msg, 0, sizeof(msg));
     msg.status = fr_ep_check_config(N, config, err);
+    long tmo; /* FERRY_TIMEOUT_MS in range on every rank, or all refuse */
+    if (msg.status == FERRY_OK)
+        msg.status = fr_cfg_long(FR_CFG_TIMEOUT_MS, &tmo, err);
     /* the paths (fr_create_paths) come from FERRY_TRANSPORT: a pair must
      * get the same one on both sides, so every rank checks it here */
     const char *tr = fr_cfg_str(FR_CFG_TRANSPORT);
@@ -483,7 +486,7 @@ int ferry_ep_create(ferry_comm_t comm, const ferry_ep_config_t *config,
     ep->N = comm->size;
     ep->rank = comm->rank;
     ep->fab_device = -1;
-    ep->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    fr_cfg_long(FR_CFG_TIMEOUT_MS, &ep->timeout_ms, NULL); /* clamped; the exchange refuses */
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     FR_CHECK_GOTO(fr_create_exchange(ep, config, &err), rc, fail);
     FR_CHECK_GOTO(fr_create_paths(ep, &err), rc, fail);

@@ -12,7 +12,11 @@ typedef struct fr_cfg_entry {
     const char *defval;
     const char *help;
     int secret; /* value never shown: ferry_settings reports it hidden */
+    long min, max;    /* a ranged integer (max > 0): values outside are refused */
+    const char *unit; /* of the range, in its error message */
 } fr_cfg_entry_t;
+
+#define FR_CFG_MS_UNIT " ms (up to a week)"
 
 static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_RANK] = {"FERRY_RANK", "",
@@ -69,14 +73,19 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                           "nodes; fabric: every peer through the proxy and "
                           "libfabric (FI_PROVIDER picks the provider)."},
     [FR_CFG_TIMEOUT_MS] = {"FERRY_TIMEOUT_MS", "30000",
-                           "Deadline of every wait for peers, in ms."},
+                           "Deadline of every wait for peers, in ms "
+                           "(1..604800000: up to a week).", 0, 1,
+                           FR_CFG_MAX_MS, FR_CFG_MS_UNIT},
     [FR_CFG_BOOTSTRAP_TIMEOUT_MS] = {"FERRY_BOOTSTRAP_TIMEOUT_MS", "60000",
                                      "Deadline for all ranks to meet at "
-                                     "start-up, in ms."},
+                                     "start-up, in ms (1..604800000: up to "
+                                     "a week).", 0, 1, FR_CFG_MAX_MS,
+                                     FR_CFG_MS_UNIT},
     [FR_CFG_AUTH_MS] = {"FERRY_BOOTSTRAP_AUTH_MS", "1000",
                         "Time a connection to the rendezvous has to "
-                        "authenticate before rank 0 drops it, in ms (a "
-                        "dropped rank reconnects)."},
+                        "authenticate before rank 0 drops it, in ms "
+                        "(1..604800000; a dropped rank reconnects).", 0, 1,
+                        FR_CFG_MAX_MS, FR_CFG_MS_UNIT},
     [FR_CFG_SPIN] = {"FERRY_SPIN", "1000",
                      "Polls of a flag before a waiting CPU rank sleeps on "
                      "its doorbell (a futex the senders ring)."},
@@ -180,17 +189,67 @@ const char *fr_cfg_str(fr_cfg_id_t id)
     return fr_cfg_table[id].defval;
 }
 
-long fr_cfg_int(fr_cfg_id_t id)
+/* v as a whole decimal number: 0; one past the range of a long: 1 (*x
+ * then LONG_MIN or LONG_MAX); not a number: -1. */
+static int fr_cfg_parse(const char *v, long *x)
 {
-    const char *v = fr_cfg_str(id);
     char *end = NULL;
     errno = 0;
-    long x = strtol(v, &end, 10);
-    if (errno || end == v || *end != '\0') {
-        x = strtol(fr_cfg_table[id].defval, NULL, 10);
-        FR_LOG_WARN(FR_SUB_INIT, "%s=%s is not an integer; using %ld",
-                    fr_cfg_table[id].name,
-                    fr_cfg_table[id].secret ? "(hidden)" : v, x);
+    *x = strtol(v, &end, 10);
+    if (end == v || *end != '\0')
+        return -1;
+    return errno == ERANGE ? 1 : errno ? -1 : 0;
+}
+
+int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err)
+{
+    const fr_cfg_entry_t *e = &fr_cfg_table[id];
+    const char *v = fr_cfg_str(id), *shown = e->secret ? "(hidden)" : v;
+    long x = 0;
+    int p = fr_cfg_parse(v, &x);
+    if (e->max == 0) { /* not ranged: any long */
+        *out = p == 0 ? x : strtol(e->defval, NULL, 10);
+        return p == 0 ? FERRY_OK
+                      : FR_ERR(err, FERRY_ERR_INVALID, "%s=%s: not an integer in the "
+                               "range of a long", e->name, shown);
+    }
+    if (p >= 0 && x >= e->min && x <= e->max) {
+        *out = x;
+        return FERRY_OK;
+    }
+    /* clamped for a caller that goes on regardless: no deadline computed
+     * from it can overflow */
+    *out = p < 0 ? strtol(e->defval, NULL, 10) : x < e->min ? e->min : e->max;
+    return FR_ERR(err, FERRY_ERR_INVALID, "%s=%s: %smust be %ld..%ld%s", e->name, shown,
+                  p < 0 ? "not a whole number; " : "", e->min, e->max, e->unit ? e->unit : "");
+}
+
+int fr_cfg_check(fr_err_t *err)
+{
+    for (int i = 0; i < FR_CFG_COUNT; i++) {
+        long x;
+        int rc = fr_cfg_table[i].max > 0 ? fr_cfg_long((fr_cfg_id_t)i, &x, err) : FERRY_OK;
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
+}
+
+long fr_cfg_int(fr_cfg_id_t id)
+{
+    const fr_cfg_entry_t *e = &fr_cfg_table[id];
+    long x = 0;
+    fr_err_t err;
+    if (e->max > 0) {
+        if (fr_cfg_long(id, &x, &err) != FERRY_OK)
+            FR_LOG_WARN(FR_SUB_INIT, "%s; using %ld", err.msg, x);
+        return x;
+    }
+    const char *v = fr_cfg_str(id);
+    if (fr_cfg_parse(v, &x) != 0) {
+        x = strtol(e->defval, NULL, 10);
+        FR_LOG_WARN(FR_SUB_INIT, "%s=%s is not an integer; using %ld", e->name,
+                    e->secret ? "(hidden)" : v, x);
     }
     return x;
 }

@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "err.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -46,8 +48,23 @@ typedef enum fr_cfg_id {
 
 /* Current value as text: the environment's, else the default ("" if none). */
 const char *fr_cfg_str(fr_cfg_id_t id);
-/* Integer value; a malformed value falls back to the default with a warning. */
+/* The largest time setting in ms (FERRY_TIMEOUT_MS,
+ * FERRY_BOOTSTRAP_TIMEOUT_MS, FERRY_BOOTSTRAP_AUTH_MS): a week, so a
+ * deadline in ns (ms x 10^6 plus a clock) stays far inside 63 bits. */
+#define FR_CFG_MAX_MS 604800000L
+
+/* Integer value. A ranged setting (the time settings above) outside its
+ * range, or not a number, is clamped into it with a warning naming the
+ * variable (fr_cfg_check refuses it where an error can be returned); for
+ * the others a malformed value falls back to the default with a warning. */
 long fr_cfg_int(fr_cfg_id_t id);
+/* Integer value into *out: FERRY_ERR_INVALID naming the variable and its
+ * range when it is not a whole number or, for a ranged setting, outside
+ * the range (*out then holds the clamped value fr_cfg_int returns). */
+int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err);
+/* FERRY_OK when every ranged setting is within its range, else
+ * FERRY_ERR_INVALID naming the first that is not. */
+int fr_cfg_check(fr_err_t *err);
 const char *fr_cfg_name(fr_cfg_id_t id);
 /* 1 for a setting whose value is never shown (ferry_settings, logs). */
 int fr_cfg_is_secret(fr_cfg_id_t id);

@@ -39,7 +39,11 @@ int fr_ahead_wait(ferry_ep_t ep, fr_ahead_t *a, uint64_t k, void *stream, const 
     if (!a->seen[i] || fr_cuda_capturing(stream))
         return FERRY_OK;
     unsigned long long before = (unsigned long long)(a->seen[i] - 1);
+    /* at most 30 days, so that in ns it stays within 64 bits at any rank
+     * count (FERRY_TIMEOUT_MS is at most a week) */
     long ms = (long)(ep->N + 2) * ep->timeout_ms + 1000;
+    if (ms > 30 * 86400000L)
+        ms = 30 * 86400000L;
     uint64_t deadline = fr_now_ns() + (uint64_t)ms * 1000000ull, iter = 0;
     for (;;) {
         const char *why = "";
@@ -58,8 +62,8 @@ int fr_ahead_wait(ferry_ep_t ep, fr_ahead_t *a, uint64_t k, void *stream, const 
                                   ms);
             return fr_ep_fail(ep, FERRY_ERR_TIMEOUT,
                               "%s: combine #%llu had not finished on the GPU after %ld ms "
-                              "((ranks + 2) x FERRY_TIMEOUT_MS + 1 s), though no wait on the "
-                              "GPU timed out", call, before, ms);
+                              "((ranks + 2) x FERRY_TIMEOUT_MS + 1 s, at most 30 days), though "
+                              "no wait on the GPU timed out", call, before, ms);
         }
         fr_backoff(&iter, ep->spin);
     }

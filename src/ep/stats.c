@@ -2,6 +2,7 @@
  * The fabric driver's counters (stats.h): the transports' share, the
  * public view (ferry_ep_get_stats) and the FERRY_PROXY_STATS line.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -54,6 +55,28 @@ void fr_ep_stats_add(fr_ep_stats_t *dst, const fr_ep_stats_t *src)
     fr_hist_merge(&dst->s2p, &src->s2p);
 }
 
+/* The public struct's fields after size, in order: a caller's size that
+ * ends inside one leaves that one alone, as those past it (ferry.h). */
+#define FR_ST_FIELD(f) {offsetof(ferry_ep_stats_t, f), sizeof(((ferry_ep_stats_t *)0)->f)}
+static const struct {
+    size_t off, len;
+} fr_st_fields[] = {
+    FR_ST_FIELD(writes),       FR_ST_FIELD(requests),
+    FR_ST_FIELD(completions),  FR_ST_FIELD(arrivals),
+    FR_ST_FIELD(eagain),       FR_ST_FIELD(post_ns),
+    FR_ST_FIELD(provider_ns),  FR_ST_FIELD(provider_calls),
+    FR_ST_FIELD(polls),        FR_ST_FIELD(poll_ns),
+    FR_ST_FIELD(retry_ns),     FR_ST_FIELD(doorbells),
+    FR_ST_FIELD(doorbell_to_post_p50_us), FR_ST_FIELD(doorbell_to_post_p99_us),
+    FR_ST_FIELD(bytes),        FR_ST_FIELD(batched),
+    FR_ST_FIELD(seen_to_post_p50_us), FR_ST_FIELD(seen_to_post_p99_us),
+    FR_ST_FIELD(doorbells_stamped),
+};
+#define FR_ST_N (sizeof(fr_st_fields) / sizeof(fr_st_fields[0]))
+/* every field listed (each 8 bytes): a new one must be added above */
+_Static_assert(sizeof(size_t) + FR_ST_N * 8 == sizeof(ferry_ep_stats_t),
+               "ferry_ep_stats_t changed: list its fields in fr_st_fields");
+
 void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
 {
     /* ep->st, and the counters of proxy threads past the first while they
@@ -85,7 +108,10 @@ void fr_ep_stats_get(ferry_ep_t ep, ferry_ep_stats_t *out)
     s.doorbells_stamped = sum.stamped;
     s.doorbell_to_post_p50_us = fr_hist_quantile(&sum.d2p, 0.50) / 1e3;
     s.doorbell_to_post_p99_us = fr_hist_quantile(&sum.d2p, 0.99) / 1e3;
-    memcpy(out, &s, out->size < sizeof(s) ? out->size : sizeof(s));
+    for (size_t i = 0; i < FR_ST_N; i++)
+        if (fr_st_fields[i].off + fr_st_fields[i].len <= out->size)
+            memcpy((char *)out + fr_st_fields[i].off, (const char *)&s + fr_st_fields[i].off,
+                   fr_st_fields[i].len);
 }
 
 void fr_ep_stats_print(ferry_ep_t ep)

@@ -82,6 +82,9 @@ static void fr_sig_hello_fill(int N, const ferry_sig_config_t *cfg,
     memset(mine, 0, sizeof(*mine));
     fr_err_t e = {{0}};
     mine->status = fr_sig_check_config(N, cfg, &e);
+    long tmo;
+    if (mine->status == FERRY_OK) /* FERRY_TIMEOUT_MS in range, on every rank */
+        mine->status = fr_cfg_long(FR_CFG_TIMEOUT_MS, &tmo, &e);
     if (mine->status == FERRY_OK) {
         int mode = cfg->mode;
         if (mode == FERRY_SIG_MODE_DEFAULT) {
@@ -235,7 +238,7 @@ static ferry_sig_t fr_sig_new(ferry_comm_t comm, const ferry_sig_config_t *cfg,
     s->cuda = cfg->device == FERRY_DEVICE_CUDA;
     s->heap_bytes = cfg->heap_bytes;
     s->nsig = cfg->num_signals;
-    s->timeout_ms = fr_cfg_int(FR_CFG_TIMEOUT_MS);
+    fr_cfg_long(FR_CFG_TIMEOUT_MS, &s->timeout_ms, NULL); /* checked in the hello */
     s->spin = fr_cfg_int(FR_CFG_SPIN);
     return s;
 }

@@ -27,7 +27,6 @@
 #include "runtime/rt.h"
 #include "transport/transport.h"
 
-#define FR_LAUNCH_MAX 4096
 #define FR_LAUNCH_POLL_MS 20
 
 /* Children still running, for the signal handler (0: reaped). */
@@ -135,10 +134,7 @@ static void fr_report(int rank, int st)
  * status, or 0. */
 static int fr_launch_wait(pid_t *pids, int started, int *status)
 {
-    long grace = fr_cfg_int(FR_CFG_TIMEOUT_MS);
-    if (grace < 0)
-        grace = 0;
-    grace += 2000;
+    long grace = fr_cfg_int(FR_CFG_TIMEOUT_MS) + 2000; /* 1..a week, + 2 s */
     int left = started, first = 0, first_rank = -1, killed = 0;
     int64_t kill_at = -1;
     while (left > 0) {
@@ -226,8 +222,11 @@ int fr_launch_local_ex(int n, int *is_child, int *status, fr_err_t *err)
                           "FERRY_LAUNCH_NODES=%s: want 1..%d nodes (the ranks launched)", ln,
                           n);
     }
+    /* the ranks would each refuse a time setting out of range: once here */
+    int port = 0, rc = fr_cfg_check(err);
+    if (rc != FERRY_OK)
+        return rc;
     fr_launch_drop_psm_handlers(); /* the ranks inherit the default actions */
-    int port = 0, rc;
     char secret[65];
     if ((rc = fr_free_port(err, &port)) != FERRY_OK ||
         (rc = fr_launch_make_secret(secret, sizeof(secret), err)) != FERRY_OK)

@@ -27,6 +27,9 @@ void fr_launch_drop_psm_handlers(void);
 /* A fresh job secret: 32 random bytes as 64 hex digits (cap >= 65). */
 int fr_launch_make_secret(char *hex, size_t cap, fr_err_t *err);
 
+/* The most ranks fr_launch_local starts. */
+#define FR_LAUNCH_MAX 4096
+
 /* Local launcher: fork `n` ranks of this program with FERRY_RANK,
  * FERRY_WORLD_SIZE, FERRY_ROOT (a free loopback port) and FERRY_SECRET (a
  * fresh one for this job, fr_launch_make_secret) set; the children
