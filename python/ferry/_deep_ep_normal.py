@@ -13,6 +13,17 @@ from .deep_ep import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNE
 _MAX_TOPK = 16
 
 
+class _On:
+    """What _call needs of a context, for get_dispatch_layout (no context)."""
+    needs_nonblocking_stream = False
+
+    def __init__(self, device):
+        self.device = device
+
+
+_LAYOUT_ON = {True: _On("cuda"), False: _On("cpu")}
+
+
 class _Call:
     """One normal-mode call's streams (Buffer._call). `with call:` makes
     the comm stream current (ferry's launches and the call's own torch
@@ -127,9 +138,16 @@ class _Normal:
         every tensor the call reads or makes is recorded for the streams
         that use it (the caching allocator's record_stream), else the
         current stream waits for the comm stream (a stream wait, not the
-        host). CPU contexts and CUDA graph captures run on the caller's
-        stream (a capture: the caller's, as before)."""
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        host). A call with none of previous_event, async_finish and
+        allocate_on_comm_stream runs on the current stream itself: the
+        same order as the comm stream between its two stream waits,
+        without their host cost. CPU contexts and CUDA graph captures run
+        on the caller's stream."""
+        if previous_event is None:
+            if not async_finish and not allocate_on_comm_stream and \
+                    not ep.needs_nonblocking_stream:
+                return _Call(None, None, False, False, like)
+        elif not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected the EventOverlap of Buffer.capture() "
                             f"or of an earlier call, got {type(previous_event).__name__}")
         if ep.device != "cuda" or not like.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -174,10 +192,8 @@ class _Normal:
     def _layout_call(self, topk_idx, previous_event, async_finish, allocate_on_comm_stream):
         """get_dispatch_layout's streams: a GPU topk_idx's on the Buffer's
         comm stream, as the calls' (_call)."""
-        class _Dev:
-            device = "cuda" if topk_idx.is_cuda else "cpu"
-            needs_nonblocking_stream = False
-        return self._call(_Dev, topk_idx, previous_event, async_finish, allocate_on_comm_stream)
+        return self._call(_LAYOUT_ON[topk_idx.is_cuda], topk_idx, previous_event, async_finish,
+                          allocate_on_comm_stream)
 
     def _layout(self, topk_idx, num_experts):
         """get_dispatch_layout's four tensors, on the current stream."""
