@@ -14,6 +14,7 @@
 #include "core/config.h"
 #include "core/log.h"
 #include "ep/ep.h"
+#include "ep/pmem.h"
 #include "runtime/peer_mem.h"
 #include "runtime/rt.h"
 
@@ -168,24 +169,14 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
     return rc;
 }
 
-typedef struct fr_pmem_msg {
-    int status;
-    int kind;
-    unsigned long long size;
-    long pid;
-    unsigned long long pidns;
-    char sock[48];               /* vmm: where this rank takes descriptors */
-    uint8_t blob[FR_PMEM_BLOB];  /* legacy, fabric: the handle */
-} fr_pmem_msg_t;
-
 /* vmm: send the own descriptor to every peer on the shared-memory path,
  * then take one from each (every send is queued without an accept, so
- * no rank waits for another's order). Every send is tried and every
- * descriptor taken even after a failure, so that no peer waits for this
- * rank until its timeout; the first failure is returned. */
-static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t *all,
-                        int r0, int r1, fr_pmem_t *peers, int device, fr_err_t *err)
+ * no rank waits for another's order). */
+int fr_pmem_pass(ferry_ep_t ep, const fr_pmem_pass_t *p, fr_pmem_t *peers, fr_err_t *err)
 {
+    fr_fdx_t *x = p->x;
+    int fd = p->fd, r0 = p->r0, r1 = p->r1, device = p->device;
+    const fr_pmem_msg_t *all = p->all;
     int N = ep->N, rc = FERRY_OK, want = 0;
     fr_err_t e;
     for (int i = r0; i < r1; i++) {
@@ -233,8 +224,7 @@ static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t 
             close(f);
             continue;
         }
-        r = fr_pmem_open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag],
-                         &e);
+        r = p->open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag], &e);
         if (r != FERRY_OK) {
             *err = e;
             rc = fr_pmem_wrap(err, r, "opening the memory of rank", tag);
@@ -244,10 +234,17 @@ static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t 
     return rc;
 }
 
+int fr_pmem_listen(fr_fdx_t *x, fr_pmem_msg_t *m, int near, fr_err_t *err)
+{
+    static unsigned seq; /* listeners this process made */
+    snprintf(m->sock, sizeof(m->sock), "ferry-pm-%ld-%llx-%u", m->pid, m->pidns,
+             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    return fr_fdx_listen(x, m->sock, near, err);
+}
+
 int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, int r1,
                      fr_pmem_t *peers, fr_err_t *err)
 {
-    static unsigned seq; /* listeners this process made */
     int N = ep->N, rc = FERRY_OK, fd = -1;
     fr_fdx_t x = {-1, ""};
     fr_pmem_msg_t m, *all = NULL;
@@ -263,11 +260,8 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
     int near = 0; /* peers in range on the shared-memory path */
     for (int i = r0; i < r1; i++)
         near += ep->path[i] == FR_PATH_SHM;
-    if (m.status == FERRY_OK && mine->kind == FR_PMEM_VMM && near > 0) {
-        snprintf(m.sock, sizeof(m.sock), "ferry-pm-%ld-%llx-%u", m.pid, m.pidns,
-                 __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
-        m.status = fr_fdx_listen(&x, m.sock, near, err);
-    }
+    if (m.status == FERRY_OK && mine->kind == FR_PMEM_VMM && near > 0)
+        m.status = fr_pmem_listen(&x, &m, near, err);
     all = (fr_pmem_msg_t *)calloc((size_t)N, sizeof(*all));
     if (!all) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
@@ -287,8 +281,9 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
     if (rc != FERRY_OK)
         goto out;
     if (mine->kind == FR_PMEM_VMM) {
+        fr_pmem_pass_t p = {&x, fd, all, r0, r1, mine->device, fr_pmem_open};
         if (near > 0)
-            rc = fr_pmem_pass(ep, &x, fd, all, r0, r1, peers, mine->device, err);
+            rc = fr_pmem_pass(ep, &p, peers, err);
     } else {
         for (int i = r0; i < r1 && rc == FERRY_OK; i++)
             if (ep->path[i] == FR_PATH_SHM &&
