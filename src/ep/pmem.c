@@ -3,14 +3,16 @@
  * which kind every rank uses (FERRY_PEER_MEM and what each rank's device
  * offers, agreed in one allgather), and the exchange that opens the
  * node's peers' allocations (handles in an allgather; file descriptors
- * over Unix sockets, each checked to come from the rank that announced
- * it).
+ * over Unix sockets, each sent only to the listener its rank announced
+ * and taken only from the rank that announced it).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "bootstrap/hmac.h"
 #include "core/config.h"
 #include "core/log.h"
 #include "ep/ep.h"
@@ -169,76 +171,88 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
     return rc;
 }
 
-/* vmm: send the own descriptor to every peer on the shared-memory path,
- * then take one from each (every send is queued without an accept, so
- * no rank waits for another's order). */
-int fr_pmem_pass(ferry_ep_t ep, const fr_pmem_pass_t *p, fr_pmem_t *peers, fr_err_t *err)
+/* What fr_pmem_pass's receive hands each descriptor to. */
+typedef struct fr_pmem_taker {
+    const fr_pmem_pass_t *p;
+    const fr_fdx_peer_t *who; /* the peers */
+    char *got;                /* per peer: its descriptor came */
+    fr_pmem_t *peers;         /* [N] */
+    int rc;                   /* the first failure */
+    fr_err_t *err;
+} fr_pmem_taker_t;
+
+static void fr_pmem_take(void *arg, int i, int fd)
 {
-    fr_fdx_t *x = p->x;
-    int fd = p->fd, r0 = p->r0, r1 = p->r1, device = p->device;
-    const fr_pmem_msg_t *all = p->all;
-    int N = ep->N, rc = FERRY_OK, want = 0;
+    fr_pmem_taker_t *t = (fr_pmem_taker_t *)arg;
+    int rank = t->who[i].tag;
+    t->got[i] = 1;
+    if (t->rc != FERRY_OK) { /* failed already: taken so the sender is done, not opened */
+        close(fd);
+        return;
+    }
     fr_err_t e;
-    for (int i = r0; i < r1; i++) {
-        if (ep->path[i] != FR_PATH_SHM)
-            continue;
-        want++;
-        int r = fr_fdx_send(all[i].sock, ep->rank, fd, ep->timeout_ms, &e);
-        if (r != FERRY_OK && rc == FERRY_OK) {
-            *err = e;
-            rc = fr_pmem_wrap(err, r, "passing this rank's descriptor to rank", i);
-        }
+    const fr_pmem_msg_t *a = &t->p->all[rank];
+    int r = t->p->open(a->kind, t->p->device, NULL, fd, (size_t)a->size, &t->peers[rank], &e);
+    if (r != FERRY_OK) {
+        *t->err = e;
+        t->rc = fr_pmem_wrap(t->err, r, "opening the memory of rank", rank);
     }
-    char *got = (char *)calloc(N > 0 ? (size_t)N : 1, 1);
-    if (!got)
-        return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
-    unsigned long long ns = fr_pidns();
-    for (int k = 0; k < want; k++) {
-        int tag = -1, f = -1;
-        pid_t pid;
-        uid_t uid;
-        int r = fr_fdx_recv(x, ep->timeout_ms, &tag, &f, &pid, &uid, &e);
-        if (r != FERRY_OK) { /* nothing more is coming: name the first missing */
-            int miss = -1;
-            for (int i = r0; i < r1 && miss < 0; i++)
-                if (ep->path[i] == FR_PATH_SHM && !got[i])
-                    miss = i;
-            if (rc == FERRY_OK) {
-                *err = e;
-                rc = fr_pmem_wrap(err, r, "waiting for the descriptor of rank", miss);
-            }
-            break;
-        }
-        if (tag < r0 || tag >= r1 || ep->path[tag] != FR_PATH_SHM || got[tag] ||
-            uid != geteuid() || (all[tag].pidns == ns && (long)pid != all[tag].pid)) {
-            close(f);
-            if (rc == FERRY_OK)
-                rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
-                            "peer memory: a descriptor on @%s claimed rank %d but came from "
-                            "pid %ld uid %ld (refused)", x->name, tag, (long)pid, (long)uid);
-            k--; /* not one of the peers': the peers' are still due */
-            continue;
-        }
-        got[tag] = 1;
-        if (rc != FERRY_OK) { /* failed already: taken so the sender is done, not opened */
-            close(f);
-            continue;
-        }
-        r = p->open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag], &e);
-        if (r != FERRY_OK) {
-            *err = e;
-            rc = fr_pmem_wrap(err, r, "opening the memory of rank", tag);
-        }
-    }
-    free(got);
-    return rc;
 }
 
+/* vmm: send the own descriptor to every peer on the shared-memory path,
+ * then take one from each (every send is queued without an accept, so
+ * no rank waits for another's order). A descriptor goes only to the
+ * listener its rank announced, and is taken only from that rank
+ * (runtime/peer_mem.h: fr_fdx). */
+int fr_pmem_pass(ferry_ep_t ep, const fr_pmem_pass_t *p, fr_pmem_t *peers, fr_err_t *err)
+{
+    int N = ep->N, n = 0;
+    fr_pmem_taker_t t = {p, NULL, NULL, peers, FERRY_OK, err};
+    fr_fdx_peer_t *who = (fr_fdx_peer_t *)calloc(N > 0 ? (size_t)N : 1, sizeof(*who));
+    char *got = (char *)calloc(N > 0 ? (size_t)N : 1, 1);
+    if (!who || !got) {
+        free(who);
+        free(got);
+        return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
+    }
+    t.who = who;
+    t.got = got;
+    for (int i = p->r0; i < p->r1; i++)
+        if (ep->path[i] == FR_PATH_SHM)
+            who[n++] = (fr_fdx_peer_t){i, p->all[i].pid, p->all[i].pidns, p->all[i].sock};
+    fr_err_t e;
+    for (int k = 0; k < n; k++) {
+        int r = fr_fdx_send(&who[k], ep->rank, p->fd, ep->timeout_ms, &e);
+        if (r != FERRY_OK && t.rc == FERRY_OK) {
+            *err = e;
+            t.rc = fr_pmem_wrap(err, r, "passing this rank's descriptor to rank", who[k].tag);
+        }
+    }
+    int r = fr_fdx_gather(p->x, who, n, ep->timeout_ms, fr_pmem_take, &t, &e);
+    if (r != FERRY_OK && t.rc == FERRY_OK) { /* name the first missing */
+        int miss = 0;
+        while (miss < n - 1 && got[miss])
+            miss++;
+        *err = e;
+        t.rc = fr_pmem_wrap(err, r, "waiting for the descriptor of rank",
+                            n > 0 ? who[miss].tag : -1);
+    }
+    free(who);
+    free(got);
+    return t.rc;
+}
+
+/* The name carries random bytes: a process of another user that could
+ * guess it would bind it first (abstract names have no owner). */
 int fr_pmem_listen(fr_fdx_t *x, fr_pmem_msg_t *m, int near, fr_err_t *err)
 {
-    static unsigned seq; /* listeners this process made */
-    snprintf(m->sock, sizeof(m->sock), "ferry-pm-%ld-%llx-%u", m->pid, m->pidns,
-             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    unsigned char r[16];
+    if (fr_boot_random(r, sizeof(r)) != 0)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "peer memory: random bytes for a socket name: %s",
+                      strerror(errno));
+    int k = snprintf(m->sock, sizeof(m->sock), "ferry-pm-");
+    for (size_t i = 0; i < sizeof(r); i++)
+        k += snprintf(m->sock + k, sizeof(m->sock) - (size_t)k, "%02x", r[i]);
     return fr_fdx_listen(x, m->sock, near, err);
 }
 
