@@ -3,17 +3,20 @@
  * which kind every rank uses (FERRY_PEER_MEM and what each rank's device
  * offers, agreed in one allgather), and the exchange that opens the
  * node's peers' allocations (handles in an allgather; file descriptors
- * over Unix sockets, each checked to come from the rank that announced
- * it).
+ * over Unix sockets, each sent only to the listener its rank announced
+ * and taken only from the rank that announced it).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "bootstrap/hmac.h"
 #include "core/config.h"
 #include "core/log.h"
 #include "ep/ep.h"
+#include "ep/pmem.h"
 #include "runtime/peer_mem.h"
 #include "runtime/rt.h"
 
@@ -168,86 +171,94 @@ int fr_ep_pmem_kind(ferry_ep_t ep, int status, int device, const char *legacy_on
     return rc;
 }
 
-typedef struct fr_pmem_msg {
-    int status;
-    int kind;
-    unsigned long long size;
-    long pid;
-    unsigned long long pidns;
-    char sock[48];               /* vmm: where this rank takes descriptors */
-    uint8_t blob[FR_PMEM_BLOB];  /* legacy, fabric: the handle */
-} fr_pmem_msg_t;
+/* What fr_pmem_pass's receive hands each descriptor to. */
+typedef struct fr_pmem_taker {
+    const fr_pmem_pass_t *p;
+    const fr_fdx_peer_t *who; /* the peers */
+    char *got;                /* per peer: its descriptor came */
+    fr_pmem_t *peers;         /* [N] */
+    int rc;                   /* the first failure */
+    fr_err_t *err;
+} fr_pmem_taker_t;
+
+static void fr_pmem_take(void *arg, int i, int fd)
+{
+    fr_pmem_taker_t *t = (fr_pmem_taker_t *)arg;
+    int rank = t->who[i].tag;
+    t->got[i] = 1;
+    if (t->rc != FERRY_OK) { /* failed already: taken so the sender is done, not opened */
+        close(fd);
+        return;
+    }
+    fr_err_t e;
+    const fr_pmem_msg_t *a = &t->p->all[rank];
+    int r = t->p->open(a->kind, t->p->device, NULL, fd, (size_t)a->size, &t->peers[rank], &e);
+    if (r != FERRY_OK) {
+        *t->err = e;
+        t->rc = fr_pmem_wrap(t->err, r, "opening the memory of rank", rank);
+    }
+}
 
 /* vmm: send the own descriptor to every peer on the shared-memory path,
  * then take one from each (every send is queued without an accept, so
- * no rank waits for another's order). Every send is tried and every
- * descriptor taken even after a failure, so that no peer waits for this
- * rank until its timeout; the first failure is returned. */
-static int fr_pmem_pass(ferry_ep_t ep, fr_fdx_t *x, int fd, const fr_pmem_msg_t *all,
-                        int r0, int r1, fr_pmem_t *peers, int device, fr_err_t *err)
+ * no rank waits for another's order). A descriptor goes only to the
+ * listener its rank announced, and is taken only from that rank
+ * (runtime/peer_mem.h: fr_fdx). */
+int fr_pmem_pass(ferry_ep_t ep, const fr_pmem_pass_t *p, fr_pmem_t *peers, fr_err_t *err)
 {
-    int N = ep->N, rc = FERRY_OK, want = 0;
-    fr_err_t e;
-    for (int i = r0; i < r1; i++) {
-        if (ep->path[i] != FR_PATH_SHM)
-            continue;
-        want++;
-        int r = fr_fdx_send(all[i].sock, ep->rank, fd, ep->timeout_ms, &e);
-        if (r != FERRY_OK && rc == FERRY_OK) {
-            *err = e;
-            rc = fr_pmem_wrap(err, r, "passing this rank's descriptor to rank", i);
-        }
-    }
+    int N = ep->N, n = 0;
+    fr_pmem_taker_t t = {p, NULL, NULL, peers, FERRY_OK, err};
+    fr_fdx_peer_t *who = (fr_fdx_peer_t *)calloc(N > 0 ? (size_t)N : 1, sizeof(*who));
     char *got = (char *)calloc(N > 0 ? (size_t)N : 1, 1);
-    if (!got)
+    if (!who || !got) {
+        free(who);
+        free(got);
         return FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
-    unsigned long long ns = fr_pidns();
-    for (int k = 0; k < want; k++) {
-        int tag = -1, f = -1;
-        pid_t pid;
-        uid_t uid;
-        int r = fr_fdx_recv(x, ep->timeout_ms, &tag, &f, &pid, &uid, &e);
-        if (r != FERRY_OK) { /* nothing more is coming: name the first missing */
-            int miss = -1;
-            for (int i = r0; i < r1 && miss < 0; i++)
-                if (ep->path[i] == FR_PATH_SHM && !got[i])
-                    miss = i;
-            if (rc == FERRY_OK) {
-                *err = e;
-                rc = fr_pmem_wrap(err, r, "waiting for the descriptor of rank", miss);
-            }
-            break;
-        }
-        if (tag < r0 || tag >= r1 || ep->path[tag] != FR_PATH_SHM || got[tag] ||
-            uid != geteuid() || (all[tag].pidns == ns && (long)pid != all[tag].pid)) {
-            close(f);
-            if (rc == FERRY_OK)
-                rc = FR_ERR(err, FERRY_ERR_PROTOCOL,
-                            "peer memory: a descriptor on @%s claimed rank %d but came from "
-                            "pid %ld uid %ld (refused)", x->name, tag, (long)pid, (long)uid);
-            k--; /* not one of the peers': the peers' are still due */
-            continue;
-        }
-        got[tag] = 1;
-        if (rc != FERRY_OK) { /* failed already: taken so the sender is done, not opened */
-            close(f);
-            continue;
-        }
-        r = fr_pmem_open(all[tag].kind, device, NULL, f, (size_t)all[tag].size, &peers[tag],
-                         &e);
-        if (r != FERRY_OK) {
+    }
+    t.who = who;
+    t.got = got;
+    for (int i = p->r0; i < p->r1; i++)
+        if (ep->path[i] == FR_PATH_SHM)
+            who[n++] = (fr_fdx_peer_t){i, p->all[i].pid, p->all[i].pidns, p->all[i].sock};
+    fr_err_t e;
+    for (int k = 0; k < n; k++) {
+        int r = fr_fdx_send(&who[k], ep->rank, p->fd, ep->timeout_ms, &e);
+        if (r != FERRY_OK && t.rc == FERRY_OK) {
             *err = e;
-            rc = fr_pmem_wrap(err, r, "opening the memory of rank", tag);
+            t.rc = fr_pmem_wrap(err, r, "passing this rank's descriptor to rank", who[k].tag);
         }
     }
+    int r = fr_fdx_gather(p->x, who, n, ep->timeout_ms, fr_pmem_take, &t, &e);
+    if (r != FERRY_OK && t.rc == FERRY_OK) { /* name the first missing */
+        int miss = 0;
+        while (miss < n - 1 && got[miss])
+            miss++;
+        *err = e;
+        t.rc = fr_pmem_wrap(err, r, "waiting for the descriptor of rank",
+                            n > 0 ? who[miss].tag : -1);
+    }
+    free(who);
     free(got);
-    return rc;
+    return t.rc;
+}
+
+/* The name carries random bytes: a process of another user that could
+ * guess it would bind it first (abstract names have no owner). */
+int fr_pmem_listen(fr_fdx_t *x, fr_pmem_msg_t *m, int near, fr_err_t *err)
+{
+    unsigned char r[16];
+    if (fr_boot_random(r, sizeof(r)) != 0)
+        return FR_ERR(err, FERRY_ERR_SYSTEM, "peer memory: random bytes for a socket name: %s",
+                      strerror(errno));
+    int k = snprintf(m->sock, sizeof(m->sock), "ferry-pm-");
+    for (size_t i = 0; i < sizeof(r); i++)
+        k += snprintf(m->sock + k, sizeof(m->sock) - (size_t)k, "%02x", r[i]);
+    return fr_fdx_listen(x, m->sock, near, err);
 }
 
 int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, int r1,
                      fr_pmem_t *peers, fr_err_t *err)
 {
-    static unsigned seq; /* listeners this process made */
     int N = ep->N, rc = FERRY_OK, fd = -1;
     fr_fdx_t x = {-1, ""};
     fr_pmem_msg_t m, *all = NULL;
@@ -263,11 +274,8 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
     int near = 0; /* peers in range on the shared-memory path */
     for (int i = r0; i < r1; i++)
         near += ep->path[i] == FR_PATH_SHM;
-    if (m.status == FERRY_OK && mine->kind == FR_PMEM_VMM && near > 0) {
-        snprintf(m.sock, sizeof(m.sock), "ferry-pm-%ld-%llx-%u", m.pid, m.pidns,
-                 __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
-        m.status = fr_fdx_listen(&x, m.sock, near, err);
-    }
+    if (m.status == FERRY_OK && mine->kind == FR_PMEM_VMM && near > 0)
+        m.status = fr_pmem_listen(&x, &m, near, err);
     all = (fr_pmem_msg_t *)calloc((size_t)N, sizeof(*all));
     if (!all) {
         rc = FR_ERR(err, FERRY_ERR_NOMEM, "peer memory: table for %d ranks", N);
@@ -287,8 +295,9 @@ int fr_ep_pmem_share(ferry_ep_t ep, int status, const fr_pmem_t *mine, int r0, i
     if (rc != FERRY_OK)
         goto out;
     if (mine->kind == FR_PMEM_VMM) {
+        fr_pmem_pass_t p = {&x, fd, all, r0, r1, mine->device, fr_pmem_open};
         if (near > 0)
-            rc = fr_pmem_pass(ep, &x, fd, all, r0, r1, peers, mine->device, err);
+            rc = fr_pmem_pass(ep, &p, peers, err);
     } else {
         for (int i = r0; i < r1 && rc == FERRY_OK; i++)
             if (ep->path[i] == FR_PATH_SHM &&

@@ -87,18 +87,50 @@ void fr_pmem_close(fr_pmem_t *m);
  * connection per descriptor, each carrying an int tag (the sender's rank)
  * and the descriptor (SCM_RIGHTS). A sender does not wait for the
  * receiver to accept, so every rank can send all its descriptors before
- * receiving any. peer_mem_host.c, plain POSIX. */
+ * receiving any. peer_mem_host.c, plain POSIX.
+ *
+ * Any process of the network namespace can connect to an abstract name
+ * and see it in /proc/net/unix: both ends check who is at the other
+ * (SO_PEERCRED) against what the peer announced, and a receiver drops a
+ * connection that is not a peer's without failing. */
 typedef struct fr_fdx {
     int lfd;
     char name[64]; /* without the leading NUL */
 } fr_fdx_t;
+
+/* Who is expected at the other end: the uid is always this process's;
+ * the pid is checked when pidns is this process's pid namespace. */
+typedef struct fr_fdx_peer {
+    int tag;                  /* what its messages carry (its rank) */
+    long pid;                 /* the pid it announced */
+    unsigned long long pidns; /* its pid namespace (fr_pidns) */
+    const char *name;         /* where it listens */
+} fr_fdx_peer_t;
+
+#define FR_FDX_SLOTS 32     /* connections a receiver reads at once */
+#define FR_FDX_READ_MS 1000 /* how long one connection may take to send */
+#define FR_FDX_MAXFD 8      /* descriptors read from one message (one taken) */
+
+/* Listen on @name, with room for `backlog` peers' connections (and
+ * FR_FDX_SLOTS more). */
 int fr_fdx_listen(fr_fdx_t *x, const char *name, int backlog, fr_err_t *err);
-/* Bounded by timeout_ms (a listener whose backlog stays full). */
-int fr_fdx_send(const char *peer_name, int tag, int fd, long timeout_ms, fr_err_t *err);
-/* One descriptor, waiting up to timeout_ms: its tag, the descriptor and
- * the sender's pid and uid (SO_PEERCRED). */
-int fr_fdx_recv(fr_fdx_t *x, long timeout_ms, int *tag, int *fd, pid_t *pid, uid_t *uid,
-                fr_err_t *err);
+/* Pass fd with `tag` to to->name, once the listener there is `to` (its
+ * uid, and pid in one pid namespace; otherwise nothing is sent and the
+ * error names who holds the name). Bounded by timeout_ms (a listener whose
+ * backlog stays full). */
+int fr_fdx_send(const fr_fdx_peer_t *to, int tag, int fd, long timeout_ms, fr_err_t *err);
+/* Takes peers[i]'s descriptor fd (closing it when done). */
+typedef void (*fr_fdx_take_fn)(void *arg, int i, int fd);
+/* One descriptor from each of peers[0, n), each handed to take as it
+ * comes, until all came or timeout_ms passed (FERRY_ERR_TIMEOUT naming
+ * the first tag missing and the first connection dropped). A connection
+ * is dropped, and the exchange goes on, when it is of another uid, of a
+ * pid no peer due announced (peers in this pid namespace), sends nothing
+ * within FR_FDX_READ_MS, or sends anything but a due peer's tag with one
+ * descriptor; every descriptor received and not taken is closed. Up to
+ * FR_FDX_SLOTS connections are read at once. */
+int fr_fdx_gather(fr_fdx_t *x, const fr_fdx_peer_t *peers, int n, long timeout_ms,
+                  fr_fdx_take_fn take, void *arg, fr_err_t *err);
 void fr_fdx_close(fr_fdx_t *x);
 
 #ifdef __cplusplus

@@ -1,10 +1,10 @@
 /*
  * File descriptors passed between processes of one host (the vmm kind of
  * peer memory, runtime/peer_mem.h: fr_fdx): every process sends before
- * any accepts; each descriptor arrives with its sender's tag, pid and uid
+ * any accepts; each descriptor arrives once, from the peer its tag names,
  * and still refers to the sender's file; a listener nobody sends to times
  * out naming itself; sending to a name nobody listens on is an error
- * naming it.
+ * naming it. (Strangers at either end: test_pmem_pass.)
  */
 #include <fcntl.h>
 #include <stdio.h>
@@ -17,12 +17,33 @@
 #include "ferry.h"
 #include "harness.h"
 #include "runtime/peer_mem.h"
+#include "runtime/rt.h"
 
 #define P 4
 
 static void name_of(char *b, size_t n, int i)
 {
     snprintf(b, n, "ferry-test-fdx-%d-%d", (int)getpgrp(), i);
+}
+
+typedef struct taken {
+    int me, seen, bad;
+} taken_t;
+
+/* The descriptor of peer i (tag i, or i + 1 past the receiver's own)
+ * must hold "rank <tag>" and come once. */
+static void take(void *arg, int i, int g)
+{
+    taken_t *t = (taken_t *)arg;
+    int tag = i < t->me ? i : i + 1;
+    char got[32] = "", want[32];
+    snprintf(want, sizeof(want), "rank %d", tag);
+    if ((t->seen & (1 << tag)) || pread(g, got, sizeof(got), 0) <= 0 || strcmp(got, want) != 0) {
+        fprintf(stderr, "at %d: from tag %d read \"%s\"\n", t->me, tag, got);
+        t->bad++;
+    }
+    t->seen |= 1 << tag;
+    close(g);
 }
 
 /* Process i: a memfd holding "rank i" sent to every other, then one from
@@ -46,38 +67,29 @@ static int child(int i, int go_fd)
     snprintf(text, sizeof(text), "rank %d", i);
     if (f < 0 || write(f, text, strlen(text) + 1) != (ssize_t)strlen(text) + 1)
         return 3;
-    if (read(go_fd, &c, 1) != 1)
+    pid_t pids[P];
+    if (read(go_fd, &c, 1) != 1 || read(go_fd, pids, sizeof(pids)) != sizeof(pids))
         return 4;
-    for (int j = 0; j < P; j++) {
-        char peer[64];
-        name_of(peer, sizeof(peer), j);
-        if (j != i && fr_fdx_send(peer, i, f, 10000, &err) != FERRY_OK) {
-            fprintf(stderr, "send %d->%d: %s\n", i, j, err.msg);
+    char names[P][64];
+    fr_fdx_peer_t peers[P - 1];
+    for (int j = 0, k = 0; j < P; j++) {
+        name_of(names[j], sizeof(names[j]), j);
+        if (j != i)
+            peers[k++] = (fr_fdx_peer_t){j, (long)pids[j], fr_pidns(), names[j]};
+    }
+    for (int k = 0; k < P - 1; k++)
+        if (fr_fdx_send(&peers[k], i, f, 10000, &err) != FERRY_OK) {
+            fprintf(stderr, "send %d->%d: %s\n", i, peers[k].tag, err.msg);
             return 5;
         }
-    }
     close(f);
-    int seen = 0;
-    for (int k = 0; k < P - 1; k++) {
-        int tag = -1, g = -1;
-        pid_t pid;
-        uid_t uid;
-        if (fr_fdx_recv(&x, 10000, &tag, &g, &pid, &uid, &err) != FERRY_OK) {
-            fprintf(stderr, "recv at %d: %s\n", i, err.msg);
-            return 6;
-        }
-        char got[32] = "", want[32];
-        snprintf(want, sizeof(want), "rank %d", tag);
-        if (tag < 0 || tag >= P || tag == i || (seen & (1 << tag)) || uid != getuid() ||
-            pid <= 0 || pread(g, got, sizeof(got), 0) <= 0 || strcmp(got, want) != 0) {
-            fprintf(stderr, "at %d: tag %d pid %d: read \"%s\"\n", i, tag, (int)pid, got);
-            return 7;
-        }
-        seen |= 1 << tag;
-        close(g);
+    taken_t t = {i, 0, 0};
+    if (fr_fdx_gather(&x, peers, P - 1, 10000, take, &t, &err) != FERRY_OK) {
+        fprintf(stderr, "gather at %d: %s\n", i, err.msg);
+        return 6;
     }
     fr_fdx_close(&x);
-    return 0;
+    return t.bad || t.seen != ((1 << P) - 1) - (1 << i) ? 7 : 0;
 }
 
 int main(void)
@@ -99,7 +111,8 @@ int main(void)
     for (int i = 0; i < P; i++)
         CHECK(read(sv[i][0], &c, 1) == 1, "process %d did not listen", i);
     for (int i = 0; i < P; i++)
-        CHECK(write(sv[i][0], "g", 1) == 1, "go %d", i);
+        CHECK(write(sv[i][0], "g", 1) == 1 && write(sv[i][0], pid, sizeof(pid)) == sizeof(pid),
+              "go %d", i);
     for (int i = 0; i < P; i++) {
         int st = 0;
         waitpid(pid[i], &st, 0);
@@ -111,17 +124,16 @@ int main(void)
     char me[64];
     name_of(me, sizeof(me), 99);
     CHECK_RC(fr_fdx_listen(&x, me, 1, &err), FERRY_OK);
-    int tag, f;
-    pid_t p;
-    uid_t u;
-    CHECK_RC(fr_fdx_recv(&x, 50, &tag, &f, &p, &u, &err), FERRY_ERR_TIMEOUT);
+    fr_fdx_peer_t self = {0, (long)getpid(), fr_pidns(), me};
+    taken_t t = {P, 0, 0};
+    CHECK_RC(fr_fdx_gather(&x, &self, 1, 50, take, &t, &err), FERRY_ERR_TIMEOUT);
     CHECK(strstr(err.msg, me) != NULL, "msg: %s", err.msg);
     /* the same name twice: refused */
     fr_fdx_t y;
     CHECK_RC(fr_fdx_listen(&y, me, 1, &err), FERRY_ERR_SYSTEM);
     fr_fdx_close(&x);
     /* nobody listening there */
-    CHECK_RC(fr_fdx_send(me, 0, 0, 100, &err), FERRY_ERR_SYSTEM);
+    CHECK_RC(fr_fdx_send(&self, 0, 0, 100, &err), FERRY_ERR_SYSTEM);
     CHECK(strstr(err.msg, me) != NULL, "msg: %s", err.msg);
     if (fr_test_result() == 0)
         printf("fdpass: %d processes passed descriptors to each other before accepting; "
