@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-from .deep_ep import (EP, EventOverlap, FerryError, _LLHandle, _Plan, _as_list, _event_after,
+from ._deep_ep_common import (EP, EventOverlap, FerryError, _LLHandle, _Plan, _as_list, _event_after,
                       _fmt_shape, _ll_recv_tensors, _lib, _no_event, _plain_torch, _recv_or_hook, _tensor)
 
 

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from .deep_ep import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
+from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
                       _event_after, _fmt_shape, _layout_c, _layout_torch, _lib, _no_event,
                       _plain_torch, _tensor)
 
