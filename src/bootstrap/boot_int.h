@@ -60,19 +60,50 @@ enum fr_frame_type {
     FR_MSG_NONCE = 0x10A,   /* rank -> root: its nonce (32 bytes) */
     FR_MSG_PROOF = 0x10B,   /* root -> rank: MAC of both nonces (32 bytes) */
     FR_MSG_AUTH_FAIL = 0x10C, /* rank -> root: the root's proof was wrong */
-    FR_MSG_ACK = 0x10D      /* root -> rank: hello verified, rank id bound */
+    FR_MSG_ACK = 0x10D,     /* root -> rank: hello verified, rank id bound */
+    FR_MSG_NOKEY = 0x10E    /* rank -> root, instead of its nonce: it cannot
+                               use the root's key (fr_nokey_t), and leaves */
 };
 
 #define FR_BOOT_MAGIC 0x46524259u /* "FRBY" */
-#define FR_BOOT_WIRE_VERSION 4u
+#define FR_BOOT_WIRE_VERSION 5u
 #define FR_BOOT_NONCE_LEN 32
 #define FR_BOOT_MAC_LEN 32
 
+#define FR_BOOT_JOB_HASH_LEN 8
+#define FR_BOOT_RUN_LEN 16
+
+/* Where the root's key comes from (fr_challenge_t.keysrc). */
+enum { FR_KEYSRC_SECRET = 0, FR_KEYSRC_FILE = 1 };
+
+/* Sent in the clear on accept: besides the nonce, what a rank needs to
+ * tell at once whether it can use this root's key (a stranger can forge
+ * it, but can only make the rank fail, as a squatter can anyway): the
+ * key's source, and for a key file the job's hash (as in the file's name),
+ * the run id rank 0 drew for this rendezvous (also in the file) and its
+ * pid. */
 typedef struct fr_challenge {
     uint32_t magic;
     uint32_t version;
     unsigned char nonce[FR_BOOT_NONCE_LEN];
+    uint32_t keysrc;
+    int32_t root_pid;
+    unsigned char job[FR_BOOT_JOB_HASH_LEN];
+    unsigned char run[FR_BOOT_RUN_LEN];
 } fr_challenge_t;
+
+/* A rank that cannot use the root's key says so before it leaves, so that
+ * rank 0 need not wait for it: rank 0 acts on it only when the peer is a
+ * local process of its own uid (tcp_io.c fr_boot_peer_uid). */
+#define FR_NOKEY_TEXT 240
+typedef struct fr_nokey {
+    int32_t rank;
+    int32_t size;
+    int32_t pid;
+    unsigned char job[FR_BOOT_JOB_HASH_LEN];
+    char job_id[72];          /* its job's id, cut short ('\0'-terminated) */
+    char text[FR_NOKEY_TEXT]; /* its error, '\0'-terminated */
+} fr_nokey_t;
 
 typedef struct fr_frame_hdr {
     uint32_t type;
@@ -111,6 +142,10 @@ struct fr_boot {
     int watcher_on;
     int stop;                /* atomic: watcher should exit */
     unsigned char key[32];   /* job key, during start-up only (then wiped) */
+    int lfd;                 /* root: its listening socket, kept after the
+                                rendezvous so that a late rank hears why
+                                (tcp_watch.c); -1 */
+    char late_msg[300];      /* root: what a late connection is told */
     fr_hmac_key_t group;     /* keystream key of ALL frames (from READY) */
 };
 

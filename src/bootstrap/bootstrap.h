@@ -40,6 +40,7 @@ typedef struct fr_boot_env {
                            key file's name): FERRY_JOB_ID, the launcher's,
                            else "ppid:<parent pid>" */
     const char *job_from; /* where job came from, for messages */
+    int job_ppid;       /* job is the "ppid:" default: the parent's pid */
 } fr_boot_env_t;
 
 /* Read the environment; FERRY_ERR_INVALID naming the variable when absent
@@ -47,6 +48,11 @@ typedef struct fr_boot_env {
  * caller wipes env->key when done (fr_boot_env_wipe). */
 int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err);
 void fr_boot_env_wipe(fr_boot_env_t *env);
+/* A job of several ranks that needs a key file, and whose id is only the
+ * "ppid:" default of ranks started by a shell, cannot be told from another
+ * job that shell starts on the same port: FERRY_ERR_INVALID naming the
+ * port, the shell and what to set. Else FERRY_OK. */
+int fr_boot_env_check_job(const fr_boot_env_t *env, fr_err_t *err);
 
 /* TCP rendezvous at root. Collective. Fails with FERRY_ERR_BOOTSTRAP naming
  * the ranks that did not arrive within FERRY_BOOTSTRAP_TIMEOUT_MS. */

@@ -244,9 +244,58 @@ static void fr_env_job(fr_boot_env_t *env)
         snprintf(env->job, sizeof(env->job), "torchrun:%s", v);
         env->job_from = "TORCHELASTIC_RUN_ID";
     } else {
-        snprintf(env->job, sizeof(env->job), "ppid:%ld", (long)getppid());
+        env->job_ppid = (int)getppid();
+        snprintf(env->job, sizeof(env->job), "ppid:%d", env->job_ppid);
         env->job_from = "the parent process";
     }
+}
+
+/* Process pid runs a command shell (its name, in comm): a shell starts any
+ * number of jobs, so its pid cannot name one. */
+static int fr_env_is_shell(int pid, char *comm, size_t cap)
+{
+    static const char *const shells[] = {
+        "sh",  "bash", "dash", "zsh",  "ksh",  "ksh93", "mksh", "pdksh",
+        "ash", "fish", "tcsh", "csh",  "yash", "busybox", "xonsh", "nu",
+        "elvish", "pwsh", "rbash", "oksh", "loksh"};
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/comm", pid);
+    comm[0] = '\0';
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    if (!fgets(comm, (int)cap, f))
+        comm[0] = '\0';
+    fclose(f);
+    comm[strcspn(comm, "\n")] = '\0';
+    /* A login shell is named "-bash". */
+    const char *name = comm[0] == '-' ? comm + 1 : comm;
+    for (size_t i = 0; i < sizeof(shells) / sizeof(shells[0]); i++)
+        if (!strcmp(name, shells[i]))
+            return 1;
+    return 0;
+}
+
+int fr_boot_env_check_job(const fr_boot_env_t *env, fr_err_t *err)
+{
+    char comm[64];
+    if (!env || env->size < 2 || env->has_key || !env->job_ppid ||
+        !fr_env_is_shell(env->job_ppid, comm, sizeof(comm)))
+        return FERRY_OK;
+    return FR_ERR(err, FERRY_ERR_INVALID,
+                  "rank %d: nothing tells this job from another one that "
+                  "shell %s (pid %d) starts on port %s:%d: %s is not set, "
+                  "no launcher gave a job id, and %s is not set, so the job "
+                  "id would be only the parent's pid ('%s'), which two jobs "
+                  "of that shell share (their ranks would take each other's "
+                  "places). Give every rank of this job the same %s, one "
+                  "per job (e.g. export %s=$(date +%%s%%N) before starting "
+                  "its ranks), or a %s of its own",
+                  env->rank, comm, env->job_ppid, env->root_host,
+                  env->root_port, fr_cfg_name(FR_CFG_JOB_ID),
+                  fr_cfg_name(FR_CFG_SECRET), env->job,
+                  fr_cfg_name(FR_CFG_JOB_ID), fr_cfg_name(FR_CFG_JOB_ID),
+                  fr_cfg_name(FR_CFG_SECRET));
 }
 
 int fr_boot_env_read(fr_boot_env_t *env, fr_err_t *err)

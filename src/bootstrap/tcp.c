@@ -34,6 +34,7 @@ static void fr_tcp_free(fr_boot_t *b)
     if (b->conns)
         for (int i = 0; i < b->nconns; i++)
             fr_boot_close_fd(&b->conns[i].fd);
+    fr_boot_close_fd(&b->lfd);
     free(b->conns);
     fr_boot_wipe(b->key, sizeof(b->key));
     pthread_mutex_destroy(&b->mu);
@@ -65,6 +66,7 @@ int fr_boot_init_tcp(const fr_boot_env_t *env, fr_boot_t **boot, fr_err_t *err)
     b->rank = env->rank;
     b->size = env->size;
     b->dead = -1;
+    b->lfd = -1;
     if (env->size == 1) {
         b->kind = FR_BOOT_SINGLE;
         *boot = b;
@@ -73,6 +75,13 @@ int fr_boot_init_tcp(const fr_boot_env_t *env, fr_boot_t **boot, fr_err_t *err)
     }
     b->kind = FR_BOOT_TCP;
     pthread_mutex_init(&b->mu, NULL);
+    int rc = fr_boot_env_check_job(env, err);
+    if (rc != FERRY_OK) {
+        FR_LOG_WARN(FR_SUB_BOOT, "bootstrap refused: %s",
+                    err ? err->msg : ferry_strerror(rc));
+        fr_tcp_free(b);
+        return rc;
+    }
     b->nconns = b->rank == 0 ? b->size : 1;
     b->conns = calloc((size_t)b->nconns, sizeof(fr_conn_t));
     if (!b->conns) {
@@ -89,9 +98,8 @@ int fr_boot_init_tcp(const fr_boot_env_t *env, fr_boot_t **boot, fr_err_t *err)
         timeout_ms = 1;
     int64_t t0 = fr_boot_now_ms();
     int64_t deadline = t0 + timeout_ms;
-    int rc = b->rank == 0
-                 ? fr_boot_root_init(b, env, timeout_ms, deadline, err)
-                 : fr_boot_leaf_init(b, env, timeout_ms, deadline, err);
+    rc = b->rank == 0 ? fr_boot_root_init(b, env, timeout_ms, deadline, err)
+                      : fr_boot_leaf_init(b, env, timeout_ms, deadline, err);
     if (rc != FERRY_OK) {
         FR_LOG_WARN(FR_SUB_BOOT, "bootstrap failed: %s",
                     err ? err->msg : ferry_strerror(rc));

@@ -64,6 +64,9 @@ void fr_boot_set_nodelay(int fd);
 void fr_boot_close_fd(int *fd);
 void fr_boot_fmt_ranks(char *buf, size_t cap, const int *ranks, int n);
 const char *fr_boot_io_str(int io);
+/* The uid of the local process at the other end of TCP socket fd (found in
+ * /proc/net/tcp), or -1 when it is not on this host or cannot be told. */
+long fr_boot_peer_uid(int fd);
 
 /* tcp.c: dead ranks. */
 void fr_boot_record_dead(fr_boot_t *b, int r);
@@ -123,7 +126,8 @@ typedef struct fr_pend {
     uint32_t stage;         /* the frame owed: FR_MSG_NONCE, FR_MSG_HELLO */
     int64_t since, deadline;
     unsigned char nr[FR_BOOT_NONCE_LEN], nl[FR_BOOT_NONCE_LEN];
-    unsigned char buf[sizeof(fr_frame_hdr_t) + sizeof(fr_hello_t)];
+    /* the owed frame: a hello, or a NOKEY (the larger) */
+    unsigned char buf[sizeof(fr_frame_hdr_t) + sizeof(fr_nokey_t)];
     size_t have;            /* bytes of the owed frame in buf */
     char peer[64];          /* "ip:port" */
     fr_seal_t seal;         /* on once the proof went: later frames sealed */
@@ -131,13 +135,18 @@ typedef struct fr_pend {
 
 typedef struct fr_meet {
     fr_boot_t *b;
+    const fr_boot_env_t *env;
+    const struct fr_keyfile *kf; /* the key file, for a failure note */
     int lfd;
     long auth_ms;           /* FERRY_BOOTSTRAP_AUTH_MS */
+    fr_challenge_t ch;      /* what every challenge says but its nonce */
     fr_pend_t pend[FR_MAX_PENDING];
     int npend;
     int arrived;            /* ranks bound */
     int nlogged, nquiet;    /* drops logged one by one, and the rest */
-    char notes[256];        /* for the no-show message */
+    int rc;                 /* FERRY_OK, or why the rendezvous fails now */
+    fr_err_t *err;          /* rc's message */
+    char notes[512];        /* for the no-show message */
 } fr_meet_t;
 
 void fr_boot_pend_accept(fr_meet_t *m);

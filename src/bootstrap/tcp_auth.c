@@ -13,6 +13,16 @@
  *                 HMAC(K, "ferry-leaf" | nonce_root | nonce_leaf | fields)
  *   root          checks the MAC (constant time), then binds the rank id
  *   root -> rank  ACK        (empty) the rank id is bound to this connection
+ * The challenge also says where the root's key comes from (FERRY_SECRET or
+ * a key file, with the job's hash and the run id in that file): a rank
+ * that cannot use it (another job, another key folder, no secret) sends
+ * NOKEY (its rank, pid, job's hash and error) instead of its nonce and
+ * gives up. Rank 0 believes it only from a local process of its own uid:
+ * then a rank of its own job that cannot read the key fails the rendezvous
+ * at once, and another job's rank is named when the rendezvous times out.
+ * A second authenticated claim of a bound rank id means two processes hold
+ * this job's key and claim one place (two jobs sharing a job id): the
+ * rendezvous fails at once on every rank, naming both pids.
  * The root seals every frame after its PROOF, the rank every frame after
  * its HELLO (tcp_seal.c: keys from K and both nonces), except the root's
  * ABORT to a hello whose MAC is wrong: a rank that sent a true one (and
@@ -44,6 +54,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "../core/config.h"
 #include "../core/log.h"
 #include "hmac.h"
 #include "tcp.h"
@@ -219,7 +230,7 @@ void fr_boot_pend_accept(fr_meet_t *m)
                  (unsigned)ntohs(sa.sin_port));
         m->npend++;
         fr_boot_set_nodelay(fd);
-        fr_challenge_t ch = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION, {0}};
+        fr_challenge_t ch = m->ch;
         if (fr_boot_random(p->nr, sizeof(p->nr)) != 0) {
             fr_pend_drop(m, m->npend - 1, "no random bytes: %s",
                          strerror(errno));
@@ -243,9 +254,82 @@ static void fr_root_check_hello(const fr_boot_t *b, const fr_hello_t *hi,
     else if (hi->rank <= 0 || hi->rank >= b->size)
         snprintf(why, cap, "a peer claims rank %d of %d", (int)hi->rank,
                  b->size);
-    else if (b->conns[hi->rank].state != FR_CONN_NONE)
-        snprintf(why, cap, "rank %d connected twice (pid %d, then pid %d)",
+}
+
+/* A second process proved this job's key and claimed bound rank r: two
+ * jobs share it. The rendezvous fails on every rank, naming both. */
+static void fr_pend_twice(fr_meet_t *m, int i, const fr_hello_t *hi)
+{
+    fr_boot_t *b = m->b;
+    const fr_boot_env_t *env = m->env;
+    fr_pend_t *p = &m->pend[i];
+    char why[200], shared[260];
+    snprintf(why, sizeof(why), "rank %d of this job was claimed twice",
+             (int)hi->rank);
+    fr_pend_tell(p, 0, why);
+    if (env->has_key)
+        snprintf(shared, sizeof(shared), "one %s",
+                 fr_cfg_name(FR_CFG_SECRET));
+    else
+        snprintf(shared, sizeof(shared), "the job id '%.200s' (from %s)",
+                 env->job, env->job_from ? env->job_from : "?");
+    if (m->rc == FERRY_OK)
+        m->rc = FR_ERR(
+            m->err, FERRY_ERR_BOOTSTRAP,
+            "two processes that hold this job's key claim rank %d at %s "
+            "(pid %d from %s, then pid %d from %s): two jobs share %s on "
+            "one port, and their ranks would take each other's places. "
+            "Give each job its own %s (or %s), or its own %s port",
+            (int)hi->rank, b->root_addr, b->conns[hi->rank].pid,
+            b->conns[hi->rank].peer, (int)hi->pid, p->peer, shared,
+            fr_cfg_name(FR_CFG_JOB_ID), fr_cfg_name(FR_CFG_SECRET),
+            fr_cfg_name(FR_CFG_ROOT));
+    fr_pend_drop(m, i, "rank %d claimed twice (pid %d, then pid %d)",
                  (int)hi->rank, b->conns[hi->rank].pid, (int)hi->pid);
+}
+
+/* A NOKEY from pending connection i: a rank that cannot use this root's
+ * key is leaving. Believed only from a local process of this uid. */
+static void fr_pend_nokey(fr_meet_t *m, int i)
+{
+    fr_boot_t *b = m->b;
+    fr_pend_t *p = &m->pend[i];
+    fr_nokey_t nk;
+    memcpy(&nk, p->buf + sizeof(fr_frame_hdr_t), sizeof(nk));
+    nk.text[sizeof(nk.text) - 1] = '\0';
+    nk.job_id[sizeof(nk.job_id) - 1] = '\0';
+    if (fr_boot_peer_uid(p->fd) != (long)geteuid()) {
+        fr_meet_note(m, "a peer at %s said it cannot use the key (not "
+                        "believed: not a local process of this user)",
+                     p->peer);
+        fr_pend_drop(m, i, "it says it cannot use the key (not believed: "
+                           "not a local process of uid %u)",
+                     (unsigned)geteuid());
+        return;
+    }
+    int ours = m->ch.keysrc == FR_KEYSRC_FILE &&
+               !memcmp(nk.job, m->ch.job, sizeof(nk.job)) &&
+               nk.size == b->size && nk.rank > 0 && nk.rank < b->size &&
+               b->conns[nk.rank].state == FR_CONN_NONE;
+    if (ours && m->rc == FERRY_OK)
+        m->rc = FR_ERR(m->err, FERRY_ERR_BOOTSTRAP,
+                       "rank %d of this job (pid %d, %s) reached %s but "
+                       "cannot use the job's key: %s",
+                       (int)nk.rank, (int)nk.pid, p->peer, b->root_addr,
+                       nk.text);
+    else if (!ours && m->ch.keysrc == FR_KEYSRC_FILE)
+        fr_meet_note(m, "a rank %d of %d (pid %d) of job '%s' reached this "
+                        "root and left (this job is '%.80s'): give every "
+                        "rank of one job the same %s",
+                     (int)nk.rank, (int)nk.size, (int)nk.pid, nk.job_id,
+                     m->env->job, fr_cfg_name(FR_CFG_JOB_ID));
+    else if (!ours)
+        fr_meet_note(m, "a rank %d of %d (pid %d) without %s reached this "
+                        "root and left: give every rank the same %s",
+                     (int)nk.rank, (int)nk.size, (int)nk.pid,
+                     fr_cfg_name(FR_CFG_SECRET), fr_cfg_name(FR_CFG_SECRET));
+    fr_pend_drop(m, i, "rank %d (pid %d) cannot use the key: %s",
+                 (int)nk.rank, (int)nk.pid, nk.text);
 }
 
 /* A whole HELLO from pending connection i: check it, bind the rank. */
@@ -266,6 +350,11 @@ static void fr_pend_hello(fr_meet_t *m, int i)
         return;
     }
     char why[200];
+    if (hi.size == b->size && hi.rank > 0 && hi.rank < b->size &&
+        b->conns[hi.rank].state != FR_CONN_NONE) {
+        fr_pend_twice(m, i, &hi);
+        return;
+    }
     fr_root_check_hello(b, &hi, why, sizeof(why));
     if (why[0]) {
         fr_pend_tell(p, 0, why);
@@ -304,6 +393,8 @@ static void fr_pend_frame(fr_meet_t *m, int i)
                      p->peer);
         fr_pend_drop(m, i, "it did not accept the root's proof (another "
                            "FERRY_SECRET?)");
+    } else if (h.type == FR_MSG_NOKEY) {
+        fr_pend_nokey(m, i);
     } else if (h.type == FR_MSG_NONCE) {
         unsigned char proof[FR_BOOT_MAC_LEN];
         memcpy(p->nl, p->buf + sizeof(h), sizeof(p->nl));
@@ -327,6 +418,9 @@ static long fr_pend_want(const fr_pend_t *p)
     memcpy(&h, p->buf, sizeof(h));
     if (p->stage == FR_MSG_NONCE && h.type == FR_MSG_NONCE &&
         h.len == FR_BOOT_NONCE_LEN)
+        return (long)h.len;
+    if (p->stage == FR_MSG_NONCE && h.type == FR_MSG_NOKEY &&
+        h.len == sizeof(fr_nokey_t))
         return (long)h.len;
     if (p->stage == FR_MSG_HELLO && h.type == FR_MSG_HELLO &&
         h.len == sizeof(fr_hello_t))

@@ -12,6 +12,7 @@
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -250,4 +251,35 @@ const char *fr_boot_io_str(int io)
                "tampered with";
     default: return "socket error";
     }
+}
+
+long fr_boot_peer_uid(int fd)
+{
+    struct sockaddr_in me, peer;
+    socklen_t ml = sizeof(me), pl = sizeof(peer);
+    if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
+        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 ||
+        me.sin_family != AF_INET || peer.sin_family != AF_INET)
+        return -1;
+    /* The peer's own socket: its local address is our peer's, its remote
+     * ours (addresses as the kernel prints them: the raw 32 bits, then
+     * the port). */
+    char want_l[32], want_r[32], l[64], r[64], line[512];
+    snprintf(want_l, sizeof(want_l), "%08X:%04X",
+             (unsigned)peer.sin_addr.s_addr, (unsigned)ntohs(peer.sin_port));
+    snprintf(want_r, sizeof(want_r), "%08X:%04X",
+             (unsigned)me.sin_addr.s_addr, (unsigned)ntohs(me.sin_port));
+    FILE *f = fopen("/proc/net/tcp", "re");
+    if (!f)
+        return -1;
+    long uid = -1;
+    while (uid < 0 && fgets(line, sizeof(line), f)) {
+        unsigned long u;
+        if (sscanf(line, " %*d: %63s %63s %*x %*x:%*x %*x:%*x %*x %lu", l, r,
+                   &u) == 3 &&
+            !strcasecmp(l, want_l) && !strcasecmp(r, want_r))
+            uid = (long)u;
+    }
+    fclose(f);
+    return uid;
 }

@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "../core/config.h"
 #include "../core/log.h"
 #include "hmac.h"
 #include "keyfile.h"
@@ -139,13 +140,53 @@ static int fr_dial(const char *host, int port, int64_t deadline, int *lasterr,
 /* How one try at meeting the root ended, when not with a ferry status. */
 enum { FR_TRY_OK = 0, FR_TRY_AGAIN = 1 };
 
+/* The root ended the bootstrap before this rank authenticated, saying
+ * text: for a job with a key file, rank 0's failure note says more. */
+static int fr_leaf_ended(fr_boot_t *b, const fr_boot_env_t *env,
+                         const char *text, int proved, fr_err_t *err)
+{
+    char failed[FR_ERRMSG_LEN];
+    if (!env->has_key && fr_boot_key_failed(env, env->root_host,
+                                            env->root_port, failed,
+                                            sizeof(failed)))
+        return FR_ERR(err, FERRY_ERR_BOOTSTRAP, "rank %d: %s", b->rank,
+                      failed);
+    return FR_ERR(err, FERRY_ERR_BOOTSTRAP, "root %s ended the bootstrap%s: %s",
+                  b->root_addr, proved ? "" : " (before proving itself)",
+                  text);
+}
+
+/* The root's port answered with an ABORT in place of a challenge: its
+ * rendezvous is over, or it is failing. */
+static int fr_leaf_turned_away(fr_boot_t *b, const fr_boot_env_t *env,
+                               const char *text, fr_err_t *err)
+{
+    char mine[300];
+    if (env->has_key)
+        snprintf(mine, sizeof(mine), "if both are one job, check that "
+                                     "every rank has the same %s",
+                 fr_cfg_name(FR_CFG_SECRET));
+    else
+        snprintf(mine, sizeof(mine), "this rank's job is '%.160s' (from "
+                                     "%s): if both are one job, give every "
+                                     "rank the same %s",
+                 env->job, env->job_from ? env->job_from : "?",
+                 fr_cfg_name(FR_CFG_JOB_ID));
+    return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                  "rank %d was turned away by the root at %s: %s. Give this "
+                  "job another %s port; %s",
+                  b->rank, b->root_addr, text, fr_cfg_name(FR_CFG_ROOT),
+                  mine);
+}
+
 /* Read the next plain start-up frame from the root (CHALLENGE, PROOF):
  * want_type with exactly len bytes into p. FR_TRY_AGAIN when the
  * connection closed (why says so); an ABORT or anything unexpected is an
  * error. The root has not proved itself yet: its words are quoted as
  * such. */
-static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
-                          uint32_t len, const char *what, long timeout_ms,
+static int fr_leaf_expect(fr_boot_t *b, const fr_boot_env_t *env, int fd,
+                          uint32_t want_type, void *p, uint32_t len,
+                          const char *what, long timeout_ms,
                           int64_t deadline, char *why, size_t wcap,
                           fr_err_t *err)
 {
@@ -159,10 +200,9 @@ static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
             const char *text;
             pl[h.len] = '\0';
             fr_parse_abort(pl, h.len, &code, &text);
-            return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                          "root %s ended the bootstrap (before proving "
-                          "itself): %s",
-                          b->root_addr, text);
+            if (want_type == FR_MSG_CHALLENGE)
+                return fr_leaf_turned_away(b, env, text, err);
+            return fr_leaf_ended(b, env, text, 0, err);
         }
     } else if (io == FR_IO_OK && h.type == want_type && h.len == len) {
         io = fr_boot_recv_all(fd, p, len, deadline, NULL);
@@ -190,7 +230,8 @@ static int fr_leaf_expect(fr_boot_t *b, int fd, uint32_t want_type, void *p,
  * with exactly len bytes into p (len <= FR_LEAF_SMALL). An ABORT is the
  * root's word; a frame that fails its check is tampering. again: a close
  * means dial again (FR_TRY_AGAIN, why says so); else it is an error. */
-static int fr_leaf_expect_sealed(fr_boot_t *b, fr_conn_t *c,
+static int fr_leaf_expect_sealed(fr_boot_t *b, const fr_boot_env_t *env,
+                                 fr_conn_t *c,
                                  uint32_t want_type, void *p, uint32_t len,
                                  const char *what, int again,
                                  long timeout_ms, int64_t deadline, char *why,
@@ -216,6 +257,8 @@ static int fr_leaf_expect_sealed(fr_boot_t *b, fr_conn_t *c,
         int code;
         const char *text;
         fr_parse_abort(pl, h.len, &code, &text);
+        if (again) /* not bound yet: the text is rank 0's fixed one */
+            return fr_leaf_ended(b, env, text, 1, err);
         return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                       "root %s ended the bootstrap: %s", b->root_addr, text);
     }
@@ -235,6 +278,51 @@ static int fr_leaf_expect_sealed(fr_boot_t *b, fr_conn_t *c,
                   b->rank, b->root_addr, fr_boot_io_str(io));
 }
 
+/* This rank cannot use the root's key (err says why): tell the root, so
+ * that it need not wait for this rank, and leave. */
+static int fr_leaf_nokey(fr_boot_t *b, const fr_boot_env_t *env, int fd,
+                         int rc, fr_err_t *err)
+{
+    fr_nokey_t nk;
+    memset(&nk, 0, sizeof(nk));
+    nk.rank = b->rank;
+    nk.size = b->size;
+    nk.pid = (int32_t)getpid();
+    fr_boot_key_job_hash(env, nk.job);
+    snprintf(nk.job_id, sizeof(nk.job_id), "%.71s", env->job);
+    snprintf(nk.text, sizeof(nk.text), "%.239s", err ? err->msg : "");
+    (void)fr_boot_send_frame(fd, FR_MSG_NOKEY, &nk, sizeof(nk), NULL, 0,
+                             fr_boot_now_ms() + 100, NULL);
+    return rc;
+}
+
+/* The job's key as the root's challenge ch says it comes: this rank's
+ * secret, or the root's key file for this run. */
+static int fr_leaf_key(fr_boot_t *b, const fr_boot_env_t *env, int fd,
+                       const fr_challenge_t *ch, fr_err_t *err)
+{
+    if (env->has_key && ch->keysrc == FR_KEYSRC_FILE)
+        return fr_leaf_nokey(
+            b, env, fd,
+            FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                   "rank %d has %s, but root %s (pid %d) has none (it uses "
+                   "a key file): give every rank the same %s",
+                   b->rank, fr_cfg_name(FR_CFG_SECRET), b->root_addr,
+                   (int)ch->root_pid, fr_cfg_name(FR_CFG_SECRET)),
+            err);
+    if (env->has_key)
+        return FERRY_OK;
+    /* The key file is named by the address the root bound: the one this
+     * socket reached. */
+    struct sockaddr_in sa;
+    socklen_t sl = sizeof(sa);
+    char ip[INET_ADDRSTRLEN] = "0.0.0.0";
+    if (getpeername(fd, (struct sockaddr *)&sa, &sl) == 0)
+        inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+    int rc = fr_boot_key_load(env, ip, env->root_port, ch, b->key, err);
+    return rc == FERRY_OK ? rc : fr_leaf_nokey(b, env, fd, rc, err);
+}
+
 /* Both proofs on a connected socket, then the hello: the root proves it
  * knows the key before this rank sends anything but a nonce. Then the
  * connection's seal is made, and the ACK must come sealed. */
@@ -244,8 +332,9 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, fr_conn_t *c,
 {
     int fd = c->fd;
     fr_challenge_t ch;
-    int rc = fr_leaf_expect(b, fd, FR_MSG_CHALLENGE, &ch, sizeof(ch),
-                            "challenge", timeout_ms, deadline, why, wcap, err);
+    int rc = fr_leaf_expect(b, env, fd, FR_MSG_CHALLENGE, &ch, sizeof(ch),
+                            "challenge", timeout_ms, deadline, why, wcap,
+                            err);
     if (rc != FR_TRY_OK)
         return rc;
     if (ch.magic != FR_BOOT_MAGIC || ch.version != FR_BOOT_WIRE_VERSION)
@@ -254,19 +343,8 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, fr_conn_t *c,
                       "bootstrap version %u (magic 0x%x, version %u)",
                       b->rank, b->root_addr, FR_BOOT_WIRE_VERSION, ch.magic,
                       ch.version);
-    if (!env->has_key) {
-        /* The key file is named by the address the root bound: the one
-         * this socket reached. */
-        struct sockaddr_in sa;
-        socklen_t sl = sizeof(sa);
-        char ip[INET_ADDRSTRLEN] = "0.0.0.0";
-        if (getpeername(fd, (struct sockaddr *)&sa, &sl) == 0)
-            inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-        rc = fr_boot_key_load(env, ip, env->root_port, deadline, b->key,
-                              err);
-        if (rc != FERRY_OK)
-            return rc;
-    }
+    if ((rc = fr_leaf_key(b, env, fd, &ch, err)) != FERRY_OK)
+        return rc;
     unsigned char nl[FR_BOOT_NONCE_LEN], proof[FR_BOOT_MAC_LEN],
         want[FR_BOOT_MAC_LEN];
     if (fr_boot_random(nl, sizeof(nl)) != 0)
@@ -279,8 +357,8 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, fr_conn_t *c,
                  fr_boot_io_str(io));
         return FR_TRY_AGAIN;
     }
-    rc = fr_leaf_expect(b, fd, FR_MSG_PROOF, proof, sizeof(proof), "proof",
-                        timeout_ms, deadline, why, wcap, err);
+    rc = fr_leaf_expect(b, env, fd, FR_MSG_PROOF, proof, sizeof(proof),
+                        "proof", timeout_ms, deadline, why, wcap, err);
     if (rc != FR_TRY_OK)
         return rc;
     fr_boot_mac_root(b->key, ch.nonce, nl, want);
@@ -314,7 +392,7 @@ static int fr_leaf_auth(fr_boot_t *b, const fr_boot_env_t *env, fr_conn_t *c,
     /* Until the ACK the root may still drop this connection unread (a
      * flood evicted it, or its authentication time ran out): a close before
      * the ACK means dial again. */
-    return fr_leaf_expect_sealed(b, c, FR_MSG_ACK, NULL, 0, "ack", 1,
+    return fr_leaf_expect_sealed(b, env, c, FR_MSG_ACK, NULL, 0, "ack", 1,
                                  timeout_ms, deadline, why, wcap, err);
 }
 
@@ -349,6 +427,13 @@ static int fr_leaf_meet(fr_boot_t *b, const fr_boot_env_t *env,
             FR_LOG_DEBUG(FR_SUB_BOOT, "rank %d: %s; connecting again",
                          b->rank, why);
         }
+        /* Nobody listens: has this job's rank 0 already failed? */
+        char failed[FR_ERRMSG_LEN];
+        if (fd < 0 && !env->has_key &&
+            fr_boot_key_failed(env, env->root_host, env->root_port, failed,
+                               sizeof(failed)))
+            return FR_ERR(err, FERRY_ERR_BOOTSTRAP, "rank %d: %s", b->rank,
+                          failed);
         if (fr_boot_now_ms() >= deadline)
             break;
         fr_boot_sleep_ms(FR_RETRY_MS);
@@ -390,7 +475,7 @@ int fr_boot_leaf_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
      * little longer than ours to hear it. READY carries the group key. */
     unsigned char gk[32];
     char why[160];
-    rc = fr_leaf_expect_sealed(b, &b->conns[0], FR_MSG_READY, gk, sizeof(gk),
+    rc = fr_leaf_expect_sealed(b, env, &b->conns[0], FR_MSG_READY, gk, sizeof(gk),
                                "ready", 0, timeout_ms, deadline + 1000, why,
                                sizeof(why), err);
     if (rc != FR_TRY_OK)

@@ -4,7 +4,11 @@
  * local key file when the job has no FERRY_SECRET, accept connections and
  * authenticate them through the pending table (tcp_auth.c) without ever
  * waiting on one peer, then answer READY to every rank, or ABORT naming the
- * ranks that did not come within the bootstrap timeout.
+ * ranks that did not come within the bootstrap timeout (or why the
+ * rendezvous cannot succeed, as soon as that is known). The listening
+ * socket stays open until close: the port is this job's while it runs, and
+ * a rank of another job (or a late one) is told so (tcp_watch.c) instead
+ * of finding nobody there.
  */
 #include <errno.h>
 #include <netdb.h>
@@ -60,6 +64,33 @@ static int fr_root_bind_addr(const fr_boot_env_t *env,
     return FERRY_OK;
 }
 
+/* The port is in use: when a ferry root whose rendezvous ended holds it,
+ * it says so on connect (an ABORT in place of its challenge): that text
+ * in why, 1. Else 0 (another program, or a rendezvous under way). */
+static int fr_root_probe(const struct sockaddr_in *sa, char *why, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return 0;
+    int said = 0;
+    int64_t dl = fr_boot_now_ms() + 300;
+    if ((connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) == 0 ||
+         errno == EINPROGRESS) &&
+        fr_boot_wait_fd(fd, POLLOUT, dl) > 0) {
+        fr_frame_hdr_t h;
+        char pl[FR_ERRMSG_LEN];
+        if (fr_boot_recv_all(fd, &h, sizeof(h), dl, NULL) == FR_IO_OK &&
+            h.type == FR_MSG_ABORT && h.len > 4 && h.len < sizeof(pl) &&
+            fr_boot_recv_all(fd, pl, h.len, dl, NULL) == FR_IO_OK) {
+            pl[h.len] = '\0';
+            snprintf(why, cap, "%s", pl + 4);
+            said = 1;
+        }
+    }
+    close(fd);
+    return said;
+}
+
 /* Bind the root's address (waiting out EADDRINUSE until deadline) and
  * listen; *lfd is the socket, to close, whatever the outcome. */
 static int fr_root_listen(fr_boot_t *b, const fr_boot_env_t *env,
@@ -77,7 +108,7 @@ static int fr_root_listen(fr_boot_t *b, const fr_boot_env_t *env,
         return FR_ERR(err, FERRY_ERR_SYSTEM, "socket: %s", strerror(errno));
     int one = 1;
     (void)setsockopt(*lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    for (;;) {
+    for (int64_t probe = 0;;) {
         if (bind(*lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
             break;
         int e = errno;
@@ -94,6 +125,15 @@ static int fr_root_listen(fr_boot_t *b, const fr_boot_env_t *env,
             (rc = fr_boot_key_port_taken(env, ip, env->root_port, err)) !=
                 FERRY_OK)
             return rc;
+        char why[FR_ERRMSG_LEN];
+        if (e == EADDRINUSE && fr_boot_now_ms() >= probe) {
+            if (fr_root_probe(&sa, why, sizeof(why)))
+                return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
+                              "rank 0 cannot listen on %s: %s; give this "
+                              "job another %s port",
+                              b->root_addr, why, fr_cfg_name(FR_CFG_ROOT));
+            probe = fr_boot_now_ms() + 500;
+        }
         if (e != EADDRINUSE || fr_boot_now_ms() >= deadline)
             return FR_ERR(err, FERRY_ERR_BOOTSTRAP,
                           "rank 0 cannot listen on %s: %s (set FERRY_ROOT to "
@@ -115,7 +155,7 @@ static int fr_root_listen(fr_boot_t *b, const fr_boot_env_t *env,
 static int fr_root_meet(fr_meet_t *m, int64_t deadline, fr_err_t *err)
 {
     fr_boot_t *b = m->b;
-    while (m->arrived < b->size - 1) {
+    while (m->arrived < b->size - 1 && m->rc == FERRY_OK) {
         int64_t next = fr_boot_pend_expire(m);
         if (next > deadline)
             next = deadline;
@@ -143,10 +183,22 @@ static int fr_root_meet(fr_meet_t *m, int64_t deadline, fr_err_t *err)
             if (pf[1 + i].revents && i < m->npend &&
                 m->pend[i].fd == pf[1 + i].fd)
                 fr_boot_pend_input(m, i);
-        if (pf[0].revents)
+        if (pf[0].revents && m->rc == FERRY_OK)
             fr_boot_pend_accept(m);
     }
-    return FERRY_OK;
+    (void)err;
+    return m->rc;
+}
+
+/* The rendezvous cannot succeed (m->rc, its message in err): tell the
+ * ranks bound so far, and those still authenticating a fixed text. */
+static int fr_root_fail_now(fr_meet_t *m, fr_err_t *err)
+{
+    fr_boot_key_note_failure(m->kf, err ? err->msg : "");
+    fr_boot_root_abort_all(m->b, m->rc, err ? err->msg : "");
+    fr_boot_pend_close_all(m, "the rendezvous failed before this "
+                              "connection authenticated");
+    return m->rc;
 }
 
 /* Not every rank arrived in time: fail naming them, and tell the ranks that
@@ -165,10 +217,12 @@ static int fr_root_no_show(fr_meet_t *m, long timeout_ms, fr_err_t *err)
     }
     free(miss);
     int rc = FR_ERR(err, FERRY_ERR_BOOTSTRAP,
-                    "%s %s of %d did not connect to %s within %ld ms%s",
+                    "%s %s of %d did not join the rendezvous at %s within "
+                    "%ld ms%s",
                     nm == 1 ? "rank" : "ranks", list, b->size, b->root_addr,
                     timeout_ms, m->notes);
     const char *msg = err ? err->msg : "timeout";
+    fr_boot_key_note_failure(m->kf, msg); /* before anyone hears it */
     fr_boot_root_abort_all(b, FERRY_ERR_BOOTSTRAP, msg);
     /* Connections still authenticating may be strangers: a fixed text,
      * without the job's size, ranks or addresses (and without a wait). */
@@ -208,6 +262,19 @@ static int fr_root_ready(fr_boot_t *b, fr_err_t *err)
     return FERRY_OK;
 }
 
+/* What a late connection hears once the rendezvous is over. */
+static void fr_root_late_msg(fr_boot_t *b, const fr_boot_env_t *env)
+{
+    char job[240] = "";
+    if (!env->has_key)
+        snprintf(job, sizeof(job), ", job '%.200s'", env->job);
+    snprintf(b->late_msg, sizeof(b->late_msg),
+             "port %.100s is held by a running ferry job whose rendezvous has "
+             "ended (its rank 0 is pid %d%s): this rank is of another job, "
+             "or came too late",
+             b->root_addr, (int)getpid(), job);
+}
+
 int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
                       int64_t deadline, fr_err_t *err)
 {
@@ -215,12 +282,22 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
     if (!m)
         return FR_ERR(err, FERRY_ERR_NOMEM, "out of memory for bootstrap");
     m->b = b;
+    m->env = env;
+    m->err = err;
+    m->rc = FERRY_OK;
     m->lfd = -1;
+    m->ch.magic = FR_BOOT_MAGIC;
+    m->ch.version = FR_BOOT_WIRE_VERSION;
+    m->ch.keysrc = env->has_key ? FR_KEYSRC_SECRET : FR_KEYSRC_FILE;
+    m->ch.root_pid = (int32_t)getpid();
+    if (!env->has_key)
+        fr_boot_key_job_hash(env, m->ch.job);
     m->auth_ms = fr_cfg_int(FR_CFG_AUTH_MS);
     if (m->auth_ms < 10)
         m->auth_ms = 10;
     fr_keyfile_t keyfile;
-    keyfile.path[0] = '\0';
+    keyfile.path[0] = keyfile.failed[0] = '\0';
+    m->kf = &keyfile;
     snprintf(b->root_addr, sizeof(b->root_addr), "%s:%d", env->root_host,
              env->root_port);
 
@@ -236,17 +313,33 @@ int fr_boot_root_init(fr_boot_t *b, const fr_boot_env_t *env, long timeout_ms,
         char ip[INET_ADDRSTRLEN] = "0.0.0.0";
         if (getsockname(m->lfd, (struct sockaddr *)&sa, &sl) == 0)
             inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-        rc = fr_boot_key_create(env, ip, env->root_port, b->key, &keyfile,
-                                err);
+        rc = fr_boot_key_create(env, ip, env->root_port, b->key, m->ch.run,
+                                &keyfile, err);
     }
-    if (rc == FERRY_OK)
+    int met = 0;
+    if (rc == FERRY_OK) {
         rc = fr_root_meet(m, deadline, err);
+        met = rc == FERRY_OK;
+    }
+    if (m->rc != FERRY_OK)
+        rc = fr_root_fail_now(m, err);
+    else if (met && m->arrived < b->size - 1)
+        rc = fr_root_no_show(m, timeout_ms, err);
+    /* A failure was noted for ranks still to come (fr_root_fail_now,
+     * fr_root_no_show) before the key file goes, so that a rank that finds
+     * no key file finds the note. */
+    if (rc != FERRY_OK && m->rc == FERRY_OK && !met)
+        fr_boot_key_note_failure(&keyfile, err ? err->msg : "");
     fr_boot_key_remove(&keyfile); /* every rank has read it, or failed */
     fr_boot_wipe(b->key, sizeof(b->key));
-    if (rc == FERRY_OK)
-        rc = m->arrived < b->size - 1 ? fr_root_no_show(m, timeout_ms, err)
-                                      : fr_root_ready(b, err);
+    if (rc == FERRY_OK && met && (rc = fr_root_ready(b, err)) != FERRY_OK)
+        fr_boot_key_note_failure(&keyfile, err ? err->msg : "");
     fr_boot_pend_close_all(m, NULL);
+    if (rc == FERRY_OK) { /* the port stays this job's until close */
+        fr_root_late_msg(b, env);
+        b->lfd = m->lfd;
+        m->lfd = -1;
+    }
     fr_boot_close_fd(&m->lfd);
     free(m);
     return rc;

@@ -4,11 +4,14 @@
  * A socket closed without goodbye names a dead rank (the root also tells
  * every other rank); goodbyes (BYE, BYE_ACK) and DEAD notices found there
  * are consumed, and any collective's frame is left for the collective.
+ * At the root it also turns away connections to the port that come after
+ * the rendezvous.
  */
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "../core/log.h"
 #include "tcp.h"
@@ -27,6 +30,31 @@ static void fr_watch_forged(fr_boot_t *b, fr_conn_t *c, int r)
                  c->peer);
     }
     FR_LOG_WARN(FR_SUB_BOOT, "%s", b->broken_msg);
+}
+
+/* Connections to the root's port once its rendezvous is over: each hears
+ * why it is turned away (a plain ABORT in place of the challenge, so that
+ * a rank of another job, or a late one, fails at once saying so), then is
+ * closed. A few per period, never waiting on one. */
+static void fr_watch_late(fr_boot_t *b)
+{
+    if (b->lfd < 0)
+        return;
+    char msg[4 + sizeof(b->late_msg)];
+    int32_t code = FERRY_ERR_BOOTSTRAP;
+    size_t ml = strlen(b->late_msg);
+    memcpy(msg, &code, 4);
+    memcpy(msg + 4, b->late_msg, ml);
+    for (int k = 0; k < 16; k++) {
+        int fd = accept4(b->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        fr_frame_hdr_t h = {FR_MSG_ABORT, (uint32_t)(4 + ml)};
+        struct iovec iov[2] = {{&h, sizeof(h)}, {msg, 4 + ml}};
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
+        (void)!sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        close(fd);
+    }
 }
 
 static void fr_watch_root(fr_boot_t *b)
@@ -129,6 +157,8 @@ void *fr_boot_watcher_main(void *arg)
 {
     fr_boot_t *b = arg;
     while (!__atomic_load_n(&b->stop, __ATOMIC_ACQUIRE)) {
+        if (b->rank == 0) /* the listener is the watcher's alone */
+            fr_watch_late(b);
         if (pthread_mutex_trylock(&b->mu) == 0) {
             if (b->rank == 0)
                 fr_watch_root(b);

@@ -45,7 +45,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                        "the same key file. Default: the launcher's job id "
                        "(PMIx namespace, Open MPI job, Slurm job.step, "
                        "torchrun run id), else the parent process (ranks "
-                       "started by one launcher or shell)."},
+                       "started by one launcher; not a shell, whose jobs "
+                       "would share it: set one id per job)."},
     [FR_CFG_KEY_DIR] = {"FERRY_KEY_DIR", "",
                         "Folder of the local key file (a folder of this "
                         "user with no access for others; created if "

@@ -28,6 +28,24 @@ static int fr_sig_fail(ferry_sig_t s, int code, const char *fmt, ...)
     return code;
 }
 
+/* A failure that leaves the context unusable: its status, kept with its
+ * message for every later call. */
+static int fr_sig_stick(ferry_sig_t s, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fr_sig_stick(ferry_sig_t s, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err.msg, sizeof(s->err.msg), fmt, ap);
+    va_end(ap);
+    FR_LOG_DEBUG(FR_SUB_SIG, "%s", s->err.msg);
+    if (!s->failed) { /* the first failure is the one every call names */
+        memcpy(s->failed_msg, s->err.msg, sizeof(s->failed_msg));
+        s->failed = code;
+    }
+    return code;
+}
+
 /* The proxy's error, or a device-side one, or a dead rank. */
 static int fr_sig_health(ferry_sig_t s, const char *what)
 {
@@ -35,10 +53,10 @@ static int fr_sig_health(ferry_sig_t s, const char *what)
     if (st != FERRY_OK) {
         int dead = fr_boot_blame(s->comm->boot, st);
         if (dead >= 0)
-            return s->failed = fr_sig_fail(s, FERRY_ERR_PEER,
-                                           "%s: rank %d died (%.300s)", what,
-                                           dead, s->async.msg);
-        return s->failed = fr_sig_fail(s, st, "%s: %s", what, s->async.msg);
+            return fr_sig_stick(s, FERRY_ERR_PEER,
+                                "%s: rank %d died (%.300s)", what, dead,
+                                s->async.msg);
+        return fr_sig_stick(s, st, "%s: %s", what, s->async.msg);
     }
     if (s->cuda) {
         int dv = __atomic_load_n((volatile int *)s->errword, __ATOMIC_ACQUIRE);
@@ -57,7 +75,7 @@ static int fr_sig_health(ferry_sig_t s, const char *what)
             for (int i = 0; i < 1000 && !w; i++)
                 w = __atomic_load_n((volatile int *)s->errword + 1,
                                     __ATOMIC_ACQUIRE);
-            return s->failed = fr_sig_fail(
+            return fr_sig_stick(
                        s, dv, "%s: a kernel's request was refused: %s (%s)",
                        what,
                        w > 0 && w < (int)(sizeof(whats) / sizeof(whats[0]))
@@ -88,9 +106,10 @@ int ferry_sig_put(ferry_sig_t s, int peer, uint64_t dst_off, uint64_t src_off,
     if (rc != FERRY_OK)
         return rc;
     if (s->failed)
-        return fr_sig_fail(s, s->failed, "put: the context failed before: %s",
-                           fr_async_status(&s->async) != FERRY_OK ? s->async.msg
-                                                                  : ferry_strerror(s->failed));
+        return fr_sig_fail(s, s->failed,
+                           "put: the context failed before: %.400s",
+                           s->failed_msg[0] ? s->failed_msg
+                                            : ferry_strerror(s->failed));
     ferry_sig_ring_t *rg = s->ring;
     uint64_t i = __atomic_fetch_add(&rg->tail, 1, __ATOMIC_ACQ_REL);
     uint64_t iter = 0, deadline = 0;
@@ -101,7 +120,7 @@ int ferry_sig_put(ferry_sig_t s, int peer, uint64_t dst_off, uint64_t src_off,
         if ((rc = fr_sig_health(s, "put")) != FERRY_OK)
             return rc;
         if (fr_now_ns() > deadline)
-            return s->failed = fr_sig_fail(
+            return fr_sig_stick(
                        s, FERRY_ERR_TIMEOUT,
                        "put: the proxy took no request for %ld ms (ring of "
                        "%d full)",
@@ -139,7 +158,7 @@ int ferry_sig_quiet(ferry_sig_t s)
             return rc;
         fr_backoff(&iter, s->spin);
         if (fr_now_ns() > deadline)
-            return s->failed = fr_sig_fail(
+            return fr_sig_stick(
                        s, FERRY_ERR_TIMEOUT,
                        "quiet: %llu of %llu requests done after %ld ms "
                        "(%lld writes in flight)",

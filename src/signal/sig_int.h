@@ -126,6 +126,7 @@ struct ferry_sig {
     long timeout_ms, spin;
     fr_err_t err;
     int failed;
+    char failed_msg[FR_ERRMSG_LEN]; /* why, once failed (fr_sig_stick) */
 
     /* memory (host addresses; d_* for kernels on a CUDA context) */
     uint8_t *heap;

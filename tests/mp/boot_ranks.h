@@ -3,7 +3,9 @@
  * (test_attack.c, test_relay.c): each rank meets, runs two allgathers of
  * job-tagged ints (a block from another job or another round is "WRONG
  * DATA"), closes, and leaves its status and message in
- * <logdir>/rank.R.err and its log in <logdir>/rank.R.log.
+ * <logdir>/rank.R.err and its log in <logdir>/rank.R.log (and, once it has
+ * met the others, an empty <logdir>/rank.R.met; with FR_TEST_HOLD_MS set
+ * it then waits that long before its allgathers).
  */
 #ifndef FR_TEST_BOOT_RANKS_H
 #define FR_TEST_BOOT_RANKS_H
@@ -128,6 +130,16 @@ static int rank_body(int r)
     int rc = fr_boot_env_read(&env, &err);
     if (rc == FERRY_OK)
         rc = fr_boot_init_tcp(&env, &b, &err);
+    char path[128];
+    if (rc == FERRY_OK) { /* met: <logdir>/rank.R.met; then hold a while */
+        snprintf(path, sizeof(path), "%s/rank.%d.met", logdir, r);
+        FILE *m = fopen(path, "w");
+        if (m)
+            fclose(m);
+        const char *hold = getenv("FR_TEST_HOLD_MS");
+        if (hold)
+            usleep((useconds_t)atoi(hold) * 1000);
+    }
     for (int i = 0; rc == FERRY_OK && i < 2; i++) {
         int in = job_tag * 1000 + r * 10 + i, out[64];
         rc = fr_boot_allgather(b, &in, out, sizeof(int), &err);
@@ -142,7 +154,6 @@ static int rank_body(int r)
     }
     if (b)
         fr_boot_close(b, rc == FERRY_OK ? &err : NULL);
-    char path[128];
     snprintf(path, sizeof(path), "%s/rank.%d.err", logdir, r);
     FILE *f = fopen(path, "w");
     if (f) {

@@ -213,7 +213,8 @@ static void squat(void)
     getsockname(b, (struct sockaddr *)&me, &ml);
     snprintf(squat_peer, sizeof(squat_peer), "127.0.0.1:%u",
              (unsigned)ntohs(me.sin_port));
-    unsigned char ch[48], nonce[32] = {1, 2, 3}, proof[40];
+    unsigned char ch[8 + sizeof(fr_challenge_t)], nonce[32] = {1, 2, 3},
+        proof[40];
     if (read_for(b, ch, sizeof(ch), 1000) == sizeof(ch)) {
         send_frame(b, 0x10A, nonce, sizeof(nonce));
         (void)read_for(b, proof, sizeof(proof), 1000);
@@ -287,9 +288,9 @@ static int mode_fakeroot(void)
         if (fd < 0)
             break;
         /* A challenge that looks right; then a proof made up. */
-        unsigned char ch[40] = {0};
+        unsigned char ch[sizeof(fr_challenge_t)] = {0};
         uint32_t mv[2] = {FR_BOOT_MAGIC, FR_BOOT_WIRE_VERSION};
-        memcpy(ch, mv, 8);
+        memcpy(ch, mv, 8); /* the key from FERRY_SECRET, as the ranks' */
         send_frame(fd, 0x109, ch, sizeof(ch));
         unsigned char got[4096];
         size_t k = read_for(fd, got, 40, 3000);

@@ -21,6 +21,8 @@
  *           argument; a config differing between ranks fails on all ranks
  *           naming the rank; nicfence where the provider lacks FI_FENCE is
  *           FERRY_ERR_UNSUPPORTED on every rank.
+ *   sticky  every write held back 3 s, a quiet times out after 300 ms: a
+ *           later put fails with the quiet's message ("failed before: ...").
  *   kill V  rank V dies in round 3 after queueing half its transfers; every
  *           other rank fails naming rank V within FERRY_TIMEOUT_MS + 1 s.
  *   kernel_args  (CUDA builds, a GPU) on a CUDA context, a kernel makes
@@ -498,6 +500,45 @@ static int run_args(ferry_comm_t comm)
     return fr_test_result();
 }
 
+/* A failure that is not a fabric error (a quiet that timed out: every
+ * write is held back for 3 s) leaves the context failed, and a later put
+ * says why with the failure's message, not only the status's name. */
+static int run_sticky(ferry_comm_t comm)
+{
+    int N = ferry_comm_size(comm), me = ferry_comm_rank(comm);
+    ferry_sig_config_t c = FERRY_SIG_CONFIG_INIT;
+    c.heap_bytes = 4096;
+    c.num_signals = 4;
+    ferry_sig_t sig = NULL;
+    setenv("FERRY_FAULT_POSTS", "1", 1);
+    setenv("FERRY_FAULT_DELAY_US", "3000000", 1);
+    setenv("FERRY_TIMEOUT_MS", "300", 1);
+    int rc = ferry_sig_create(comm, &c, &sig);
+    setenv("FERRY_TIMEOUT_MS", "10000", 1);
+    CHECK(rc == FERRY_OK, "create: %s", ferry_comm_last_error(comm));
+    if (rc != FERRY_OK)
+        return fr_test_result();
+    CHECK_RC(ferry_sig_put(sig, (me + 1) % N, 0, 2048, 64, 1, FERRY_SIG_ADD,
+                           1),
+             FERRY_OK);
+    rc = ferry_sig_quiet(sig);
+    char first[600];
+    snprintf(first, sizeof(first), "%s", ferry_sig_last_error(sig));
+    CHECK(rc == FERRY_ERR_TIMEOUT && strstr(first, "quiet: "),
+          "quiet with every write held: %d '%s'", rc, first);
+    rc = ferry_sig_put(sig, (me + 1) % N, 0, 2048, 64, 1, FERRY_SIG_ADD, 1);
+    const char *then = ferry_sig_last_error(sig);
+    printf("rank %d: quiet: %s\nrank %d: then put: %s\n", me, first, me,
+           then);
+    CHECK(rc == FERRY_ERR_TIMEOUT && strstr(then, "failed before") &&
+              strstr(then, first),
+          "put after the failed quiet: %d '%s', want the quiet's message "
+          "'%s'",
+          rc, then, first);
+    (void)ferry_sig_destroy(sig);
+    return fr_test_result();
+}
+
 int main(int argc, char **argv)
 {
     int n = 2, all_modes = 0, opt;
@@ -531,6 +572,8 @@ int main(int argc, char **argv)
     int me = ferry_comm_rank(comm);
     if (strcmp(mode, "args") == 0) {
         rc = run_args(comm);
+    } else if (strcmp(mode, "sticky") == 0) {
+        rc = run_sticky(comm);
     } else if (strcmp(mode, "kernel_args") == 0) {
 #ifdef FERRY_HAVE_CUDA
         rc = run_kernel_args(comm);
