@@ -49,7 +49,7 @@ topk_idx_t = torch.int64
 
 
 from ._deep_ep_common import EventOverlap, _parse_shapes
-from ._deep_ep_common import _layout_torch  # noqa: F401  (tools/bench_layout.py)
+from ._deep_ep_common import _layout_c, _layout_torch  # noqa: F401  (tools/bench_layout.py, tests)
 
 
 def _node_and_gpu():

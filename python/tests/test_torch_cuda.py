@@ -465,8 +465,11 @@ def check_args(ferry, deep_ep, N, dev):
     ev2.current_stream_wait()
     if not (isinstance(ev.event, torch.cuda.Event) and isinstance(ev2.event, torch.cuda.Event)):
         msgs.append(f"async_finish=True: events {ev.event!r}, {ev2.event!r}, want CUDA events")
-    if buf.get_comm_stream() != torch.cuda.current_stream():
-        msgs.append("get_comm_stream: not the current stream")
+    cs = buf.get_comm_stream()
+    if not isinstance(cs, torch.cuda.Stream) or cs == torch.cuda.current_stream() or \
+            cs.device.index != torch.cuda.current_device() or cs != buf.get_comm_stream():
+        msgs.append(f"get_comm_stream: {cs!r}, want the Buffer's own stream on the current device, "
+                    f"not the current stream, the same one every call")
     msgs += scratch_buffer(deep_ep, me, N, E, K, H, T, dev)
     # zero copy: the experts write into get_next_low_latency_combine_buffer;
     # the same rounds with and without it combine to the same bytes
