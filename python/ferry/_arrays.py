@@ -104,10 +104,11 @@ def _info(a, name):
     r.torch = type(a).__module__.startswith("torch")
     if r.torch and hasattr(a, "data_ptr"):
         r.ptr = a.data_ptr()
-        r.dev = "cuda" if a.is_cuda else ("cpu" if a.device.type == "cpu" else a.device.type)
-        r.index = a.device.index if a.is_cuda else None
+        cuda = a.is_cuda
+        r.dev = "cuda" if cuda else ("cpu" if a.is_cpu else a.device.type)
+        r.index = a.get_device() if cuda else None
         r.dtype = _torch_dtype_name(a.dtype)
-        r.shape = tuple(a.shape)
+        r.shape = a.shape  # a tuple (torch.Size)
         r.contig = a.is_contiguous()
         r.writable = True
         return r

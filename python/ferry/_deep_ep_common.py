@@ -7,11 +7,13 @@ import ctypes as C
 import functools
 import operator
 import os
+import threading
 
 import torch
 
 from . import EP, FerryError  # noqa: F401  (EP: for the mode modules)
 from . import _elem_strides, _fmt_shape, _lib, _lib_handle  # noqa: F401  (_elem_strides: same)
+from ._arrays import _stream_of
 
 
 class EventOverlap:
@@ -322,6 +324,18 @@ def _parse_shapes(spec, name):
     return out
 
 
+_LAYOUT_ARGS_SIZE = C.sizeof(_lib.LayoutArgs)
+_TLS = threading.local()
+
+
+def _errbuf():
+    """This thread's buffer for a library message (ferry_dispatch_layout's)."""
+    b = getattr(_TLS, "errbuf", None)
+    if b is None:
+        b = _TLS.errbuf = C.create_string_buffer(512)
+    return b
+
+
 def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
     """(per rank, per expert, is_token_in_rank, per node or None) from
     ferry_dispatch_layout: the host loop, or memsets and one kernel on the
@@ -335,16 +349,16 @@ def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
     in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
     per_node = (torch.empty(-(-N // ranks_per_node), dtype=torch.int32, device=dev)
                 if ranks_per_node > 0 else None)
-    args = _lib.LayoutArgs(C.sizeof(_lib.LayoutArgs),
-                           _lib.DEVICES["cuda" if idx.is_cuda else "cpu"], T, K, num_experts,
-                           N, idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
-                           in_rank.data_ptr(),
-                           torch.cuda.current_stream(dev).cuda_stream if idx.is_cuda else None,
-                           ranks_per_node,
+    cuda = idx.is_cuda
+    args = _lib.LayoutArgs(_LAYOUT_ARGS_SIZE, _lib.DEVICES["cuda" if cuda else "cpu"], T, K,
+                           num_experts, N, idx.data_ptr(), per_rank.data_ptr(),
+                           per_expert.data_ptr(), in_rank.data_ptr(),
+                           _stream_of(idx, None) if cuda else None, ranks_per_node,
                            per_node.data_ptr() if per_node is not None else None)
-    msg = C.create_string_buffer(512)
+    msg = _errbuf()
     # the memsets and the kernel run on the current device: topk_idx's
-    with torch.cuda.device(dev) if idx.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(dev) if cuda and torch.cuda.current_device() != dev.index \
+            else contextlib.nullcontext():
         rc = _lib_handle().ferry_dispatch_layout(C.byref(args), msg, len(msg))
     if rc != 0:
         raise FerryError(rc, f"get_dispatch_layout: {msg.value.decode()}")

@@ -265,6 +265,11 @@ class _Normal:
             if E % N:
                 raise ValueError(f"num_tokens_per_expert: {E} experts is not a multiple of the "
                                  f"group size {N}")
+            if num_tokens_per_rank is not None and (
+                    not isinstance(num_tokens_per_rank, torch.Tensor) or
+                    num_tokens_per_rank.numel() != N):
+                raise ValueError(f"num_tokens_per_rank: expected the {N} counts "
+                                 f"get_dispatch_layout returned, got {num_tokens_per_rank!r}")
             if topk_idx is None:
                 # DeepEP's dispatch without top-k: tokens go to the ranks
                 # is_token_in_rank names; ferry routes each to the first
@@ -310,7 +315,7 @@ class _Normal:
                                    internode=rt.get_num_rdma_ranks() > 1)
                 # rank_prefix_matrix needs every rank's counts: gathered when
                 # first read (collective then; DeepEP's own callers never read it)
-                handle._prefix_of = (self, num_tokens_per_rank.to(torch.int32).reshape(N))
+                handle._prefix_of = (self, num_tokens_per_rank)
                 if handle.internode:
                     handle.ep_nodes = list(rt._node_of)
             route = handle.route
@@ -341,7 +346,7 @@ class _Normal:
                 # per expert from the callers' counts, as DeepEP's notify sums them
                 counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
             else:
-                counts = [int(c) for c in route.expert_counts]
+                counts = route.expert_counts.tolist()
             ev = call.finish(made, read)
             if by_rank:
                 return recv_x, None, None, counts, handle, ev

@@ -499,10 +499,11 @@ class EP:
     def _ptr(a):
         if a is None:
             return None
-        return a.data_ptr() if hasattr(a, "data_ptr") else a.ctypes.data
+        return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
 
     _HT_OUTS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
                 "recv_src_rank", "recv_src_token")
+    _HT_OUT_SET = frozenset(_HT_OUTS)
 
     def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None,
                     outputs=None):
@@ -519,11 +520,10 @@ class EP:
         optional ones to make (recv_topk_idx, recv_topk_weights,
         recv_src_rank, recv_src_token; default all); the others are None
         and never written (recv_x and its scales are always made)."""
-        if outputs is not None:
-            bad = set(outputs) - set(self._HT_OUTS)
-            if bad:
-                raise ValueError(f"outputs: unknown {sorted(bad)} (from {self._HT_OUTS[2:]})")
-        want = (lambda k: True) if outputs is None else (lambda k: k in outputs)
+        if outputs is not None and not self._HT_OUT_SET.issuperset(outputs):
+            bad = set(outputs) - self._HT_OUT_SET
+            raise ValueError(f"outputs: unknown {sorted(bad)} (from {self._HT_OUTS[2:]})")
+        want = (lambda k: True) if outputs is None else outputs.__contains__
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
         fp8 = x_scales is not None
@@ -686,8 +686,10 @@ class Route:
             self.num_recv_real, self.expert_counts = bounded
         else:
             self.num_recv_real = None
-            self.expert_counts = np.zeros(ep.num_local_experts, np.int32)
-            rc = _lib_handle().ferry_route_counts(h, C.byref(n), self.expert_counts.ctypes.data)
+            # read into a ctypes array (numpy's .ctypes costs more than the call)
+            counts = (C.c_int32 * ep.num_local_experts)()
+            rc = _lib_handle().ferry_route_counts(h, C.byref(n), counts)
+            self.expert_counts = np.frombuffer(counts, np.int32)
         if rc:
             raise FerryError(rc, "ferry_route_counts failed")
         self.num_recv = n.value
