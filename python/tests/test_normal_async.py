@@ -122,16 +122,28 @@ def check_waits(buf, x, idx, w, E, N, rank, count, msgs):
     _, n, what = count(lambda: new_routing(buf, x, idx, w, E, num_worst_tokens=worst))
     if n:
         msgs.append(f"dispatch with num_worst_tokens: {n} collectives/syncs ({what})")
-    # rank_prefix_matrix: gathered when read (collective: every rank reads it)
-    pr = buf.get_dispatch_layout(idx, E)[0]
-    got = h[0]
+    pr, _, _, inr, _ = buf.get_dispatch_layout(idx, E)
     parts = [torch.zeros_like(pr) for _ in range(N)]
     torch.distributed.all_gather(parts, pr)
     want = torch.cumsum(torch.stack(parts), 0, dtype=torch.int32)
-    if got is None or not torch.equal(got.cpu(), want.cpu()):
-        msgs.append(f"handle[0] (rank_prefix_matrix): {got} != {want}")
-    if int(got[N - 1][rank]) != rx.shape[0]:
-        msgs.append(f"handle[0][N-1][rank] = {int(got[N - 1][rank])}, rows {rx.shape[0]}")
+    if len(h) == 10:
+        # across nodes (DeepEP's internode handle): is_token_in_rank first,
+        # recv_gbl_rank_prefix_sum (rows from ranks 0..i) at 6, no collective
+        (ok, _), n, what = count(lambda: (torch.equal(h[0].cpu(), inr.cpu()), h[6]))
+        if n:
+            msgs.append(f"internode handle's fields: {n} collectives/syncs ({what})")
+        if not ok:
+            msgs.append("internode handle[0] (is_token_in_rank) differs from the layout's")
+        got = h[6]
+        if got is None or not torch.equal(got.cpu(), want[:, rank].cpu()):
+            msgs.append(f"handle[6] (recv_gbl_rank_prefix_sum): {got} != {want[:, rank]}")
+    else:
+        # rank_prefix_matrix: gathered when read (collective: every rank reads it)
+        got = h[0]
+        if got is None or not torch.equal(got.cpu(), want.cpu()):
+            msgs.append(f"handle[0] (rank_prefix_matrix): {got} != {want}")
+        elif int(got[N - 1][rank]) != rx.shape[0]:
+            msgs.append(f"handle[0][N-1][rank] = {int(got[N - 1][rank])}, rows {rx.shape[0]}")
     _, n, what = count(lambda: h.__del__())
     if n:
         msgs.append(f"a handle's release: {n} collectives/syncs ({what})")
