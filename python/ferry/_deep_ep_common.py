@@ -344,11 +344,14 @@ def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
     T, K = topk_idx.shape
     dev = topk_idx.device
     idx = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
-    per_rank = torch.empty(N, dtype=torch.int32, device=dev)
-    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    # the counts in one allocation, back to back (one memset on CUDA)
+    M = -(-N // ranks_per_node) if ranks_per_node > 0 else 0
+    counts = torch.empty(N + num_experts + M, dtype=torch.int32, device=dev)
+    if M:
+        per_rank, per_expert, per_node = counts.split_with_sizes((N, num_experts, M))
+    else:
+        (per_rank, per_expert), per_node = counts.split_with_sizes((N, num_experts)), None
     in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
-    per_node = (torch.empty(-(-N // ranks_per_node), dtype=torch.int32, device=dev)
-                if ranks_per_node > 0 else None)
     cuda = idx.is_cuda
     args = _lib.LayoutArgs(_LAYOUT_ARGS_SIZE, _lib.DEVICES["cuda" if cuda else "cpu"], T, K,
                            num_experts, N, idx.data_ptr(), per_rank.data_ptr(),

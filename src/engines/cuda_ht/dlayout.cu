@@ -67,12 +67,16 @@ extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *e
     cudaStream_t st = (cudaStream_t)a->stream;
     int T = a->num_tokens, E = a->num_experts, N = a->num_ranks, rpn = a->ranks_per_node;
     int M = rpn > 0 ? (N + rpn - 1) / rpn : 0;
-    /* the counters start from zero (kernels only add) */
-    cudaError_t ce = cudaMemsetAsync(a->tokens_per_rank, 0, sizeof(int32_t) * (size_t)N, st);
-    if (ce == cudaSuccess)
-        ce = cudaMemsetAsync(a->tokens_per_expert, 0, sizeof(int32_t) * (size_t)E, st);
-    if (ce == cudaSuccess && M > 0)
-        ce = cudaMemsetAsync(a->tokens_per_node, 0, sizeof(int32_t) * (size_t)M, st);
+    /* the counters start from zero (kernels only add): one memset where
+     * they lie back to back (per rank, per expert, per node), as the
+     * Python binding allocates them, else one each */
+    int32_t *r = a->tokens_per_rank, *e = a->tokens_per_expert, *nd = a->tokens_per_node;
+    bool one = e == r + N && (M == 0 || nd == e + E);
+    cudaError_t ce = cudaMemsetAsync(r, 0, sizeof(int32_t) * (size_t)(one ? N + E + M : N), st);
+    if (ce == cudaSuccess && !one)
+        ce = cudaMemsetAsync(e, 0, sizeof(int32_t) * (size_t)E, st);
+    if (ce == cudaSuccess && !one && M > 0)
+        ce = cudaMemsetAsync(nd, 0, sizeof(int32_t) * (size_t)M, st);
     if (ce != cudaSuccess)
         return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: cudaMemsetAsync: %s",
                       cudaGetErrorString(ce));
