@@ -334,7 +334,7 @@ class _Normal:
                 return recv_x, None, None, None, None, call.finish((rx, rs), read)
             handle.src_idx = o["recv_src_token"]
             handle.src_rank = o["recv_src_rank"]
-            ridx = o["recv_topk_idx"].to(torch.int64)
+            ridx = o["recv_topk_idx"].long()  # int64, as DeepEP returns it
             made = (rx, rs, ridx, o["recv_topk_weights"], handle.src_idx, handle.src_rank,
                     handle.in_rank, handle._prefix_of[1])
             # a bounded route (num_worst_tokens): rows padded to the bound, no
