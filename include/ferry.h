@@ -35,7 +35,7 @@ extern "C" {
 
 #define FERRY_VERSION_MAJOR 0
 #define FERRY_VERSION_MINOR 1
-#define FERRY_VERSION_PATCH 1
+#define FERRY_VERSION_PATCH 2
 #define FERRY_VERSION_CODE                                                     \
     (FERRY_VERSION_MAJOR * 10000 + FERRY_VERSION_MINOR * 100 +                 \
      FERRY_VERSION_PATCH)
@@ -585,6 +585,11 @@ typedef struct ferry_ht_dispatch_out {
     float *recv_topk_weights;  /* [num_recv][K]; needs in->topk_weights */
     int32_t *recv_src_rank;    /* [num_recv] */
     int32_t *recv_src_token;   /* [num_recv] */
+    /* recv_topk_idx as int64 (DeepEP's dtype), written instead of the
+     * int32 one, with no widening pass after the call: give at most one of
+     * the two. Since 0.1.2; the struct size before this field is still
+     * taken. */
+    int64_t *recv_topk_idx_i64; /* [num_recv][K] */
 } ferry_ht_dispatch_out_t;
 
 typedef struct ferry_ht_combine_in {

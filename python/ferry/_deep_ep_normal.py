@@ -325,7 +325,8 @@ class _Normal:
             # top-k ids and weights, and keeps the source tokens in the handle
             o = ep.ht_dispatch(route, xt, xs, topk_weights, stream=call.stream,
                                outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
-                                                          "recv_src_token", "recv_src_rank"))
+                                                          "recv_src_token", "recv_src_rank"),
+                               topk_idx_dtype="int64")
             call.settle()
             rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
             rs = self._scales_out(o["recv_x_scales"], carried) if fp8 else None
@@ -334,7 +335,7 @@ class _Normal:
                 return recv_x, None, None, None, None, call.finish((rx, rs), read)
             handle.src_idx = o["recv_src_token"]
             handle.src_rank = o["recv_src_rank"]
-            ridx = o["recv_topk_idx"].long()  # int64, as DeepEP returns it
+            ridx = o["recv_topk_idx"]  # int64, as DeepEP returns it
             made = (rx, rs, ridx, o["recv_topk_weights"], handle.src_idx, handle.src_rank,
                     handle.in_rank, handle._prefix_of[1])
             # a bounded route (num_worst_tokens): rows padded to the bound, no

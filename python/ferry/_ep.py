@@ -506,7 +506,7 @@ class EP:
     _HT_OUT_SET = frozenset(_HT_OUTS)
 
     def ht_dispatch(self, route, x, x_scales=None, topk_weights=None, stream=None,
-                    outputs=None):
+                    outputs=None, topk_idx_dtype="int32"):
         """Collective (mode='ht'): this rank's tokens x [T, H] (bf16; fp8 as
         uint8 or float8_e4m3fn with x_scales [T, H/128] float32, any
         strides of at least 1, e.g. column-major, read in place) to the
@@ -519,10 +519,14 @@ class EP:
         ordered by source rank, then token. outputs: the names of the
         optional ones to make (recv_topk_idx, recv_topk_weights,
         recv_src_rank, recv_src_token; default all); the others are None
-        and never written (recv_x and its scales are always made)."""
+        and never written (recv_x and its scales are always made).
+        topk_idx_dtype="int64" makes recv_topk_idx int64 (DeepEP's dtype),
+        written so by the library (no widening pass after it)."""
         if outputs is not None and not self._HT_OUT_SET.issuperset(outputs):
             bad = set(outputs) - self._HT_OUT_SET
             raise ValueError(f"outputs: unknown {sorted(bad)} (from {self._HT_OUTS[2:]})")
+        if topk_idx_dtype not in ("int32", "int64"):
+            raise ValueError(f"topk_idx_dtype: {topk_idx_dtype!r}: expected 'int32' or 'int64'")
         want = (lambda k: True) if outputs is None else outputs.__contains__
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
@@ -555,19 +559,27 @@ class EP:
         if self._torch_io(x) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
         new = lambda shape, dt: self._ht_new(x, shape, dt)
+        # int64 ids written by the library (0.1.2 on), else widened after it
+        i64 = topk_idx_dtype == "int64" and _lib_version() >= (0, 1, 2)
         wts = topk_weights is not None and want("recv_topk_weights")
         o = dict(recv_x=new((n, H), xdt),
                  recv_x_scales=new((n, H // 128), _F32) if fp8 else None,
-                 recv_topk_idx=new((n, K), _I32) if want("recv_topk_idx") else None,
+                 recv_topk_idx=new((n, K), _I64 if i64 else _I32) if want("recv_topk_idx")
+                 else None,
                  recv_topk_weights=new((n, K), _F32) if wts else None,
                  recv_src_rank=new((n,), _I32) if want("recv_src_rank") else None,
                  recv_src_token=new((n,), _I32) if want("recv_src_token") else None)
         st = _stream_of(x, stream) if self.device == "cuda" else None
         din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st,
                                 (C.c_int64 * 2)(*sst))
-        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut),
-                                  *[self._ptr(o[k]) for k in self._HT_OUTS])
+        ptrs = [self._ptr(o[k]) for k in self._HT_OUTS]
+        if i64:  # the int64 slot instead of the int32 one
+            ptrs = ptrs[:2] + [None] + ptrs[3:] + [ptrs[2]]
+        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *ptrs)
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
+        if topk_idx_dtype == "int64" and not i64 and o["recv_topk_idx"] is not None:
+            ri = o["recv_topk_idx"]
+            o["recv_topk_idx"] = ri.long() if hasattr(ri, "long") else ri.astype("int64")
         return o
 
     def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False,

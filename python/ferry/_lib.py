@@ -76,7 +76,8 @@ class HtDispatchIn(C.Structure):
 class HtDispatchOut(C.Structure):
     _fields_ = [("size", C.c_size_t), ("recv_x", C.c_void_p), ("recv_x_scales", C.c_void_p),
                 ("recv_topk_idx", C.c_void_p), ("recv_topk_weights", C.c_void_p),
-                ("recv_src_rank", C.c_void_p), ("recv_src_token", C.c_void_p)]
+                ("recv_src_rank", C.c_void_p), ("recv_src_token", C.c_void_p),
+                ("recv_topk_idx_i64", C.c_void_p)]
 
 
 class HtCombineIn(C.Structure):

@@ -76,6 +76,16 @@ def run_round(ferry, ep, rank, N, rnd, align):
             local = e >= 0 and e // El == rank
             check(o["recv_topk_idx"][i][k] == (e % El if local else -1), f"row {i} slot {k}: idx")
             check(o["recv_topk_weights"][i][k] == (sw[t][k] if local else 0), f"row {i} slot {k}: w")
+    # int64 ids (DeepEP's dtype), written so by the library: the same ids
+    o64 = ep.ht_dispatch(route, x, topk_weights=w, topk_idx_dtype="int64")
+    check(o64["recv_topk_idx"].dtype == np.int64 and
+          np.array_equal(o64["recv_topk_idx"], o["recv_topk_idx"]) and
+          np.array_equal(o64["recv_x"], o["recv_x"]), "topk_idx_dtype='int64': wrong ids")
+    try:
+        ep.ht_dispatch(route, x, topk_idx_dtype="int16")
+        check(False, "topk_idx_dtype='int16' was taken")
+    except ValueError as e:
+        check("topk_idx_dtype" in str(e), f"topk_idx_dtype error: {e}")
     # only the outputs asked for: the others None, recv_x the same
     oa = ep.ht_dispatch(route, x, topk_weights=w, outputs=("recv_src_token",))
     check(oa["recv_topk_idx"] is None and oa["recv_topk_weights"] is None and
@@ -180,7 +190,7 @@ def run_bounded(ep, rank, N, rnd):
             if e >= 0 and e // El == rank:
                 cnt[e % El] += 1
     check(np.array_equal(route.expert_counts, cnt), f"bounded: expert_counts {route.expert_counts}")
-    o = ep.ht_dispatch(route, x, topk_weights=w)
+    o = ep.ht_dispatch(route, x, topk_weights=w, topk_idx_dtype="int64" if rank % 2 else "int32")
     check(o["recv_x"].shape[0] == bound, f"bounded: recv_x has {o['recv_x'].shape[0]} rows")
     for i, (s, t) in enumerate(rows):
         check(np.array_equal(o["recv_x"][i], all_in[s][0][t]) and o["recv_src_rank"][i] == s

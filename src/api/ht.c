@@ -124,7 +124,8 @@ int ferry_route_destroy(ferry_route_t route)
  * the sizes before `stream` and before later fields). */
 static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t in_need,
                       const size_t *in_old, const char *in_type, const void *out,
-                      size_t out_need, const char *out_type, const char *call)
+                      size_t out_need, const size_t *out_old, const char *out_type,
+                      const char *call)
 {
     int rc = fr_ht_usable(ep, call);
     if (rc)
@@ -141,7 +142,7 @@ static int fr_ht_call(ferry_ep_t ep, ferry_route_t route, const void *in, size_t
     if (!fr_args_size_taken(have, in_need, in_old))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "in->size = %zu: set it to sizeof(%s)",
                           *(const size_t *)in, in_type);
-    if (*(const size_t *)out < out_need)
+    if (!fr_args_size_taken(*(const size_t *)out, out_need, out_old))
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "out->size = %zu: set it to sizeof(%s)",
                           *(const size_t *)out, out_type);
     return FERRY_OK;
@@ -157,12 +158,20 @@ int ferry_ht_dispatch(ferry_ep_t ep, ferry_route_t route, const ferry_ht_dispatc
                                          offsetof(ferry_ht_dispatch_in_t, x_scales_stride),
                                          0},
                         "ferry_ht_dispatch_in_t", out, sizeof(*out),
+                        (const size_t[]){offsetof(ferry_ht_dispatch_out_t, recv_topk_idx_i64),
+                                         0},
                         "ferry_ht_dispatch_out_t", "ht_dispatch");
     if (rc)
         return rc;
-    ferry_ht_dispatch_in_t cur; /* the engine sees the current struct */
+    ferry_ht_dispatch_in_t cur; /* the engine sees the current structs */
     fr_args_current(&cur, sizeof(cur), in);
     in = &cur;
+    ferry_ht_dispatch_out_t ocur;
+    fr_args_current(&ocur, sizeof(ocur), out);
+    out = &ocur;
+    if (out->recv_topk_idx && out->recv_topk_idx_i64)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "recv_topk_idx and recv_topk_idx_i64: both given (at most one)");
     if (route->gT > 0 && !in->x)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "x: NULL pointer");
     if (in->x_scales && ep->L.H % 128 != 0)
@@ -215,7 +224,8 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
                         (const size_t[]){offsetof(ferry_ht_combine_in_t, stream),
                                          offsetof(ferry_ht_combine_in_t, weights_sum),
                                          offsetof(ferry_ht_combine_in_t, bias), 0},
-                        "ferry_ht_combine_in_t", out, sizeof(*out), "ferry_ht_combine_out_t",
+                        "ferry_ht_combine_in_t", out, sizeof(*out), (const size_t[]){0},
+                        "ferry_ht_combine_out_t",
                         "ht_combine");
     if (rc)
         return rc;

@@ -558,6 +558,8 @@ enum {
     OPT_BIAS = 512, /* combine: in->bias[0] and [1] (gen_bias) */
     OPT_SCOL = 1024, /* dispatch, fp8: x_scales column-major, [H/128][T + 3]
                         with NaN in the padding (x_scales_stride {1, T + 3}) */
+    OPT_I64 = 2048, /* dispatch, with OPT_IDX: recv_topk_idx as int64
+                       (recv_topk_idx_i64), narrowed for the checks */
     OPT_ALL = OPT_W | OPT_IDX | OPT_SRC | OPT_CW
 };
 
@@ -766,19 +768,31 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         in.x_scales_stride[1] = (int64_t)ld;
         xsn = ld * (size_t)o->ns;
     }
-    ferry_ht_dispatch_out_t out = {.size = sizeof(out), .recv_x = o->x,
+    ferry_ht_dispatch_out_t out = {.size = opts & OPT_OLD
+                                               ? offsetof(ferry_ht_dispatch_out_t,
+                                                          recv_topk_idx_i64)
+                                               : sizeof(out),
+                                   .recv_x = o->x,
                                    .recv_x_scales = o->xs,
                                    .recv_topk_idx = o->idx,
                                    .recv_topk_weights = o->w,
                                    .recv_src_rank = o->sr,
                                    .recv_src_token = o->st};
+    /* int64 ids: their own buffer, in the int64 slot */
+    size_t rk8 = (size_t)nr * K * sizeof(int64_t);
+    int64_t *i64 = o->idx && (opts & OPT_I64) ? galloc(rk8) : NULL;
+    if (i64) {
+        out.recv_topk_idx = NULL;
+        out.recv_topk_idx_i64 = i64;
+    }
     if (g_cuda) { /* the same buffers, poison and guards, on the device */
         in.x = dcopy(x, (size_t)T * o->rowb);
         in.x_scales = dcopy(xs, xsn * sizeof(float));
         in.topk_weights = dcopy(tw, (size_t)T * wb);
         out.recv_x = dcopy(o->x, rb);
         out.recv_x_scales = dcopy(o->xs, rs);
-        out.recv_topk_idx = dcopy(o->idx, rk);
+        out.recv_topk_idx = i64 ? NULL : dcopy(o->idx, rk);
+        out.recv_topk_idx_i64 = dcopy(i64, rk8);
         out.recv_topk_weights = dcopy(o->w, rk);
         out.recv_src_rank = dcopy(o->sr, r4);
         out.recv_src_token = dcopy(o->st, r4);
@@ -794,9 +808,24 @@ static int ht_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         dback(o->x, out.recv_x, rb);
         dback(o->xs, out.recv_x_scales, rs);
         dback(o->idx, out.recv_topk_idx, rk);
+        dback(i64, out.recv_topk_idx_i64, rk8);
         dback(o->w, out.recv_topk_weights, rk);
         dback(o->sr, out.recv_src_rank, r4);
         dback(o->st, out.recv_src_token, r4);
+    }
+    if (i64) { /* narrowed: an entry not an int32's sign extension, or
+                * poison, stays wrong, a broken guard too */
+        for (size_t i = 0; i < (size_t)nr * K; i++) {
+            int64_t v = i64[i];
+            uint64_t pois = 0x0101010101010101ull * POISON;
+            if ((uint64_t)v == pois)
+                memset(o->idx + i, POISON, sizeof(int32_t));
+            else
+                o->idx[i] = v == (int32_t)v ? (int32_t)v : INT32_MIN;
+        }
+        if (!gintact(i64, rk8))
+            ((uint8_t *)o->idx)[rk] = (uint8_t)~POISON;
+        free(i64);
     }
     free(x);
     free(xs);
@@ -1125,10 +1154,11 @@ static int run_cfgs(ferry_comm_t comm, size_t ncfg, const int *opts, int nopts,
 static int run_basic(ferry_comm_t comm)
 {
     /* round 1: every optional output; round 2: none, NULL for empty
-     * buffers; round 3: weights in only, sources, NULL for empty, fp8
-     * scales column-major */
+     * buffers; round 3: weights in only, sources, int64 ids, NULL for
+     * empty, fp8 scales column-major */
     static const int opts[3] = {OPT_ALL, OPT_NULL0,
-                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0 | OPT_SCOL};
+                                OPT_WIN | OPT_SRC | OPT_CWIN | OPT_NULL0 | OPT_SCOL |
+                                    OPT_IDX | OPT_I64};
     if (run_cfgs(comm, sizeof(basic_cfgs) / sizeof(basic_cfgs[0]), opts, 3, 0xba51c000u))
         return 1;
     return fr_test_result();
@@ -1146,7 +1176,7 @@ static int run_basic(ferry_comm_t comm)
 static int run_bounded(ferry_comm_t comm)
 {
     int N = ferry_comm_size(comm), me = ferry_comm_rank(comm), rc = FERRY_OK;
-    static const int opts[2] = {OPT_ALL, OPT_WIN | OPT_SRC | OPT_CWIN};
+    static const int opts[2] = {OPT_ALL, OPT_WIN | OPT_SRC | OPT_CWIN | OPT_IDX | OPT_I64};
     g_extra = 1 + me % 3;
     if (run_cfgs(comm, 4, opts, 2, 0xb0a7d000u))
         return 1;
@@ -1809,6 +1839,13 @@ static void args_dispatch(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     out = go;
     out.recv_x = NULL;
     CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &gi, &out), "recv_x");
+    out = go;
+    out.size = sizeof(out) - 4; /* splits recv_topk_idx_i64 */
+    CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &gi, &out), "size");
+    out = go; /* ids as int32 and as int64: at most one */
+    out.recv_topk_idx = (int32_t *)rw;
+    out.recv_topk_idx_i64 = (int64_t *)rw;
+    CHECK_BAD(ep, ferry_ht_dispatch(ep, rt, &gi, &out), "recv_topk_idx_i64");
     out = go;
     out.recv_topk_weights = rw; /* without in->topk_weights */
     CHECK_RC(ferry_ht_dispatch(ep, rt, &gi, &out), FERRY_ERR_INVALID);

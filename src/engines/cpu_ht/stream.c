@@ -159,6 +159,8 @@ void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
     for (int k = 0; k < K; k++) {
         if (out->recv_topk_idx)
             out->recv_topk_idx[row * K + k] = le[k];
+        else if (out->recv_topk_idx_i64)
+            out->recv_topk_idx_i64[row * K + k] = le[k];
         if (out->recv_topk_weights)
             out->recv_topk_weights[row * K + k] = w[k];
     }
@@ -303,6 +305,8 @@ static void fr_ht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_out_t *o
         for (int k = 0; k < K; k++) {
             if (out->recv_topk_idx)
                 out->recv_topk_idx[(size_t)row * K + k] = -1;
+            else if (out->recv_topk_idx_i64)
+                out->recv_topk_idx_i64[(size_t)row * K + k] = -1;
             if (out->recv_topk_weights)
                 out->recv_topk_weights[(size_t)row * K + k] = 0.f;
         }

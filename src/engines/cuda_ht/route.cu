@@ -348,8 +348,8 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
 }
 
 /* A bounded route's rows past the real count: padding. */
-static __global__ void fr_cuht_pad(const int32_t *nrecv, int bound, int K, int32_t *ridx, float *rw,
-                            int32_t *rsr, int32_t *rst)
+static __global__ void fr_cuht_pad(const int32_t *nrecv, int bound, int K, int32_t *ridx,
+                                   long long *ridx64, float *rw, int32_t *rsr, int32_t *rst)
 {
     int n = *nrecv;
     for (int row = n + (int)(blockIdx.x * blockDim.x + threadIdx.x); row < bound;
@@ -357,6 +357,8 @@ static __global__ void fr_cuht_pad(const int32_t *nrecv, int bound, int K, int32
         for (int k = 0; k < K; k++) {
             if (ridx)
                 ridx[(size_t)row * K + k] = -1;
+            else if (ridx64)
+                ridx64[(size_t)row * K + k] = -1;
             if (rw)
                 rw[(size_t)row * K + k] = 0.f;
         }
@@ -684,13 +686,15 @@ extern "C" void fr_cuht_pad_rows(ferry_route_t route, const ferry_ht_dispatch_ou
                                  void *stream)
 {
     fr_cuht_route_t *p = (fr_cuht_route_t *)route->priv;
-    if (route->bound <= 0 || (!out->recv_topk_idx && !out->recv_topk_weights &&
+    if (route->bound <= 0 || (!out->recv_topk_idx && !out->recv_topk_idx_i64 &&
+                              !out->recv_topk_weights &&
                               !out->recv_src_rank && !out->recv_src_token))
         return;
     int blocks = (route->bound + 255) / 256;
     fr_cuht_pad<<<blocks < 64 ? blocks : 64, 256, 0, (cudaStream_t)stream>>>(
         p->r.nrecv, route->bound, route->ep->L.K, out->recv_topk_idx,
-        out->recv_topk_weights, out->recv_src_rank, out->recv_src_token);
+        (long long *)out->recv_topk_idx_i64, out->recv_topk_weights, out->recv_src_rank,
+        out->recv_src_token);
 }
 
 extern "C" int fr_cuht_load_route(void)

@@ -74,13 +74,23 @@ typedef struct fr_cuht_io {
     const float *w;          /* dispatch: topk_weights [T][K]; combine: [num_recv][K] */
     uint8_t *rx;             /* dispatch: recv_x; combine: out [T][2H] */
     float *rxs;
-    int32_t *ridx;
+    int32_t *ridx;           /* dispatch: recv_topk_idx, int32 ... */
+    long long *ridx64;       /* ... or int64 (at most one of the two) */
     float *rw;               /* dispatch: recv_topk_weights; combine: out topk_weights */
     int32_t *rsr, *rst;
     int fp8;
     int wsum;                /* combine: rw slot k summed over the token's ranks */
     const int4 *bias[2];     /* combine: [T][2H] bf16 each, or NULL: added before rounding */
 } fr_cuht_io_t;
+
+/* Entry i of recv_topk_idx, in the dtype the caller gave (or none). */
+static __device__ __forceinline__ void fr_cuht_put_idx(const fr_cuht_io_t &io, size_t i, int v)
+{
+    if (io.ridx)
+        io.ridx[i] = v;
+    else if (io.ridx64)
+        io.ridx64[i] = v;
+}
 
 /* A ring's group of warps (a sender or receiver group of one ring, see
  * the top): P warps, this warp's place j in it, the named barrier they
@@ -285,8 +295,7 @@ static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_fmt_t &F,
     if (lane < K) {
         int e = R.idx[(size_t)tok * K + lane];
         bool loc = e >= 0 && e / El == me;
-        if (io.ridx)
-            io.ridx[row * K + lane] = loc ? e % El : -1;
+        fr_cuht_put_idx(io, row * K + lane, loc ? e % El : -1);
         if (io.rw)
             io.rw[row * K + lane] = loc && io.w ? io.w[(size_t)tok * K + lane] : 0.f;
     }
@@ -360,8 +369,8 @@ static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
             fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, what, detail);
         return false;
     }
-    if (lane < K && io.ridx)
-        io.ridx[row * K + lane] = le;
+    if (lane < K)
+        fr_cuht_put_idx(io, row * K + lane, le);
     if (lane < K && io.rw)
         io.rw[row * K + lane] = w;
     if (lane == 0 && io.rsr)
@@ -918,8 +927,8 @@ static __device__ __noinline__ void fr_cuht_dfwd(const fr_cuht_args_t &A, const 
                     fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + hdr, rowb);
                     for (int q = lane; q < nsc; q += 32)
                         io.rxs[row * nsc + q] = __ldcg((const float *)(rec + hdr + rowb) + q);
-                    if (lane < K && io.ridx)
-                        io.ridx[row * K + lane] = loc ? e % El : -1;
+                    if (lane < K)
+                        fr_cuht_put_idx(io, row * K + lane, loc ? e % El : -1);
                     if (lane < K && io.rw)
                         io.rw[row * K + lane] = loc ? w : 0.f;
                     if (lane == 0 && io.rsr)
@@ -1562,6 +1571,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
         (rc = fr_cuht_aligned(ep, out->recv_x, 16, "recv_x", call)) ||
         (rc = fr_cuht_aligned(ep, out->recv_x_scales, 4, "recv_x_scales", call)) ||
         (rc = fr_cuht_aligned(ep, out->recv_topk_idx, 4, "recv_topk_idx", call)) ||
+        (rc = fr_cuht_aligned(ep, out->recv_topk_idx_i64, 8, "recv_topk_idx_i64", call)) ||
         (rc = fr_cuht_aligned(ep, out->recv_topk_weights, 4, "recv_topk_weights", call)) ||
         (rc = fr_cuht_aligned(ep, out->recv_src_rank, 4, "recv_src_rank", call)) ||
         (rc = fr_cuht_aligned(ep, out->recv_src_token, 4, "recv_src_token", call)))
@@ -1576,6 +1586,7 @@ extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
     io.rx = (uint8_t *)out->recv_x;
     io.rxs = out->recv_x_scales;
     io.ridx = out->recv_topk_idx;
+    io.ridx64 = (long long *)out->recv_topk_idx_i64;
     io.rw = out->recv_topk_weights;
     io.rsr = out->recv_src_rank;
     io.rst = out->recv_src_token;

@@ -221,7 +221,10 @@ static int fr_staged_dispatch(ferry_ep_t ep, ferry_route_t route,
     int iw = fr_stage_add(&p, in->topk_weights, T * K * 4);
     int ox = fr_stage_add(&p, out->recv_x, R * H * eb);
     fr_stage_add(&p, in->x_scales ? out->recv_x_scales : NULL, R * S * 4);
-    fr_stage_add(&p, out->recv_topk_idx, R * K * 4);
+    /* recv_topk_idx, int32 or int64 (at most one is given) */
+    size_t ib = out->recv_topk_idx_i64 ? 8 : 4;
+    fr_stage_add(&p, out->recv_topk_idx_i64 ? (void *)out->recv_topk_idx_i64
+                                            : (void *)out->recv_topk_idx, R * K * ib);
     fr_stage_add(&p, out->recv_topk_weights, R * K * 4);
     fr_stage_add(&p, out->recv_src_rank, R * 4);
     int oe = fr_stage_add(&p, out->recv_src_token, R * 4);
@@ -236,7 +239,10 @@ static int fr_staged_dispatch(ferry_ep_t ep, ferry_route_t route,
     hi.stream = NULL;
     ho.recv_x = fr_stage_host(ep, &p, ox);
     ho.recv_x_scales = (float *)fr_stage_host(ep, &p, ox + 1);
-    ho.recv_topk_idx = (int32_t *)fr_stage_host(ep, &p, ox + 2);
+    if (out->recv_topk_idx_i64)
+        ho.recv_topk_idx_i64 = (int64_t *)fr_stage_host(ep, &p, ox + 2);
+    else
+        ho.recv_topk_idx = (int32_t *)fr_stage_host(ep, &p, ox + 2);
     ho.recv_topk_weights = (float *)fr_stage_host(ep, &p, ox + 3);
     ho.recv_src_rank = (int32_t *)fr_stage_host(ep, &p, ox + 4);
     ho.recv_src_token = (int32_t *)fr_stage_host(ep, &p, oe);
@@ -244,7 +250,7 @@ static int fr_staged_dispatch(ferry_ep_t ep, ferry_route_t route,
         return rc;
     /* a bounded route's padding rows: recv_x and its scales not written */
     size_t real = (size_t)route->num_recv < R ? (size_t)route->num_recv : R;
-    size_t part[6] = {real * H * eb, real * S * 4, R * K * 4, R * K * 4, R * 4, R * 4};
+    size_t part[6] = {real * H * eb, real * S * 4, R * K * ib, R * K * 4, R * 4, R * 4};
     return fr_stage_copy(ep, &p, ox, oe + 1, 0, in->stream, part);
 }
 
