@@ -176,7 +176,12 @@ def check_deep_ep(deep_ep, rank, N, dev, msgs):
     big[torch.rand(3000, K, generator=g) < 0.1] = -1
     big[5, 0], big[6, 1], big[7, 2] = E, E + 9, big[7, 0]
     from ferry import deep_ep as fde
-    for case, t in (("contiguous", big), ("strided", big.t().contiguous().t())):
+    # 3000 tokens: one block storing its counters; 5000: blocks adding
+    # theirs to zeroed counters
+    big2 = torch.cat([big, big[:2000].flip(0)])
+    for case, t in (("contiguous", big), ("strided", big.t().contiguous().t()),
+                    ("5000 tokens", big2)):
+        torch.full((1 << 20,), -7, dtype=torch.int32, device=dev)  # freed: garbage to reuse
         rpn = max(1, (N + 1) // 2)  # per-node counts too: two nodes, the last smaller
         ref = fde._layout_c(t, E, N, rpn)  # the host code
         for name, got in (("kernel", fde._layout_c(t.to(dev), E, N, rpn)),

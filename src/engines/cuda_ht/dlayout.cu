@@ -1,8 +1,10 @@
 /*
  * ferry_dispatch_layout on the GPU: a thread per token, shared-memory
  * histograms per block (experts, then ranks) added to the outputs once per
- * block, the token's row of token_in_rank written whole. Two memsets
- * and one kernel on the caller's stream.
+ * block, the token's row of token_in_rank written whole. Up to 4096
+ * tokens one block that stores its counters (one launch); beyond, a
+ * memset and a kernel of several blocks that add theirs, on the caller's
+ * stream.
  */
 #include "core/dlayout.h"
 #include "engines/cuda_ht/cuda_ht.h"
@@ -11,9 +13,16 @@
 
 #define FR_DL_THREADS 256
 #define FR_DL_MAX_BLOCKS 132
+/* up to this many tokens, one block of FR_DL_ONE_THREADS (4 tokens a
+ * thread) and no memset */
+#define FR_DL_ONE_TOKENS 4096
+#define FR_DL_ONE_THREADS 1024
 
-/* use_smem: the E + N counters fit shared memory; else global atomics */
-static __global__ void __launch_bounds__(FR_DL_THREADS)
+/* use_smem: the E + N counters fit shared memory; else global atomics.
+ * ONE: a single block of THREADS, which stores its counters whole (no
+ * memset before it); else blocks add theirs to zeroed outputs. */
+template <int THREADS, bool ONE>
+static __global__ void __launch_bounds__(THREADS)
 fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_rank,
                 int32_t *per_expert, uint8_t *in_rank, int rpn, int M, int32_t *per_node,
                 bool use_smem)
@@ -56,10 +65,13 @@ fr_cuht_dlayout(const int64_t *idx, int T, int K, int E, int N, int32_t *per_ran
     if (!use_smem)
         return;
     __syncthreads();
-    for (int i = threadIdx.x; i < E + N + M; i += blockDim.x)
-        if (fr_dl_sm[i])
-            atomicAdd(i < E ? &per_expert[i] : i < E + N ? &per_rank[i - E] : &per_node[i - E - N],
-                      fr_dl_sm[i]);
+    for (int i = threadIdx.x; i < E + N + M; i += blockDim.x) {
+        int32_t *o = i < E ? &per_expert[i] : i < E + N ? &per_rank[i - E] : &per_node[i - E - N];
+        if (ONE)
+            *o = fr_dl_sm[i];
+        else if (fr_dl_sm[i])
+            atomicAdd(o, fr_dl_sm[i]);
+    }
 }
 
 extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *err)
@@ -71,8 +83,22 @@ extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *e
      * they lie back to back (per rank, per expert, per node), as the
      * Python binding allocates them, else one each */
     int32_t *r = a->tokens_per_rank, *e = a->tokens_per_expert, *nd = a->tokens_per_node;
+    size_t smem = sizeof(int32_t) * ((size_t)E + (size_t)N + (size_t)M);
+    bool use_smem = smem <= 48 * 1024;
+    cudaError_t ce;
+    if (use_smem && T <= FR_DL_ONE_TOKENS) {
+        /* one block stores every counter (zeros too): no memset, one
+         * launch; up to FR_DL_ONE_TOKENS a block is as fast as many */
+        fr_cuht_dlayout<FR_DL_ONE_THREADS, true><<<1, FR_DL_ONE_THREADS, smem, st>>>(
+            a->topk_idx, T, a->topk, E, N, r, e, a->token_in_rank, rpn, M, nd, true);
+        ce = cudaGetLastError();
+        if (ce != cudaSuccess)
+            return FR_ERR(err, FERRY_ERR_SYSTEM, "ferry_dispatch_layout: kernel launch: %s",
+                          cudaGetErrorString(ce));
+        return FERRY_OK;
+    }
     bool one = e == r + N && (M == 0 || nd == e + E);
-    cudaError_t ce = cudaMemsetAsync(r, 0, sizeof(int32_t) * (size_t)(one ? N + E + M : N), st);
+    ce = cudaMemsetAsync(r, 0, sizeof(int32_t) * (size_t)(one ? N + E + M : N), st);
     if (ce == cudaSuccess && !one)
         ce = cudaMemsetAsync(e, 0, sizeof(int32_t) * (size_t)E, st);
     if (ce == cudaSuccess && !one && M > 0)
@@ -82,11 +108,9 @@ extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *e
                       cudaGetErrorString(ce));
     if (T == 0)
         return FERRY_OK;
-    size_t smem = sizeof(int32_t) * ((size_t)E + (size_t)N + (size_t)M);
-    bool use_smem = smem <= 48 * 1024;
     int blocks = (T + FR_DL_THREADS - 1) / FR_DL_THREADS;
     blocks = blocks < FR_DL_MAX_BLOCKS ? blocks : FR_DL_MAX_BLOCKS;
-    fr_cuht_dlayout<<<blocks, FR_DL_THREADS, use_smem ? smem : 0, st>>>(
+    fr_cuht_dlayout<FR_DL_THREADS, false><<<blocks, FR_DL_THREADS, use_smem ? smem : 0, st>>>(
         a->topk_idx, T, a->topk, E, N, a->tokens_per_rank, a->tokens_per_expert,
         a->token_in_rank, rpn, M, a->tokens_per_node, use_smem);
     ce = cudaGetLastError();
@@ -99,5 +123,6 @@ extern "C" int fr_cuht_dispatch_layout(const ferry_layout_args_t *a, fr_err_t *e
 extern "C" int fr_cuht_load_dlayout(void)
 {
     cudaFuncAttributes fa;
-    return cudaFuncGetAttributes(&fa, fr_cuht_dlayout) != cudaSuccess;
+    return cudaFuncGetAttributes(&fa, fr_cuht_dlayout<FR_DL_THREADS, false>) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_dlayout<FR_DL_ONE_THREADS, true>) != cudaSuccess;
 }

@@ -38,9 +38,10 @@
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
 #define FR_RL_THREADS 256
-/* the bad-entry word before any: what a 0x7f byte memset leaves (above
- * any t * K + k, as T * K <= 2^24) */
-#define FR_CUHT_NOBAD 0x7f7f7f7f
+/* The bad-entry word: 0 before any (zeroed with the per-expert counts
+ * before it, in one memset), else INT_MAX - (t * K + k) of the first bad
+ * entry (the largest, atomicMax). */
+#define FR_CUHT_NOBAD 0
 #define FR_RN_THREADS 256
 
 #define FR_RL_WARPS (FR_RL_THREADS / 32)
@@ -84,7 +85,7 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, co
                     ok = row[j] != e;
                 if (!ok) {
                     if (bad)
-                        atomicMin(bad, t * K + k);
+                        atomicMax(bad, INT_MAX - (t * K + k));
                     e = -1;
                 }
                 if (idx)
@@ -524,6 +525,7 @@ static int fr_cuht_route_bad(ferry_ep_t ep, const ferry_route_in_t *in, fr_cuht_
         return fr_ep_fail(ep, FERRY_ERR_SYSTEM, "route_create: reading its result: %s",
                           cudaGetErrorString(cudaGetLastError()));
     if (first != FR_CUHT_NOBAD) {
+        first = INT_MAX - first; /* the entry's index (FR_CUHT_NOBAD) */
         int64_t v = 0;
         cudaMemcpy(&v, in->topk_idx + first, sizeof(v), cudaMemcpyDeviceToHost);
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
@@ -635,8 +637,15 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
             res->done = 0; /* no notify writes it now: the last exact one was waited for */
             o.res = (fr_cuht_res_t *)c->res_dev;
         }
-        cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
-        cudaMemsetAsync(p->bad, 0x7f, sizeof(int32_t), st); /* 0x7f7f7f7f: none */
+        /* the per-expert counts and the bad-entry word start from zero:
+         * one memset from the first to the second (the tables between,
+         * which notify writes whole, zeroed too) */
+        if ((uint8_t *)p->bad > (uint8_t *)dcnt)
+            cudaMemsetAsync(dcnt, 0, (size_t)((uint8_t *)(p->bad + 1) - (uint8_t *)dcnt), st);
+        else {
+            cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
+            cudaMemsetAsync(p->bad, 0, sizeof(int32_t), st);
+        }
         if (!G->fwd) {
             fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
                 c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
