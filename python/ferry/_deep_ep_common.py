@@ -53,9 +53,11 @@ def _tensor(t, name, dtype=None, shape=None):
         raise TypeError(_mismatch(t, name, dtype, shape))
     if shape is not None:
         ts = t.shape
-        if len(ts) != len(shape) or any(n is not None and type(n) is not str and n != m
-                                        for n, m in zip(shape, ts)):
+        if len(ts) != len(shape):
             raise ValueError(_mismatch(t, name, dtype, shape))
+        for n, m in zip(shape, ts):  # a loop: cheaper than any() over a generator
+            if n is not None and type(n) is not str and n != m:
+                raise ValueError(_mismatch(t, name, dtype, shape))
 
 
 def _mismatch(t, name, dtype, shape):

@@ -185,9 +185,11 @@ class EP:
         if inf.dtype not in dtypes:
             raise TypeError(self._mismatch(name, shape, dtypes, inf))
         ishape = inf.shape
-        if len(ishape) != len(shape) or any(w is not None and w != n
-                                            for w, n in zip(shape, ishape)):
+        if len(ishape) != len(shape):
             raise ValueError(self._mismatch(name, shape, dtypes, inf))
+        for w, n in zip(shape, ishape):  # a loop: cheaper than any() over a generator
+            if w is not None and w != n:
+                raise ValueError(self._mismatch(name, shape, dtypes, inf))
         if not inf.contig and not (strided and _elem_strides(a) is not None):
             raise ValueError(f"{name}: expected a " + (
                 "C-contiguous or strided (every stride at least 1 element, aligned) array, "
@@ -558,7 +560,12 @@ class EP:
         xdt = (_FP8[0], xinf.dtype) if fp8 else _BF16
         if self._torch_io(x) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
-        new = lambda shape, dt: self._ht_new(x, shape, dt)
+        if self._torch_io(x):  # torch.empty on x's device, its dtype looked up once
+            import torch
+            tdev = x.device
+            new = lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt[1]), device=tdev)
+        else:
+            new = lambda shape, dt: self._ht_new(x, shape, dt)
         # int64 ids written by the library (0.1.2 on), else widened after it
         i64 = topk_idx_dtype == "int64" and _lib_version() >= (0, 1, 2)
         wts = topk_weights is not None and want("recv_topk_weights")
@@ -572,7 +579,7 @@ class EP:
         st = _stream_of(x, stream) if self.device == "cuda" else None
         din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st,
                                 (C.c_int64 * 2)(*sst))
-        ptrs = [self._ptr(o[k]) for k in self._HT_OUTS]
+        ptrs = [None if a is None else self._ptr(a) for a in o.values()]  # _HT_OUTS' order
         if i64:  # the int64 slot instead of the int32 one
             ptrs = ptrs[:2] + [None] + ptrs[3:] + [ptrs[2]]
         dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *ptrs)
@@ -699,7 +706,10 @@ class Route:
         else:
             self.num_recv_real = None
             # read into a ctypes array (numpy's .ctypes costs more than the call)
-            counts = (C.c_int32 * ep.num_local_experts)()
+            at = ep.__dict__.get("_counts_t")  # the array type, made once per EP
+            if at is None:
+                at = ep._counts_t = C.c_int32 * ep.num_local_experts
+            counts = at()
             rc = _lib_handle().ferry_route_counts(h, C.byref(n), counts)
             self.expert_counts = np.frombuffer(counts, np.int32)
         if rc:
