@@ -152,7 +152,12 @@ static int mode_shell_ids(void)
 {
     job_out_t a, b;
     int64_t took;
+    /* A job that has met holds the port for 2 s, so that the two jobs
+     * overlap however fast the first one would run: without it job A can
+     * finish before job B's rank 0 comes, and then B runs whole too. */
+    setenv("FR_TEST_HOLD_MS", "2000", 1);
     shell_jobs("a", "b", &a, &b, &took);
+    unsetenv("FR_TEST_HOLD_MS");
     CHECK(a.nok == 0 || a.nok == 4, "job A ran on %d of its 4 ranks", a.nok);
     CHECK(b.nok == 0 || b.nok == 4, "job B ran on %d of its 4 ranks", b.nok);
     CHECK(a.nok == 4 || a.named == 4, "job A failed, %d ranks naming port %d",
