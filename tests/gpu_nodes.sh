@@ -3,8 +3,10 @@
 # fabric between nodes): runs COMMAND and fails unless it succeeds and
 # exactly N processes report both paths ("peers on both paths", the CUDA
 # engine's set-up line); N 0 takes the command's status alone (a case
-# whose ranks fail on purpose). Exits 77 (skip) saying why where no GPU
-# is usable. Usage: tests/gpu_nodes.sh N COMMAND...   ($B: the build folder)
+# whose ranks fail on purpose). FERRY_NODES_LINE: another set-up line to
+# count instead (e.g. the staged engine's, for high-throughput contexts).
+# Exits 77 (skip) saying why where no GPU is usable.
+# Usage: tests/gpu_nodes.sh N COMMAND...   ($B: the build folder)
 "$(dirname "$0")/gpu.sh" true || exit $? # 77, saying why, without a usable GPU
 want=$1
 shift
@@ -15,8 +17,9 @@ rc=$?
 grep -v "INFO" "$log" | tail -25
 [ "$want" -eq 0 ] && exit $rc
 # distinct processes (a log line starts host:pid:rank)
-n=$(grep -o "[^ ]*:[0-9]*:[0-9]* ferry INFO peers on both paths" "$log" | cut -d' ' -f1 | sort -u | wc -l)
-echo "ranks with peers on both paths: $n (want $want)"
+line=${FERRY_NODES_LINE:-peers on both paths}
+n=$(grep -o "[^ ]*:[0-9]*:[0-9]* ferry INFO $line" "$log" | cut -d' ' -f1 | sort -u | wc -l)
+echo "ranks saying '$line': $n (want $want)"
 [ $rc -ne 0 ] && exit $rc
 [ "$n" -eq "$want" ] || exit 1
 exit 0

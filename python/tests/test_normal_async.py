@@ -26,8 +26,20 @@ On CUDA also:
     not complete before the sleep ends); without async_finish the current
     stream waits for the call (a stream wait, not the host);
   - get_comm_stream() is the stream the calls ran on.
+Across simulated nodes (FERRY_TEST_NODES) on CUDA:
+  - FERRY_TEST_NB_STREAM=1: the rank's calls are made from a non-blocking
+    stream of its own (GPU memory on the fabric path through a provider
+    copying on the legacy default stream, libfabric's shm: a call from
+    the legacy stream is finished on the host there); every check above
+    holds;
+  - FERRY_TEST_STAGED=1: the fabric peers go through the staged engine
+    (pinned host memory), whose calls finish on the host by design
+    (docs/architecture.md): the outputs are checked as above, the host
+    syncs are counted and printed but not bounded, and the overlap is not
+    checked (there is none), saying so.
 Exit 77 (skipped) without torch, or on cuda without a usable GPU.
 """
+import contextlib
 import os
 import sys
 import time
@@ -180,8 +192,9 @@ def _sync_rows(prof):
     return [e.name for e in prof.events() if e.name in names]
 
 
-def check_profiler(buf, x, idx, w, E, N, msgs):
-    """Host synchronisations per call, as the profiler sees them."""
+def check_profiler(buf, x, idx, w, E, N, msgs, bound=True):
+    """Host synchronisations per call, as the profiler sees them (bound:
+    at most the cases' counts, else printed only)."""
     from torch.profiler import ProfilerActivity, profile
     rx, _, rw, _, h, _ = new_routing(buf, x, idx, w, E)
     y = rx.clone()
@@ -204,6 +217,11 @@ def check_profiler(buf, x, idx, w, E, N, msgs):
                 keep.append(fn())
             keep.clear()  # handles released under the profiler too
         rows = _sync_rows(prof)
+        if not bound:
+            if torch.distributed.get_rank() == 0:
+                print(f"rank 0: {name}: {len(rows)} host synchronisations in 3 calls "
+                      f"(staged engine: not bounded)", flush=True)
+            continue
         if len(rows) > 3 * most:
             msgs.append(f"{name}: {len(rows)} host synchronisations in 3 calls (at most "
                         f"{3 * most}): {rows}")
@@ -268,29 +286,42 @@ def rank_main(rank, N, port, q, dev_kind):
     msgs = []
     try:
         torch_init(rank, N, port)
-        dev = torch.device("cpu")
+        dev, side = torch.device("cpu"), contextlib.nullcontext()
         if dev_kind == "cuda":
             torch.cuda.set_device(0)
             dev = torch.device("cuda", 0)
-        from ferry import deep_ep as de
-        from ferry import EP
-        count = Count(EP)
-        buf = de.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
-        E, K, H, T = 4 * N, 3, 256, 24
-        x, idx, w = inputs(rank, 9, T, H, E, K, dev)
-        new_routing(buf, x, idx, w, E)  # the shape's context made (collective, once)
-        for rnd in range(3):  # back to back, changing routing
-            x, idx, w = inputs(rank, rnd, T, H, E, K, dev)
-            check_waits(buf, x, idx, w, E, N, rank, count, msgs)
-            check_async_equal(buf, x, idx, w, E, rnd, msgs)
-        if dev_kind == "cuda":
-            x, idx, w = inputs(rank, 0, 512, 1024, E, K, dev)
-            check_profiler(buf, x, idx, w, E, N, msgs)
-            check_overlap(buf, x, idx, w, E, msgs)
-        buf.destroy()
+            if os.environ.get("FERRY_TEST_NB_STREAM") == "1":
+                side = torch.cuda.stream(torch.cuda.Stream())
+        with side:
+            rank_checks(rank, N, dev, dev_kind, msgs)
     except Exception:
         msgs.append(traceback.format_exc())
     q.put((rank, msgs))
+
+
+def rank_checks(rank, N, dev, dev_kind, msgs):
+    from ferry import deep_ep as de
+    from ferry import EP
+    count = Count(EP)
+    buf = de.Buffer(torch.distributed.group.WORLD, low_latency_mode=False)
+    E, K, H, T = 4 * N, 3, 256, 24
+    x, idx, w = inputs(rank, 9, T, H, E, K, dev)
+    new_routing(buf, x, idx, w, E)  # the shape's context made (collective, once)
+    for rnd in range(3):  # back to back, changing routing
+        x, idx, w = inputs(rank, rnd, T, H, E, K, dev)
+        check_waits(buf, x, idx, w, E, N, rank, count, msgs)
+        check_async_equal(buf, x, idx, w, E, rnd, msgs)
+    if dev_kind == "cuda":
+        staged = os.environ.get("FERRY_TEST_STAGED") == "1"
+        x, idx, w = inputs(rank, 0, 512, 1024, E, K, dev)
+        check_profiler(buf, x, idx, w, E, N, msgs, bound=not staged)
+        if staged:
+            if rank == 0:
+                print("rank 0: overlap not checked: the staged engine finishes its calls "
+                      "on the host", flush=True)
+        else:
+            check_overlap(buf, x, idx, w, E, msgs)
+    buf.destroy()
 
 
 def main():
