@@ -34,6 +34,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
@@ -539,34 +540,53 @@ static int fr_cuht_route_bad(ferry_ep_t ep, const ferry_route_in_t *in, fr_cuht_
                       "route was made)", bad_rank);
 }
 
+/* Monotonic nanoseconds (the wait's pacing). */
+static uint64_t fr_cuht_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 /* An exact route's one host wait: polls the host-mapped word notify
  * stores last (as DeepEP's host polls its receive counter), never a
  * stream, event or device synchronisation. The event recorded after
  * notify ends the wait where notify returned early (a failure, which the
- * error word then names); notify's own waits are bounded by the
- * timeout, and it runs after whatever the stream held before it. */
+ * error word then names): it is queried every FR_CUHT_RQ_NS of the wait,
+ * not every few polls (a driver call each, which under a profiler or MPS
+ * costs the host far more than the load of the word). notify's own waits
+ * are bounded by the timeout, and it runs after whatever the stream held
+ * before it. */
+#define FR_CUHT_RQ_NS 20000ull
 static int fr_cuht_route_wait(ferry_ep_t ep, cudaStream_t st)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
     volatile fr_cuht_res_t *res = c->res_host;
     cudaError_t e = cudaEventRecord(c->rdone, st);
+    uint64_t t0 = 0, next = 0;
     for (unsigned n = 0; e == cudaSuccess; n++) {
         if (res->done)
             break;
-        if ((n & 15) == 15) {
-            e = cudaEventQuery(c->rdone);
-            if (e == cudaErrorNotReady) {
-                e = cudaSuccess;
-                if (n > 4096) /* long: let ranks sharing the cores run */
-                    sched_yield();
-            } else if (e == cudaSuccess) {
-                if (!res->done) { /* notify ended early: the error word says why */
-                    int rc = fr_cuht_check(ep);
-                    return rc ? rc : fr_ep_fail(ep, FERRY_ERR_INTERNAL, "route_create: "
-                                                "notify ended without its counts");
-                }
-                break;
+        if ((n & 63) != 63)
+            continue;
+        uint64_t t = fr_cuht_now_ns();
+        if (!t0)
+            t0 = t, next = t + FR_CUHT_RQ_NS;
+        if (t < next)
+            continue;
+        next = t + FR_CUHT_RQ_NS;
+        e = cudaEventQuery(c->rdone);
+        if (e == cudaErrorNotReady) {
+            e = cudaSuccess;
+            if (t - t0 > 100000ull) /* long (100 us): let ranks sharing the cores run */
+                sched_yield();
+        } else if (e == cudaSuccess) {
+            if (!res->done) { /* notify ended early: the error word says why */
+                int rc = fr_cuht_check(ep);
+                return rc ? rc : fr_ep_fail(ep, FERRY_ERR_INTERNAL, "route_create: "
+                                            "notify ended without its counts");
             }
+            break;
         }
     }
     if (e != cudaSuccess)
