@@ -42,7 +42,7 @@ from ._compat import Config, _UnsetSms
 from ._deep_ep_ll import _LowLatency
 from ._deep_ep_normal import _Normal
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "ElasticBuffer", "EPHandle"]
 
 #: dtype of topk_idx (DeepEP's later versions name it; int64 everywhere here)
 topk_idx_t = torch.int64
@@ -455,3 +455,8 @@ class Buffer(_LowLatency, _Normal):
             ep.close()
         self._eps.clear()
         self.comm.close()
+
+
+# DeepEP 2's V2 API on the same contexts (its normal mode runs on Buffer's)
+from ._deep_ep_elastic import ElasticBuffer, EPHandle  # noqa: E402
+ElasticBuffer._legacy = Buffer

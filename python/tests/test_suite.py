@@ -98,6 +98,12 @@ def test_normal_async_cpu(nranks):
     run_script("test_normal_async.py", ["cpu", str(nranks)], needs=("torch",))
 
 
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_elastic_cpu(nranks):
+    """deep_ep.ElasticBuffer (DeepEP 2's API) on CPU ranks, every output exact."""
+    run_script("test_elastic.py", ["cpu", str(nranks)], needs=("torch",))
+
+
 @pytest.mark.parametrize("nranks", [2])
 def test_normal_async_cuda(nranks):
     """The same on CUDA, with the profiler's host syncs and real overlap."""

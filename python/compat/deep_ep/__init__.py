@@ -12,7 +12,7 @@ provides `deep_ep`. See docs/python.md for what each call does on ferry.
 """
 import torch  # noqa: F401  (DeepEP's package imports torch first too)
 
-from ferry.deep_ep import Buffer, Config, EventOverlap, topk_idx_t
+from ferry.deep_ep import Buffer, Config, ElasticBuffer, EPHandle, EventOverlap, topk_idx_t
 
 # the library and what it needs (libfabric) are loaded now, so that
 # `import deep_ep` fails, naming what is missing, where the first call
@@ -23,7 +23,7 @@ try:
 except OSError as _e:
     raise ImportError(f"deep_ep on ferry cannot load libferry: {_e}") from None
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "topk_idx_t"]
 
 #: the version of DeepEP's Python API this module follows
 __version__ = "1.2.1"

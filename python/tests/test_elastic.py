@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""deep_ep.ElasticBuffer (DeepEP 2's V2 API) on ferry, CPU ranks (or CUDA
+with `cuda`): every output against a reference of DeepEP 2's documented
+semantics computed from every rank's inputs. Usage:
+test_elastic.py [cpu|cuda] [nranks]
+
+Per round (back to back, changing routing): Zipf routing with distinct
+experts, 10% masked slots, a rank with no tokens in odd rounds, weights
+not summing to 1, values exact in bf16 so that sums are exact in any
+order. For do_cpu_sync 1 and 0, do_expand 0 and 1, expert_alignment 1
+and 4, bf16 and fp8 (with scales): rows (by source rank, then token),
+recv_src_metadata, recv_topk_idx (local ids, -1 elsewhere), the full
+weight rows or the expanded 1-D weights, the per-rank and per-expert
+prefix sums, the aligned per-expert list, cumulative stats, zero padding,
+a cached dispatch (the same handle, equal rows), combine with 0, 1 and 2
+biases and a different transform per expert, and the returned weights.
+Argument errors name the argument; the experimental methods are refused
+by name. Exit 77 without torch.
+"""
+import os
+import sys
+import traceback
+
+try:
+    import torch
+except ImportError:
+    print("skipped: torch is not installed")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ranks import run_ranks, torch_init  # noqa: E402
+
+H, K, MAXT = 256, 4, 24
+
+
+def inputs(rank, rnd, E, dev):
+    g = torch.Generator().manual_seed(7919 * rnd + rank)
+    t = 0 if (rank == 1 and rnd % 2) else MAXT - 3 * rank
+    x = (torch.randint(-15, 16, (t, H), generator=g).float() / 8)  # exact in fp8 too
+    p = 1.0 / torch.arange(1, E + 1).float() ** 1.1
+    idx = torch.stack([torch.multinomial(p, K, replacement=False, generator=g)
+                       for _ in range(t)]) if t else torch.zeros((0, K), dtype=torch.int64)
+    idx[torch.rand(t, K, generator=g) < 0.1] = -1
+    w = (torch.randint(1, 16, (t, K), generator=g).float() / 16)
+    return x.to(torch.bfloat16).to(dev), idx.to(dev), w.to(dev)
+
+
+def expert_y(xrow, e):
+    """Expert e's output for a row: x * (e % 5 + 1) / 4 (exact in bf16)."""
+    return xrow.float() * ((e % 5) + 1) / 4
+
+
+def reference(everyone, me, N, E):
+    """What rank `me` receives: [(src, tok, x row, local ids, weights)], in
+    source rank, then token order."""
+    El = E // N
+    rows = []
+    for src, (x, idx, w) in enumerate(everyone):
+        for t in range(x.shape[0]):
+            ids = idx[t].tolist()
+            if any(e >= 0 and e // El == me for e in ids):
+                loc = [e - me * El if e >= 0 and e // El == me else -1 for e in ids]
+                rows.append((src, t, x[t], loc, w[t]))
+    return rows
+
+
+def check(msgs, what, ok):
+    if not ok:
+        msgs.append(what)
+
+
+def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp8, nbias):
+    El = E // N
+    x, idx, w = everyone[rank]
+    tag = f"round {rnd} sync={cpu_sync} expand={expand} align={A} fp8={fp8} bias={nbias}"
+    xin = x
+    if fp8:
+        xin = (x.float().to(torch.float8_e4m3fn), torch.ones((x.shape[0], H // 128),
+                                                             dtype=torch.float32, device=dev))
+    stats = torch.zeros(El, dtype=torch.int32, device=dev)
+    rx, ridx, rw, h, ev = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E,
+                                       num_max_tokens_per_rank=MAXT, expert_alignment=A,
+                                       do_cpu_sync=cpu_sync, do_expand=expand,
+                                       do_zero_padding=expand,
+                                       cumulative_local_expert_recv_stats=stats)
+    ref = reference(everyone, rank, N, E)
+    n = int(h.psum_num_recv_tokens_per_scaleup_rank[-1])
+    check(msgs, f"{tag}: {n} rows, want {len(ref)}", n == len(ref))
+    if n != len(ref):
+        return
+    per_src = [sum(1 for r in ref if r[0] == s) for s in range(N)]
+    check(msgs, f"{tag}: psum per rank {h.psum_num_recv_tokens_per_scaleup_rank.tolist()}",
+          h.psum_num_recv_tokens_per_scaleup_rank.tolist() ==
+          torch.cumsum(torch.tensor(per_src), 0).tolist())
+    meta = h.recv_src_metadata
+    want0 = [s * MAXT + t for s, t, *_ in ref]
+    check(msgs, f"{tag}: metadata column 0", meta[:n, 0].tolist() == want0)
+    cnt = [sum(1 for r in ref for e in r[3] if e == le) for le in range(El)]
+    al = [(c + A - 1) // A * A for c in cnt]
+    check(msgs, f"{tag}: stats {stats.tolist()} want {cnt}", stats.tolist() == cnt)
+    check(msgs, f"{tag}: unaligned counts",
+          h.num_unaligned_recv_tokens_per_expert.tolist() == cnt)
+    if cpu_sync:
+        check(msgs, f"{tag}: expert list {h.num_recv_tokens_per_expert_list} want {al}",
+              h.num_recv_tokens_per_expert_list == al)
+        check(msgs, f"{tag}: rows {rx[0].shape[0] if fp8 else rx.shape[0]} (cpu sync: exact)",
+              (rx[0] if fp8 else rx).shape[0] == (sum(al) if expand else n))
+    else:
+        check(msgs, f"{tag}: no cpu sync: empty expert list", h.num_recv_tokens_per_expert_list
+              == [])
+    xr = rx[0].float() if fp8 else rx.float()
+    if not expand:
+        check(msgs, f"{tag}: psum per expert", h.psum_num_recv_tokens_per_expert.tolist() ==
+              torch.cumsum(torch.tensor(al), 0).tolist())
+        for i, (s, t, xrow, loc, wrow) in enumerate(ref):
+            if not torch.equal(xr[i], xrow.float()):
+                msgs.append(f"{tag}: row {i} (rank {s} token {t}) differs")
+                break
+            wm = torch.where(torch.tensor(loc, device=dev) >= 0, wrow, torch.zeros_like(wrow))
+            rwm = torch.where(ridx[i] >= 0, rw[i], torch.zeros_like(rw[i]))
+            if ridx[i].tolist() != loc or not torch.equal(rwm, wm):
+                msgs.append(f"{tag}: row {i} ids {ridx[i].tolist()} != {loc} or weights")
+                break
+    else:
+        check(msgs, f"{tag}: recv_topk_idx None when expanded", ridx is None)
+        start = [sum(al[:e]) for e in range(El)]
+        check(msgs, f"{tag}: expanded psum", h.psum_num_recv_tokens_per_expert.tolist() ==
+              [start[e] + cnt[e] for e in range(El)])
+        for e in range(El):
+            mine = [(i, r) for i, r in enumerate(ref) if e in r[3]]
+            for k, (i, (s, t, xrow, loc, wrow)) in enumerate(mine):
+                p = start[e] + k
+                j = loc.index(e)
+                if not torch.equal(xr[p], xrow.float()) or float(rw[p]) != float(wrow[j]) or \
+                        int(meta[i, 2 + j]) != p:
+                    msgs.append(f"{tag}: expert {e} row {k} (rank {s} token {t}) differs")
+                    return
+            for p in range(start[e] + cnt[e], start[e] + al[e]):  # zero padding
+                if xr[p].abs().sum() != 0 or float(rw[p]) != 0:
+                    msgs.append(f"{tag}: expert {e} padding row {p} not zero")
+                    return
+    # cached: the same rows, the same handle's layout
+    cx, cidx, cw, ch, _ = buf.dispatch(xin, handle=h, do_expand=expand)
+    check(msgs, f"{tag}: cached dispatch returns the same handle", ch is h)
+    cxr = cx[0].float() if fp8 else cx.float()
+    m = sum(al) if expand else n
+    if expand:  # the rows an expert got (padding is not written without do_zero_padding)
+        v = meta[:n, 2:]
+        v = v[v >= 0].long()
+        check(msgs, f"{tag}: cached rows differ", torch.equal(cxr[v], xr[v]))
+    else:
+        check(msgs, f"{tag}: cached rows differ", torch.equal(cxr[:m], xr[:m]))
+    # combine: each row's experts here applied (expanded: per row of an expert)
+    if expand:
+        y = torch.zeros((xr.shape[0], H), dtype=torch.bfloat16, device=dev)
+        for e in range(El):
+            s = start[e]
+            y[s:s + cnt[e]] = expert_y(xr[s:s + cnt[e]], e + rank * El).to(torch.bfloat16)
+        yw = rw
+    else:
+        y = torch.zeros((xr.shape[0], H), dtype=torch.float32, device=dev)
+        for i, (s, t, xrow, loc, wrow) in enumerate(ref):
+            for le in loc:
+                if le >= 0:
+                    y[i] += expert_y(xrow, le + rank * El)
+        y = y.to(torch.bfloat16)
+        yw = rw
+    T = x.shape[0]
+    biases = [((torch.arange(T * H, device=dev).view(T, H) % 7).float() / 8).to(torch.bfloat16)
+              for _ in range(nbias)]
+    bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
+    out, ow, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
+    # each rank's partial (its experts of the token, summed in fp32, one
+    # bf16 rounding), then the biases and the partials in fp32, rounded once
+    want = torch.zeros((T, H), dtype=torch.float32, device=dev)
+    for b in biases:
+        want += b.float()
+    for t in range(T):
+        part = {}
+        for e in idx[t].tolist():
+            if e >= 0:
+                part[e // El] = part.get(e // El, 0) + expert_y(x[t], e)
+        for r in sorted(part):
+            want[t] += part[r].to(torch.bfloat16).float()
+    check(msgs, f"{tag}: combined x differs", torch.equal(out, want.to(torch.bfloat16)))
+    wz = torch.where(idx >= 0, w, torch.zeros_like(w))
+    check(msgs, f"{tag}: combined weights differ", ow is not None and torch.equal(ow, wz))
+
+
+def rank_main(rank, N, port, q, kind):
+    msgs = []
+    try:
+        torch_init(rank, N, port)
+        dev = torch.device("cpu")
+        if kind == "cuda":
+            torch.cuda.set_device(0)
+            dev = torch.device("cuda", 0)
+        from ferry import deep_ep as de
+        E = 4 * N
+        buf = de.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=MAXT,
+                               hidden=H, explicitly_destroy=True)
+        check(msgs, "logical domain", buf.get_logical_domain_size() == (1, N))
+        check(msgs, "theoretical SMs", buf.get_theoretical_num_sms(E, K) >= 1)
+        rnd = 0
+        for cpu_sync in (True, False):
+            for expand in (False, True):
+                for A, fp8, nbias in ((1, False, 0), (4, True, 1), (1, False, 2)):
+                    everyone = [inputs(r, rnd, E, dev) for r in range(N)]
+                    one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A,
+                              fp8, nbias)
+                    rnd += 1
+        x, idx, w = inputs(rank, 0, E, dev)
+        for args, name in ((dict(previous_event=object()), "allocate_on_comm_stream"),
+                           (dict(do_zero_padding=True), "do_zero_padding"),
+                           (dict(num_experts=0), "num_experts")):
+            try:
+                buf.dispatch(x, topk_idx=idx, topk_weights=w, **dict(dict(num_experts=E),
+                                                                     **args))
+                msgs.append(f"dispatch with {args}: no error")
+            except (ValueError, TypeError) as e:
+                check(msgs, f"dispatch with {args}: {e} does not name {name}", name in str(e))
+        try:
+            buf.engram_write(None)
+            msgs.append("engram_write: no error")
+        except NotImplementedError as e:
+            check(msgs, f"engram_write: {e}", "engram_write" in str(e))
+        buf.destroy()
+    except Exception:
+        msgs.append(traceback.format_exc())
+    q.put((rank, msgs))
+
+
+def _entry(rank, N, port, q, kind):
+    rank_main(rank, N, port, q, kind)
+
+
+def main():
+    kind = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    N = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    if kind == "cuda" and not torch.cuda.is_available():
+        print("skipped: torch sees no CUDA device")
+        sys.exit(77)
+    import functools
+    res, crashed = run_ranks(functools.partial(_entry, kind=kind), N, timeout=300)
+    bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
+    for line in bad[:40]:
+        print(line)
+    ok = not bad and len(res) == N
+    print(f"test_elastic ({kind}, {N} ranks): {'passed' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
