@@ -6,7 +6,8 @@ tensors, gloo), each round checked against a reference:
   - vLLM (model_executor/layers/fused_moe/prepare_finalize/deepep_ll.py,
     deepep_ht.py; device_communicators/all2all.py): annotations evaluated
     at import (deep_ep.Buffer, deep_ep.EventOverlap, deep_ep.Config | None),
-    no ElasticBuffer (vLLM would take the module for DeepEP v2), the
+    ElasticBuffer beside the V1 Buffer (vLLM's has_deep_ep_v2 probe; its
+    V1 backends keep using Buffer), the
     Buffer made from a keyword dict and kept in a WeakValueDictionary,
     get_low_latency_rdma_size_hint by keyword, the low-latency dispatch
     with its hook and the combine into `out`, the normal mode's layout,
@@ -113,12 +114,16 @@ def vllm_calls(deep_ep, rank, N, group=None):
     msgs, dev = [], torch.device("cuda" if CUDA else "cpu")
     group = torch.distributed.group.WORLD if group is None else group
 
-    # at import, vLLM evaluates these annotations; DeepEP v2 is told by
-    # ElasticBuffer, which this module must not have
+    # at import, vLLM evaluates these annotations; its has_deep_ep_v2 probe
+    # looks for ElasticBuffer (the deepep_v2 backend), while its V1 backends
+    # (deepep_high_throughput, deepep_low_latency) take Buffer, which must
+    # stay DeepEP's V1 class beside it
     def _annotated(buffer: deep_ep.Buffer, event: deep_ep.EventOverlap) -> deep_ep.Config | None:
         return None
-    if hasattr(deep_ep, "ElasticBuffer"):
-        msgs.append("deep_ep.ElasticBuffer exists: vLLM would take the module for DeepEP v2")
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        msgs.append("deep_ep.ElasticBuffer missing: vLLM's deepep_v2 backend would not see it")
+    elif deep_ep.Buffer is deep_ep.ElasticBuffer or issubclass(deep_ep.Buffer, deep_ep.ElasticBuffer):
+        msgs.append("deep_ep.Buffer is the V2 class: vLLM's V1 backends need DeepEP's V1 Buffer")
 
     # low latency (all2all.py, deepep_ll.py); vLLM's hidden sizes start at 2048
     E, K, H, T = 4 * N, 4, 2048, 8
