@@ -611,13 +611,25 @@ typedef struct ferry_ht_combine_in {
      * rows, bias[0] then bias[1], before out's one rounding (DeepEP's
      * combine bias). The size before this field is still taken (none). */
     const void *bias[2];
+    /* The order of out's fp32 sum (one FERRY_HT_SUM_* value):
+     * FERRY_HT_SUM_RANKS (0), the token's rows in ascending rank order,
+     * then bias[0], bias[1]; FERRY_HT_SUM_SLOTS, bias[0] + bias[1] first,
+     * then the rows in the order of the highest top-k slot each rank holds
+     * for the token (DeepEP 2's combine order, bit for bit with its
+     * reference when no rows are forwarded between nodes; with forwarding
+     * a remote node's summed row counts as one, at its highest slot). The
+     * sums agree whenever they are exact. Since 0.1.2; the size before
+     * this field is still taken (FERRY_HT_SUM_RANKS). */
+    int sum_order;
 } ferry_ht_combine_in_t;
+
+enum { FERRY_HT_SUM_RANKS = 0, FERRY_HT_SUM_SLOTS = 1 };
 
 typedef struct ferry_ht_combine_out {
     size_t size;               /* sizeof(ferry_ht_combine_out_t) */
     void *out;                 /* [T][H] bf16: sum of the token's rows from
-                                  every rank it went to (fp32, rank order,
-                                  rounded once) */
+                                  every rank it went to (fp32, in
+                                  in->sum_order, rounded once) */
     float *topk_weights;       /* [T][K] or NULL: slot k from the rank of
                                   expert k (0 for -1), or summed over the
                                   token's ranks (in->weights_sum) */

@@ -475,7 +475,8 @@ class ElasticBuffer:
             y, w = x, topk_weights
             if handle.do_expand:
                 y, w = self._reduce_expanded(handle, x, topk_weights)
-            out = ep.ht_combine(route, y.contiguous(), w, stream=call.stream, bias=bias)
+            out = ep.ht_combine(route, y.contiguous(), w, stream=call.stream, bias=bias,
+                                sum_order="slots")
             call.settle()
             cx, cw = (out if isinstance(out, tuple) else (out, None))
             ev = call.finish((cx, cw, y, w), (x, topk_weights))

@@ -590,7 +590,7 @@ class EP:
         return o
 
     def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False,
-                   bias=None):
+                   bias=None, sum_order="ranks"):
         """Collective (mode='ht'): y [num_recv, H] bf16, one row per row this
         rank received, back to the tokens' ranks and summed there. Returns
         out [T, H] bf16 (uint16 on CPU), and with topk_weights [num_recv, K]
@@ -600,9 +600,15 @@ class EP:
         the token went to, DeepEP's combined_topk_weights); torch tensors
         on CUDA contexts, queued on `stream`. bias: one or two [T, H] bf16
         added to out in fp32 after the rows, before its one rounding
-        (DeepEP's combine bias)."""
+        (DeepEP's combine bias). sum_order="slots": the biases first, then
+        the rows in the order of the highest top-k slot each rank holds for
+        the token (DeepEP 2's order; "ranks", the default: ascending rank
+        order, biases last)."""
         h, rh = self._ep(), route._handle(self)
         T, n, H, K = route.num_tokens, route.num_recv, self.hidden, self.topk
+        orders = {"ranks": 0, "slots": 1}
+        if sum_order not in orders:
+            raise ValueError(f"sum_order: {sum_order!r}, expected 'ranks' or 'slots'")
         bias = () if bias is None else (tuple(bias) if isinstance(bias, (tuple, list))
                                        else (bias,))
         if len(bias) > 2:
@@ -618,7 +624,7 @@ class EP:
         wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
         st = _stream_of(y, stream) if self.device == "cuda" else None
         cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st, int(bool(weights_sum)),
-                               (C.c_void_p * 2)(*pb))
+                               (C.c_void_p * 2)(*pb), orders[sum_order])
         cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), self._ptr(out), self._ptr(wout))
         self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
         return (out, wout) if topk_weights is not None else out

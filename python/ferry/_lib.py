@@ -82,7 +82,8 @@ class HtDispatchOut(C.Structure):
 
 class HtCombineIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("y", C.c_void_p), ("topk_weights", C.c_void_p),
-                ("stream", C.c_void_p), ("weights_sum", C.c_int), ("bias", C.c_void_p * 2)]
+                ("stream", C.c_void_p), ("weights_sum", C.c_int), ("bias", C.c_void_p * 2),
+                ("sum_order", C.c_int)]
 
 
 class HtCombineOut(C.Structure):

@@ -6,14 +6,15 @@ test_elastic.py [cpu|cuda] [nranks]
 
 Per round (back to back, changing routing): Zipf routing with distinct
 experts, 10% masked slots, a rank with no tokens in odd rounds, weights
-not summing to 1, values exact in bf16 so that sums are exact in any
-order. For do_cpu_sync 1 and 0, do_expand 0 and 1, expert_alignment 1
+not summing to 1, dispatched values exact in bf16 and fp8. For do_cpu_sync 1 and 0, do_expand 0 and 1, expert_alignment 1
 and 4, bf16 and fp8 (with scales): rows (by source rank, then token),
 recv_src_metadata, recv_topk_idx (local ids, -1 elsewhere), the full
 weight rows or the expanded 1-D weights, the per-rank and per-expert
 prefix sums, the aligned per-expert list, cumulative stats, zero padding,
 a cached dispatch (the same handle, equal rows), combine with 0, 1 and 2
-biases and a different transform per expert, and the returned weights.
+biases and a different row per expert, in values whose fp32 sums depend
+on their order, against DeepEP 2's order (biases first, then each rank's
+row at its highest top-k slot), and the returned weights.
 Argument errors name the argument; the experimental methods are refused
 by name. Exit 77 without torch.
 """
@@ -45,9 +46,76 @@ def inputs(rank, rnd, E, dev):
     return x.to(torch.bfloat16).to(dev), idx.to(dev), w.to(dev)
 
 
-def expert_y(xrow, e):
-    """Expert e's output for a row: x * (e % 5 + 1) / 4 (exact in bf16)."""
-    return xrow.float() * ((e % 5) + 1) / 4
+TOLD = [0]  # tokens whose slot-order sum differed from the rank-order one
+
+
+def wide(s, t, e, dev):
+    """Expert e's output row for rank s's token t: +-2^20 exactly (a third
+    of the channels) or +-(1 + m/128) 2^-j, j < 7 (exact in bf16): a small
+    value added before two bigs cancel is lost, so fp32 sums of these
+    depend on their order."""
+    hh = torch.arange(H, dtype=torch.int64, device=dev)
+    z = ((s * 1000003 + t * 7919 + (e + 1) * 104729) * (hh * 2 + 1) + hh * 65537) % 2147483647
+    z = (z * 48271) % 2147483647
+    small = (1 + ((z >> 5) % 128).double() / 128) * torch.pow(2.0, -((z >> 12) % 7).double())
+    v = torch.where(z % 3 == 0, torch.full_like(small, 2.0 ** 20), small)
+    v = torch.where((z >> 3) % 2 == 1, -v, v)
+    return v.to(torch.bfloat16)
+
+
+def partial(s, t, experts, r, El, dev):
+    """Rank r's row for rank s's token t: its experts' rows (global ids,
+    -1 elsewhere) summed in slot order in fp32, rounded once."""
+    a = torch.zeros(H, dtype=torch.float32, device=dev)
+    for e in experts:
+        if e >= 0 and e // El == r:
+            a += wide(s, t, e, dev).float()
+    return a.to(torch.bfloat16)
+
+
+def combine_reference(me, T, idx, El, biases, nodes, dev):
+    """DeepEP 2's combine order (ferry's sum_order "slots"): the biases
+    first, then per slot the row of the contributor whose highest slot it
+    is, fp32, one rounding. A contributor is a rank, or with forwarding
+    another node (its ranks' rows summed there in rank order, rounded).
+    Returns (out, tokens where ascending rank order, biases last, differs)."""
+    node_of, fwd = nodes
+    out = torch.zeros((T, H), dtype=torch.bfloat16, device=dev)
+    told = 0
+    for t in range(T):
+        ids = idx[t].tolist()
+        ranks = sorted({e // El for e in ids if e >= 0})
+        rows = {r: partial(me, t, ids, r, El, dev) for r in ranks}
+
+        def key(r):
+            return ("n", node_of[r]) if fwd and node_of[r] != node_of[me] else ("r", r)
+        val = {}
+        for k in sorted({key(r) for r in ranks}):
+            if k[0] == "r":
+                val[k] = rows[k[1]]
+            else:
+                a = torch.zeros(H, dtype=torch.float32, device=dev)
+                for r in ranks:
+                    if key(r) == k:
+                        a += rows[r].float()
+                val[k] = a.to(torch.bfloat16)
+        top = {}
+        for j, e in enumerate(ids):
+            if e >= 0:
+                top[key(e // El)] = j
+        a = torch.zeros(H, dtype=torch.float32, device=dev)
+        for b in biases:
+            a += b[t].float()
+        for k in sorted(top, key=lambda k: top[k]):
+            a += val[k].float()
+        out[t] = a.to(torch.bfloat16)
+        r_acc = torch.zeros(H, dtype=torch.float32, device=dev)
+        for k in sorted(val):
+            r_acc += val[k].float()
+        for b in biases:
+            r_acc += b[t].float()
+        told += int(not torch.equal(r_acc.to(torch.bfloat16), out[t]))
+    return out, told
 
 
 def reference(everyone, me, N, E):
@@ -150,39 +218,30 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
         check(msgs, f"{tag}: cached rows differ", torch.equal(cxr[v], xr[v]))
     else:
         check(msgs, f"{tag}: cached rows differ", torch.equal(cxr[:m], xr[:m]))
-    # combine: each row's experts here applied (expanded: per row of an expert)
+    # combine: each row's experts here applied (expanded: per row of an
+    # expert), values whose fp32 sums depend on their order (wide)
     if expand:
         y = torch.zeros((xr.shape[0], H), dtype=torch.bfloat16, device=dev)
-        for e in range(El):
-            s = start[e]
-            y[s:s + cnt[e]] = expert_y(xr[s:s + cnt[e]], e + rank * El).to(torch.bfloat16)
+        for i, (s, t, xrow, loc, wrow) in enumerate(ref):
+            for j, le in enumerate(loc):
+                if le >= 0:
+                    y[int(meta[i, 2 + j])] = wide(s, t, le + rank * El, dev)
         yw = rw
     else:
-        y = torch.zeros((xr.shape[0], H), dtype=torch.float32, device=dev)
+        y = torch.zeros((xr.shape[0], H), dtype=torch.bfloat16, device=dev)
         for i, (s, t, xrow, loc, wrow) in enumerate(ref):
-            for le in loc:
-                if le >= 0:
-                    y[i] += expert_y(xrow, le + rank * El)
-        y = y.to(torch.bfloat16)
+            y[i] = partial(s, t, [le + rank * El if le >= 0 else -1 for le in loc], rank, El,
+                           dev)
         yw = rw
     T = x.shape[0]
-    biases = [((torch.arange(T * H, device=dev).view(T, H) % 7).float() / 8).to(torch.bfloat16)
-              for _ in range(nbias)]
+    biases = [wide(rank, 1000 + b, 7 * b, dev).repeat(T, 1) *
+              (1 + torch.arange(T, device=dev).view(T, 1) % 3).to(torch.bfloat16)
+              for b in range(nbias)]
     bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
     out, ow, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
-    # each rank's partial (its experts of the token, summed in fp32, one
-    # bf16 rounding), then the biases and the partials in fp32, rounded once
-    want = torch.zeros((T, H), dtype=torch.float32, device=dev)
-    for b in biases:
-        want += b.float()
-    for t in range(T):
-        part = {}
-        for e in idx[t].tolist():
-            if e >= 0:
-                part[e // El] = part.get(e // El, 0) + expert_y(x[t], e)
-        for r in sorted(part):
-            want[t] += part[r].to(torch.bfloat16).float()
-    check(msgs, f"{tag}: combined x differs", torch.equal(out, want.to(torch.bfloat16)))
+    want, told = combine_reference(rank, x.shape[0], idx, El, biases, h._ep.nodes(), dev)
+    TOLD[0] += told
+    check(msgs, f"{tag}: combined x differs", torch.equal(out, want))
     wz = torch.where(idx >= 0, w, torch.zeros_like(w))
     check(msgs, f"{tag}: combined weights differ", ow is not None and torch.equal(ow, wz))
 
@@ -209,6 +268,8 @@ def rank_main(rank, N, port, q, kind):
                     one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A,
                               fp8, nbias)
                     rnd += 1
+        check(msgs, "the combine checks could not tell slot order from rank order "
+              "(no token where they differ)", TOLD[0] > 0)
         x, idx, w = inputs(rank, 0, E, dev)
         for args, name in ((dict(previous_event=object()), "allocate_on_comm_stream"),
                            (dict(do_zero_padding=True), "do_zero_padding"),

@@ -223,7 +223,8 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     int rc = fr_ht_call(ep, route, in, sizeof(*in),
                         (const size_t[]){offsetof(ferry_ht_combine_in_t, stream),
                                          offsetof(ferry_ht_combine_in_t, weights_sum),
-                                         offsetof(ferry_ht_combine_in_t, bias), 0},
+                                         offsetof(ferry_ht_combine_in_t, bias),
+                                         offsetof(ferry_ht_combine_in_t, sum_order), 0},
                         "ferry_ht_combine_in_t", out, sizeof(*out), (const size_t[]){0},
                         "ferry_ht_combine_out_t",
                         "ht_combine");
@@ -232,6 +233,10 @@ int ferry_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_
     ferry_ht_combine_in_t cur; /* the engine sees the current struct */
     fr_args_current(&cur, sizeof(cur), in);
     in = &cur;
+    if (cur.sum_order != FERRY_HT_SUM_RANKS && cur.sum_order != FERRY_HT_SUM_SLOTS)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "sum_order: %d, expected FERRY_HT_SUM_RANKS (0) or "
+                          "FERRY_HT_SUM_SLOTS (1)", cur.sum_order);
     int rows = fr_route_rows(route);
     if (rows > 0 && !in->y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "y: NULL pointer (%d rows to return)",

@@ -107,7 +107,10 @@ enum {
     K_BITS = 0, /* any bit pattern (dispatch only moves bytes) */
     K_FIN = 1,  /* finite bf16, 2^-20..2^21 in magnitude, either sign: fp32
                    sums of three or more depend on their order */
-    K_INT = 2   /* small integers -4..4 (sums and products exact) */
+    K_INT = 2,  /* small integers -4..4 (sums and products exact) */
+    K_ORD = 3   /* +-2^20 exactly (a third) or 2^-6..2^0 with any mantissa:
+                   a small value added before two bigs cancel is lost, so
+                   a sum's bf16 rounding tells the order apart */
 };
 
 typedef struct data {
@@ -123,6 +126,11 @@ static uint16_t gen_bf16(uint64_t *s, int kind)
         return (uint16_t)r;
     if (kind == K_INT)
         return fr_f32_to_bf16((float)((int)(r % 9) - 4));
+    if (kind == K_ORD)
+        return (r >> 12) % 3 == 0
+                   ? (uint16_t)((r >> 20 & 1 ? 0x8000 : 0) | (127 + 20) << 7)
+                   : (uint16_t)((r >> 20 & 1 ? 0x8000 : 0) |
+                                (uint16_t)(127 - 6 + (r >> 8) % 7) << 7 | (r & 0x7f));
     uint16_t sign = (r >> 20) & 1 ? 0x8000 : 0;
     uint16_t ex = (uint16_t)(107 + (r >> 8) % 41);
     return (uint16_t)(sign | ex << 7 | (r & 0x7f));
@@ -560,6 +568,7 @@ enum {
                         with NaN in the padding (x_scales_stride {1, T + 3}) */
     OPT_I64 = 2048, /* dispatch, with OPT_IDX: recv_topk_idx as int64
                        (recv_topk_idx_i64), narrowed for the checks */
+    OPT_SLOTS = 4096, /* combine: sum_order FERRY_HT_SUM_SLOTS */
     OPT_ALL = OPT_W | OPT_IDX | OPT_SRC | OPT_CW
 };
 
@@ -908,7 +917,12 @@ typedef struct cres {
     uint16_t *out;
     float *w;
     int bias; /* in->bias was given (OPT_BIAS) */
+    int slots; /* sum_order FERRY_HT_SUM_SLOTS (OPT_SLOTS) */
 } cres_t;
+
+/* Tokens whose slot-order sum differed from the rank-order one (the
+ * FERRY_HT_SUM_SLOTS checks could tell the two apart there). */
+static long g_order_told, g_slot_calls;
 
 /* Bias b (0 or 1) of rank me's token t, channel h: exact in bf16, values
  * that change the rounding of the rows' sum. */
@@ -941,7 +955,10 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
         .size = opts & OPT_OLD    ? offsetof(ferry_ht_combine_in_t, stream)
                 : opts & OPT_OLD2 ? offsetof(ferry_ht_combine_in_t, bias)
                                   : sizeof(in),
-        .y = y, .topk_weights = gw, .stream = nb_stream()};
+        .y = y, .topk_weights = gw, .stream = nb_stream(),
+        .sum_order = opts & OPT_SLOTS ? FERRY_HT_SUM_SLOTS : FERRY_HT_SUM_RANKS};
+    o->slots = (opts & OPT_SLOTS) != 0;
+    g_slot_calls += o->slots;
     ferry_ht_combine_out_t out = {.size = sizeof(out), .out = o->out,
                                   .topk_weights = o->w};
     uint16_t *bias[2] = {NULL, NULL};
@@ -980,10 +997,56 @@ static int ht_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     return rc;
 }
 
+/* Slot order (FERRY_HT_SUM_SLOTS) of token t into a[H] (fp32, before
+ * the one rounding): the biases, then per slot k the row of the
+ * contributor whose highest slot is k (a rank, or with forwarding another
+ * node's rows summed there in rank order and rounded). */
+static void slot_sum(const world_t *w, const spec_t *c, const data_t *d, const cres_t *o,
+                     int t, float *a, float *part, uint16_t *row)
+{
+    int me = w->me, K = w->K, H = c->H;
+    for (int h = 0; h < H; h++)
+        a[h] = 0.0f;
+    for (int b = 0; o->bias && b < 2; b++)
+        for (int h = 0; h < H; h++)
+            a[h] += fr_bf16_to_f32(gen_bias(b, me, t, h));
+    for (int k = 0; k < K; k++) {
+        int r = slot_rank(w, me, t, k), node = -1, last = 1;
+        if (r < 0)
+            continue;
+        if (g_fwd && g_node_of[r] != g_node_of[me])
+            node = g_node_of[r];
+        for (int k2 = k + 1; k2 < K && last; k2++) {
+            int r2 = slot_rank(w, me, t, k2);
+            if (r2 >= 0 && (node >= 0 ? g_node_of[r2] == node : r2 == r))
+                last = 0;
+        }
+        if (!last)
+            continue;
+        if (node < 0) {
+            gen_y(c, d, r, me, t, row);
+            for (int h = 0; h < H; h++)
+                a[h] += fr_bf16_to_f32(row[h]);
+            continue;
+        }
+        for (int h = 0; h < H; h++)
+            part[h] = 0.0f;
+        for (int q = 0; q < w->N; q++)
+            if (g_node_of[q] == node && goes_to(w, me, t, q)) {
+                gen_y(c, d, q, me, t, row);
+                for (int h = 0; h < H; h++)
+                    part[h] += fr_bf16_to_f32(row[h]);
+            }
+        for (int h = 0; h < H; h++)
+            a[h] += fr_bf16_to_f32(fr_f32_to_bf16(part[h]));
+    }
+}
+
 /* out[t] = bf16(fp32 sum over the ranks t went to, ascending, of their
  * y rows); out->topk_weights[t][k] from the rank of expert k. With
  * forwarding, nodes in order: this node's ranks one by one, another
- * node's rows summed there (fp32, ranks ascending) and rounded to bf16. */
+ * node's rows summed there (fp32, ranks ascending) and rounded to bf16.
+ * With o->slots, slot_sum's order instead. */
 static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
                        const cres_t *o, const char *what)
 {
@@ -1011,8 +1074,18 @@ static long check_comb(const world_t *w, const spec_t *c, const data_t *d,
         for (int b = 0; o->bias && b < 2; b++) /* after the rows, in order */
             for (int h = 0; h < H; h++)
                 acc[h] += fr_bf16_to_f32(gen_bias(b, me, t, h));
-        int h = 0, kbad = -1;
+        int h = 0, kbad = -1, told = 0;
         const uint16_t *got = o->out + (size_t)t * H;
+        if (o->slots) { /* acc (rank order) only tells whether the orders differ */
+            float *sa = malloc(sizeof(float) * (size_t)H);
+            slot_sum(w, c, d, o, t, sa, part, row);
+            for (int i = 0; i < H; i++) {
+                told |= !bf_same(fr_f32_to_bf16(sa[i]), fr_f32_to_bf16(acc[i]));
+                acc[i] = sa[i];
+            }
+            free(sa);
+            g_order_told += told;
+        }
         while (h < H && bf_same(got[h], fr_f32_to_bf16(acc[h])))
             h++;
         for (int k = 0; o->w && k < K && kbad < 0; k++) {
@@ -1058,7 +1131,7 @@ static int do_disp(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
 static int do_comb(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
                    const spec_t *c, const data_t *d, int opts, const char *what)
 {
-    cres_t o = {NULL, NULL, 0};
+    cres_t o = {NULL, NULL, 0, 0};
     int rc = ht_comb(ep, rt, w, c, d, opts, &o);
     CHECK(rc == FERRY_OK, "rank %d: %s: ferry_ht_combine: %s: %s", w->me,
           what, ferry_strerror(rc), ferry_ep_last_error(ep));
@@ -1090,6 +1163,10 @@ static int do_round(ferry_ep_t ep, const spec_t *c, uint64_t rk, int opts,
         rc = do_disp(ep, rt, &w, c, &dx, opts, what);
         if (rc == FERRY_OK)
             rc = do_comb(ep, rt, &w, c, &dy, opts, what);
+        /* odd rounds: the same rows summed again in slot order (DeepEP 2's) */
+        data_t dyo = {hkey(c->seed, rk, 3, 0), K_ORD, 0};
+        if (rc == FERRY_OK && (rk & 1) && !(opts & (OPT_OLD | OPT_OLD2)))
+            rc = do_comb(ep, rt, &w, c, &dyo, opts | OPT_SLOTS | OPT_BIAS, what);
         CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
     }
     world_free(&w);
@@ -1572,7 +1649,7 @@ static int check_adjoint(ferry_comm_t comm, ferry_ep_t ep, ferry_route_t rt,
     int N = w->N, me = w->me;
     data_t dg = {tag, kind, 0}, dy = {tag + 1, kind, 0};
     dres_t D;
-    cres_t C = {NULL, NULL, 0};
+    cres_t C = {NULL, NULL, 0, 0};
     int rc = ht_disp(ep, rt, w, c, &dg, OPT_W, &D);
     CHECK(rc == FERRY_OK, "adjoint dispatch: %s", ferry_ep_last_error(ep));
     if (rc == FERRY_OK) {
@@ -1880,6 +1957,9 @@ static void args_combine(ferry_ep_t ep, ferry_route_t rt, const world_t *w,
     out = go;
     out.out = NULL;
     CHECK_BAD(ep, ferry_ht_combine(ep, rt, &gi, &out), "out");
+    in = gi;
+    in.sum_order = 2;
+    CHECK_BAD(ep, ferry_ht_combine(ep, rt, &in, &go), "sum_order");
     free(y);
     free(o);
 }
@@ -1962,7 +2042,7 @@ static int run_args(ferry_comm_t comm)
         /* forwarding: a combine on a route that had no dispatch is refused
          * on every rank, before anything moves */
         data_t dy0 = {2, K_FIN, 0};
-        cres_t C = {NULL, NULL, 0};
+        cres_t C = {NULL, NULL, 0, 0};
         int rc0 = ht_comb(ep, rt, &w, &c, &dy0, 0, &C);
         free(C.out);
         CHECK(rc0 == FERRY_ERR_STATE && strstr(ferry_ep_last_error(ep), "no ht_dispatch"),
@@ -1979,6 +2059,14 @@ static int run_args(ferry_comm_t comm)
             rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL, "args good combine");
         if (rc == FERRY_OK)
             rc = do_comb(ep, rt, &w, &c, &dy, OPT_ALL | OPT_BIAS, "args combine with bias");
+        /* DeepEP 2's order: the biases first, then each rank's row at its
+         * highest slot */
+        data_t dyo = {3, K_ORD, 0};
+        if (rc == FERRY_OK)
+            rc = do_comb(ep, rt, &w, &c, &dyo, OPT_ALL | OPT_SLOTS, "args combine, slot order");
+        if (rc == FERRY_OK)
+            rc = do_comb(ep, rt, &w, &c, &dyo, OPT_ALL | OPT_SLOTS | OPT_BIAS,
+                         "args combine with bias, slot order");
         /* structs of an older ferry.h (no stream) are still taken */
         if (rc == FERRY_OK)
             rc = do_disp(ep, rt, &w, &c, &dx, OPT_ALL | OPT_OLD, "args old-size dispatch");
@@ -2089,7 +2177,7 @@ static int run_kill(ferry_comm_t comm, int victim)
                       "dispatch wrong");
                 if (round == 3 && me == victim && g_kill_combine)
                     raise(SIGKILL);
-                cres_t C = {NULL, NULL, 0};
+                cres_t C = {NULL, NULL, 0, 0};
                 phase = "combine";
                 t0 = now_ms();
                 rc = ht_comb(ep, rt, &w, &c, &dy, 0, &C);
@@ -2185,6 +2273,9 @@ int main(int argc, char **argv)
         rc = run_graph(comm);
     else
         rc = run_args(comm);
+    if (g_slot_calls)
+        printf("rank %d: %ld combines in slot order, told from rank order on %ld tokens\n",
+               me, g_slot_calls, g_order_told);
     ferry_comm_destroy(comm);
     verdict(me, rc ? "bad" : "ok");
     return rc;

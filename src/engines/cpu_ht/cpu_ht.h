@@ -127,6 +127,9 @@ typedef struct fr_cpu_ht {
     uint64_t *ctx, *crx;
     float *acc;              /* combine accumulator [acc_rows][H] */
     size_t acc_rows;
+    uint16_t *stash;         /* FERRY_HT_SUM_SLOTS: [stash_rows][K][H] bf16,
+                                a token's rows at their highest slots */
+    size_t stash_rows;
     fr_ht_fab_t fab;         /* when peers are on the fabric */
     fr_ht_fwd_t fwd;         /* when ep->forward */
 } fr_cpu_ht_t;
@@ -179,6 +182,8 @@ typedef struct fr_ht_call {
     uint8_t *need;               /* [N] peers this rank still needs */
     int busy_rank;               /* the peer we last waited on */
     int wsum;                    /* combine: weights summed over ranks */
+    uint16_t *stash;             /* combine, FERRY_HT_SUM_SLOTS: rows kept
+                                    [T][K][H] until all are in (else NULL) */
     /* forwarding */
     int32_t *fw_done;            /* [N] forwarder: records of source s passed on
                                     (dispatch), its tokens summed (combine) */

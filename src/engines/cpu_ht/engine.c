@@ -150,6 +150,7 @@ static void fr_ht_free(ferry_ep_t ep)
     free(c->ctx);
     free(c->crx);
     free(c->acc);
+    free(c->stash);
     free(c);
     ep->eng_state = NULL;
 }

@@ -442,9 +442,20 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
                       int t, int d, int node, const uint16_t *y, const float *w)
 {
     int K = c->h->K, El = c->h->El, H = c->h->H;
-    float *a = acc + (size_t)t * H;
-    for (int i = 0; i < H; i++)
-        a[i] += fr_bf16_to_f32(y[i]);
+    const int32_t *slots = c->p->idx + (size_t)t * K;
+    int hs = -1; /* FERRY_HT_SUM_SLOTS: the highest slot d (node) holds */
+    if (c->stash)
+        for (int k = 0; k < K; k++)
+            if (slots[k] >= 0 &&
+                (node >= 0 ? c->ep->node_of[slots[k] / El] == node : slots[k] / El == d))
+                hs = k;
+    if (hs >= 0) { /* kept until the token's every row is in */
+        memcpy(c->stash + ((size_t)t * K + (size_t)hs) * H, y, sizeof(uint16_t) * H);
+    } else {
+        float *a = acc + (size_t)t * H;
+        for (int i = 0; i < H; i++)
+            a[i] += fr_bf16_to_f32(y[i]);
+    }
     if (!out->topk_weights)
         return;
     if (c->wsum) {
@@ -452,9 +463,9 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
             out->topk_weights[(size_t)t * K + k] += w ? w[k] : 0.f;
         return;
     }
-    const int32_t *row = c->p->idx + (size_t)t * K;
     for (int k = 0; k < K; k++)
-        if (row[k] >= 0 && (node >= 0 ? c->ep->node_of[row[k] / El] == node : row[k] / El == d))
+        if (slots[k] >= 0 &&
+            (node >= 0 ? c->ep->node_of[slots[k] / El] == node : slots[k] / El == d))
             out->topk_weights[(size_t)t * K + k] = w ? w[k] : 0.f;
 }
 
@@ -501,6 +512,21 @@ static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
     if (out->topk_weights)
         memset(out->topk_weights, 0, sizeof(float) * (size_t)T * K);
     return st->acc;
+}
+
+/* FERRY_HT_SUM_SLOTS: the rows' store, zeroed ([T][K][H] bf16). */
+static uint16_t *fr_ht_stash(ferry_ep_t ep, int T)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(ep);
+    size_t n = (size_t)st->H.K * (size_t)st->H.H;
+    if (st->stash_rows < (size_t)T || !st->stash) {
+        free(st->stash);
+        st->stash = malloc(sizeof(uint16_t) * ((size_t)T * n + 1));
+        st->stash_rows = st->stash ? (size_t)T : 0;
+    }
+    if (st->stash)
+        memset(st->stash, 0, sizeof(uint16_t) * (size_t)T * n);
+    return st->stash;
 }
 
 /* Combine: send this rank's rows back (a remote source's through its
@@ -559,6 +585,12 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         fr_ht_call_end(&c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine accumulator of %d x %d floats", T, H);
     }
+    if (in->sum_order == FERRY_HT_SUM_SLOTS && !(c.stash = fr_ht_stash(ep, T))) {
+        fr_ht_call_end(&c);
+        return fr_ep_fail(ep, FERRY_ERR_NOMEM,
+                          "combine (sum_order FERRY_HT_SUM_SLOTS): %d x %d x %d bf16 rows", T,
+                          K, H);
+    }
     /* who to sum, in order: every rank, or with forwarding this node's
      * ranks and every other node's summed row (fr_ht_fwd_t.ctb) */
     const fr_ht_fwd_t *fw = &fr_cpu_ht(ep)->fwd;
@@ -615,7 +647,25 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     }
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
-    if (rc == FERRY_OK) {
+    if (rc == FERRY_OK && c.stash) {
+        /* FERRY_HT_SUM_SLOTS: the biases, then the rows by slot (zeros
+         * where a slot is not a rank's highest), then anything summed
+         * without a slot (nothing, the route being whole), one rounding */
+        const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
+        for (size_t t = 0; t < (size_t)T; t++)
+            for (size_t i = 0; i < (size_t)H; i++) {
+                size_t o = t * (size_t)H + i;
+                float a = 0.f;
+                if (b0)
+                    a += fr_bf16_to_f32(b0[o]);
+                if (b1)
+                    a += fr_bf16_to_f32(b1[o]);
+                for (int k = 0; k < K; k++)
+                    a += fr_bf16_to_f32(c.stash[(t * (size_t)K + (size_t)k) * (size_t)H + i]);
+                a += acc[o];
+                ((uint16_t *)out->out)[o] = fr_f32_to_bf16(a);
+            }
+    } else if (rc == FERRY_OK) {
         /* the bias after the rows, before the one rounding */
         const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
         for (size_t i = 0; i < (size_t)T * H; i++) {

@@ -81,6 +81,8 @@ typedef struct fr_cuht_io {
     int fp8;
     int wsum;                /* combine: rw slot k summed over the token's ranks */
     const int4 *bias[2];     /* combine: [T][2H] bf16 each, or NULL: added before rounding */
+    int slots;               /* combine: FERRY_HT_SUM_SLOTS (the biases first, then
+                                the rows by their highest slot) */
 } fr_cuht_io_t;
 
 /* Entry i of recv_topk_idx, in the dtype the caller gave (or none). */
@@ -1187,6 +1189,32 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                 sptr[gw][lane] = dp;
             __syncwarp();
             int np = __popc(pres);
+            if (io.slots) { /* uniform */
+                /* FERRY_HT_SUM_SLOTS: the rows reordered by the highest slot
+                 * each contributor holds. Lane k: slot k's contributor ek
+                 * (the key dk is given in) and whether k is its highest
+                 * slot; the top lanes, ascending, take their rows' places */
+                int e = lane < K ? R.idx[(size_t)t * K + lane] : -1;
+                int ek = e < 0 ? -1 : G.fwd ? A.fw.key[e / El] : e / El;
+                unsigned int same = __match_any_sync(FR_FULL, ek);
+                bool top = ek >= 0 && 31 - __clz(same) == lane;
+                unsigned int tops = __ballot_sync(FR_FULL, top);
+                const int4 *mine = NULL;
+                for (int q = 0; q < np; q++) {
+                    int dq = __shfl_sync(FR_FULL, dk, q);
+                    unsigned long long pq = __shfl_sync(
+                        FR_FULL, (unsigned long long)(uintptr_t)dp, q);
+                    if (top && dq == ek)
+                        mine = (const int4 *)(uintptr_t)pq;
+                }
+                /* every contributor found (the route makes both from the
+                 * same slots; else the rank order stays) */
+                bool whole = __popc(tops) == np && __all_sync(FR_FULL, !top || mine);
+                __syncwarp();
+                if (whole && top)
+                    sptr[gw][__popc(tops & ((1u << lane) - 1u))] = mine;
+                __syncwarp();
+            }
             /* 8 channels a vector, U vectors per lane, two ranks' loads in
              * flight together: fp32 sum in ascending rank order, one
              * rounding (what the CPU engine computes) */
@@ -1197,6 +1225,17 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
 #pragma unroll
                     for (int i = 0; i < 8; i++)
                         acc[u][i] = 0.f;
+                /* FERRY_HT_SUM_SLOTS: the biases before the rows */
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    if (!io.slots || !io.bias[b])
+                        continue;
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        if (h + 32 * u < H8)
+                            fr_cuht_acc8(acc[u], __ldg(io.bias[b] + (size_t)t * H8 + h + 32 * u));
+                    }
+                }
                 for (int q = 0; q < np; q += 2) {
                     bool two = q + 1 < np;
                     const int4 *p0 = sptr[gw][q], *p1 = two ? sptr[gw][q + 1] : p0;
@@ -1217,10 +1256,10 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
                         }
                     }
                 }
-                /* the bias after the rows, before the one rounding */
+                /* else the bias after the rows, before the one rounding */
 #pragma unroll
                 for (int b = 0; b < 2; b++) {
-                    if (!io.bias[b])
+                    if (io.slots || !io.bias[b])
                         continue;
 #pragma unroll
                     for (int u = 0; u < U; u++) {
@@ -1625,6 +1664,7 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
     io.rx = (uint8_t *)out->out;
     io.rw = out->topk_weights;
     io.wsum = in->weights_sum != 0;
+    io.slots = in->sum_order == FERRY_HT_SUM_SLOTS;
     if (c->a.G.fwd && !p->dispatched) /* alike on every rank: calls are collective */
         return fr_ep_fail(ep, FERRY_ERR_STATE,
                           "ht_combine: route %llu has had no ht_dispatch; with forwarding "
