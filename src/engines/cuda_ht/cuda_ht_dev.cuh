@@ -176,6 +176,8 @@ static_assert(FR_CUHT_MAX_CHANNELS <= (1 << FR_CUHT_FAB_CBITS) &&
               "fab.c's immediate fields");
 
 #define FR_CUHT_POOL 8
+/* spare table blocks an exact route takes before allocating one */
+#define FR_CUHT_SPARES 2
 #define FR_CUHT_AHEAD 8 /* combines queued ahead, at most, on the fabric path with copies */
 
 struct fr_cuht_ep {

@@ -498,6 +498,26 @@ extern "C" int fr_cuht_pool_init(ferry_ep_t ep)
         if (rc != FERRY_OK)
             return rc;
     }
+    /* spare blocks for exact routes, made now: a route made while the
+     * previous one's calls run takes one instead of a cudaMalloc, which
+     * can wait for the device (CUDA's implicit synchronisation) while
+     * those calls wait for this thread's peers */
+    for (int i = 0; i < FR_CUHT_SPARES; i++) {
+        fr_cuht_route_t tmp;
+        memset(&tmp, 0, sizeof(tmp));
+        fr_cuht_spare_t *sp = (fr_cuht_spare_t *)calloc(1, sizeof(*sp));
+        int rc = sp ? fr_cuht_route_mem(ep, &tmp, c->a.G.T, &cc, &dc)
+                    : fr_ep_fail(ep, FERRY_ERR_NOMEM, "spare route tables");
+        if (rc != FERRY_OK) {
+            free(sp);
+            return rc;
+        }
+        sp->mem = tmp.mem;
+        sp->size = tmp.size;
+        sp->done = tmp.done; /* never recorded: ready */
+        sp->next = c->spare;
+        c->spare = sp;
+    }
     return FERRY_OK;
 }
 
