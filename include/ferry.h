@@ -111,8 +111,26 @@ FERRY_API int ferry_comm_destroy(ferry_comm_t comm);
 /* ---------------------------------------------------------------------- */
 
 typedef enum ferry_dtype {
-    FERRY_DTYPE_BF16 = 0,    /* 2 bytes per element */
-    FERRY_DTYPE_FP8_E4M3 = 1 /* 1 byte, one fp32 scale per 128 channels */
+    FERRY_DTYPE_BF16 = 0,     /* 2 bytes per element */
+    FERRY_DTYPE_FP8_E4M3 = 1, /* 1 byte, one fp32 scale per 128 channels */
+    /* Low latency only, since 0.1.2: 4 bits per element (e2m1), one e4m3
+     * scale per 16 channels, and a global fp32 encode scale per dispatch
+     * (ferry_dispatch_in_t.x_global_scale, the same on every rank). A block
+     * of 16 with largest magnitude amax gets the scale
+     * sf = e4m3(gs * (amax * (1/6))) and codes e2m1(x * (1 / (sf * (1/gs)))),
+     * e4m3 and e2m1 rounding to nearest even and saturating (+-448, +-6),
+     * the reciprocals correctly rounded fp32 (an all-zero block: sf 0,
+     * codes 0); x ~ e2m1 * sf / gs. amax is over the finite channels, Inf
+     * saturates to +-6, NaN gives code 7 with its sign. expert_x holds
+     * [E_local][capacity][H/2] bytes, channel 2c in the low nibble of byte c
+     * and 2c + 1 in the high one; expert_x_scales the e4m3 bytes in the
+     * 128 x 4 block-scaled layout of grouped NVFP4 GEMMs: scale j of row t
+     * of local expert e at byte
+     *   e * R * H/64 * 512 + (t/128) * (H/64) * 512 + (j/4) * 512
+     *   + (t%32) * 16 + ((t%128)/32) * 4 + j%4,
+     * R = capacity rounded up to 128 over 128 (padding rows and unwritten
+     * rows are left as they were). hidden a multiple of 64. */
+    FERRY_DTYPE_NVFP4 = 2
 } ferry_dtype_t;
 
 typedef enum ferry_device {
@@ -373,6 +391,10 @@ typedef struct ferry_dispatch_in {
     const int64_t *topk_idx;   /* [T][K], -1 = no expert */
     void *stream;              /* CUDA: cudaStream_t */
     const int32_t *num_tokens_dev; /* CUDA: if set, T is read from here */
+    /* FERRY_DTYPE_NVFP4: the encode scale gs (one float, device memory on
+     * CUDA ranks, finite and > 0), the same on every rank; NULL otherwise.
+     * Since 0.1.2: the size before this field is still taken. */
+    const float *x_global_scale;
 } ferry_dispatch_in_t;
 
 typedef struct ferry_dispatch_out {

@@ -39,8 +39,9 @@ static void usage(FILE *f)
             "                       sweeps them, one row each (one job: the contexts are\n"
             "                       made again for each)\n"
             "      --csv FILE       the rows as CSV too (a header line first)\n"
-            "      --dtype fp8|bf16|mixed  dispatch dtype (default fp8; mixed: a bf16 and\n"
-            "                       an fp8 context, alternating every round)\n"
+            "      --dtype fp8|bf16|mixed|nvfp4  dispatch dtype (default fp8; mixed: a\n"
+            "                       bf16 and an fp8 context, alternating every round;\n"
+            "                       nvfp4: low latency, CPU ranks, encode scale 100.3)\n"
             "      --routing uniform|zipf:S|groups:G:M   expert choice (default uniform;\n"
             "                       groups: experts in G groups, each token picks M\n"
             "                       groups at random, then its top-k among their experts,\n"
@@ -214,8 +215,11 @@ static int parse(int argc, char **argv, opts_t *o)
                 o->fp8 = 0;
             else if (strcmp(optarg, "mixed") == 0)
                 o->fp8 = 2; /* two contexts, bf16 and fp8, alternating */
+            else if (strcmp(optarg, "nvfp4") == 0)
+                o->fp8 = 3; /* NVFP4, low latency */
             else {
-                fprintf(stderr, "ferry-bench: --dtype %s: use fp8 or bf16\n", optarg);
+                fprintf(stderr, "ferry-bench: --dtype %s: use fp8, bf16, mixed or nvfp4\n",
+                        optarg);
                 return -1;
             }
             break;
@@ -422,7 +426,9 @@ static int make_config(bench_t *b)
     cfg.topk = o->topk;
     cfg.hidden = o->hidden;
     cfg.max_tokens = o->tokens > 0 ? o->tokens : 1;
-    cfg.dispatch_dtype = o->fp8 == 1 ? FERRY_DTYPE_FP8_E4M3 : FERRY_DTYPE_BF16;
+    cfg.dispatch_dtype = o->fp8 == 1   ? FERRY_DTYPE_FP8_E4M3
+                         : o->fp8 == 3 ? FERRY_DTYPE_NVFP4
+                                       : FERRY_DTYPE_BF16;
     cfg.device = strcmp(o->device, "cuda") == 0 ? FERRY_DEVICE_CUDA : FERRY_DEVICE_CPU;
     cfg.num_sms = o->sms;
     cfg.mode = o->ht ? FERRY_MODE_HIGH_THROUGHPUT : FERRY_MODE_LOW_LATENCY;
@@ -460,11 +466,18 @@ static int make_config(bench_t *b)
         fprintf(stderr, "ferry-bench: --mode ht runs with --dtype fp8 or bf16\n");
         return 2;
     }
+    if (o->fp8 == 3 && (o->ht || b->have_base)) {
+        fprintf(stderr, "ferry-bench: --dtype nvfp4 runs in low-latency mode, without the MPI "
+                        "baseline\n");
+        return 2;
+    }
     if (o->fp8 == 2 && cfg.device == FERRY_DEVICE_CUDA) {
         fprintf(stderr, "ferry-bench: --dtype mixed is for CPU ranks\n");
         return 2;
     }
     b->s.fp8 = o->fp8 == 1;
+    b->s.nvfp4 = o->fp8 == 3;
+    b->s.gs = 100.3f; /* NVFP4's encode scale: not a power of two, no block saturates */
     return 0;
 }
 
@@ -524,14 +537,14 @@ static int make_workload(bench_t *b)
     size_t rows_bytes = b->El * b->cap * 4 * (size_t)lay->num_scales;
     b->exs = calloc((exs_bytes > rows_bytes ? exs_bytes : rows_bytes) + 4, 1);
     /* scales not in rows: dispatch writes them here, the check reads exs */
-    b->exs_raw = b->o->scales ? calloc(lay->expert_scales_bytes + 4, 1) : NULL;
+    b->exs_raw = b->o->scales || b->s.nvfp4 ? calloc(lay->expert_scales_bytes + 4, 1) : NULL;
     b->cnt = calloc(b->El, sizeof(int32_t));
     b->sr = calloc(rows, sizeof(int32_t));
     b->st = calloc(rows, sizeof(int32_t));
     b->ey = calloc(lay->expert_y_bytes / 2 + 1, 2);
     b->out = calloc((size_t)b->cfg.max_tokens * b->o->hidden + 1, 2);
     b->acc = calloc((size_t)b->o->hidden, sizeof(float));
-    if (!b->ex || !b->exs || (b->o->scales && !b->exs_raw) || !b->cnt || !b->sr || !b->st || !b->ey || !b->out ||
+    if (!b->ex || !b->exs || ((b->o->scales || b->s.nvfp4) && !b->exs_raw) || !b->cnt || !b->sr || !b->st || !b->ey || !b->out ||
         !b->acc || fw_input_alloc(&b->s, &b->in)) {
         fprintf(stderr, "ferry-bench: rank %d: out of memory\n", b->me);
         return 1;

@@ -49,9 +49,17 @@ int fr_ep_check_config(int N, const ferry_ep_config_t *c, fr_err_t *err)
         return FR_ERR(err, FERRY_ERR_INVALID, "max_tokens = %d: must be 1..%d",
                       c->max_tokens, 1 << 20);
     if (c->dispatch_dtype != FERRY_DTYPE_BF16 &&
-        c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3)
+        c->dispatch_dtype != FERRY_DTYPE_FP8_E4M3 && c->dispatch_dtype != FERRY_DTYPE_NVFP4)
         return FR_ERR(err, FERRY_ERR_INVALID, "dispatch_dtype = %d: unknown",
                       (int)c->dispatch_dtype);
+    if (c->dispatch_dtype == FERRY_DTYPE_NVFP4 && c->mode != FERRY_MODE_LOW_LATENCY)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "dispatch_dtype nvfp4: low-latency mode only (high-throughput "
+                      "dispatch takes bf16 or fp8)");
+    if (c->dispatch_dtype == FERRY_DTYPE_NVFP4 && c->hidden % 64 != 0)
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "dispatch_dtype nvfp4 needs hidden to be a multiple of 64 (its "
+                      "scales go four 16-channel blocks to a word; hidden = %d)", c->hidden);
     if (c->dispatch_dtype == FERRY_DTYPE_FP8_E4M3 && c->hidden % 128 != 0)
         return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
                       "dispatch_dtype fp8 needs hidden to be a multiple of "
@@ -463,7 +471,7 @@ static int fr_create_finish(ferry_ep_t ep, fr_err_t *err)
                                                   : "");
     FR_LOG_INFO(FR_SUB_INIT,
                 "EP E=%d K=%d H=%d T=%d %s (%s): segment %llu B, send %llu B",
-                L->E, L->K, L->H, L->T, L->fp8 ? "fp8" : "bf16", ep->eng->name,
+                L->E, L->K, L->H, L->T, L->nvfp4 ? "nvfp4" : L->fp8 ? "fp8" : "bf16", ep->eng->name,
                 (unsigned long long)L->seg_bytes,
                 (unsigned long long)(ep->send ? L->send_bytes : 0));
     return FERRY_OK;
@@ -624,8 +632,7 @@ int ferry_ep_get_layout(ferry_ep_t ep, ferry_ep_layout_t *lay)
     lay->token_bytes = L->tok_bytes;
     lay->num_scales = (int)L->nscales;
     lay->expert_x_bytes = (size_t)L->El * L->cap * L->tok_bytes;
-    lay->expert_scales_bytes = (size_t)L->El * L->cap * L->nscales *
-                               (L->sfmt == FERRY_SCALES_UE8M0 ? 1 : 4);
+    lay->expert_scales_bytes = (size_t)fr_scl_bytes(L);
     lay->expert_y_bytes = (size_t)L->El * L->cap * L->crow;
     lay->shm_bytes = L->seg_bytes;
     lay->host_bytes = (ep->send ? L->send_bytes : 0) +

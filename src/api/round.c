@@ -111,6 +111,21 @@ int fr_check_dispatch_args(const fr_layout_t *L, const ferry_dispatch_in_t *in,
     if (in->x_scales && !L->fp8)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "x_scales given but the dispatch dtype is bf16");
+    if (L->nvfp4 && in->x_scales)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_scales given but the dispatch dtype is nvfp4 (pass bf16 x and "
+                      "x_global_scale: ferry quantises)");
+    if (!L->nvfp4 && in->x_global_scale)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_global_scale given but the dispatch dtype is %s (it is NVFP4's "
+                      "encode scale)", L->fp8 ? "fp8" : "bf16");
+    if (L->nvfp4 && !in->x_global_scale)
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_global_scale: NULL pointer (dispatch dtype nvfp4: the encode scale, "
+                      "the same on every rank)");
+    if (L->nvfp4 && !on_gpu && !(*in->x_global_scale > 0.f && *in->x_global_scale < 3.4e38f))
+        return FR_ERR(err, FERRY_ERR_INVALID,
+                      "x_global_scale = %g: must be finite and > 0", (double)*in->x_global_scale);
     if (in->x_scales && L->sfmt == FERRY_SCALES_UE8M0)
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "x_scales given with scales_layout = FERRY_SCALES_UE8M0: UE8M0 holds "
@@ -202,11 +217,24 @@ static void fr_send_take(ferry_ep_t ep, fr_round_t *r, const ferry_dispatch_in_t
     }
 }
 
+/* A dispatch_in struct of the size before x_global_scale, as the current
+ * one in `cur` (that field NULL); any other size goes on to the checks. */
+static const ferry_dispatch_in_t *fr_din_current(const ferry_dispatch_in_t *in,
+                                                 ferry_dispatch_in_t *cur)
+{
+    if (!in || in->size != offsetof(ferry_dispatch_in_t, x_global_scale))
+        return in;
+    fr_args_current(cur, sizeof(*cur), in);
+    return cur;
+}
+
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                         uint64_t *round)
 {
     if (!ep)
         return FERRY_ERR_INVALID;
+    ferry_dispatch_in_t in_cur;
+    in = fr_din_current(in, &in_cur);
     fr_round_t *r = NULL;
     const ferry_dispatch_in_t *group = in;
     ferry_dispatch_in_t share;
@@ -297,9 +325,9 @@ static int fr_check_dispatch_out(ferry_ep_t ep, const ferry_dispatch_out_t *out)
     if (!out->expert_num_tokens)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "expert_num_tokens: NULL pointer");
-    if (ep->L.fp8 && !out->expert_x_scales)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "expert_x_scales: NULL pointer (fp8 dispatch)");
+    if ((ep->L.fp8 || ep->L.nvfp4) && !out->expert_x_scales)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_x_scales: NULL pointer (%s dispatch)",
+                          ep->L.nvfp4 ? "nvfp4" : "fp8");
     return fr_check_stream(ep, out->stream, "out->stream");
 }
 
@@ -417,6 +445,8 @@ int ferry_dispatch(ferry_ep_t ep, const ferry_dispatch_in_t *in,
     if (!ep)
         return FERRY_ERR_INVALID;
     /* every check of both halves before anything starts */
+    ferry_dispatch_in_t in_cur;
+    in = fr_din_current(in, &in_cur);
     uint64_t rr = 0;
     fr_round_t *r = NULL;
     const ferry_dispatch_in_t *group = in;

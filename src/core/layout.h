@@ -50,14 +50,20 @@
 #define FR_IMM_SENDER_BITS 18
 #define FR_IMM_EPOCH_BITS 12
 #define FR_MAX_RANKS (1 << FR_IMM_SENDER_BITS)
+/* expert_x_scales of an NVFP4 dispatch: the 128 x 4 block-scaled layout
+ * of grouped NVFP4 GEMMs (fr_scl_at) */
+#define FR_SFMT_NVFP4 16
 
 typedef struct fr_layout {
     int N, rank;     /* world size, this rank */
     int E, El, K, H; /* experts, local experts, top-k, hidden */
     int T;           /* max tokens per rank */
     int fp8;         /* dispatch dtype is fp8 e4m3 */
+    int nvfp4;       /* dispatch dtype is NVFP4 (e2m1 pairs, e4m3 scales
+                        per 16 channels: nscales words of 4 scale bytes) */
     int kmax;        /* most experts of one rank one token can pick */
-    int sfmt;        /* expert_x_scales layout (ferry_scales_layout_t) */
+    int sfmt;        /* expert_x_scales layout (ferry_scales_layout_t, or
+                        FR_SFMT_NVFP4) */
     uint32_t tok_bytes, nscales, rec_hdr, rec_bytes;
     uint32_t rec_pos;   /* offset of pos[kmax] in a record header */
     uint32_t slice_hdr; /* slice header + rows per local expert */
@@ -95,10 +101,12 @@ typedef struct fr_rec_hdr {
 
 FR_HD uint64_t fr_align(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-/* Fill every derived size; the caller validated the config. */
+/* Fill every derived size; the caller validated the config. dtype:
+ * ferry_dtype_t (0 bf16, 1 fp8, 2 NVFP4). */
 FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
-                          int T, int fp8)
+                          int T, int dtype)
 {
+    int fp8 = dtype == 1, nvfp4 = dtype == 2;
     L->N = N;
     L->rank = rank;
     L->E = E;
@@ -107,10 +115,11 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
     L->H = H;
     L->T = T;
     L->fp8 = fp8;
-    L->sfmt = FERRY_SCALES_ROWS;
+    L->nvfp4 = nvfp4;
+    L->sfmt = nvfp4 ? FR_SFMT_NVFP4 : FERRY_SCALES_ROWS;
     L->kmax = K < L->El ? K : L->El;
-    L->tok_bytes = (uint32_t)(fp8 ? H : 2 * H);
-    L->nscales = (uint32_t)(fp8 ? H / 128 : 0);
+    L->tok_bytes = (uint32_t)(nvfp4 ? H / 2 : fp8 ? H : 2 * H);
+    L->nscales = (uint32_t)(nvfp4 ? H / 64 : fp8 ? H / 128 : 0);
     L->rec_pos = (uint32_t)fr_align(FR_REC_HDR_FIXED + 2 * (uint64_t)L->kmax, 4);
     L->rec_hdr = (uint32_t)fr_align(L->rec_pos + 4 * (uint64_t)L->kmax, 16);
     L->slice_hdr = (uint32_t)fr_align(FR_SLICE_HDR + 4 * (uint64_t)L->El, 64);
@@ -205,11 +214,23 @@ int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err
 FR_HD uint8_t *fr_scl_at(const fr_layout_t *L, void *base, uint64_t le, uint64_t pos)
 {
     uint8_t *b = (uint8_t *)base;
+    if (L->sfmt == FR_SFMT_NVFP4) /* word q of row pos: fr_scl_put */
+        return b + 4 * (le * fr_align(L->cap, 128) * L->nscales +
+                        pos / 128 * 128 * L->nscales + pos % 32 * 4 + pos % 128 / 32);
     if (L->sfmt == FERRY_SCALES_COLS)
         return b + 4 * (le * L->nscales * L->cap + pos);
     if (L->sfmt == FERRY_SCALES_UE8M0)
         return b + 4 * (le * (L->nscales / 4) * L->cap + pos);
     return b + 4 * (le * L->cap + pos) * L->nscales;
+}
+
+/* Bytes of expert_x_scales: every layout holds El x cap rows of nscales
+ * words (UE8M0: bytes), NVFP4's with cap rounded up to 128. */
+FR_HD uint64_t fr_scl_bytes(const fr_layout_t *L)
+{
+    if (L->sfmt == FR_SFMT_NVFP4)
+        return 4ull * L->El * fr_align(L->cap, 128) * L->nscales;
+    return (uint64_t)L->El * L->cap * L->nscales * (L->sfmt == FERRY_SCALES_UE8M0 ? 1 : 4);
 }
 
 /* rows index expert_x's int32 row space (expert_x_scales is sized by it) */
@@ -223,7 +244,9 @@ FR_HD uint8_t *fr_scl_row(const fr_layout_t *L, void *base, uint32_t row)
 
 FR_HD void fr_scl_put(const fr_layout_t *L, uint8_t *p, uint32_t q, float v)
 {
-    if (L->sfmt == FERRY_SCALES_COLS) {
+    if (L->sfmt == FR_SFMT_NVFP4) {
+        p += 512 * (uint64_t)q; /* v: the bits of scale bytes 4q..4q+3 */
+    } else if (L->sfmt == FERRY_SCALES_COLS) {
         p += 4 * (uint64_t)q * L->cap;
     } else if (L->sfmt == FERRY_SCALES_UE8M0) {
         uint32_t u;

@@ -141,6 +141,54 @@ FR_HD void fr_quant_block(const uint16_t *x, uint8_t *q, float *scale)
     fr_quant_block_r(x, q, scale, 0);
 }
 
+/* NVFP4 (ferry.h, FERRY_DTYPE_NVFP4): e2m1 codes (bit 3 sign, then
+ * 0, 0.5, 1, 1.5, 2, 3, 4, 6), 16 channels per e4m3 scale. */
+#define FR_NVFP4_BLOCK 16
+
+FR_HD float fr_e2m1_to_f32(uint8_t c)
+{
+    const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    float v = mag[c & 7];
+    return (c & 8) ? -v : v;
+}
+
+/* Round to nearest, ties to the even code, saturating at 6; the sign is
+ * kept (-0.1 gives code 8); NaN gives 7 with its sign. */
+FR_HD uint8_t fr_f32_to_e2m1(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint8_t sign = (uint8_t)((u >> 28) & 8u);
+    float a;
+    uint32_t au = u & 0x7fffffffu;
+    memcpy(&a, &au, 4);
+    uint8_t c = au > 0x7f800000u ? 7
+                : a <= 0.25f   ? 0
+                : a < 0.75f    ? 1
+                : a <= 1.25f   ? 2
+                : a < 1.75f    ? 3
+                : a <= 2.5f    ? 4
+                : a < 3.5f     ? 5
+                : a <= 5.f     ? 6
+                               : 7;
+    return (uint8_t)(sign | c);
+}
+
+/* One 16-channel block with encode scale gs: 8 bytes of codes (channel
+ * 2i in the low nibble of byte i) and the scale's e4m3 byte. */
+FR_HD void fr_nvfp4_block(const uint16_t *x, float gs, uint8_t *q, uint8_t *sf)
+{
+    float amax = fr_bf16_amax(x, FR_NVFP4_BLOCK);
+    const float rcp6 = 1.0f / 6.0f;
+    uint8_t s = fr_f32_to_e4m3(gs * (amax * rcp6));
+    float sq = fr_e4m3_to_f32(s);
+    float inv = sq != 0.f ? 1.0f / (sq * (1.0f / gs)) : 0.f;
+    for (int i = 0; i < FR_NVFP4_BLOCK / 2; i++)
+        q[i] = (uint8_t)(fr_f32_to_e2m1(fr_bf16_to_f32(x[2 * i]) * inv) |
+                         fr_f32_to_e2m1(fr_bf16_to_f32(x[2 * i + 1]) * inv) << 4);
+    *sf = s;
+}
+
 /* acc[i] += w * y[i] for a bf16 row. */
 FR_HD void fr_axpy_bf16(float *acc, float w, const uint16_t *y, int n)
 {

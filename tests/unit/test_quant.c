@@ -174,6 +174,78 @@ int main(void)
                       fabsf(fr_bf16_to_f32(blk[i])) / 8 + sc / 512,
                   "channel %d dequantises near its value", i);
     }
+    /* e2m1: the nearest of 0, .5, 1, 1.5, 2, 3, 4, 6 (ties to the even
+     * code, saturating), the sign kept; every midpoint, both sides of it,
+     * and random values */
+    {
+        static const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+        for (int c = 0; c < 16; c++)
+            CHECK(fr_e2m1_to_f32((uint8_t)c) == (c & 8 ? -mag[c & 7] : mag[c & 7]),
+                  "e2m1 decode %d", c);
+        float probe[64];
+        int np = 0;
+        for (int c = 0; c < 7; c++) {
+            float mid = (mag[c] + mag[c + 1]) / 2;
+            probe[np++] = mid;
+            probe[np++] = nextafterf(mid, 0.f);
+            probe[np++] = nextafterf(mid, 10.f);
+            probe[np++] = mag[c];
+        }
+        probe[np++] = 6.f;
+        probe[np++] = 7.5f;
+        probe[np++] = 1e30f;
+        probe[np++] = INFINITY;
+        uint64_t y = 7;
+        for (int i = 0; i < 20000; i++) {
+            y = y * 6364136223846793005ull + 1442695040888963407ull;
+            float f = (float)((double)(y >> 11) / 9007199254740992.0 * 8.0);
+            for (int sgn = 0; sgn < 2; sgn++) {
+                float v = i < np ? probe[i] : f;
+                v = sgn ? -v : v;
+                /* reference: nearest by distance in double, ties to even */
+                double a = fabs((double)v);
+                int best = 0;
+                for (int c = 1; c < 8; c++) {
+                    double d = fabs(a - mag[c]), db = fabs(a - mag[best]);
+                    if (d < db || (d == db && c % 2 == 0))
+                        best = c;
+                }
+                best = a > 6.0 ? 7 : best; /* saturating (Inf too) */
+                uint8_t want = (uint8_t)((signbit(v) ? 8 : 0) | best);
+                CHECK(fr_f32_to_e2m1(v) == want, "e2m1(%.9g): got %d want %d", v,
+                      fr_f32_to_e2m1(v), want);
+            }
+            if (fr_test_failures > 10)
+                break;
+        }
+        CHECK(fr_f32_to_e2m1(NAN) == 7, "e2m1 NaN -> 7");
+        CHECK(fr_f32_to_e2m1(-0.1f) == 8, "e2m1 keeps the sign of a zero code");
+    }
+    /* an NVFP4 block: the scale e4m3(gs * amax / 6), codes of x / (sf / gs),
+     * channel 2i in the low nibble; the block's largest value maps to 6
+     * when its scale is exact; an all-zero block gives scale 0, codes 0 */
+    {
+        uint16_t blk[16];
+        uint8_t q[8], sf;
+        float gs = 100.3f;
+        for (int i = 0; i < 16; i++)
+            blk[i] = fr_f32_to_bf16((float)(i - 7) * 0.31f);
+        fr_nvfp4_block(blk, gs, q, &sf);
+        float bmax = fr_bf16_amax(blk, 16);
+        CHECK(sf == fr_f32_to_e4m3(gs * (bmax * (1.0f / 6.0f))), "nvfp4 scale byte 0x%02x", sf);
+        float sq = fr_e4m3_to_f32(sf), inv = 1.0f / (sq * (1.0f / gs));
+        for (int i = 0; i < 16; i++) {
+            uint8_t c = (uint8_t)((q[i / 2] >> (i % 2 * 4)) & 15);
+            CHECK(c == fr_f32_to_e2m1(fr_bf16_to_f32(blk[i]) * inv), "nvfp4 channel %d", i);
+            float back = fr_e2m1_to_f32(c) * sq / gs, want = fr_bf16_to_f32(blk[i]);
+            CHECK(fabsf(back - want) <= fabsf(want) * 0.25f + bmax / 12 + 1e-6f,
+                  "nvfp4 channel %d dequantises near %g: %g", i, want, back);
+        }
+        for (int i = 0; i < 16; i++)
+            blk[i] = (uint16_t)(i & 1 ? 0x8000 : 0);
+        fr_nvfp4_block(blk, gs, q, &sf);
+        CHECK(sf == 0 && (q[0] & 0x77) == 0 && (q[3] & 0x77) == 0, "nvfp4 zero block");
+    }
     printf("test_quant: %d failures\n", fr_test_failures);
     return fr_test_result();
 }

@@ -96,7 +96,7 @@ static void summarize(const bench_t *b, const double *all, size_t per, summary_t
 
 static const char *dtype_name(const opts_t *o)
 {
-    return o->fp8 == 2 ? "mixed" : o->fp8 ? "fp8" : "bf16";
+    return o->fp8 == 3 ? "nvfp4" : o->fp8 == 2 ? "mixed" : o->fp8 ? "fp8" : "bf16";
 }
 
 /* The header (unless --quiet) and the row, on stdout. */

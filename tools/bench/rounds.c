@@ -79,7 +79,8 @@ static const char *prepare_round(bench_t *b, int it, round_io_t *io)
     }
     fw_generate(&b->s, (uint64_t)it + 1, b->me, &b->in);
     io->din = (ferry_dispatch_in_t){.size = sizeof(io->din), .num_tokens = b->in.T,
-                                    .x = b->in.x, .topk_idx = b->in.idx};
+                                    .x = b->in.x, .topk_idx = b->in.idx,
+                                    .x_global_scale = b->s.nvfp4 ? &b->s.gs : NULL};
     io->dout = (ferry_dispatch_out_t){.size = sizeof(io->dout), .expert_x = b->ex,
                                       .expert_x_scales = b->exs_raw ? b->exs_raw : b->exs,
                                       .expert_num_tokens = b->cnt,
@@ -145,7 +146,8 @@ static const char *ferry_dispatch_step(bench_t *b, uint64_t round_id, round_io_t
                                      b->exs_raw != NULL, b->cnt, b->sr, b->st) != 0)
         return "copy from GPU";
     if (b->exs_raw) /* the check and the experts read rows */
-        fw_scales_to_rows(b->o->scales, b->exs_raw, b->exs, b->El, b->cap,
+        fw_scales_to_rows(b->s.nvfp4 ? FW_SCALES_NVFP4 : b->o->scales, b->exs_raw, b->exs,
+                          b->El, b->cap,
                           (size_t)b->lay.num_scales, b->cnt);
     if (b->o->check)
         b->wrong += fw_check_dispatch(&b->s, round_id, b->me, b->ex, b->exs, b->cnt,

@@ -219,13 +219,28 @@ void fw_expert_row(const fw_spec_t *s, int e, const float *x, uint16_t *y)
 
 size_t fw_token_bytes(const fw_spec_t *s)
 {
-    return s->fp8 ? (size_t)s->H : 2 * (size_t)s->H;
+    return s->nvfp4 ? (size_t)s->H / 2 : s->fp8 ? (size_t)s->H : 2 * (size_t)s->H;
 }
+
+size_t fw_num_scales(const fw_spec_t *s)
+{
+    return s->nvfp4 ? (size_t)s->H / 64 : s->fp8 ? (size_t)s->H / 128 : 0;
+}
+
+/* e2m1 magnitudes by code (ferry.h, FERRY_DTYPE_NVFP4) */
+static const float fw_e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
 void fw_row_to_f32(const fw_spec_t *s, const void *row, const float *scales,
                    float *out)
 {
-    if (s->fp8) {
+    if (s->nvfp4) { /* code * scale / gs; scale bytes in the words */
+        const uint8_t *q = row, *sb = (const uint8_t *)scales;
+        for (int h = 0; h < s->H; h++) {
+            int c = (q[h / 2] >> (h % 2 * 4)) & 15;
+            float v = fw_e2m1[c & 7] * fr_e4m3_to_f32(sb[h / 16]) / s->gs;
+            out[h] = c & 8 ? -v : v;
+        }
+    } else if (s->fp8) {
         const uint8_t *q = row;
         for (int h = 0; h < s->H; h++)
             out[h] = fr_e4m3_to_f32(q[h]) * scales[h / 128];
@@ -241,7 +256,7 @@ void fw_run_experts(const fw_spec_t *s, int rank, const void *expert_x,
                     size_t cap, uint16_t *expert_y)
 {
     int El = s->E / s->N;
-    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    size_t tb = fw_token_bytes(s), ns = fw_num_scales(s);
     float *tmp = malloc(sizeof(float) * (size_t)s->H);
     for (int le = 0; le < El; le++) {
         /* a count past the capacity is reported by the check, never
@@ -258,10 +273,45 @@ void fw_run_experts(const fw_spec_t *s, int rank, const void *expert_x,
     free(tmp);
 }
 
+/* e2m1 code of v: the nearest magnitude, a tie to the even code, the sign
+ * kept; NaN 7 (ferry.h). Written apart from the library's thresholds. */
+static uint8_t fw_e2m1_code(float v)
+{
+    uint8_t sign = signbit(v) ? 8 : 0;
+    float a = fabsf(v);
+    if (isnan(a))
+        return (uint8_t)(sign | 7);
+    int best = 0;
+    for (int c = 1; c < 8; c++) {
+        float d = fabsf(a - fw_e2m1[c]), db = fabsf(a - fw_e2m1[best]);
+        if (d < db || (d == db && c % 2 == 0))
+            best = c;
+    }
+    return (uint8_t)(sign | best);
+}
+
 /* Reference quantisation of one bf16 row (same formula as the library). */
 static void fw_quant_row(const fw_spec_t *s, const uint16_t *x, uint8_t *q,
                          float *scales)
 {
+    if (s->nvfp4) {
+        uint8_t *sb = (uint8_t *)scales;
+        for (int b = 0; b < s->H / 16; b++) {
+            float amax = 0;
+            for (int i = 0; i < 16; i++) {
+                float v = fabsf(fr_bf16_to_f32(x[b * 16 + i]));
+                amax = isfinite(v) && v > amax ? v : amax;
+            }
+            sb[b] = fr_f32_to_e4m3(s->gs * (amax * (1.0f / 6.0f)));
+            float sq = fr_e4m3_to_f32(sb[b]);
+            float inv = sq != 0.f ? 1.0f / (sq * (1.0f / s->gs)) : 0.f;
+            for (int i = 0; i < 16; i += 2)
+                q[(b * 16 + i) / 2] = (uint8_t)(
+                    fw_e2m1_code(fr_bf16_to_f32(x[b * 16 + i]) * inv) |
+                    fw_e2m1_code(fr_bf16_to_f32(x[b * 16 + i + 1]) * inv) << 4);
+        }
+        return;
+    }
     for (int b = 0; b < s->H / 128; b++) {
         float amax = 0;
         for (int i = 0; i < 128; i++) {
@@ -281,7 +331,7 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
                        const int32_t *src_token, size_t cap, int verbose)
 {
     int El = s->E / s->N, lo = rank * El;
-    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    size_t tb = fw_token_bytes(s), ns = fw_num_scales(s);
     long wrong = 0;
     int32_t *fill = calloc((size_t)El, sizeof(int32_t));
     fw_input_t in;
@@ -314,7 +364,7 @@ long fw_check_dispatch(const fw_spec_t *s, uint64_t round, int rank,
                 if (src_token && src_token[row] != t - t0) /* its index in the share */
                     bad = 2;
                 const uint8_t *got = (const uint8_t *)expert_x + row * tb;
-                if (!bad && s->fp8) {
+                if (!bad && (s->fp8 || s->nvfp4)) {
                     fw_quant_row(s, xs, q, sc);
                     if (memcmp(got, q, tb) != 0)
                         bad = 3;
@@ -365,7 +415,7 @@ long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
                       const fw_input_t *in, const uint16_t *out, int verbose)
 {
     long wrong = 0;
-    size_t tb = fw_token_bytes(s), ns = s->fp8 ? (size_t)s->H / 128 : 0;
+    size_t tb = fw_token_bytes(s), ns = fw_num_scales(s);
     float *xf = malloc(sizeof(float) * (size_t)s->H);
     uint16_t *y = malloc(sizeof(uint16_t) * (size_t)s->H);
     double *ref = malloc(sizeof(double) * (size_t)s->H);
@@ -375,7 +425,7 @@ long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
     (void)round;
     for (int t = 0; t < in->T; t++) {
         const uint16_t *xs = in->x + (size_t)t * s->H;
-        if (s->fp8) {
+        if (s->fp8 || s->nvfp4) {
             fw_quant_row(s, xs, q, sc);
             fw_row_to_f32(s, q, sc, xf);
         } else {
@@ -429,7 +479,11 @@ void fw_scales_to_rows(int layout, const void *src, float *rows, size_t El, size
         for (size_t p = 0; p < n && p < cap; p++)
             for (size_t q = 0; q < ns; q++) {
                 float v;
-                if (layout == 1) {
+                if (layout == FW_SCALES_NVFP4) { /* ferry.h's byte formula, word q */
+                    size_t rm = (cap + 127) / 128;
+                    memcpy(&v, cb + e * rm * ns * 512 + p / 128 * ns * 512 + q * 512 +
+                                   p % 32 * 16 + p % 128 / 32 * 4, 4);
+                } else if (layout == 1) {
                     v = cf[(e * ns + q) * cap + p];
                 } else {
                     /* word (e, q / 4, p), byte q % 4: 2^(byte - 127) */

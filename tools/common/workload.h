@@ -22,6 +22,9 @@ typedef struct fw_spec {
     int N, E, K, H, T;
     int fp8;
     int round_scale; /* fp8 scales rounded up to powers of two */
+    int nvfp4;       /* NVFP4 dispatch (fp8 0) with encode scale gs, the
+                        same on every rank */
+    float gs;
     double zipf_s;   /* 0: uniform routing; > 0: Zipf exponent */
     int groups, gpick; /* > 0: experts in `groups` groups, each token picks
                           `gpick` of them at random and its K experts
@@ -90,12 +93,20 @@ long fw_check_combine(const fw_spec_t *s, uint64_t round, int rank,
 
 /* expert_x_scales written in layout `layout` (ferry_scales_layout_t: 1
  * columns, float [El][ns][cap]; 2 UE8M0, int32 [El][ns/4][cap] of exponent
- * bytes) copied into rows (float [El][cap][ns]), the first counts[e] rows
- * of each expert, so the row checks read them. */
+ * bytes; FW_SCALES_NVFP4, the 128 x 4 swizzle of 4-byte words) copied into
+ * rows (float [El][cap][ns]), the first counts[e] rows of each expert, so
+ * the row checks read them. */
 void fw_scales_to_rows(int layout, const void *src, float *rows, size_t El, size_t cap,
                        size_t ns, const int32_t *counts);
 
 /* Bytes of one dispatched row / scales (what ferry moves per record). */
 size_t fw_token_bytes(const fw_spec_t *s);
+/* Scale words per row: fp8 one float per 128 channels, NVFP4 one word of
+ * four e4m3 bytes per 64 channels. */
+size_t fw_num_scales(const fw_spec_t *s);
+
+/* The expert_x_scales layout of an NVFP4 dispatch for fw_scales_to_rows
+ * (ferry.h, FERRY_DTYPE_NVFP4). */
+#define FW_SCALES_NVFP4 16
 
 #endif

@@ -34,6 +34,19 @@ static void fr_quantize_fp8(const fr_layout_t *L, int T, const uint16_t *x,
                              &scales[(size_t)t * nb + b], round);
 }
 
+/* Quantise T tokens of bf16 into NVFP4 with encode scale gs: H/2 bytes of
+ * codes and H/16 scale bytes per token (the record's nscales words). */
+static void fr_quantize_nvfp4(const fr_layout_t *L, int T, const uint16_t *x, float gs,
+                              uint8_t *q, uint8_t *scales)
+{
+    int H = L->H, nb = H / FR_NVFP4_BLOCK;
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < nb; b++)
+            fr_nvfp4_block(x + (size_t)t * H + b * FR_NVFP4_BLOCK,
+                           gs, q + (size_t)t * (H / 2) + b * (FR_NVFP4_BLOCK / 2),
+                           scales + (size_t)t * nb + b);
+}
+
 /* Is row[k] the first of the token's experts that lives on rank d? */
 static inline int fr_first_on_rank(const int64_t *row, int k, int El)
 {
@@ -135,6 +148,11 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     if (L->fp8 && !in->x_scales && T > 0) {
         fr_quantize_fp8(L, T, (const uint16_t *)in->x, c->qbuf, c->qscales,
                         ep->cfg.fp8_round_scale);
+        tok = c->qbuf;
+        scales = c->qscales;
+    } else if (L->nvfp4 && T > 0) { /* scales: nscales words of 4 bytes */
+        fr_quantize_nvfp4(L, T, (const uint16_t *)in->x, *in->x_global_scale, c->qbuf,
+                          (uint8_t *)c->qscales);
         tok = c->qbuf;
         scales = c->qscales;
     }

@@ -52,9 +52,9 @@ static int fr_cpu_setup(ferry_ep_t ep, fr_err_t *err)
 {
     const ferry_ep_config_t *c = &ep->cfg;
     fr_layout_init(&ep->L, ep->N, ep->rank, c->num_experts, c->topk,
-                   c->hidden, c->max_tokens,
-                   c->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
-    ep->L.sfmt = c->scales_layout;
+                   c->hidden, c->max_tokens, (int)c->dispatch_dtype);
+    if (!ep->L.nvfp4) /* NVFP4's scales have their own layout */
+        ep->L.sfmt = c->scales_layout;
     fr_cpu_ll_t *st = calloc(1, sizeof(*st));
     ep->eng_state = st;
     int rc = st ? fr_cpu_alloc(ep, st, err)

@@ -358,9 +358,13 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
 {
     const ferry_ep_config_t *cfg = &ep->cfg;
     fr_layout_init(&ep->L, ep->N, ep->rank, cfg->num_experts, cfg->topk,
-                   cfg->hidden, cfg->max_tokens,
-                   cfg->dispatch_dtype == FERRY_DTYPE_FP8_E4M3);
-    ep->L.sfmt = cfg->scales_layout;
+                   cfg->hidden, cfg->max_tokens, (int)cfg->dispatch_dtype);
+    if (!ep->L.nvfp4) /* NVFP4's scales have their own layout */
+        ep->L.sfmt = cfg->scales_layout;
+    if (ep->L.nvfp4) /* the same on every rank: all fail here */
+        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
+                      "dispatch_dtype nvfp4: CPU ranks only in this build (the CUDA "
+                      "engine's kernels quantise bf16 and fp8)");
     if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
