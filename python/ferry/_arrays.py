@@ -143,6 +143,7 @@ def _info(a, name):
 
 _BF16 = ("uint16", "bfloat16")   # numpy name, torch name
 _FP8 = ("uint8", "float8_e4m3fn")
+_U8 = ("uint8", "uint8")          # NVFP4 codes (two per byte) and scale bytes
 _I64 = ("int64", "int64")
 _I32 = ("int32", "int32")
 _F32 = ("float32", "float32")

@@ -190,6 +190,13 @@ def _ll_recv_tensors(ep, fp8, dev):
     column-major layout, written so by the kernel; None without fp8), the
     per-expert counts, and each row's source rank and token."""
     El, cap, H = ep.num_local_experts, ep.capacity, ep.hidden
+    if ep.dtype == "nvfp4":  # DeepEP's physical buffers, viewed by the caller
+        rx = torch.empty((El, cap, H // 2), dtype=torch.uint8, device=dev)
+        sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=dev))
+        cnt = torch.empty(El, dtype=torch.int32, device=dev)
+        sr = torch.empty((El, cap), dtype=torch.int32, device=dev)
+        st = torch.empty((El, cap), dtype=torch.int32, device=dev)
+        return rx, sc, cnt, sr, st
     rx = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
                      device=dev)
     sc = ep.new_expert_scales(torch, torch.float32, torch.int32, dict(device=dev)) \

@@ -104,6 +104,7 @@ class _LowLatency:
 
     def _ep(self, num_experts, topk, hidden, T, fp8, device, round_scale=False, ue8m0=False):
         key = (num_experts, topk, hidden, T, fp8, device, round_scale, ue8m0)
+        dtype = "nvfp4" if fp8 == "nvfp4" else "fp8" if fp8 else "bf16"
         ep = self._eps.get(key)
         if ep is None:
             # passed to libferry as C ints: checked here to name DeepEP's arguments
@@ -113,10 +114,10 @@ class _LowLatency:
                                 dict(num_experts=num_experts, topk=topk, hidden=hidden,
                                      num_max_dispatch_tokens_per_rank=T, use_fp8=fp8))
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
-                    max_tokens=T, dtype="fp8" if fp8 else "bf16", device=device,
+                    max_tokens=T, dtype=dtype, device=device,
                     num_sms=self._kernel_sms("ll"),
                     fp8_round_scale=round_scale,
-                    scales_layout=("ue8m0" if ue8m0 else "cols") if fp8 else "rows",
+                    scales_layout=("ue8m0" if ue8m0 else "cols") if dtype == "fp8" else "rows",
                     mask_on_timeout=self.enable_shrink)
             for r in sorted(self._masked):  # before its first round: allowed
                 ep.mask_rank(r, True)
@@ -141,18 +142,36 @@ class _LowLatency:
                              num_experts, cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
-                             return_recv_hook=False):
+                             return_recv_hook=False, use_nvfp4=False, x_global_scale=None):
+        if use_nvfp4:
+            # sgl-deep-ep's NVFP4 dispatch (its keywords; positions as
+            # DeepEP v1.2.1's): recv_x is (codes uint8 [N*T, H/2, E_local],
+            # scales float8_e4m3fn [32, 4, N*T/128, 4, H/64, E_local]), views
+            # of [E_local, N*T, H/2] and the 128 x 4 swizzle
+            if use_fp8:
+                raise ValueError("use_nvfp4: True needs use_fp8=False (one dispatch dtype, as "
+                                 "sgl-deep-ep asserts)")
+            if use_ue8m0 or round_scale:
+                raise ValueError("use_nvfp4: its scales are e4m3 from x_global_scale; "
+                                 "use_ue8m0 and round_scale are for fp8")
+            if x_global_scale is None:
+                raise ValueError("x_global_scale: required with use_nvfp4=True (a float32 "
+                                 "tensor, element 0 the encode scale, the same on every rank)")
+            _tensor(x_global_scale, "x_global_scale", torch.float32)
+            use_fp8 = "nvfp4"
+        elif x_global_scale is not None:
+            raise ValueError("x_global_scale: only with use_nvfp4=True")
         r = self._ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               cumulative_local_expert_recv_stats,
                               dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
-                              return_recv_hook)
+                              return_recv_hook, x_global_scale)
         if async_finish:
             r = (r[0], r[1], r[2], _event_after(x), r[4])
         return r
 
     def _ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                     use_fp8, round_scale, use_ue8m0, return_recv_hook):
+                     use_fp8, round_scale, use_ue8m0, return_recv_hook, gs=None):
         self._low_latency('low_latency_dispatch')
         wc = self._wait_cost(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", x)
         if use_ue8m0 and not (use_fp8 and round_scale):
@@ -161,7 +180,7 @@ class _LowLatency:
         if use_ue8m0 and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] % 512:
             raise ValueError(f"use_ue8m0: hidden must be a multiple of 512 (four scales "
                              f"per int32), got {x.shape[1]}")
-        rs = bool(round_scale and use_fp8)
+        rs = bool(round_scale and use_fp8 is True)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             # DeepEP's: int32 [num_local_experts] on the GPU, the received
@@ -175,7 +194,7 @@ class _LowLatency:
         # writes the scales in DeepEP's layout (UE8M0 words with use_ue8m0)
         return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                           num_experts, use_fp8, return_recv_hook, rs, wc, stats,
-                                          bool(use_ue8m0))
+                                          bool(use_ue8m0), gs)
 
     def _wait_cost(self, t, name, x):
         """DeepEP's wait-cost stats: int64 [num_ranks], contiguous, on x's
@@ -194,7 +213,7 @@ class _LowLatency:
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               use_fp8, return_recv_hook, round_scale=False, wc=None,
-                              stats=None, ue8m0=False):
+                              stats=None, ue8m0=False, gs=None):
         """wc: the wait-cost stats tensor (checked) or None; stats: the
         receive-count stats (checked) or None."""
         # the common case, checked in few steps: CUDA bf16 x [T, H], int64 topk_idx [T, K]
@@ -203,7 +222,7 @@ class _LowLatency:
                 x.dim() == 2 and topk_idx.dim() == 2 and x.shape[0] == topk_idx.shape[0] and \
                 type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int and \
                 x.shape[0] <= num_max_dispatch_tokens_per_rank and \
-                topk_idx.get_device() == x.get_device():
+                topk_idx.get_device() == x.get_device() and use_fp8 != "nvfp4":
             return self._dispatch_fast(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                        num_experts, use_fp8, return_recv_hook, round_scale, wc,
                                        stats, ue8m0)
@@ -239,7 +258,11 @@ class _LowLatency:
             if plan.ep is ep and plan.pending[ep.next_set()]:
                 self._settle(plan, ep.next_set(), plan.raw_stream())
         self._settle_slow(ep, ep.next_set())
-        rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T)
+        if gs is not None and gs.device != x.device:
+            raise ValueError(f"x_global_scale: expected a tensor on {x.device} (x's device), "
+                             f"got one on {gs.device}")
+        rnd = ep.dispatch_send(x.contiguous(), topk_idx, num_tokens=T,
+                               x_global_scale=gs.reshape(-1)[:1] if gs is not None else None)
         st = {"rnd": rnd, "T": T, "recvd": False}
 
         def recv():
@@ -254,7 +277,11 @@ class _LowLatency:
         handle.topk_idx = topk_idx
         st["tok"] = weakref.ref(handle._tok)
         self._slow_pending(ep)[rnd & 1] = st
-        out_x = (recv_x, scales) if use_fp8 else recv_x
+        if ep.dtype == "nvfp4":
+            out_x = (recv_x.permute(1, 2, 0),
+                     scales.view(torch.float8_e4m3fn).permute(3, 4, 1, 5, 2, 0))
+        else:
+            out_x = (recv_x, scales) if use_fp8 else recv_x
         return out_x, count, handle, EventOverlap(), hook
 
     @staticmethod
@@ -297,8 +324,9 @@ class _LowLatency:
         idx = handle.topk_idx
         self._settle_slow(ep, ep.next_set())
         d = idx.device
+        gs = torch.ones(1, dtype=torch.float32, device=d) if ep.dtype == "nvfp4" else None
         rnd = ep.dispatch_send(torch.zeros((T, H), dtype=torch.bfloat16, device=d), idx,
-                               num_tokens=T)
+                               num_tokens=T, x_global_scale=gs)
         rx, sc, cnt, sr, stok = _ll_recv_tensors(ep, ep.dtype == "fp8", d)
         ep.dispatch_recv(rnd, rx, cnt, sc, sr, stok)
         return rnd

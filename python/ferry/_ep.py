@@ -5,7 +5,7 @@ import numbers
 import sys
 
 from . import _lib
-from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _current_cuda_device,
+from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _U8, _current_cuda_device,
                       _elem_strides, _fmt_shape, _info, _stream_of, _torch_like)
 from ._comm import Comm
 from ._core import FerryError, _lib_handle, _lib_version, version
@@ -26,6 +26,11 @@ class EP:
     [E_local, S, capacity]) or "ue8m0" (int32 [E_local, capacity, S/4],
     column-major the same way, four exponent bytes per word: DeepEP's
     use_ue8m0; needs fp8_round_scale and hidden a multiple of 512).
+    dtype="nvfp4" (low latency, CPU ranks): dispatch_send quantises bf16 x
+    with x_global_scale (ferry.h, FERRY_DTYPE_NVFP4); expert_x is uint8
+    [E_local, capacity, H/2] (channel 2c in the low nibble of byte c),
+    expert_x_scales uint8 [E_local, ceil(capacity/128), H/64, 32, 4, 4]
+    (e4m3 bytes in the 128 x 4 block-scaled layout); alloc() makes both.
     mask_on_timeout=True (low latency): a peer that sends nothing within
     FERRY_TIMEOUT_MS (or is seen dead) is masked (mask_rank) instead of
     failing the round, which completes without it (DeepEP's shrink mode);
@@ -48,7 +53,7 @@ class EP:
                  device="cpu", num_sms=0, mode="ll", ring_tokens=0, fp8_round_scale=False,
                  scales_layout="rows", mask_on_timeout=False, forward="auto", dp_size=1):
         if dtype not in _lib.DTYPES:
-            raise ValueError(f"dtype={dtype!r}: use 'bf16' or 'fp8'")
+            raise ValueError(f"dtype={dtype!r}: use 'bf16', 'fp8' or 'nvfp4'")
         if mode not in _lib.MODES:
             raise ValueError(f"mode={mode!r}: use 'll' (low latency) or 'ht' (high throughput)")
         if scales_layout not in _lib.SCALES:
@@ -213,26 +218,43 @@ class EP:
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
         if xp is None or xp.__name__ == "numpy":
             import numpy as np
-            ex = np.zeros((El, cap, H), dtype=np.uint8 if self.dtype == "fp8" else np.uint16)
+            q = self.dtype != "bf16"
+            ex = np.zeros(self._x_shape(), dtype=np.uint8 if q else np.uint16)
             sc = self._scales_new(np, np.float32, np.int32, dict(dtype=np.float32))
-            return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
+            return dict(expert_x=ex, expert_x_scales=sc if q else None,
                         expert_num_tokens=np.zeros(El, dtype=np.int32),
                         expert_src_rank=np.zeros((El, cap), dtype=np.int32),
                         expert_src_token=np.zeros((El, cap), dtype=np.int32))
         import torch
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else "cpu"
-        ex = torch.empty((El, cap, H), dtype=torch.float8_e4m3fn if self.dtype == "fp8" else torch.bfloat16, device=dev)
+        xdt = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}.get(self.dtype, torch.bfloat16)
+        ex = torch.empty(self._x_shape(), dtype=xdt, device=dev)
         sc = self._scales_new(torch, torch.float32, torch.int32, dict(device=dev))
-        return dict(expert_x=ex, expert_x_scales=sc if self.dtype == "fp8" else None,
+        return dict(expert_x=ex, expert_x_scales=sc if self.dtype != "bf16" else None,
                     expert_num_tokens=torch.zeros(El, dtype=torch.int32, device=dev),
                     expert_src_rank=torch.empty((El, cap), dtype=torch.int32, device=dev),
                     expert_src_token=torch.empty((El, cap), dtype=torch.int32, device=dev))
 
+    def _x_shape(self):
+        """expert_x's shape: [E_local, capacity, H], NVFP4 H/2 bytes."""
+        H = self.hidden // 2 if self.dtype == "nvfp4" else self.hidden
+        return (self.num_local_experts, self.capacity, H)
+
+    def _nvfp4_scales_shape(self):
+        """NVFP4's expert_x_scales: uint8 [E_local, ceil(capacity / 128),
+        H/64, 32, 4, 4], the 128 x 4 block-scaled layout (ferry.h)."""
+        return (self.num_local_experts, (self.capacity + 127) // 128, self.hidden // 64, 32, 4,
+                4)
+
     def _scales_new(self, xp, f32, i32, kw):
         """An expert_x_scales buffer in the context's layout (rows; or the
-        column-major view of a contiguous [E_local, S, capacity])."""
+        column-major view of a contiguous [E_local, S, capacity]; NVFP4's
+        swizzled bytes)."""
         El, cap, ns = self.num_local_experts, self.capacity, max(1, self.num_scales)
         kw = dict(kw)
+        if self.dtype == "nvfp4":
+            kw["dtype"] = getattr(xp, "uint8")
+            return xp.zeros(self._nvfp4_scales_shape(), **kw)
         if self.scales_layout == "rows":
             kw["dtype"] = f32
             return xp.zeros((El, cap, ns), **kw)
@@ -243,6 +265,9 @@ class EP:
     def _scales_ptr(self, a, required):
         """expert_x_scales checked against the context's layout."""
         El, cap, ns = self.num_local_experts, self.capacity, self.num_scales
+        if self.dtype == "nvfp4":
+            return self._arr(a, "expert_x_scales", _U8, self._nvfp4_scales_shape(),
+                             required=required, output=True)
         if self.scales_layout == "rows":
             return self._arr(a, "expert_x_scales", _F32, (El, cap, ns), required=required,
                              output=True)
@@ -256,7 +281,7 @@ class EP:
                          f"{self.scales_layout!r})", _F32 if cols else _I32, (El, S, cap),
                          output=True)
 
-    def _din(self, x, topk_idx, x_scales, num_tokens, stream):
+    def _din(self, x, topk_idx, x_scales, num_tokens, stream, x_global_scale=None):
         """dispatch_send's argument block, checked, and the round's rows."""
         H, K, Tmax = self.hidden, self.topk, self.max_tokens
         # rows: from topk_idx, else x; both absent is an empty round
@@ -268,8 +293,8 @@ class EP:
             ii, ix = (inf, None) if topk_idx is not None else (None, inf)
         quant = x_scales is not None
         if quant and self.dtype != "fp8":
-            raise ValueError("x_scales: given, but the context's dispatch dtype is bf16 "
-                             "(pre-quantised input needs dtype='fp8')")
+            raise ValueError(f"x_scales: given, but the context's dispatch dtype is "
+                             f"{self.dtype} (pre-quantised input needs dtype='fp8')")
         pi = self._arr(topk_idx, "topk_idx", _I64, (R, K), required=R != 0, inf=ii)
         px = self._arr(x, "x", _FP8 if quant else _BF16, (R, H), required=R != 0, inf=ix)
         ps = self._arr(x_scales, "x_scales", _F32, (R, self.num_scales), required=False)
@@ -297,8 +322,35 @@ class EP:
                                  f"got {num_tokens}")
             T = num_tokens
         din = _lib.DispatchIn(C.sizeof(_lib.DispatchIn), T, px, ps, pi,
-                              _stream_of(x, stream), nt_dev)
+                              _stream_of(x, stream), nt_dev,
+                              self._global_scale(x_global_scale))
         return din, T
+
+    def _global_scale(self, gs):
+        """x_global_scale's pointer: NVFP4's encode scale, a float or a
+        float32 array (its first element; a device array on CUDA contexts,
+        read when the work runs); None for the other dtypes."""
+        if self.dtype != "nvfp4":
+            if gs is not None:
+                raise ValueError(f"x_global_scale: given, but the context's dispatch dtype is "
+                                 f"{self.dtype} (it is NVFP4's encode scale)")
+            return None
+        if gs is None:
+            raise ValueError("x_global_scale: required with dtype='nvfp4' (the encode scale, "
+                             "the same on every rank)")
+        if isinstance(gs, numbers.Real) and not isinstance(gs, bool):
+            if self.device == "cuda":
+                raise TypeError("x_global_scale: a float32 device array on a CUDA context "
+                                "(read when the work runs), got a number")
+            import numpy as np
+            gs = np.array([gs], dtype=np.float32)
+        inf = _info(gs, "x_global_scale")
+        if len(inf.shape) > 1 or (inf.shape and inf.shape[0] < 1):
+            raise ValueError(f"x_global_scale: expected one float32 (0-d or 1-d), got "
+                             f"{_fmt_shape(inf.shape)}")
+        p = self._arr(gs, "x_global_scale", _F32, tuple(inf.shape), inf=inf)
+        self._keep["gs"] = gs  # alive while the call reads it
+        return p
 
     def _sent(self, r, T, x, topk_idx, x_scales, num_tokens):
         # alive until the round ends
@@ -307,16 +359,18 @@ class EP:
         self._last_round = r
         return r
 
-    def dispatch_send(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None):
+    def dispatch_send(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None,
+                      x_global_scale=None):
         """Send tokens x [T, H] (bf16; fp8 with x_scales [T, H/128]) to the
         ranks of their experts; topk_idx [T, K] int64, -1 = none; T <=
         max_tokens. Returns the round. num_tokens: an int <= T (the first
         num_tokens rows are sent; combine then takes num_tokens rows), or
         (CUDA) an int32 device array of one element, read when the work
         runs: then x and topk_idx have max_tokens rows, and so do
-        topk_weights and out at combine."""
+        topk_weights and out at combine. x_global_scale (dtype='nvfp4'): the
+        encode scale, a float or a float32 array of one element (ferry.h)."""
         h = self._ep()
-        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
+        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream, x_global_scale)
         r = C.c_uint64()
         self._check(_lib_handle().ferry_dispatch_send(h, C.byref(din), C.byref(r)))
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
@@ -341,14 +395,15 @@ class EP:
               expert_src_token, stream, wait_cost=None, recv_stats=None):
         El, cap, H = self.num_local_experts, self.capacity, self.hidden
         fp8 = self.dtype == "fp8"
-        if not fp8 and expert_x_scales is not None:
+        q = self.dtype != "bf16"
+        if not q and expert_x_scales is not None:
             raise ValueError("expert_x_scales: expected None (the context's dispatch "
                              "dtype is bf16), got an array")
+        xdt = _FP8 if fp8 else _U8 if q else _BF16
         dout = _lib.DispatchOut(
             C.sizeof(_lib.DispatchOut),
-            self._arr(expert_x, "expert_x", _FP8 if fp8 else _BF16, (El, cap, H),
-                      output=True),
-            self._scales_ptr(expert_x_scales, fp8),
+            self._arr(expert_x, "expert_x", xdt, self._x_shape(), output=True),
+            self._scales_ptr(expert_x_scales, q),
             self._arr(expert_num_tokens, "expert_num_tokens", _I32, (El,), output=True),
             self._arr(expert_src_rank, "expert_src_rank", _I32, (El, cap), required=False,
                       output=True),
@@ -400,7 +455,8 @@ class EP:
                           output=True))
         return cout
 
-    def dispatch(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None, **out):
+    def dispatch(self, x, topk_idx, x_scales=None, num_tokens=None, stream=None,
+                 x_global_scale=None, **out):
         """dispatch_send and dispatch_recv in one call (one kernel launch on
         CUDA ranks); out: dispatch_recv's arguments. Returns the round."""
         bad = set(out) - {"expert_x", "expert_num_tokens", "expert_x_scales",
@@ -408,7 +464,7 @@ class EP:
         if bad:
             raise TypeError("dispatch: unexpected argument(s): " + ", ".join(sorted(bad)))
         h = self._ep()
-        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream)
+        din, T = self._din(x, topk_idx, x_scales, num_tokens, stream, x_global_scale)
         dout = self._dout(out.get("expert_x"), out.get("expert_num_tokens"),
                           out.get("expert_x_scales"), out.get("expert_src_rank"),
                           out.get("expert_src_token"), stream, out.get("wait_cost"),

@@ -6,7 +6,7 @@ import os
 FERRY_EP_CONFIG_MAGIC = 0x46455031
 VERSION_CODE = 100
 
-DTYPES = {"bf16": 0, "fp8": 1}
+DTYPES = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 DEVICES = {"cpu": 0, "cuda": 1}
 MODES = {"ll": 0, "ht": 1}
 #: expert_x_scales layouts (ferry_scales_layout_t)
@@ -41,7 +41,7 @@ class Layout(C.Structure):
 class DispatchIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("num_tokens", C.c_int), ("x", C.c_void_p),
                 ("x_scales", C.c_void_p), ("topk_idx", C.c_void_p), ("stream", C.c_void_p),
-                ("num_tokens_dev", C.c_void_p)]
+                ("num_tokens_dev", C.c_void_p), ("x_global_scale", C.c_void_p)]
 
 
 class DispatchOut(C.Structure):

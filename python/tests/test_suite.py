@@ -104,6 +104,14 @@ def test_elastic_cpu(nranks):
     run_script("test_elastic.py", ["cpu", str(nranks)], needs=("torch",))
 
 
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_nvfp4_cpu(nranks):
+    """sgl-deep-ep's NVFP4 low-latency dispatch through deep_ep on CPU ranks:
+    codes and scales bit for bit against a reference, its views, the
+    dequantised rows, a combine after it."""
+    run_script("test_nvfp4.py", [str(nranks)], needs=("torch",))
+
+
 @pytest.mark.parametrize("nranks", [2])
 def test_normal_async_cuda(nranks):
     """The same on CUDA, with the profiler's host syncs and real overlap."""
