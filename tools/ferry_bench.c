@@ -41,7 +41,7 @@ static void usage(FILE *f)
             "      --csv FILE       the rows as CSV too (a header line first)\n"
             "      --dtype fp8|bf16|mixed|nvfp4  dispatch dtype (default fp8; mixed: a\n"
             "                       bf16 and an fp8 context, alternating every round;\n"
-            "                       nvfp4: low latency, CPU ranks, encode scale 100.3)\n"
+            "                       nvfp4: low latency, encode scale 100.3)\n"
             "      --routing uniform|zipf:S|groups:G:M   expert choice (default uniform;\n"
             "                       groups: experts in G groups, each token picks M\n"
             "                       groups at random, then its top-k among their experts,\n"

@@ -26,7 +26,7 @@ class EP:
     [E_local, S, capacity]) or "ue8m0" (int32 [E_local, capacity, S/4],
     column-major the same way, four exponent bytes per word: DeepEP's
     use_ue8m0; needs fp8_round_scale and hidden a multiple of 512).
-    dtype="nvfp4" (low latency, CPU ranks): dispatch_send quantises bf16 x
+    dtype="nvfp4" (low latency): dispatch_send quantises bf16 x
     with x_global_scale (ferry.h, FERRY_DTYPE_NVFP4); expert_x is uint8
     [E_local, capacity, H/2] (channel 2c in the low nibble of byte c),
     expert_x_scales uint8 [E_local, ceil(capacity/128), H/64, 32, 4, 4]

@@ -18,8 +18,9 @@ tests/test_low_latency_nvfp4.py, written here:
 Back-to-back rounds with changing Zipf routing, masked slots, a rank with
 no tokens in odd rounds, magnitudes that differ per 16-channel block, the
 encode scale all-reduced (MIN) as sgl-deep-ep's test makes it. Argument
-errors name the argument. Usage: test_nvfp4.py [nranks]. Exit 77 without
-torch.
+errors name the argument. Usage: test_nvfp4.py [cpu|cuda] [nranks] (cuda:
+CUDA tensors, ranks sharing the current GPU). Exit 77 without torch (or
+without a GPU for cuda).
 """
 import os
 import sys
@@ -103,14 +104,19 @@ def expert_fn(e, rows):
     return (rows * (0.5 + 0.125 * (e % 13)) + 0.0625 * ((e * 7) % 11 - 5)).to(torch.bfloat16)
 
 
-def one_round(buf, rank, N, E, rnd, gs, msgs):
+def one_round(buf, rank, N, E, rnd, gs, msgs, dev):
     El = E // N
     M = N * T
     x, idx, w = inputs(rank, rnd, E)
     tag = f"round {rnd}"
-    rb, cb, hb, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    xd, idd, gsd = x.to(dev), idx.to(dev), gs.to(dev)
+    rb, cb, hb, _, _ = buf.low_latency_dispatch(xd, idd, T, E, use_fp8=False)
+    rb, cb = rb.cpu(), cb.cpu()
     (codes, scales), cnt, h, ev, hook = buf.low_latency_dispatch(
-        x, idx, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs)
+        xd, idd, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gsd)
+    if codes.device != xd.device or scales.device != xd.device:
+        msgs.append(f"{tag}: outputs on {codes.device}, x on {xd.device}")
+    codes, scales, cnt = codes.cpu(), scales.cpu(), cnt.cpu()
     if codes.shape != (M, H // 2, El) or codes.dtype != torch.uint8:
         msgs.append(f"{tag}: codes {tuple(codes.shape)} {codes.dtype}, want "
                     f"({M}, {H // 2}, {El}) uint8")
@@ -119,7 +125,8 @@ def one_round(buf, rank, N, E, rnd, gs, msgs):
     if scales.shape != (32, 4, rm, 4, H // 64, El) or scales.dtype != torch.float8_e4m3fn:
         msgs.append(f"{tag}: scales {tuple(scales.shape)} {scales.dtype}")
         return
-    if codes.permute(2, 0, 1).stride() != (M * H // 2, H // 2, 1):
+    if codes.permute(2, 0, 1).stride() != (M * H // 2, H // 2, 1) or \
+            not codes.permute(2, 0, 1).is_contiguous():
         msgs.append(f"{tag}: codes are not a view of [E_local, N*T, H/2]: strides "
                     f"{codes.stride()}")
     if not torch.equal(cnt, cb):
@@ -154,7 +161,8 @@ def one_round(buf, rank, N, E, rnd, gs, msgs):
         if n:
             y[e, :n] = expert_fn(e + rank * El, dequantize(phys[e, :n], srows[e, :n, :H // 16],
                                                             gs))
-    out, _, _ = buf.low_latency_combine(y, idx, w, h)
+    out, _, _ = buf.low_latency_combine(y.to(dev), idd, w.to(dev), h)
+    out = out.cpu()
     if x.shape[0]:
         qc, qs = quantize(x, gs)
         xd = dequantize(qc, qs, gs)
@@ -176,17 +184,22 @@ def one_round(buf, rank, N, E, rnd, gs, msgs):
                      (dict(use_fp8=False, use_nvfp4=True), "x_global_scale"),
                      (dict(use_fp8=False, x_global_scale=gs), "x_global_scale")):
         try:
-            buf.low_latency_dispatch(x, idx, T, E, **kw)
+            buf.low_latency_dispatch(xd, idd, T, E, **dict(
+                kw, **({"x_global_scale": gsd} if "x_global_scale" in kw else {})))
             msgs.append(f"{tag}: dispatch with {sorted(kw)}: no error")
         except (ValueError, TypeError) as err:
             if name not in str(err):
                 msgs.append(f"{tag}: {sorted(kw)}: {err} does not name {name}")
 
 
-def rank_main(rank, N, port, q):
+def rank_main(rank, N, port, q, kind="cpu"):
     msgs = []
     try:
         torch_init(rank, N, port)
+        dev = torch.device("cpu")
+        if kind == "cuda":
+            torch.cuda.set_device(0)
+            dev = torch.device("cuda", 0)
         from ferry import deep_ep as de
         E = 4 * N
         buf = de.Buffer(torch.distributed.group.WORLD, 0,
@@ -198,20 +211,26 @@ def rank_main(rank, N, port, q):
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MIN)
         gs = (448.0 * 6.0 / amax[0]).to(torch.float32).reshape(())  # as sgl-deep-ep's test
         for rnd in range(4):
-            one_round(buf, rank, N, E, rnd, gs, msgs)
+            one_round(buf, rank, N, E, rnd, gs, msgs, dev)
     except Exception:
         msgs.append(traceback.format_exc())
     q.put((rank, msgs))
 
 
 def main():
-    N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    res, crashed = run_ranks(rank_main, N, timeout=300)
+    args = sys.argv[1:]
+    kind = args.pop(0) if args and args[0] in ("cpu", "cuda") else "cpu"
+    N = int(args[0]) if args else 2
+    if kind == "cuda" and not torch.cuda.is_available():
+        print("skipped: torch sees no CUDA device")
+        sys.exit(77)
+    import functools
+    res, crashed = run_ranks(functools.partial(rank_main, kind=kind), N, timeout=300)
     bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
     for line in bad[:40]:
         print(line)
     ok = not bad and len(res) == N
-    print(f"test_nvfp4 ({N} ranks): {'passed' if ok else 'FAILED'}")
+    print(f"test_nvfp4 ({kind}, {N} ranks): {'passed' if ok else 'FAILED'}")
     sys.exit(0 if ok else 1)
 
 

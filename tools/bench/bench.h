@@ -44,6 +44,7 @@ typedef struct dev {
     int on;
     void *stream;
     void *x, *idx, *w, *out, *ex, *exs, *cnt, *sr, *st, *ey;
+    void *gs; /* NVFP4: the encode scale, one float */
 } dev_t_;
 
 /* Make this rank's GPU current: gpu "auto" (the local rank modulo the

@@ -76,6 +76,8 @@ int dev_init(dev_t_ *d, const fw_spec_t *s, const ferry_ep_layout_t *lay)
     DEVCHK(cudaMalloc(&d->sr, El * cap * 4));
     DEVCHK(cudaMalloc(&d->st, El * cap * 4));
     DEVCHK(cudaMalloc(&d->ey, lay->expert_y_bytes + 16));
+    DEVCHK(cudaMalloc(&d->gs, sizeof(float)));
+    DEVCHK(cudaMemcpy(d->gs, &s->gs, sizeof(float), cudaMemcpyHostToDevice));
     d->on = 1;
     return 0;
 }
@@ -138,7 +140,7 @@ void dev_free(dev_t_ *d)
 {
     if (!d->on)
         return;
-    void *p[] = {d->x, d->idx, d->w, d->out, d->ex, d->exs, d->cnt, d->sr, d->st, d->ey};
+    void *p[] = {d->x, d->idx, d->w, d->out, d->ex, d->exs, d->cnt, d->sr, d->st, d->ey, d->gs};
     for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
         cudaFree(p[i]);
     cudaStreamDestroy((cudaStream_t)d->stream);

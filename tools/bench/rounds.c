@@ -96,6 +96,7 @@ static const char *prepare_round(bench_t *b, int it, round_io_t *io)
         return "copy to GPU";
     io->din.x = dv->x;
     io->din.topk_idx = dv->idx;
+    io->din.x_global_scale = b->s.nvfp4 ? (const float *)dv->gs : NULL;
     io->din.stream = io->dout.stream = io->cin.stream = io->cout.stream = dv->stream;
     io->dout.expert_x = dv->ex;
     io->dout.expert_x_scales = dv->exs;

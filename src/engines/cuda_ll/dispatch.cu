@@ -569,6 +569,55 @@ static __device__ __forceinline__ void fr_ds_chunk(const fr_cu_args_t &A, uint8_
     }
 }
 
+/* An NVFP4 scale byte g of a token to slot pointer ps (a dst_scl entry):
+ * a record's scale bytes in order, or (tagged) an own row's place in the
+ * 128 x 4 layout, byte g % 4 of word g / 4 (fr_scl_put). */
+static __device__ __forceinline__ void fr_cu_sf_put(uint8_t *ps, int g, uint8_t b)
+{
+    if ((uintptr_t)ps & 1u)
+        ((uint8_t *)((uintptr_t)ps & ~(uintptr_t)1))[512 * (g >> 2) + (g & 3)] = b;
+    else
+        ps[g] = b;
+}
+
+/* Step 4 with the NVFP4 dtype, one warp-task: 512 channels of token t,
+ * chunk c; lane g quantises its 16 channels (one scale block: amax, the
+ * e4m3 scale from gs, e2m1 codes, fr_nvfp4_block as on CPU ranks) and
+ * stores 8 code bytes and its scale byte to every place of the token. */
+template <bool VEC>
+static __device__ __forceinline__ void fr_ds_nvfp4(const fr_cu_args_t &A, uint8_t *const *dr,
+                                                   uint8_t *const *ds, const uint16_t *xrow,
+                                                   float gs, int c)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
+    uint8_t *mine = lane < kd ? dr[lane] : NULL;
+    uint8_t *msc = lane < kd ? ds[lane] : NULL;
+    bool on = g < (int)(L.H / 16);
+    uint16_t v[16];
+    if (on && VEC) {
+        uint4 a = ((const uint4 *)xrow)[2 * g], b = ((const uint4 *)xrow)[2 * g + 1];
+        memcpy(v, &a, 16);
+        memcpy(v + 8, &b, 16);
+    } else {
+        for (int i = 0; i < 16; i++)
+            v[i] = on ? xrow[16 * g + i] : (uint16_t)0;
+    }
+    uint8_t q[8], sf;
+    fr_nvfp4_block(v, gs, q, &sf);
+    uint2 qv;
+    memcpy(&qv, q, 8);
+    for (int i = 0; i < kd; i++) {
+        uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
+        uint8_t *ps = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
+        if (!p || !on)
+            continue;
+        ((uint2 *)p)[g] = qv;
+        if (ps)
+            fr_cu_sf_put(ps, g, sf);
+    }
+}
+
 /* Step 4 for two warp-tasks at once (bf16 input quantised, 16-byte
  * aligned): both tasks' loads are in flight before either is converted. */
 static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int set,
@@ -786,8 +835,10 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
                        own, mk, sri, spb, start);
     __syncthreads();
     FR_TR();
-    bool quant = L.fp8 && !x_scales;
-    int chunks = quant ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
+    /* NVFP4: x_scales carries x_global_scale (ferry_dispatch_in_t) */
+    bool nv = L.nvfp4, quant = L.fp8 && !x_scales;
+    float gs = nv ? *x_scales : 0.f;
+    int chunks = quant || nv ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
     int w = threadIdx.x >> 5, nw = blockDim.x >> 5, ntask = (end - start) * chunks;
     int j = w;
     if (VEC && quant)
@@ -795,6 +846,12 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
             fr_ds_quant2(A, set, x, start, chunks, j, j + nw);
     for (; j < ntask && !s_bad; j += nw) {
         int t = start + j / chunks, c = j % chunks;
+        if (nv) {
+            fr_ds_nvfp4<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd,
+                             A.dst_scl + ((size_t)set * L.T + t) * A.kd, x + (size_t)t * L.H,
+                             gs, c);
+            continue;
+        }
         const uint16_t *xrow = quant ? x + (size_t)t * L.H
                                      : (const uint16_t *)((const uint8_t *)x + (size_t)t * L.tok_bytes);
         fr_ds_chunk<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd,
@@ -1162,7 +1219,8 @@ static void fr_cu_dispatch_launch(int blocks, size_t smem, cudaStream_t st, stru
 {
     bool vec = !in || (((uintptr_t)in->x & 15) == 0 && ((uintptr_t)in->x_scales & 3) == 0);
     const uint16_t *x = in ? (const uint16_t *)in->x : NULL;
-    const float *xs = in ? in->x_scales : NULL;
+    /* NVFP4 has no x_scales: the kernel's x_scales carries x_global_scale */
+    const float *xs = in ? (c->a.L.nvfp4 ? in->x_global_scale : in->x_scales) : NULL;
     const int64_t *idx = in ? in->topk_idx : NULL;
     int T = in ? in->num_tokens : 0;
     const int32_t *Td = in ? in->num_tokens_dev : NULL;

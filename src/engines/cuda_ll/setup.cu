@@ -361,10 +361,6 @@ extern "C" int fr_cuda_setup(ferry_ep_t ep, fr_err_t *err)
                    cfg->hidden, cfg->max_tokens, (int)cfg->dispatch_dtype);
     if (!ep->L.nvfp4) /* NVFP4's scales have their own layout */
         ep->L.sfmt = cfg->scales_layout;
-    if (ep->L.nvfp4) /* the same on every rank: all fail here */
-        return FR_ERR(err, FERRY_ERR_UNSUPPORTED,
-                      "dispatch_dtype nvfp4: CPU ranks only in this build (the CUDA "
-                      "engine's kernels quantise bf16 and fp8)");
     if (cfg->num_experts > FR_CU_EMAX) /* the same on every rank: all fail here */
         return FR_ERR(err, FERRY_ERR_INVALID,
                       "num_experts %d: the CUDA engine takes at most %d (its kernels keep a "
