@@ -19,7 +19,9 @@ tensors, gloo), each round checked against a reference:
     one Buffer with low_latency_mode=True for both modes (--deepep-mode
     auto: normal-mode prefill, then clean_low_latency_buffer, then
     low-latency decode), its attribute reads, Buffer.capture as
-    previous_event source, the keyword names of its calls;
+    previous_event source, the keyword names of its calls, its NVFP4
+    dispatch (sgl-deep-ep's use_nvfp4 and x_global_scale, the codes'
+    shape as its masked GEMM unpacks them, dequantised rows);
   - the fp8 scales they pass to normal-mode dispatch (one per token;
     UE8M0 packed int32, column-major; float32 column-major), moved bit for
     bit and returned row-major in their dtype, as DeepEP does.
@@ -377,6 +379,33 @@ def sglang_calls(rank, N):
         err = combine_error(combined, combine_ref(hidden_states, topk_ids, topk_weights, True))
         if err:
             msgs.append(f"SGLang ll combine hook={return_recv_hook}: {err}")
+    # NVFP4 models: sgl-deep-ep's keywords, the encode scale a 0-dim float32
+    # the same on every rank (the input global scale of SGLang's quant config)
+    from test_nvfp4 import calc_diff, dequantize, unswizzle
+    hidden_states, topk_ids, topk_weights = make_inputs(rank, 370, T, H, E, K, dev)
+    amax = torch.tensor([float(hidden_states.float().abs().max()) if hidden_states.numel()
+                         else 1e-4])  # a rank may have no tokens
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+    gs = (448.0 * 6.0 / amax[0]).to(torch.float32).reshape(()).to(dev)
+    ref_x, ref_cnt, _, _, _ = buffer.low_latency_dispatch(hidden_states, topk_ids, T, E,
+                                                          use_fp8=False)
+    packed_recv_hidden, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
+        hidden_states, topk_ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs,
+        async_finish=True, return_recv_hook=False)
+    event.current_stream_wait()
+    a_q, a_sf = packed_recv_hidden
+    m, k_by_2, num_experts = a_q.shape  # as SGLang's masked NVFP4 GEMM unpacks it
+    if (m, k_by_2, num_experts) != (N * T, H // 2, El) or a_sf.dtype != torch.float8_e4m3fn:
+        msgs.append(f"SGLang nvfp4 dispatch: {tuple(a_q.shape)}, scales {a_sf.dtype}")
+    elif not torch.equal(packed_recv_count.cpu(), ref_cnt.cpu()):
+        msgs.append("SGLang nvfp4 dispatch: counts differ from the bf16 dispatch's")
+    else:
+        codes, srows = a_q.permute(2, 0, 1).cpu(), unswizzle(a_sf.cpu(), El, N * T)
+        for le in range(El):
+            n = int(packed_recv_count[le])
+            if n and not calc_diff(dequantize(codes[le, :n], srows[le, :n, :H // 16],
+                                              gs.cpu()), ref_x[le, :n].float().cpu()) < 0.1:
+                msgs.append(f"SGLang nvfp4 dispatch: expert {le} dequantised rows differ")
     buffer.destroy()
     return msgs
 

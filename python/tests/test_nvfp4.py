@@ -66,7 +66,7 @@ def e2m1_codes(v):
 def quantize(rows, gs):
     """Reference NVFP4 of bf16 rows [n, H] with encode scale gs (float32):
     (codes uint8 [n, H/2], scale bytes uint8 [n, H/16])."""
-    n = rows.shape[0]
+    n, H = rows.shape
     xf = rows.float().view(n, H // 16, 16)
     amax = xf.abs().amax(dim=-1)
     sfv = gs * (amax * torch.tensor(1.0 / 6.0, dtype=torch.float32))
@@ -80,7 +80,7 @@ def quantize(rows, gs):
 
 def dequantize(codes, sfb, gs):
     """codes uint8 [n, H/2], scale bytes uint8 [n, H/16] -> float32 [n, H]."""
-    n = codes.shape[0]
+    n, H = codes.shape[0], codes.shape[1] * 2
     c = torch.stack((codes & 15, codes >> 4), dim=-1).view(n, H).long()
     v = MAG.float()[c & 7] * torch.where(c >= 8, -1.0, 1.0)
     s = sfb.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
