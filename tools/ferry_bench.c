@@ -271,6 +271,11 @@ static int parse(int argc, char **argv, opts_t *o)
         fprintf(stderr, "ferry-bench: --graph needs --device cuda --no-check (low-latency mode)\n");
         return -1;
     }
+    if (o->fp8 == 3 && o->ht) {
+        fprintf(stderr, "ferry-bench: --dtype nvfp4 runs in low-latency mode, without the MPI "
+                        "baseline\n");
+        return -1;
+    }
     if (o->ntoks == 0)
         o->toks[o->ntoks++] = o->tokens;
     return 0;
