@@ -33,7 +33,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import run_ranks, torch_init  # noqa: E402
+from ranks import ranks_main, torch_init  # noqa: E402
 
 H, K, T = 256, 4, 40
 MAG = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -221,17 +221,9 @@ def main():
     args = sys.argv[1:]
     kind = args.pop(0) if args and args[0] in ("cpu", "cuda") else "cpu"
     N = int(args[0]) if args else 2
-    if kind == "cuda" and not torch.cuda.is_available():
-        print("skipped: torch sees no CUDA device")
-        sys.exit(77)
     import functools
-    res, crashed = run_ranks(functools.partial(rank_main, kind=kind), N, timeout=300)
-    bad = crashed + [f"rank {r}: {m}" for r in sorted(res) for m in res[r]]
-    for line in bad[:40]:
-        print(line)
-    ok = not bad and len(res) == N
-    print(f"test_nvfp4 ({kind}, {N} ranks): {'passed' if ok else 'FAILED'}")
-    sys.exit(0 if ok else 1)
+    sys.exit(ranks_main(functools.partial(rank_main, kind=kind), [N],
+                        f"sgl-deep-ep's NVFP4 dispatch on ferry ({kind})", gpu=kind == "cuda"))
 
 
 if __name__ == "__main__":

@@ -227,7 +227,8 @@ size_t fw_num_scales(const fw_spec_t *s)
     return s->nvfp4 ? (size_t)s->H / 64 : s->fp8 ? (size_t)s->H / 128 : 0;
 }
 
-/* e2m1 magnitudes by code (ferry.h, FERRY_DTYPE_NVFP4) */
+/* e2m1 magnitudes by code (ferry.h, FERRY_DTYPE_NVFP4), for the
+ * reference encoder below */
 static const float fw_e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
 
 void fw_row_to_f32(const fw_spec_t *s, const void *row, const float *scales,
@@ -235,11 +236,9 @@ void fw_row_to_f32(const fw_spec_t *s, const void *row, const float *scales,
 {
     if (s->nvfp4) { /* code * scale / gs; scale bytes in the words */
         const uint8_t *q = row, *sb = (const uint8_t *)scales;
-        for (int h = 0; h < s->H; h++) {
-            int c = (q[h / 2] >> (h % 2 * 4)) & 15;
-            float v = fw_e2m1[c & 7] * fr_e4m3_to_f32(sb[h / 16]) / s->gs;
-            out[h] = c & 8 ? -v : v;
-        }
+        for (int h = 0; h < s->H; h++)
+            out[h] = fr_e2m1_to_f32((uint8_t)((q[h / 2] >> (h % 2 * 4)) & 15)) *
+                     fr_e4m3_to_f32(sb[h / 16]) / s->gs;
     } else if (s->fp8) {
         const uint8_t *q = row;
         for (int h = 0; h < s->H; h++)

@@ -438,16 +438,22 @@ static int fr_ht_combine_tx(fr_ht_call_t *c, const ferry_ht_combine_in_t *in, in
 
 /* Add one row from rank d for token t; slot k's weight from d's experts,
  * or every slot's added (c->wsum; out->topk_weights starts at 0). */
+/* Is expert e (>= 0) on rank d, or with node >= 0 on node `node`? */
+static inline int fr_ht_slot_of(const fr_ht_call_t *c, int32_t e, int d, int node)
+{
+    int El = c->h->El;
+    return e >= 0 && (node >= 0 ? c->ep->node_of[e / El] == node : e / El == d);
+}
+
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc,
                       int t, int d, int node, const uint16_t *y, const float *w)
 {
-    int K = c->h->K, El = c->h->El, H = c->h->H;
+    int K = c->h->K, H = c->h->H;
     const int32_t *slots = c->p->idx + (size_t)t * K;
     int hs = -1; /* FERRY_HT_SUM_SLOTS: the highest slot d (node) holds */
     if (c->stash)
         for (int k = 0; k < K; k++)
-            if (slots[k] >= 0 &&
-                (node >= 0 ? c->ep->node_of[slots[k] / El] == node : slots[k] / El == d))
+            if (fr_ht_slot_of(c, slots[k], d, node))
                 hs = k;
     if (hs >= 0) { /* kept until the token's every row is in */
         memcpy(c->stash + ((size_t)t * K + (size_t)hs) * H, y, sizeof(uint16_t) * H);
@@ -464,8 +470,7 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
         return;
     }
     for (int k = 0; k < K; k++)
-        if (slots[k] >= 0 &&
-            (node >= 0 ? c->ep->node_of[slots[k] / El] == node : slots[k] / El == d))
+        if (fr_ht_slot_of(c, slots[k], d, node))
             out->topk_weights[(size_t)t * K + k] = w ? w[k] : 0.f;
 }
 
