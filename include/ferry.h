@@ -431,6 +431,32 @@ typedef struct ferry_combine_in {
     size_t size;               /* sizeof(ferry_combine_in_t) */
     const void *expert_y;      /* [E_local][capacity][H] bf16 */
     void *stream;              /* CUDA: cudaStream_t */
+    /* Optional, since 0.1.2 (the size before `signals` is still taken):
+     * the combine overlapped with the computation that writes expert_y
+     * (sgl-deep-ep's overlapped combine: the down GEMM raises a signal as
+     * it finishes an expert, or a block of an expert's rows). With signals
+     * not NULL, row `slot` of local expert e leaves (and, for this rank's
+     * own tokens, is read) only once
+     *     signals[e * nb + slot / signal_block] == signal_value,
+     * nb = ceil(capacity / signal_block); signal_block 0 means one signal
+     * per expert (signals[e]). Each rank's rows go as their signals rise,
+     * before the last one (to a fabric peer: its write once all of its
+     * rows are in). Equality, as sgl-deep-ep: ferry never writes the
+     * signals, the caller resets them between rounds. A signal whose rows
+     * are all empty is not waited for. Same memory as expert_y (device
+     * memory on CUDA ranks, polled by the combine kernel: run the combine
+     * on a stream beside the computation's, with SMs left for both).
+     * Not in one call with DP groups. A signal not raised within the
+     * context's timeout: FERRY_ERR_TIMEOUT naming the expert and the
+     * signal's index and value. */
+    const uint32_t *signals;
+    uint32_t signal_value;
+    int32_t signal_block;      /* rows per signal, 0: the whole expert */
+    /* Optional (may be NULL): int32 [E_local], same memory as expert_y,
+     * where the send adds each local expert's rows once it passed their
+     * signal (a progress counter: what left before the last signal).
+     * Adds, never clears. */
+    int32_t *sent_rows;
 } ferry_combine_in_t;
 
 typedef struct ferry_combine_out {

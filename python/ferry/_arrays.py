@@ -146,6 +146,7 @@ _FP8 = ("uint8", "float8_e4m3fn")
 _U8 = ("uint8", "uint8")          # NVFP4 codes (two per byte) and scale bytes
 _I64 = ("int64", "int64")
 _I32 = ("int32", "int32")
+_SIG = ("uint32", "uint32", "int32")  # signals: 32-bit, either sign (numpy, torch names first)
 _F32 = ("float32", "float32")
 
 

@@ -445,7 +445,53 @@ class _LowLatency:
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
         return rnd
 
-    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None):
+    def _overlap(self, ep, x, overlap, src_signals, src_signal_expect_value, packed_recv_count,
+                 comp_signal, block_m, threshold):
+        """sgl-deep-ep's overlapped combine arguments as ferry's signals:
+        (signals, value, rows per signal) or None. Blackwell form:
+        src_signals [E_local] (one per local expert), raised when it reads
+        src_signal_expect_value; Hopper form (DeepEP's single-batch
+        overlap): comp_signal [E_local * ceil(N*T / block_m)] (one per
+        block of block_m rows of an expert), raised when it reads
+        threshold. Without overlap the signals are not read (as
+        sgl-deep-ep's kernel without overlap)."""
+        if not overlap:
+            return None
+        if src_signals is not None and comp_signal is not None:
+            raise TypeError("low_latency_combine: src_signals (Blackwell form) and comp_signal "
+                            "(Hopper form) given together: pass one")
+        El, cap = ep.num_local_experts, ep.capacity
+        if src_signals is not None:
+            sig, value, block, name = src_signals, src_signal_expect_value, 0, "src_signals"
+        elif comp_signal is not None:
+            block = _lib.c_int(int(block_m), "block_m")
+            if block <= 0:
+                raise ValueError(f"block_m = {block_m}: the rows per comp_signal entry, > 0")
+            sig, value, name = comp_signal, threshold, "comp_signal"
+            if packed_recv_count is not None:
+                _tensor(packed_recv_count, "packed_recv_count", torch.int32, (El,))
+        else:
+            return None  # overlap without signals: sgl-deep-ep's kernel then waits for none
+        if not isinstance(sig, torch.Tensor) or sig.dtype not in (torch.int32, torch.uint32) \
+                or sig.dim() != 1 or not sig.is_contiguous():
+            raise TypeError(f"{name}: expected a contiguous 1-D int32 or uint32 tensor, got "
+                            + (f"{sig.dtype} {tuple(sig.shape)}" if isinstance(sig, torch.Tensor)
+                               else type(sig).__name__))
+        if sig.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got one "
+                             f"on {sig.device}")
+        need = El * (-(-cap // block) if block else 1)
+        if sig.numel() < need:
+            raise ValueError(f"{name}: {sig.numel()} entries, expected at least {need} ("
+                             + (f"{El} local experts x ceil({cap} / block_m {block})"
+                                if block else f"one per local expert") + ")")
+        value = int(value)
+        if not -2 ** 31 <= value < 2 ** 32:
+            raise ValueError(f"{'src_signal_expect_value' if block == 0 else 'threshold'} = "
+                             f"{value}: a 32-bit value")
+        return sig, value & 0xFFFFFFFF, block
+
+    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None, sig=None):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep.handle()
         if handle.combined or handle._tok.settled:  # a second combine of this handle
@@ -465,6 +511,9 @@ class _LowLatency:
         cin, cout = plan.cin, plan.couts[rnd & 1]
         cin.expert_y = x.data_ptr()
         cin.stream = stream
+        if sig is not None or cin.signals:
+            cin.signals = sig[0].data_ptr() if sig is not None else None
+            cin.signal_value, cin.signal_block = (sig[1], sig[2]) if sig is not None else (0, 0)
         cout.topk_weights = w.data_ptr()
         cout.out = out.data_ptr()
         cout.stream = stream
@@ -482,21 +531,49 @@ class _LowLatency:
             plan.check(plan.crecv(h, rnd, cout))
             del keep[:]
 
-        keep = [x, w, out, wc]  # the stats tensor too: recv writes into it
+        keep = [x, w, out, wc, sig]  # the stats tensor too: recv writes into it
         return out, _no_event(), recv
 
     @_plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
-                            out=None, combine_wait_recv_cost_stats=None):
+                            out=None, combine_wait_recv_cost_stats=None, overlap=False,
+                            src_signals=None, src_signal_expect_value=0,
+                            packed_recv_count=None, comp_signal=None, block_m=64, threshold=0,
+                            num_sms=None):
+        """DeepEP's low-latency combine, with sgl-deep-ep's overlapped form:
+        overlap=True with src_signals (uint32 [E_local], an expert's rows
+        go once its entry reads src_signal_expect_value) or with
+        comp_signal (int32 [E_local * ceil(N*T / block_m)], a block of
+        block_m rows goes once its entry reads threshold). The signals are
+        device memory the down GEMM raises while the combine runs beside it
+        (call the combine on another stream); ferry never resets them.
+        packed_recv_count is checked, not needed (ferry keeps the counts);
+        num_sms is not used (the combine runs on the context's SMs)."""
+        sig = None
+        if overlap:
+            plan = getattr(handle, "plan", None)
+            ep = plan.ep if plan is not None else getattr(handle, "ep", None)
+            if ep is None:
+                raise TypeError("handle: expected the handle low_latency_dispatch returned, "
+                                f"got {type(handle).__name__}")
+            sig = self._overlap(ep, x, overlap, src_signals, src_signal_expect_value,
+                                packed_recv_count, comp_signal, block_m, threshold)
+            if sig is not None and isinstance(x, torch.Tensor) and not x.is_contiguous():
+                raise ValueError("x: the overlapped combine reads x where the GEMM writes it, "
+                                 "so x must be contiguous (a copy would be taken before the "
+                                 "signals rise)")
+            if sig is not None and zero_copy:
+                raise ValueError("overlap with zero_copy: pass x (the overlapped combine "
+                                 "reads the experts' outputs where the GEMM writes them)")
         r = self._ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                             return_recv_hook, out, combine_wait_recv_cost_stats)
+                             return_recv_hook, out, combine_wait_recv_cost_stats, sig)
         if async_finish:
             r = (r[0], _event_after(x), r[2])
         return r
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                    return_recv_hook, out, combine_wait_recv_cost_stats):
+                    return_recv_hook, out, combine_wait_recv_cost_stats, sig=None):
         self._low_latency('low_latency_combine')
         if use_logfmt:
             raise NotImplementedError("use_logfmt: ferry.deep_ep does not support DeepEP's "
@@ -516,7 +593,7 @@ class _LowLatency:
                     (out is None or (type(out) is torch.Tensor and out.shape == (T, plan.ep.hidden)
                                      and out.dtype is torch.bfloat16 and out.is_contiguous()
                                      and out.get_device() == plan.dev)):
-                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc)
+                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc, sig)
             # the checks below name what is wrong; what passes them is
             # made contiguous float32 and goes the same way
             ep, El, cap, H = plan.ep, *plan.yshape
@@ -532,7 +609,7 @@ class _LowLatency:
                     raise ValueError(f"{n}: expected a tensor on cuda:{plan.dev} (the context's "
                                      f"device), got one on {t.device}")
             return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
-                                      out, return_recv_hook, wc)
+                                      out, return_recv_hook, wc, sig)
         if type(handle) is not _LLHandle:
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -559,7 +636,11 @@ class _LowLatency:
                 if not pend[rnd & 1]["recvd"]:
                     pend[rnd & 1]["recv"]()
                 pend[rnd & 1] = None
-        ep.combine_send(rnd, x.contiguous())
+        if sig is None:
+            ep.combine_send(rnd, x.contiguous())
+        else:
+            ep.combine_send(rnd, x.contiguous(), signals=sig[0], signal_value=sig[1],
+                            signal_block=sig[2])
         handle.combined = True
 
         def recv():

@@ -5,7 +5,7 @@ import numbers
 import sys
 
 from . import _lib
-from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _U8, _current_cuda_device,
+from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _SIG, _U8, _current_cuda_device,
                       _elem_strides, _fmt_shape, _info, _stream_of, _torch_like)
 from ._comm import Comm
 from ._core import FerryError, _lib_handle, _lib_version, version
@@ -415,17 +415,53 @@ class EP:
             self._arr(recv_stats, "recv_stats", _I32, (El,), required=False, output=True))
         return dout
 
-    def _cin(self, expert_y, stream):
-        return _lib.CombineIn(C.sizeof(_lib.CombineIn),
-                              self._arr(expert_y, "expert_y", _BF16,
-                                        (self.num_local_experts, self.capacity, self.hidden)),
-                              _stream_of(expert_y, stream))
+    def _cin(self, expert_y, stream, signals=None, signal_value=0, signal_block=0,
+             sent_rows=None):
+        El = self.num_local_experts
+        cin = _lib.CombineIn(C.sizeof(_lib.CombineIn),
+                             self._arr(expert_y, "expert_y", _BF16,
+                                       (El, self.capacity, self.hidden)),
+                             _stream_of(expert_y, stream))
+        if signals is None:
+            if sent_rows is not None:
+                raise TypeError("sent_rows: given without signals (it counts the rows sent "
+                                "past their signals)")
+            return cin
+        block = _lib.c_int(int(signal_block or 0), "signal_block")
+        if block < 0:
+            raise ValueError(f"signal_block = {block}: rows per signal, > 0, or 0 for one "
+                             f"signal per expert")
+        nb = -(-self.capacity // block) if block else 1
+        inf = _info(signals, "signals")
+        cin.signals = self._arr(signals, "signals", _SIG, (None,), inf=inf)
+        if inf.shape[0] < El * nb:
+            raise ValueError(f"signals: {inf.shape[0]} signals, expected at least {El * nb} "
+                             f"({El} local experts x " + (
+                                 f"ceil(capacity {self.capacity} / signal_block {block}))"
+                                 if block else "1)"))
+        value = int(signal_value)
+        if not -2 ** 31 <= value < 2 ** 32:
+            raise ValueError(f"signal_value = {value}: a 32-bit value (int32 or uint32)")
+        cin.signal_value = value & 0xFFFFFFFF
+        cin.signal_block = block
+        cin.sent_rows = self._arr(sent_rows, "sent_rows", _I32, (El,), required=False,
+                                  output=True)
+        return cin
 
-    def combine_send(self, round, expert_y, stream=None):
-        """expert_y [E_local, capacity, H] bf16, the experts' outputs."""
+    def combine_send(self, round, expert_y, stream=None, signals=None, signal_value=0,
+                     signal_block=0, sent_rows=None):
+        """expert_y [E_local, capacity, H] bf16, the experts' outputs.
+
+        The overlapped combine: with signals (1-D uint32 or int32, expert_y's
+        device), row `slot` of local expert e is sent only once
+        signals[e * nb + slot // signal_block] == signal_value, nb =
+        ceil(capacity / signal_block); signal_block 0: one signal per
+        expert (signals[e]). The caller resets the signals between rounds.
+        sent_rows: optional int32 [E_local] where the send adds each
+        expert's rows once past their signal (adds, never clears)."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
-        cin = self._cin(expert_y, stream)
+        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows)
         self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
@@ -475,12 +511,13 @@ class EP:
         self._check(_lib_handle().ferry_dispatch(h, C.byref(din), C.byref(dout), C.byref(r)))
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
-    def combine(self, round, expert_y, topk_weights, out, stream=None, wait_cost=None):
+    def combine(self, round, expert_y, topk_weights, out, stream=None, wait_cost=None,
+                signals=None, signal_value=0, signal_block=0, sent_rows=None):
         """combine_send and combine_recv in one call (one kernel launch on
-        CUDA ranks)."""
+        CUDA ranks); signals ...: combine_send's."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
-        cin = self._cin(expert_y, stream)
+        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows)
         cout = self._cout(round, topk_weights, out, stream, wait_cost)
         cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
         self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))

@@ -52,7 +52,9 @@ class DispatchOut(C.Structure):
 
 
 class CombineIn(C.Structure):
-    _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p)]
+    _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p),
+                ("signals", C.c_void_p), ("signal_value", C.c_uint32),
+                ("signal_block", C.c_int32), ("sent_rows", C.c_void_p)]
 
 
 class CombineOut(C.Structure):

@@ -112,6 +112,13 @@ def test_nvfp4_cpu(nranks):
     run_script("test_nvfp4.py", [str(nranks)], needs=("torch",))
 
 
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_overlap_cpu(nranks):
+    """sgl-deep-ep's overlapped combine on CPU ranks: rows leave as their
+    signals rise, output equal to the plain combine, the stall's timeout."""
+    run_script("test_overlap.py", ["cpu", str(nranks)], needs=("torch",))
+
+
 @pytest.mark.parametrize("nranks", [2])
 def test_normal_async_cuda(nranks):
     """The same on CUDA, with the profiler's host syncs and real overlap."""

@@ -228,6 +228,34 @@ static const ferry_dispatch_in_t *fr_din_current(const ferry_dispatch_in_t *in,
     return cur;
 }
 
+/* The caller's combine_in as the current struct in `cur` (a struct of the
+ * size before `signals` has none), its overlap fields checked. */
+static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_combine_in_t *cur)
+{
+    fr_args_current(cur, sizeof(*cur), in);
+    if (!cur->expert_y)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if (!cur->signals) {
+        if (cur->sent_rows)
+            return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                              "sent_rows given without signals (it counts the rows sent "
+                              "past their signals)");
+        return FERRY_OK;
+    }
+    if (cur->signal_block < 0)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "signal_block = %d: rows per signal, > 0, or 0 for one signal "
+                          "per expert", (int)cur->signal_block);
+    if (ep->dp.G > 1)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "signals: the overlapped combine does not run with DP groups "
+                          "(dp_group_size %d)", ep->dp.G);
+    if (!ep->eng->combine_signals)
+        return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                          "signals: the %s engine has no overlapped combine", ep->eng->name);
+    return FERRY_OK;
+}
+
 int ferry_dispatch_send(ferry_ep_t ep, const ferry_dispatch_in_t *in,
                         uint64_t *round)
 {
@@ -307,6 +335,7 @@ int fr_args_size_taken(size_t have, size_t cur, const size_t *old)
 #define FR_DOUT_MIN offsetof(ferry_dispatch_out_t, wait_cost)
 #define FR_DOUT_WC offsetof(ferry_dispatch_out_t, recv_stats)
 #define FR_COUT_MIN offsetof(ferry_combine_out_t, wait_cost)
+#define FR_CIN_MIN offsetof(ferry_combine_in_t, signals)
 static int fr_out_current(ferry_ep_t ep, const void *out, size_t old, size_t old2, void *cur,
                           size_t cur_size, const char *type)
 {
@@ -358,12 +387,12 @@ int ferry_combine_send(ferry_ep_t ep, uint64_t round,
     if (!ep)
         return FERRY_ERR_INVALID;
     fr_round_t *r = NULL;
-    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine_send", in, sizeof(*in), "in",
+    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine_send", in, FR_CIN_MIN, "in",
                            "ferry_combine_in_t", &r);
-    if (rc)
+    ferry_combine_in_t cur;
+    if (rc || (rc = fr_cin_current(ep, in, &cur)))
         return rc;
-    if (!in->expert_y)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    in = &cur;
     if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
         return rc;
     rc = ep->eng->combine_send(ep, r, in);
@@ -488,17 +517,18 @@ int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_in_t *in,
         return FERRY_ERR_INVALID;
     /* every check of both halves before anything starts */
     fr_round_t *r = NULL;
-    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, sizeof(*in), "in",
+    int rc = fr_round_call(ep, round, FR_ROUND_RECVD, "combine", in, FR_CIN_MIN, "in",
                            "ferry_combine_in_t", &r);
     ferry_combine_out_t cur;
-    if (rc || (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
+    ferry_combine_in_t in_cur;
+    if (rc || (rc = fr_cin_current(ep, in, &in_cur)) ||
+        (rc = fr_check_args_size(ep, out, FR_COUT_MIN, "out", "ferry_combine_out_t")) ||
         (rc = fr_out_current(ep, out, FR_COUT_MIN, 0, &cur, sizeof(cur), "ferry_combine_out_t")) ||
         (rc = fr_check_combine_out(ep, r, &cur)))
         return rc;
     const ferry_combine_out_t *group = out;
     out = &cur;
-    if (!in->expert_y)
-        return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    in = &in_cur;
     if ((rc = fr_check_stream(ep, in->stream, "in->stream")))
         return rc;
     if (ep->eng->combine && out->stream != in->stream)

@@ -87,6 +87,9 @@ typedef struct fr_engine {
      * region registered and the peer groups made (an engine that drives
      * the fabric from a thread of its own starts it here). */
     int (*fabric_up)(ferry_ep_t ep, fr_err_t *err);
+    /* Whether combine_send (and combine) honour ferry_combine_in_t's
+     * signals (the overlapped combine); 0: the API refuses them. */
+    int combine_signals;
 } fr_engine_t;
 
 /* GPU ranks through a host engine (engines/staged): the CPU engine of the

@@ -31,8 +31,55 @@
 /* ---------------------------------------------------------------------- */
 /* combine                                                                */
 
+/* The overlapped combine's signals (ferry_combine_in_t): row `slot` of
+ * local expert e waits for sig[e * nb + slot / block] == value; sig NULL:
+ * no waits. sent: optional per-expert counts of rows past their signal. */
+typedef struct fr_cu_sig {
+    const uint32_t *sig;
+    uint32_t value;
+    int block, nb;
+    int32_t *sent;
+} fr_cu_sig_t;
+
+/* A warp waits (lane 0 polls, acquire at GPU scope: the signals come
+ * from kernels on this GPU) until the signal of expert_y row `row` is
+ * raised; false when the wait ran out (error word set: the expert and the
+ * signal's index) or another error was reported. Warp-uniform. */
+static __device__ bool fr_cs_signal(const fr_cu_args_t &A, const fr_cu_sig_t &S, int row)
+{
+    int cap = (int)A.L.cap, e = row / cap;
+    long long idx = (long long)e * S.nb + (row - e * cap) / S.block;
+    int ok = 1;
+    if ((threadIdx.x & 31) == 0) {
+        const uint32_t *p = S.sig + idx;
+        unsigned long long t0 = 0;
+        for (unsigned int n = 1;; n++) {
+            uint32_t v;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+            if (v == S.value)
+                break;
+            if ((n & 63) == 0) {
+                unsigned long long now = fr_sys_timer();
+                if (fr_cu_failed(A)) {
+                    ok = 0;
+                    break;
+                }
+                if (!t0) {
+                    t0 = now;
+                } else if (now - t0 > A.timeout_ns) {
+                    fr_cu_fail(A, FERRY_ERR_TIMEOUT, e, FR_CU_WHAT_SIGNAL, (int)idx);
+                    ok = 0;
+                    break;
+                }
+            }
+            __nanosleep(100);
+        }
+    }
+    return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
 static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
-                                                 const uint8_t *y)
+                                                 const uint8_t *y, const fr_cu_sig_t &S)
 {
     const fr_layout_t &L = A.L;
     int N = A.N;
@@ -57,6 +104,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
     __shared__ int s_np[FR_CS_SRC];
     __shared__ uint8_t *s_dst[FR_CS_SRC];
     int cpr = (int)((L.crow + 4095) / 4096);
+    bool sig_ok = true; /* this warp's signal waits (warp-uniform) */
     int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int nwg = gridDim.x * (blockDim.x >> 5);
     for (int s0 = 0; s0 < N && !s_fail; s0 += FR_CS_SRC) {
@@ -65,11 +113,13 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
             __syncthreads(); /* the previous sources' entries are read */
         for (int i = threadIdx.x; i < nsrc; i += blockDim.x) {
             int s = s0 + i;
-            /* a masked rank's memory: never */
-            int np = s == A.rank || (s_mk && s_mk[s]) ? 0 : pn[s];
+            /* a masked rank's memory: never; own rows: read in place,
+             * but with signals each waited for (combine_recv reads them) */
+            int np = (s == A.rank && !S.sig) || (s_mk && s_mk[s]) ? 0 : pn[s];
             s_np[i] = np;
             if (np > 0)
-                s_dst[i] = A.path[s] == FR_PATH_FABRIC
+                s_dst[i] = s == A.rank ? NULL
+                           : A.path[s] == FR_PATH_FABRIC
                                ? A.send + fr_off_csend(&L, set, (uint64_t)(s * pstride))
                                : A.peer[s] + fr_off_crecv(&L, set,
                                                           (uint64_t)A.scomb_off[set * N + s]);
@@ -81,10 +131,20 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
                 continue;
             const int32_t *rows = A.pair_row + (size_t)set * L.send_crows + (s0 + i) * pstride;
             uint8_t *dst = s_dst[i];
-            for (int q = gw; q < np * cpr; q += nwg) {
+            for (int q = gw; q < np * cpr && sig_ok; q += nwg) {
                 int p = q / cpr, c = q - p * cpr;
                 if (rows[p] < 0) /* dropped at dispatch (an input error was reported) */
                     continue;
+                if (S.sig) { /* every piece of the row behind its signal */
+                    if (!dst && c > 0)
+                        continue;
+                    if (!(sig_ok = fr_cs_signal(A, S, rows[p])))
+                        break; /* the error word is set: the round fails */
+                    if (c == 0 && S.sent && (threadIdx.x & 31) == 0)
+                        atomicAdd(S.sent + rows[p] / (int)L.cap, 1);
+                    if (!dst)
+                        continue; /* an own row: waited for, read in place */
+                }
                 size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
                 fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off,
                                           y + (size_t)rows[p] * L.crow + off, len);
@@ -260,10 +320,10 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
 namespace ferry {
 __global__ void __launch_bounds__(FR_CS_THREADS, 2)
 combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out,
-        const uint8_t *self_y, long long *cost, int phases)
+        const uint8_t *self_y, long long *cost, int phases, fr_cu_sig_t S)
 {
     if (phases & FR_PART_SEND)
-        fr_cs_run(A, set, y);
+        fr_cs_run(A, set, y, S);
     if (!(phases & FR_PART_RECV))
         return;
     if (phases & FR_PART_SEND)
@@ -287,6 +347,21 @@ extern "C" int fr_cuda_combine_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_
 /* ---------------------------------------------------------------------- */
 /* host entry points                                                      */
 
+/* The signals of `in` as the kernel takes them (none: sig NULL). */
+static fr_cu_sig_t fr_cu_sig_of(ferry_ep_t ep, const ferry_combine_in_t *in)
+{
+    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL};
+    if (in && in->signals) {
+        int cap = (int)ep->L.cap;
+        S.sig = in->signals;
+        S.value = in->signal_value;
+        S.block = in->signal_block > 0 && in->signal_block < cap ? in->signal_block : cap;
+        S.nb = (cap + S.block - 1) / S.block;
+        S.sent = in->sent_rows;
+    }
+    return S;
+}
+
 extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
                                     const ferry_combine_in_t *in)
 {
@@ -295,7 +370,8 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
     ferry::combine<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
-                                                        NULL, NULL, NULL, NULL, FR_PART_SEND);
+                                                        NULL, NULL, NULL, NULL, FR_PART_SEND,
+                                                        fr_cu_sig_of(ep, in));
     return fr_cuda_launch_check(ep, "combine_send");
 }
 
@@ -310,7 +386,8 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
-                                                    (long long *)out->wait_cost, FR_PART_RECV);
+                                                    (long long *)out->wait_cost, FR_PART_RECV,
+                                                    fr_cu_sig_of(ep, NULL));
     int rc = fr_cuda_launch_check(ep, "combine_recv");
     if (rc == FERRY_OK)
         fr_ahead_mark(&c->ahead, r->epoch, st);
@@ -333,7 +410,8 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
                                                     out->topk_weights, (uint16_t *)out->out,
                                                     (const uint8_t *)in->expert_y,
                                                     (long long *)out->wait_cost,
-                                                    FR_PART_SEND | FR_PART_RECV);
+                                                    FR_PART_SEND | FR_PART_RECV,
+                                                    fr_cu_sig_of(ep, in));
     int rc = fr_cuda_launch_check(ep, "combine");
     if (rc == FERRY_OK)
         fr_ahead_mark(&c->ahead, r->epoch, st);

@@ -43,7 +43,8 @@
 
 /* error word (host-mapped): [0] status, [1] rank, [2] what, [3] detail */
 enum { FR_CU_WHAT_DISPATCH = 1, FR_CU_WHAT_COMBINE = 2, FR_CU_WHAT_INPUT = 3,
-       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5, FR_CU_WHAT_MASK = 6 };
+       FR_CU_WHAT_RECORD = 4, FR_CU_WHAT_NTOK = 5, FR_CU_WHAT_MASK = 6,
+       FR_CU_WHAT_SIGNAL = 7 /* rank: the local expert, detail: the signal's index */ };
 
 typedef struct fr_cu_args {
     fr_layout_t L;

@@ -440,6 +440,13 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
         return fr_ep_fail(ep, st,
                           "num_tokens_dev = %d (read on the GPU of rank %d): must "
                           "be 0..max_tokens (%d)", detail, rank, ep->L.T);
+    case FR_CU_WHAT_SIGNAL:
+        fr_ep_fail(ep, st, "combine: local expert %d's signal (signals[%d]) did not read "
+                   "signal_value within the timeout (%ld ms): the computation writing "
+                   "expert_y never raised it; the context is failed (create a new one)",
+                   rank, detail, ep->timeout_ms);
+        fr_ep_set_failed(ep, st);
+        return st;
     case FR_CU_WHAT_RECORD:
         return fr_ep_fail(ep, st, "GPU: malformed dispatch slice from rank %d (record %d)",
                           rank, detail);
