@@ -491,7 +491,8 @@ class _LowLatency:
                              f"{value}: a 32-bit value")
         return sig, value & 0xFFFFFFFF, block
 
-    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None, sig=None):
+    def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None, sig=None,
+                      fmt=0):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep.handle()
         if handle.combined or handle._tok.settled:  # a second combine of this handle
@@ -511,6 +512,7 @@ class _LowLatency:
         cin, cout = plan.cin, plan.couts[rnd & 1]
         cin.expert_y = x.data_ptr()
         cin.stream = stream
+        cin.format = fmt
         if sig is not None or cin.signals:
             cin.signals = sig[0].data_ptr() if sig is not None else None
             cin.signal_value, cin.signal_block = (sig[1], sig[2]) if sig is not None else (0, 0)
@@ -575,9 +577,16 @@ class _LowLatency:
     def _ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                     return_recv_hook, out, combine_wait_recv_cost_stats, sig=None):
         self._low_latency('low_latency_combine')
-        if use_logfmt:
-            raise NotImplementedError("use_logfmt: ferry.deep_ep does not support DeepEP's "
-                                      "LogFMT combine (ferry's combine sends bf16)")
+        fmt = 1 if use_logfmt else 0
+        if fmt:
+            plan = getattr(handle, "plan", None)
+            lep = plan.ep if plan is not None else getattr(handle, "ep", None)
+            if lep is not None and lep.hidden % 512:
+                raise ValueError(f"use_logfmt: hidden = {lep.hidden}; DeepEP's LogFMT takes a "
+                                 f"multiple of 512")
+            if lep is not None and lep.device == "cuda":
+                raise NotImplementedError("use_logfmt: ferry's CUDA engine has no LogFMT "
+                                          "combine yet (CPU ranks have it)")
         wc = self._wait_cost(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x)
         if zero_copy:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):
@@ -593,7 +602,8 @@ class _LowLatency:
                     (out is None or (type(out) is torch.Tensor and out.shape == (T, plan.ep.hidden)
                                      and out.dtype is torch.bfloat16 and out.is_contiguous()
                                      and out.get_device() == plan.dev)):
-                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc, sig)
+                return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc, sig,
+                                          fmt)
             # the checks below name what is wrong; what passes them is
             # made contiguous float32 and goes the same way
             ep, El, cap, H = plan.ep, *plan.yshape
@@ -609,7 +619,7 @@ class _LowLatency:
                     raise ValueError(f"{n}: expected a tensor on cuda:{plan.dev} (the context's "
                                      f"device), got one on {t.device}")
             return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
-                                      out, return_recv_hook, wc, sig)
+                                      out, return_recv_hook, wc, sig, fmt)
         if type(handle) is not _LLHandle:
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -636,11 +646,12 @@ class _LowLatency:
                 if not pend[rnd & 1]["recvd"]:
                     pend[rnd & 1]["recv"]()
                 pend[rnd & 1] = None
+        fk = dict(format="logfmt") if fmt else {}
         if sig is None:
-            ep.combine_send(rnd, x.contiguous())
+            ep.combine_send(rnd, x.contiguous(), **fk)
         else:
             ep.combine_send(rnd, x.contiguous(), signals=sig[0], signal_value=sig[1],
-                            signal_block=sig[2])
+                            signal_block=sig[2], **fk)
         handle.combined = True
 
         def recv():

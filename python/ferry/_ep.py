@@ -163,6 +163,15 @@ class EP:
                                                       C.byref(fwd)))
         return list(node_of), bool(fwd.value)
 
+    def stats(self):
+        """The counters of the thread that drives this context's fabric path
+        (ferry_ep_get_stats), cumulative since creation, as a dict: writes,
+        bytes (payload posted to fabric peers), arrivals, ... (ferry.h)."""
+        st = _lib.EpStats()
+        st.size = C.sizeof(_lib.EpStats)
+        self._check(_lib_handle().ferry_ep_get_stats(self._ep(), C.byref(st)))
+        return {n: getattr(st, n) for n, _ in _lib.EpStats._fields_[1:]}
+
     def _check(self, rc):
         if rc != 0:
             raise FerryError(rc, _lib_handle().ferry_ep_last_error(self._h).decode())
@@ -416,12 +425,16 @@ class EP:
         return dout
 
     def _cin(self, expert_y, stream, signals=None, signal_value=0, signal_block=0,
-             sent_rows=None):
+             sent_rows=None, format="bf16"):
         El = self.num_local_experts
         cin = _lib.CombineIn(C.sizeof(_lib.CombineIn),
                              self._arr(expert_y, "expert_y", _BF16,
                                        (El, self.capacity, self.hidden)),
                              _stream_of(expert_y, stream))
+        f = _lib.COMBINE_FORMATS.get(format)
+        if f is None:
+            raise ValueError(f"format={format!r}: use 'bf16' or 'logfmt'")
+        cin.format = f
         if signals is None:
             if sent_rows is not None:
                 raise TypeError("sent_rows: given without signals (it counts the rows sent "
@@ -449,8 +462,10 @@ class EP:
         return cin
 
     def combine_send(self, round, expert_y, stream=None, signals=None, signal_value=0,
-                     signal_block=0, sent_rows=None):
+                     signal_block=0, sent_rows=None, format="bf16"):
         """expert_y [E_local, capacity, H] bf16, the experts' outputs.
+        format: how the rows travel, "bf16" or "logfmt" (DeepEP's LogFMT-10,
+        hidden a multiple of 512; every rank passes the same in a round).
 
         The overlapped combine: with signals (1-D uint32 or int32, expert_y's
         device), row `slot` of local expert e is sent only once
@@ -461,7 +476,7 @@ class EP:
         expert's rows once past their signal (adds, never clears)."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
-        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows)
+        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows, format)
         self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
@@ -512,12 +527,13 @@ class EP:
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
     def combine(self, round, expert_y, topk_weights, out, stream=None, wait_cost=None,
-                signals=None, signal_value=0, signal_block=0, sent_rows=None):
+                signals=None, signal_value=0, signal_block=0, sent_rows=None, format="bf16"):
         """combine_send and combine_recv in one call (one kernel launch on
-        CUDA ranks); signals ...: combine_send's."""
+        CUDA ranks); signals ..., format: combine_send's."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
-        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows)
+        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows,
+                        format)
         cout = self._cout(round, topk_weights, out, stream, wait_cost)
         cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
         self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))

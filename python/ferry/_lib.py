@@ -54,7 +54,24 @@ class DispatchOut(C.Structure):
 class CombineIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p),
                 ("signals", C.c_void_p), ("signal_value", C.c_uint32),
-                ("signal_block", C.c_int32), ("sent_rows", C.c_void_p)]
+                ("signal_block", C.c_int32), ("sent_rows", C.c_void_p),
+                ("format", C.c_int32)]
+
+
+class EpStats(C.Structure):
+    """ferry_ep_stats_t."""
+    _fields_ = [("size", C.c_size_t)] + [
+        (n, C.c_uint64) for n in ("writes", "requests", "completions", "arrivals", "eagain",
+                                  "post_ns", "provider_ns", "provider_calls", "polls",
+                                  "poll_ns", "retry_ns", "doorbells")] + [
+        ("doorbell_to_post_p50_us", C.c_double), ("doorbell_to_post_p99_us", C.c_double),
+        ("bytes", C.c_uint64), ("batched", C.c_uint64),
+        ("seen_to_post_p50_us", C.c_double), ("seen_to_post_p99_us", C.c_double),
+        ("doorbells_stamped", C.c_uint64)]
+
+
+#: ferry_combine_format_t
+COMBINE_FORMATS = {"bf16": 0, "logfmt": 1}
 
 
 class CombineOut(C.Structure):
@@ -192,6 +209,7 @@ def load():
         "ferry_ep_mask_rank": (i, [vp, i, i, vp]),
         "ferry_ep_mask_query": (i, [vp, vp, vp]),
         "ferry_ep_get_nodes": (i, [vp, vp, vp, vp]),
+        "ferry_ep_get_stats": (i, [vp, C.POINTER(EpStats)]),
         "ferry_route_create": (i, [vp, C.POINTER(RouteIn), C.POINTER(vp)]),
         "ferry_route_counts": (i, [vp, C.POINTER(i), vp]),
         "ferry_route_destroy": (i, [vp]),

@@ -181,7 +181,8 @@ def ll_args(deep_ep, buf, rank, N, E, K, H, T):
     expect(msgs, ValueError, "x", buf.low_latency_combine, y[:, :1], idx, w, handle)
     expect(msgs, ValueError, "topk_weights", buf.low_latency_combine, y, idx, w[:1], handle)
     expect(msgs, TypeError, "handle", buf.low_latency_combine, y, idx, w, (1, 2))
-    expect(msgs, NotImplementedError, "use_logfmt", buf.low_latency_combine, y, idx, w, handle,
+    # LogFMT takes a hidden size that is a multiple of 512 (H is 256 here)
+    expect(msgs, ValueError, "use_logfmt", buf.low_latency_combine, y, idx, w, handle,
            use_logfmt=True)
     # DeepEP's EventOverlap(event, extra_tensors), positional
     keep = (torch.zeros(1),)

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/config.h"
+#include "core/logfmt.h"
 #include "core/log.h"
 #include "runtime/cuda_mem.h"
 
@@ -235,6 +236,25 @@ static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_com
     fr_args_current(cur, sizeof(*cur), in);
     if (!cur->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if (cur->format != FERRY_COMBINE_BF16 && cur->format != FERRY_COMBINE_LOGFMT)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "format = %d: FERRY_COMBINE_BF16 (0) or FERRY_COMBINE_LOGFMT (1)",
+                          (int)cur->format);
+    if (cur->format == FERRY_COMBINE_LOGFMT) {
+        if (ep->L.H % 512 || ep->L.H / FR_LF_DIV > FR_LF_MAXDIV)
+            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                              "format = FERRY_COMBINE_LOGFMT: hidden = %d; LogFMT takes a "
+                              "multiple of 512, at most %d", ep->L.H,
+                              FR_LF_DIV * FR_LF_MAXDIV);
+        if (!ep->eng->combine_logfmt)
+            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                              "format = FERRY_COMBINE_LOGFMT: the %s engine has no LogFMT "
+                              "combine", ep->eng->name);
+        if (ep->dp.G > 1)
+            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                              "format = FERRY_COMBINE_LOGFMT: not with DP groups "
+                              "(dp_group_size %d)", ep->dp.G);
+    }
     if (!cur->signals) {
         if (cur->sent_rows)
             return fr_ep_fail(ep, FERRY_ERR_INVALID,

@@ -69,6 +69,10 @@ typedef struct fr_layout {
     uint32_t slice_hdr; /* slice header + rows per local expert */
     uint64_t dslice;  /* bytes of one dispatch slice */
     uint64_t crow;    /* bytes of one combine row (2H) */
+    uint64_t cslot;   /* bytes a combine row takes in the regions: 2H, or
+                         with LogFMT possible (H % 512 == 0) room for its
+                         largest row and a fabric run's offset table
+                         (2H + H/32 + 32; core/logfmt.h) */
     uint64_t crows;   /* combine rows per set in the receive segment (T*K) */
     uint64_t cap;     /* rows per local expert in expert_x (N*T) */
     uint64_t off_flags, off_drecv, off_crecv, seg_bytes;
@@ -127,6 +131,7 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
         L->rec_hdr + L->tok_bytes + 4ull * L->nscales, 16);
     L->dslice = L->slice_hdr + (uint64_t)T * L->rec_bytes;
     L->crow = 2ull * H;
+    L->cslot = H % 512 == 0 ? 2ull * H + (uint64_t)H / 32 + 32 : L->crow;
     L->crows = (uint64_t)T * K;
     L->cap = (uint64_t)N * T;
     L->off_flags = FR_SEG_HDR;
@@ -134,13 +139,13 @@ FR_HD void fr_layout_init(fr_layout_t *L, int N, int rank, int E, int K, int H,
                                 2ull * FR_NSETS * N * FR_FLAG_STRIDE, 4096);
     L->off_crecv = fr_align(L->off_drecv + (uint64_t)FR_NSETS * N * L->dslice,
                             4096);
-    L->seg_bytes = fr_align(L->off_crecv + FR_NSETS * L->crows * L->crow,
+    L->seg_bytes = fr_align(L->off_crecv + FR_NSETS * L->crows * L->cslot,
                             4096);
     L->send_crows = (uint64_t)N * T * L->kmax;
     L->off_dsend = 0;
     L->off_csend = fr_align((uint64_t)FR_NSETS * N * L->dslice, 4096);
     L->send_bytes = fr_align(L->off_csend +
-                                 FR_NSETS * L->send_crows * L->crow, 4096);
+                                 FR_NSETS * L->send_crows * L->cslot, 4096);
 }
 
 FR_HD uint64_t fr_off_flag(const fr_layout_t *L, int phase, int set, int sender)
@@ -153,17 +158,27 @@ FR_HD uint64_t fr_off_drecv(const fr_layout_t *L, int set, int sender)
 {
     return L->off_drecv + ((uint64_t)set * L->N + sender) * L->dslice;
 }
+/* Row `row` of a combine region, rows of `stride` bytes (crow, or cslot
+ * for LogFMT rows); each set's part holds crows slots of cslot bytes. */
+FR_HD uint64_t fr_off_crecv_st(const fr_layout_t *L, int set, uint64_t row, uint64_t stride)
+{
+    return L->off_crecv + (uint64_t)set * L->crows * L->cslot + row * stride;
+}
 FR_HD uint64_t fr_off_crecv(const fr_layout_t *L, int set, uint64_t row)
 {
-    return L->off_crecv + ((uint64_t)set * L->crows + row) * L->crow;
+    return fr_off_crecv_st(L, set, row, L->crow);
 }
 FR_HD uint64_t fr_off_dsend(const fr_layout_t *L, int set, int dest)
 {
     return L->off_dsend + ((uint64_t)set * L->N + dest) * L->dslice;
 }
+FR_HD uint64_t fr_off_csend_st(const fr_layout_t *L, int set, uint64_t row, uint64_t stride)
+{
+    return L->off_csend + (uint64_t)set * L->send_crows * L->cslot + row * stride;
+}
 FR_HD uint64_t fr_off_csend(const fr_layout_t *L, int set, uint64_t row)
 {
-    return L->off_csend + ((uint64_t)set * L->send_crows + row) * L->crow;
+    return fr_off_csend_st(L, set, row, L->crow);
 }
 FR_HD uint64_t fr_off_record(const fr_layout_t *L, uint32_t i)
 {

@@ -90,6 +90,8 @@ typedef struct fr_engine {
     /* Whether combine_send (and combine) honour ferry_combine_in_t's
      * signals (the overlapped combine); 0: the API refuses them. */
     int combine_signals;
+    /* Whether the combine takes FERRY_COMBINE_LOGFMT rows. */
+    int combine_logfmt;
 } fr_engine_t;
 
 /* GPU ranks through a host engine (engines/staged): the CPU engine of the

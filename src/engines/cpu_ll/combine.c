@@ -12,20 +12,208 @@
  * peer's flag once its last row is stored, a fabric peer's write once its
  * last row is packed.
  *
+ * With LogFMT (cin.format): each row encoded as it is stored (core/logfmt.h),
+ * to a local peer at its slot (cslot bytes apart, only the row's bytes
+ * written), to a fabric peer packed: an offset table of the run's rows,
+ * then the rows back to back, so the write carries the encoded bytes.
+ *
  * combine_recv: wait for every rank's flag; out[t] = sum_k w[t][k] * y,
  * accumulated in fp32 in k order, rounded once to bf16.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "engines/cpu_ll/cpu_ll.h"
+#include "core/logfmt.h"
 #include "core/quant.h"
 #include "runtime/rt.h"
 
-/* Sender s's rows are all in: a local peer's flag, a fabric peer's write. */
-static int fr_cpu_combine_done(ferry_ep_t ep, fr_round_t *r, int s, uint64_t src_row,
-                               uint64_t np)
+
+/* ---------------------------------------------------------------------- */
+/* LogFMT on the host: log2 and exp2 correctly rounded to float (through
+ * double), every multiply-add fused, as core/logfmt.h describes. */
+
+static float fr_lg2(float x)
+{
+    return (float)log2((double)x);
+}
+static float fr_ex2(float x)
+{
+    return (float)exp2((double)x);
+}
+
+/* A division's logs from its amax, amin; ok: LogFMT may cast it. */
+static int fr_lf_logs(float amax, float amin, float *la, float *lm)
+{
+    *la = fr_lg2(amax);
+    *lm = fmaxf(fr_lg2(amin), *la - FR_LF_CLIP);
+    return *la < 0.f && *lm < *la;
+}
+
+/* Row y (H bf16, H % 512 == 0) as LogFMT at dst; returns its bytes (a
+ * multiple of 16). */
+static uint32_t fr_lf_encode(uint8_t *dst, const uint16_t *y, int H)
+{
+    int C = fr_lf_chunk(H), dpc = C / FR_LF_DIV;
+    uint32_t off = fr_lf_meta(H);
+    for (int c = 0; c < H / C; c++) {
+        float la[8], lm[8];
+        int cast = 1;
+        for (int j = 0; j < dpc; j++) {
+            int d = c * dpc + j;
+            float amax = 0.f, amin = INFINITY;
+            for (int i = 0; i < FR_LF_DIV; i++) {
+                float v = fr_bf16_to_f32((uint16_t)(y[d * FR_LF_DIV + i] & 0x7fffu));
+                amax = v > amax ? v : amax; /* NaN ignored */
+                amin = v < amin ? v : amin;
+            }
+            uint16_t m[2] = {fr_f32_to_bf16(amax), fr_f32_to_bf16(amin)};
+            memcpy(dst + 4 * d, m, 4);
+            cast &= fr_lf_logs(amax, amin, &la[j], &lm[j]);
+        }
+        const uint16_t *yc = y + (size_t)c * C;
+        if (!cast) {
+            memcpy(dst + off, yc, 2 * (size_t)C);
+            off += fr_lf_chunk_bytes(C, 0);
+            continue;
+        }
+        for (int j = 0; j < dpc; j++) {
+            float step = (la[j] - lm[j]) / FR_LF_STEPS, inv = 1.f / step;
+            float half = (1.f + fr_ex2(step)) * 0.5f;
+            float fused = fmaf(-lm[j], inv, fmaf(-fr_lg2(half), inv, 2.f));
+            for (int g = 0; g < FR_LF_DIV / FR_LF_GROUP; g++) {
+                const uint16_t *yg = yc + j * FR_LF_DIV + g * FR_LF_GROUP;
+                uint32_t e[16], signs = 0, w[5];
+                for (int m = 0; m < 16; m++) {
+                    float t = fmaf(fr_lg2(fr_bf16_to_f32((uint16_t)(yg[m] & 0x7fffu))), inv, fused);
+                    t = fmaxf(t, 0.f); /* NaN: 0 */
+                    e[m] = t < 511.f ? (uint32_t)t : 511u;
+                    signs |= (uint32_t)(yg[m] >> 15) << m;
+                }
+                fr_lf_pack(w, e, signs);
+                memcpy(dst + off + (size_t)((j * FR_LF_DIV + g * FR_LF_GROUP) / 16) * 20, w, 20);
+            }
+        }
+        off += fr_lf_chunk_bytes(C, 1);
+    }
+    return off;
+}
+
+/* acc[i] = fma(decoded row[i], w, acc[i]) for a LogFMT row at src, at
+ * most `room` bytes long; -1 when its meta says it is longer. */
+static int fr_lf_accumulate(float *acc, float w, const uint8_t *src, uint64_t room, int H)
+{
+    int C = fr_lf_chunk(H), dpc = C / FR_LF_DIV, nc = H / C;
+    float la[FR_LF_MAXDIV], lm[FR_LF_MAXDIV];
+    uint8_t cast[FR_LF_MAXDIV / 4];
+    uint64_t len = fr_lf_meta(H);
+    if (len > room)
+        return -1;
+    for (int c = 0; c < nc; c++) {
+        cast[c] = 1;
+        for (int j = 0; j < dpc; j++) {
+            int d = c * dpc + j;
+            uint16_t m[2];
+            memcpy(m, src + 4 * d, 4);
+            float amax = fr_bf16_to_f32(m[0]), amin = fr_bf16_to_f32(m[1]);
+            cast[c] &= fr_lf_logs(amax, amin, &la[d], &lm[d]);
+        }
+        len += fr_lf_chunk_bytes(C, cast[c]);
+    }
+    if (len > room)
+        return -1;
+    uint64_t off = fr_lf_meta(H);
+    for (int c = 0; c < nc; c++) {
+        float *ac = acc + (size_t)c * C;
+        if (!cast[c]) {
+            for (int i = 0; i < C; i++) {
+                uint16_t b;
+                memcpy(&b, src + off + 2 * (size_t)i, 2);
+                ac[i] = fmaf(fr_bf16_to_f32(b), w, ac[i]);
+            }
+            off += fr_lf_chunk_bytes(C, 0);
+            continue;
+        }
+        for (int j = 0; j < dpc; j++) {
+            int d = c * dpc + j;
+            float step = (la[d] - lm[d]) / FR_LF_STEPS;
+            for (int g = 0; g < FR_LF_DIV / FR_LF_GROUP; g++) {
+                int ch = j * FR_LF_DIV + g * FR_LF_GROUP;
+                uint32_t wd[5];
+                memcpy(wd, src + off + (size_t)(ch / 16) * 20, 20);
+                for (int m = 0; m < 16; m++) {
+                    uint32_t e = fr_lf_code(wd, m);
+                    float v = e ? fr_ex2(fmaf((float)(e - 1), step, lm[d])) : 0.f;
+                    v = (wd[4] >> (16 + m)) & 1u ? -v : v;
+                    ac[ch + m] = fmaf(v, w, ac[ch + m]);
+                }
+            }
+        }
+        off += fr_lf_chunk_bytes(C, 1);
+    }
+    return 0;
+}
+
+/* Where one sender's rows go in a combine_send: its area (first slot, or
+ * for a packed run the offset table), and for a packed run the bytes of
+ * rows so far. */
+typedef struct fr_cw {
+    uint8_t *area;
+    uint32_t np, used;
+    int lf, packed;
+} fr_cw_t;
+
+static uint32_t fr_cw_table(uint32_t np)
+{
+    return (uint32_t)fr_align(4ull * np, 16);
+}
+
+static void fr_cw_put(const fr_layout_t *L, fr_cw_t *w, uint32_t p, const uint8_t *yrow)
+{
+    if (!w->lf) {
+        memcpy(w->area + (size_t)p * L->crow, yrow, L->crow);
+    } else if (!w->packed) {
+        fr_lf_encode(w->area + (size_t)p * L->cslot, (const uint16_t *)yrow, L->H);
+    } else {
+        uint32_t off = fr_cw_table(w->np) + w->used;
+        w->used += fr_lf_encode(w->area + off, (const uint16_t *)yrow, L->H);
+        memcpy(w->area + 4 * (size_t)p, &off, 4);
+    }
+}
+
+/* Bytes of the sender's area that hold its rows. */
+static uint64_t fr_cw_len(const fr_layout_t *L, const fr_cw_t *w)
+{
+    if (!w->lf)
+        return (uint64_t)w->np * L->crow;
+    if (!w->packed)
+        return (uint64_t)w->np * L->cslot;
+    return w->np ? fr_cw_table(w->np) + (uint64_t)w->used : 0;
+}
+
+/* Sender s's area this round: rows from `row` (the send region's for a
+ * fabric peer, else s's combine region's), stride by format. */
+static fr_cw_t fr_cw_of(ferry_ep_t ep, fr_round_t *r, int s, uint64_t row, int lf)
+{
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    const fr_layout_t *L = &ep->L;
+    int set = (int)(r->epoch % FR_NSETS), fabric = ep->path[s] == FR_PATH_FABRIC;
+    uint64_t st = lf ? L->cslot : L->crow;
+    fr_cw_t w;
+    w.np = cr->pair_off[s + 1] - cr->pair_off[s];
+    w.used = 0;
+    w.lf = lf;
+    w.packed = lf && fabric;
+    w.area = fabric ? ep->send + fr_off_csend_st(L, set, row, st)
+                    : ep->peer_seg[s] + fr_off_crecv_st(L, set, cr->comb_off[s], st);
+    return w;
+}
+
+/* Sender s's rows are all in (w: where they went): a local peer's flag,
+ * a fabric peer's write. */
+static int fr_cpu_combine_done(ferry_ep_t ep, fr_round_t *r, int s, const fr_cw_t *w)
 {
     fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
@@ -38,9 +226,9 @@ static int fr_cpu_combine_done(ferry_ep_t ep, fr_round_t *r, int s, uint64_t src
     }
     int g = ep->group_index[s];
     fr_slice_t *sl = ep->slices + ((size_t)FR_PH_COMBINE * FR_NSETS + set) * ep->nfabric + g;
-    sl->src_off = fr_off_csend(L, set, src_row);
-    sl->dst_off = fr_off_crecv(L, set, cr->comb_off[s]);
-    sl->len = np * L->crow;
+    sl->src_off = (uint64_t)(w->area - ep->send);
+    sl->dst_off = fr_off_crecv_st(L, set, cr->comb_off[s], w->lf ? L->cslot : L->crow);
+    sl->len = fr_cw_len(L, w);
     sl->imm = fr_imm_make(FR_PH_COMBINE, r->epoch, ep->rank);
     return fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch, g);
 }
@@ -76,28 +264,29 @@ static int fr_cpu_signal_wait(ferry_ep_t ep, fr_round_t *r, const uint32_t *sig,
 /* combine_send with signals: every sender's pairs by expert_y row, so the
  * rows of one signal go together once it is raised (rows of a signal
  * nobody gets are not waited for). */
-static int fr_cpu_combine_signalled(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in)
+static int fr_cpu_combine_signalled(ferry_ep_t ep, fr_round_t *r, const ferry_combine_in_t *in,
+                                    int lf)
 {
     fr_cpu_round_t *cr = fr_cpu_round(ep, r);
     const fr_layout_t *L = &ep->L;
-    int N = ep->N, set = (int)(r->epoch % FR_NSETS), El = (int)L->El;
+    int N = ep->N, El = (int)L->El;
     int64_t cap = (int64_t)L->cap, nrow = (int64_t)El * cap;
     int64_t bs = in->signal_block > 0 ? in->signal_block : cap;
     int64_t nb = (cap + bs - 1) / bs;
     const uint8_t *y = (const uint8_t *)in->expert_y;
     int32_t *pair_of = malloc(sizeof(int32_t) * (size_t)nrow); /* row -> pair, -1 */
     int32_t *src_of = malloc(sizeof(int32_t) * (size_t)nrow);  /* row -> sender */
-    uint32_t *left = malloc(sizeof(uint32_t) * (size_t)N * 2); /* rows to go; fabric base */
-    if (!pair_of || !src_of || !left) {
-        free(pair_of), free(src_of), free(left);
+    uint32_t *left = malloc(sizeof(uint32_t) * (size_t)N);     /* rows to go */
+    fr_cw_t *cw = malloc(sizeof(fr_cw_t) * (size_t)N);
+    if (!pair_of || !src_of || !left || !cw) {
+        free(pair_of), free(src_of), free(left), free(cw);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine_send: row maps of %lld rows",
                           (long long)nrow);
     }
-    uint32_t *fbase = left + N;
     for (int64_t i = 0; i < nrow; i++)
         pair_of[i] = -1;
     int rc = FERRY_OK;
-    uint32_t packed = 0;
+    uint64_t packed = 0; /* rows before each fabric peer's in the send region */
     for (int s = 0; s < N; s++) {
         left[s] = 0;
         if (fr_ep_masked(ep, s))
@@ -109,10 +298,10 @@ static int fr_cpu_combine_signalled(ferry_ep_t ep, fr_round_t *r, const ferry_co
             src_of[row] = s;
         }
         left[s] = np;
-        fbase[s] = packed;
+        cw[s] = fr_cw_of(ep, r, s, packed, lf);
         if (ep->path[s] == FR_PATH_FABRIC)
             packed += np;
-        if (np == 0 && (rc = fr_cpu_combine_done(ep, r, s, fbase[s], 0)))
+        if (np == 0 && (rc = fr_cpu_combine_done(ep, r, s, &cw[s])))
             goto out;
     }
     for (int e = 0; e < El; e++)
@@ -131,34 +320,30 @@ static int fr_cpu_combine_signalled(ferry_ep_t ep, fr_round_t *r, const ferry_co
                 if (pair_of[row] < 0)
                     continue;
                 int s = src_of[row];
-                uint32_t p = (uint32_t)pair_of[row];
-                int fabric = ep->path[s] == FR_PATH_FABRIC;
-                uint8_t *dst = fabric ? ep->send + fr_off_csend(L, set, (uint64_t)fbase[s] + p)
-                                      : ep->peer_seg[s] + fr_off_crecv(L, set, cr->comb_off[s] + p);
-                memcpy(dst, y + (size_t)row * L->crow, L->crow);
-                if (--left[s] == 0 &&
-                    (rc = fr_cpu_combine_done(ep, r, s, fbase[s],
-                                              cr->pair_off[s + 1] - cr->pair_off[s])))
+                fr_cw_put(L, &cw[s], (uint32_t)pair_of[row], y + (size_t)row * L->crow);
+                if (--left[s] == 0 && (rc = fr_cpu_combine_done(ep, r, s, &cw[s])))
                     goto out;
             }
             if (in->sent_rows)
                 __atomic_add_fetch(in->sent_rows + e, nrows, __ATOMIC_RELEASE);
         }
 out:
-    free(pair_of), free(src_of), free(left);
+    free(pair_of), free(src_of), free(left), free(cw);
     return rc;
 }
 
 int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
                         const ferry_combine_in_t *in)
 {
-    if (in->signals)
-        return fr_cpu_combine_signalled(ep, r, in);
     fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    int lf = in->format == FERRY_COMBINE_LOGFMT;
+    cr->logfmt = lf;
+    if (in->signals)
+        return fr_cpu_combine_signalled(ep, r, in, lf);
     const fr_layout_t *L = &ep->L;
-    int N = ep->N, set = (int)(r->epoch % FR_NSETS);
+    int N = ep->N;
     const uint8_t *y = (const uint8_t *)in->expert_y;
-    uint64_t packed = 0; /* rows packed so far in the send region */
+    uint64_t packed = 0; /* rows before each fabric peer's in the send region */
     /* fabric peers first, each handed to the proxy as soon as it is
      * packed (its write starts while the next is packed), then the local
      * peers' direct stores */
@@ -167,31 +352,92 @@ int fr_cpu_combine_send(ferry_ep_t ep, fr_round_t *r,
             int fabric = ep->path[s] == FR_PATH_FABRIC;
             if (fabric != (pass == 0) || fr_ep_masked(ep, s))
                 continue; /* a masked rank sent nothing and gets nothing */
-            uint32_t p0 = cr->pair_off[s], np = cr->pair_off[s + 1] - p0;
-            const int32_t *rows = cr->pair_row + p0;
-            uint8_t *dst = fabric ? ep->send + fr_off_csend(L, set, packed)
-                                  : ep->peer_seg[s] + fr_off_crecv(L, set, cr->comb_off[s]);
-            for (uint32_t p = 0; p < np; p++)
-                memcpy(dst + (size_t)p * L->crow, y + (size_t)rows[p] * L->crow, L->crow);
-            if (!fabric) {
-                __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[s], FR_PH_COMBINE, set, ep->rank),
-                                 r->epoch, __ATOMIC_RELEASE);
-                fr_doorbell_ring(ep->peer_seg[s]);
-                continue;
-            }
-            int g = ep->group_index[s];
-            fr_slice_t *sl =
-                ep->slices + ((size_t)FR_PH_COMBINE * FR_NSETS + set) * ep->nfabric + g;
-            sl->src_off = fr_off_csend(L, set, packed);
-            sl->dst_off = fr_off_crecv(L, set, cr->comb_off[s]);
-            sl->len = (uint64_t)np * L->crow;
-            sl->imm = fr_imm_make(FR_PH_COMBINE, r->epoch, ep->rank);
-            packed += np;
-            int rc = fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch, g);
+            const int32_t *rows = cr->pair_row + cr->pair_off[s];
+            fr_cw_t w = fr_cw_of(ep, r, s, packed, lf);
+            for (uint32_t p = 0; p < w.np; p++)
+                fr_cw_put(L, &w, p, y + (size_t)rows[p] * L->crow);
+            if (fabric)
+                packed += w.np;
+            int rc = fr_cpu_combine_done(ep, r, s, &w);
             if (rc)
                 return rc;
         }
     return FERRY_OK;
+}
+
+/* The rows of a LogFMT round: rowp[pos] for each row of this rank's
+ * combine region (NULL: a masked sender's), room[pos] the bytes it may
+ * take; a fabric sender's offset table checked. */
+static int fr_lf_rows(ferry_ep_t ep, fr_round_t *r, const uint8_t **rowp, uint64_t *room)
+{
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    const fr_layout_t *L = &ep->L;
+    int set = (int)(r->epoch % FR_NSETS);
+    for (int d = 0; d < ep->N; d++) {
+        uint32_t r0 = cr->send_off[d], np = cr->send_off[d + 1] - r0;
+        const uint8_t *area = ep->seg + fr_off_crecv_st(L, set, r0, L->cslot);
+        uint64_t len = (uint64_t)np * L->cslot, tab = fr_cw_table(np);
+        for (uint32_t i = 0; i < np; i++) {
+            if (fr_ep_masked(ep, d)) {
+                rowp[r0 + i] = NULL;
+                continue;
+            }
+            if (ep->path[d] != FR_PATH_FABRIC) {
+                rowp[r0 + i] = area + (size_t)i * L->cslot;
+                room[r0 + i] = L->cslot;
+                continue;
+            }
+            uint32_t off;
+            memcpy(&off, area + 4 * (size_t)i, 4);
+            if (off < tab || off % 16 || off >= len)
+                return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                  "combine round %llu: LogFMT rows from rank %d: row %u at "
+                                  "offset %u, outside its %llu bytes (did every rank pass "
+                                  "the same combine format?)", (unsigned long long)r->epoch,
+                                  d, i, off, (unsigned long long)len);
+            rowp[r0 + i] = area + off;
+            room[r0 + i] = len - off;
+        }
+    }
+    return FERRY_OK;
+}
+
+/* combine_recv of a LogFMT round (its flags are in): each row decoded
+ * into the token's fp32 sum, fused multiply-adds in k order. */
+static int fr_cpu_combine_recv_lf(ferry_ep_t ep, fr_round_t *r, const ferry_combine_out_t *out)
+{
+    fr_cpu_ll_t *c = fr_cpu_state(ep);
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    const fr_layout_t *L = &ep->L;
+    int H = L->H, K = L->K;
+    uint32_t nrows = cr->send_off[ep->N];
+    const uint8_t **rowp = malloc(sizeof(*rowp) * (nrows ? nrows : 1));
+    uint64_t *room = malloc(sizeof(*room) * (nrows ? nrows : 1));
+    int rc = rowp && room ? fr_lf_rows(ep, r, rowp, room)
+                          : fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine_recv: %u row pointers",
+                                       nrows);
+    float *acc = c->acc;
+    uint16_t *o = (uint16_t *)out->out;
+    for (int t = 0; t < r->T && rc == FERRY_OK; t++) {
+        memset(acc, 0, sizeof(float) * (size_t)H);
+        const int32_t *cp = cr->comb_pos + (size_t)t * K;
+        const float *w = out->topk_weights + (size_t)t * K;
+        for (int k = 0; k < K; k++) {
+            if (cp[k] < 0 || (uint32_t)cp[k] >= nrows || !rowp[cp[k]])
+                continue;
+            if (fr_lf_accumulate(acc, w[k], rowp[cp[k]], room[cp[k]], H)) {
+                rc = fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
+                                "combine round %llu: a LogFMT row (token %d, slot %d) is "
+                                "longer than its room (did every rank pass the same "
+                                "combine format?)", (unsigned long long)r->epoch, t, k);
+                break;
+            }
+        }
+        fr_row_to_bf16(acc, o + (size_t)t * H, H);
+    }
+    free(rowp);
+    free(room);
+    return rc;
 }
 
 int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
@@ -204,6 +450,8 @@ int fr_cpu_combine_recv(ferry_ep_t ep, fr_round_t *r,
     int rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "combine", out->wait_cost);
     if (rc)
         return rc;
+    if (cr->logfmt)
+        return fr_cpu_combine_recv_lf(ep, r, out);
     /* a rank masked after this round's dispatch_send (mask_on_timeout)
      * never sent the replies of its rows: they count as 0 */
     for (int d = 0; d < ep->N; d++)

@@ -19,6 +19,8 @@ typedef struct fr_cpu_round {
     /* token side (filled by dispatch_send) */
     uint32_t *send_off;  /* [N+1]: first row of my combine region per
                             destination (its replies land there) */
+    int logfmt;          /* this round's combine rows are LogFMT (set by
+                            combine_send, read by combine_recv) */
 } fr_cpu_round_t;
 
 typedef struct fr_cpu_ll {

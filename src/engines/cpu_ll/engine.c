@@ -132,6 +132,7 @@ const fr_engine_t fr_engine_cpu_ll = {
     .combine_send = fr_cpu_combine_send,
     .combine_recv = fr_cpu_combine_recv,
     .combine_signals = 1,
+    .combine_logfmt = 1,
     .sync = fr_cpu_sync,
     .check = fr_cpu_check,
     .mask_write = fr_cpu_mask_write,
