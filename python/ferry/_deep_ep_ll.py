@@ -581,12 +581,12 @@ class _LowLatency:
         if fmt:
             plan = getattr(handle, "plan", None)
             lep = plan.ep if plan is not None else getattr(handle, "ep", None)
-            if lep is not None and lep.hidden % 512:
-                raise ValueError(f"use_logfmt: hidden = {lep.hidden}; DeepEP's LogFMT takes a "
-                                 f"multiple of 512")
             if lep is not None and lep.device == "cuda":
                 raise NotImplementedError("use_logfmt: ferry's CUDA engine has no LogFMT "
                                           "combine yet (CPU ranks have it)")
+            if lep is not None and lep.hidden % 512:
+                raise ValueError(f"use_logfmt: hidden = {lep.hidden}; DeepEP's LogFMT takes a "
+                                 f"multiple of 512")
         wc = self._wait_cost(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", x)
         if zero_copy:
             # the experts wrote into get_next_low_latency_combine_buffer(handle):

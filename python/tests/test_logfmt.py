@@ -235,6 +235,14 @@ def bits(t):
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def settled(ep):
+    """The fabric bytes this rank posted so far, after a barrier: every
+    rank's calls before it have received their data, so every write
+    that carried it was posted (and counted) by then."""
+    torch.distributed.barrier()
+    return ep.stats()["bytes"]
+
+
 def rounds(ferry, comm, rank, N, H):
     msgs = []
     E = 4 * N
@@ -250,10 +258,10 @@ def rounds(ferry, comm, rank, N, H):
             r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
             y = expert_y(ep, bufs, rank)
             out = torch.empty((x.shape[0], H), dtype=torch.bfloat16)
-            b0 = ep.stats()["bytes"]
+            b0 = settled(ep)
             ep.combine_send(r, y, format=fmt)
             ep.combine_recv(r, w, out)
-            fab[fmt] += ep.stats()["bytes"] - b0
+            fab[fmt] += settled(ep) - b0
             if fmt == "bf16":
                 continue
             ref = reference(x, idx, w, H, msgs, sizes)

@@ -119,6 +119,13 @@ def test_overlap_cpu(nranks):
     run_script("test_overlap.py", ["cpu", str(nranks)], needs=("torch",))
 
 
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_logfmt_cpu(nranks):
+    """LogFMT combine (DeepEP's use_logfmt) on CPU ranks, bit for bit against
+    a reference, through EP and deep_ep."""
+    run_script("test_logfmt.py", [str(nranks)], needs=("torch", "numpy"))
+
+
 @pytest.mark.parametrize("nranks", [2])
 def test_normal_async_cuda(nranks):
     """The same on CUDA, with the profiler's host syncs and real overlap."""
