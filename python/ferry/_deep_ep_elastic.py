@@ -298,8 +298,11 @@ class ElasticBuffer:
             if A < 1:
                 raise ValueError(f"expert_alignment: {A}: must be at least 1")
             do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+            # flat: every rank's rows straight to the token's rank, summed
+            # in DeepEP 2's order without hybrid mode, as the logical domain
+            # (1, N) says (forwarding would sum per node first)
             ep = self._buf._ht_ep(E, K, H, "cuda" if xt.is_cuda else "cpu",
-                                  num_sms if num_sms else None)
+                                  num_sms if num_sms else None, "off")
         if maxT <= 0 or T > maxT:
             raise ValueError(f"x: {T} tokens, above num_max_tokens_per_rank = {maxT}")
         if topk_weights is not None:

@@ -105,15 +105,16 @@ class _Normal:
                       f"context's channels are fixed; set the SMs before a shape's first "
                       f"dispatch). Warned once per Buffer.", RuntimeWarning, stacklevel=3)
 
-    def _ht_ep(self, num_experts, topk, hidden, device="cuda", sms=None):
-        key = ("ht", num_experts, topk, hidden, device)
+    def _ht_ep(self, num_experts, topk, hidden, device="cuda", sms=None, forward="auto"):
+        key = ("ht", num_experts, topk, hidden, device) + ((forward,) if forward != "auto"
+                                                           else ())
         ep = self._eps.get(key)
         if ep is None:
             self._not_capturing("dispatch", key[1:])
             n = sms if sms is not None else self._kernel_sms("ht")
             ep = EP(self.comm, num_experts=num_experts, topk=topk, hidden=hidden,
                     max_tokens=_HT_MAX_TOKENS, dtype="bf16", device=device, mode="ht",
-                    num_sms=n)
+                    num_sms=n, forward=forward)
             self._eps[key] = ep
         else:
             self._ht_sms_check(ep, sms, "dispatch")

@@ -29,7 +29,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ranks import ranks_main, torch_init  # noqa: E402
+from ranks import ranks_main, test_nodes, torch_init  # noqa: E402
 
 H, K, MAXT = 256, 4, 24
 
@@ -239,7 +239,11 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
               for b in range(nbias)]
     bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
     out, ow, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
-    want, told = combine_reference(rank, x.shape[0], idx, El, biases, h._ep.nodes(), dev)
+    nodes = h._ep.nodes()
+    if test_nodes() > 1:  # on simulated nodes: flat, as the logical domain (1, N) says
+        check(msgs, f"{tag}: nodes {nodes}: want {test_nodes()} nodes, no forwarding",
+              len(set(nodes[0])) == test_nodes() and not nodes[1])
+    want, told = combine_reference(rank, x.shape[0], idx, El, biases, nodes, dev)
     TOLD[0] += told
     check(msgs, f"{tag}: combined x differs", torch.equal(out, want))
     wz = torch.where(idx >= 0, w, torch.zeros_like(w))
