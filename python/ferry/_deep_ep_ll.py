@@ -581,9 +581,6 @@ class _LowLatency:
         if fmt:
             plan = getattr(handle, "plan", None)
             lep = plan.ep if plan is not None else getattr(handle, "ep", None)
-            if lep is not None and lep.device == "cuda":
-                raise NotImplementedError("use_logfmt: ferry's CUDA engine has no LogFMT "
-                                          "combine yet (CPU ranks have it)")
             if lep is not None and lep.hidden % 512:
                 raise ValueError(f"use_logfmt: hidden = {lep.hidden}; DeepEP's LogFMT takes a "
                                  f"multiple of 512")

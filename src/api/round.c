@@ -254,6 +254,16 @@ static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_com
             return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                               "format = FERRY_COMBINE_LOGFMT: not with DP groups "
                               "(dp_group_size %d)", ep->dp.G);
+        if (ep->L.H / fr_lf_chunk(ep->L.H) > 64)
+            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                              "format = FERRY_COMBINE_LOGFMT: hidden = %d has %d chunks of %d "
+                              "channels; LogFMT takes at most 64", ep->L.H,
+                              ep->L.H / fr_lf_chunk(ep->L.H), fr_lf_chunk(ep->L.H));
+        if (ep->cfg.device == FERRY_DEVICE_CUDA && ep->nfabric > 0)
+            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
+                              "format = FERRY_COMBINE_LOGFMT: GPU ranks with peers on the "
+                              "fabric path (%d) are not served yet (CPU ranks are; GPU ranks "
+                              "of one node are)", ep->nfabric);
     }
     if (!cur->signals) {
         if (cur->sent_rows)

@@ -20,6 +20,7 @@
  */
 
 #include "engines/cuda_ll/cuda_ll_dev.cuh"
+#include "core/logfmt.h"
 #include "ep/hmem.h"
 #include "runtime/rt.h"
 
@@ -39,7 +40,147 @@ typedef struct fr_cu_sig {
     uint32_t value;
     int block, nb;
     int32_t *sent;
+    int lf; /* the round's rows are LogFMT (FERRY_COMBINE_LOGFMT) */
 } fr_cu_sig_t;
+
+/* ---------------------------------------------------------------------- */
+/* LogFMT (core/logfmt.h) with the GPU's approximate lg2 and ex2, as
+ * DeepEP's kernels: a value next to a code boundary can take the
+ * neighbouring code of the CPU engine's (correctly rounded) choice. */
+
+static __device__ __forceinline__ float fr_lg2a(float x)
+{
+    float y;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+static __device__ __forceinline__ float fr_ex2a(float x)
+{
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* A division's logs from its amax and amin; true: it may be cast. */
+static __device__ __forceinline__ bool fr_lf_logs_d(float amax, float amin, float &la, float &lm)
+{
+    la = fr_lg2a(amax);
+    lm = fmaxf(fr_lg2a(amin), la - FR_LF_CLIP);
+    return la < 0.f && lm < la;
+}
+
+/* A warp encodes row y (H bf16) at dst: per chunk, lane l takes C/32
+ * channels (two or one 16-channel groups), the lanes of a division
+ * reduce its amax/amin, the warp votes the chunk's form. */
+static __device__ void fr_lf_encode_warp(uint8_t *dst, const uint8_t *y, int H)
+{
+    const unsigned full = 0xffffffffu;
+    int lane = threadIdx.x & 31, C = fr_lf_chunk(H), per = C / 32, lpd = FR_LF_DIV / per;
+    uint32_t off = fr_lf_meta(H);
+    for (int c = 0; c < H / C; c++) {
+        int ch0 = c * C + lane * per;
+        uint16_t v[32];
+        for (int i = 0; i < per / 8; i++)
+            *(int4 *)&v[8 * i] = *(const int4 *)(y + 2 * (size_t)(ch0 + 8 * i));
+        float amax = 0.f, amin = __int_as_float(0x7f800000);
+        for (int i = 0; i < per; i++) {
+            float f = fr_bf16_to_f32((uint16_t)(v[i] & 0x7fffu));
+            amax = fmaxf(amax, f); /* NaN ignored */
+            amin = fminf(amin, f);
+        }
+        for (int o = 1; o < lpd; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(full, amax, o));
+            amin = fminf(amin, __shfl_xor_sync(full, amin, o));
+        }
+        float la, lm;
+        bool cast = __all_sync(full, fr_lf_logs_d(amax, amin, la, lm));
+        if (lane % lpd == 0) {
+            uint32_t m = (uint32_t)fr_f32_to_bf16(amax) | ((uint32_t)fr_f32_to_bf16(amin) << 16);
+            *(uint32_t *)(dst + 4 * (size_t)(ch0 / FR_LF_DIV)) = m;
+        }
+        if (!cast) {
+            for (int i = 0; i < per / 8; i++)
+                *(int4 *)(dst + off + 2 * (size_t)(lane * per + 8 * i)) = *(const int4 *)&v[8 * i];
+            off += fr_lf_chunk_bytes(C, 0);
+            continue;
+        }
+        float step = __fdiv_rn(la - lm, FR_LF_STEPS), inv = __fdiv_rn(1.f, step);
+        float half = __fmul_rn(__fadd_rn(1.f, fr_ex2a(step)), 0.5f);
+        float fused = __fmaf_rn(-lm, inv, __fmaf_rn(-fr_lg2a(half), inv, 2.f));
+        for (int g = 0; g < per / 16; g++) {
+            uint32_t e[16], signs = 0, w[5];
+            for (int m = 0; m < 16; m++) {
+                uint16_t b = v[16 * g + m];
+                float t = __fmaf_rn(fr_lg2a(fr_bf16_to_f32((uint16_t)(b & 0x7fffu))), inv, fused);
+                t = fmaxf(t, 0.f); /* NaN: 0 */
+                e[m] = t < 511.f ? (uint32_t)t : 511u;
+                signs |= (uint32_t)(b >> 15) << m;
+            }
+            fr_lf_pack(w, e, signs);
+            uint32_t *o = (uint32_t *)(dst + off + (size_t)(lane * per / 16 + g) * 20);
+            for (int i = 0; i < 5; i++)
+                o[i] = w[i];
+        }
+        off += fr_lf_chunk_bytes(C, 1);
+    }
+}
+
+/* The cast chunks of a LogFMT row (bit c: chunk c cast), from its meta:
+ * a warp, lanes over the divisions. */
+static __device__ unsigned long long fr_lf_mask_warp(const uint8_t *row, int H)
+{
+    int lane = threadIdx.x & 31, nd = H / FR_LF_DIV, dpc = fr_lf_chunk(H) / FR_LF_DIV;
+    unsigned long long mask = 0;
+    for (int d0 = 0; d0 < nd; d0 += 32) {
+        bool ok = true;
+        if (d0 + lane < nd) {
+            uint32_t m = *(const uint32_t *)(row + 4 * (size_t)(d0 + lane));
+            float la, lm;
+            ok = fr_lf_logs_d(fr_bf16_to_f32((uint16_t)(m & 0xffffu)),
+                              fr_bf16_to_f32((uint16_t)(m >> 16)), la, lm);
+        }
+        unsigned b = __ballot_sync(0xffffffffu, ok);
+        for (int j = 0; j < 32; j += dpc) { /* chunks of this window: all its divisions */
+            unsigned want = dpc == 32 ? 0xffffffffu : ((1u << dpc) - 1u) << j;
+            if (d0 + j < nd && (b & want) == want)
+                mask |= 1ull << ((d0 + j) / dpc);
+        }
+    }
+    return mask;
+}
+
+/* acc[0..8) += w * the decoded channels h0..h0+7 of a LogFMT row (fused,
+ * as the CPU engine). */
+static __device__ __forceinline__ void fr_lf_acc8(float acc[8], float w, const uint8_t *row,
+                                                  unsigned long long mask, int h0, int H)
+{
+    int C = fr_lf_chunk(H), c = h0 / C, hc = h0 - c * C;
+    uint32_t off = fr_lf_meta(H) + (uint32_t)c * 2u * (uint32_t)C -
+                   (uint32_t)__popcll(mask & ((1ull << c) - 1ull)) * (uint32_t)(3 * C / 4);
+    if (!(mask >> c & 1ull)) {
+        int4 v = *(const int4 *)(row + off + 2 * (size_t)hc);
+        const uint16_t *b = (const uint16_t *)&v;
+        for (int i = 0; i < 8; i++)
+            acc[i] = __fmaf_rn(fr_bf16_to_f32(b[i]), w, acc[i]);
+        return;
+    }
+    uint32_t m = *(const uint32_t *)(row + 4 * (size_t)(h0 / FR_LF_DIV));
+    float la, lm;
+    fr_lf_logs_d(fr_bf16_to_f32((uint16_t)(m & 0xffffu)), fr_bf16_to_f32((uint16_t)(m >> 16)),
+                 la, lm);
+    float step = __fdiv_rn(la - lm, FR_LF_STEPS);
+    const uint32_t *g = (const uint32_t *)(row + off + (size_t)(hc / 16) * 20);
+    uint32_t wd[5];
+    for (int i = 0; i < 5; i++)
+        wd[i] = g[i];
+    int m0 = hc & 8;
+    for (int i = 0; i < 8; i++) {
+        uint32_t e = fr_lf_code(wd, m0 + i);
+        float x = e ? fr_ex2a(__fmaf_rn((float)(e - 1), step, lm)) : 0.f;
+        x = (wd[4] >> (16 + m0 + i)) & 1u ? -x : x;
+        acc[i] = __fmaf_rn(x, w, acc[i]);
+    }
+}
 
 /* A warp waits (lane 0 polls, acquire at GPU scope: the signals come
  * from kernels on this GPU) until the signal of expert_y row `row` is
@@ -103,7 +244,7 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
      * chain as long as the ranks even with nothing to send. */
     __shared__ int s_np[FR_CS_SRC];
     __shared__ uint8_t *s_dst[FR_CS_SRC];
-    int cpr = (int)((L.crow + 4095) / 4096);
+    int cpr = S.lf ? 1 : (int)((L.crow + 4095) / 4096); /* LogFMT: a warp per row */
     bool sig_ok = true; /* this warp's signal waits (warp-uniform) */
     int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int nwg = gridDim.x * (blockDim.x >> 5);
@@ -115,14 +256,17 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
             int s = s0 + i;
             /* a masked rank's memory: never; own rows: read in place,
              * but with signals each waited for (combine_recv reads them) */
-            int np = (s == A.rank && !S.sig) || (s_mk && s_mk[s]) ? 0 : pn[s];
+            /* LogFMT: own rows encoded into this rank's region too (the
+             * receive decodes every row alike; no fabric peers then) */
+            int np = (s == A.rank && !S.sig && !S.lf) || (s_mk && s_mk[s]) ? 0 : pn[s];
             s_np[i] = np;
             if (np > 0)
-                s_dst[i] = s == A.rank ? NULL
+                s_dst[i] = s == A.rank && !S.lf ? NULL
                            : A.path[s] == FR_PATH_FABRIC
                                ? A.send + fr_off_csend(&L, set, (uint64_t)(s * pstride))
-                               : A.peer[s] + fr_off_crecv(&L, set,
-                                                          (uint64_t)A.scomb_off[set * N + s]);
+                               : A.peer[s] + fr_off_crecv_st(&L, set,
+                                                             (uint64_t)A.scomb_off[set * N + s],
+                                                             S.lf ? L.cslot : L.crow);
         }
         __syncthreads();
         for (int i = 0; i < nsrc; i++) {
@@ -144,6 +288,11 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
                         atomicAdd(S.sent + rows[p] / (int)L.cap, 1);
                     if (!dst)
                         continue; /* an own row: waited for, read in place */
+                }
+                if (S.lf) {
+                    fr_lf_encode_warp(dst + (size_t)p * L.cslot, y + (size_t)rows[p] * L.crow,
+                                      L.H);
+                    continue;
                 }
                 size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
                 fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off,
@@ -190,13 +339,14 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
 #define FR_CR_CUTS 32 /* masked ranks a combine block lists for its cut */
 static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
                                                  const float *w, uint16_t *out,
-                                                 const uint8_t *self_y, long long *cost)
+                                                 const uint8_t *self_y, long long *cost, int lf)
 {
     const fr_layout_t &L = A.L;
     int N = A.N, K = L.K, H = L.H;
     __shared__ int ok, s_own; /* s_own: a wait of this block masked a rank */
     __shared__ const uint8_t *srow[FR_CR_PAIRS];
     __shared__ float sw[FR_CR_PAIRS];
+    __shared__ unsigned long long smask[FR_CR_PAIRS]; /* LogFMT: cast chunks per row */
     /* Every sender is needed before any token can be summed: the first
      * warp's lanes wait for them at once (lane l for senders l, l + 32,
      * ...), so the wait costs one poll latency, not N in a row; block 0's
@@ -272,13 +422,43 @@ static __device__ __forceinline__ void fr_cr_run(const fr_cu_args_t &A, int set,
                     pos = -1;
             }
             int pr = pos >= cs && pos < cs + ns ? prow[ps + pos - cs] : 0;
-            srow[i] = pos < 0 || pr < 0 ? NULL
-                      : pos >= cs && pos < cs + ns
-                          ? self_y + (size_t)pr * L.crow
-                          : rb + fr_off_crecv(&L, set, (uint64_t)pos);
+            if (lf) /* every row encoded in this rank's region, own rows too */
+                srow[i] = pos < 0 || pr < 0 ? NULL
+                                            : A.seg + fr_off_crecv_st(&L, set, (uint64_t)pos,
+                                                                      L.cslot);
+            else
+                srow[i] = pos < 0 || pr < 0 ? NULL
+                          : pos >= cs && pos < cs + ns
+                              ? self_y + (size_t)pr * L.crow
+                              : rb + fr_off_crecv(&L, set, (uint64_t)pos);
             sw[i] = w[(size_t)tb * K + i];
         }
         __syncthreads();
+        if (lf) { /* each row's cast chunks, a warp per row */
+            for (int i = threadIdx.x >> 5; i < nb * K; i += blockDim.x >> 5)
+                if (srow[i]) {
+                    unsigned long long m = fr_lf_mask_warp(srow[i], H);
+                    if ((threadIdx.x & 31) == 0)
+                        smask[i] = m;
+                }
+            __syncthreads();
+            for (int j = threadIdx.x; j < nb * hc; j += blockDim.x) {
+                int tl = j / hc, h0 = (j - tl * hc) * 8;
+                float acc[8];
+                for (int i = 0; i < 8; i++)
+                    acc[i] = 0.f;
+                for (int k = 0; k < K; k++)
+                    if (srow[tl * K + k])
+                        fr_lf_acc8(acc, sw[tl * K + k], srow[tl * K + k], smask[tl * K + k], h0, H);
+                int4 o;
+                uint16_t *ov = (uint16_t *)&o;
+                for (int i = 0; i < 8; i++)
+                    ov[i] = fr_f32_to_bf16(acc[i]);
+                *(int4 *)(out + (size_t)(tb + tl) * H + h0) = o;
+            }
+            __syncthreads();
+            continue;
+        }
         for (int j = threadIdx.x; j < nb * hc; j += blockDim.x) {
             int tl = j / hc, h0 = (j - tl * hc) * 8;
             const uint8_t *const *rr = srow + tl * K;
@@ -328,7 +508,7 @@ combine(fr_cu_args_t A, int set, const uint8_t *y, const float *w, uint16_t *out
         return;
     if (phases & FR_PART_SEND)
         __syncthreads();
-    fr_cr_run(A, set, w, out, self_y, cost);
+    fr_cr_run(A, set, w, out, self_y, cost, S.lf);
 }
 } /* namespace ferry */
 
@@ -347,10 +527,19 @@ extern "C" int fr_cuda_combine_load(ferry_ep_t ep, struct fr_cuda_ep *c, fr_err_
 /* ---------------------------------------------------------------------- */
 /* host entry points                                                      */
 
+/* A receive launch's: no signals, the round's format. */
+static fr_cu_sig_t fr_cu_recv_sig(int lf)
+{
+    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL, lf};
+    return S;
+}
+
 /* The signals of `in` as the kernel takes them (none: sig NULL). */
 static fr_cu_sig_t fr_cu_sig_of(ferry_ep_t ep, const ferry_combine_in_t *in)
 {
-    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL};
+    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL, 0};
+    if (in)
+        S.lf = in->format == FERRY_COMBINE_LOGFMT;
     if (in && in->signals) {
         int cap = (int)ep->L.cap;
         S.sig = in->signals;
@@ -369,6 +558,7 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
+    c->lf[set] = in->format == FERRY_COMBINE_LOGFMT;
     ferry::combine<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
                                                         NULL, NULL, NULL, NULL, FR_PART_SEND,
                                                         fr_cu_sig_of(ep, in));
@@ -387,7 +577,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
                                                     (long long *)out->wait_cost, FR_PART_RECV,
-                                                    fr_cu_sig_of(ep, NULL));
+                                                    fr_cu_recv_sig(c->lf[set]));
     int rc = fr_cuda_launch_check(ep, "combine_recv");
     if (rc == FERRY_OK)
         fr_ahead_mark(&c->ahead, r->epoch, st);
@@ -401,6 +591,7 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
     cudaStream_t st = (cudaStream_t)in->stream;
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
+    c->lf[set] = in->format == FERRY_COMBINE_LOGFMT;
     if (c->cgrid < 0) {
         int rc = fr_cuda_combine_send(ep, r, in);
         return rc ? rc : fr_cuda_combine_recv(ep, r, out);

@@ -128,6 +128,7 @@ struct fr_cuda_ep {
     int *err_host;
     void *err_dev;
     const void *y[FR_NSETS];     /* own expert_y, read in place by recv */
+    int lf[FR_NSETS];            /* the set's combine rows are LogFMT (recv decodes) */
     int masked;              /* ranks masked, as the host set them: the
                                 dispatch launches the kernel that cuts */
     fr_ahead_t ahead;        /* rounds queued ahead, bounded (ep/ahead.h): GPU

@@ -15,6 +15,7 @@ const fr_engine_t fr_engine_cuda_ll = {
     .combine_send = fr_cuda_combine_send,
     .combine_recv = fr_cuda_combine_recv,
     .combine_signals = 1,
+    .combine_logfmt = 1,
     .sync = fr_cuda_sync,
     .check = fr_cuda_check,
     .dispatch = fr_cuda_dispatch,
