@@ -214,6 +214,19 @@ def bad_args(ep, rank, E, dev):
                 msgs.append(f"combine_send({sorted(kw)}): the error does not name {name}: {e}")
     ep.combine(r, y, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev),
                signals=sig, signal_value=VALUE)
+    # a ferry_combine_in_t of the size before `signals` (older callers) is
+    # still taken: a plain combine
+    import ctypes
+    from ferry import _lib
+    from ferry._core import _lib_handle
+    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
+    old = _lib.CombineIn(_lib.CombineIn.signals.offset, y.data_ptr(),
+                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
+    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(old))
+    if rc != 0:
+        msgs.append(f"combine_send with the older ferry_combine_in_t size: error {rc}")
+    else:
+        ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return msgs
