@@ -15,13 +15,15 @@
  *                         its experts; padded to 16)
  *                         + token (H B fp8 | 2H B bf16) + scales (H/128 fp32)
  *                (the CPU engine leaves the rows per expert and pos unset)
- *   [combine]    [set 2][T*K rows][2H B]   one bf16 row per (token, k);
- *                each expert rank writes one contiguous run of rows at the
- *                offset this rank named in its dispatch slice header.
+ *   [combine]    [set 2][T*K slots][cslot B]   one row per (token, k):
+ *                bf16 rows 2H apart, LogFMT rows cslot apart (a set's part
+ *                is T*K*cslot bytes either way); each expert rank writes
+ *                one contiguous run of rows at the offset this rank named
+ *                in its dispatch slice header.
  *
  * Send region (only with fabric peers; registered, never shared):
  *   [dispatch]   [set 2][dest N][dslice]
- *   [combine]    [set 2][N*T*kmax rows][2H B]
+ *   [combine]    [set 2][N*T*kmax slots][cslot B] (rows as above)
  *
  * Immediate data (32 bits, EFA's size): phase 2 | epoch low 12 | sender 18.
  */

@@ -79,9 +79,10 @@ static __device__ void fr_lf_encode_warp(uint8_t *dst, const uint8_t *y, int H)
     uint32_t off = fr_lf_meta(H);
     for (int c = 0; c < H / C; c++) {
         int ch0 = c * C + lane * per;
-        uint16_t v[32];
-        for (int i = 0; i < per / 8; i++)
-            *(int4 *)&v[8 * i] = *(const int4 *)(y + 2 * (size_t)(ch0 + 8 * i));
+        int4 v4[4];
+        const uint16_t *v = (const uint16_t *)v4;
+        for (int i = 0; i < per / 8; i++) /* coherent loads: a GEMM may have written y */
+            v4[i] = __ldcg((const int4 *)(y + 2 * (size_t)(ch0 + 8 * i)));
         float amax = 0.f, amin = __int_as_float(0x7f800000);
         for (int i = 0; i < per; i++) {
             float f = fr_bf16_to_f32((uint16_t)(v[i] & 0x7fffu));
@@ -100,7 +101,7 @@ static __device__ void fr_lf_encode_warp(uint8_t *dst, const uint8_t *y, int H)
         }
         if (!cast) {
             for (int i = 0; i < per / 8; i++)
-                *(int4 *)(dst + off + 2 * (size_t)(lane * per + 8 * i)) = *(const int4 *)&v[8 * i];
+                *(int4 *)(dst + off + 2 * (size_t)(lane * per + 8 * i)) = v4[i];
             off += fr_lf_chunk_bytes(C, 0);
             continue;
         }
@@ -216,7 +217,9 @@ static __device__ bool fr_cs_signal(const fr_cu_args_t &A, const fr_cu_sig_t &S,
             __nanosleep(100);
         }
     }
-    return __shfl_sync(0xffffffffu, ok, 0) != 0;
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp(); /* the lanes' reads of the row after lane 0's acquire */
+    return ok != 0;
 }
 
 static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
@@ -295,8 +298,12 @@ static __device__ __forceinline__ void fr_cs_run(const fr_cu_args_t &A, int set,
                     continue;
                 }
                 size_t off = (size_t)c * 4096, len = L.crow - off < 4096 ? L.crow - off : 4096;
-                fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off,
-                                          y + (size_t)rows[p] * L.crow + off, len);
+                if (S.sig) /* coherent loads: the GEMM wrote the row during this kernel */
+                    fr_warp_copy16u<8, true>(dst + (size_t)p * L.crow + off,
+                                             y + (size_t)rows[p] * L.crow + off, len);
+                else
+                    fr_warp_copy16u<8, false>(dst + (size_t)p * L.crow + off,
+                                              y + (size_t)rows[p] * L.crow + off, len);
             }
         }
     }

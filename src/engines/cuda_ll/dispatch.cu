@@ -819,8 +819,10 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
         }
         if (threadIdx.x == 0)
             A.ntok[set] = T;
-        if (own && threadIdx.x == 0)
+        if (own && threadIdx.x == 0) { /* what the receive's own-rank visit would set */
             A.pair_n[set * N + A.rank] = sh[3 * N + A.rank];
+            A.scomb_off[set * N + A.rank] = sh[4 * N + A.rank];
+        }
     }
     bool solo = (end - start) * L.K <= 32;
     if (!solo || threadIdx.x < 32)
