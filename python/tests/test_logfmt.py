@@ -146,7 +146,8 @@ def check_bound(row, dec, msgs):
         amin = np.fmin.reduce(mag, axis=1, initial=F32(np.inf))
         la, lm, ok = logs(amax, amin)
         s = np.repeat((la - lm) / 510, 128).astype(np.float64)
-        bound = np.abs(x) * (2 ** s - 1) / (2 ** s + 1) * 1.0001 + 1e-30
+        # and the float32 rounding of the logs: a few ulps of x
+        bound = np.abs(x) * ((2 ** s - 1) / (2 ** s + 1) * 1.0001 + 2.0 ** -20) + 1e-30
         cast = np.repeat(ok.reshape(-1, C // 128).all(axis=1), C)
         fin = np.isfinite(x)
         big = cast & fin & (np.abs(x) >= np.repeat(2.0 ** lm.astype(np.float64), 128))
@@ -244,10 +245,13 @@ def compare(got, ref, extra, what, msgs, cuda):
     exact, mag = extra
     g = bits_to_f32(got).astype(np.float64)
     rv = bits_to_f32(ref)
+    # per term: 2.17% of it, or one code more where the GPU's approximate
+    # lg2 moved it to the neighbouring code (3.3%), or the 32-octave clip's
+    # zero (below 2^-32 of the largest term); then bf16 rounding
+    tol = 0.034 * mag + np.abs(exact) / 128 + mag.max(axis=1, keepdims=True) * 2.0 ** -31
     with np.errstate(all="ignore"):
         ok = np.where(np.isnan(rv), np.isnan(g),  # NaN where a raw chunk carried one
-                      np.isfinite(g) & (np.abs(g - exact) <= 0.0218 * mag + np.abs(exact) / 128
-                                        + 1e-30))
+                      np.isfinite(g) & (np.abs(g - exact) <= tol + 1e-30))
     same = float((got == ref).mean()) if got.size else 1.0
     if not ok.all() or same < 0.9:
         msgs.append(f"{what}: {int((~ok).sum())} values past the bound, {same:.4f} of the bits "
