@@ -48,9 +48,11 @@ def rank_main(rank, N, port, args, q):
         from ferry import deep_ep
         T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
         El = E // N
-        deep_ep.Buffer.set_num_sms(args.sms)
         buf = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 30, low_latency_mode=True,
                              num_qps_per_rank=El)
+        # the combine's SMs (its blocks poll while the GEMM runs): the rest
+        # stay free for the GEMM's kernels, as SGLang splits them
+        buf.ferry_ll_sms = args.sms
         g = torch.Generator(device="cuda").manual_seed(17 + rank)
         x = (torch.randn((T, H), device="cuda", generator=g) * 0.1).to(torch.bfloat16)
         idx = torch.topk(torch.rand((T, E), device="cuda", generator=g), K, dim=-1).indices
