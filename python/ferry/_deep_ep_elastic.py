@@ -161,6 +161,7 @@ class ElasticBuffer:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.runtime = self._buf.runtime
         self._destroyed = False
+        self._slots = {}  # (K, device) -> arange(K) int32, for the handles' metadata
 
     # ---------------------------------------------------------------- sizes
 
@@ -316,8 +317,11 @@ class ElasticBuffer:
             xt = xt.contiguous()
             if not cached:
                 kept = topk_idx.clone() if do_handle_copy else topk_idx
-                route = ep.route(topk_idx.contiguous(), A, stream=call.stream,
-                                 max_recv=0 if do_cpu_sync else N * maxT)
+                # an exact route's counts come to the host unaligned (the
+                # handle's sums are made there); a bounded one's stay on
+                # the device, aligned
+                route = ep.route(topk_idx.contiguous(), 1 if do_cpu_sync else A,
+                                 stream=call.stream, max_recv=0 if do_cpu_sync else N * maxT)
                 call.settle()
             o = ep.ht_dispatch(route, xt, xs, topk_weights, stream=call.stream,
                                topk_idx_dtype="int64")
@@ -354,6 +358,9 @@ class ElasticBuffer:
         """The EPHandle of a new routing, its tensors made on the current
         stream from the dispatch's outputs (no host wait past the route's)."""
         src, tok, ridx = o["recv_src_rank"], o["recv_src_token"], o["recv_topk_idx"]
+        if cpu_sync and not isinstance(route.expert_counts, torch.Tensor):
+            return self._exact_handle(ep, route, kept, src, tok, ridx, E, El, K, A, maxT, N,
+                                      do_expand, num_sms, dev)
         R = src.shape[0]
         valid = src >= 0
         meta = torch.full((R, K + 2), -1, dtype=torch.int32, device=dev)
@@ -398,6 +405,57 @@ class ElasticBuffer:
         else:
             psum_exp = torch.cumsum(aligned, 0, dtype=torch.int32)
         dst = torch.where(kept >= 0, kept // El, torch.full_like(kept, -1)).to(torch.int32)
+        h = EPHandle(do_expand, E, A, maxT, num_sms, kept, R, n_exp, elist, psum_rank, psum_exp,
+                     unaligned, meta, dst)
+        h._ep, h._route, h._exp_pos = ep, route, exp_pos
+        return h
+
+    def _exact_handle(self, ep, route, kept, src, tok, ridx, E, El, K, A, maxT, N, do_expand,
+                      num_sms, dev):
+        """_new_handle for an exact route (every received row real, the
+        unaligned counts on the host): the per-expert sums made on the host
+        and copied in one transfer, few launches for the rest (each costs
+        the host a launch on a GPU)."""
+        import numpy as np
+        R = src.shape[0]
+        u = np.asarray(route.expert_counts, dtype=np.int64)
+        a = (u + (A - 1)) // A * A
+        start = np.cumsum(a) - a
+        psum = start + u if do_expand else np.cumsum(a)
+        host = torch.from_numpy(np.concatenate([u, psum, start, np.cumsum(u) - u])
+                                .astype(np.int32))
+        dv = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        unaligned, psum_exp = dv[:El], dv[El:2 * El]
+        elist = [int(v) for v in a]
+        n_exp = int(a.sum())
+        meta = torch.empty((R, K + 2), dtype=torch.int32, device=dev)
+        meta[:, 0] = torch.add(tok, src, alpha=maxT)
+        # column 1: source rank x K + the highest slot of an expert here
+        slot = self._slots.get((K, dev))
+        if slot is None:
+            slot = self._slots[(K, dev)] = torch.arange(K, dtype=torch.int32, device=dev)
+        hi = torch.where(ridx >= 0, slot, -1).amax(1).to(torch.int32) if K else \
+            torch.full((R,), -1, dtype=torch.int32, device=dev)
+        meta[:, 1] = torch.add(hi, src, alpha=K)
+        # (not bincount: on a GPU it reads the largest value on the host)
+        per_src = torch.zeros(N, dtype=torch.int32, device=dev)
+        per_src.index_add_(0, src, torch.ones(R, dtype=torch.int32, device=dev))
+        psum_rank = torch.cumsum(per_src, 0, dtype=torch.int32)
+        exp_pos = None
+        if do_expand:
+            key = torch.where(ridx >= 0, ridx, El).reshape(-1)
+            order = torch.sort(key, stable=True).indices
+            p = torch.arange(key.numel(), dtype=torch.int32, device=dev)
+            ks = key[order]
+            kc = ks.clamp(max=El - 1)
+            st, us = dv[2 * El:3 * El], dv[3 * El:4 * El]
+            pos_sorted = torch.where(ks < El, st[kc] + p - us[kc], -1).to(torch.int32)
+            pos = torch.empty_like(pos_sorted)
+            pos[order] = pos_sorted
+            exp_pos = pos.view(R, K)
+            meta[:, 2:] = exp_pos
+        # -1 // El is -1: no mask needed
+        dst = torch.div(kept, El, rounding_mode="floor").to(torch.int32)
         h = EPHandle(do_expand, E, A, maxT, num_sms, kept, R, n_exp, elist, psum_rank, psum_exp,
                      unaligned, meta, dst)
         h._ep, h._route, h._exp_pos = ep, route, exp_pos

@@ -163,6 +163,13 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
     meta = h.recv_src_metadata
     want0 = [s * MAXT + t for s, t, *_ in ref]
     check(msgs, f"{tag}: metadata column 0", meta[:n, 0].tolist() == want0)
+    # column 1: source rank x K + the highest slot whose expert is here
+    want1 = [s * K + max(j for j, e in enumerate(loc) if e >= 0) for s, t, _, loc, _ in ref]
+    check(msgs, f"{tag}: metadata column 1", meta[:n, 1].tolist() == want1)
+    x_idx = everyone[rank][1]
+    check(msgs, f"{tag}: dst_buffer_slot_idx (destination rank per slot)",
+          h.dst_buffer_slot_idx.tolist() == torch.where(x_idx >= 0, x_idx // El,
+                                                        -1).tolist())
     cnt = [sum(1 for r in ref for e in r[3] if e == le) for le in range(El)]
     al = [(c + A - 1) // A * A for c in cnt]
     check(msgs, f"{tag}: stats {stats.tolist()} want {cnt}", stats.tolist() == cnt)
