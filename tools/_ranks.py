@@ -1,5 +1,7 @@
 """Shared by the GPU benchmark scripts of tools/ (bench_nvlink.py,
-bench_peers.py, bench_peers_ht.py): one spawned process per GPU."""
+bench_peers.py, bench_peers_ht.py, bench_overlap.py, bench_elastic.py):
+one spawned process per rank."""
+import os
 import socket
 import sys
 
@@ -31,3 +33,20 @@ def spawn_ranks(target, N, args, timeout, join_s=60):
     if bad:
         sys.exit(1)
     return res
+
+
+def init_rank(rank, N, port):
+    """A spawned rank's gloo group on 127.0.0.1:port and its GPU (ranks
+    past the GPUs share them, as under MPS with the shared-gpu shim),
+    ferry's timeout at 30 s."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FERRY_TIMEOUT_MS="30000")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=N)
+
+
+def pct(v, f):
+    """The f-quantile of v (sorted here)."""
+    v = sorted(v)
+    return v[min(len(v) - 1, int(f * len(v)))]

@@ -26,22 +26,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _ranks import spawn_ranks
+from _ranks import init_rank, pct, spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 
-def pct(v, f):
-    v = sorted(v)
-    return v[min(len(v) - 1, int(f * len(v)))]
-
-
 def rank_main(rank, N, port, args, q):
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          FERRY_TIMEOUT_MS="30000")
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("gloo", rank=rank, world_size=N)
+        init_rank(rank, N, port)
         from ferry import deep_ep
         H, E, K = args.hidden, args.experts, args.topk
         g = torch.Generator(device="cuda").manual_seed(5 + rank)

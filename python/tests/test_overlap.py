@@ -45,7 +45,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ranks import ranks_main, torch_init  # noqa: E402
-from test_torch_cuda import combine_error, combine_ref, expert_fn, make_inputs  # noqa: E402
+from test_torch_cuda import combine_error, combine_ref, expert_outputs, make_inputs  # noqa: E402
 
 H, K, T = 256, 4, 24
 GARBAGE = 1e30
@@ -107,15 +107,6 @@ def raise_cuda(y, y_full, sig, sigs, sent, snap, stream):
             sig[idx:idx + 1].fill_(VALUE)
 
 
-def y_of(rank, El, recv, count, dev):
-    y = torch.zeros(recv.shape, dtype=torch.bfloat16, device=dev)
-    for le in range(El):
-        n = int(count[le])
-        if n:
-            y[le, :n] = expert_fn(rank * El + le, recv[le, :n])
-    return y
-
-
 def ep_rounds(ferry, comm, rank, N, E, dev, cuda):
     """ferry.EP's combine_send with signals against a plain combine."""
     msgs = []
@@ -133,7 +124,7 @@ def ep_rounds(ferry, comm, rank, N, E, dev, cuda):
                 bufs = ep.alloc(torch)
                 r = ep.dispatch(x, idx, num_tokens=t, **bufs)
                 count = bufs["expert_num_tokens"].cpu()
-                y_full = y_of(rank, El, bufs["expert_x"], count, dev)
+                y_full = expert_outputs(rank, El, bufs["expert_x"], count, False, dev)
                 out = torch.empty((t, H), dtype=torch.bfloat16, device=dev)
                 if not overlap:
                     ep.combine(r, y_full, w, out)
@@ -248,7 +239,7 @@ def deep_ep_rounds(deep_ep, rank, N, E, dev, cuda):
                 recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E,
                                                                      use_fp8=False)
                 count = count.cpu()
-                y_full = y_of(rank, El, recv, count, dev)
+                y_full = expert_outputs(rank, El, recv, count, False, dev)
                 if not overlap:
                     out, _, _ = buf.low_latency_combine(y_full, idx, w, handle)
                     res.append(out.clone())
