@@ -463,7 +463,8 @@ typedef struct ferry_combine_in {
      * else the chunk's bf16; relative error at most 2.17%, about 64% of
      * bf16's bytes when every chunk is cast; hidden a multiple of 512).
      * Every rank passes the same format in a round (a receiver decodes
-     * what its own combine_send announced). */
+     * what its own combine_send announced). CPU ranks take it on every
+     * path; GPU ranks with peers on the fabric path: FERRY_ERR_UNSUPPORTED. */
     int32_t format;
 } ferry_combine_in_t;
 
