@@ -26,6 +26,8 @@ alternate rounds, weights not summing to 1, a different scale per expert):
     division (sent as 0, as DeepEP);
   - across nodes: the fabric bytes of a LogFMT combine are below those of
     the bf16 combine of the same routing (ferry's counters);
+  - one LogFMT round goes through the overlapped combine's signals (rows
+    by expert, a fabric peer's packed out of order behind its table);
   - deep_ep.Buffer.low_latency_combine(use_logfmt=True) gives the same
     bits; H = 2048 (1024-channel chunks) and 1536 (512-channel chunks).
 Exit 77 without torch or numpy.
@@ -300,7 +302,11 @@ def rounds(ferry, comm, rank, N, H, dev):
             y = expert_y(ep, bufs, rank, dev)
             out = torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev)
             b0 = settled(ep)
-            ep.combine_send(r, y, format=fmt)
+            if rnd == 5:  # with the overlapped combine's signals (raised already)
+                sig = torch.ones(ep.num_local_experts, dtype=torch.int32, device=dev)
+                ep.combine_send(r, y, format=fmt, signals=sig, signal_value=1)
+            else:
+                ep.combine_send(r, y, format=fmt)
             ep.combine_recv(r, w, out)
             fab[fmt] += settled(ep) - b0
             if fmt == "bf16":
