@@ -356,100 +356,72 @@ class ElasticBuffer:
     def _new_handle(self, ep, route, kept, o, E, El, K, A, maxT, N, cpu_sync, do_expand,
                     num_sms, dev):
         """The EPHandle of a new routing, its tensors made on the current
-        stream from the dispatch's outputs (no host wait past the route's)."""
+        stream from the dispatch's outputs (no host wait past the route's),
+        with few launches (each costs the host one on a GPU). An exact route
+        (cpu_sync) has every received row real and its unaligned per-expert
+        counts on the host: the per-expert sums are made there and copied
+        once. A bounded route's rows past the real count are padding (source
+        -1) and its counts are made on the device."""
         src, tok, ridx = o["recv_src_rank"], o["recv_src_token"], o["recv_topk_idx"]
-        if cpu_sync and not isinstance(route.expert_counts, torch.Tensor):
-            return self._exact_handle(ep, route, kept, src, tok, ridx, E, El, K, A, maxT, N,
-                                      do_expand, num_sms, dev)
         R = src.shape[0]
-        valid = src >= 0
-        meta = torch.full((R, K + 2), -1, dtype=torch.int32, device=dev)
-        meta[:, 0] = torch.where(valid, src * maxT + tok, torch.full_like(src, -1))
-        # column 1: source rank x K + the highest slot of an expert here
-        slot = torch.arange(K, dtype=torch.int32, device=dev).expand(R, K)
-        hi = torch.where(ridx >= 0, slot, torch.full_like(slot, -1)).amax(1) if K else \
-            torch.full((R,), -1, dtype=torch.int32, device=dev)
-        meta[:, 1] = torch.where(valid, src * K + hi, torch.full_like(src, -1))
-        # rows per source rank (inclusive prefix sum)
-        per_src = torch.zeros(N, dtype=torch.int32, device=dev)
-        per_src.index_add_(0, src.clamp(min=0).long(), valid.to(torch.int32))
-        psum_rank = torch.cumsum(per_src, 0, dtype=torch.int32)
-        # per local expert: the real count, and aligned
-        key = torch.where(ridx >= 0, ridx, torch.full_like(ridx, El)).reshape(-1)
-        cnt = torch.zeros(El + 1, dtype=torch.int32, device=dev)
-        cnt.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-        unaligned = cnt[:El].clone()
-        aligned = (unaligned + (A - 1)) // A * A
+        valid = None if cpu_sync else src >= 0
+        key = None  # a local expert per (row, slot), El elsewhere
         if cpu_sync:
-            elist = [int(v) for v in route.expert_counts.tolist()] if not \
-                isinstance(route.expert_counts, torch.Tensor) else aligned.tolist()
-            n_exp = sum(elist)
+            import numpy as np
+            u = np.asarray(route.expert_counts, dtype=np.int64)
+            a = (u + (A - 1)) // A * A
+            start = np.cumsum(a) - a
+            host = torch.from_numpy(np.concatenate(
+                [u, start + u if do_expand else np.cumsum(a), start, np.cumsum(u) - u])
+                .astype(np.int32))
+            dv = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+            unaligned, psum_exp = dv[:El], dv[El:2 * El]
+            start, ustart = dv[2 * El:3 * El], dv[3 * El:]
+            elist = [int(v) for v in a]
+            n_exp = int(a.sum())
         else:
-            elist = []
-            n_exp = _align(N * maxT * min(K, El) + (A - 1) * El, A)
-        exp_pos = None
-        if do_expand:
+            key = torch.where(ridx >= 0, ridx, El).reshape(-1)
+            cnt = torch.zeros(El + 1, dtype=torch.int32, device=dev)
+            cnt.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+            unaligned = cnt[:El].clone()
+            aligned = (unaligned + (A - 1)) // A * A
             start = torch.cumsum(aligned, 0, dtype=torch.int32) - aligned  # S_e
             ustart = torch.cumsum(unaligned, 0, dtype=torch.int32) - unaligned
-            order = torch.sort(key, stable=True).indices
-            p = torch.arange(key.numel(), dtype=torch.int32, device=dev)
-            ks = key[order]
-            inseg = ks < El
-            kc = ks.clamp(max=El - 1).long()
-            pos_sorted = torch.where(inseg, start[kc] + p - ustart[kc], torch.full_like(p, -1))
-            pos = torch.empty_like(pos_sorted)
-            pos[order] = pos_sorted
-            exp_pos = pos.view(R, K)
-            meta[:, 2:] = exp_pos
-            psum_exp = start + unaligned
-        else:
-            psum_exp = torch.cumsum(aligned, 0, dtype=torch.int32)
-        dst = torch.where(kept >= 0, kept // El, torch.full_like(kept, -1)).to(torch.int32)
-        h = EPHandle(do_expand, E, A, maxT, num_sms, kept, R, n_exp, elist, psum_rank, psum_exp,
-                     unaligned, meta, dst)
-        h._ep, h._route, h._exp_pos = ep, route, exp_pos
-        return h
-
-    def _exact_handle(self, ep, route, kept, src, tok, ridx, E, El, K, A, maxT, N, do_expand,
-                      num_sms, dev):
-        """_new_handle for an exact route (every received row real, the
-        unaligned counts on the host): the per-expert sums made on the host
-        and copied in one transfer, few launches for the rest (each costs
-        the host a launch on a GPU)."""
-        import numpy as np
-        R = src.shape[0]
-        u = np.asarray(route.expert_counts, dtype=np.int64)
-        a = (u + (A - 1)) // A * A
-        start = np.cumsum(a) - a
-        psum = start + u if do_expand else np.cumsum(a)
-        host = torch.from_numpy(np.concatenate([u, psum, start, np.cumsum(u) - u])
-                                .astype(np.int32))
-        dv = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
-        unaligned, psum_exp = dv[:El], dv[El:2 * El]
-        elist = [int(v) for v in a]
-        n_exp = int(a.sum())
-        meta = torch.empty((R, K + 2), dtype=torch.int32, device=dev)
-        meta[:, 0] = torch.add(tok, src, alpha=maxT)
+            psum_exp = start + unaligned if do_expand else \
+                torch.cumsum(aligned, 0, dtype=torch.int32)
+            elist = []
+            n_exp = _align(N * maxT * min(K, El) + (A - 1) * El, A)
+        # columns 2.. are DeepEP's "uninitialized" unless expanded; a bounded
+        # route's are -1, its padding rows -1 throughout
+        meta = torch.empty((R, K + 2), dtype=torch.int32, device=dev) if cpu_sync else \
+            torch.full((R, K + 2), -1, dtype=torch.int32, device=dev)
+        col0 = torch.add(tok, src, alpha=maxT)
         # column 1: source rank x K + the highest slot of an expert here
         slot = self._slots.get((K, dev))
         if slot is None:
             slot = self._slots[(K, dev)] = torch.arange(K, dtype=torch.int32, device=dev)
         hi = torch.where(ridx >= 0, slot, -1).amax(1).to(torch.int32) if K else \
             torch.full((R,), -1, dtype=torch.int32, device=dev)
-        meta[:, 1] = torch.add(hi, src, alpha=K)
-        # (not bincount: on a GPU it reads the largest value on the host)
+        col1 = torch.add(hi, src, alpha=K)
+        meta[:, 0] = col0 if valid is None else torch.where(valid, col0, -1)
+        meta[:, 1] = col1 if valid is None else torch.where(valid, col1, -1)
+        # rows per source rank, inclusive prefix sum (not bincount: on a
+        # GPU it reads the largest value on the host)
         per_src = torch.zeros(N, dtype=torch.int32, device=dev)
-        per_src.index_add_(0, src, torch.ones(R, dtype=torch.int32, device=dev))
+        if valid is None:
+            per_src.index_add_(0, src, torch.ones(R, dtype=torch.int32, device=dev))
+        else:
+            per_src.index_add_(0, src.clamp(min=0), valid.to(torch.int32))
         psum_rank = torch.cumsum(per_src, 0, dtype=torch.int32)
         exp_pos = None
         if do_expand:
-            key = torch.where(ridx >= 0, ridx, El).reshape(-1)
+            if key is None:
+                key = torch.where(ridx >= 0, ridx, El).reshape(-1)
             order = torch.sort(key, stable=True).indices
             p = torch.arange(key.numel(), dtype=torch.int32, device=dev)
             ks = key[order]
             kc = ks.clamp(max=El - 1)
-            st, us = dv[2 * El:3 * El], dv[3 * El:4 * El]
-            pos_sorted = torch.where(ks < El, st[kc] + p - us[kc], -1).to(torch.int32)
+            pos_sorted = torch.where(ks < El, start[kc] + p - ustart[kc], -1).to(torch.int32)
             pos = torch.empty_like(pos_sorted)
             pos[order] = pos_sorted
             exp_pos = pos.view(R, K)
