@@ -445,51 +445,43 @@ class _LowLatency:
         plan.pending[rnd & 1], plan.recvd[rnd & 1], plan.owner[rnd & 1] = rnd, True, None
         return rnd
 
-    def _overlap(self, ep, x, overlap, src_signals, src_signal_expect_value, packed_recv_count,
+    @staticmethod
+    def _handle_ep(handle):
+        """The context of a low_latency_dispatch handle (None for anything
+        else: the callers' checks then name the handle)."""
+        plan = getattr(handle, "plan", None)
+        return plan.ep if plan is not None else getattr(handle, "ep", None)
+
+    def _overlap(self, ep, overlap, src_signals, src_signal_expect_value, packed_recv_count,
                  comp_signal, block_m, threshold):
         """sgl-deep-ep's overlapped combine arguments as ferry's signals:
-        (signals, value, rows per signal) or None. Blackwell form:
-        src_signals [E_local] (one per local expert), raised when it reads
-        src_signal_expect_value; Hopper form (DeepEP's single-batch
+        (signals tensor, pointer, value, rows per signal) or None. Blackwell
+        form: src_signals [E_local] (one per local expert), raised when it
+        reads src_signal_expect_value; Hopper form (DeepEP's single-batch
         overlap): comp_signal [E_local * ceil(N*T / block_m)] (one per
         block of block_m rows of an expert), raised when it reads
         threshold. Without overlap the signals are not read (as
-        sgl-deep-ep's kernel without overlap)."""
+        sgl-deep-ep's kernel without overlap). Checked by EP._signal_args."""
         if not overlap:
             return None
         if src_signals is not None and comp_signal is not None:
             raise TypeError("low_latency_combine: src_signals (Blackwell form) and comp_signal "
                             "(Hopper form) given together: pass one")
-        El, cap = ep.num_local_experts, ep.capacity
         if src_signals is not None:
-            sig, value, block, name = src_signals, src_signal_expect_value, 0, "src_signals"
+            sig, value, block = src_signals, src_signal_expect_value, 0
+            names = ("src_signals", "src_signal_expect_value", "block_m")
         elif comp_signal is not None:
             block = _lib.c_int(int(block_m), "block_m")
             if block <= 0:
                 raise ValueError(f"block_m = {block_m}: the rows per comp_signal entry, > 0")
-            sig, value, name = comp_signal, threshold, "comp_signal"
+            sig, value = comp_signal, threshold
+            names = ("comp_signal", "threshold", "block_m")
             if packed_recv_count is not None:
-                _tensor(packed_recv_count, "packed_recv_count", torch.int32, (El,))
+                _tensor(packed_recv_count, "packed_recv_count", torch.int32,
+                        (ep.num_local_experts,))
         else:
             return None  # overlap without signals: sgl-deep-ep's kernel then waits for none
-        if not isinstance(sig, torch.Tensor) or sig.dtype not in (torch.int32, torch.uint32) \
-                or sig.dim() != 1 or not sig.is_contiguous():
-            raise TypeError(f"{name}: expected a contiguous 1-D int32 or uint32 tensor, got "
-                            + (f"{sig.dtype} {tuple(sig.shape)}" if isinstance(sig, torch.Tensor)
-                               else type(sig).__name__))
-        if sig.device != x.device:
-            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got one "
-                             f"on {sig.device}")
-        need = El * (-(-cap // block) if block else 1)
-        if sig.numel() < need:
-            raise ValueError(f"{name}: {sig.numel()} entries, expected at least {need} ("
-                             + (f"{El} local experts x ceil({cap} / block_m {block})"
-                                if block else f"one per local expert") + ")")
-        value = int(value)
-        if not -2 ** 31 <= value < 2 ** 32:
-            raise ValueError(f"{'src_signal_expect_value' if block == 0 else 'threshold'} = "
-                             f"{value}: a 32-bit value")
-        return sig, value & 0xFFFFFFFF, block
+        return (sig,) + ep._signal_args(sig, value, block, names)
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None, sig=None,
                       fmt=0):
@@ -514,8 +506,8 @@ class _LowLatency:
         cin.stream = stream
         cin.format = fmt
         if sig is not None or cin.signals:
-            cin.signals = sig[0].data_ptr() if sig is not None else None
-            cin.signal_value, cin.signal_block = (sig[1], sig[2]) if sig is not None else (0, 0)
+            cin.signals, cin.signal_value, cin.signal_block = sig[1:] if sig is not None else \
+                (None, 0, 0)
         cout.topk_weights = w.data_ptr()
         cout.out = out.data_ptr()
         cout.stream = stream
@@ -554,12 +546,11 @@ class _LowLatency:
         num_sms is not used (the combine runs on the context's SMs)."""
         sig = None
         if overlap:
-            plan = getattr(handle, "plan", None)
-            ep = plan.ep if plan is not None else getattr(handle, "ep", None)
+            ep = self._handle_ep(handle)
             if ep is None:
                 raise TypeError("handle: expected the handle low_latency_dispatch returned, "
                                 f"got {type(handle).__name__}")
-            sig = self._overlap(ep, x, overlap, src_signals, src_signal_expect_value,
+            sig = self._overlap(ep, overlap, src_signals, src_signal_expect_value,
                                 packed_recv_count, comp_signal, block_m, threshold)
             if sig is not None and isinstance(x, torch.Tensor) and not x.is_contiguous():
                 raise ValueError("x: the overlapped combine reads x where the GEMM writes it, "
@@ -579,8 +570,7 @@ class _LowLatency:
         self._low_latency('low_latency_combine')
         fmt = 1 if use_logfmt else 0
         if fmt:
-            plan = getattr(handle, "plan", None)
-            lep = plan.ep if plan is not None else getattr(handle, "ep", None)
+            lep = self._handle_ep(handle)
             if lep is not None and lep.hidden % 512:
                 raise ValueError(f"use_logfmt: hidden = {lep.hidden}; DeepEP's LogFMT takes a "
                                  f"multiple of 512")
@@ -647,8 +637,8 @@ class _LowLatency:
         if sig is None:
             ep.combine_send(rnd, x.contiguous(), **fk)
         else:
-            ep.combine_send(rnd, x.contiguous(), signals=sig[0], signal_value=sig[1],
-                            signal_block=sig[2], **fk)
+            ep.combine_send(rnd, x.contiguous(), signals=sig[0], signal_value=sig[2],
+                            signal_block=sig[3], **fk)
         handle.combined = True
 
         def recv():

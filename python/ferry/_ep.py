@@ -440,26 +440,36 @@ class EP:
                 raise TypeError("sent_rows: given without signals (it counts the rows sent "
                                 "past their signals)")
             return cin
-        block = _lib.c_int(int(signal_block or 0), "signal_block")
-        if block < 0:
-            raise ValueError(f"signal_block = {block}: rows per signal, > 0, or 0 for one "
-                             f"signal per expert")
-        nb = -(-self.capacity // block) if block else 1
-        inf = _info(signals, "signals")
-        cin.signals = self._arr(signals, "signals", _SIG, (None,), inf=inf)
-        if inf.shape[0] < El * nb:
-            raise ValueError(f"signals: {inf.shape[0]} signals, expected at least {El * nb} "
-                             f"({El} local experts x " + (
-                                 f"ceil(capacity {self.capacity} / signal_block {block}))"
-                                 if block else "1)"))
-        value = int(signal_value)
-        if not -2 ** 31 <= value < 2 ** 32:
-            raise ValueError(f"signal_value = {value}: a 32-bit value (int32 or uint32)")
-        cin.signal_value = value & 0xFFFFFFFF
-        cin.signal_block = block
+        cin.signals, cin.signal_value, cin.signal_block = self._signal_args(
+            signals, signal_value, signal_block)
         cin.sent_rows = self._arr(sent_rows, "sent_rows", _I32, (El,), required=False,
                                   output=True)
         return cin
+
+    def _signal_args(self, signals, value, block,
+                    names=("signals", "signal_value", "signal_block")):
+        """The overlapped combine's signals checked against this context:
+        (pointer, value as uint32, rows per signal). signals: 1-D uint32 or
+        int32, at least E_local * ceil(capacity / block) entries (block 0:
+        one per expert); names: the caller's names of the three arguments,
+        for the errors."""
+        El = self.num_local_experts
+        block = _lib.c_int(int(block or 0), names[2])
+        if block < 0:
+            raise ValueError(f"{names[2]} = {block}: rows per signal, > 0, or 0 for one "
+                             f"signal per expert")
+        nb = -(-self.capacity // block) if block else 1
+        inf = _info(signals, names[0])
+        ptr = self._arr(signals, names[0], _SIG, (None,), inf=inf)
+        if inf.shape[0] < El * nb:
+            raise ValueError(f"{names[0]}: {inf.shape[0]} signals, expected at least {El * nb} "
+                             f"({El} local experts x " + (
+                                 f"ceil(capacity {self.capacity} / {names[2]} {block}))"
+                                 if block else "1)"))
+        value = int(value)
+        if not -2 ** 31 <= value < 2 ** 32:
+            raise ValueError(f"{names[1]} = {value}: a 32-bit value (int32 or uint32)")
+        return ptr, value & 0xFFFFFFFF, block
 
     def combine_send(self, round, expert_y, stream=None, signals=None, signal_value=0,
                      signal_block=0, sent_rows=None, format="bf16"):
