@@ -241,11 +241,13 @@ static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_com
                           "format = %d: FERRY_COMBINE_BF16 (0) or FERRY_COMBINE_LOGFMT (1)",
                           (int)cur->format);
     if (cur->format == FERRY_COMBINE_LOGFMT) {
-        if (ep->L.H % 512 || ep->L.H / FR_LF_DIV > FR_LF_MAXDIV)
+        /* at most 64 chunks: the CUDA receive keeps a row's cast chunks in
+         * 64 bits (and FR_LF_MAXDIV divisions follow) */
+        if (ep->L.H % 512 || ep->L.H / fr_lf_chunk(ep->L.H) > 64)
             return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                               "format = FERRY_COMBINE_LOGFMT: hidden = %d; LogFMT takes a "
-                              "multiple of 512, at most %d", ep->L.H,
-                              FR_LF_DIV * FR_LF_MAXDIV);
+                              "multiple of 512, at most 64 chunks (of 1024 channels, or 512 "
+                              "where hidden is not a multiple of 1024)", ep->L.H);
         if (!ep->eng->combine_logfmt)
             return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                               "format = FERRY_COMBINE_LOGFMT: the %s engine has no LogFMT "
@@ -254,11 +256,6 @@ static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_com
             return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                               "format = FERRY_COMBINE_LOGFMT: not with DP groups "
                               "(dp_group_size %d)", ep->dp.G);
-        if (ep->L.H / fr_lf_chunk(ep->L.H) > 64)
-            return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
-                              "format = FERRY_COMBINE_LOGFMT: hidden = %d has %d chunks of %d "
-                              "channels; LogFMT takes at most 64", ep->L.H,
-                              ep->L.H / fr_lf_chunk(ep->L.H), fr_lf_chunk(ep->L.H));
         if (ep->cfg.device == FERRY_DEVICE_CUDA && ep->nfabric > 0)
             return fr_ep_fail(ep, FERRY_ERR_UNSUPPORTED,
                               "format = FERRY_COMBINE_LOGFMT: GPU ranks with peers on the "

@@ -377,8 +377,9 @@ static int fr_lf_rows(ferry_ep_t ep, fr_round_t *r, const uint8_t **rowp, uint64
         uint32_t r0 = cr->send_off[d], np = cr->send_off[d + 1] - r0;
         const uint8_t *area = ep->seg + fr_off_crecv_st(L, set, r0, L->cslot);
         uint64_t len = (uint64_t)np * L->cslot, tab = fr_cw_table(np);
+        int masked = fr_ep_masked(ep, d);
         for (uint32_t i = 0; i < np; i++) {
-            if (fr_ep_masked(ep, d)) {
+            if (masked) {
                 rowp[r0 + i] = NULL;
                 continue;
             }

@@ -544,10 +544,8 @@ static fr_cu_sig_t fr_cu_recv_sig(int lf)
 /* The signals of `in` as the kernel takes them (none: sig NULL). */
 static fr_cu_sig_t fr_cu_sig_of(ferry_ep_t ep, const ferry_combine_in_t *in)
 {
-    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL, 0};
-    if (in)
-        S.lf = in->format == FERRY_COMBINE_LOGFMT;
-    if (in && in->signals) {
+    fr_cu_sig_t S = {NULL, 0, 1, 1, NULL, in->format == FERRY_COMBINE_LOGFMT};
+    if (in->signals) {
         int cap = (int)ep->L.cap;
         S.sig = in->signals;
         S.value = in->signal_value;
