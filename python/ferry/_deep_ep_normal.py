@@ -4,6 +4,8 @@ import warnings
 
 import torch
 
+from ._arrays import _stream_of
+from ._core import _lib_version
 from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
                       _event_after, _fmt_shape, _layout_c, _layout_torch, _lib, _no_event,
                       _plain_torch, _tensor)
@@ -22,6 +24,38 @@ class _On:
 
 
 _LAYOUT_ON = {True: _On("cuda"), False: _On("cpu")}
+
+
+def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
+    """ep.ht_dispatch for the tensors dispatch checked (dtype and shape;
+    x contiguous, scales float32 row-major or strided), without its
+    checks: their device is checked here (else ep.ht_dispatch, which
+    names the argument). new: the outputs of a new routing (int64 top-k
+    ids, weights when given, source tokens; the source ranks with
+    src_rank, which only the handle across nodes reads)."""
+    dev = xt.device
+    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index) \
+            or (xs is not None and xs.device != dev) or (w is not None and w.device != dev) \
+            or _lib_version() < (0, 1, 2):
+        outs = ("recv_topk_idx", "recv_topk_weights", "recv_src_token") + \
+            (("recv_src_rank",) if src_rank else ())
+        return ep.ht_dispatch(route, xt, xs, w, stream=call.stream, outputs=outs if new else (),
+                              topk_idx_dtype="int64")
+    T = xt.shape[0]
+    px, ps, pw = xt.data_ptr(), None, None
+    sst = (0, 0)
+    if xs is not None:
+        ps = xs.data_ptr() if T else ep._given(xt)
+        if not xs.is_contiguous():
+            sst = _elem_strides(xs)
+    if w is not None:
+        pw = w.data_ptr() if T else ep._given(xt)
+    st = call.stream if call.stream is not None else _stream_of(xt, None) \
+        if ep.device == "cuda" else None
+    o = ep._ht_dispatch_run(ep._ep(), route._handle(ep), route.num_recv, xt, px, ps, sst, pw,
+                            st, xt.dtype, xs is not None, True,
+                            (new, new and w is not None, src_rank, new))
+    return dict(zip(EP._HT_OUTS, o))
 
 
 class _Call:
@@ -324,10 +358,8 @@ class _Normal:
                 topk_weights = topk_weights.contiguous()
             # a cached dispatch returns recv_x alone; the first one also the
             # top-k ids and weights, and keeps the source tokens in the handle
-            o = ep.ht_dispatch(route, xt, xs, topk_weights, stream=call.stream,
-                               outputs=() if cached else ("recv_topk_idx", "recv_topk_weights",
-                                                          "recv_src_token", "recv_src_rank"),
-                               topk_idx_dtype="int64")
+            o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, not cached,
+                             not cached and handle.internode)
             call.settle()
             rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
             rs = self._scales_out(o["recv_x_scales"], carried) if fp8 else None
@@ -474,14 +506,29 @@ class _Normal:
             if bias is not None:
                 bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
                              for b in (bias if isinstance(bias, tuple) else (bias,)))
+            x = x.contiguous()
             if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+            dev = x.device
+            if bias is None and dev.type == ep.device and \
+                    (ep._cuda_index is None or dev.index == ep._cuda_index) and \
+                    (topk_weights is None or topk_weights.device == dev):
+                # checked above (dtype, shape): ht_combine's checks skipped
+                n, T = route.num_recv, route.num_tokens
+                pw = None if topk_weights is None else \
+                    topk_weights.data_ptr() if n else ep._given(x)
+                st = call.stream if call.stream is not None else _stream_of(x, None) \
+                    if ep.device == "cuda" else None
+                out, w = ep._ht_combine_run(ep._ep(), route._handle(ep), T, x, x.data_ptr(),
+                                            pw, topk_weights is not None, st,
+                                            topk_weights is not None, (None, None), 0)
+            elif topk_weights is not None:
                 # DeepEP's combined_topk_weights: slot k summed over the rows
                 # of every rank the token went to
-                out, w = ep.ht_combine(route, x.contiguous(), topk_weights.contiguous(),
-                                       stream=call.stream, weights_sum=True, bias=bias)
+                out, w = ep.ht_combine(route, x, topk_weights, stream=call.stream,
+                                       weights_sum=True, bias=bias)
             else:
-                out, w = ep.ht_combine(route, x.contiguous(), stream=call.stream,
-                                       bias=bias), None
+                out, w = ep.ht_combine(route, x, stream=call.stream, bias=bias), None
             call.settle()
             return out, w, call.finish((out, w), read)
 

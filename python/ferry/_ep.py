@@ -670,43 +670,71 @@ class EP:
                                  f"(loaded: {version()})")
             ps, sst = self._arr(x_scales, "x_scales", _F32, (T, H // 128)), (0, 0)
         pw = self._arr(topk_weights, "topk_weights", _F32, (T, K), required=False)
-        if self._torch_io(x):
+        tio = self._torch_io(x)
+        if tio:
             # an empty tensor (no tokens on this rank) has no storage: "given
             # but empty" must still reach the library as given (fp8 rows,
             # weights riding along), as every rank must say the same
             ps = ps or (self._given(x) if x_scales is not None else None)
             pw = pw or (self._given(x) if topk_weights is not None else None)
         xdt = (_FP8[0], xinf.dtype) if fp8 else _BF16
-        if self._torch_io(x) and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
+        if tio and xdt[1] not in ("float8_e4m3fn", "bfloat16"):
             xdt = ("uint8", "uint8") if fp8 else ("uint16", "uint16")
-        if self._torch_io(x):  # torch.empty on x's device, its dtype looked up once
+        if tio:  # torch.empty on x's device, its dtype looked up once
             import torch
-            tdev = x.device
-            new = lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt[1]), device=tdev)
-        else:
-            new = lambda shape, dt: self._ht_new(x, shape, dt)
+            xdt = getattr(torch, xdt[1])
         # int64 ids written by the library (0.1.2 on), else widened after it
         i64 = topk_idx_dtype == "int64" and _lib_version() >= (0, 1, 2)
-        wts = topk_weights is not None and want("recv_topk_weights")
-        o = dict(recv_x=new((n, H), xdt),
-                 recv_x_scales=new((n, H // 128), _F32) if fp8 else None,
-                 recv_topk_idx=new((n, K), _I64 if i64 else _I32) if want("recv_topk_idx")
-                 else None,
-                 recv_topk_weights=new((n, K), _F32) if wts else None,
-                 recv_src_rank=new((n,), _I32) if want("recv_src_rank") else None,
-                 recv_src_token=new((n,), _I32) if want("recv_src_token") else None)
         st = _stream_of(x, stream) if self.device == "cuda" else None
-        din = _lib.HtDispatchIn(C.sizeof(_lib.HtDispatchIn), px, ps, pw, st,
-                                (C.c_int64 * 2)(*sst))
-        ptrs = [None if a is None else self._ptr(a) for a in o.values()]  # _HT_OUTS' order
-        if i64:  # the int64 slot instead of the int32 one
-            ptrs = ptrs[:2] + [None] + ptrs[3:] + [ptrs[2]]
-        dout = _lib.HtDispatchOut(C.sizeof(_lib.HtDispatchOut), *ptrs)
-        self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
+        o = self._ht_dispatch_run(h, rh, n, x, px, ps, sst, pw, st, xdt, fp8, i64,
+                                  (want("recv_topk_idx"),
+                                   topk_weights is not None and want("recv_topk_weights"),
+                                   want("recv_src_rank"), want("recv_src_token")))
+        o = dict(zip(self._HT_OUTS, o))
         if topk_idx_dtype == "int64" and not i64 and o["recv_topk_idx"] is not None:
             ri = o["recv_topk_idx"]
             o["recv_topk_idx"] = ri.long() if hasattr(ri, "long") else ri.astype("int64")
         return o
+
+    _DIN_SIZE = C.sizeof(_lib.HtDispatchIn)
+    _DOUT_SIZE = C.sizeof(_lib.HtDispatchOut)
+
+    def _ht_dispatch_run(self, h, rh, n, like, px, ps, sst, pw, st, xdt, fp8, i64, want):
+        """ht_dispatch once its inputs are checked (the pointers of x, its
+        scales (element strides sst, (0, 0): row-major) and the weights):
+        h, rh: the context's and route's handles. Makes the outputs on like's device (xdt: recv_x's torch dtype, or
+        the (numpy, torch) names for _ht_new) and calls the library. want:
+        (recv_topk_idx (int64 when i64), recv_topk_weights, recv_src_rank,
+        recv_src_token). Returns the outputs in _HT_OUTS' order."""
+        H, K = self.hidden, self.topk
+        if self._torch_io(like):
+            import torch
+            dev = like.device
+            e = torch.empty
+            rx = e((n, H), dtype=xdt, device=dev)
+            rs = e((n, H // 128), dtype=torch.float32, device=dev) if fp8 else None
+            ri = e((n, K), dtype=torch.int64 if i64 else torch.int32, device=dev) \
+                if want[0] else None
+            rw = e((n, K), dtype=torch.float32, device=dev) if want[1] else None
+            rr = e((n,), dtype=torch.int32, device=dev) if want[2] else None
+            rt = e((n,), dtype=torch.int32, device=dev) if want[3] else None
+            ptr = lambda a: None if a is None else a.data_ptr()  # noqa: E731
+        else:
+            new = lambda shape, dt: self._ht_new(like, shape, dt)  # noqa: E731
+            rx = new((n, H), xdt)
+            rs = new((n, H // 128), _F32) if fp8 else None
+            ri = new((n, K), _I64 if i64 else _I32) if want[0] else None
+            rw = new((n, K), _F32) if want[1] else None
+            rr = new((n,), _I32) if want[2] else None
+            rt = new((n,), _I32) if want[3] else None
+            ptr = self._ptr
+        din = _lib.HtDispatchIn(self._DIN_SIZE, px, ps, pw, st, (C.c_int64 * 2)(*sst))
+        # the int64 ids go in their own slot (the last), int32 ones in recv_topk_idx
+        dout = _lib.HtDispatchOut(self._DOUT_SIZE, ptr(rx), ptr(rs),
+                                  None if i64 else ptr(ri), ptr(rw), ptr(rr), ptr(rt),
+                                  ptr(ri) if i64 else None)
+        self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
+        return rx, rs, ri, rw, rr, rt
 
     def ht_combine(self, route, y, topk_weights=None, stream=None, weights_sum=False,
                    bias=None, sum_order="ranks"):
@@ -738,15 +766,34 @@ class EP:
         pw = self._arr(topk_weights, "topk_weights", _F32, (n, K), required=False)
         if self._torch_io(y) and topk_weights is not None:
             pw = pw or self._given(y)
-        odt = _BF16 if self._torch_io(y) else ("uint16", "uint16")
-        out = self._ht_new(y, (T, H), odt)
-        wout = self._ht_new(y, (T, K), _F32) if topk_weights is not None else None
         st = _stream_of(y, stream) if self.device == "cuda" else None
-        cin = _lib.HtCombineIn(C.sizeof(_lib.HtCombineIn), py, pw, st, int(bool(weights_sum)),
-                               (C.c_void_p * 2)(*pb), orders[sum_order])
-        cout = _lib.HtCombineOut(C.sizeof(_lib.HtCombineOut), self._ptr(out), self._ptr(wout))
-        self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
+        out, wout = self._ht_combine_run(h, rh, T, y, py, pw, topk_weights is not None, st,
+                                         weights_sum, pb, orders[sum_order])
         return (out, wout) if topk_weights is not None else out
+
+    _CIN_SIZE = C.sizeof(_lib.HtCombineIn)
+    _COUT_SIZE = C.sizeof(_lib.HtCombineOut)
+
+    def _ht_combine_run(self, h, rh, T, like, py, pw, want_w, st, weights_sum, pb, order):
+        """ht_combine once its inputs are checked (pointers; pb the two bias
+        pointers): makes out [T, H] (and with want_w the [T, K] weights) on
+        like's device and calls the library."""
+        H, K = self.hidden, self.topk
+        if self._torch_io(like):
+            import torch
+            dev = like.device
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+            wout = torch.empty((T, K), dtype=torch.float32, device=dev) if want_w else None
+            po, pwo = out.data_ptr(), None if wout is None else wout.data_ptr()
+        else:
+            out = self._ht_new(like, (T, H), ("uint16", "uint16"))
+            wout = self._ht_new(like, (T, K), _F32) if want_w else None
+            po, pwo = self._ptr(out), self._ptr(wout)
+        cin = _lib.HtCombineIn(self._CIN_SIZE, py, pw, st, int(bool(weights_sum)),
+                               (C.c_void_p * 2)(*pb), order)
+        cout = _lib.HtCombineOut(self._COUT_SIZE, po, pwo)
+        self._check(_lib_handle().ferry_ht_combine(h, rh, C.byref(cin), C.byref(cout)))
+        return out, wout
 
     def sync(self, stream=None):
         """Wait for the stream (CUDA) and raise what the GPU reported."""

@@ -186,6 +186,8 @@ struct fr_cuht_ep {
     unsigned long long *rseq;     /* device: routes created so far, counted by
                                      the notify kernel (the same on every
                                      rank) */
+    unsigned int *rlast;          /* device: fr_cuht_route1's blocks done (0
+                                     between routes) */
     struct fr_cuht_route *pool[FR_CUHT_POOL]; /* bounded routes' tables */
     int pool_used[FR_CUHT_POOL], pool_next;
     fr_pmem_t seg_pm;             /* ep->seg (runtime/peer_mem.h) */
@@ -210,13 +212,13 @@ struct fr_cuht_ep {
      * thread's copies); a freed route's block is reused once the event
      * recorded after its last call has passed */
     struct fr_cuht_spare *spare;
-    cudaEvent_t rdone;            /* recorded after an exact route's notify */
 };
 
 typedef struct fr_cuht_spare {
     void *mem;
     size_t size;                  /* bytes (a power of two's tokens: few sizes) */
     cudaEvent_t done;
+    int dirty;                    /* as fr_cuht_route_t's */
     struct fr_cuht_spare *next;
 } fr_cuht_spare_t;
 
@@ -234,6 +236,11 @@ typedef struct fr_cuht_route {
     int dispatched;               /* a dispatch ran on it (forwarding: the
                                      combine needs the dispatch's ids) */
     int slot;                     /* bounded: its place in the pool, else -1 */
+    int dirty;                    /* the per-expert counts and the bad-entry
+                                     word may be non-zero: zeroed by a memset
+                                     before the next route on these tables
+                                     (a new block, a failed or forwarding
+                                     route; route1 leaves them zero) */
     int captured;                 /* made while its stream was captured: a
                                      graph replays into these tables, so
                                      the slot is never given out again */

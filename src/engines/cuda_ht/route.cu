@@ -1,5 +1,5 @@
 /*
- * Routes on CUDA ranks: two kernels on the caller's stream, then one host
+ * Routes on CUDA ranks: kernels on the caller's stream, then one host
  * synchronisation (the caller must learn num_recv to size recv_x), except
  * for a bounded route (max_recv): its counts stay on the device, and stream
  * order alone orders its kernels and the route's calls (one stream per
@@ -11,8 +11,10 @@
  *          with the inverse (the channel's i-th token to each rank), per
  *          (rank, channel) the token count, per (rank, local expert) the
  *          row count (atomics).
- *   notify (one block): this rank's counts stored into every peer's notify
- *          entry [route parity][this rank], then the route number with a
+ *   notify (one block: without forwarding the last layout block to finish,
+ *          in the same launch, fr_cuht_route1): this rank's counts stored
+ *          into every peer's notify entry [route parity][this rank], then
+ *          the route number with a
  *          release at system scope; then every source's entry here waited
  *          for (relaxed polls, one acquire, bounded by the timeout naming
  *          the source), checked, and laid out: rows from source s, channel
@@ -58,13 +60,13 @@
  * an expert's rank to the rank its records go to, kord the order of
  * sums; dst, dpos, rtok and ccnt for the senders and the combine; idx,
  * dcnt and bad NULL). */
-__global__ void __launch_bounds__(FR_RL_THREADS)
-fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, const int *kord,
-               int32_t *idx, int32_t *dst, int32_t *dpos, int32_t *rtok, int32_t *ccnt,
-               int32_t *dcnt, int32_t *bad)
+static __device__ __forceinline__ void
+fr_cuht_layout_c(const fr_cuht_args_t &A, int T, const int64_t *topk, const int *kmap,
+                 const int *kord, int32_t *idx, int32_t *dst, int32_t *dpos, int32_t *rtok,
+                 int32_t *ccnt, int32_t *dcnt, int32_t *bad, int c)
 {
     const fr_cuht_geo_t &G = A.G;
-    int N = G.N, K = G.K, El = G.El, c = blockIdx.x;
+    int N = G.N, K = G.K, El = G.El;
     int t0 = fr_cuht_chan_lo(T, G.C, c), t1 = fr_cuht_chan_lo(T, G.C, c + 1);
     __shared__ int run[FR_CUHT_MAX_RANKS];
     __shared__ unsigned int bits[FR_RL_WARPS][FR_CUHT_MAX_RANKS];
@@ -148,6 +150,15 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, co
         ccnt[(size_t)i * G.C + c] = run[i];
 }
 
+__global__ void __launch_bounds__(FR_RL_THREADS)
+fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, const int *kord,
+               int32_t *idx, int32_t *dst, int32_t *dpos, int32_t *rtok, int32_t *ccnt,
+               int32_t *dcnt, int32_t *bad)
+{
+    fr_cuht_layout_c(A, T, topk, kmap, kord, idx, dst, dpos, rtok, ccnt, dcnt, bad,
+                     blockIdx.x);
+}
+
 /* Where notify's results go: the host-mapped result of an exact route, or
  * (bounded) the route's own words and the caller's optional outputs. */
 typedef struct fr_cuht_nout {
@@ -163,10 +174,10 @@ typedef struct fr_cuht_nout {
  * records per (key, channel), which a remote key (a forwarder) learns as
  * fc[C], and fcnt / fbase the records per (source, channel) that come
  * here to be forwarded, and the first of each. */
-__global__ void __launch_bounds__(FR_RN_THREADS)
-fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
-               const int32_t *kcnt, const int32_t *dcnt, const int32_t *bad, int32_t *rcnt,
-               int32_t *rbase, int32_t *fcnt, int32_t *fbase, fr_cuht_nout_t o)
+static __device__ __forceinline__ void
+fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_t *ccnt,
+                 const int32_t *kcnt, const int32_t *dcnt, const int32_t *bad, int32_t *rcnt,
+                 int32_t *rbase, int32_t *fcnt, int32_t *fbase, const fr_cuht_nout_t &o)
 {
     const fr_cuht_geo_t &G = A.G;
     /* the route number: counted here, on the device, so that a replayed
@@ -181,7 +192,8 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
             o.res->id = (unsigned int)id;
     }
     int N = G.N, C = G.C, El = G.El, parity = (int)(id & 1);
-    bool isbad = *bad != FR_CUHT_NOBAD;
+    /* __ldcg: in route1 other blocks of this launch wrote these */
+    bool isbad = __ldcg(bad) != FR_CUHT_NOBAD;
     fr_cuht_res_t *res = o.res;
     __shared__ int ok;
     /* this rank's counts into every peer's entry, then the route number */
@@ -189,9 +201,9 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         uint8_t *e = fr_cuht_wnot(A, d, parity);
         int32_t *cc = (int32_t *)(e + 16), *ec = cc + C;
         for (int i = threadIdx.x; i < C; i += blockDim.x)
-            cc[i] = isbad ? 0 : ccnt[(size_t)d * C + i];
+            cc[i] = isbad ? 0 : __ldcg(&ccnt[(size_t)d * C + i]);
         for (int i = threadIdx.x; i < El; i += blockDim.x)
-            ec[i] = isbad ? 0 : dcnt[(size_t)d * El + i];
+            ec[i] = isbad ? 0 : __ldcg(&dcnt[(size_t)d * El + i]);
         if (G.fwd) { /* a remote key forwards these */
             bool key = A.fw.key[d] == d && (A.fw.nl[d] >> 16) != A.fw.node;
             for (int i = threadIdx.x; i < C; i += blockDim.x)
@@ -200,7 +212,7 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
         if (threadIdx.x == 0) {
             int n = 0;
             for (int i = 0; i < C; i++)
-                n += ccnt[(size_t)d * C + i];
+                n += __ldcg(&ccnt[(size_t)d * C + i]);
             ((int32_t *)(e + 8))[0] = isbad ? -1 : n;
             ((int32_t *)(e + 8))[1] = 0;
         }
@@ -349,6 +361,50 @@ fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
     }
 }
 
+__global__ void __launch_bounds__(FR_RN_THREADS)
+fr_cuht_notify(fr_cuht_args_t A, unsigned long long *rseq, const int32_t *ccnt,
+               const int32_t *kcnt, const int32_t *dcnt, const int32_t *bad, int32_t *rcnt,
+               int32_t *rbase, int32_t *fcnt, int32_t *fbase, fr_cuht_nout_t o)
+{
+    fr_cuht_notify_b(A, rseq, ccnt, kcnt, dcnt, bad, rcnt, rbase, fcnt, fbase, o);
+}
+
+/* Without forwarding, layout and notify in one launch: a block per
+ * channel lays out its tokens; the last block to finish (a counter in the
+ * context, left at zero for the next route: routes are stream-ordered)
+ * runs notify, then zeroes the per-expert counts the blocks added into
+ * (and, for a bounded route, the bad-entry word; an exact route's is read
+ * by the host after a failure, which then zeroes it with a memset before
+ * the block's next use), so that the next route on these tables needs no
+ * memset before it. */
+__global__ void __launch_bounds__(FR_RL_THREADS)
+fr_cuht_route1(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32_t *dst,
+               int32_t *dpos, int32_t *rtok, int32_t *ccnt, int32_t *dcnt, int32_t *bad,
+               unsigned int *last_ctr, unsigned long long *rseq, int32_t *rcnt, int32_t *rbase,
+               fr_cuht_nout_t o)
+{
+    fr_cuht_layout_c(A, T, topk, NULL, NULL, idx, dst, dpos, rtok, ccnt, dcnt, bad,
+                     blockIdx.x);
+    __shared__ int last;
+    __threadfence(); /* this block's tables before its count */
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(last_ctr, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence(); /* every block's tables after their counts */
+    if (threadIdx.x == 0)
+        *last_ctr = 0;
+    fr_cuht_notify_b(A, rseq, ccnt, NULL, dcnt, bad, rcnt, rbase, NULL, NULL, o);
+    __syncthreads(); /* notify read the counts (or returned early, all threads alike) */
+    const fr_cuht_geo_t &G = A.G;
+    for (int i = threadIdx.x; i < G.N * G.El; i += blockDim.x)
+        dcnt[i] = 0;
+    if (threadIdx.x == 0 && !o.res)
+        *bad = FR_CUHT_NOBAD;
+}
+
 /* A bounded route's rows past the real count: padding. */
 static __global__ void fr_cuht_pad(const int32_t *nrecv, int bound, int K, int32_t *ridx,
                                    long long *ridx64, float *rw, int32_t *rsr, int32_t *rst)
@@ -393,6 +449,7 @@ extern "C" void fr_cuht_route_free(ferry_route_t route)
             sp->mem = p->mem;
             sp->size = p->size;
             sp->done = p->done;
+            sp->dirty = p->dirty;
             sp->next = c->spare;
             c->spare = sp;
         } else {
@@ -441,6 +498,7 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
             p->mem = sp->mem;
             p->size = sp->size;
             p->done = sp->done;
+            p->dirty = sp->dirty;
             *q = sp->next;
             free(sp);
             break;
@@ -451,6 +509,7 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
                        cudaSuccess) {
         e = cudaMalloc(&p->mem, tot);
         p->size = tot;
+        p->dirty = 1; /* never zeroed */
         if (e != cudaSuccess) {
             cudaEventDestroy(p->done);
             p->done = NULL;
@@ -515,6 +574,7 @@ extern "C" int fr_cuht_pool_init(ferry_ep_t ep)
         sp->mem = tmp.mem;
         sp->size = tmp.size;
         sp->done = tmp.done; /* never recorded: ready */
+        sp->dirty = 1;
         sp->next = c->spare;
         c->spare = sp;
     }
@@ -578,11 +638,11 @@ static uint64_t fr_cuht_now_ns(void)
  * are bounded by the timeout, and it runs after whatever the stream held
  * before it. */
 #define FR_CUHT_RQ_NS 20000ull
-static int fr_cuht_route_wait(ferry_ep_t ep, cudaStream_t st)
+static int fr_cuht_route_wait(ferry_ep_t ep, cudaEvent_t after)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
     volatile fr_cuht_res_t *res = c->res_host;
-    cudaError_t e = cudaEventRecord(c->rdone, st);
+    cudaError_t e = cudaSuccess;
     uint64_t t0 = 0, next = 0;
     for (unsigned n = 0; e == cudaSuccess; n++) {
         if (res->done)
@@ -595,7 +655,7 @@ static int fr_cuht_route_wait(ferry_ep_t ep, cudaStream_t st)
         if (t < next)
             continue;
         next = t + FR_CUHT_RQ_NS;
-        e = cudaEventQuery(c->rdone);
+        e = cudaEventQuery(after);
         if (e == cudaErrorNotReady) {
             e = cudaSuccess;
             if (t - t0 > 100000ull) /* long (100 us): let ranks sharing the cores run */
@@ -679,17 +739,25 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
         }
         /* the per-expert counts and the bad-entry word start from zero:
          * one memset from the first to the second (the tables between,
-         * which notify writes whole, zeroed too) */
-        if ((uint8_t *)p->bad > (uint8_t *)dcnt)
-            cudaMemsetAsync(dcnt, 0, (size_t)((uint8_t *)(p->bad + 1) - (uint8_t *)dcnt), st);
-        else {
-            cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
-            cudaMemsetAsync(p->bad, 0, sizeof(int32_t), st);
+         * which notify writes whole, zeroed too), unless the last route
+         * on these tables was route1's, which left them zero */
+        if (p->dirty || G->fwd) {
+            if ((uint8_t *)p->bad > (uint8_t *)dcnt)
+                cudaMemsetAsync(dcnt, 0, (size_t)((uint8_t *)(p->bad + 1) - (uint8_t *)dcnt),
+                                st);
+            else {
+                cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
+                cudaMemsetAsync(p->bad, 0, sizeof(int32_t), st);
+            }
         }
+        /* until route1 has run whole (a failure below, a bad topk_idx
+         * whose index the host reads, forwarding's kernels) */
+        p->dirty = 1;
         if (!G->fwd) {
-            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
-                c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
-                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad);
+            fr_cuht_route1<<<G->C, FR_RL_THREADS, 0, st>>>(
+                c->a, T, in->topk_idx, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
+                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad, c->rlast,
+                c->rseq, (int32_t *)p->r.rcnt, (int32_t *)p->r.rbase, o);
         } else { /* by rank for the counts, by key for the records */
             const fr_cuht_fw_t *fw = &c->a.fw;
             fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
@@ -698,20 +766,26 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
             fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
                 c->a, T, in->topk_idx, fw->key, fw->kord, NULL, (int32_t *)p->r.dst,
                 (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, NULL, NULL);
+            fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
+                c->a, c->rseq, p->rcc, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
+                (int32_t *)p->r.rbase, (int32_t *)p->r.fcnt, (int32_t *)p->r.fbase, o);
         }
-        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
-            c->a, c->rseq, p->rcc, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
-            (int32_t *)p->r.rbase, (int32_t *)p->r.fcnt, (int32_t *)p->r.fbase, o);
         rc = fr_cuht_launch_check(ep, "route_create");
         fr_cuht_route_used(route, st);
     }
-    if (rc == FERRY_OK && bounded)
+    /* route1 zeroes what it added into, for the next route on these
+     * tables (a bounded route's failures fail the context) */
+    int clean = rc == FERRY_OK && !G->fwd;
+    if (rc == FERRY_OK && bounded) {
+        p->dirty = !clean;
         return FERRY_OK; /* counts, bound and topk_idx are checked on the GPU */
-    if (rc == FERRY_OK) /* the one host wait: for notify's counts */
-        rc = fr_cuht_route_wait(ep, st);
+    }
+    if (rc == FERRY_OK) /* the one host wait: for notify's counts (after it: p->done) */
+        rc = fr_cuht_route_wait(ep, p->done);
     if (rc == FERRY_OK) {
         volatile fr_cuht_res_t *res = c->res_host;
         route->id = res->id;
+        p->dirty = !clean || res->bad_rank >= 0;
         if (res->bad_rank >= 0) { /* this rank's own entries say -1 too */
             rc = fr_cuht_route_bad(ep, in, p, res->bad_rank);
             fr_cuht_route_free(route);
@@ -751,6 +825,7 @@ extern "C" int fr_cuht_load_route(void)
     cudaFuncAttributes fa;
     return cudaFuncGetAttributes(&fa, fr_cuht_layout) != cudaSuccess ||
            cudaFuncGetAttributes(&fa, fr_cuht_notify) != cudaSuccess ||
+           cudaFuncGetAttributes(&fa, fr_cuht_route1) != cudaSuccess ||
            cudaFuncGetAttributes(&fa, fr_cuht_pad) != cudaSuccess;
 }
 

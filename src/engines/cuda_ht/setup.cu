@@ -150,10 +150,6 @@ static int fr_cuht_local(ferry_ep_t ep, struct fr_cuht_ep *c, int kind, fr_err_t
     rc = fr_cuht_pool_init(ep);
     if (rc != FERRY_OK)
         rc = FR_ERR(err, rc, "%s", ep->err.msg);
-    if (rc == FERRY_OK && cudaEventCreateWithFlags(&c->rdone, cudaEventDisableTiming) !=
-                              cudaSuccess)
-        rc = FR_ERR(err, FERRY_ERR_SYSTEM, "cudaEventCreate: %s",
-                    cudaGetErrorString(cudaGetLastError()));
     if (rc == FERRY_OK && ep->nfabric > 0) { /* the thread's abort word */
         void *h, *d;
         rc = fr_cuda_host_alloc(sizeof(int), &h, &d, err);
@@ -304,6 +300,7 @@ static int fr_cuht_tables(ferry_ep_t ep, struct fr_cuht_ep *c, fr_err_t *err)
         A->ctr = (unsigned long long *)(b + o_ctr);
         A->dflag = (int *)(b + o_flag);
         c->rseq = (unsigned long long *)(b + o_flag + 128);
+        c->rlast = (unsigned int *)(b + o_flag + 192);
         FR_CU(cudaMemcpy(b, peer, sizeof(*peer) * N, cudaMemcpyHostToDevice), err, fail);
     }
     {
@@ -498,8 +495,6 @@ extern "C" void fr_cuht_free(ferry_ep_t ep)
         fr_cuda_host_free(c->fab.in);
     fr_cuht_fab_free(&c->fab);
     fr_ahead_free(&c->ahead);
-    if (c->rdone)
-        cudaEventDestroy(c->rdone);
     while (c->spare) { /* after the device synchronisation above */
         fr_cuht_spare_t *sp = c->spare;
         c->spare = sp->next;
