@@ -337,8 +337,18 @@ class _Normal:
             if not cached:
                 routing = self._rank_routing(is_token_in_rank.to(xt.device), E) if by_rank \
                     else topk_idx.contiguous()
-                route = ep.route(routing, 1 if by_rank else expert_alignment,
-                                 stream=call.stream, max_recv=num_worst_tokens)
+                align = 1 if by_rank else expert_alignment
+                dev = routing.device
+                if dev.type == ep.device and (ep._cuda_index is None or
+                                              dev.index == ep._cuda_index):
+                    # checked above (int64 [T, K], contiguous): route's checks skipped
+                    st = call.stream if call.stream is not None else \
+                        _stream_of(routing, None) if ep.device == "cuda" else None
+                    route = ep._route_run(ep._ep(), routing, T, routing.data_ptr(), align, st,
+                                          num_worst_tokens)
+                else:
+                    route = ep.route(routing, align, stream=call.stream,
+                                     max_recv=num_worst_tokens)
                 call.settle()
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:

@@ -581,16 +581,26 @@ class EP:
         if max_recv < 0:
             raise ValueError(f"max_recv: {max_recv}: must be 0 (exact route) or the bound on "
                              "rows received")
+        return self._route_run(h, topk_idx, T or 0, p, expert_alignment, st, max_recv)
+
+    _RIN_SIZE = C.sizeof(_lib.RouteIn)
+
+    def _route_run(self, h, like, T, p, expert_alignment, st, max_recv):
+        """route once its arguments are checked (p: topk_idx's pointer; a
+        bounded route's outputs made like `like`)."""
         nout = eout = None
         if max_recv:
-            new = lambda shape: self._ht_new(topk_idx, shape, _I32)
+            new = lambda shape: self._ht_new(like, shape, _I32)  # noqa: E731
             nout, eout = new((1,)), new((self.num_local_experts,))
-        rin = _lib.RouteIn(C.sizeof(_lib.RouteIn), T or 0, p, expert_alignment, st,
-                           max_recv, self._ptr(nout), self._ptr(eout))
+        rin = _lib.RouteIn(self._RIN_SIZE, T, p, expert_alignment, st, max_recv,
+                           self._ptr(nout), self._ptr(eout))
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
-        route = Route(self, r, T or 0, (nout, eout) if max_recv else None)
-        self._routes = [x for x in self._routes if x._h] + [route]
+        route = Route(self, r, T, (nout, eout) if max_recv else None)
+        rs = self._routes
+        if len(rs) > 8:  # the closed ones dropped now and then (a route closes itself)
+            rs = self._routes = [x for x in rs if x._h]
+        rs.append(route)
         return route
 
     def _torch_io(self, like):
@@ -701,10 +711,11 @@ class EP:
 
     def _ht_dispatch_run(self, h, rh, n, like, px, ps, sst, pw, st, xdt, fp8, i64, want):
         """ht_dispatch once its inputs are checked (the pointers of x, its
-        scales (element strides sst, (0, 0): row-major) and the weights):
-        h, rh: the context's and route's handles. Makes the outputs on like's device (xdt: recv_x's torch dtype, or
-        the (numpy, torch) names for _ht_new) and calls the library. want:
-        (recv_topk_idx (int64 when i64), recv_topk_weights, recv_src_rank,
+        scales (element strides sst, (0, 0): row-major) and the weights;
+        h, rh: the context's and the route's handles). Makes the outputs
+        on like's device (xdt: recv_x's torch dtype, or the (numpy, torch)
+        names for _ht_new) and calls the library. want: (recv_topk_idx
+        (int64 when i64), recv_topk_weights, recv_src_rank,
         recv_src_token). Returns the outputs in _HT_OUTS' order."""
         H, K = self.hidden, self.topk
         if self._torch_io(like):
@@ -718,7 +729,9 @@ class EP:
             rw = e((n, K), dtype=torch.float32, device=dev) if want[1] else None
             rr = e((n,), dtype=torch.int32, device=dev) if want[2] else None
             rt = e((n,), dtype=torch.int32, device=dev) if want[3] else None
-            ptr = lambda a: None if a is None else a.data_ptr()  # noqa: E731
+            p = (rx.data_ptr(), rs.data_ptr() if fp8 else None,
+                 ri.data_ptr() if want[0] else None, rw.data_ptr() if want[1] else None,
+                 rr.data_ptr() if want[2] else None, rt.data_ptr() if want[3] else None)
         else:
             new = lambda shape, dt: self._ht_new(like, shape, dt)  # noqa: E731
             rx = new((n, H), xdt)
@@ -727,12 +740,11 @@ class EP:
             rw = new((n, K), _F32) if want[1] else None
             rr = new((n,), _I32) if want[2] else None
             rt = new((n,), _I32) if want[3] else None
-            ptr = self._ptr
+            p = tuple(self._ptr(a) for a in (rx, rs, ri, rw, rr, rt))
         din = _lib.HtDispatchIn(self._DIN_SIZE, px, ps, pw, st, (C.c_int64 * 2)(*sst))
         # the int64 ids go in their own slot (the last), int32 ones in recv_topk_idx
-        dout = _lib.HtDispatchOut(self._DOUT_SIZE, ptr(rx), ptr(rs),
-                                  None if i64 else ptr(ri), ptr(rw), ptr(rr), ptr(rt),
-                                  ptr(ri) if i64 else None)
+        dout = _lib.HtDispatchOut(self._DOUT_SIZE, p[0], p[1], None if i64 else p[2], p[3],
+                                  p[4], p[5], p[2] if i64 else None)
         self._check(_lib_handle().ferry_ht_dispatch(h, rh, C.byref(din), C.byref(dout)))
         return rx, rs, ri, rw, rr, rt
 
