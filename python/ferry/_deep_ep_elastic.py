@@ -11,6 +11,7 @@ import torch
 
 from ._deep_ep_common import EventOverlap as _V1Event
 from ._deep_ep_common import _plain_torch, _tensor
+from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route
 
 _ALIGN_BYTES = 2 << 20
 _MAX_TOPK_CONTEXT = 16  # most slots per token in a ferry context (FR_MAX_TOPK)  # DeepEP 2's buffer sizes are 2 MiB multiples
@@ -65,14 +66,19 @@ class EventOverlap:
 class EPHandle:
     """What a dispatch returns for its combine and for cached dispatches
     (DeepEP 2's fields; plain attributes a caller may read and set).
-    ferry's own: _ep (the context), _route (its route)."""
+    ferry's own: _ep (the context), _route (its route). The tensors of
+    _LAZY that a dispatch does not need itself are made when one of them
+    is first read (no combine reads them): their launches cost a dispatch
+    nothing until then (_build)."""
 
     def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank,
                  num_sms, topk_idx, num_recv_tokens, num_expanded_tokens,
-                 num_recv_tokens_per_expert_list, psum_num_recv_tokens_per_scaleup_rank,
-                 psum_num_recv_tokens_per_expert, num_unaligned_recv_tokens_per_expert,
-                 recv_src_metadata, dst_buffer_slot_idx, token_metadata_at_forward=None,
+                 num_recv_tokens_per_expert_list, psum_num_recv_tokens_per_scaleup_rank=None,
+                 psum_num_recv_tokens_per_expert=None, num_unaligned_recv_tokens_per_expert=None,
+                 recv_src_metadata=None, dst_buffer_slot_idx=None, token_metadata_at_forward=None,
                  channel_linked_list=None):
+        d = self.__dict__
+        d["_make"] = None  # set by the dispatch: makes the _LAZY tensors
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -82,15 +88,41 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        d["psum_num_recv_tokens_per_scaleup_rank"] = psum_num_recv_tokens_per_scaleup_rank
+        d["psum_num_recv_tokens_per_expert"] = psum_num_recv_tokens_per_expert
+        d["num_unaligned_recv_tokens_per_expert"] = num_unaligned_recv_tokens_per_expert
+        d["recv_src_metadata"] = recv_src_metadata
+        d["dst_buffer_slot_idx"] = dst_buffer_slot_idx
         self.token_metadata_at_forward = token_metadata_at_forward
         self.channel_linked_list = channel_linked_list
         self._ep = self._route = None
         self._exp_pos = None  # expanded: [R, K] row of each (row, slot), -1 elsewhere
+
+    def _build(self):
+        """The _LAZY tensors, made now if they are still to be made."""
+        make = self.__dict__["_make"]
+        if make is not None:
+            self.__dict__["_make"] = None
+            self.__dict__.update(make())
+
+
+_LAZY = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+         "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx")
+
+
+def _lazy_field(name):
+    def get(self):
+        self._build()
+        return self.__dict__[name]
+
+    def put(self, v):
+        self._build()  # the others keep the dispatch's values
+        self.__dict__[name] = v
+    return property(get, put, doc=f"DeepEP 2's {name} (made when first read)")
+
+
+for _n in _LAZY:
+    setattr(EPHandle, _n, _lazy_field(_n))
 
 
 _EXPERIMENTAL = ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv",
@@ -108,6 +140,97 @@ def _refused(name):
             f"(docs/python.md, 'ElasticBuffer')")
     f.__name__ = name
     return f
+
+
+def _on_stream(st, dev, fn, args):
+    """fn(*args) on stream st (a CUDA stream, or None: CPU), then the current
+    stream ordered after it and the tensors made there kept for it."""
+    if st is None:
+        return fn(*args)
+    cur = torch.cuda.current_stream(dev)
+    if st == cur:
+        return fn(*args)
+    with torch.cuda.stream(st):
+        out = fn(*args)
+    cur.wait_stream(st)
+    for t in out.values():
+        if isinstance(t, torch.Tensor):
+            t.record_stream(cur)
+    return out
+
+
+def _handle_tensors(o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, slots):
+    """An EPHandle's tensors from a dispatch's outputs, with few launches
+    (each costs the host one on a GPU). An exact route (cpu_sync) has every
+    received row real and its unaligned per-expert counts u on the host:
+    the per-expert sums are made there and copied once. A bounded route's
+    rows past the real count are padding (source -1) and its counts are
+    made on the device."""
+    src, tok, ridx = o["recv_src_rank"], o["recv_src_token"], o["recv_topk_idx"]
+    R = src.shape[0]
+    valid = None if cpu_sync else src >= 0
+    key = None  # a local expert per (row, slot), El elsewhere
+    if cpu_sync:
+        import numpy as np
+        a = (u + (A - 1)) // A * A
+        start = np.cumsum(a) - a
+        host = torch.from_numpy(np.concatenate(
+            [u, start + u if do_expand else np.cumsum(a), start, np.cumsum(u) - u])
+            .astype(np.int32))
+        dv = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        unaligned, psum_exp = dv[:El], dv[El:2 * El]
+        start, ustart = dv[2 * El:3 * El], dv[3 * El:]
+    else:
+        key = torch.where(ridx >= 0, ridx, El).reshape(-1)
+        cnt = torch.zeros(El + 1, dtype=torch.int32, device=dev)
+        cnt.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        unaligned = cnt[:El].clone()
+        aligned = (unaligned + (A - 1)) // A * A
+        start = torch.cumsum(aligned, 0, dtype=torch.int32) - aligned  # S_e
+        ustart = torch.cumsum(unaligned, 0, dtype=torch.int32) - unaligned
+        psum_exp = start + unaligned if do_expand else \
+            torch.cumsum(aligned, 0, dtype=torch.int32)
+    # columns 2.. are DeepEP's "uninitialized" unless expanded; a bounded
+    # route's are -1, its padding rows -1 throughout
+    meta = torch.empty((R, K + 2), dtype=torch.int32, device=dev) if cpu_sync else \
+        torch.full((R, K + 2), -1, dtype=torch.int32, device=dev)
+    col0 = torch.add(tok, src, alpha=maxT)
+    # column 1: source rank x K + the highest slot of an expert here
+    slot = slots.get((K, dev))
+    if slot is None:
+        slot = slots[(K, dev)] = torch.arange(K, dtype=torch.int32, device=dev)
+    hi = torch.where(ridx >= 0, slot, -1).amax(1).to(torch.int32) if K else \
+        torch.full((R,), -1, dtype=torch.int32, device=dev)
+    col1 = torch.add(hi, src, alpha=K)
+    meta[:, 0] = col0 if valid is None else torch.where(valid, col0, -1)
+    meta[:, 1] = col1 if valid is None else torch.where(valid, col1, -1)
+    # rows per source rank, inclusive prefix sum (not bincount: on a
+    # GPU it reads the largest value on the host)
+    per_src = torch.zeros(N, dtype=torch.int32, device=dev)
+    if valid is None:
+        per_src.index_add_(0, src, torch.ones(R, dtype=torch.int32, device=dev))
+    else:
+        per_src.index_add_(0, src.clamp(min=0), valid.to(torch.int32))
+    psum_rank = torch.cumsum(per_src, 0, dtype=torch.int32)
+    exp_pos = None
+    if do_expand:
+        if key is None:
+            key = torch.where(ridx >= 0, ridx, El).reshape(-1)
+        order = torch.sort(key, stable=True).indices
+        p = torch.arange(key.numel(), dtype=torch.int32, device=dev)
+        ks = key[order]
+        kc = ks.clamp(max=El - 1)
+        pos_sorted = torch.where(ks < El, start[kc] + p - ustart[kc], -1).to(torch.int32)
+        pos = torch.empty_like(pos_sorted)
+        pos[order] = pos_sorted
+        exp_pos = pos.view(R, K)
+        meta[:, 2:] = exp_pos
+    # -1 // El is -1: no mask needed
+    dst = torch.div(kept, El, rounding_mode="floor").to(torch.int32)
+    return {"psum_num_recv_tokens_per_scaleup_rank": psum_rank,
+            "psum_num_recv_tokens_per_expert": psum_exp,
+            "num_unaligned_recv_tokens_per_expert": unaligned, "recv_src_metadata": meta,
+            "dst_buffer_slot_idx": dst, "_exp_pos": exp_pos}
 
 
 class ElasticBuffer:
@@ -320,23 +443,28 @@ class ElasticBuffer:
                 # an exact route's counts come to the host unaligned (the
                 # handle's sums are made there); a bounded one's stay on
                 # the device, aligned
-                route = ep.route(topk_idx.contiguous(), 1 if do_cpu_sync else A,
-                                 stream=call.stream, max_recv=0 if do_cpu_sync else N * maxT)
+                route = _ht_route(ep, topk_idx.contiguous(), 1 if do_cpu_sync else A, call,
+                                  0 if do_cpu_sync else N * maxT)
                 call.settle()
-            o = ep.ht_dispatch(route, xt, xs, topk_weights, stream=call.stream,
-                               topk_idx_dtype="int64")
+            if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+            o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, True, True)
             call.settle()
             rx, rsf = o["recv_x"], (self._buf._scales_out(o["recv_x_scales"], carried)
                                     if fp8 else None)
             ridx, rw = o["recv_topk_idx"], o["recv_topk_weights"]
             if not cached:
                 handle = self._new_handle(ep, route, kept, o, E, El, K, A, maxT, N,
-                                          do_cpu_sync, do_expand, num_sms, xt.device)
-            st = handle.num_unaligned_recv_tokens_per_expert
+                                          do_cpu_sync, do_expand, num_sms, xt.device,
+                                          call.comm)
+            made = (rx, rsf, ridx, rw)
             if cumulative_local_expert_recv_stats is not None:
                 _tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
                         torch.int32, (El,))
+                st = handle.num_unaligned_recv_tokens_per_expert
                 cumulative_local_expert_recv_stats.add_(st)
+                made += (handle.recv_src_metadata, handle.psum_num_recv_tokens_per_scaleup_rank,
+                         handle.psum_num_recv_tokens_per_expert, st)
             if do_expand:
                 rx, rsf, rw = self._expand(handle, rx, rsf, rw, do_zero_padding)
                 ridx = None
@@ -347,90 +475,42 @@ class ElasticBuffer:
                 cm.copy_(rsf)
                 rsf = cm
             recv_x = (rx, rsf) if fp8 else rx
-            made = (rx, rsf, ridx, rw, handle.recv_src_metadata,
-                    handle.psum_num_recv_tokens_per_scaleup_rank,
-                    handle.psum_num_recv_tokens_per_expert, st)
+            made = (rx, rsf, ridx, rw) + made[4:]
             ev = call.finish(made, (xt, xs, topk_idx, topk_weights))
         return recv_x, ridx, rw, handle, EventOverlap(ev.event if ev is not None else None)
 
     def _new_handle(self, ep, route, kept, o, E, El, K, A, maxT, N, cpu_sync, do_expand,
-                    num_sms, dev):
-        """The EPHandle of a new routing, its tensors made on the current
-        stream from the dispatch's outputs (no host wait past the route's),
-        with few launches (each costs the host one on a GPU). An exact route
-        (cpu_sync) has every received row real and its unaligned per-expert
-        counts on the host: the per-expert sums are made there and copied
-        once. A bounded route's rows past the real count are padding (source
-        -1) and its counts are made on the device."""
-        src, tok, ridx = o["recv_src_rank"], o["recv_src_token"], o["recv_topk_idx"]
+                    num_sms, dev, comm):
+        """The EPHandle of a new routing. Its host values now; its tensors
+        (_handle_tensors) from the dispatch's outputs on the dispatch's
+        stream (comm, or the current stream), now with do_expand (the
+        dispatch needs them), else when first read (EPHandle._build), the
+        reader's current stream then waiting for that stream."""
+        src = o["recv_src_rank"]
         R = src.shape[0]
-        valid = None if cpu_sync else src >= 0
-        key = None  # a local expert per (row, slot), El elsewhere
         if cpu_sync:
             import numpy as np
             u = np.asarray(route.expert_counts, dtype=np.int64)
             a = (u + (A - 1)) // A * A
-            start = np.cumsum(a) - a
-            host = torch.from_numpy(np.concatenate(
-                [u, start + u if do_expand else np.cumsum(a), start, np.cumsum(u) - u])
-                .astype(np.int32))
-            dv = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
-            unaligned, psum_exp = dv[:El], dv[El:2 * El]
-            start, ustart = dv[2 * El:3 * El], dv[3 * El:]
             elist = [int(v) for v in a]
             n_exp = int(a.sum())
         else:
-            key = torch.where(ridx >= 0, ridx, El).reshape(-1)
-            cnt = torch.zeros(El + 1, dtype=torch.int32, device=dev)
-            cnt.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-            unaligned = cnt[:El].clone()
-            aligned = (unaligned + (A - 1)) // A * A
-            start = torch.cumsum(aligned, 0, dtype=torch.int32) - aligned  # S_e
-            ustart = torch.cumsum(unaligned, 0, dtype=torch.int32) - unaligned
-            psum_exp = start + unaligned if do_expand else \
-                torch.cumsum(aligned, 0, dtype=torch.int32)
+            u = None
             elist = []
             n_exp = _align(N * maxT * min(K, El) + (A - 1) * El, A)
-        # columns 2.. are DeepEP's "uninitialized" unless expanded; a bounded
-        # route's are -1, its padding rows -1 throughout
-        meta = torch.empty((R, K + 2), dtype=torch.int32, device=dev) if cpu_sync else \
-            torch.full((R, K + 2), -1, dtype=torch.int32, device=dev)
-        col0 = torch.add(tok, src, alpha=maxT)
-        # column 1: source rank x K + the highest slot of an expert here
-        slot = self._slots.get((K, dev))
-        if slot is None:
-            slot = self._slots[(K, dev)] = torch.arange(K, dtype=torch.int32, device=dev)
-        hi = torch.where(ridx >= 0, slot, -1).amax(1).to(torch.int32) if K else \
-            torch.full((R,), -1, dtype=torch.int32, device=dev)
-        col1 = torch.add(hi, src, alpha=K)
-        meta[:, 0] = col0 if valid is None else torch.where(valid, col0, -1)
-        meta[:, 1] = col1 if valid is None else torch.where(valid, col1, -1)
-        # rows per source rank, inclusive prefix sum (not bincount: on a
-        # GPU it reads the largest value on the host)
-        per_src = torch.zeros(N, dtype=torch.int32, device=dev)
-        if valid is None:
-            per_src.index_add_(0, src, torch.ones(R, dtype=torch.int32, device=dev))
-        else:
-            per_src.index_add_(0, src.clamp(min=0), valid.to(torch.int32))
-        psum_rank = torch.cumsum(per_src, 0, dtype=torch.int32)
-        exp_pos = None
+        h = EPHandle(do_expand, E, A, maxT, num_sms, kept, R, n_exp, elist)
+        h._ep, h._route = ep, route
+        slots = self._slots
+        st = None
+        if dev.type == "cuda":
+            st = comm if comm is not None else torch.cuda.current_stream(dev)
+        args = (o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, slots)
         if do_expand:
-            if key is None:
-                key = torch.where(ridx >= 0, ridx, El).reshape(-1)
-            order = torch.sort(key, stable=True).indices
-            p = torch.arange(key.numel(), dtype=torch.int32, device=dev)
-            ks = key[order]
-            kc = ks.clamp(max=El - 1)
-            pos_sorted = torch.where(ks < El, start[kc] + p - ustart[kc], -1).to(torch.int32)
-            pos = torch.empty_like(pos_sorted)
-            pos[order] = pos_sorted
-            exp_pos = pos.view(R, K)
-            meta[:, 2:] = exp_pos
-        # -1 // El is -1: no mask needed
-        dst = torch.div(kept, El, rounding_mode="floor").to(torch.int32)
-        h = EPHandle(do_expand, E, A, maxT, num_sms, kept, R, n_exp, elist, psum_rank, psum_exp,
-                     unaligned, meta, dst)
-        h._ep, h._route, h._exp_pos = ep, route, exp_pos
+            t = _handle_tensors(*args)
+            h._exp_pos = t.pop("_exp_pos")
+            h.__dict__.update(t)
+        else:
+            h.__dict__["_make"] = lambda: _on_stream(st, dev, _handle_tensors, args)
         return h
 
     @staticmethod
@@ -479,7 +559,7 @@ class ElasticBuffer:
             raise ValueError("combine: previous_event needs allocate_on_comm_stream=True (as "
                              "DeepEP 2's)")
         ep, route = handle._ep, handle._route
-        R = handle.recv_src_metadata.shape[0]
+        R = handle.num_recv_tokens
         K = handle.topk_idx.shape[1]
         _tensor(x, "x", torch.bfloat16, (None, ep.hidden))
         if handle.do_expand:
@@ -508,10 +588,8 @@ class ElasticBuffer:
             y, w = x, topk_weights
             if handle.do_expand:
                 y, w = self._reduce_expanded(handle, x, topk_weights)
-            out = ep.ht_combine(route, y.contiguous(), w, stream=call.stream, bias=bias,
-                                sum_order="slots")
+            cx, cw = _ht_combine(ep, route, y.contiguous(), w, call, False, bias, "slots")
             call.settle()
-            cx, cw = (out if isinstance(out, tuple) else (out, None))
             ev = call.finish((cx, cw, y, w), (x, topk_weights))
         return cx, cw, EventOverlap(ev.event if ev is not None else None)
 

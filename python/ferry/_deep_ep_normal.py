@@ -26,6 +26,40 @@ class _On:
 _LAYOUT_ON = {True: _On("cuda"), False: _On("cpu")}
 
 
+def _ht_route(ep, routing, align, call, max_recv):
+    """ep.route of routing, a contiguous int64 [T, K] tensor (checked by the
+    caller), without its checks when it is on the context's device."""
+    dev = routing.device
+    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index):
+        return ep.route(routing, align, stream=call.stream, max_recv=max_recv)
+    st = call.stream if call.stream is not None else _stream_of(routing, None) \
+        if ep.device == "cuda" else None
+    return ep._route_run(ep._ep(), routing, routing.shape[0], routing.data_ptr(), align, st,
+                         max_recv)
+
+
+def _ht_combine(ep, route, y, w, call, weights_sum, bias, order):
+    """ep.ht_combine of y (contiguous, dtype and shape checked by the
+    caller) and the weights w (or None); without bias, when both are on
+    the context's device, without its checks. Returns (out, weights or
+    None)."""
+    if w is not None:
+        w = w.contiguous()
+    dev = y.device
+    if bias is not None or dev.type != ep.device or \
+            (ep._cuda_index is not None and dev.index != ep._cuda_index) or \
+            (w is not None and w.device != dev):
+        out = ep.ht_combine(route, y, w, stream=call.stream, weights_sum=weights_sum,
+                            bias=bias, sum_order=order)
+        return out if w is not None else (out, None)
+    pw = None if w is None else w.data_ptr() if route.num_recv else ep._given(y)
+    st = call.stream if call.stream is not None else _stream_of(y, None) \
+        if ep.device == "cuda" else None
+    return ep._ht_combine_run(ep._ep(), route._handle(ep), route.num_tokens, y, y.data_ptr(),
+                              pw, w is not None, st, weights_sum, (None, None),
+                              1 if order == "slots" else 0)
+
+
 def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
     """ep.ht_dispatch for the tensors dispatch checked (dtype and shape;
     x contiguous, scales float32 row-major or strided), without its
@@ -337,18 +371,8 @@ class _Normal:
             if not cached:
                 routing = self._rank_routing(is_token_in_rank.to(xt.device), E) if by_rank \
                     else topk_idx.contiguous()
-                align = 1 if by_rank else expert_alignment
-                dev = routing.device
-                if dev.type == ep.device and (ep._cuda_index is None or
-                                              dev.index == ep._cuda_index):
-                    # checked above (int64 [T, K], contiguous): route's checks skipped
-                    st = call.stream if call.stream is not None else \
-                        _stream_of(routing, None) if ep.device == "cuda" else None
-                    route = ep._route_run(ep._ep(), routing, T, routing.data_ptr(), align, st,
-                                          num_worst_tokens)
-                else:
-                    route = ep.route(routing, align, stream=call.stream,
-                                     max_recv=num_worst_tokens)
+                route = _ht_route(ep, routing, 1 if by_rank else expert_alignment, call,
+                                  num_worst_tokens)
                 call.settle()
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
@@ -516,29 +540,10 @@ class _Normal:
             if bias is not None:
                 bias = tuple(b.contiguous() if isinstance(b, torch.Tensor) else b
                              for b in (bias if isinstance(bias, tuple) else (bias,)))
-            x = x.contiguous()
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
-            dev = x.device
-            if bias is None and dev.type == ep.device and \
-                    (ep._cuda_index is None or dev.index == ep._cuda_index) and \
-                    (topk_weights is None or topk_weights.device == dev):
-                # checked above (dtype, shape): ht_combine's checks skipped
-                n, T = route.num_recv, route.num_tokens
-                pw = None if topk_weights is None else \
-                    topk_weights.data_ptr() if n else ep._given(x)
-                st = call.stream if call.stream is not None else _stream_of(x, None) \
-                    if ep.device == "cuda" else None
-                out, w = ep._ht_combine_run(ep._ep(), route._handle(ep), T, x, x.data_ptr(),
-                                            pw, topk_weights is not None, st,
-                                            topk_weights is not None, (None, None), 0)
-            elif topk_weights is not None:
-                # DeepEP's combined_topk_weights: slot k summed over the rows
-                # of every rank the token went to
-                out, w = ep.ht_combine(route, x, topk_weights, stream=call.stream,
-                                       weights_sum=True, bias=bias)
-            else:
-                out, w = ep.ht_combine(route, x, stream=call.stream, bias=bias), None
+            # with weights, DeepEP's combined_topk_weights: slot k summed over
+            # the rows of every rank the token went to
+            out, w = _ht_combine(ep, route, x.contiguous(), topk_weights, call,
+                                 topk_weights is not None, bias, "ranks")
             call.settle()
             return out, w, call.finish((out, w), read)
 
