@@ -153,7 +153,9 @@ FR_HD float fr_e2m1_to_f32(uint8_t c)
 }
 
 /* Round to nearest, ties to the even code, saturating at 6; the sign is
- * kept (-0.1 gives code 8); NaN gives 7 with its sign. */
+ * kept (-0.1 gives code 8); NaN gives 7 with its sign. The code is the
+ * number of thresholds below |f| (the midpoints, each tie to the even
+ * code's side): independent compares, no chain of selects. */
 FR_HD uint8_t fr_f32_to_e2m1(float f)
 {
     uint32_t u;
@@ -162,31 +164,30 @@ FR_HD uint8_t fr_f32_to_e2m1(float f)
     float a;
     uint32_t au = u & 0x7fffffffu;
     memcpy(&a, &au, 4);
-    uint8_t c = au > 0x7f800000u ? 7
-                : a <= 0.25f   ? 0
-                : a < 0.75f    ? 1
-                : a <= 1.25f   ? 2
-                : a < 1.75f    ? 3
-                : a <= 2.5f    ? 4
-                : a < 3.5f     ? 5
-                : a <= 5.f     ? 6
-                               : 7;
-    return (uint8_t)(sign | c);
+    int c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+            (a >= 3.5f) + (a > 5.f);
+    return (uint8_t)(sign | (au > 0x7f800000u ? 7 : c));
 }
 
-/* One 16-channel block with encode scale gs: 8 bytes of codes (channel
- * 2i in the low nibble of byte i) and the scale's e4m3 byte. */
-FR_HD void fr_nvfp4_block(const uint16_t *x, float gs, uint8_t *q, uint8_t *sf)
+/* One 16-channel block with encode scale gs (rgs: 1 / gs, rounded, as
+ * fr_nvfp4_block computes it): 8 bytes of codes (channel 2i in the low
+ * nibble of byte i) and the scale's e4m3 byte. */
+FR_HD void fr_nvfp4_block_r(const uint16_t *x, float gs, float rgs, uint8_t *q, uint8_t *sf)
 {
     float amax = fr_bf16_amax(x, FR_NVFP4_BLOCK);
     const float rcp6 = 1.0f / 6.0f;
     uint8_t s = fr_f32_to_e4m3(gs * (amax * rcp6));
     float sq = fr_e4m3_to_f32(s);
-    float inv = sq != 0.f ? 1.0f / (sq * (1.0f / gs)) : 0.f;
+    float inv = sq != 0.f ? 1.0f / (sq * rgs) : 0.f;
     for (int i = 0; i < FR_NVFP4_BLOCK / 2; i++)
         q[i] = (uint8_t)(fr_f32_to_e2m1(fr_bf16_to_f32(x[2 * i]) * inv) |
                          fr_f32_to_e2m1(fr_bf16_to_f32(x[2 * i + 1]) * inv) << 4);
     *sf = s;
+}
+
+FR_HD void fr_nvfp4_block(const uint16_t *x, float gs, uint8_t *q, uint8_t *sf)
+{
+    fr_nvfp4_block_r(x, gs, 1.0f / gs, q, sf);
 }
 
 /* acc[i] += w * y[i] for a bf16 row. */

@@ -580,34 +580,23 @@ static __device__ __forceinline__ void fr_cu_sf_put(uint8_t *ps, int g, uint8_t 
         ps[g] = b;
 }
 
-/* Step 4 with the NVFP4 dtype, one warp-task: 512 channels of token t,
- * chunk c; lane g quantises its 16 channels (one scale block: amax, the
- * e4m3 scale from gs, e2m1 codes, fr_nvfp4_block as on CPU ranks) and
- * stores 8 code bytes and its scale byte to every place of the token. */
-template <bool VEC>
-static __device__ __forceinline__ void fr_ds_nvfp4(const fr_cu_args_t &A, uint8_t *const *dr,
-                                                   uint8_t *const *ds, const uint16_t *xrow,
-                                                   float gs, int c)
+/* Step 4 with the NVFP4 dtype: lane g of a warp-task (512 channels of a
+ * token) quantises its 16 channels (one scale block: amax, the e4m3 scale
+ * from gs, e2m1 codes, fr_nvfp4_block_r as on CPU ranks; rgs = 1 / gs)
+ * and stores 8 code bytes and its scale byte to every place of the token
+ * (dr, ds: the token's slot pointers; lane i holds slot i). */
+static __device__ __forceinline__ void fr_ds_nvfp4_put(const fr_cu_args_t &A, uint8_t *mine,
+                                                       uint8_t *msc, uint4 a, uint4 b,
+                                                       float gs, float rgs, bool on, int g)
 {
-    const fr_layout_t &L = A.L;
-    int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
-    uint8_t *mine = lane < kd ? dr[lane] : NULL;
-    uint8_t *msc = lane < kd ? ds[lane] : NULL;
-    bool on = g < (int)(L.H / 16);
     uint16_t v[16];
-    if (on && VEC) {
-        uint4 a = ((const uint4 *)xrow)[2 * g], b = ((const uint4 *)xrow)[2 * g + 1];
-        memcpy(v, &a, 16);
-        memcpy(v + 8, &b, 16);
-    } else {
-        for (int i = 0; i < 16; i++)
-            v[i] = on ? xrow[16 * g + i] : (uint16_t)0;
-    }
+    memcpy(v, &a, 16);
+    memcpy(v + 8, &b, 16);
     uint8_t q[8], sf;
-    fr_nvfp4_block(v, gs, q, &sf);
+    fr_nvfp4_block_r(v, gs, rgs, q, &sf);
     uint2 qv;
     memcpy(&qv, q, 8);
-    for (int i = 0; i < kd; i++) {
+    for (int i = 0; i < A.kd; i++) {
         uint8_t *p = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
         uint8_t *ps = (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)msc, i);
         if (!p || !on)
@@ -616,6 +605,53 @@ static __device__ __forceinline__ void fr_ds_nvfp4(const fr_cu_args_t &A, uint8_
         if (ps)
             fr_cu_sf_put(ps, g, sf);
     }
+}
+
+/* One warp-task: token t, chunk c (slot pointers dr, ds). */
+template <bool VEC>
+static __device__ __forceinline__ void fr_ds_nvfp4(const fr_cu_args_t &A, uint8_t *const *dr,
+                                                   uint8_t *const *ds, const uint16_t *xrow,
+                                                   float gs, float rgs, int c)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31, kd = A.kd, g = c * 32 + lane;
+    uint8_t *mine = lane < kd ? dr[lane] : NULL;
+    uint8_t *msc = lane < kd ? ds[lane] : NULL;
+    bool on = g < (int)(L.H / 16);
+    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+    if (on && VEC) {
+        a = ((const uint4 *)xrow)[2 * g];
+        b = ((const uint4 *)xrow)[2 * g + 1];
+    } else if (on) {
+        uint16_t v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = xrow[16 * g + i];
+        memcpy(&a, v, 16);
+        memcpy(&b, v + 8, 16);
+    }
+    fr_ds_nvfp4_put(A, mine, msc, a, b, gs, rgs, on, g);
+}
+
+/* Two warp-tasks at once (16-byte aligned rows): both tasks' loads are in
+ * flight before either is quantised, as fr_ds_quant2. */
+static __device__ __forceinline__ void fr_ds_nvfp4x2(const fr_cu_args_t &A, int set,
+                                                     const uint16_t *x, int start, int chunks,
+                                                     int j0, int j1, float gs, float rgs)
+{
+    const fr_layout_t &L = A.L;
+    int lane = threadIdx.x & 31;
+    int t0 = start + j0 / chunks, c0 = j0 % chunks, t1 = start + j1 / chunks, c1 = j1 % chunks;
+    int g0 = c0 * 32 + lane, g1 = c1 * 32 + lane, hg = (int)(L.H / 16);
+    const uint4 *r0 = (const uint4 *)(x + (size_t)t0 * L.H);
+    const uint4 *r1 = (const uint4 *)(x + (size_t)t1 * L.H);
+    uint4 z = make_uint4(0, 0, 0, 0);
+    size_t a0i = ((size_t)set * L.T + t0) * A.kd + lane, a1i = ((size_t)set * L.T + t1) * A.kd + lane;
+    uint8_t *m0 = lane < A.kd ? A.dst_rec[a0i] : NULL, *m1 = lane < A.kd ? A.dst_rec[a1i] : NULL;
+    uint8_t *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
+    uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
+    uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
+    fr_ds_nvfp4_put(A, m0, s0, a0, a1, gs, rgs, g0 < hg, g0);
+    fr_ds_nvfp4_put(A, m1, s1, b0, b1, gs, rgs, g1 < hg, g1);
 }
 
 /* Step 4 for two warp-tasks at once (bf16 input quantised, 16-byte
@@ -839,19 +875,22 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     FR_TR();
     /* NVFP4: x_scales carries x_global_scale (ferry_dispatch_in_t) */
     bool nv = L.nvfp4, quant = L.fp8 && !x_scales;
-    float gs = nv ? *x_scales : 0.f;
+    float gs = nv ? *x_scales : 0.f, rgs = nv ? 1.0f / gs : 0.f;
     int chunks = quant || nv ? (int)((L.H + 511) / 512) : (int)((L.tok_bytes + 511) / 512);
     int w = threadIdx.x >> 5, nw = blockDim.x >> 5, ntask = (end - start) * chunks;
     int j = w;
     if (VEC && quant)
         for (; j + nw < ntask && !s_bad; j += 2 * nw)
             fr_ds_quant2(A, set, x, start, chunks, j, j + nw);
+    if (VEC && nv)
+        for (; j + nw < ntask && !s_bad; j += 2 * nw)
+            fr_ds_nvfp4x2(A, set, x, start, chunks, j, j + nw, gs, rgs);
     for (; j < ntask && !s_bad; j += nw) {
         int t = start + j / chunks, c = j % chunks;
         if (nv) {
             fr_ds_nvfp4<VEC>(A, A.dst_rec + ((size_t)set * L.T + t) * A.kd,
                              A.dst_scl + ((size_t)set * L.T + t) * A.kd, x + (size_t)t * L.H,
-                             gs, c);
+                             gs, rgs, c);
             continue;
         }
         const uint16_t *xrow = quant ? x + (size_t)t * L.H
