@@ -466,6 +466,12 @@ typedef struct ferry_combine_in {
      * what its own combine_send announced). CPU ranks take it on every
      * path; GPU ranks with peers on the fabric path: FERRY_ERR_UNSUPPORTED. */
     int32_t format;
+    /* Optional, since 0.1.2: the most SMs (thread blocks) this combine's
+     * kernels take on a GPU rank; 0: the context's num_sms. sgl-deep-ep's
+     * `num_sms`: an overlapped combine waits on signals the down GEMM
+     * raises beside it, so the GEMM must keep the SMs the combine does not
+     * take. Below 0: FERRY_ERR_INVALID. CPU ranks take and ignore it. */
+    int32_t num_sms;
 } ferry_combine_in_t;
 
 typedef enum ferry_combine_format {

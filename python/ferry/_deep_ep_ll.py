@@ -484,7 +484,7 @@ class _LowLatency:
         return (sig,) + ep._signal_args(sig, value, block, names)
 
     def _combine_fast(self, x, topk_weights, handle, out, return_recv_hook, wc=None, sig=None,
-                      fmt=0):
+                      fmt=0, sms=0):
         plan, rnd, T = handle.plan, handle.rnd, handle.ntok
         h = plan.ep.handle()
         if handle.combined or handle._tok.settled:  # a second combine of this handle
@@ -505,6 +505,7 @@ class _LowLatency:
         cin.expert_y = x.data_ptr()
         cin.stream = stream
         cin.format = fmt
+        cin.num_sms = sms
         if sig is not None or cin.signals:
             cin.signals, cin.signal_value, cin.signal_block = sig[1:] if sig is not None else \
                 (None, 0, 0)
@@ -543,7 +544,9 @@ class _LowLatency:
         device memory the down GEMM raises while the combine runs beside it
         (call the combine on another stream); ferry never resets them.
         packed_recv_count is checked, not needed (ferry keeps the counts);
-        num_sms is not used (the combine runs on the context's SMs)."""
+        num_sms caps the SMs the combine's kernels take on GPU ranks (the
+        GEMM keeps the rest; None: the context's)."""
+        sms = EP._num_sms_arg(num_sms, "num_sms")
         sig = None
         if overlap:
             ep = self._handle_ep(handle)
@@ -560,13 +563,13 @@ class _LowLatency:
                 raise ValueError("overlap with zero_copy: pass x (the overlapped combine "
                                  "reads the experts' outputs where the GEMM writes them)")
         r = self._ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                             return_recv_hook, out, combine_wait_recv_cost_stats, sig)
+                             return_recv_hook, out, combine_wait_recv_cost_stats, sig, sms)
         if async_finish:
             r = (r[0], _event_after(x), r[2])
         return r
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                    return_recv_hook, out, combine_wait_recv_cost_stats, sig=None):
+                    return_recv_hook, out, combine_wait_recv_cost_stats, sig=None, sms=0):
         self._low_latency('low_latency_combine')
         fmt = 1 if use_logfmt else 0
         if fmt:
@@ -590,7 +593,7 @@ class _LowLatency:
                                      and out.dtype is torch.bfloat16 and out.is_contiguous()
                                      and out.get_device() == plan.dev)):
                 return self._combine_fast(x, topk_weights, handle, out, return_recv_hook, wc, sig,
-                                          fmt)
+                                          fmt, sms)
             # the checks below name what is wrong; what passes them is
             # made contiguous float32 and goes the same way
             ep, El, cap, H = plan.ep, *plan.yshape
@@ -606,7 +609,7 @@ class _LowLatency:
                     raise ValueError(f"{n}: expected a tensor on cuda:{plan.dev} (the context's "
                                      f"device), got one on {t.device}")
             return self._combine_fast(x.contiguous(), topk_weights.float().contiguous(), handle,
-                                      out, return_recv_hook, wc, sig, fmt)
+                                      out, return_recv_hook, wc, sig, fmt, sms)
         if type(handle) is not _LLHandle:
             raise TypeError("handle: expected the handle low_latency_dispatch returned, got "
                             f"{type(handle).__name__}")
@@ -634,6 +637,8 @@ class _LowLatency:
                     pend[rnd & 1]["recv"]()
                 pend[rnd & 1] = None
         fk = dict(format="logfmt") if fmt else {}
+        if sms:
+            fk["num_sms"] = sms
         if sig is None:
             ep.combine_send(rnd, x.contiguous(), **fk)
         else:

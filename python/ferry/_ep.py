@@ -425,7 +425,7 @@ class EP:
         return dout
 
     def _cin(self, expert_y, stream, signals=None, signal_value=0, signal_block=0,
-             sent_rows=None, format="bf16"):
+             sent_rows=None, format="bf16", num_sms=0):
         El = self.num_local_experts
         cin = _lib.CombineIn(C.sizeof(_lib.CombineIn),
                              self._arr(expert_y, "expert_y", _BF16,
@@ -435,6 +435,7 @@ class EP:
         if f is None:
             raise ValueError(f"format={format!r}: use 'bf16' or 'logfmt'")
         cin.format = f
+        cin.num_sms = self._num_sms_arg(num_sms, "num_sms")
         if signals is None:
             if sent_rows is not None:
                 raise TypeError("sent_rows: given without signals (it counts the rows sent "
@@ -445,6 +446,15 @@ class EP:
         cin.sent_rows = self._arr(sent_rows, "sent_rows", _I32, (El,), required=False,
                                   output=True)
         return cin
+
+    @staticmethod
+    def _num_sms_arg(n, name):
+        """A combine's num_sms (None or 0: the context's) as a C int >= 0."""
+        n = _lib.c_int(0 if n is None else n, name)
+        if n < 0:
+            raise ValueError(f"{name} = {n}: the most SMs the combine takes, > 0, or 0 (None) "
+                             f"for the context's")
+        return n
 
     def _signal_args(self, signals, value, block,
                     names=("signals", "signal_value", "signal_block")):
@@ -472,10 +482,13 @@ class EP:
         return ptr, value & 0xFFFFFFFF, block
 
     def combine_send(self, round, expert_y, stream=None, signals=None, signal_value=0,
-                     signal_block=0, sent_rows=None, format="bf16"):
+                     signal_block=0, sent_rows=None, format="bf16", num_sms=0):
         """expert_y [E_local, capacity, H] bf16, the experts' outputs.
         format: how the rows travel, "bf16" or "logfmt" (DeepEP's LogFMT-10,
         hidden a multiple of 512; every rank passes the same in a round).
+        num_sms > 0: the most SMs this combine's kernels take on a GPU rank
+        (0: the context's; the GEMM beside an overlapped combine keeps the
+        rest); ignored on CPU ranks.
 
         The overlapped combine: with signals (1-D uint32 or int32, expert_y's
         device), row `slot` of local expert e is sent only once
@@ -486,7 +499,8 @@ class EP:
         expert's rows once past their signal (adds, never clears)."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
-        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows, format)
+        cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows, format,
+                        num_sms)
         self._check(_lib_handle().ferry_combine_send(h, round, C.byref(cin)))
         k = self._keep.get(round, ())
         self._keep[round] = tuple(k) + (expert_y,)
@@ -537,13 +551,14 @@ class EP:
         return self._sent(r.value, T, x, topk_idx, x_scales, num_tokens)
 
     def combine(self, round, expert_y, topk_weights, out, stream=None, wait_cost=None,
-                signals=None, signal_value=0, signal_block=0, sent_rows=None, format="bf16"):
+                signals=None, signal_value=0, signal_block=0, sent_rows=None, format="bf16",
+                num_sms=0):
         """combine_send and combine_recv in one call (one kernel launch on
-        CUDA ranks); signals ..., format: combine_send's."""
+        CUDA ranks); signals ..., format, num_sms: combine_send's."""
         h = self._ep()
         round = _lib.c_int(round, "round", C.c_uint64)
         cin = self._cin(expert_y, stream, signals, signal_value, signal_block, sent_rows,
-                        format)
+                        format, num_sms)
         cout = self._cout(round, topk_weights, out, stream, wait_cost)
         cin.stream = cout.stream = cin.stream or cout.stream  # out may be None (T = 0)
         self._check(_lib_handle().ferry_combine(h, round, C.byref(cin), C.byref(cout)))

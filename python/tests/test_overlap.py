@@ -139,8 +139,10 @@ def ep_rounds(ferry, comm, rank, N, E, dev, cuda):
                 if cuda:
                     side.wait_stream(torch.cuda.current_stream())
                     raise_cuda(y, y_full, sig, sigs, sent, snap, side)
+                    # round 1: the combine's kernels on one SM (num_sms), the
+                    # GEMM's stand-in beside it
                     ep.combine_send(r, y, signals=sig, signal_value=VALUE, signal_block=block,
-                                    sent_rows=sent)
+                                    sent_rows=sent, num_sms=1 if rnd == 1 else 0)
                     ep.combine_recv(r, w, out)
                     torch.cuda.synchronize()
                 else:
@@ -149,7 +151,8 @@ def ep_rounds(ferry, comm, rank, N, E, dev, cuda):
                     th.start()
                     try:
                         ep.combine_send(r, y, signals=sig, signal_value=VALUE,
-                                        signal_block=block, sent_rows=sent)
+                                        signal_block=block, sent_rows=sent,
+                                        num_sms=1 if rnd == 1 else 0)
                     finally:
                         th.join()
                     ep.combine_recv(r, w, out)
@@ -196,7 +199,8 @@ def bad_args(ep, rank, E, dev):
             (dict(signals=sig.float()), TypeError, "signals"),
             (dict(signals=sig, signal_block=1), ValueError, "signals"),
             (dict(sent_rows=torch.zeros(El, dtype=torch.int32, device=dev)), TypeError,
-             "sent_rows")):
+             "sent_rows"),
+            (dict(num_sms=-1), ValueError, "num_sms")):
         try:
             ep.combine_send(r, y, **kw)
             msgs.append(f"combine_send({sorted(kw)}) was accepted, want {exc.__name__}")
@@ -216,6 +220,27 @@ def bad_args(ep, rank, E, dev):
     rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(old))
     if rc != 0:
         msgs.append(f"combine_send with the older ferry_combine_in_t size: error {rc}")
+    else:
+        ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
+    # the library's own check of num_sms (below the binding's)
+    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
+    neg = _lib.CombineIn(ctypes.sizeof(_lib.CombineIn), y.data_ptr(),
+                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
+    neg.num_sms = -3
+    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(neg))
+    why = _lib_handle().ferry_ep_last_error(ep.handle()).decode()
+    if rc == 0 or "num_sms = -3" not in why:
+        msgs.append(f"ferry_combine_send with num_sms -3: rc {rc}, {why!r}; want an error "
+                    f"naming num_sms")
+    ep.combine_send(r, y)  # the round is still usable
+    ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
+    # and the size before num_sms (its callers: the context's SMs)
+    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
+    old = _lib.CombineIn(_lib.CombineIn.num_sms.offset, y.data_ptr(),
+                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
+    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(old))
+    if rc != 0:
+        msgs.append(f"combine_send with the ferry_combine_in_t size before num_sms: error {rc}")
     else:
         ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
     if dev.type == "cuda":
@@ -286,7 +311,8 @@ def deep_ep_rounds(deep_ep, rank, N, E, dev, cuda):
         s32 = torch.full((El * recv.shape[1],), VALUE, dtype=torch.int32, device=dev)
         for kw, exc, name in (
                 (dict(src_signals=s32, comp_signal=s32), TypeError, "comp_signal"),
-                (dict(comp_signal=s32, block_m=0), ValueError, "block_m")):
+                (dict(comp_signal=s32, block_m=0), ValueError, "block_m"),
+                (dict(comp_signal=s32, num_sms=-2), ValueError, "num_sms")):
             try:
                 buf.low_latency_combine(recv, idx, w, handle, overlap=True, **kw)
                 msgs.append(f"low_latency_combine({sorted(kw)}) accepted, want {exc.__name__}")

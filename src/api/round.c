@@ -236,6 +236,10 @@ static int fr_cin_current(ferry_ep_t ep, const ferry_combine_in_t *in, ferry_com
     fr_args_current(cur, sizeof(*cur), in);
     if (!cur->expert_y)
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "expert_y: NULL pointer");
+    if (cur->num_sms < 0)
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "num_sms = %d: the most SMs this combine takes, or 0 for the "
+                          "context's (%d)", (int)cur->num_sms, ep->cfg.num_sms);
     if (cur->format != FERRY_COMBINE_BF16 && cur->format != FERRY_COMBINE_LOGFMT)
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "format = %d: FERRY_COMBINE_BF16 (0) or FERRY_COMBINE_LOGFMT (1)",

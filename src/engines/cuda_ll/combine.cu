@@ -556,6 +556,14 @@ static fr_cu_sig_t fr_cu_sig_of(ferry_ep_t ep, const ferry_combine_in_t *in)
     return S;
 }
 
+/* Blocks for a combine kernel: at most b, and at most the call's num_sms
+ * (sms > 0). The kernels spread their work over gridDim.x. */
+static int fr_cu_cblocks(int b, int sms)
+{
+    b = sms > 0 && sms < b ? sms : b;
+    return b < 1 ? 1 : b;
+}
+
 extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
                                     const ferry_combine_in_t *in)
 {
@@ -564,7 +572,8 @@ extern "C" int fr_cuda_combine_send(ferry_ep_t ep, fr_round_t *r,
     int set = (int)(r->epoch % FR_NSETS);
     c->y[set] = in->expert_y;
     c->lf[set] = in->format == FERRY_COMBINE_LOGFMT;
-    ferry::combine<<<c->nblocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
+    c->csms[set] = in->num_sms;
+    ferry::combine<<<fr_cu_cblocks(c->nblocks, in->num_sms), FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
                                                         NULL, NULL, NULL, NULL, FR_PART_SEND,
                                                         fr_cu_sig_of(ep, in));
     return fr_cuda_launch_check(ep, "combine_send");
@@ -576,8 +585,7 @@ extern "C" int fr_cuda_combine_recv(ferry_ep_t ep, fr_round_t *r,
     struct fr_cuda_ep *c = (struct fr_cuda_ep *)ep->eng_state;
     cudaStream_t st = (cudaStream_t)out->stream;
     int set = (int)(r->epoch % FR_NSETS);
-    int blocks = c->nblocks < ep->L.T ? c->nblocks : ep->L.T;
-    blocks = blocks < 1 ? 1 : blocks;
+    int blocks = fr_cu_cblocks(c->nblocks < ep->L.T ? c->nblocks : ep->L.T, c->csms[set]);
     ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, NULL, out->topk_weights,
                                                     (uint16_t *)out->out,
                                                     (const uint8_t *)c->y[set],
@@ -601,7 +609,7 @@ extern "C" int fr_cuda_combine(ferry_ep_t ep, fr_round_t *r, const ferry_combine
         int rc = fr_cuda_combine_send(ep, r, in);
         return rc ? rc : fr_cuda_combine_recv(ep, r, out);
     }
-    int blocks = c->nblocks < c->cgrid ? c->nblocks : c->cgrid;
+    int blocks = fr_cu_cblocks(c->nblocks < c->cgrid ? c->nblocks : c->cgrid, in->num_sms);
     ferry::combine<<<blocks, FR_CS_THREADS, 0, st>>>(c->a, set, (const uint8_t *)in->expert_y,
                                                     out->topk_weights, (uint16_t *)out->out,
                                                     (const uint8_t *)in->expert_y,

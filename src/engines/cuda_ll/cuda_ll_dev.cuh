@@ -106,6 +106,7 @@ typedef struct fr_cu_args {
 struct fr_cuda_ep {
     fr_cu_args_t a;
     int device, nblocks;
+    int csms[FR_NSETS];      /* a combine_send's num_sms, for its recv (0: none) */
     int nsm;                 /* the GPU's SMs */
     int dgrid, cgrid;        /* most blocks of the one-launch kernels the GPU
                                 holds at once for this rank, found at set-up
