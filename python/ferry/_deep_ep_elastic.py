@@ -510,6 +510,10 @@ class ElasticBuffer:
             h._exp_pos = t.pop("_exp_pos")
             h.__dict__.update(t)
         else:
+            # recv_topk_idx is the caller's to change in place: the handle
+            # keeps its own copy (one launch) for the tensors made later
+            o = dict(o, recv_topk_idx=o["recv_topk_idx"].clone())
+            args = (o,) + args[1:]
             h.__dict__["_make"] = lambda: _on_stream(st, dev, _handle_tensors, args)
         return h
 

@@ -255,6 +255,37 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
     check(msgs, f"{tag}: combined x differs", torch.equal(out, want))
     wz = torch.where(idx >= 0, w, torch.zeros_like(w))
     check(msgs, f"{tag}: combined weights differ", ow is not None and torch.equal(ow, wz))
+    if not expand:
+        lazy_handle(buf, xin, idx, w, E, A, cpu_sync, h, tag, msgs)
+
+
+LAZY = ("recv_src_metadata", "dst_buffer_slot_idx", "psum_num_recv_tokens_per_scaleup_rank",
+        "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert")
+
+
+def lazy_handle(buf, xin, idx, w, E, A, cpu_sync, h, tag, msgs):
+    """A dispatch without stats or expansion makes its handle's tensors when
+    first read: they equal those of the same routing's handle made by a
+    dispatch (h, with stats), even after the caller changed recv_topk_idx
+    in place; a combine needs none of them; each can be set."""
+    rx, ridx, rw, h2, _ = buf.dispatch(xin, topk_idx=idx, topk_weights=w, num_experts=E,
+                                       num_max_tokens_per_rank=MAXT, expert_alignment=A,
+                                       do_cpu_sync=cpu_sync)
+    check(msgs, f"{tag}: lazy handle: made after the dispatch", h2.__dict__["_make"] is not None)
+    ridx.fill_(-7)  # the caller's to change
+    buf.combine(torch.zeros((ridx.shape[0], H), dtype=torch.bfloat16, device=idx.device), h2,
+                topk_weights=rw)
+    check(msgs, f"{tag}: lazy handle: a combine reads none", h2.__dict__["_make"] is not None)
+    for name in LAZY:
+        a, b = getattr(h2, name), getattr(h, name)
+        n = int(h.psum_num_recv_tokens_per_scaleup_rank[-1]) if name == "recv_src_metadata" \
+            else None
+        if n is not None:  # columns 2.. are DeepEP's "uninitialized" (exact routes)
+            a, b = a[:n, :2], b[:n, :2]
+        check(msgs, f"{tag}: lazy handle: {name} differs", torch.equal(a, b))
+    t = torch.zeros(3, dtype=torch.int32, device=idx.device)
+    h2.dst_buffer_slot_idx = t
+    check(msgs, f"{tag}: lazy handle: a field set reads back", h2.dst_buffer_slot_idx is t)
 
 
 def rank_main(rank, N, port, q, kind):
