@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Where a normal-mode call's host time goes: ferry's deep_ep.Buffer
+get_dispatch_layout + dispatch (new routing) + combine, piece by piece,
+and DeepEP's calls whole beside it when its deep_ep is importable.
+
+N ranks (one per GPU, or sharing one GPU under MPS with the shared-gpu
+shim, as tools/bench_peers_ht.py). Each round runs after a synchronize and
+a barrier; the pieces are timed on the host (time.perf_counter_ns) by
+wrapping ferry's Python functions and its library calls (the library's own
+share in parentheses):
+
+  layout      get_dispatch_layout (ferry_dispatch_layout)
+  pre         dispatch's Python before the route
+  route       the route: notify and the one wait (ferry_route_create)
+  outputs     the dispatch's outputs and launch (ferry_ht_dispatch)
+  dispatch    the whole dispatch call
+  combine     the whole combine call (ferry_ht_combine)
+  gpu         from combine's return to the end of a synchronize
+
+p50 over --iters rounds per rank, each rank's row printed. Each round's
+result is checked (the combine of the received rows unchanged is x times
+the number of ranks the token went to: #wrong).
+
+Usage: python3 tools/bench_host_ht.py [--gpus 2] [--tokens 128,512,4096] [--iters 30]
+           [--device cuda|cpu]
+Needs ferry's library (FERRY_LIB); python/ is added to the path here.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from _ranks import init_rank, pct, spawn_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+P = time.perf_counter_ns
+PIECES = ("layout", "pre", "route", "outputs", "dispatch", "combine", "gpu")
+LIB = {"layout": "ferry_dispatch_layout", "route": "ferry_route_create",
+       "outputs": "ferry_ht_dispatch", "combine": "ferry_ht_combine"}
+
+
+def wrap_ferry(rec):
+    """Record (start, end) of ferry's pieces and library calls into rec."""
+    from ferry import _core, _deep_ep_common, _deep_ep_normal, _ep
+
+    def wrap(obj, name, key):
+        f = getattr(obj, name)
+
+        def g(*a, **k):
+            t = P()
+            r = f(*a, **k)
+            rec.setdefault(key, []).append((t, P()))
+            return r
+        setattr(obj, name, g)
+    wrap(_ep.EP, "_route_run", "route")
+    wrap(_ep.EP, "_ht_dispatch_run", "outputs")
+    real = _core._lib_handle()
+
+    class Lib:  # the library, its calls timed
+        def __getattr__(self, n):
+            f = getattr(real, n)
+            if not n.startswith("ferry_"):
+                return f
+
+            def g(*a):
+                t = P()
+                r = f(*a)
+                rec.setdefault(n, []).append((t, P()))
+                return r
+            return g
+    lib = Lib()
+    for m in (_ep, _deep_ep_common):
+        m._lib_handle = lambda: lib
+    return _deep_ep_normal
+
+
+def rank_main(rank, N, port, args, q):
+    try:
+        cuda = args.device == "cuda"
+        if cuda:
+            init_rank(rank, N, port)
+        else:  # CPU tensors (ferry alone): a check that the tool runs
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=N)
+        dev = torch.device(args.device)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        rec = {}
+        wrap_ferry(rec)
+        from ferry import deep_ep as fde
+        libs = [("ferry", fde)]
+        try:
+            import deep_ep as dpe
+            if cuda and dpe.Buffer is not fde.Buffer:  # a real DeepEP, not ferry's compat
+                libs.append(("DeepEP", dpe))
+        except ImportError:
+            pass
+        E, K, H = args.experts, args.topk, args.hidden
+        group = dist.new_group(list(range(N)))
+        bufs = []
+        for name, lib in libs:
+            lib.Buffer.set_num_sms(args.sms)
+            bufs.append((name, lib.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+                         if name == "DeepEP" else lib.Buffer(group, int(1e9), 0)))
+        out = []
+        for T in args.tokens:
+            g = torch.Generator(device=dev).manual_seed(7 + rank)
+            x = (torch.randn((T, H), device=dev, generator=g) * 0.25).to(torch.bfloat16)
+            idxs = [torch.topk(torch.rand((T, E), device=dev, generator=g), K,
+                               dim=-1).indices.to(torch.int64) for _ in range(4)]
+            w = torch.rand((T, K), device=dev, generator=g)
+            for name, buf in bufs:
+                rows, bad = [], 0
+                for i in range(args.warmup + args.iters):
+                    idx = idxs[i % 4]
+                    sync()
+                    dist.barrier(group)
+                    rec.clear()
+                    t0 = P()
+                    pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+                    t1 = P()
+                    r = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
+                                     num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+                    t2 = P()
+                    o = buf.combine(r[0], r[4])[0]
+                    t3 = P()
+                    sync()
+                    t4 = P()
+                    if i < args.warmup:
+                        continue
+                    nr = torch.zeros((T, N), dtype=torch.bool, device=dev)
+                    nr.scatter_(1, idx // (E // N), True)
+                    want = x.float() * nr.sum(1, keepdim=True).float()
+                    bad += int(((o.float() - want).abs() > want.abs() / 128 + 1e-6)
+                               .any(1).sum())
+                    d = {"layout": t1 - t0, "dispatch": t2 - t1, "combine": t3 - t2,
+                         "gpu": t4 - t3}
+                    if name == "ferry":
+                        (a, b), = rec["route"]
+                        (c, e), = rec["outputs"]
+                        d.update(pre=a - t1, route=b - a, outputs=e - c)
+                        for k, f in LIB.items():
+                            d["lib_" + k] = sum(v - u for u, v in rec.get(f, ()))
+                    rows.append(d)
+                med = {k: pct([r[k] for r in rows], .5) / 1e3 for k in rows[0]}
+                out.append((name, T, med, bad))
+        for _, buf in bufs:
+            buf.destroy()
+        q.put((rank, out))
+    except Exception as e:  # noqa: BLE001 (reported to the launcher)
+        import traceback
+        q.put((rank, f"{e}\n{traceback.format_exc()}"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, default=2, help="ranks (sharing the GPUs there are)")
+    ap.add_argument("--tokens", default="128,512,4096",
+                    type=lambda s: [int(v) for v in s.split(",") if v])
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: CPU tensors, ferry alone (a check that the tool runs)")
+    args = ap.parse_args()
+    if args.device == "cuda" and args.gpus < 2:
+        sys.exit("bench_host_ht: needs at least 2 ranks (DeepEP's normal mode refuses 1)")
+    res = spawn_ranks(rank_main, args.gpus, args, timeout=900)
+    print(f"# N={args.gpus} H={args.hidden} top-{args.topk} of {args.experts}, bf16, "
+          f"{args.sms} SMs; host us, p50 of {args.iters} rounds (library call in parentheses)")
+    print("| rank | T | library | " + " | ".join(PIECES) + " | #wrong |")
+    print("|---" * (len(PIECES) + 4) + "|")
+    bad = 0
+    for rank in sorted(res):
+        for name, T, m, b in res[rank]:
+            bad += b
+            cells = []
+            for k in PIECES:
+                if k not in m:
+                    cells.append("-")
+                    continue
+                lib = m.get("lib_" + k)
+                cells.append(f"{m[k]:.0f}" + (f" ({lib:.0f})" if lib is not None else ""))
+            print(f"| {rank} | {T} | {name} | " + " | ".join(cells) + f" | {b} |")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
