@@ -8,17 +8,29 @@ import sys
 import torch.multiprocessing as mp
 
 
+def _guarded(target, rank, N, port, args, q):
+    """target(rank, N, port, args, q), its exception put on q as the rank's
+    traceback."""
+    try:
+        target(rank, N, port, args, q)
+    except Exception as e:  # noqa: BLE001 (reported to the launcher)
+        import traceback
+        q.put((rank, f"{e}\n{traceback.format_exc()}"))
+
+
 def spawn_ranks(target, N, args, timeout, join_s=60):
     """Run target(rank, N, port, args, q) in N spawned processes; each puts
-    (rank, result) on q, a str result being its traceback. Prints the
-    tracebacks and exits 1 if any; else returns {rank: result}."""
+    (rank, result) on q (an exception it raises is put as its traceback, a
+    str). Prints the tracebacks and exits 1 if any; else returns {rank:
+    result}."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=target, args=(r, N, port, args, q)) for r in range(N)]
+    ps = [ctx.Process(target=_guarded, args=(target, r, N, port, args, q))
+          for r in range(N)]
     for pr in ps:
         pr.start()
     res = {}
@@ -50,3 +62,15 @@ def pct(v, f):
     """The f-quantile of v (sorted here)."""
     v = sorted(v)
     return v[min(len(v) - 1, int(f * len(v)))]
+
+
+def shape_args(ap, tokens):
+    """The arguments every normal-mode bench takes: ranks, tokens (a
+    comma-separated list, default `tokens`), the MoE shape and the SMs."""
+    ap.add_argument("--gpus", type=int, default=2, help="ranks (sharing the GPUs there are)")
+    ap.add_argument("--tokens", default=tokens,
+                    type=lambda s: [int(v) for v in s.split(",") if v])
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--sms", type=int, default=24)

@@ -26,95 +26,85 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _ranks import init_rank, pct, spawn_ranks
+from _ranks import init_rank, pct, shape_args, spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 
 def rank_main(rank, N, port, args, q):
-    try:
-        init_rank(rank, N, port)
-        from ferry import deep_ep
-        H, E, K = args.hidden, args.experts, args.topk
-        g = torch.Generator(device="cuda").manual_seed(5 + rank)
-        out = []
-        for T in args.tokens:
-            x = (torch.randn((T, H), device="cuda", generator=g) * 0.25).to(torch.bfloat16)
-            idx = torch.topk(torch.rand((T, E), device="cuda", generator=g), K,
-                             dim=-1).indices.to(torch.int64)
-            w = torch.rand((T, K), device="cuda", generator=g)
-            nr = torch.zeros((T, N), dtype=torch.bool, device="cuda")
-            nr.scatter_(1, idx // (E // N), True)
-            want = (x.float() * nr.sum(1, keepdim=True).float())
+    init_rank(rank, N, port)
+    from ferry import deep_ep
+    H, E, K = args.hidden, args.experts, args.topk
+    g = torch.Generator(device="cuda").manual_seed(5 + rank)
+    out = []
+    for T in args.tokens:
+        x = (torch.randn((T, H), device="cuda", generator=g) * 0.25).to(torch.bfloat16)
+        idx = torch.topk(torch.rand((T, E), device="cuda", generator=g), K,
+                         dim=-1).indices.to(torch.int64)
+        w = torch.rand((T, K), device="cuda", generator=g)
+        nr = torch.zeros((T, N), dtype=torch.bool, device="cuda")
+        nr.scatter_(1, idx // (E // N), True)
+        want = (x.float() * nr.sum(1, keepdim=True).float())
 
-            def wrong(o):
-                d = (o.float() - want).abs()
-                return int((d > want.abs() / 128 + 1e-6).any(1).sum())
+        def wrong(o):
+            d = (o.float() - want).abs()
+            return int((d > want.abs() / 128 + 1e-6).any(1).sum())
 
-            def timed(fn, iters):
-                ts, bad = [], 0
-                for it in range(args.warmup + iters):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), \
-                        torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    dist.barrier()
-                    torch.cuda.synchronize()
-                    e0.record()
-                    o = fn()
-                    e1.record()
-                    e1.synchronize()
-                    if it >= args.warmup:
-                        ts.append(e0.elapsed_time(e1) * 1000)
-                        bad += wrong(o)
-                return ts, bad
+        def timed(fn, iters):
+            ts, bad = [], 0
+            for it in range(args.warmup + iters):
+                e0, e1 = torch.cuda.Event(enable_timing=True), \
+                    torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                dist.barrier()
+                torch.cuda.synchronize()
+                e0.record()
+                o = fn()
+                e1.record()
+                e1.synchronize()
+                if it >= args.warmup:
+                    ts.append(e0.elapsed_time(e1) * 1000)
+                    bad += wrong(o)
+            return ts, bad
 
-            deep_ep.Buffer.set_num_sms(args.sms)
-            v1 = deep_ep.Buffer(dist.group.WORLD, 1 << 30, 0)
+        deep_ep.Buffer.set_num_sms(args.sms)
+        v1 = deep_ep.Buffer(dist.group.WORLD, 1 << 30, 0)
 
-            def v1_round():
-                pr, _, pe, inr, _ = v1.get_dispatch_layout(idx, E)
-                rx, _, _, _, h, _ = v1.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
-                                                num_tokens_per_expert=pe, topk_idx=idx,
-                                                topk_weights=w)
-                return v1.combine(rx, h)[0]
+        def v1_round():
+            pr, _, pe, inr, _ = v1.get_dispatch_layout(idx, E)
+            rx, _, _, _, h, _ = v1.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
+                                            num_tokens_per_expert=pe, topk_idx=idx,
+                                            topk_weights=w)
+            return v1.combine(rx, h)[0]
 
-            def v2_round(buf, sms):
-                def f():
-                    rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                  num_experts=E, num_sms=sms)
-                    return buf.combine(rx, h)[0]
-                return f
+        def v2_round(buf, sms):
+            def f():
+                rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                              num_experts=E, num_sms=sms)
+                return buf.combine(rx, h)[0]
+            return f
 
-            t1, b1 = timed(v1_round, args.iters)
-            v2 = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
-                                       num_topk=K, explicitly_destroy=True)
-            t2, b2 = timed(v2_round(v2, args.sms), args.iters)
-            v2.destroy()
-            row = [T, pct(t1, .5), pct(t1, .99), pct(t2, .5), pct(t2, .99), b1 + b2]
-            for sms in args.sms_curve:
-                b = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
-                                          num_topk=K, explicitly_destroy=True)
-                ts, bad = timed(v2_round(b, sms), args.iters)
-                b.destroy()
-                row += [pct(ts, .5), bad]
-            st = torch.tensor(row, dtype=torch.float64)
-            dist.all_reduce(st, op=dist.ReduceOp.MAX)
-            out.append(st.tolist())
-        q.put((rank, out))
-    except Exception as e:  # noqa: BLE001 (reported to the launcher)
-        import traceback
-        q.put((rank, f"{e}\n{traceback.format_exc()}"))
+        t1, b1 = timed(v1_round, args.iters)
+        v2 = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
+                                   num_topk=K, explicitly_destroy=True)
+        t2, b2 = timed(v2_round(v2, args.sms), args.iters)
+        v2.destroy()
+        row = [T, pct(t1, .5), pct(t1, .99), pct(t2, .5), pct(t2, .99), b1 + b2]
+        for sms in args.sms_curve:
+            b = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
+                                      num_topk=K, explicitly_destroy=True)
+            ts, bad = timed(v2_round(b, sms), args.iters)
+            b.destroy()
+            row += [pct(ts, .5), bad]
+        st = torch.tensor(row, dtype=torch.float64)
+        dist.all_reduce(st, op=dist.ReduceOp.MAX)
+        out.append(st.tolist())
+    q.put((rank, out))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpus", type=int, default=2, help="ranks (sharing the GPUs there are)")
-    ap.add_argument("--tokens", default="512,4096",
-                    type=lambda s: [int(v) for v in s.split(",") if v])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--sms", type=int, default=24)
+    shape_args(ap, "512,4096")
     ap.add_argument("--sms-curve", default="4,6,8,12,24",
                     type=lambda s: [int(v) for v in s.split(",") if v])
     ap.add_argument("--iters", type=int, default=10)

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _ranks import init_rank, pct, spawn_ranks
+from _ranks import init_rank, pct, shape_args, spawn_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
@@ -79,91 +79,81 @@ def wrap_ferry(rec):
 
 
 def rank_main(rank, N, port, args, q):
+    cuda = args.device == "cuda"
+    if cuda:
+        init_rank(rank, N, port)
+    else:  # CPU tensors (ferry alone): a check that the tool runs
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=N)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rec = {}
+    wrap_ferry(rec)
+    from ferry import deep_ep as fde
+    libs = [("ferry", fde)]
     try:
-        cuda = args.device == "cuda"
-        if cuda:
-            init_rank(rank, N, port)
-        else:  # CPU tensors (ferry alone): a check that the tool runs
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=N)
-        dev = torch.device(args.device)
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        rec = {}
-        wrap_ferry(rec)
-        from ferry import deep_ep as fde
-        libs = [("ferry", fde)]
-        try:
-            import deep_ep as dpe
-            if cuda and dpe.Buffer is not fde.Buffer:  # a real DeepEP, not ferry's compat
-                libs.append(("DeepEP", dpe))
-        except ImportError:
-            pass
-        E, K, H = args.experts, args.topk, args.hidden
-        group = dist.new_group(list(range(N)))
-        bufs = []
-        for name, lib in libs:
-            lib.Buffer.set_num_sms(args.sms)
-            bufs.append((name, lib.Buffer(group, int(1e9), 0, explicitly_destroy=True)
-                         if name == "DeepEP" else lib.Buffer(group, int(1e9), 0)))
-        out = []
-        for T in args.tokens:
-            g = torch.Generator(device=dev).manual_seed(7 + rank)
-            x = (torch.randn((T, H), device=dev, generator=g) * 0.25).to(torch.bfloat16)
-            idxs = [torch.topk(torch.rand((T, E), device=dev, generator=g), K,
-                               dim=-1).indices.to(torch.int64) for _ in range(4)]
-            w = torch.rand((T, K), device=dev, generator=g)
-            for name, buf in bufs:
-                rows, bad = [], 0
-                for i in range(args.warmup + args.iters):
-                    idx = idxs[i % 4]
-                    sync()
-                    dist.barrier(group)
-                    rec.clear()
-                    t0 = P()
-                    pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
-                    t1 = P()
-                    r = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
-                                     num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
-                    t2 = P()
-                    o = buf.combine(r[0], r[4])[0]
-                    t3 = P()
-                    sync()
-                    t4 = P()
-                    if i < args.warmup:
-                        continue
-                    nr = torch.zeros((T, N), dtype=torch.bool, device=dev)
-                    nr.scatter_(1, idx // (E // N), True)
-                    want = x.float() * nr.sum(1, keepdim=True).float()
-                    bad += int(((o.float() - want).abs() > want.abs() / 128 + 1e-6)
-                               .any(1).sum())
-                    d = {"layout": t1 - t0, "dispatch": t2 - t1, "combine": t3 - t2,
-                         "gpu": t4 - t3}
-                    if name == "ferry":
-                        (a, b), = rec["route"]
-                        (c, e), = rec["outputs"]
-                        d.update(pre=a - t1, route=b - a, outputs=e - c)
-                        for k, f in LIB.items():
-                            d["lib_" + k] = sum(v - u for u, v in rec.get(f, ()))
-                    rows.append(d)
-                med = {k: pct([r[k] for r in rows], .5) / 1e3 for k in rows[0]}
-                out.append((name, T, med, bad))
-        for _, buf in bufs:
-            buf.destroy()
-        q.put((rank, out))
-    except Exception as e:  # noqa: BLE001 (reported to the launcher)
-        import traceback
-        q.put((rank, f"{e}\n{traceback.format_exc()}"))
+        import deep_ep as dpe
+        if cuda and dpe.Buffer is not fde.Buffer:  # a real DeepEP, not ferry's compat
+            libs.append(("DeepEP", dpe))
+    except ImportError:
+        pass
+    E, K, H = args.experts, args.topk, args.hidden
+    group = dist.new_group(list(range(N)))
+    bufs = []
+    for name, lib in libs:
+        lib.Buffer.set_num_sms(args.sms)
+        bufs.append((name, lib.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+                     if name == "DeepEP" else lib.Buffer(group, int(1e9), 0)))
+    out = []
+    for T in args.tokens:
+        g = torch.Generator(device=dev).manual_seed(7 + rank)
+        x = (torch.randn((T, H), device=dev, generator=g) * 0.25).to(torch.bfloat16)
+        idxs = [torch.topk(torch.rand((T, E), device=dev, generator=g), K,
+                           dim=-1).indices.to(torch.int64) for _ in range(4)]
+        w = torch.rand((T, K), device=dev, generator=g)
+        for name, buf in bufs:
+            rows, bad = [], 0
+            for i in range(args.warmup + args.iters):
+                idx = idxs[i % 4]
+                sync()
+                dist.barrier(group)
+                rec.clear()
+                t0 = P()
+                pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+                t1 = P()
+                r = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
+                                 num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+                t2 = P()
+                o = buf.combine(r[0], r[4])[0]
+                t3 = P()
+                sync()
+                t4 = P()
+                if i < args.warmup:
+                    continue
+                nr = torch.zeros((T, N), dtype=torch.bool, device=dev)
+                nr.scatter_(1, idx // (E // N), True)
+                want = x.float() * nr.sum(1, keepdim=True).float()
+                bad += int(((o.float() - want).abs() > want.abs() / 128 + 1e-6)
+                           .any(1).sum())
+                d = {"layout": t1 - t0, "dispatch": t2 - t1, "combine": t3 - t2,
+                     "gpu": t4 - t3}
+                if name == "ferry":
+                    (a, b), = rec["route"]
+                    (c, e), = rec["outputs"]
+                    d.update(pre=a - t1, route=b - a, outputs=e - c)
+                    for k, f in LIB.items():
+                        d["lib_" + k] = sum(v - u for u, v in rec.get(f, ()))
+                rows.append(d)
+            med = {k: pct([r[k] for r in rows], .5) / 1e3 for k in rows[0]}
+            out.append((name, T, med, bad))
+    for _, buf in bufs:
+        buf.destroy()
+    q.put((rank, out))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpus", type=int, default=2, help="ranks (sharing the GPUs there are)")
-    ap.add_argument("--tokens", default="128,512,4096",
-                    type=lambda s: [int(v) for v in s.split(",") if v])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--sms", type=int, default=24)
+    shape_args(ap, "128,512,4096")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

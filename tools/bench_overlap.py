@@ -35,72 +35,68 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def rank_main(rank, N, port, args, q):
-    try:
-        init_rank(rank, N, port)
-        from ferry import deep_ep
-        T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
-        El = E // N
-        buf = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 30, low_latency_mode=True,
-                             num_qps_per_rank=El)
-        # the combine's SMs (its blocks poll while the GEMM runs): the rest
-        # stay free for the GEMM's kernels, as SGLang splits them
-        buf.ferry_ll_sms = args.sms
-        g = torch.Generator(device="cuda").manual_seed(17 + rank)
-        x = (torch.randn((T, H), device="cuda", generator=g) * 0.1).to(torch.bfloat16)
-        idx = torch.topk(torch.rand((T, E), device="cuda", generator=g), K, dim=-1).indices
-        w = torch.rand((T, K), device="cuda", generator=g)
-        side = torch.cuda.Stream()
-        cyc = int(args.gemm_us * torch.cuda.get_device_properties(0).clock_rate / 1000)
-        res = {"plain": [], "overlap": []}
-        wrong = 0
-        for it in range(args.warmup + args.iters):
-            outs = {}
-            for mode in ("plain", "overlap"):
-                recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-                y_full = recv * (1.0 + torch.arange(El, device="cuda").view(El, 1, 1) / 64)
-                y_full = y_full.to(torch.bfloat16)
-                y = torch.zeros_like(y_full)
-                sig = torch.zeros(El, dtype=torch.uint32, device="cuda")
-                torch.cuda.synchronize()
-                dist.barrier()
-                e_last, e_end = torch.cuda.Event(enable_timing=True), \
-                    torch.cuda.Event(enable_timing=True)
-                cur = torch.cuda.current_stream()
-                if mode == "plain":
-                    for e in range(El):
-                        torch.cuda._sleep(cyc)
-                        y[e].copy_(y_full[e])
-                    e_last.record(cur)
-                    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-                    e_end.record(cur)
-                else:
-                    side.wait_stream(cur)
-                    with torch.cuda.stream(side):  # the combine beside the GEMM
-                        out, _, hook = buf.low_latency_combine(
-                            y, idx, w, handle, overlap=True, src_signals=sig,
-                            src_signal_expect_value=1, return_recv_hook=True)
-                    for e in range(El):  # the GEMM, expert by expert
-                        torch.cuda._sleep(cyc)
-                        y[e].copy_(y_full[e])
-                        sig[e:e + 1].fill_(1)
-                    e_last.record(cur)
-                    with torch.cuda.stream(side):
-                        hook()  # the receive, on the combine's stream
-                    cur.wait_stream(side)
-                    e_end.record(cur)
-                torch.cuda.synchronize()
-                outs[mode] = out.clone()
-                if it >= args.warmup:
-                    res[mode].append(e_last.elapsed_time(e_end) * 1000)
-            wrong += int(not torch.equal(outs["plain"], outs["overlap"]))
-        st = torch.tensor([pct(res["plain"], .5), pct(res["plain"], .99),
-                           pct(res["overlap"], .5), pct(res["overlap"], .99), wrong],
-                          dtype=torch.float64)
-        dist.all_reduce(st, op=dist.ReduceOp.MAX)
-        q.put((rank, st.tolist()))
-    except Exception as e:  # noqa: BLE001 (reported to the launcher)
-        import traceback
-        q.put((rank, f"{e}\n{traceback.format_exc()}"))
+    init_rank(rank, N, port)
+    from ferry import deep_ep
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    El = E // N
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 30, low_latency_mode=True,
+                         num_qps_per_rank=El)
+    # the combine's SMs (its blocks poll while the GEMM runs): the rest
+    # stay free for the GEMM's kernels, as SGLang splits them
+    buf.ferry_ll_sms = args.sms
+    g = torch.Generator(device="cuda").manual_seed(17 + rank)
+    x = (torch.randn((T, H), device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    idx = torch.topk(torch.rand((T, E), device="cuda", generator=g), K, dim=-1).indices
+    w = torch.rand((T, K), device="cuda", generator=g)
+    side = torch.cuda.Stream()
+    cyc = int(args.gemm_us * torch.cuda.get_device_properties(0).clock_rate / 1000)
+    res = {"plain": [], "overlap": []}
+    wrong = 0
+    for it in range(args.warmup + args.iters):
+        outs = {}
+        for mode in ("plain", "overlap"):
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+            y_full = recv * (1.0 + torch.arange(El, device="cuda").view(El, 1, 1) / 64)
+            y_full = y_full.to(torch.bfloat16)
+            y = torch.zeros_like(y_full)
+            sig = torch.zeros(El, dtype=torch.uint32, device="cuda")
+            torch.cuda.synchronize()
+            dist.barrier()
+            e_last, e_end = torch.cuda.Event(enable_timing=True), \
+                torch.cuda.Event(enable_timing=True)
+            cur = torch.cuda.current_stream()
+            if mode == "plain":
+                for e in range(El):
+                    torch.cuda._sleep(cyc)
+                    y[e].copy_(y_full[e])
+                e_last.record(cur)
+                out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+                e_end.record(cur)
+            else:
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):  # the combine beside the GEMM
+                    out, _, hook = buf.low_latency_combine(
+                        y, idx, w, handle, overlap=True, src_signals=sig,
+                        src_signal_expect_value=1, return_recv_hook=True)
+                for e in range(El):  # the GEMM, expert by expert
+                    torch.cuda._sleep(cyc)
+                    y[e].copy_(y_full[e])
+                    sig[e:e + 1].fill_(1)
+                e_last.record(cur)
+                with torch.cuda.stream(side):
+                    hook()  # the receive, on the combine's stream
+                cur.wait_stream(side)
+                e_end.record(cur)
+            torch.cuda.synchronize()
+            outs[mode] = out.clone()
+            if it >= args.warmup:
+                res[mode].append(e_last.elapsed_time(e_end) * 1000)
+        wrong += int(not torch.equal(outs["plain"], outs["overlap"]))
+    st = torch.tensor([pct(res["plain"], .5), pct(res["plain"], .99),
+                       pct(res["overlap"], .5), pct(res["overlap"], .99), wrong],
+                      dtype=torch.float64)
+    dist.all_reduce(st, op=dist.ReduceOp.MAX)
+    q.put((rank, st.tolist()))
 
 
 def main():

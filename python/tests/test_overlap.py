@@ -209,40 +209,32 @@ def bad_args(ep, rank, E, dev):
                 msgs.append(f"combine_send({sorted(kw)}): the error does not name {name}: {e}")
     ep.combine(r, y, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev),
                signals=sig, signal_value=VALUE)
-    # a ferry_combine_in_t of the size before `signals` (older callers) is
-    # still taken: a plain combine
+    # ferry_combine_in_t of the sizes before `signals` and before `num_sms`
+    # (older callers) are still taken: a plain combine; the library's own
+    # check of num_sms (below the binding's) names it, the round usable
     import ctypes
     from ferry import _lib
     from ferry._core import _lib_handle
-    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
-    old = _lib.CombineIn(_lib.CombineIn.signals.offset, y.data_ptr(),
-                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
-    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(old))
-    if rc != 0:
-        msgs.append(f"combine_send with the older ferry_combine_in_t size: error {rc}")
-    else:
-        ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
-    # the library's own check of num_sms (below the binding's)
-    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
-    neg = _lib.CombineIn(ctypes.sizeof(_lib.CombineIn), y.data_ptr(),
-                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
-    neg.num_sms = -3
-    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(neg))
-    why = _lib_handle().ferry_ep_last_error(ep.handle()).decode()
-    if rc == 0 or "num_sms = -3" not in why:
-        msgs.append(f"ferry_combine_send with num_sms -3: rc {rc}, {why!r}; want an error "
-                    f"naming num_sms")
-    ep.combine_send(r, y)  # the round is still usable
-    ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
-    # and the size before num_sms (its callers: the context's SMs)
-    r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
-    old = _lib.CombineIn(_lib.CombineIn.num_sms.offset, y.data_ptr(),
-                         torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None)
-    rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(old))
-    if rc != 0:
-        msgs.append(f"combine_send with the ferry_combine_in_t size before num_sms: error {rc}")
-    else:
-        ep.combine_recv(r, w, torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev))
+    out = torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=dev)
+    for what, size, sms in (("the size before signals", _lib.CombineIn.signals.offset, 0),
+                            ("the size before num_sms", _lib.CombineIn.num_sms.offset, 0),
+                            ("num_sms -3", ctypes.sizeof(_lib.CombineIn), -3)):
+        r = ep.dispatch(x, idx, num_tokens=x.shape[0], **bufs)
+        cin = _lib.CombineIn(size, y.data_ptr(),
+                             torch.cuda.current_stream().cuda_stream if dev.type == "cuda"
+                             else None)
+        cin.num_sms = sms
+        rc = _lib_handle().ferry_combine_send(ep.handle(), r, ctypes.byref(cin))
+        why = _lib_handle().ferry_ep_last_error(ep.handle()).decode()
+        if sms < 0:
+            if rc == 0 or "num_sms = -3" not in why:
+                msgs.append(f"combine_send with {what}: rc {rc}, {why!r}; want an error naming "
+                            f"num_sms")
+            ep.combine_send(r, y)  # the round is still usable
+        elif rc != 0:
+            msgs.append(f"combine_send with {what}: error {rc}: {why}")
+            continue
+        ep.combine_recv(r, w, out)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return msgs

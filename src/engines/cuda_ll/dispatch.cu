@@ -632,33 +632,13 @@ static __device__ __forceinline__ void fr_ds_nvfp4(const fr_cu_args_t &A, uint8_
     fr_ds_nvfp4_put(A, mine, msc, a, b, gs, rgs, on, g);
 }
 
-/* Two warp-tasks at once (16-byte aligned rows): both tasks' loads are in
- * flight before either is quantised, as fr_ds_quant2. */
-static __device__ __forceinline__ void fr_ds_nvfp4x2(const fr_cu_args_t &A, int set,
-                                                     const uint16_t *x, int start, int chunks,
-                                                     int j0, int j1, float gs, float rgs)
-{
-    const fr_layout_t &L = A.L;
-    int lane = threadIdx.x & 31;
-    int t0 = start + j0 / chunks, c0 = j0 % chunks, t1 = start + j1 / chunks, c1 = j1 % chunks;
-    int g0 = c0 * 32 + lane, g1 = c1 * 32 + lane, hg = (int)(L.H / 16);
-    const uint4 *r0 = (const uint4 *)(x + (size_t)t0 * L.H);
-    const uint4 *r1 = (const uint4 *)(x + (size_t)t1 * L.H);
-    uint4 z = make_uint4(0, 0, 0, 0);
-    size_t a0i = ((size_t)set * L.T + t0) * A.kd + lane, a1i = ((size_t)set * L.T + t1) * A.kd + lane;
-    uint8_t *m0 = lane < A.kd ? A.dst_rec[a0i] : NULL, *m1 = lane < A.kd ? A.dst_rec[a1i] : NULL;
-    uint8_t *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
-    uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
-    uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
-    fr_ds_nvfp4_put(A, m0, s0, a0, a1, gs, rgs, g0 < hg, g0);
-    fr_ds_nvfp4_put(A, m1, s1, b0, b1, gs, rgs, g1 < hg, g1);
-}
-
 /* Step 4 for two warp-tasks at once (bf16 input quantised, 16-byte
- * aligned): both tasks' loads are in flight before either is converted. */
+ * aligned): both tasks' loads are in flight before either is converted,
+ * to fp8 (fr_ds_qstore) or, NV, to NVFP4 (fr_ds_nvfp4_put with gs, rgs). */
+template <bool NV>
 static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int set,
                                                     const uint16_t *x, int start, int chunks,
-                                                    int j0, int j1)
+                                                    int j0, int j1, float gs, float rgs)
 {
     const fr_layout_t &L = A.L;
     int lane = threadIdx.x & 31;
@@ -672,8 +652,13 @@ static __device__ __forceinline__ void fr_ds_quant2(const fr_cu_args_t &A, int s
     uint8_t *s0 = lane < A.kd ? A.dst_scl[a0i] : NULL, *s1 = lane < A.kd ? A.dst_scl[a1i] : NULL;
     uint4 a0 = g0 < hg ? r0[2 * g0] : z, a1 = g0 < hg ? r0[2 * g0 + 1] : z;
     uint4 b0 = g1 < hg ? r1[2 * g1] : z, b1 = g1 < hg ? r1[2 * g1 + 1] : z;
-    fr_ds_qstore(A, m0, s0, a0, a1, g0 < hg, g0);
-    fr_ds_qstore(A, m1, s1, b0, b1, g1 < hg, g1);
+    if (NV) {
+        fr_ds_nvfp4_put(A, m0, s0, a0, a1, gs, rgs, g0 < hg, g0);
+        fr_ds_nvfp4_put(A, m1, s1, b0, b1, gs, rgs, g1 < hg, g1);
+    } else {
+        fr_ds_qstore(A, m0, s0, a0, a1, g0 < hg, g0);
+        fr_ds_qstore(A, m1, s1, b0, b1, g1 < hg, g1);
+    }
 }
 
 /* Step 5: this block is done with every destination; whoever finishes one
@@ -881,10 +866,10 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     int j = w;
     if (VEC && quant)
         for (; j + nw < ntask && !s_bad; j += 2 * nw)
-            fr_ds_quant2(A, set, x, start, chunks, j, j + nw);
+            fr_ds_quant2<false>(A, set, x, start, chunks, j, j + nw, 0.f, 0.f);
     if (VEC && nv)
         for (; j + nw < ntask && !s_bad; j += 2 * nw)
-            fr_ds_nvfp4x2(A, set, x, start, chunks, j, j + nw, gs, rgs);
+            fr_ds_quant2<true>(A, set, x, start, chunks, j, j + nw, gs, rgs);
     for (; j < ntask && !s_bad; j += nw) {
         int t = start + j / chunks, c = j % chunks;
         if (nv) {
