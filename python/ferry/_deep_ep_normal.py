@@ -63,14 +63,14 @@ def _ht_combine(ep, route, y, w, call, weights_sum, bias, order):
 def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
     """ep.ht_dispatch for the tensors dispatch checked (dtype and shape;
     x contiguous, scales float32 row-major or strided), without its
-    checks: their device is checked here (else ep.ht_dispatch, which
-    names the argument). new: the outputs of a new routing (int64 top-k
+    checks: their device and x's shape against the route and the context
+    are checked here (else ep.ht_dispatch, which names the argument). new: the outputs of a new routing (int64 top-k
     ids, weights when given, source tokens; the source ranks with
     src_rank, which only the handle across nodes reads)."""
     dev = xt.device
     if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index) \
             or (xs is not None and xs.device != dev) or (w is not None and w.device != dev) \
-            or _lib_version() < (0, 1, 2):
+            or tuple(xt.shape) != (route.num_tokens, ep.hidden) or _lib_version() < (0, 1, 2):
         outs = ("recv_topk_idx", "recv_topk_weights", "recv_src_token") + \
             (("recv_src_rank",) if src_rank else ())
         return ep.ht_dispatch(route, xt, xs, w, stream=call.stream, outputs=outs if new else (),

@@ -214,6 +214,12 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
                 if xr[p].abs().sum() != 0 or float(rw[p]) != 0:
                     msgs.append(f"{tag}: expert {e} padding row {p} not zero")
                     return
+    # cached: rows of another hidden size refused naming x
+    try:
+        buf.dispatch(torch.cat([x, x], 1), handle=h, do_expand=expand)
+        msgs.append(f"{tag}: a cached dispatch of rows twice as wide was accepted")
+    except (ValueError, TypeError) as e:
+        check(msgs, f"{tag}: the wide rows' error names x: {e}", str(e).startswith("x"))
     # cached: the same rows, the same handle's layout
     cx, cidx, cw, ch, _ = buf.dispatch(xin, handle=h, do_expand=expand)
     check(msgs, f"{tag}: cached dispatch returns the same handle", ch is h)

@@ -530,6 +530,8 @@ def normal_mode(deep_ep, rank, N):
     expect(msgs, ValueError, "x", buf.combine, torch.zeros(rx.shape[0] + 1, H,
                                                           dtype=torch.bfloat16), handle)
     expect(msgs, TypeError, "ferry.deep_ep.Buffer.dispatch", buf.dispatch, x, topk_idx=idx)
+    # a cached dispatch of rows of another hidden size
+    expect(msgs, ValueError, "x", buf.dispatch, torch.cat([x, x], 1), handle=handle)
     try:  # another dtype of x: the message says what x must be
         buf.dispatch(x.float(), handle=handle)
         msgs.append("normal dispatch of float32 x: accepted")
