@@ -675,6 +675,50 @@ static int fr_cuht_route_wait(ferry_ep_t ep, cudaEvent_t after)
     return fr_cuht_check(ep);
 }
 
+/* A route's kernels on st: without forwarding fr_cuht_route1 alone (after
+ * a memset only where the tables are dirty), with it the two layouts and
+ * notify after one. */
+static void fr_cuht_route_kernels(struct fr_cuht_ep *c, const ferry_route_in_t *in,
+                                  fr_cuht_route_t *p, int32_t *ccnt, int32_t *dcnt,
+                                  const fr_cuht_nout_t &o, cudaStream_t st)
+{
+    const fr_cuht_geo_t *G = &c->a.G;
+    int T = in->num_tokens, El = G->El;
+    /* the per-expert counts and the bad-entry word start from zero:
+     * one memset from the first to the second (the tables between,
+     * which notify writes whole, zeroed too), unless the last route
+     * on these tables was route1's, which left them zero */
+    if (p->dirty || G->fwd) {
+        if ((uint8_t *)p->bad > (uint8_t *)dcnt)
+            cudaMemsetAsync(dcnt, 0, (size_t)((uint8_t *)(p->bad + 1) - (uint8_t *)dcnt),
+                            st);
+        else {
+            cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
+            cudaMemsetAsync(p->bad, 0, sizeof(int32_t), st);
+        }
+    }
+    /* until route1 has run whole (a failure below, a bad topk_idx
+     * whose index the host reads, forwarding's kernels) */
+    p->dirty = 1;
+    if (!G->fwd) {
+        fr_cuht_route1<<<G->C, FR_RL_THREADS, 0, st>>>(
+            c->a, T, in->topk_idx, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
+            (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad, c->rlast,
+            c->rseq, (int32_t *)p->r.rcnt, (int32_t *)p->r.rbase, o);
+    } else { /* by rank for the counts, by key for the records */
+        const fr_cuht_fw_t *fw = &c->a.fw;
+        fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+            c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, NULL, NULL, NULL,
+            p->rcc, dcnt, p->bad);
+        fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
+            c->a, T, in->topk_idx, fw->key, fw->kord, NULL, (int32_t *)p->r.dst,
+            (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, NULL, NULL);
+        fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
+            c->a, c->rseq, p->rcc, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
+            (int32_t *)p->r.rbase, (int32_t *)p->r.fcnt, (int32_t *)p->r.fbase, o);
+    }
+}
+
 extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                                     ferry_route_t route)
 {
@@ -737,39 +781,7 @@ extern "C" int fr_cuht_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
             res->done = 0; /* no notify writes it now: the last exact one was waited for */
             o.res = (fr_cuht_res_t *)c->res_dev;
         }
-        /* the per-expert counts and the bad-entry word start from zero:
-         * one memset from the first to the second (the tables between,
-         * which notify writes whole, zeroed too), unless the last route
-         * on these tables was route1's, which left them zero */
-        if (p->dirty || G->fwd) {
-            if ((uint8_t *)p->bad > (uint8_t *)dcnt)
-                cudaMemsetAsync(dcnt, 0, (size_t)((uint8_t *)(p->bad + 1) - (uint8_t *)dcnt),
-                                st);
-            else {
-                cudaMemsetAsync(dcnt, 0, sizeof(int32_t) * (size_t)G->N * El, st);
-                cudaMemsetAsync(p->bad, 0, sizeof(int32_t), st);
-            }
-        }
-        /* until route1 has run whole (a failure below, a bad topk_idx
-         * whose index the host reads, forwarding's kernels) */
-        p->dirty = 1;
-        if (!G->fwd) {
-            fr_cuht_route1<<<G->C, FR_RL_THREADS, 0, st>>>(
-                c->a, T, in->topk_idx, (int32_t *)p->r.idx, (int32_t *)p->r.dst,
-                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, dcnt, p->bad, c->rlast,
-                c->rseq, (int32_t *)p->r.rcnt, (int32_t *)p->r.rbase, o);
-        } else { /* by rank for the counts, by key for the records */
-            const fr_cuht_fw_t *fw = &c->a.fw;
-            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
-                c->a, T, in->topk_idx, NULL, NULL, (int32_t *)p->r.idx, NULL, NULL, NULL,
-                p->rcc, dcnt, p->bad);
-            fr_cuht_layout<<<G->C, FR_RL_THREADS, 0, st>>>(
-                c->a, T, in->topk_idx, fw->key, fw->kord, NULL, (int32_t *)p->r.dst,
-                (int32_t *)p->r.dpos, (int32_t *)p->r.rtok, ccnt, NULL, NULL);
-            fr_cuht_notify<<<1, FR_RN_THREADS, 0, st>>>(
-                c->a, c->rseq, p->rcc, ccnt, dcnt, p->bad, (int32_t *)p->r.rcnt,
-                (int32_t *)p->r.rbase, (int32_t *)p->r.fcnt, (int32_t *)p->r.fbase, o);
-        }
+        fr_cuht_route_kernels(c, in, p, ccnt, dcnt, o, st);
         rc = fr_cuht_launch_check(ep, "route_create");
         fr_cuht_route_used(route, st);
     }
