@@ -466,6 +466,8 @@ typedef struct ferry_combine_in {
      * what its own combine_send announced). CPU ranks take it on every
      * path; GPU ranks with peers on the fabric path: FERRY_ERR_UNSUPPORTED. */
     int32_t format;
+    int32_t reserved; /* ignored: the padding after `format` in the struct
+                         before num_sms, which older callers may not zero */
     /* Optional, since 0.1.2: the most SMs (thread blocks) this combine's
      * kernels take on a GPU rank; 0: the context's num_sms. sgl-deep-ep's
      * `num_sms`: an overlapped combine waits on signals the down GEMM

@@ -159,7 +159,8 @@ def _on_stream(st, dev, fn, args):
     return out
 
 
-def _handle_tensors(o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, slots):
+def _handle_tensors(o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, slots,
+                    dst=None):
     """An EPHandle's tensors from a dispatch's outputs, with few launches
     (each costs the host one on a GPU). An exact route (cpu_sync) has every
     received row real and its unaligned per-expert counts u on the host:
@@ -225,8 +226,8 @@ def _handle_tensors(o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, 
         pos[order] = pos_sorted
         exp_pos = pos.view(R, K)
         meta[:, 2:] = exp_pos
-    # -1 // El is -1: no mask needed
-    dst = torch.div(kept, El, rounding_mode="floor").to(torch.int32)
+    if dst is None:  # -1 // El is -1: no mask needed
+        dst = torch.div(kept, El, rounding_mode="floor").to(torch.int32)
     return {"psum_num_recv_tokens_per_scaleup_rank": psum_rank,
             "psum_num_recv_tokens_per_expert": psum_exp,
             "num_unaligned_recv_tokens_per_expert": unaligned, "recv_src_metadata": meta,
@@ -456,7 +457,7 @@ class ElasticBuffer:
             if not cached:
                 handle = self._new_handle(ep, route, kept, o, E, El, K, A, maxT, N,
                                           do_cpu_sync, do_expand, num_sms, xt.device,
-                                          call.comm)
+                                          call.comm, do_handle_copy)
             made = (rx, rsf, ridx, rw)
             if cumulative_local_expert_recv_stats is not None:
                 _tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
@@ -480,12 +481,13 @@ class ElasticBuffer:
         return recv_x, ridx, rw, handle, EventOverlap(ev.event if ev is not None else None)
 
     def _new_handle(self, ep, route, kept, o, E, El, K, A, maxT, N, cpu_sync, do_expand,
-                    num_sms, dev, comm):
+                    num_sms, dev, comm, copied):
         """The EPHandle of a new routing. Its host values now; its tensors
         (_handle_tensors) from the dispatch's outputs on the dispatch's
         stream (comm, or the current stream), now with do_expand (the
-        dispatch needs them), else when first read (EPHandle._build), the
-        reader's current stream then waiting for that stream."""
+        dispatch needs them) or in a CUDA graph capture, else when first
+        read (EPHandle._build), the reader's current stream then waiting
+        for that stream. copied: kept is the handle's copy of topk_idx."""
         src = o["recv_src_rank"]
         R = src.shape[0]
         if cpu_sync:
@@ -505,15 +507,22 @@ class ElasticBuffer:
         if dev.type == "cuda":
             st = comm if comm is not None else torch.cuda.current_stream(dev)
         args = (o, kept, u, E, El, K, A, maxT, N, cpu_sync, do_expand, dev, slots)
-        if do_expand:
+        if do_expand or (st is not None and torch.cuda.is_current_stream_capturing()):
+            # now: the dispatch needs them, or a graph replays the dispatch
+            # (its handle's tensors replayed with it)
             t = _handle_tensors(*args)
             h._exp_pos = t.pop("_exp_pos")
             h.__dict__.update(t)
         else:
-            # recv_topk_idx is the caller's to change in place: the handle
-            # keeps its own copy (one launch) for the tensors made later
-            o = dict(o, recv_topk_idx=o["recv_topk_idx"].clone())
-            args = (o,) + args[1:]
+            # later, from what the caller cannot change: the handle's own
+            # copy of recv_topk_idx (one launch), the source ranks and
+            # tokens (the caller never sees them), topk_idx's copy
+            # (do_handle_copy) or, without one, its destinations now
+            o = {"recv_src_rank": src, "recv_src_token": o["recv_src_token"],
+                 "recv_topk_idx": o["recv_topk_idx"].clone()}
+            dst = None if copied else \
+                torch.div(kept, El, rounding_mode="floor").to(torch.int32)
+            args = (o,) + args[1:] + (dst,)
             h.__dict__["_make"] = lambda: _on_stream(st, dev, _handle_tensors, args)
         return h
 

@@ -30,7 +30,8 @@ def _ht_route(ep, routing, align, call, max_recv):
     """ep.route of routing, a contiguous int64 [T, K] tensor (checked by the
     caller), without its checks when it is on the context's device."""
     dev = routing.device
-    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index):
+    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index) \
+            or max_recv < 0:
         return ep.route(routing, align, stream=call.stream, max_recv=max_recv)
     st = call.stream if call.stream is not None else _stream_of(routing, None) \
         if ep.device == "cuda" else None
@@ -41,14 +42,14 @@ def _ht_route(ep, routing, align, call, max_recv):
 def _ht_combine(ep, route, y, w, call, weights_sum, bias, order):
     """ep.ht_combine of y (contiguous, dtype and shape checked by the
     caller) and the weights w (or None); without bias, when both are on
-    the context's device, without its checks. Returns (out, weights or
-    None)."""
+    the context's device and y has the route's rows, without its checks.
+    Returns (out, weights or None)."""
     if w is not None:
         w = w.contiguous()
     dev = y.device
     if bias is not None or dev.type != ep.device or \
             (ep._cuda_index is not None and dev.index != ep._cuda_index) or \
-            (w is not None and w.device != dev):
+            (w is not None and w.device != dev) or y.shape[0] != route.num_recv:
         out = ep.ht_combine(route, y, w, stream=call.stream, weights_sum=weights_sum,
                             bias=bias, sum_order=order)
         return out if w is not None else (out, None)
@@ -302,6 +303,9 @@ class _Normal:
         self._normal("dispatch")
         # passed to libferry as C ints (max_recv, expert_alignment of the route)
         num_worst_tokens = _lib.c_int(int(num_worst_tokens or 0), "num_worst_tokens")
+        if num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens}: the bound on rows "
+                             f"received, or 0 (exact counts)")
         expert_alignment = _lib.c_int(int(expert_alignment or 1), "expert_alignment")
         if num_worst_tokens and isinstance(handle, _HtHandle) and \
                 num_worst_tokens != handle.route.num_recv:

@@ -55,7 +55,7 @@ class CombineIn(C.Structure):
     _fields_ = [("size", C.c_size_t), ("expert_y", C.c_void_p), ("stream", C.c_void_p),
                 ("signals", C.c_void_p), ("signal_value", C.c_uint32),
                 ("signal_block", C.c_int32), ("sent_rows", C.c_void_p),
-                ("format", C.c_int32), ("num_sms", C.c_int32)]
+                ("format", C.c_int32), ("reserved", C.c_int32), ("num_sms", C.c_int32)]
 
 
 class EpStats(C.Structure):

@@ -289,9 +289,29 @@ def lazy_handle(buf, xin, idx, w, E, A, cpu_sync, h, tag, msgs):
         if n is not None:  # columns 2.. are DeepEP's "uninitialized" (exact routes)
             a, b = a[:n, :2], b[:n, :2]
         check(msgs, f"{tag}: lazy handle: {name} differs", torch.equal(a, b))
+    n2 = h2.num_recv_tokens
+    if n2 > 0:  # fewer rows than the route received, the handle told so: refused
+        h2.num_recv_tokens = n2 - 1
+        try:
+            buf.combine(torch.zeros((n2 - 1, H), dtype=torch.bfloat16, device=idx.device), h2)
+            msgs.append(f"{tag}: a combine of {n2 - 1} rows for {n2} received was accepted")
+        except ValueError as e:
+            check(msgs, f"{tag}: the short combine's error names y: {e}", str(e).startswith("y"))
+        h2.num_recv_tokens = n2
     t = torch.zeros(3, dtype=torch.int32, device=idx.device)
     h2.dst_buffer_slot_idx = t
     check(msgs, f"{tag}: lazy handle: a field set reads back", h2.dst_buffer_slot_idx is t)
+    # without do_handle_copy the handle holds the caller's topk_idx: the
+    # destinations are those of the dispatch, whatever the caller writes after
+    mine = idx.clone()
+    rx, _, rw, h3, _ = buf.dispatch(xin, topk_idx=mine, topk_weights=w, num_experts=E,
+                                    num_max_tokens_per_rank=MAXT, expert_alignment=A,
+                                    do_cpu_sync=cpu_sync, do_handle_copy=False)
+    check(msgs, f"{tag}: do_handle_copy=False keeps the caller's topk_idx", h3.topk_idx is mine)
+    mine.fill_(-1)
+    check(msgs, f"{tag}: do_handle_copy=False: destinations of the dispatch",
+          torch.equal(h3.dst_buffer_slot_idx, h.dst_buffer_slot_idx))
+    buf.combine(torch.zeros((rw.shape[0], H), dtype=torch.bfloat16, device=idx.device), h3)
 
 
 def rank_main(rank, N, port, q, kind):

@@ -532,6 +532,8 @@ def normal_mode(deep_ep, rank, N):
     expect(msgs, TypeError, "ferry.deep_ep.Buffer.dispatch", buf.dispatch, x, topk_idx=idx)
     # a cached dispatch of rows of another hidden size
     expect(msgs, ValueError, "x", buf.dispatch, torch.cat([x, x], 1), handle=handle)
+    expect(msgs, ValueError, "num_worst_tokens", buf.dispatch, x, num_tokens_per_expert=ne,
+           topk_idx=idx, num_worst_tokens=-4)
     try:  # another dtype of x: the message says what x must be
         buf.dispatch(x.float(), handle=handle)
         msgs.append("normal dispatch of float32 x: accepted")

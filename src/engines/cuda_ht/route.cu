@@ -479,8 +479,11 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
     /* with forwarding also: the counts by rank (ccnt is by key), the
      * records to forward and their first index, their expert ids */
     size_t nf = G->fwd ? 1 : 0, fids = nf * 2 * (size_t)G->NF * (size_t)G->T * K;
-    size_t sz[] = {4 * t * K, 4 * t * K, 4 * t * K, 4 * N * C, 4 * N * (size_t)G->El,
-                   4 * N * C, 4 * N * C, 16, 4 * N * t, 16,
+    /* the tables whose sizes do not depend on T first: the per-expert
+     * counts and the bad-entry word (zeroed by route1, p->dirty) then lie
+     * at the same offsets in every block, whichever route used it */
+    size_t sz[] = {4 * N * C, 4 * N * (size_t)G->El, 4 * N * C, 4 * N * C, 16,
+                   4 * t * K, 4 * t * K, 4 * t * K, 4 * N * t, 16,
                    nf * 4 * N * C, nf * 4 * N * C, nf * 4 * N * C, fids};
     size_t off[14], tot = 0;
     for (int i = 0; i < 14; i++) {
@@ -522,15 +525,15 @@ static int fr_cuht_route_mem(ferry_ep_t ep, fr_cuht_route_t *p, int T, int32_t *
                           tot, cudaGetErrorString(e));
     }
     uint8_t *b = (uint8_t *)p->mem;
-    p->r.idx = (const int32_t *)(b + off[0]);
-    p->r.dst = (const int32_t *)(b + off[1]);
-    p->r.dpos = (const int32_t *)(b + off[2]);
-    *ccnt = (int32_t *)(b + off[3]);
+    *ccnt = (int32_t *)(b + off[0]);
     p->r.ccnt = *ccnt;
-    *dcnt = (int32_t *)(b + off[4]);
-    p->r.rcnt = (const int32_t *)(b + off[5]);
-    p->r.rbase = (const int32_t *)(b + off[6]);
-    p->bad = (int32_t *)(b + off[7]);
+    *dcnt = (int32_t *)(b + off[1]);
+    p->r.rcnt = (const int32_t *)(b + off[2]);
+    p->r.rbase = (const int32_t *)(b + off[3]);
+    p->bad = (int32_t *)(b + off[4]);
+    p->r.idx = (const int32_t *)(b + off[5]);
+    p->r.dst = (const int32_t *)(b + off[6]);
+    p->r.dpos = (const int32_t *)(b + off[7]);
     p->r.rtok = (const int32_t *)(b + off[8]);
     p->r.idp = (const unsigned long long *)(b + off[9]);
     p->r.nrecv = (const int32_t *)(b + off[9] + 8);
