@@ -146,6 +146,42 @@ def check_native(ferry, comm, rank, N, dev, msgs):
     ep.close()
 
 
+def check_route_reuse(ferry, comm, rank, N, dev, msgs):
+    """Routes of changing token counts, each closed before the next: their
+    table blocks are reused by routes laid out for other counts (a block
+    may hold what another count's layout left where this one's counters
+    lie); every route's counts and one dispatch's rows stay exact."""
+    E, K, H = 8 * N, 4, 128
+    El = E // N
+    ep = ferry.EP(comm, num_experts=E, topk=K, hidden=H, max_tokens=2048, device=dev.type,
+                  mode="ht", num_sms=4)
+    for rnd, T in enumerate((1000, 300, 1500, 40, 2048, 257, 700)):
+        x, idx, w = inputs(rank, rnd, T, H, E, K)
+        xs, ids, wts = gather_all(N, x, idx, w)
+        want = expected_rows(rank, N, El, xs, ids, wts)
+        route = ep.route(idx.to(dev))
+        cnt = [0] * El
+        for _, _, le in want:
+            for v in le:
+                if v >= 0:
+                    cnt[v] += 1
+        if route.num_recv != len(want) or list(route.expert_counts) != cnt:
+            msgs.append(f"route reuse, T={T}: num_recv {route.num_recv} (want {len(want)}), "
+                        f"counts {list(route.expert_counts)} (want {cnt})")
+        elif rnd % 3 == 0:
+            o = ep.ht_dispatch(route, x.to(dev), topk_weights=w.to(dev))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            got = [(int(a), int(b)) for a, b in zip(o["recv_src_rank"].cpu(),
+                                                     o["recv_src_token"].cpu())]
+            if got != [(s, t) for s, t, _ in want] or not all(
+                    torch.equal(o["recv_x"][i].cpu(), xs[s][t]) for i, (s, t, _) in
+                    enumerate(want)):
+                msgs.append(f"route reuse, T={T}: dispatched rows wrong")
+        route.close()
+    ep.close()
+
+
 def check_deep_ep(deep_ep, rank, N, dev, msgs):
     E, K, H, T = 8 * N, 4, 512, 48
     El = E // N
@@ -276,6 +312,7 @@ def rank_main(rank, N, port, q):
         msgs = []
         comm = ferry.Comm(torch.distributed.group.WORLD)
         check_native(ferry, comm, rank, N, dev, msgs)
+        check_route_reuse(ferry, comm, rank, N, dev, msgs)
         comm.close()
         check_deep_ep(deep_ep, rank, N, dev, msgs)
         msgs += [f"deep_ep normal mode, DeepEP's checks: {m}"
