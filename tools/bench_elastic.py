@@ -8,9 +8,11 @@ shim, as tools/bench_peers_ht.py). Per T:
   - Buffer: get_dispatch_layout + dispatch (new routing) + combine;
   - ElasticBuffer: dispatch (new routing, do_cpu_sync) + combine;
   each timed with CUDA events around the calls after a barrier and a
-  synchronize, p50 (p99) over --iters, the slowest rank's; then
-  ElasticBuffer at each of --sms-curve (a buffer per SM count: a context
-  keeps its SMs).
+  synchronize, p50 (p99) over --iters, the slowest rank's, the two
+  alternating round by round (so that a drift of the machine's speed
+  falls on both alike); then ElasticBuffer at each of --sms-curve (a
+  buffer per SM count: a context keeps its SMs), the counts' rounds
+  interleaved the same way.
 Checked every call (#wrong): the combine of the received rows unchanged
 returns x times the number of ranks the token went to (within bf16
 rounding of that product).
@@ -50,22 +52,29 @@ def rank_main(rank, N, port, args, q):
             d = (o.float() - want).abs()
             return int((d > want.abs() / 128 + 1e-6).any(1).sum())
 
-        def timed(fn, iters):
-            ts, bad = [], 0
+        def one(fn, ts, bad):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            e0.record()
+            o = fn()
+            e1.record()
+            e1.synchronize()
+            if ts is not None:
+                ts.append(e0.elapsed_time(e1) * 1000)
+                bad.append(wrong(o))
+
+        def timed(fns, iters):
+            """The rounds of fns interleaved: each round runs every fn once,
+            starting one further along the list each round, so that a drift
+            of the machine's speed falls on all alike."""
+            ts, bad = [[] for _ in fns], [[] for _ in fns]
             for it in range(args.warmup + iters):
-                e0, e1 = torch.cuda.Event(enable_timing=True), \
-                    torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                dist.barrier()
-                torch.cuda.synchronize()
-                e0.record()
-                o = fn()
-                e1.record()
-                e1.synchronize()
-                if it >= args.warmup:
-                    ts.append(e0.elapsed_time(e1) * 1000)
-                    bad += wrong(o)
-            return ts, bad
+                for j in range(len(fns)):
+                    k = (j + it) % len(fns)
+                    one(fns[k], ts[k] if it >= args.warmup else None, bad[k])
+            return ts, [sum(b) for b in bad]
 
         deep_ep.Buffer.set_num_sms(args.sms)
         v1 = deep_ep.Buffer(dist.group.WORLD, 1 << 30, 0)
@@ -84,18 +93,20 @@ def rank_main(rank, N, port, args, q):
                 return buf.combine(rx, h)[0]
             return f
 
-        t1, b1 = timed(v1_round, args.iters)
-        v2 = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
-                                   num_topk=K, explicitly_destroy=True)
-        t2, b2 = timed(v2_round(v2, args.sms), args.iters)
-        v2.destroy()
+        # one ElasticBuffer per SM count (a context keeps its SMs); the one
+        # of --sms is compared with Buffer
+        sms_all = list(dict.fromkeys([args.sms] + args.sms_curve))
+        v2s = {sms: deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
+                                          num_topk=K, explicitly_destroy=True)
+               for sms in sms_all}
+        (t1, t2), (b1, b2) = timed([v1_round, v2_round(v2s[args.sms], args.sms)], args.iters)
         row = [T, pct(t1, .5), pct(t1, .99), pct(t2, .5), pct(t2, .99), b1 + b2]
-        for sms in args.sms_curve:
-            b = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
-                                      num_topk=K, explicitly_destroy=True)
-            ts, bad = timed(v2_round(b, sms), args.iters)
-            b.destroy()
+        curve, cbad = timed([v2_round(v2s[sms], sms) for sms in args.sms_curve], args.iters)
+        for ts, bad in zip(curve, cbad):
             row += [pct(ts, .5), bad]
+        for b in v2s.values():
+            b.destroy()
+        v1.destroy()
         st = torch.tensor(row, dtype=torch.float64)
         dist.all_reduce(st, op=dist.ReduceOp.MAX)
         out.append(st.tolist())

@@ -18,7 +18,9 @@ uses 24). Timed per call with CUDA events after a barrier and a
 synchronize: get_dispatch_layout + dispatch together ("dispatch", as an
 engine calls them for a new routing), the cached dispatch (same handle,
 "dispatch (cached)") and combine; p50 and p99 over --iters after --warmup,
-the slowest rank's (all_reduce max).
+the slowest rank's (all_reduce max). The libraries' rounds alternate (each
+round runs both, the first one changing from round to round), so a drift
+of the machine's speed during the run weighs on both alike.
 
 Checked every configuration, for each library (#wrong):
   - received rows: their number equals the tokens routed to this rank (from
@@ -128,53 +130,64 @@ def _sync_rows():
     return ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
 
-def run_lib(buf, x, xs, idx, w, E, N, warmup, iters):
-    """Timed rounds: get_dispatch_layout + dispatch with a new routing, the
-    cached dispatch, the combine, each after a barrier and a synchronize.
-    Returns per call kind (new, cached, combine) the event times and the
-    host times (us), and the last round's (recv_x, counts, out)."""
-    t = {k: [] for k in ("new", "cached", "combine", "h_new", "h_cached", "h_combine")}
+def run_round(buf, x, xs, idx, w, E, N, t):
+    """One timed round: get_dispatch_layout + dispatch with a new routing,
+    the cached dispatch, the combine, each after a barrier and a
+    synchronize. Appends, per call kind (new, cached, combine), the event
+    time and the host time (us) to t (None: not timed, a warmup round).
+    Returns (recv_x, counts, out)."""
     st = torch.cuda.current_stream()
     arg = (x, xs) if xs is not None else x
-    res = None
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    torch.cuda.synchronize()
+    dist.barrier()
+    h0 = time.perf_counter()
+    ev[0].record(st)
+    pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+    rx, ridx, rw, counts, handle, _ = buf.dispatch(
+        arg, num_tokens_per_rank=pr, is_token_in_rank=inr, num_tokens_per_expert=pe,
+        topk_idx=idx, topk_weights=w, config=buf.get_dispatch_config(N))
+    ev[1].record(st)
+    h1 = time.perf_counter()
+    torch.cuda.synchronize()
+    dist.barrier()
+    h2 = time.perf_counter()
+    ev[2].record(st)
+    rx2, *_ = buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
+    ev[3].record(st)
+    h3 = time.perf_counter()
+    y = rx2 if xs is None else dequant(rx2).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    dist.barrier()
+    h4 = time.perf_counter()
+    ev[4].record(st)
+    out, _, _ = buf.combine(y, handle, config=buf.get_combine_config(N))
+    ev[5].record(st)
+    h5 = time.perf_counter()
+    torch.cuda.synchronize()
+    if t is not None:
+        t["new"].append(ev[0].elapsed_time(ev[1]) * 1000)
+        t["cached"].append(ev[2].elapsed_time(ev[3]) * 1000)
+        t["combine"].append(ev[4].elapsed_time(ev[5]) * 1000)
+        t["h_new"].append((h1 - h0) * 1e6)
+        t["h_cached"].append((h3 - h2) * 1e6)
+        t["h_combine"].append((h5 - h4) * 1e6)
+    return rx, counts, out
+
+
+def run_libs(bufs, x, xs, idx, w, E, N, warmup, iters):
+    """The libraries' rounds interleaved: round i runs each library once,
+    in turn, the first library alternating from round to round, so that
+    a drift of the machine's speed over the run (clocks, the other ranks'
+    processes) falls on both alike. Returns per library the times of
+    run_round and the last round's (recv_x, counts, out)."""
+    ts = {name: {k: [] for k in ("new", "cached", "combine", "h_new", "h_cached",
+                                 "h_combine")} for name, _ in bufs}
+    res = {}
     for i in range(warmup + iters):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-        torch.cuda.synchronize()
-        dist.barrier()
-        h0 = time.perf_counter()
-        ev[0].record(st)
-        pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
-        rx, ridx, rw, counts, handle, _ = buf.dispatch(
-            arg, num_tokens_per_rank=pr, is_token_in_rank=inr, num_tokens_per_expert=pe,
-            topk_idx=idx, topk_weights=w, config=buf.get_dispatch_config(N))
-        ev[1].record(st)
-        h1 = time.perf_counter()
-        torch.cuda.synchronize()
-        dist.barrier()
-        h2 = time.perf_counter()
-        ev[2].record(st)
-        rx2, *_ = buf.dispatch(arg, handle=handle, config=buf.get_dispatch_config(N))
-        ev[3].record(st)
-        h3 = time.perf_counter()
-        y = rx2 if xs is None else dequant(rx2).to(torch.bfloat16)
-        torch.cuda.synchronize()
-        dist.barrier()
-        h4 = time.perf_counter()
-        ev[4].record(st)
-        out, _, _ = buf.combine(y, handle, config=buf.get_combine_config(N))
-        ev[5].record(st)
-        h5 = time.perf_counter()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            t["new"].append(ev[0].elapsed_time(ev[1]) * 1000)
-            t["cached"].append(ev[2].elapsed_time(ev[3]) * 1000)
-            t["combine"].append(ev[4].elapsed_time(ev[5]) * 1000)
-            t["h_new"].append((h1 - h0) * 1e6)
-            t["h_cached"].append((h3 - h2) * 1e6)
-            t["h_combine"].append((h5 - h4) * 1e6)
-        res = (rx, counts, out)
-        del handle
-    return t, res
+        for name, buf in (bufs if i % 2 == 0 else bufs[::-1]):
+            res[name] = run_round(buf, x, xs, idx, w, E, N, ts[name] if i >= warmup else None)
+    return ts, res
 
 
 def run_prof(buf, x, xs, idx, w, E, N, reps):
@@ -319,9 +332,10 @@ def rank_main(rank, N, port, args, q):
                 xin, xs = fp8_block_quant(x)
             gathered = torch.empty((N, T, K), dtype=torch.int64, device="cuda")
             dist.all_gather_into_tensor(gathered, idx, group=group)
-            for name, buf in (("ferry", fbuf), ("DeepEP", dbuf)):
-                t, (rx, counts, out) = run_lib(buf, xin, xs, idx, w, E, N, args.warmup,
-                                               args.iters)
+            libs = (("ferry", fbuf), ("DeepEP", dbuf))
+            ts, last = run_libs(libs, xin, xs, idx, w, E, N, args.warmup, args.iters)
+            for name, buf in libs:
+                t, (rx, counts, out) = ts[name], last[name]
                 r = {}
                 for k in KINDS:
                     r[k], r[k + "_p99"] = pct(t[k], .5), pct(t[k], .99)
