@@ -98,8 +98,8 @@ class _Call:
     the comm stream current (ferry's launches and the call's own torch
     work go there; outputs are made there); call.stream is its handle for
     ferry's calls (None: the current stream); settle() after each of
-    ferry's launches (the legacy-stream case: there it waits for the comm
-    stream, so that no kernel of the call's own, e.g. one whose first
+    ferry's launches (legacy: a context of a copying fabric provider; there
+    it waits for the comm stream, so that no kernel of the call's own, e.g. one whose first
     launch loads its module, starts while a ferry kernel waits for the
     provider's copies, docs/architecture.md "Kernel loading");
     finish(made, read) returns the call's event."""
@@ -212,7 +212,9 @@ class _Normal:
         allocate_on_comm_stream runs on the current stream itself: the
         same order as the comm stream between its two stream waits,
         without their host cost. CPU contexts and CUDA graph captures run
-        on the caller's stream."""
+        on the caller's stream. A context whose fabric provider copies GPU
+        memory with CUDA calls (needs_nonblocking_stream) finishes each
+        call on the host."""
         if previous_event is None:
             if not async_finish and not allocate_on_comm_stream and \
                     not ep.needs_nonblocking_stream:
@@ -230,13 +232,11 @@ class _Normal:
             comm.wait_event(previous_event.event)
         else:
             comm.wait_stream(compute)
-        # GPU memory on the fabric path through a provider that copies on
-        # the legacy default stream (shm): nothing queued there may wait
-        # for a call in flight, so a caller on that stream gets its call
-        # finished on the host (docs/architecture.md, "Streams")
-        legacy = ep.needs_nonblocking_stream and \
-            compute.cuda_stream == torch.cuda.default_stream(like.device).cuda_stream
-        return _Call(comm, compute, async_finish, legacy, like)
+        # GPU memory on the fabric path through a provider that copies with
+        # CUDA calls in the fabric thread (shm, tcp): every call is finished
+        # on the host, whatever the caller's stream (docs/architecture.md,
+        # "Streams": calls queued back to back across nodes stalled there)
+        return _Call(comm, compute, async_finish, ep.needs_nonblocking_stream, like)
 
     @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
