@@ -98,16 +98,17 @@ class _Call:
     the comm stream current (ferry's launches and the call's own torch
     work go there; outputs are made there); call.stream is its handle for
     ferry's calls (None: the current stream); settle() after each of
-    ferry's launches (legacy: a context of a copying fabric provider; there
-    it waits for the comm stream, so that no kernel of the call's own, e.g. one whose first
-    launch loads its module, starts while a ferry kernel waits for the
+    ferry's launches (on_host: a context of a copying fabric provider,
+    whose calls finish on the host; there it waits for the comm stream,
+    so that no kernel of the call's own, e.g. one whose first launch
+    loads its module, starts while a ferry kernel waits for the
     provider's copies, docs/architecture.md "Kernel loading");
     finish(made, read) returns the call's event."""
-    __slots__ = ("comm", "compute", "async_finish", "legacy", "like", "_ctx")
+    __slots__ = ("comm", "compute", "async_finish", "on_host", "like", "_ctx")
 
-    def __init__(self, comm, compute, async_finish, legacy, like):
+    def __init__(self, comm, compute, async_finish, on_host, like):
         self.comm, self.compute, self.async_finish = comm, compute, async_finish
-        self.legacy, self.like, self._ctx = legacy, like, None
+        self.on_host, self.like, self._ctx = on_host, like, None
 
     @property
     def stream(self):
@@ -124,14 +125,14 @@ class _Call:
             self._ctx.__exit__(*exc)
             self._ctx = None
             if exc[0] is not None:  # whatever was queued, the caller's stream after it
-                if self.legacy:
+                if self.on_host:
                     self.comm.synchronize()
                 else:
                     self.compute.wait_stream(self.comm)
         return False
 
     def settle(self):
-        if self.legacy:
+        if self.on_host:
             self.comm.synchronize()
 
     def finish(self, made=(), read=()):
@@ -143,7 +144,7 @@ class _Call:
         for t in made:
             if isinstance(t, torch.Tensor):
                 t.record_stream(self.compute)
-        if self.legacy:  # finished on the host (_call)
+        if self.on_host:  # finished on the host (_call)
             self.comm.synchronize()
             return _no_event()
         if not self.async_finish:
