@@ -68,7 +68,7 @@ LIBSO := $(BUILD)/libferry.so
 LIBSO_REAL := $(LIBSO).$(SOVERSION)
 BINS := $(BUILD)/bin/ferry-bench $(BUILD)/bin/ferry-info $(BUILD)/bin/ferry-signal-bench
 
-.PHONY: all lib tools tests test check cuda clean install
+.PHONY: all lib tools tests test check cuda clean install pyext
 all: lib tools tests
 
 lib: $(LIBA) $(LIBSO)
@@ -171,6 +171,11 @@ install: lib tools
 	$(SUBST) scripts/ferryConfig.cmake.in > $(DESTDIR)$(PREFIX)/lib/cmake/ferry/ferryConfig.cmake
 	$(SUBST) scripts/ferryConfigVersion.cmake.in \
 	    > $(DESTDIR)$(PREFIX)/lib/cmake/ferry/ferryConfigVersion.cmake
+
+# ferry._torchext (python/ferry/_torchext.cpp): the high-throughput calls'
+# host path in C++ for torch tensors, against the torch python3 imports
+pyext:
+	scripts/build_torchext.sh
 
 test: all
 	tests/run.sh $(BUILD)

@@ -1,6 +1,7 @@
 """The library handle, ferry's error and version."""
 import ctypes as C
 import functools
+import os
 
 from . import _lib
 
@@ -34,6 +35,39 @@ def _lib_version():
         return tuple(int(p) for p in version().split(".")[:3])
     except ValueError:
         return (0, 0, 0)
+
+
+_EXT = None
+#: libferry's functions ferry._torchext calls, in its init's order
+_EXT_FNS = ("ferry_dispatch_layout", "ferry_route_create", "ferry_route_counts",
+            "ferry_ht_dispatch", "ferry_ht_combine")
+
+
+def _torchext():
+    """ferry._torchext, initialised with the loaded library's functions, or
+    None: the high-throughput calls' outputs made in C++ for torch tensors
+    (python/ferry/_torchext.cpp, built by `make pyext`). FERRY_TORCH_EXT=0
+    leaves it unused; =1 makes its absence an error (else the Python path
+    runs, as it does with a library older than 0.1.2). Called with torch
+    imported."""
+    global _EXT
+    if _EXT is None:
+        _EXT = False
+        want = os.environ.get("FERRY_TORCH_EXT", "")
+        if want != "0":
+            try:
+                from . import _torchext as m
+            except ImportError as e:
+                if want == "1":
+                    raise ImportError(f"FERRY_TORCH_EXT=1, but ferry._torchext does not load "
+                                      f"({e}): build it with `make pyext` against this "
+                                      f"torch") from e
+                m = None
+            if m is not None and _lib_version() >= (0, 1, 2):
+                lib = _lib_handle()
+                m.init(*(C.cast(getattr(lib, n), C.c_void_p).value for n in _EXT_FNS))
+                _EXT = m
+    return _EXT or None
 
 
 def cuda_available():

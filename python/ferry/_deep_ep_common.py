@@ -12,6 +12,7 @@ import torch
 
 from . import EP, FerryError  # noqa: F401  (EP: for the mode modules)
 from . import _elem_strides, _fmt_shape, _lib, _lib_handle  # noqa: F401  (_elem_strides: same)
+from ._core import _torchext
 from ._arrays import _stream_of
 
 
@@ -352,6 +353,15 @@ def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
     T, K = topk_idx.shape
     dev = topk_idx.device
     idx = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+    cuda = idx.is_cuda
+    ext = _torchext()
+    if ext is not None and (not cuda or torch.cuda.current_device() == dev.index):
+        r = ext.layout(idx, num_experts, N, ranks_per_node,
+                       _stream_of(idx, None) if cuda else None,
+                       _lib.DEVICES["cuda" if cuda else "cpu"])
+        if r[0] != 0:
+            raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
+        return r[1], r[2], r[3], r[4]
     # the counts in one allocation, back to back (one memset on CUDA)
     M = -(-N // ranks_per_node) if ranks_per_node > 0 else 0
     counts = torch.empty(N + num_experts + M, dtype=torch.int32, device=dev)
@@ -359,7 +369,6 @@ def _layout_c(topk_idx, num_experts, N, ranks_per_node=0):
     per_rank, per_expert = counts.narrow(0, 0, N), counts.narrow(0, N, num_experts)
     per_node = counts.narrow(0, N + num_experts, M) if M else None
     in_rank = torch.empty((T, N), dtype=torch.bool, device=dev)
-    cuda = idx.is_cuda
     args = _lib.LayoutArgs(_LAYOUT_ARGS_SIZE, _lib.DEVICES["cuda" if cuda else "cpu"], T, K,
                            num_experts, N, idx.data_ptr(), per_rank.data_ptr(),
                            per_expert.data_ptr(), in_rank.data_ptr(),

@@ -158,6 +158,10 @@ class _Call:
         return EventOverlap(ev)
 
 
+#: a call on the caller's stream, finished by it (no event): it keeps no state
+_PLAIN = _Call(None, None, False, False, None)
+
+
 class _Normal:
     """The normal (high-throughput) mode of deep_ep.Buffer."""
 
@@ -219,7 +223,7 @@ class _Normal:
         if previous_event is None:
             if not async_finish and not allocate_on_comm_stream and \
                     not ep.needs_nonblocking_stream:
-                return _Call(None, None, False, False, like)
+                return _PLAIN
         elif not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected the EventOverlap of Buffer.capture() "
                             f"or of an earlier call, got {type(previous_event).__name__}")
@@ -248,13 +252,18 @@ class _Normal:
         per_expert [E] int32, is_token_in_rank [T, N] bool, event), on
         topk_idx's device and stream. dispatch does not read them (ferry
         works its route out itself)."""
-        self._normal("get_dispatch_layout")
         _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
-        N = self.group_size
-        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
-            raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple of "
-                             f"the group size {N}")
-        _lib.c_int(num_experts, "num_experts")
+        if type(num_experts) is not int or num_experts != self.__dict__.get("_layout_E"):
+            N = self.group_size  # an int checked once per value
+            if not isinstance(num_experts, int) or num_experts < 1 or num_experts % N:
+                raise ValueError(f"num_experts = {num_experts!r}: expected a positive multiple "
+                                 f"of the group size {N}")
+            _lib.c_int(num_experts, "num_experts")
+            if type(num_experts) is int:
+                self._layout_E = num_experts
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            # the current stream, no event: what _call gives, without its cost
+            return self._layout(topk_idx, num_experts) + (_no_event(),)
         call = self._layout_call(topk_idx, previous_event, async_finish, allocate_on_comm_stream)
         with call:
             out = self._layout(topk_idx, num_experts)
@@ -272,13 +281,14 @@ class _Normal:
         rt = self.runtime
         per_node = None
         # nodes of equal size in rank order: the kernel counts them too
-        rpn = rt._ranks_per_node() if rt.get_num_rdma_ranks() > 1 else 0
+        nodes = rt.get_num_rdma_ranks()
+        rpn = rt._ranks_per_node() if nodes > 1 else 0
         if topk_idx.is_cuda and not _LAYOUT_KERNEL:
             per_rank, per_expert, is_token_in_rank = _layout_torch(topk_idx, num_experts, N)
         else:
             per_rank, per_expert, is_token_in_rank, per_node = _layout_c(
                 topk_idx, num_experts, N, rpn)
-        if rt.get_num_rdma_ranks() > 1 and per_node is None:
+        if nodes > 1 and per_node is None:
             hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
                               dtype=torch.int32, device=topk_idx.device)
             hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))
@@ -301,13 +311,16 @@ class _Normal:
         (num_tokens_per_rank ...) are what get_dispatch_layout returned;
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""
-        self._normal("dispatch")
         # passed to libferry as C ints (max_recv, expert_alignment of the route)
-        num_worst_tokens = _lib.c_int(int(num_worst_tokens or 0), "num_worst_tokens")
-        if num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens: {num_worst_tokens}: the bound on rows "
-                             f"received, or 0 (exact counts)")
-        expert_alignment = _lib.c_int(int(expert_alignment or 1), "expert_alignment")
+        if num_worst_tokens:
+            num_worst_tokens = _lib.c_int(int(num_worst_tokens), "num_worst_tokens")
+            if num_worst_tokens < 0:
+                raise ValueError(f"num_worst_tokens: {num_worst_tokens}: the bound on rows "
+                                 f"received, or 0 (exact counts)")
+        else:
+            num_worst_tokens = 0
+        if expert_alignment != 1 or type(expert_alignment) is not int:
+            expert_alignment = _lib.c_int(int(expert_alignment or 1), "expert_alignment")
         if num_worst_tokens and isinstance(handle, _HtHandle) and \
                 num_worst_tokens != handle.route.num_recv:
             raise ValueError(f"num_worst_tokens: {num_worst_tokens}, but the handle's routing "
@@ -528,7 +541,6 @@ class _Normal:
         two) is added in fp32 before that rounding. Returns (combined_x
         [T, H] bf16, combined_topk_weights [T, K] float32 or None,
         event)."""
-        self._normal("combine")
         if not isinstance(handle, _HtHandle):
             raise TypeError(f"handle: expected the handle a normal-mode dispatch returned, got "
                             f"{type(handle).__name__}")

@@ -8,7 +8,7 @@ from . import _lib
 from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _SIG, _U8, _current_cuda_device,
                       _elem_strides, _fmt_shape, _info, _stream_of, _torch_like)
 from ._comm import Comm
-from ._core import FerryError, _lib_handle, _lib_version, version
+from ._core import FerryError, _lib_handle, _lib_version, _torchext, version
 
 class EP:
     """An expert-parallel context (collective to create and to close).
@@ -604,6 +604,16 @@ class EP:
         """route once its arguments are checked (p: topk_idx's pointer; a
         bounded route's outputs made like `like`)."""
         nout = eout = None
+        ext = None if max_recv else self._ext(like)
+        if ext is not None:  # route_create and its counts from C++
+            r = ext.route(h.value, T, p, expert_alignment, st, self.num_local_experts)
+            if len(r) == 1:
+                self._check(r[0])
+            route = Route(self, C.c_void_p(r[1]), T, made=(r[2], r[3]))
+            self._keep_route(route)
+            if r[0]:
+                raise FerryError(r[0], "ferry_route_counts failed")
+            return route
         if max_recv:
             new = lambda shape: self._ht_new(like, shape, _I32)  # noqa: E731
             nout, eout = new((1,)), new((self.num_local_experts,))
@@ -612,11 +622,20 @@ class EP:
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
         route = Route(self, r, T, (nout, eout) if max_recv else None)
+        self._keep_route(route)
+        return route
+
+    def _keep_route(self, route):
+        """route among the open ones (closed before the context)."""
         rs = self._routes
         if len(rs) > 8:  # the closed ones dropped now and then (a route closes itself)
             rs = self._routes = [x for x in rs if x._h]
         rs.append(route)
-        return route
+
+    def _ext(self, like):
+        """ferry._torchext for an HT call whose tensors are torch ones on
+        this context's device (like: one of them), else None."""
+        return _torchext() if self.device == "cuda" or _torch_like(like) else None
 
     def _torch_io(self, like):
         """An HT call's outputs are torch tensors on `like`'s device: on CUDA
@@ -733,6 +752,13 @@ class EP:
         (int64 when i64), recv_topk_weights, recv_src_rank,
         recv_src_token). Returns the outputs in _HT_OUTS' order."""
         H, K = self.hidden, self.topk
+        ext = self._ext(like)
+        if ext is not None:  # the outputs made in C++ (xdt: a torch dtype here)
+            o = ext.ht_dispatch(h.value, rh.value, n, like, xdt, px, ps, sst[0], sst[1], pw, st,
+                                fp8 | want[0] << 1 | (i64 and want[0]) << 2 | want[1] << 3 |
+                                want[2] << 4 | want[3] << 5, K)
+            self._check(o[0])
+            return o[1:]
         if self._torch_io(like):
             import torch
             dev = like.device
@@ -806,6 +832,13 @@ class EP:
         pointers): makes out [T, H] (and with want_w the [T, K] weights) on
         like's device and calls the library."""
         H, K = self.hidden, self.topk
+        ext = self._ext(like)
+        if ext is not None:  # the outputs made in C++
+            o = ext.ht_combine(h.value, rh.value, T, K, like, py, pw, want_w, st,
+                               int(bool(weights_sum)),
+                               pb[0], pb[1], order)
+            self._check(o[0])
+            return o[1], o[2]
         if self._torch_io(like):
             import torch
             dev = like.device
@@ -895,9 +928,14 @@ class Route:
     for); a bounded route also num_recv_real (num_recv is then its bound).
     close() frees it (not collective)."""
 
-    def __init__(self, ep, h, T, bounded=None):
+    def __init__(self, ep, h, T, bounded=None, made=None):
         import numpy as np
         self.ep, self._h, self.num_tokens = ep, h, T
+        if made is not None:  # (num_recv, counts as int32 bytes), read already
+            self.num_recv_real = None
+            self.num_recv = made[0]
+            self.expert_counts = np.frombuffer(made[1], np.int32)
+            return
         n = C.c_int()
         if bounded is not None:  # the counts are in the outputs the route wrote
             rc = _lib_handle().ferry_route_counts(h, C.byref(n), None)

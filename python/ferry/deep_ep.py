@@ -346,11 +346,10 @@ class Buffer(_LowLatency, _Normal):
             raise RuntimeError(f"ferry.deep_ep.Buffer.{what}: low-latency call on a buffer made "
                                "with low_latency_mode=False")
 
-    def _normal(self, what):
-        """Normal-mode calls run on every Buffer, as DeepEP's do: one made
-        with low_latency_mode=True serves both modes (SGLang's
-        --deepep-mode auto: normal-mode prefill and low-latency decode on
-        one buffer); its contexts of each mode are apart."""
+    # Normal-mode calls run on every Buffer, as DeepEP's do: one made with
+    # low_latency_mode=True serves both modes (SGLang's --deepep-mode auto:
+    # normal-mode prefill and low-latency decode on one buffer); its
+    # contexts of each mode are apart.
 
     @staticmethod
     def _not_capturing(what, key):

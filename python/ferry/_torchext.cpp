@@ -1,0 +1,333 @@
+/*
+ * ferry._torchext: the high-throughput calls' host path for torch tensors,
+ * optional. A normal-mode call made from Python spends most of its host
+ * time around libferry, not in it: each output tensor made from Python
+ * (torch.empty) and each ctypes struct cost microseconds that DeepEP's C++
+ * binding does not pay. This module makes the outputs with ATen's
+ * at::empty (a fraction of that) and calls libferry directly, through the
+ * addresses of its functions that the Python package hands over (init),
+ * so that it uses the library the package loaded.
+ *
+ * Every argument is checked by the Python caller (ferry/_ep.py,
+ * ferry/_deep_ep_common.py) before it gets here; this module only makes
+ * tensors and fills the structs of ferry.h. Errors come back as libferry's
+ * status (the caller raises FerryError with the context's message).
+ *
+ * Built by `make pyext` (needs torch's headers; Makefile) into
+ * python/ferry/; without it the Python package takes its own path
+ * (FERRY_TORCH_EXT=0 forces that).
+ */
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <vector>
+
+extern "C" {
+#include "ferry.h"
+}
+
+namespace {
+
+using layout_fn = int (*)(const ferry_layout_args_t *, char *, size_t);
+using route_create_fn = int (*)(ferry_ep_t, const ferry_route_in_t *, ferry_route_t *);
+using route_counts_fn = int (*)(ferry_route_t, int *, int32_t *);
+using ht_dispatch_fn = int (*)(ferry_ep_t, ferry_route_t, const ferry_ht_dispatch_in_t *,
+                               const ferry_ht_dispatch_out_t *);
+using ht_combine_fn = int (*)(ferry_ep_t, ferry_route_t, const ferry_ht_combine_in_t *,
+                              const ferry_ht_combine_out_t *);
+
+layout_fn g_layout;
+route_create_fn g_route_create;
+route_counts_fn g_route_counts;
+ht_dispatch_fn g_ht_dispatch;
+ht_combine_fn g_ht_combine;
+
+/* a Python int (or None: NULL) as a pointer */
+void *ptr_of(PyObject *o)
+{
+    return o == Py_None ? nullptr : PyLong_AsVoidPtr(o);
+}
+
+long long int_of(PyObject *o)
+{
+    return PyLong_AsLongLong(o);
+}
+
+bool check_args(const char *what, Py_ssize_t n, Py_ssize_t want)
+{
+    if (n == want)
+        return true;
+    PyErr_Format(PyExc_TypeError, "ferry._torchext.%s: %zd arguments, expected %zd", what, n,
+                 want);
+    return false;
+}
+
+const at::Tensor *tensor_of(const char *what, PyObject *o)
+{
+    if (!THPVariable_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "ferry._torchext.%s: expected a torch tensor", what);
+        return nullptr;
+    }
+    return &THPVariable_Unpack(o);
+}
+
+PyObject *wrap(at::Tensor t)
+{
+    return THPVariable_Wrap(std::move(t));
+}
+
+PyObject *wrap_opt(bool made, at::Tensor t)
+{
+    if (!made)
+        Py_RETURN_NONE;
+    return wrap(std::move(t));
+}
+
+void *data_of(const at::Tensor &t, bool made)
+{
+    return made && t.numel() ? t.data_ptr() : nullptr;
+}
+
+/* init(layout, route_create, route_counts, ht_dispatch, ht_combine): the
+ * addresses of libferry's functions */
+PyObject *init(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("init", n, 5))
+        return nullptr;
+    g_layout = reinterpret_cast<layout_fn>(ptr_of(a[0]));
+    g_route_create = reinterpret_cast<route_create_fn>(ptr_of(a[1]));
+    g_route_counts = reinterpret_cast<route_counts_fn>(ptr_of(a[2]));
+    g_ht_dispatch = reinterpret_cast<ht_dispatch_fn>(ptr_of(a[3]));
+    g_ht_combine = reinterpret_cast<ht_combine_fn>(ptr_of(a[4]));
+    if (PyErr_Occurred())
+        return nullptr;
+    Py_RETURN_NONE;
+}
+
+/* layout(topk_idx, E, N, ranks_per_node, stream, device) -> (0, per_rank,
+ * per_expert, in_rank, per_node or None), or (status, message).
+ * topk_idx: contiguous int64 [T, K]; device: ferry_device_t */
+PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("layout", n, 6))
+        return nullptr;
+    const at::Tensor *idx = tensor_of("layout", a[0]);
+    if (!idx)
+        return nullptr;
+    int E = (int)int_of(a[1]), N = (int)int_of(a[2]), rpn = (int)int_of(a[3]);
+    void *stream = ptr_of(a[4]);
+    int dev = (int)int_of(a[5]);
+    if (PyErr_Occurred())
+        return nullptr;
+    int64_t T = idx->size(0);
+    int M = rpn > 0 ? (N + rpn - 1) / rpn : 0;
+    auto i32 = idx->options().dtype(at::kInt);
+    /* the counts in one allocation, back to back (one memset where the
+     * library needs one) */
+    at::Tensor counts = at::empty({N + E + M}, i32);
+    at::Tensor per_rank = counts.narrow(0, 0, N), per_expert = counts.narrow(0, N, E);
+    at::Tensor per_node = M ? counts.narrow(0, N + E, M) : at::Tensor();
+    at::Tensor in_rank = at::empty({T, N}, idx->options().dtype(at::kBool));
+    ferry_layout_args_t args = {};
+    args.size = sizeof(args);
+    args.device = (ferry_device_t)dev;
+    args.num_tokens = (int)T;
+    args.topk = (int)idx->size(1);
+    args.num_experts = E;
+    args.num_ranks = N;
+    args.topk_idx = T ? idx->data_ptr<int64_t>() : nullptr;
+    args.tokens_per_rank = per_rank.data_ptr<int32_t>();
+    args.tokens_per_expert = per_expert.data_ptr<int32_t>();
+    args.token_in_rank = T ? static_cast<uint8_t *>(in_rank.data_ptr()) : nullptr;
+    args.stream = stream;
+    args.ranks_per_node = rpn;
+    args.tokens_per_node = M ? per_node.data_ptr<int32_t>() : nullptr;
+    char msg[512];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = g_layout(&args, msg, sizeof(msg));
+    Py_END_ALLOW_THREADS
+    if (rc != 0)
+        return Py_BuildValue("(is)", rc, msg);
+    PyObject *pn = M ? wrap(std::move(per_node)) : (Py_INCREF(Py_None), Py_None);
+    return Py_BuildValue("(iNNNN)", 0, wrap(std::move(per_rank)), wrap(std::move(per_expert)),
+                         wrap(std::move(in_rank)), pn);
+}
+
+/* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
+ * -> (0, route, num_recv, counts: bytes of int32 [E_local]) or (status,):
+ * an exact route (ferry_route_create, then its counts) */
+PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("route", n, 6))
+        return nullptr;
+    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    ferry_route_in_t in = {};
+    in.size = sizeof(in);
+    in.num_tokens = (int)int_of(a[1]);
+    in.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
+    in.expert_alignment = (int)int_of(a[3]);
+    in.stream = ptr_of(a[4]);
+    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
+    if (PyErr_Occurred())
+        return nullptr;
+    PyObject *counts = PyBytes_FromStringAndSize(nullptr, el * (Py_ssize_t)sizeof(int32_t));
+    if (!counts)
+        return nullptr;
+    ferry_route_t r = nullptr;
+    int num_recv = 0, rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = g_route_create(ep, &in, &r);
+    if (rc == 0)
+        rc = g_route_counts(r, &num_recv, reinterpret_cast<int32_t *>(PyBytes_AS_STRING(counts)));
+    Py_END_ALLOW_THREADS
+    if (rc != 0 && !r) {
+        Py_DECREF(counts);
+        return Py_BuildValue("(i)", rc);
+    }
+    /* a route made whose counts failed is still returned, to be closed */
+    return Py_BuildValue("(iNiN)", rc, PyLong_FromVoidPtr(r), num_recv, counts);
+}
+
+/* ht_dispatch(ep, route, num_recv, like, recv_x_dtype, x, x_scales,
+ * stride0, stride1, topk_weights, stream, want, K) -> (status, recv_x,
+ * recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_rank,
+ * recv_src_token): the outputs made like `like` (its device; recv_x
+ * [num_recv, like.shape[1]] of recv_x_dtype), then ferry_ht_dispatch.
+ * x, x_scales, topk_weights: pointers (None: not given). want: bits, 1
+ * fp8 (recv_x_scales), 2 recv_topk_idx, 4 as int64, 8 recv_topk_weights,
+ * 16 recv_src_rank, 32 recv_src_token; K the context's top-k. The outputs are returned whatever
+ * the status (unwritten when it is not 0). */
+PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("ht_dispatch", n, 13))
+        return nullptr;
+    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    ferry_route_t r = static_cast<ferry_route_t>(ptr_of(a[1]));
+    int64_t nr = int_of(a[2]);
+    const at::Tensor *like = tensor_of("ht_dispatch", a[3]);
+    if (!like)
+        return nullptr;
+    if (!THPDtype_Check(a[4])) {
+        PyErr_SetString(PyExc_TypeError, "ferry._torchext.ht_dispatch: recv_x_dtype: expected "
+                        "a torch dtype");
+        return nullptr;
+    }
+    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[4])->scalar_type;
+    ferry_ht_dispatch_in_t in = {};
+    in.size = sizeof(in);
+    in.x = ptr_of(a[5]);
+    in.x_scales = static_cast<const float *>(ptr_of(a[6]));
+    in.x_scales_stride[0] = int_of(a[7]);
+    in.x_scales_stride[1] = int_of(a[8]);
+    in.topk_weights = static_cast<const float *>(ptr_of(a[9]));
+    in.stream = ptr_of(a[10]);
+    long long want = int_of(a[11]);
+    if (PyErr_Occurred())
+        return nullptr;
+    int64_t H = like->size(1), K = int_of(a[12]);
+    if (PyErr_Occurred())
+        return nullptr;
+    bool fp8 = want & 1, wi = want & 2, i64 = want & 4, ww = want & 8, wr = want & 16,
+         wt = want & 32;
+    auto opt = like->options();
+    at::Tensor rx = at::empty({nr, H}, opt.dtype(xdt));
+    at::Tensor rs, ri, rw, rr, rt;
+    if (fp8)
+        rs = at::empty({nr, H / 128}, opt.dtype(at::kFloat));
+    if (wi)
+        ri = at::empty({nr, K}, opt.dtype(i64 ? at::kLong : at::kInt));
+    if (ww)
+        rw = at::empty({nr, K}, opt.dtype(at::kFloat));
+    if (wr)
+        rr = at::empty({nr}, opt.dtype(at::kInt));
+    if (wt)
+        rt = at::empty({nr}, opt.dtype(at::kInt));
+    ferry_ht_dispatch_out_t out = {};
+    out.size = sizeof(out);
+    out.recv_x = data_of(rx, true);
+    out.recv_x_scales = static_cast<float *>(data_of(rs, fp8));
+    void *pi = data_of(ri, wi);
+    out.recv_topk_idx = i64 ? nullptr : static_cast<int32_t *>(pi);
+    out.recv_topk_idx_i64 = i64 ? static_cast<int64_t *>(pi) : nullptr;
+    out.recv_topk_weights = static_cast<float *>(data_of(rw, ww));
+    out.recv_src_rank = static_cast<int32_t *>(data_of(rr, wr));
+    out.recv_src_token = static_cast<int32_t *>(data_of(rt, wt));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = g_ht_dispatch(ep, r, &in, &out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iNNNNNN)", rc, wrap(std::move(rx)), wrap_opt(fp8, std::move(rs)),
+                         wrap_opt(wi, std::move(ri)), wrap_opt(ww, std::move(rw)),
+                         wrap_opt(wr, std::move(rr)), wrap_opt(wt, std::move(rt)));
+}
+
+/* ht_combine(ep, route, T, K, like, y, topk_weights, want_w, stream,
+ * weights_sum, bias0, bias1, order) -> (status, out, weights or None):
+ * out [T, like.shape[1]] bf16 (and [T, K] float32 weights with want_w)
+ * made like `like`, then ferry_ht_combine. Pointers as in ht_dispatch. */
+PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("ht_combine", n, 13))
+        return nullptr;
+    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    ferry_route_t r = static_cast<ferry_route_t>(ptr_of(a[1]));
+    int64_t T = int_of(a[2]), K = int_of(a[3]);
+    const at::Tensor *like = tensor_of("ht_combine", a[4]);
+    if (!like)
+        return nullptr;
+    ferry_ht_combine_in_t in = {};
+    in.size = sizeof(in);
+    in.y = ptr_of(a[5]);
+    in.topk_weights = static_cast<const float *>(ptr_of(a[6]));
+    bool want_w = PyObject_IsTrue(a[7]) == 1;
+    in.stream = ptr_of(a[8]);
+    in.weights_sum = (int)int_of(a[9]);
+    in.bias[0] = ptr_of(a[10]);
+    in.bias[1] = ptr_of(a[11]);
+    in.sum_order = (int)int_of(a[12]);
+    if (PyErr_Occurred())
+        return nullptr;
+    auto opt = like->options();
+    at::Tensor o = at::empty({T, like->size(1)}, opt.dtype(at::kBFloat16));
+    at::Tensor w;
+    if (want_w)
+        w = at::empty({T, K}, opt.dtype(at::kFloat));
+    ferry_ht_combine_out_t out = {};
+    out.size = sizeof(out);
+    out.out = data_of(o, true);
+    out.topk_weights = static_cast<float *>(data_of(w, want_w));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = g_ht_combine(ep, r, &in, &out);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iNN)", rc, wrap(std::move(o)), wrap_opt(want_w, std::move(w)));
+}
+
+PyMethodDef methods[] = {
+    {"init", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(init)),
+     METH_FASTCALL, "init(layout, route_create, route_counts, ht_dispatch, ht_combine)"},
+    {"layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layout)),
+     METH_FASTCALL, "get_dispatch_layout's outputs and ferry_dispatch_layout"},
+    {"route", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(route)),
+     METH_FASTCALL, "ferry_route_create and ferry_route_counts of an exact route"},
+    {"ht_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_dispatch)),
+     METH_FASTCALL, "a dispatch's outputs and ferry_ht_dispatch"},
+    {"ht_combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_combine)),
+     METH_FASTCALL, "a combine's outputs and ferry_ht_combine"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_torchext",
+                      "ferry's high-throughput host path for torch tensors (optional)", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torchext(void)
+{
+    return PyModule_Create(&module);
+}
