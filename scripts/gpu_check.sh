@@ -14,7 +14,8 @@
 #                      libraries win over the folder's, so the CUDA build
 #                      does not load the folder's older ones
 #   CASE_LIMIT_S       each case's limit (default 120); TOTAL_S the run's (600)
-# Case logs: BUILD/test-logs. Without a usable GPU every case says SKIP
+# ferry._torchext is built (make pyext) where torch imports. Case logs:
+# BUILD/test-logs. Without a usable GPU every case says SKIP
 # and why.
 set -u
 cd "$(dirname "$0")/.."
@@ -65,6 +66,12 @@ if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d 
   mps=1
 fi
 "$B/bin/ferry-info" --cuda 2>&1 | head -1
+# ferry._torchext against this machine's torch (the Python cases run
+# through it; gpu_python_torchext checks it against the Python path)
+if python3 -c "import torch" 2>/dev/null; then
+  make pyext > /tmp/ferry-pyext.log 2>&1 && echo "gpu_check: ferry._torchext built" ||
+    { tail -n 20 /tmp/ferry-pyext.log; echo "gpu_check: ferry._torchext did not build"; }
+fi
 FERRY_TEST_LIMIT_S=${CASE_LIMIT_S:-120} FERRY_TEST_FILTER="$FILTER" \
   timeout -k 5 "${TOTAL_S:-600}" tests/run.sh "$B" < /dev/null
 rc=$?

@@ -20,6 +20,14 @@ for variant in "build:" "build-san:SAN=1"; do
       else tail -n 30 /tmp/ferry-nvcc.log; total_fail=$((total_fail+1)); fi
     fi
   fi
+  # ferry._torchext against the torch installed (the Python cases then
+  # run through it; python_torch_cpu_pyonly runs without it)
+  if [ -z "$FLAGS" ]; then
+    if python3 -c "import torch" 2>/dev/null; then
+      if make pyext > /tmp/ferry-pyext.log 2>&1; then echo "pyext: ferry._torchext built"
+      else tail -n 30 /tmp/ferry-pyext.log; echo "pyext: the build failed"; total_fail=$((total_fail+1)); fi
+    else echo "pyext: torch is not installed: ferry._torchext not built (its cases skip)"; fi
+  fi
   echo "== running tests against $B"
   log=$(mktemp)
   tests/run.sh "$B" > "$log" 2>&1

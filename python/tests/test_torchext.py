@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""ferry._torchext (the high-throughput calls' host path in C++) against the
+Python path, on the same inputs. Usage: test_torchext.py [cpu|cuda] [nranks]
+
+With FERRY_TORCH_EXT=1 (its absence is then an error) each rank checks
+that the module is in use, then runs back-to-back rounds of deep_ep's
+normal mode (get_dispatch_layout, dispatch with a new routing, a cached
+dispatch, combine with weights and bias), each round twice on the same
+inputs: through the module, then through the Python path (the module
+switched off). Every output must be equal bit for bit (both paths run the
+same library calls; only who makes the tensors and structs differs):
+layout counts and is_token_in_rank, recv_x (bf16, and fp8 with row-major
+and column-major scales), top-k ids and weights, per-expert counts, the
+handle's source tokens, combined rows and weights. Inputs: a different
+routing every round (Zipf-skewed experts, masked -1 slots, a rank with no
+tokens in one round), weights that do not sum to 1. Also checks that a
+library error through the module is a FerryError with the library's
+message. Exit 77 without torch (or on cuda without a GPU).
+"""
+import os
+import sys
+import traceback
+
+try:
+    import torch
+except ImportError:
+    print("skipped: torch is not installed")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ranks import ranks_main, torch_init  # noqa: E402
+
+E, K, H = 16, 4, 256
+
+
+def routing(rank, rnd, T, dev):
+    """Zipf-skewed experts, distinct per token, some slots masked."""
+    g = torch.Generator().manual_seed(1000 * rnd + rank)
+    p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+    p = p[torch.randperm(E, generator=g)]
+    idx = torch.multinomial(p.expand(T, E), K, replacement=False, generator=g) if T else \
+        torch.empty((0, K), dtype=torch.int64)
+    idx = idx.to(torch.int64)
+    mask = torch.rand((T, K), generator=g) < 0.2
+    idx[mask] = -1
+    w = torch.rand((T, K), generator=g) * 0.9  # rows do not sum to 1
+    x = (torch.randn((T, H), generator=g) * 0.5).to(torch.bfloat16)
+    bias = (torch.randn((T, H), generator=g) * 0.1).to(torch.bfloat16)
+    sc = torch.rand((T, H // 128), generator=g) + 0.5
+    # column-major scales (DeepEP's) on odd T: read in place
+    sc = sc.t().contiguous().t() if T % 2 else sc
+    return idx.to(dev), w.to(dev), x.to(dev), bias.to(dev), sc.to(dev)
+
+
+def same(fails, what, a, b):
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        if a is None or b is None or len(a) != len(b):
+            fails.append(f"{what}: {a!r} vs {b!r}")
+            return
+        for i, (u, v) in enumerate(zip(a, b)):
+            same(fails, f"{what}[{i}]", u, v)
+        return
+    if a is None or b is None:
+        if a is not b:
+            fails.append(f"{what}: one path gave None ({a is None}, {b is None})")
+        return
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+            fails.append(f"{what}: {a.dtype} {tuple(a.shape)} {a.device} vs "
+                         f"{b.dtype} {tuple(b.shape)} {b.device}")
+        elif not torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                             b.view(torch.uint8) if b.element_size() == 1 else b):
+            fails.append(f"{what}: values differ")
+        return
+    if a != b:
+        fails.append(f"{what}: {a!r} vs {b!r}")
+
+
+def one_round(buf, idx, w, x, bias, sc, fp8):
+    """A round's outputs: layout, new-routing dispatch, cached dispatch,
+    combine (with weights and bias)."""
+    pr, pn, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+    if fp8:
+        xin = (x.float().clamp(-400, 400).to(torch.float8_e4m3fn), sc)
+    else:
+        xin = x
+    r = buf.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=inr,
+                     num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+    rx, ridx, rw, counts, handle = r[:5]
+    cached = buf.dispatch(xin, handle=handle)[0]
+    y = (rx[0].float() if fp8 else rx.float()) * 0.5
+    cx, cw, _ = buf.combine(y.to(torch.bfloat16), handle, topk_weights=rw, bias=bias)
+    return dict(layout=(pr, pn, pe, inr), recv_x=rx, topk_idx=ridx, topk_weights=rw,
+                counts=counts, src=handle.src_idx, cached=cached, combined=cx,
+                combined_w=cw)
+
+
+def rank_main(rank, N, port, q):
+    fails = []
+    try:
+        torch_init(rank, N, port)
+        dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        import torch.distributed as dist
+        from ferry import FerryError, _core
+        from ferry import deep_ep
+        from ferry._deep_ep_common import _layout_c
+        ext = _core._torchext()
+        if ext is None:
+            fails.append("ferry._torchext is not in use (FERRY_TORCH_EXT=1)")
+            q.put((rank, fails))
+            return
+        buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0)
+        for rnd in range(6):
+            T = 0 if (rnd == 3 and rank == N - 1) else 24 + 8 * rnd + rank
+            idx, w, x, bias, sc = routing(rank, rnd, T, dev)
+            fp8 = rnd % 2 == 1
+            got = one_round(buf, idx, w, x, bias, sc, fp8)
+            _core._EXT = False  # the Python path, the same inputs
+            try:
+                want = one_round(buf, idx, w, x, bias, sc, fp8)
+            finally:
+                _core._EXT = ext
+            for k in got:
+                same(fails, f"round {rnd} ({'fp8' if fp8 else 'bf16'}, T={T}) {k}", got[k],
+                     want[k])
+        # a library error through the module: FerryError with its message
+        try:
+            _layout_c(torch.zeros((4, K), dtype=torch.int64, device=dev), 7, 2)
+            fails.append("layout of 7 experts over 2 ranks: no error")
+        except FerryError as e:
+            if "num_experts = 7" not in str(e):
+                fails.append(f"layout of 7 experts over 2 ranks: {e}")
+        buf.destroy()
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"{e}\n{traceback.format_exc()}")
+    q.put((rank, fails))
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    sys.exit(ranks_main(rank_main, [n], "ferry._torchext against the Python path",
+                        gpu=len(sys.argv) > 1 and sys.argv[1] == "cuda"))
