@@ -17,7 +17,9 @@ share in parentheses):
   combine     the whole combine call (ferry_ht_combine)
   gpu         from combine's return to the end of a synchronize
 
-p50 over --iters rounds per rank, each rank's row printed. Each round's
+With ferry._torchext built (make pyext) the library is called from C++
+and its share is not separated (FERRY_TORCH_EXT=0 times the Python path,
+with it). p50 over --iters rounds per rank, each rank's row printed. Each round's
 result is checked (the combine of the received rows unchanged is x times
 the number of ranks the token went to: #wrong).
 
@@ -142,7 +144,8 @@ def rank_main(rank, N, port, args, q):
                     (c, e), = rec["outputs"]
                     d.update(pre=a - t1, route=b - a, outputs=e - c)
                     for k, f in LIB.items():
-                        d["lib_" + k] = sum(v - u for u, v in rec.get(f, ()))
+                        if f in rec:  # through ctypes (not ferry._torchext)
+                            d["lib_" + k] = sum(v - u for u, v in rec[f])
                 rows.append(d)
             med = {k: pct([r[k] for r in rows], .5) / 1e3 for k in rows[0]}
             out.append((name, T, med, bad))
