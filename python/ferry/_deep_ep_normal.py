@@ -6,9 +6,10 @@ import torch
 
 from ._arrays import _stream_of
 from ._core import _lib_version
-from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle, _LAYOUT_KERNEL, _elem_strides,
-                      _event_after, _fmt_shape, _layout_c, _layout_torch, _lib, _no_event,
-                      _plain_torch, _tensor)
+from ._deep_ep_common import (EP, EventOverlap, FerryError, _HT_MAX_TOKENS, _HtHandle,
+                              _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
+                              _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
+                              _tensor)
 
 
 #: most experts (slots) per token in a ferry context (FR_MAX_TOPK)
@@ -91,6 +92,37 @@ def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
                             st, xt.dtype, xs is not None, True,
                             (new, new and w is not None, src_rank, new))
     return dict(zip(EP._HT_OUTS, o))
+
+
+def _ht_route_dispatch(ep, routing, align, xt, xs, w, call, src_rank):
+    """A new routing's route and dispatch in one call of ferry._torchext
+    (the tensors checked as for _ht_route and _ht_dispatch; w contiguous):
+    (route, outputs as _ht_dispatch's), or None where that does not apply
+    (no module, another device, no tokens: the two calls then)."""
+    ext = ep._ext(xt)
+    dev = xt.device
+    T = xt.shape[0]
+    if ext is None or not T or dev.type != ep.device or \
+            (ep._cuda_index is not None and dev.index != ep._cuda_index) or \
+            routing.device != dev or (xs is not None and xs.device != dev) or \
+            (w is not None and w.device != dev):
+        return None
+    sst = _elem_strides(xs) if xs is not None and not xs.is_contiguous() else (0, 0)
+    st = call.stream if call.stream is not None else _stream_of(xt, None) \
+        if ep.device == "cuda" else None
+    h = ep._ep().value
+    r = ext.route_dispatch(h, T, routing.data_ptr(), align, st, ep.num_local_experts, xt,
+                           xt.dtype, xt.data_ptr(), None if xs is None else xs.data_ptr(),
+                           sst[0], sst[1], None if w is None else w.data_ptr(), st,
+                           (xs is not None) | 2 | 4 | (w is not None) << 3 | src_rank << 4 | 32,
+                           ep.topk)
+    if len(r) == 1:
+        ep._check(r[0])
+    route = ep._route_made(r[1], T, r[2], r[3])
+    if r[0]:
+        raise FerryError(r[0], "ferry_route_counts failed")
+    ep._check(r[4])
+    return route, dict(zip(EP._HT_OUTS, r[5:]))
 
 
 class _Call:
@@ -386,33 +418,41 @@ class _Normal:
             read = (xt, xs, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank)
             xs, carried = self._scales_in(xt, xs) if fp8 else (None, None)
             xt = xt.contiguous()
+            if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+            o = None
             if not cached:
                 routing = self._rank_routing(is_token_in_rank.to(xt.device), E) if by_rank \
                     else topk_idx.contiguous()
-                route = _ht_route(ep, routing, 1 if by_rank else expert_alignment, call,
-                                  num_worst_tokens)
-                call.settle()
+                align = 1 if by_rank else expert_alignment
+                rt = self.runtime
+                internode = rt.get_num_rdma_ranks() > 1
+                # route and dispatch in one call where they can be
+                ro = None if num_worst_tokens or call.on_host else _ht_route_dispatch(
+                    ep, routing, align, xt, xs, topk_weights, call, internode)
+                if ro is None:
+                    route = _ht_route(ep, routing, align, call, num_worst_tokens)
+                    call.settle()
+                else:
+                    route, o = ro
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
                     per_rank, _, _, in_rank = self._layout(routing, E)
                     num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
                         num_tokens_per_rank
-                rt = self.runtime
-                handle = _HtHandle(ep, route, T, None, in_rank,
-                                   internode=rt.get_num_rdma_ranks() > 1)
+                handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
                 # rank_prefix_matrix needs every rank's counts: gathered when
                 # first read (collective then; DeepEP's own callers never read it)
                 handle._prefix_of = (self, num_tokens_per_rank)
                 if handle.internode:
                     handle.ep_nodes = list(rt._node_of)
             route = handle.route
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
             # a cached dispatch returns recv_x alone; the first one also the
             # top-k ids and weights, and keeps the source tokens in the handle
-            o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, not cached,
-                             not cached and handle.internode)
-            call.settle()
+            if o is None:
+                o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, not cached,
+                                 not cached and handle.internode)
+                call.settle()
             rx = o["recv_x"] if byte_dt is None else o["recv_x"].view(byte_dt)
             rs = self._scales_out(o["recv_x_scales"], carried) if fp8 else None
             recv_x = (rx, rs) if fp8 else rx

@@ -609,8 +609,7 @@ class EP:
             r = ext.route(h.value, T, p, expert_alignment, st, self.num_local_experts)
             if len(r) == 1:
                 self._check(r[0])
-            route = Route(self, C.c_void_p(r[1]), T, made=(r[2], r[3]))
-            self._keep_route(route)
+            route = self._route_made(r[1], T, r[2], r[3])
             if r[0]:
                 raise FerryError(r[0], "ferry_route_counts failed")
             return route
@@ -622,6 +621,13 @@ class EP:
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
         route = Route(self, r, T, (nout, eout) if max_recv else None)
+        self._keep_route(route)
+        return route
+
+    def _route_made(self, h, T, num_recv, counts):
+        """The Route of an exact route ferry._torchext made (h: its
+        address; counts: int32 bytes), among the open ones."""
+        route = Route(self, C.c_void_p(h), T, made=(num_recv, counts))
         self._keep_route(route)
         return route
 

@@ -202,6 +202,8 @@ PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
  * fp8 (recv_x_scales), 2 recv_topk_idx, 4 as int64, 8 recv_topk_weights,
  * 16 recv_src_rank, 32 recv_src_token; K the context's top-k. The outputs are returned whatever
  * the status (unwritten when it is not 0). */
+PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a);
+
 PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
     if (!check_args("ht_dispatch", n, 13))
@@ -209,27 +211,36 @@ PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
     ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
     ferry_route_t r = static_cast<ferry_route_t>(ptr_of(a[1]));
     int64_t nr = int_of(a[2]);
-    const at::Tensor *like = tensor_of("ht_dispatch", a[3]);
+    if (PyErr_Occurred())
+        return nullptr;
+    return dispatch_outputs(ep, r, nr, a + 3);
+}
+
+/* ht_dispatch's work from `like` on (a[0] is like, a[9] K): the outputs
+ * made, ferry_ht_dispatch called; (status, the six outputs) */
+PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
+{
+    const at::Tensor *like = tensor_of("ht_dispatch", a[0]);
     if (!like)
         return nullptr;
-    if (!THPDtype_Check(a[4])) {
+    if (!THPDtype_Check(a[1])) {
         PyErr_SetString(PyExc_TypeError, "ferry._torchext.ht_dispatch: recv_x_dtype: expected "
                         "a torch dtype");
         return nullptr;
     }
-    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[4])->scalar_type;
+    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[1])->scalar_type;
     ferry_ht_dispatch_in_t in = {};
     in.size = sizeof(in);
-    in.x = ptr_of(a[5]);
-    in.x_scales = static_cast<const float *>(ptr_of(a[6]));
-    in.x_scales_stride[0] = int_of(a[7]);
-    in.x_scales_stride[1] = int_of(a[8]);
-    in.topk_weights = static_cast<const float *>(ptr_of(a[9]));
-    in.stream = ptr_of(a[10]);
-    long long want = int_of(a[11]);
+    in.x = ptr_of(a[2]);
+    in.x_scales = static_cast<const float *>(ptr_of(a[3]));
+    in.x_scales_stride[0] = int_of(a[4]);
+    in.x_scales_stride[1] = int_of(a[5]);
+    in.topk_weights = static_cast<const float *>(ptr_of(a[6]));
+    in.stream = ptr_of(a[7]);
+    long long want = int_of(a[8]);
     if (PyErr_Occurred())
         return nullptr;
-    int64_t H = like->size(1), K = int_of(a[12]);
+    int64_t H = like->size(1), K = int_of(a[9]);
     if (PyErr_Occurred())
         return nullptr;
     bool fp8 = want & 1, wi = want & 2, i64 = want & 4, ww = want & 8, wr = want & 16,
@@ -264,6 +275,34 @@ PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
     return Py_BuildValue("(iNNNNNN)", rc, wrap(std::move(rx)), wrap_opt(fp8, std::move(rs)),
                          wrap_opt(wi, std::move(ri)), wrap_opt(ww, std::move(rw)),
                          wrap_opt(wr, std::move(rr)), wrap_opt(wt, std::move(rt)));
+}
+
+/* route_dispatch(ep, T, topk_idx_ptr, expert_alignment, stream,
+ * num_local_experts, like, recv_x_dtype, x, x_scales, stride0, stride1,
+ * topk_weights, stream, want, K): route's work, then on its route
+ * ht_dispatch's (a new routing's two calls in one, the host wait between
+ * them in the library). Returns route's tuple, extended with ht_dispatch's
+ * when the route was made whole: (0, route, num_recv, counts, status,
+ * the six outputs). */
+PyObject *route_dispatch(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("route_dispatch", n, 16))
+        return nullptr;
+    PyObject *rt = route(self, a, 6);
+    if (!rt || PyTuple_GET_SIZE(rt) != 4 || PyLong_AsLong(PyTuple_GET_ITEM(rt, 0)) != 0)
+        return rt;
+    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    ferry_route_t r = static_cast<ferry_route_t>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(rt, 1)));
+    int64_t nr = PyLong_AsLongLong(PyTuple_GET_ITEM(rt, 2));
+    PyObject *d = PyErr_Occurred() ? nullptr : dispatch_outputs(ep, r, nr, a + 6);
+    if (!d) {
+        Py_DECREF(rt);
+        return nullptr;
+    }
+    PyObject *both = PySequence_Concat(rt, d);
+    Py_DECREF(rt);
+    Py_DECREF(d);
+    return both;
 }
 
 /* ht_combine(ep, route, T, K, like, y, topk_weights, want_w, stream,
@@ -315,6 +354,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "get_dispatch_layout's outputs and ferry_dispatch_layout"},
     {"route", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(route)),
      METH_FASTCALL, "ferry_route_create and ferry_route_counts of an exact route"},
+    {"route_dispatch",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(route_dispatch)),
+     METH_FASTCALL, "route, then ht_dispatch on it"},
     {"ht_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_dispatch)),
      METH_FASTCALL, "a dispatch's outputs and ferry_ht_dispatch"},
     {"ht_combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_combine)),
