@@ -8,7 +8,8 @@
  * addresses of its functions that the Python package hands over (init),
  * so that it uses the library the package loaded.
  *
- * Every argument is checked by the Python caller (ferry/_ep.py,
+ * ATen's errors (an allocation that fails: torch.OutOfMemoryError) are
+ * raised as torch raises them. Every argument is checked by the Python caller (ferry/_ep.py,
  * ferry/_deep_ep_common.py) before it gets here; this module only makes
  * tensors and fills the structs of ferry.h. Errors come back as libferry's
  * status (the caller raises FerryError with the context's message).
@@ -21,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -113,6 +115,7 @@ PyObject *init(PyObject *, PyObject *const *a, Py_ssize_t n)
  * topk_idx: contiguous int64 [T, K]; device: ferry_device_t */
 PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (!check_args("layout", n, 6))
         return nullptr;
     const at::Tensor *idx = tensor_of("layout", a[0]);
@@ -156,6 +159,7 @@ PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
     PyObject *pn = M ? wrap(std::move(per_node)) : (Py_INCREF(Py_None), Py_None);
     return Py_BuildValue("(iNNNN)", 0, wrap(std::move(per_rank)), wrap(std::move(per_expert)),
                          wrap(std::move(in_rank)), pn);
+    END_HANDLE_TH_ERRORS
 }
 
 /* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
@@ -220,6 +224,7 @@ PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
  * made, ferry_ht_dispatch called; (status, the six outputs) */
 PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
 {
+    HANDLE_TH_ERRORS
     const at::Tensor *like = tensor_of("ht_dispatch", a[0]);
     if (!like)
         return nullptr;
@@ -275,6 +280,7 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
     return Py_BuildValue("(iNNNNNN)", rc, wrap(std::move(rx)), wrap_opt(fp8, std::move(rs)),
                          wrap_opt(wi, std::move(ri)), wrap_opt(ww, std::move(rw)),
                          wrap_opt(wr, std::move(rr)), wrap_opt(wt, std::move(rt)));
+    END_HANDLE_TH_ERRORS
 }
 
 /* route_dispatch(ep, T, topk_idx_ptr, expert_alignment, stream,
@@ -311,6 +317,7 @@ PyObject *route_dispatch(PyObject *self, PyObject *const *a, Py_ssize_t n)
  * made like `like`, then ferry_ht_combine. Pointers as in ht_dispatch. */
 PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (!check_args("ht_combine", n, 13))
         return nullptr;
     ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
@@ -345,9 +352,48 @@ PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
     rc = g_ht_combine(ep, r, &in, &out);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(iNN)", rc, wrap(std::move(o)), wrap_opt(want_w, std::move(w)));
+    END_HANDLE_TH_ERRORS
+}
+
+/* record_streams(tensors, stream_id, device_index, device_type): each
+ * torch tensor of the sequence (None and others skipped) recorded for the
+ * stream (Tensor.record_stream: the caching allocator keeps its memory
+ * until the work queued there so far is done); the stream as
+ * torch.Stream's stream_id, device_index and device_type */
+PyObject *record_streams(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!check_args("record_streams", n, 4))
+        return nullptr;
+    long long sid = int_of(a[1]), di = int_of(a[2]), dt = int_of(a[3]);
+    if (PyErr_Occurred())
+        return nullptr;
+    /* the sequence released however this returns (ATen may throw) */
+    struct Seq {
+        PyObject *o;
+        ~Seq() { Py_XDECREF(o); }
+    } seq = {PySequence_Fast(a[0], "ferry._torchext.record_streams: expected a sequence")};
+    if (!seq.o)
+        return nullptr;
+    c10::Stream s = c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
+                                         static_cast<c10::DeviceIndex>(di),
+                                         static_cast<c10::DeviceType>(dt));
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq.o);
+    PyObject **items = PySequence_Fast_ITEMS(seq.o);
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (THPVariable_Check(items[i])) {
+            const at::Tensor &t = THPVariable_Unpack(items[i]);
+            if (t.defined() && t.device() == s.device())
+                t.record_stream(s);
+        }
+    Py_RETURN_NONE;
+    END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {
+    {"record_streams",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_streams)),
+     METH_FASTCALL, "Tensor.record_stream of each tensor of a sequence"},
     {"init", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(init)),
      METH_FASTCALL, "init(layout, route_create, route_counts, ht_dispatch, ht_combine)"},
     {"layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layout)),
