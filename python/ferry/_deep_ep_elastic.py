@@ -11,7 +11,7 @@ import torch
 
 from ._deep_ep_common import EventOverlap as _V1Event
 from ._deep_ep_common import _plain_torch, _tensor
-from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route, _record
+from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route
 
 _ALIGN_BYTES = 2 << 20
 _MAX_TOPK_CONTEXT = 16  # most slots per token in a ferry context (FR_MAX_TOPK)  # DeepEP 2's buffer sizes are 2 MiB multiples
@@ -153,7 +153,9 @@ def _on_stream(st, dev, fn, args):
     with torch.cuda.stream(st):
         out = fn(*args)
     cur.wait_stream(st)
-    _record(tuple(out.values()), cur)
+    for t in out.values():
+        if isinstance(t, torch.Tensor):
+            t.record_stream(cur)
     return out
 
 

@@ -5,7 +5,7 @@ import warnings
 import torch
 
 from ._arrays import _stream_of
-from ._core import _lib_version, _torchext
+from ._core import _lib_version
 from ._deep_ep_common import (EP, EventOverlap, FerryError, _HT_MAX_TOKENS, _HtHandle,
                               _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
                               _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
@@ -125,20 +125,6 @@ def _ht_route_dispatch(ep, routing, align, xt, xs, w, call, src_rank):
     return route, dict(zip(EP._HT_OUTS, r[5:]))
 
 
-def _record(tensors, stream):
-    """record_stream(stream) of each CUDA tensor of tensors on stream's
-    device (others and None skipped): in one call of ferry._torchext where
-    it is built (a record from Python costs the host about 5 us)."""
-    ext = _torchext()
-    if ext is not None:
-        ext.record_streams(tensors, stream.stream_id, stream.device_index, stream.device_type)
-        return
-    dev = stream.device
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device == dev:
-            t.record_stream(stream)
-
-
 class _Call:
     """One normal-mode call's streams (Buffer._call). `with call:` makes
     the comm stream current (ferry's launches and the call's own torch
@@ -187,14 +173,18 @@ class _Call:
         there."""
         if self.comm is None:
             return _event_after(self.like) if self.async_finish else _no_event()
-        _record(made, self.compute)
+        for t in made:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(self.compute)
         if self.on_host:  # finished on the host (_call)
             self.comm.synchronize()
             return _no_event()
         if not self.async_finish:
             self.compute.wait_stream(self.comm)
             return _no_event()
-        _record(read, self.comm)
+        for t in read:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.comm)
         ev = torch.cuda.Event()
         ev.record(self.comm)
         return EventOverlap(ev)

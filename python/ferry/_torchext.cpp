@@ -355,45 +355,7 @@ PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
-/* record_streams(tensors, stream_id, device_index, device_type): each
- * torch tensor of the sequence (None and others skipped) recorded for the
- * stream (Tensor.record_stream: the caching allocator keeps its memory
- * until the work queued there so far is done); the stream as
- * torch.Stream's stream_id, device_index and device_type */
-PyObject *record_streams(PyObject *, PyObject *const *a, Py_ssize_t n)
-{
-    HANDLE_TH_ERRORS
-    if (!check_args("record_streams", n, 4))
-        return nullptr;
-    long long sid = int_of(a[1]), di = int_of(a[2]), dt = int_of(a[3]);
-    if (PyErr_Occurred())
-        return nullptr;
-    /* the sequence released however this returns (ATen may throw) */
-    struct Seq {
-        PyObject *o;
-        ~Seq() { Py_XDECREF(o); }
-    } seq = {PySequence_Fast(a[0], "ferry._torchext.record_streams: expected a sequence")};
-    if (!seq.o)
-        return nullptr;
-    c10::Stream s = c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
-                                         static_cast<c10::DeviceIndex>(di),
-                                         static_cast<c10::DeviceType>(dt));
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq.o);
-    PyObject **items = PySequence_Fast_ITEMS(seq.o);
-    for (Py_ssize_t i = 0; i < m; i++)
-        if (THPVariable_Check(items[i])) {
-            const at::Tensor &t = THPVariable_Unpack(items[i]);
-            if (t.defined() && t.device() == s.device())
-                t.record_stream(s);
-        }
-    Py_RETURN_NONE;
-    END_HANDLE_TH_ERRORS
-}
-
 PyMethodDef methods[] = {
-    {"record_streams",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_streams)),
-     METH_FASTCALL, "Tensor.record_stream of each tensor of a sequence"},
     {"init", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(init)),
      METH_FASTCALL, "init(layout, route_create, route_counts, ht_dispatch, ht_combine)"},
     {"layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layout)),
