@@ -8,11 +8,12 @@
  * addresses of its functions that the Python package hands over (init),
  * so that it uses the library the package loaded.
  *
- * ATen's errors (an allocation that fails: torch.OutOfMemoryError) are
- * raised as torch raises them. Every argument is checked by the Python caller (ferry/_ep.py,
- * ferry/_deep_ep_common.py) before it gets here; this module only makes
- * tensors and fills the structs of ferry.h. Errors come back as libferry's
- * status (the caller raises FerryError with the context's message).
+ * Every argument is checked by the Python caller (ferry/_ep.py,
+ * ferry/_deep_ep_common.py, ferry/_deep_ep_normal.py) before it gets
+ * here; this module only makes tensors and fills the structs of ferry.h.
+ * libferry's errors come back as its status (the caller raises FerryError
+ * with the context's message); ATen's (an allocation that fails:
+ * torch.OutOfMemoryError) are raised as torch raises them.
  *
  * Built by `make pyext` (needs torch's headers; Makefile) into
  * python/ferry/; without it the Python package takes its own path
