@@ -38,9 +38,10 @@ def _lib_version():
 
 
 _EXT = None
+_EXT_ERR = None  # why FERRY_TORCH_EXT=1 cannot be served (raised on every call)
 #: libferry's functions ferry._torchext calls, in its init's order
 _EXT_FNS = ("ferry_dispatch_layout", "ferry_route_create", "ferry_route_counts",
-            "ferry_ht_dispatch", "ferry_ht_combine")
+            "ferry_ht_dispatch", "ferry_ht_combine", "ferry_route_destroy")
 
 
 def _torchext():
@@ -50,7 +51,7 @@ def _torchext():
     leaves it unused; =1 makes its absence an error (else the Python path
     runs, as it does with a library older than 0.1.2). Called with torch
     imported."""
-    global _EXT
+    global _EXT, _EXT_ERR
     if _EXT is None:
         _EXT = False
         want = os.environ.get("FERRY_TORCH_EXT", "")
@@ -58,15 +59,23 @@ def _torchext():
             try:
                 from . import _torchext as m
             except ImportError as e:
-                if want == "1":
-                    raise ImportError(f"FERRY_TORCH_EXT=1, but ferry._torchext does not load "
-                                      f"({e}): build it with `make pyext` against this "
-                                      f"torch") from e
+                _EXT_ERR = ImportError(f"FERRY_TORCH_EXT=1, but ferry._torchext does not "
+                                       f"load ({e}): build it with `make pyext` against "
+                                       f"this torch")
                 m = None
-            if m is not None and _lib_version() >= (0, 1, 2):
+            if m is not None and _lib_version() < (0, 1, 2):
+                _EXT_ERR = ImportError(f"FERRY_TORCH_EXT=1, but the loaded libferry "
+                                       f"({version()}) is older than 0.1.2, which "
+                                       f"ferry._torchext needs")
+                m = None
+            if m is not None:
                 lib = _lib_handle()
                 m.init(*(C.cast(getattr(lib, n), C.c_void_p).value for n in _EXT_FNS))
                 _EXT = m
+            if want != "1":
+                _EXT_ERR = None
+    if _EXT_ERR is not None:
+        raise _EXT_ERR
     return _EXT or None
 
 

@@ -115,7 +115,7 @@ def _ht_route_dispatch(ep, routing, align, xt, xs, w, call, src_rank):
                            xt.dtype, xt.data_ptr(), None if xs is None else xs.data_ptr(),
                            sst[0], sst[1], None if w is None else w.data_ptr(), st,
                            (xs is not None) | 2 | 4 | (w is not None) << 3 | src_rank << 4 | 32,
-                           ep.topk)
+                           ep.topk, ep.hidden)
     if len(r) == 1:
         ep._check(r[0])
     route = ep._route_made(r[1], T, r[2], r[3])

@@ -626,7 +626,7 @@ class EP:
 
     def _route_made(self, h, T, num_recv, counts):
         """The Route of an exact route ferry._torchext made (h: its
-        address; counts: int32 bytes), among the open ones."""
+        address; counts: a bytearray of int32), among the open ones."""
         route = Route(self, C.c_void_p(h), T, made=(num_recv, counts))
         self._keep_route(route)
         return route
@@ -762,7 +762,7 @@ class EP:
         if ext is not None:  # the outputs made in C++ (xdt: a torch dtype here)
             o = ext.ht_dispatch(h.value, rh.value, n, like, xdt, px, ps, sst[0], sst[1], pw, st,
                                 fp8 | want[0] << 1 | (i64 and want[0]) << 2 | want[1] << 3 |
-                                want[2] << 4 | want[3] << 5, K)
+                                want[2] << 4 | want[3] << 5, K, H)
             self._check(o[0])
             return o[1:]
         if self._torch_io(like):
@@ -842,7 +842,7 @@ class EP:
         if ext is not None:  # the outputs made in C++
             o = ext.ht_combine(h.value, rh.value, T, K, like, py, pw, want_w, st,
                                int(bool(weights_sum)),
-                               pb[0], pb[1], order)
+                               pb[0], pb[1], order, H)
             self._check(o[0])
             return o[1], o[2]
         if self._torch_io(like):
@@ -940,7 +940,7 @@ class Route:
         if made is not None:  # (num_recv, counts as int32 bytes), read already
             self.num_recv_real = None
             self.num_recv = made[0]
-            self.expert_counts = np.frombuffer(made[1], np.int32)
+            self.expert_counts = np.frombuffer(made[1], np.int32)  # a bytearray: writable
             return
         n = C.c_int()
         if bounded is not None:  # the counts are in the outputs the route wrote

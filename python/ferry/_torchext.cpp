@@ -42,17 +42,33 @@ using ht_dispatch_fn = int (*)(ferry_ep_t, ferry_route_t, const ferry_ht_dispatc
                                const ferry_ht_dispatch_out_t *);
 using ht_combine_fn = int (*)(ferry_ep_t, ferry_route_t, const ferry_ht_combine_in_t *,
                               const ferry_ht_combine_out_t *);
+using route_destroy_fn = int (*)(ferry_route_t);
 
 layout_fn g_layout;
 route_create_fn g_route_create;
 route_counts_fn g_route_counts;
 ht_dispatch_fn g_ht_dispatch;
 ht_combine_fn g_ht_combine;
+route_destroy_fn g_route_destroy;
 
-/* a Python int (or None: NULL) as a pointer */
+/* a Python int, a ctypes pointer (its value) or None (NULL) as a
+ * pointer; else TypeError */
 void *ptr_of(PyObject *o)
 {
-    return o == Py_None ? nullptr : PyLong_AsVoidPtr(o);
+    if (o == Py_None)
+        return nullptr;
+    if (PyLong_Check(o))
+        return PyLong_AsVoidPtr(o);
+    PyObject *v = PyObject_GetAttrString(o, "value");
+    if (!v || (v != Py_None && !PyLong_Check(v))) {
+        Py_XDECREF(v);
+        PyErr_Format(PyExc_TypeError, "ferry._torchext: expected an address (an int or a "
+                     "ctypes pointer), got %s", Py_TYPE(o)->tp_name);
+        return nullptr;
+    }
+    void *p = v == Py_None ? nullptr : PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    return p;
 }
 
 long long int_of(PyObject *o)
@@ -95,17 +111,18 @@ void *data_of(const at::Tensor &t, bool made)
     return made && t.numel() ? t.data_ptr() : nullptr;
 }
 
-/* init(layout, route_create, route_counts, ht_dispatch, ht_combine): the
- * addresses of libferry's functions */
+/* init(layout, route_create, route_counts, ht_dispatch, ht_combine,
+ * route_destroy): the addresses of libferry's functions */
 PyObject *init(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("init", n, 5))
+    if (!check_args("init", n, 6))
         return nullptr;
     g_layout = reinterpret_cast<layout_fn>(ptr_of(a[0]));
     g_route_create = reinterpret_cast<route_create_fn>(ptr_of(a[1]));
     g_route_counts = reinterpret_cast<route_counts_fn>(ptr_of(a[2]));
     g_ht_dispatch = reinterpret_cast<ht_dispatch_fn>(ptr_of(a[3]));
     g_ht_combine = reinterpret_cast<ht_combine_fn>(ptr_of(a[4]));
+    g_route_destroy = reinterpret_cast<route_destroy_fn>(ptr_of(a[5]));
     if (PyErr_Occurred())
         return nullptr;
     Py_RETURN_NONE;
@@ -164,7 +181,7 @@ PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
 }
 
 /* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
- * -> (0, route, num_recv, counts: bytes of int32 [E_local]) or (status,):
+ * -> (0, route, num_recv, counts: a bytearray of int32 [E_local]) or (status,):
  * an exact route (ferry_route_create, then its counts) */
 PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
@@ -180,7 +197,7 @@ PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
     Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
     if (PyErr_Occurred())
         return nullptr;
-    PyObject *counts = PyBytes_FromStringAndSize(nullptr, el * (Py_ssize_t)sizeof(int32_t));
+    PyObject *counts = PyByteArray_FromStringAndSize(nullptr, el * (Py_ssize_t)sizeof(int32_t));
     if (!counts)
         return nullptr;
     ferry_route_t r = nullptr;
@@ -188,7 +205,7 @@ PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
     Py_BEGIN_ALLOW_THREADS
     rc = g_route_create(ep, &in, &r);
     if (rc == 0)
-        rc = g_route_counts(r, &num_recv, reinterpret_cast<int32_t *>(PyBytes_AS_STRING(counts)));
+        rc = g_route_counts(r, &num_recv, reinterpret_cast<int32_t *>(PyByteArray_AS_STRING(counts)));
     Py_END_ALLOW_THREADS
     if (rc != 0 && !r) {
         Py_DECREF(counts);
@@ -199,19 +216,20 @@ PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
 }
 
 /* ht_dispatch(ep, route, num_recv, like, recv_x_dtype, x, x_scales,
- * stride0, stride1, topk_weights, stream, want, K) -> (status, recv_x,
+ * stride0, stride1, topk_weights, stream, want, K, H) -> (status, recv_x,
  * recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_rank,
  * recv_src_token): the outputs made like `like` (its device; recv_x
- * [num_recv, like.shape[1]] of recv_x_dtype), then ferry_ht_dispatch.
+ * [num_recv, H] of recv_x_dtype), then ferry_ht_dispatch.
  * x, x_scales, topk_weights: pointers (None: not given). want: bits, 1
  * fp8 (recv_x_scales), 2 recv_topk_idx, 4 as int64, 8 recv_topk_weights,
- * 16 recv_src_rank, 32 recv_src_token; K the context's top-k. The outputs are returned whatever
+ * 16 recv_src_rank, 32 recv_src_token; K and H the context's top-k and
+ * hidden size. The outputs are returned whatever
  * the status (unwritten when it is not 0). */
 PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a);
 
 PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("ht_dispatch", n, 13))
+    if (!check_args("ht_dispatch", n, 14))
         return nullptr;
     ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
     ferry_route_t r = static_cast<ferry_route_t>(ptr_of(a[1]));
@@ -221,7 +239,7 @@ PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
     return dispatch_outputs(ep, r, nr, a + 3);
 }
 
-/* ht_dispatch's work from `like` on (a[0] is like, a[9] K): the outputs
+/* ht_dispatch's work from `like` on (a[0] is like, a[9] K, a[10] H): the outputs
  * made, ferry_ht_dispatch called; (status, the six outputs) */
 PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
 {
@@ -246,7 +264,7 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
     long long want = int_of(a[8]);
     if (PyErr_Occurred())
         return nullptr;
-    int64_t H = like->size(1), K = int_of(a[9]);
+    int64_t K = int_of(a[9]), H = int_of(a[10]);
     if (PyErr_Occurred())
         return nullptr;
     bool fp8 = want & 1, wi = want & 2, i64 = want & 4, ww = want & 8, wr = want & 16,
@@ -286,14 +304,14 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
 
 /* route_dispatch(ep, T, topk_idx_ptr, expert_alignment, stream,
  * num_local_experts, like, recv_x_dtype, x, x_scales, stride0, stride1,
- * topk_weights, stream, want, K): route's work, then on its route
+ * topk_weights, stream, want, K, H): route's work, then on its route
  * ht_dispatch's (a new routing's two calls in one, the host wait between
  * them in the library). Returns route's tuple, extended with ht_dispatch's
  * when the route was made whole: (0, route, num_recv, counts, status,
  * the six outputs). */
 PyObject *route_dispatch(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("route_dispatch", n, 16))
+    if (!check_args("route_dispatch", n, 17))
         return nullptr;
     PyObject *rt = route(self, a, 6);
     if (!rt || PyTuple_GET_SIZE(rt) != 4 || PyLong_AsLong(PyTuple_GET_ITEM(rt, 0)) != 0)
@@ -302,24 +320,22 @@ PyObject *route_dispatch(PyObject *self, PyObject *const *a, Py_ssize_t n)
     ferry_route_t r = static_cast<ferry_route_t>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(rt, 1)));
     int64_t nr = PyLong_AsLongLong(PyTuple_GET_ITEM(rt, 2));
     PyObject *d = PyErr_Occurred() ? nullptr : dispatch_outputs(ep, r, nr, a + 6);
-    if (!d) {
-        Py_DECREF(rt);
-        return nullptr;
-    }
-    PyObject *both = PySequence_Concat(rt, d);
+    PyObject *both = d ? PySequence_Concat(rt, d) : nullptr;
     Py_DECREF(rt);
-    Py_DECREF(d);
+    Py_XDECREF(d);
+    if (!both) /* the route goes with the error (Python never saw it) */
+        g_route_destroy(r);
     return both;
 }
 
 /* ht_combine(ep, route, T, K, like, y, topk_weights, want_w, stream,
- * weights_sum, bias0, bias1, order) -> (status, out, weights or None):
- * out [T, like.shape[1]] bf16 (and [T, K] float32 weights with want_w)
+ * weights_sum, bias0, bias1, order, H) -> (status, out, weights or None):
+ * out [T, H] bf16 (and [T, K] float32 weights with want_w)
  * made like `like`, then ferry_ht_combine. Pointers as in ht_dispatch. */
 PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
-    if (!check_args("ht_combine", n, 13))
+    if (!check_args("ht_combine", n, 14))
         return nullptr;
     ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
     ferry_route_t r = static_cast<ferry_route_t>(ptr_of(a[1]));
@@ -337,10 +353,11 @@ PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
     in.bias[0] = ptr_of(a[10]);
     in.bias[1] = ptr_of(a[11]);
     in.sum_order = (int)int_of(a[12]);
+    int64_t H = int_of(a[13]);
     if (PyErr_Occurred())
         return nullptr;
     auto opt = like->options();
-    at::Tensor o = at::empty({T, like->size(1)}, opt.dtype(at::kBFloat16));
+    at::Tensor o = at::empty({T, H}, opt.dtype(at::kBFloat16));
     at::Tensor w;
     if (want_w)
         w = at::empty({T, K}, opt.dtype(at::kFloat));

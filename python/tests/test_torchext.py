@@ -117,6 +117,10 @@ def rank_main(rank, N, port, q):
             idx, w, x, bias, sc = routing(rank, rnd, T, dev)
             fp8 = rnd % 2 == 1
             got = one_round(buf, idx, w, x, bias, sc, fp8)
+            # the route's per-expert counts stay a writable numpy array
+            ec = buf._eps[next(iter(buf._eps))]._routes[-1].expert_counts
+            if not ec.flags.writeable:
+                fails.append(f"round {rnd}: route.expert_counts is read-only")
             _core._EXT = False  # the Python path, the same inputs
             try:
                 want = one_round(buf, idx, w, x, bias, sc, fp8)
