@@ -18,8 +18,9 @@ share in parentheses):
   gpu         from combine's return to the end of a synchronize
 
 With ferry._torchext built (make pyext) the library is called from C++
-and its share is not separated (FERRY_TORCH_EXT=0 times the Python path,
-with it). p50 over --iters rounds per rank, each rank's row printed. Each round's
+and its share is not separated, and a new routing's route and outputs
+are one call (route holds both, outputs shows -); FERRY_TORCH_EXT=0
+times the Python path, with the library's share. p50 over --iters rounds per rank, each rank's row printed. Each round's
 result is checked (the combine of the received rows unchanged is x times
 the number of ranks the token went to: #wrong).
 
@@ -60,6 +61,7 @@ def wrap_ferry(rec):
         setattr(obj, name, g)
     wrap(_ep.EP, "_route_run", "route")
     wrap(_ep.EP, "_ht_dispatch_run", "outputs")
+    wrap(_deep_ep_normal, "_ht_route_dispatch", "route+outputs")
     real = _core._lib_handle()
 
     class Lib:  # the library, its calls timed
@@ -139,10 +141,13 @@ def rank_main(rank, N, port, args, q):
                            .any(1).sum())
                 d = {"layout": t1 - t0, "dispatch": t2 - t1, "combine": t3 - t2,
                      "gpu": t4 - t3}
-                if name == "ferry":
+                if name == "ferry" and "route" in rec:
                     (a, b), = rec["route"]
                     (c, e), = rec["outputs"]
                     d.update(pre=a - t1, route=b - a, outputs=e - c)
+                elif name == "ferry":  # one call of ferry._torchext: route holds both
+                    (a, b), = rec["route+outputs"]
+                    d.update(pre=a - t1, route=b - a)
                     for k, f in LIB.items():
                         if f in rec:  # through ctypes (not ferry._torchext)
                             d["lib_" + k] = sum(v - u for u, v in rec[f])
