@@ -6,7 +6,7 @@ import torch
 
 from ._arrays import _stream_of
 from ._core import _lib_version
-from ._deep_ep_common import (EP, EventOverlap, FerryError, _HT_MAX_TOKENS, _HtHandle,
+from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
                               _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
                               _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
                               _tensor)
@@ -27,15 +27,25 @@ class _On:
 _LAYOUT_ON = {True: _On("cuda"), False: _On("cpu")}
 
 
+def _off_ep(ep, dev):
+    """dev is not the context's device (type, and index on CUDA)."""
+    return dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index)
+
+
+def _call_stream(ep, call, t):
+    """The stream handle of call's launches for ferry: the comm stream's,
+    else t's current stream on CUDA contexts (None on CPU)."""
+    if call.stream is not None:
+        return call.stream
+    return _stream_of(t, None) if ep.device == "cuda" else None
+
+
 def _ht_route(ep, routing, align, call, max_recv):
     """ep.route of routing, a contiguous int64 [T, K] tensor (checked by the
     caller), without its checks when it is on the context's device."""
-    dev = routing.device
-    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index) \
-            or max_recv < 0:
+    if _off_ep(ep, routing.device) or max_recv < 0:
         return ep.route(routing, align, stream=call.stream, max_recv=max_recv)
-    st = call.stream if call.stream is not None else _stream_of(routing, None) \
-        if ep.device == "cuda" else None
+    st = _call_stream(ep, call, routing)
     return ep._route_run(ep._ep(), routing, routing.shape[0], routing.data_ptr(), align, st,
                          max_recv)
 
@@ -48,15 +58,13 @@ def _ht_combine(ep, route, y, w, call, weights_sum, bias, order):
     if w is not None:
         w = w.contiguous()
     dev = y.device
-    if bias is not None or dev.type != ep.device or \
-            (ep._cuda_index is not None and dev.index != ep._cuda_index) or \
-            (w is not None and w.device != dev) or y.shape[0] != route.num_recv:
+    if bias is not None or _off_ep(ep, dev) or (w is not None and w.device != dev) or \
+            y.shape[0] != route.num_recv:
         out = ep.ht_combine(route, y, w, stream=call.stream, weights_sum=weights_sum,
                             bias=bias, sum_order=order)
         return out if w is not None else (out, None)
     pw = None if w is None else w.data_ptr() if route.num_recv else ep._given(y)
-    st = call.stream if call.stream is not None else _stream_of(y, None) \
-        if ep.device == "cuda" else None
+    st = _call_stream(ep, call, y)
     return ep._ht_combine_run(ep._ep(), route._handle(ep), route.num_tokens, y, y.data_ptr(),
                               pw, w is not None, st, weights_sum, (None, None),
                               1 if order == "slots" else 0)
@@ -70,9 +78,9 @@ def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
     ids, weights when given, source tokens; the source ranks with
     src_rank, which only the handle across nodes reads)."""
     dev = xt.device
-    if dev.type != ep.device or (ep._cuda_index is not None and dev.index != ep._cuda_index) \
-            or (xs is not None and xs.device != dev) or (w is not None and w.device != dev) \
-            or tuple(xt.shape) != (route.num_tokens, ep.hidden) or _lib_version() < (0, 1, 2):
+    if _off_ep(ep, dev) or (xs is not None and xs.device != dev) or \
+            (w is not None and w.device != dev) or \
+            tuple(xt.shape) != (route.num_tokens, ep.hidden) or _lib_version() < (0, 1, 2):
         outs = ("recv_topk_idx", "recv_topk_weights", "recv_src_token") + \
             (("recv_src_rank",) if src_rank else ())
         return ep.ht_dispatch(route, xt, xs, w, stream=call.stream, outputs=outs if new else (),
@@ -86,8 +94,7 @@ def _ht_dispatch(ep, route, xt, xs, w, call, new, src_rank):
             sst = _elem_strides(xs)
     if w is not None:
         pw = w.data_ptr() if T else ep._given(xt)
-    st = call.stream if call.stream is not None else _stream_of(xt, None) \
-        if ep.device == "cuda" else None
+    st = _call_stream(ep, call, xt)
     o = ep._ht_dispatch_run(ep._ep(), route._handle(ep), route.num_recv, xt, px, ps, sst, pw,
                             st, xt.dtype, xs is not None, True,
                             (new, new and w is not None, src_rank, new))
@@ -102,25 +109,18 @@ def _ht_route_dispatch(ep, routing, align, xt, xs, w, call, src_rank):
     ext = ep._ext(xt)
     dev = xt.device
     T = xt.shape[0]
-    if ext is None or not T or dev.type != ep.device or \
-            (ep._cuda_index is not None and dev.index != ep._cuda_index) or \
-            routing.device != dev or (xs is not None and xs.device != dev) or \
-            (w is not None and w.device != dev):
+    if ext is None or not T or _off_ep(ep, dev) or routing.device != dev or \
+            (xs is not None and xs.device != dev) or (w is not None and w.device != dev):
         return None
     sst = _elem_strides(xs) if xs is not None and not xs.is_contiguous() else (0, 0)
-    st = call.stream if call.stream is not None else _stream_of(xt, None) \
-        if ep.device == "cuda" else None
+    st = _call_stream(ep, call, xt)
     h = ep._ep().value
     r = ext.route_dispatch(h, T, routing.data_ptr(), align, st, ep.num_local_experts, xt,
                            xt.dtype, xt.data_ptr(), None if xs is None else xs.data_ptr(),
                            sst[0], sst[1], None if w is None else w.data_ptr(), st,
                            (xs is not None) | 2 | 4 | (w is not None) << 3 | src_rank << 4 | 32,
                            ep.topk, ep.hidden)
-    if len(r) == 1:
-        ep._check(r[0])
-    route = ep._route_made(r[1], T, r[2], r[3])
-    if r[0]:
-        raise FerryError(r[0], "ferry_route_counts failed")
+    route = ep._route_made(r, T)
     ep._check(r[4])
     return route, dict(zip(EP._HT_OUTS, r[5:]))
 
@@ -321,7 +321,7 @@ class _Normal:
             per_rank, per_expert, is_token_in_rank, per_node = _layout_c(
                 topk_idx, num_experts, N, rpn)
         if nodes > 1 and per_node is None:
-            hit = torch.zeros((is_token_in_rank.shape[0], rt.get_num_rdma_ranks()),
+            hit = torch.zeros((is_token_in_rank.shape[0], nodes),
                               dtype=torch.int32, device=topk_idx.device)
             hit.index_add_(1, rt._nodes_on(topk_idx.device), is_token_in_rank.to(torch.int32))
             per_node = (hit > 0).sum(0, dtype=torch.int32)

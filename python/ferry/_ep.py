@@ -606,13 +606,8 @@ class EP:
         nout = eout = None
         ext = None if max_recv else self._ext(like)
         if ext is not None:  # route_create and its counts from C++
-            r = ext.route(h.value, T, p, expert_alignment, st, self.num_local_experts)
-            if len(r) == 1:
-                self._check(r[0])
-            route = self._route_made(r[1], T, r[2], r[3])
-            if r[0]:
-                raise FerryError(r[0], "ferry_route_counts failed")
-            return route
+            return self._route_made(
+                ext.route(h.value, T, p, expert_alignment, st, self.num_local_experts), T)
         if max_recv:
             new = lambda shape: self._ht_new(like, shape, _I32)  # noqa: E731
             nout, eout = new((1,)), new((self.num_local_experts,))
@@ -624,11 +619,18 @@ class EP:
         self._keep_route(route)
         return route
 
-    def _route_made(self, h, T, num_recv, counts):
-        """The Route of an exact route ferry._torchext made (h: its
-        address; counts: a bytearray of int32), among the open ones."""
-        route = Route(self, C.c_void_p(h), T, made=(num_recv, counts))
+    def _route_made(self, r, T):
+        """The Route of an exact route from ferry._torchext's route (or
+        route_dispatch): r = (status, address, num_recv, counts as a
+        bytearray of int32, ...), or (status,) when no route was made
+        (raised). The route is among the open ones before a failure of
+        its counts is raised."""
+        if len(r) == 1:
+            self._check(r[0])
+        route = Route(self, C.c_void_p(r[1]), T, made=(r[2], r[3]))
         self._keep_route(route)
+        if r[0]:
+            raise FerryError(r[0], "ferry_route_counts failed")
         return route
 
     def _keep_route(self, route):
@@ -641,7 +643,7 @@ class EP:
     def _ext(self, like):
         """ferry._torchext for an HT call whose tensors are torch ones on
         this context's device (like: one of them), else None."""
-        return _torchext() if self.device == "cuda" or _torch_like(like) else None
+        return _torchext() if self._torch_io(like) else None
 
     def _torch_io(self, like):
         """An HT call's outputs are torch tensors on `like`'s device: on CUDA

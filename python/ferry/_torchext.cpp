@@ -27,7 +27,6 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
-#include <vector>
 
 extern "C" {
 #include "ferry.h"
