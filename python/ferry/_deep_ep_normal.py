@@ -5,12 +5,16 @@ import warnings
 import torch
 
 from ._arrays import _stream_of
-from ._core import _lib_version
+from ._core import _lib_version, _torchext
 from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
                               _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
                               _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
                               _tensor)
 
+
+#: the current stream's handle on a CUDA device (an index), without a Stream object
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 #: most experts (slots) per token in a ferry context (FR_MAX_TOPK)
 _MAX_TOPK = 16
@@ -113,16 +117,25 @@ def _ht_route_dispatch(ep, routing, align, xt, xs, w, call, src_rank):
             (xs is not None and xs.device != dev) or (w is not None and w.device != dev):
         return None
     sst = _elem_strides(xs) if xs is not None and not xs.is_contiguous() else (0, 0)
-    st = _call_stream(ep, call, xt)
-    h = ep._ep().value
-    r = ext.route_dispatch(h, T, routing.data_ptr(), align, st, ep.num_local_experts, xt,
-                           xt.dtype, xt.data_ptr(), None if xs is None else xs.data_ptr(),
-                           sst[0], sst[1], None if w is None else w.data_ptr(), st,
+    route, o = _route_dispatch_run(ep, ext, routing, align, xt, xs, sst, w,
+                                   _call_stream(ep, call, xt), src_rank)
+    return route, dict(zip(EP._HT_OUTS, o))
+
+
+def _route_dispatch_run(ep, ext, routing, align, xt, xs, sst, w, st, src_rank):
+    """ferry._torchext's route_dispatch on checked arguments (T > 0, all on
+    the context's device; sst: the scales' element strides or (0, 0)):
+    (route, the six outputs in EP._HT_OUTS's order)."""
+    T = xt.shape[0]
+    r = ext.route_dispatch(ep._ep().value, T, routing.data_ptr(), align, st,
+                           ep.num_local_experts, xt, xt.dtype, xt.data_ptr(),
+                           None if xs is None else xs.data_ptr(), sst[0], sst[1],
+                           None if w is None else w.data_ptr(), st,
                            (xs is not None) | 2 | 4 | (w is not None) << 3 | src_rank << 4 | 32,
                            ep.topk, ep.hidden)
     route = ep._route_made(r, T)
     ep._check(r[4])
-    return route, dict(zip(EP._HT_OUTS, r[5:]))
+    return route, r[5:]
 
 
 class _Call:
@@ -196,6 +209,10 @@ _PLAIN = _Call(None, None, False, False, None)
 
 class _Normal:
     """The normal (high-throughput) mode of deep_ep.Buffer."""
+
+    #: (context, its tuple for ferry._torchext's new_plain, config, across nodes) of
+    #: the last plain dispatch of a new routing (_new_plain), or None
+    _plain_ctx = None
 
     def _ht_sms_check(self, ep, sms, what):
         """A normal-mode context's SMs are fixed when it is made (its rings
@@ -343,6 +360,13 @@ class _Normal:
         (num_tokens_per_rank ...) are what get_dispatch_layout returned;
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""
+        if handle is None and previous_event is None and not async_finish and \
+                not allocate_on_comm_stream and not num_worst_tokens:
+            r = self._new_plain(x, num_tokens_per_rank, is_token_in_rank,
+                                num_tokens_per_expert, topk_idx, topk_weights,
+                                expert_alignment, config)
+            if r is not None:
+                return r
         # passed to libferry as C ints (max_recv, expert_alignment of the route)
         if num_worst_tokens:
             num_worst_tokens = _lib.c_int(int(num_worst_tokens), "num_worst_tokens")
@@ -435,6 +459,8 @@ class _Normal:
                     call.settle()
                 else:
                     route, o = ro
+                    if call is _PLAIN and not by_rank and byte_dt is None:
+                        self._plain_made(ep, xt, config, internode)
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
                     per_rank, _, _, in_rank = self._layout(routing, E)
@@ -477,6 +503,51 @@ class _Normal:
             if by_rank:
                 return recv_x, None, None, counts, handle, ev
             return recv_x, ridx, o["recv_topk_weights"], counts, handle, ev
+
+    def _new_plain(self, x, per_rank, in_rank, per_expert, topk_idx, w, align, config):
+        """dispatch of a new routing on the current stream (no event, no
+        bound) in one call of ferry._torchext (new_plain), on the context
+        the last such call used (_plain_ctx, set by the full path), where
+        every argument is one the full path takes as it is: checked in C++
+        (torch tensors on the context's device, contiguous, bf16 rows or
+        fp8 ones with float32 scales [T, H/128] row-major or strided, top-k
+        ids and weights [T, K], the layout's counts given). Returns
+        dispatch's 6-tuple, or None: the full path then (which converts,
+        makes another context, warns or raises)."""
+        fast = self._plain_ctx
+        if fast is None:
+            return None
+        ep, ctx, cfg, internode = fast
+        ext = _torchext()
+        if ext is None or not ep._h:  # switched off, or the context closed
+            return None
+        if config is not None and config is not cfg:
+            sms = self._config_sms(config, "dispatch")
+            if sms is not None and sms != ep.num_sms:
+                return None  # the full path warns
+        dev = ctx[5]
+        r = ext.new_plain(ctx, x, topk_idx, w, per_expert, per_rank, in_rank, align,
+                          _RAW_STREAM(dev) if dev >= 0 else None)
+        if r is None:
+            return None
+        T = topk_idx.shape[0]
+        route = ep._route_made(r, T)
+        ep._check(r[4])
+        handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
+        handle._prefix_of = (self, per_rank)
+        if internode:
+            handle.ep_nodes = list(self.runtime._node_of)
+        handle.src_rank, handle.src_idx = r[9], r[10]
+        return (r[5] if r[6] is None else (r[5], r[6]), r[7], r[8],
+                route.expert_counts.tolist(), handle, _no_event())
+
+    def _plain_made(self, ep, xt, config, internode):
+        """The full path made a new routing's plain dispatch in one call of
+        ferry._torchext on ep: the next ones go through _new_plain."""
+        dev = xt.device.index if ep.device == "cuda" else -1
+        self._plain_ctx = (ep, (
+            ep._ep().value, self.group_size, ep.num_local_experts, ep.topk, ep.hidden,
+            -1 if dev is None else dev, 2 | 4 | 32 | internode << 4), config, internode)
 
     @staticmethod
     def _rank_routing(in_rank, E):

@@ -182,20 +182,8 @@ PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
 /* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
  * -> (0, route, num_recv, counts: a bytearray of int32 [E_local]) or (status,):
  * an exact route (ferry_route_create, then its counts) */
-PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
+PyObject *route_c(ferry_ep_t ep, const ferry_route_in_t &in, Py_ssize_t el)
 {
-    if (!check_args("route", n, 6))
-        return nullptr;
-    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
-    ferry_route_in_t in = {};
-    in.size = sizeof(in);
-    in.num_tokens = (int)int_of(a[1]);
-    in.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
-    in.expert_alignment = (int)int_of(a[3]);
-    in.stream = ptr_of(a[4]);
-    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
-    if (PyErr_Occurred())
-        return nullptr;
     PyObject *counts = PyByteArray_FromStringAndSize(nullptr, el * (Py_ssize_t)sizeof(int32_t));
     if (!counts)
         return nullptr;
@@ -212,6 +200,23 @@ PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
     }
     /* a route made whose counts failed is still returned, to be closed */
     return Py_BuildValue("(iNiN)", rc, PyLong_FromVoidPtr(r), num_recv, counts);
+}
+
+PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("route", n, 6))
+        return nullptr;
+    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    ferry_route_in_t in = {};
+    in.size = sizeof(in);
+    in.num_tokens = (int)int_of(a[1]);
+    in.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
+    in.expert_alignment = (int)int_of(a[3]);
+    in.stream = ptr_of(a[4]);
+    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
+    if (PyErr_Occurred())
+        return nullptr;
+    return route_c(ep, in, el);
 }
 
 /* ht_dispatch(ep, route, num_recv, like, recv_x_dtype, x, x_scales,
@@ -238,37 +243,17 @@ PyObject *ht_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
     return dispatch_outputs(ep, r, nr, a + 3);
 }
 
-/* ht_dispatch's work from `like` on (a[0] is like, a[9] K, a[10] H): the outputs
- * made, ferry_ht_dispatch called; (status, the six outputs) */
-PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
+/* ht_dispatch's outputs made like `like` (recv_x [nr, H] of xdt; want's
+ * bits as in ht_dispatch), then ferry_ht_dispatch of `in` on route r:
+ * (status, the six outputs) */
+PyObject *dispatch_c(ferry_ep_t ep, ferry_route_t r, int64_t nr, const at::Tensor &like,
+                     at::ScalarType xdt, const ferry_ht_dispatch_in_t &in, long long want,
+                     int64_t K, int64_t H)
 {
     HANDLE_TH_ERRORS
-    const at::Tensor *like = tensor_of("ht_dispatch", a[0]);
-    if (!like)
-        return nullptr;
-    if (!THPDtype_Check(a[1])) {
-        PyErr_SetString(PyExc_TypeError, "ferry._torchext.ht_dispatch: recv_x_dtype: expected "
-                        "a torch dtype");
-        return nullptr;
-    }
-    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[1])->scalar_type;
-    ferry_ht_dispatch_in_t in = {};
-    in.size = sizeof(in);
-    in.x = ptr_of(a[2]);
-    in.x_scales = static_cast<const float *>(ptr_of(a[3]));
-    in.x_scales_stride[0] = int_of(a[4]);
-    in.x_scales_stride[1] = int_of(a[5]);
-    in.topk_weights = static_cast<const float *>(ptr_of(a[6]));
-    in.stream = ptr_of(a[7]);
-    long long want = int_of(a[8]);
-    if (PyErr_Occurred())
-        return nullptr;
-    int64_t K = int_of(a[9]), H = int_of(a[10]);
-    if (PyErr_Occurred())
-        return nullptr;
     bool fp8 = want & 1, wi = want & 2, i64 = want & 4, ww = want & 8, wr = want & 16,
          wt = want & 32;
-    auto opt = like->options();
+    auto opt = like.options();
     at::Tensor rx = at::empty({nr, H}, opt.dtype(xdt));
     at::Tensor rs, ri, rw, rr, rt;
     if (fp8)
@@ -301,6 +286,57 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
     END_HANDLE_TH_ERRORS
 }
 
+/* ht_dispatch's work from `like` on (a[0] is like, a[9] K, a[10] H): the
+ * arguments read, then dispatch_c */
+PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
+{
+    const at::Tensor *like = tensor_of("ht_dispatch", a[0]);
+    if (!like)
+        return nullptr;
+    if (!THPDtype_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "ferry._torchext.ht_dispatch: recv_x_dtype: expected "
+                        "a torch dtype");
+        return nullptr;
+    }
+    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[1])->scalar_type;
+    ferry_ht_dispatch_in_t in = {};
+    in.size = sizeof(in);
+    in.x = ptr_of(a[2]);
+    in.x_scales = static_cast<const float *>(ptr_of(a[3]));
+    in.x_scales_stride[0] = int_of(a[4]);
+    in.x_scales_stride[1] = int_of(a[5]);
+    in.topk_weights = static_cast<const float *>(ptr_of(a[6]));
+    in.stream = ptr_of(a[7]);
+    long long want = int_of(a[8]);
+    int64_t K = int_of(a[9]), H = int_of(a[10]);
+    if (PyErr_Occurred())
+        return nullptr;
+    return dispatch_c(ep, r, nr, *like, xdt, in, want, K, H);
+}
+
+/* route_c's tuple extended with dispatch_c's once the route was made
+ * whole: (0, route, num_recv, counts, status, the six outputs); else
+ * route_c's. A failure after the route was made (Python never sees it)
+ * destroys the route. */
+PyObject *route_then_dispatch(ferry_ep_t ep, const ferry_route_in_t &rin, Py_ssize_t el,
+                              const at::Tensor &like, at::ScalarType xdt,
+                              const ferry_ht_dispatch_in_t &din, long long want, int64_t K,
+                              int64_t H)
+{
+    PyObject *rt = route_c(ep, rin, el);
+    if (!rt || PyTuple_GET_SIZE(rt) != 4 || PyLong_AsLong(PyTuple_GET_ITEM(rt, 0)) != 0)
+        return rt;
+    ferry_route_t r = static_cast<ferry_route_t>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(rt, 1)));
+    int64_t nr = PyLong_AsLongLong(PyTuple_GET_ITEM(rt, 2));
+    PyObject *d = PyErr_Occurred() ? nullptr : dispatch_c(ep, r, nr, like, xdt, din, want, K, H);
+    PyObject *both = d ? PySequence_Concat(rt, d) : nullptr;
+    Py_DECREF(rt);
+    Py_XDECREF(d);
+    if (!both)
+        g_route_destroy(r);
+    return both;
+}
+
 /* route_dispatch(ep, T, topk_idx_ptr, expert_alignment, stream,
  * num_local_experts, like, recv_x_dtype, x, x_scales, stride0, stride1,
  * topk_weights, stream, want, K, H): route's work, then on its route
@@ -308,23 +344,139 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
  * them in the library). Returns route's tuple, extended with ht_dispatch's
  * when the route was made whole: (0, route, num_recv, counts, status,
  * the six outputs). */
-PyObject *route_dispatch(PyObject *self, PyObject *const *a, Py_ssize_t n)
+PyObject *route_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
     if (!check_args("route_dispatch", n, 17))
         return nullptr;
-    PyObject *rt = route(self, a, 6);
-    if (!rt || PyTuple_GET_SIZE(rt) != 4 || PyLong_AsLong(PyTuple_GET_ITEM(rt, 0)) != 0)
-        return rt;
     ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
-    ferry_route_t r = static_cast<ferry_route_t>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(rt, 1)));
-    int64_t nr = PyLong_AsLongLong(PyTuple_GET_ITEM(rt, 2));
-    PyObject *d = PyErr_Occurred() ? nullptr : dispatch_outputs(ep, r, nr, a + 6);
-    PyObject *both = d ? PySequence_Concat(rt, d) : nullptr;
-    Py_DECREF(rt);
-    Py_XDECREF(d);
-    if (!both) /* the route goes with the error (Python never saw it) */
-        g_route_destroy(r);
-    return both;
+    ferry_route_in_t rin = {};
+    rin.size = sizeof(rin);
+    rin.num_tokens = (int)int_of(a[1]);
+    rin.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
+    rin.expert_alignment = (int)int_of(a[3]);
+    rin.stream = ptr_of(a[4]);
+    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
+    if (PyErr_Occurred())
+        return nullptr;
+    const at::Tensor *like = tensor_of("route_dispatch", a[6]);
+    if (!like)
+        return nullptr;
+    if (!THPDtype_Check(a[7])) {
+        PyErr_SetString(PyExc_TypeError, "ferry._torchext.route_dispatch: recv_x_dtype: "
+                        "expected a torch dtype");
+        return nullptr;
+    }
+    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[7])->scalar_type;
+    ferry_ht_dispatch_in_t din = {};
+    din.size = sizeof(din);
+    din.x = ptr_of(a[8]);
+    din.x_scales = static_cast<const float *>(ptr_of(a[9]));
+    din.x_scales_stride[0] = int_of(a[10]);
+    din.x_scales_stride[1] = int_of(a[11]);
+    din.topk_weights = static_cast<const float *>(ptr_of(a[12]));
+    din.stream = ptr_of(a[13]);
+    long long want = int_of(a[14]);
+    int64_t K = int_of(a[15]), H = int_of(a[16]);
+    if (PyErr_Occurred())
+        return nullptr;
+    return route_then_dispatch(ep, rin, el, *like, xdt, din, want, K, H);
+}
+
+/* a tensor argument of new_plain: a torch tensor of dtype dt, 2-D, contiguous
+ * (or not, where strided is allowed), on device dev (-1: the CPU, else
+ * that CUDA device), of rows T (any, when T < 0) */
+const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, int64_t cols,
+                            bool strided = false)
+{
+    if (!THPVariable_Check(o))
+        return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (t.scalar_type() != dt || t.dim() != 2 || (T >= 0 && t.size(0) != T) ||
+        t.size(1) != cols || (!strided && !t.is_contiguous()))
+        return nullptr;
+    const at::Device d = t.device();
+    if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
+        return nullptr;
+    return &t;
+}
+
+/* new_plain(ctx, x, topk_idx, topk_weights, per_expert, per_rank,
+ * in_rank, expert_alignment, stream): deep_ep's dispatch of a new routing
+ * on the current stream in one call, where every argument is one the
+ * Python path takes as it is (ferry/_deep_ep_normal.py, _new_plain);
+ * else None (the Python path then, which converts, warns or raises).
+ * ctx: (ep, N, E_local, K, H, device (-1: CPU), want) of the context the
+ * last such call used. Returns route_dispatch's tuple. */
+PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("new_plain", n, 9))
+        return nullptr;
+    PyObject *ctx = a[0];
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 7) {
+        PyErr_SetString(PyExc_TypeError, "ferry._torchext.new_plain: ctx: expected a 7-tuple");
+        return nullptr;
+    }
+    ferry_ep_t ep = static_cast<ferry_ep_t>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(ctx, 0)));
+    int64_t N = int_of(PyTuple_GET_ITEM(ctx, 1)), El = int_of(PyTuple_GET_ITEM(ctx, 2));
+    int64_t K = int_of(PyTuple_GET_ITEM(ctx, 3)), H = int_of(PyTuple_GET_ITEM(ctx, 4));
+    int dev = (int)int_of(PyTuple_GET_ITEM(ctx, 5));
+    long long want = int_of(PyTuple_GET_ITEM(ctx, 6));
+    long long align = PyLong_Check(a[7]) ? PyLong_AsLongLong(a[7]) : -1;
+    if (PyErr_Occurred())
+        return nullptr;
+    if (align < 1 || align > INT32_MAX || PyBool_Check(a[7]))
+        Py_RETURN_NONE;
+    /* x: bf16 rows, or (fp8 rows, float32 scales [T, H/128]) */
+    const at::Tensor *x, *xs = nullptr;
+    int64_t s0 = 0, s1 = 0;
+    if (PyTuple_Check(a[1])) {
+        if (PyTuple_GET_SIZE(a[1]) != 2 ||
+            !(x = plain_arg(PyTuple_GET_ITEM(a[1], 0), at::kFloat8_e4m3fn, dev, -1, H)) ||
+            !(xs = plain_arg(PyTuple_GET_ITEM(a[1], 1), at::kFloat, dev, x->size(0), H / 128,
+                             true)))
+            Py_RETURN_NONE;
+        if (!xs->is_contiguous()) { /* strided: element strides, each at least 1 */
+            s0 = xs->size(0) == 1 ? 1 : xs->stride(0);
+            s1 = xs->size(1) == 1 ? 1 : xs->stride(1);
+            if (s0 < 1 || s1 < 1)
+                Py_RETURN_NONE;
+        }
+        want |= 1;
+    } else if (!(x = plain_arg(a[1], at::kBFloat16, dev, -1, H)))
+        Py_RETURN_NONE;
+    int64_t T = x->size(0);
+    const at::Tensor *idx = plain_arg(a[2], at::kLong, dev, T, K), *w = nullptr;
+    if (!T || T > INT32_MAX || !idx)
+        Py_RETURN_NONE;
+    if (a[3] != Py_None) {
+        if (!(w = plain_arg(a[3], at::kFloat, dev, T, K)))
+            Py_RETURN_NONE;
+        want |= 8;
+    }
+    /* the layout's counts: per expert (E of them: E_local per rank), per
+     * rank (N), is_token_in_rank (a tensor, kept by the handle) */
+    if (!THPVariable_Check(a[4]) || THPVariable_Unpack(a[4]).numel() != El * N ||
+        !THPVariable_Check(a[5]) || THPVariable_Unpack(a[5]).numel() != N ||
+        !THPVariable_Check(a[6]))
+        Py_RETURN_NONE;
+    void *stream = ptr_of(a[8]);
+    if (PyErr_Occurred())
+        return nullptr;
+    ferry_route_in_t rin = {};
+    rin.size = sizeof(rin);
+    rin.num_tokens = (int)T;
+    rin.topk_idx = idx->data_ptr<int64_t>();
+    rin.expert_alignment = (int)align;
+    rin.stream = stream;
+    ferry_ht_dispatch_in_t din = {};
+    din.size = sizeof(din);
+    din.x = x->data_ptr();
+    din.x_scales = xs ? static_cast<const float *>(xs->data_ptr()) : nullptr;
+    din.x_scales_stride[0] = s0;
+    din.x_scales_stride[1] = s1;
+    din.topk_weights = w ? static_cast<const float *>(w->data_ptr()) : nullptr;
+    din.stream = stream;
+    return route_then_dispatch(ep, rin, (Py_ssize_t)El, *x, x->scalar_type(), din, want, K, H);
 }
 
 /* ht_combine(ep, route, T, K, like, y, topk_weights, want_w, stream,
@@ -382,6 +534,8 @@ PyMethodDef methods[] = {
     {"route_dispatch",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(route_dispatch)),
      METH_FASTCALL, "route, then ht_dispatch on it"},
+    {"new_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(new_plain)),
+     METH_FASTCALL, "deep_ep's plain dispatch of a new routing, or None"},
     {"ht_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_dispatch)),
      METH_FASTCALL, "a dispatch's outputs and ferry_ht_dispatch"},
     {"ht_combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ht_combine)),

@@ -112,11 +112,33 @@ def rank_main(rank, N, port, q):
             q.put((rank, fails))
             return
         buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0)
+        fast = []  # what each new_plain call gave: a tuple, or None (the full path)
+
+        class Counting:  # the module, its new_plain calls noted
+            def __getattr__(self, name):
+                f = getattr(ext, name)
+                if name != "new_plain":
+                    return f
+
+                def noted(*a):
+                    r = f(*a)
+                    fast.append(r is not None)
+                    return r
+                return noted
+        ext_on = Counting()
+        _core._EXT = ext_on
         for rnd in range(6):
             T = 0 if (rnd == 3 and rank == N - 1) else 24 + 8 * rnd + rank
             idx, w, x, bias, sc = routing(rank, rnd, T, dev)
             fp8 = rnd % 2 == 1
+            n_fast = len(fast)
             got = one_round(buf, idx, w, x, bias, sc, fp8)
+            # after the first round, a new routing's dispatch with tokens is one
+            # call of new_plain (bf16; fp8 with row-major scales on even T,
+            # column-major on odd)
+            if rnd > 0 and T and fast[n_fast:] != [True]:
+                fails.append(f"round {rnd} (T={T}): new_plain calls {fast[n_fast:]}, expected "
+                             f"one that made the dispatch")
             # the route's per-expert counts stay a writable numpy array
             ec = buf._eps[next(iter(buf._eps))]._routes[-1].expert_counts
             if not ec.flags.writeable:
@@ -125,7 +147,7 @@ def rank_main(rank, N, port, q):
             try:
                 want = one_round(buf, idx, w, x, bias, sc, fp8)
             finally:
-                _core._EXT = ext
+                _core._EXT = ext_on
             for k in got:
                 same(fails, f"round {rnd} ({'fp8' if fp8 else 'bf16'}, T={T}) {k}", got[k],
                      want[k])
