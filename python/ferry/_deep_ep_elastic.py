@@ -10,7 +10,7 @@ is not is listed in docs/python.md ("ElasticBuffer").
 import torch
 
 from ._deep_ep_common import EventOverlap as _V1Event
-from ._deep_ep_common import _plain_torch, _tensor
+from ._deep_ep_common import _plain_torch, _record, _tensor
 from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route
 
 _ALIGN_BYTES = 2 << 20
@@ -153,9 +153,7 @@ def _on_stream(st, dev, fn, args):
     with torch.cuda.stream(st):
         out = fn(*args)
     cur.wait_stream(st)
-    for t in out.values():
-        if isinstance(t, torch.Tensor):
-            t.record_stream(cur)
+    _record(tuple(out.values()), cur)
     return out
 
 

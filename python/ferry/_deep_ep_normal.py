@@ -9,7 +9,7 @@ from ._core import _lib_version, _torchext
 from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
                               _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
                               _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
-                              _tensor)
+                              _record, _tensor)
 
 
 #: the current stream's handle on a CUDA device (an index), without a Stream object
@@ -186,18 +186,14 @@ class _Call:
         there."""
         if self.comm is None:
             return _event_after(self.like) if self.async_finish else _no_event()
-        for t in made:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(self.compute)
+        _record(made, self.compute)
         if self.on_host:  # finished on the host (_call)
             self.comm.synchronize()
             return _no_event()
         if not self.async_finish:
             self.compute.wait_stream(self.comm)
             return _no_event()
-        for t in read:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(self.comm)
+        _record(read, self.comm)
         ev = torch.cuda.Event()
         ev.record(self.comm)
         return EventOverlap(ev)

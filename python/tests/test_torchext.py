@@ -95,6 +95,41 @@ def one_round(buf, idx, w, x, bias, sc, fp8):
                 combined_w=cw)
 
 
+def check_record(ext, dev, fails):
+    """ext.record: record_stream for the CUDA tensors given. On a GPU, a
+    block recorded for a stream that is still busy (torch.cuda._sleep) is
+    not handed out again when freed, where an unrecorded one is (the
+    control); CPU tensors and other objects are skipped; a bad argument is
+    a TypeError."""
+    n = 1 << 20
+    if dev.type == "cuda":
+        side = torch.cuda.Stream(device=dev)
+        for recorded in (False, True):
+            torch.cuda.synchronize(dev)
+            a = torch.empty(n, dtype=torch.uint8, device=dev)
+            p = a.data_ptr()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # the side stream busy for a while
+            if recorded:
+                ext.record(side.stream_id, side.device_index, side.device_type,
+                           (a, None, 3, torch.zeros(2)))
+            del a
+            b = torch.empty(n, dtype=torch.uint8, device=dev)
+            reused = b.data_ptr() == p
+            del b
+            if reused == recorded:
+                fails.append(f"record: a block {'recorded for' if recorded else 'not recorded for'}"
+                             f" a busy stream was {'' if reused else 'not '}handed out again")
+        torch.cuda.synchronize(dev)
+    else:
+        ext.record(0, -1, 0, (torch.zeros(2), None))  # CPU tensors: nothing to do
+    try:
+        ext.record(0, 0, 1, 5)
+        fails.append("record of a non-sequence: no error")
+    except TypeError:
+        pass
+
+
 def rank_main(rank, N, port, q):
     fails = []
     try:
@@ -151,6 +186,7 @@ def rank_main(rank, N, port, q):
             for k in got:
                 same(fails, f"round {rnd} ({'fp8' if fp8 else 'bf16'}, T={T}) {k}", got[k],
                      want[k])
+        check_record(ext, dev, fails)
         # a library error through the module: FerryError with its message
         try:
             _layout_c(torch.zeros((4, K), dtype=torch.int64, device=dev), 7, 2)
