@@ -13,9 +13,12 @@ layout counts and is_token_in_rank, recv_x (bf16, and fp8 with row-major
 and column-major scales), top-k ids and weights, per-expert counts, the
 handle's source tokens, combined rows and weights. Inputs: a different
 routing every round (Zipf-skewed experts, masked -1 slots, a rank with no
-tokens in one round), weights that do not sum to 1. Also checks that a
-library error through the module is a FerryError with the library's
-message. Exit 77 without torch (or on cuda without a GPU).
+tokens in one round), weights that do not sum to 1. After the first
+round each new routing's dispatch must be one call of new_plain (the plain
+call's C++ path). Also checks that a library error through the module is
+a FerryError with the library's message, and record (record_stream in
+C++): on a GPU a recorded block is not handed out again while its stream
+is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a GPU).
 """
 import os
 import sys
