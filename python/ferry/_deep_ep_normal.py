@@ -356,11 +356,11 @@ class _Normal:
         (num_tokens_per_rank ...) are what get_dispatch_layout returned;
         ferry works them out itself and does not read them. Rows arrive by
         source rank, then token."""
-        if handle is None and previous_event is None and not async_finish and \
-                not allocate_on_comm_stream and not num_worst_tokens:
+        if handle is None and not num_worst_tokens and self._plain_ctx is not None:
             r = self._new_plain(x, num_tokens_per_rank, is_token_in_rank,
                                 num_tokens_per_expert, topk_idx, topk_weights,
-                                expert_alignment, config)
+                                expert_alignment, config, previous_event, async_finish,
+                                allocate_on_comm_stream)
             if r is not None:
                 return r
         # passed to libferry as C ints (max_recv, expert_alignment of the route)
@@ -455,7 +455,7 @@ class _Normal:
                     call.settle()
                 else:
                     route, o = ro
-                    if call is _PLAIN and not by_rank and byte_dt is None:
+                    if not by_rank and byte_dt is None:  # the next ones: _new_plain
                         self._plain_made(ep, xt, config, internode)
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
@@ -500,20 +500,19 @@ class _Normal:
                 return recv_x, None, None, counts, handle, ev
             return recv_x, ridx, o["recv_topk_weights"], counts, handle, ev
 
-    def _new_plain(self, x, per_rank, in_rank, per_expert, topk_idx, w, align, config):
-        """dispatch of a new routing on the current stream (no event, no
-        bound) in one call of ferry._torchext (new_plain), on the context
-        the last such call used (_plain_ctx, set by the full path), where
-        every argument is one the full path takes as it is: checked in C++
-        (torch tensors on the context's device, contiguous, bf16 rows or
-        fp8 ones with float32 scales [T, H/128] row-major or strided, top-k
-        ids and weights [T, K], the layout's counts given). Returns
-        dispatch's 6-tuple, or None: the full path then (which converts,
-        makes another context, warns or raises)."""
-        fast = self._plain_ctx
-        if fast is None:
-            return None
-        ep, ctx, cfg, internode = fast
+    def _new_plain(self, x, per_rank, in_rank, per_expert, topk_idx, w, align, config,
+                   previous_event, async_finish, allocate_on_comm_stream):
+        """dispatch of a new routing without a bound in one call of
+        ferry._torchext (new_plain), on the context the last such call used
+        (_plain_ctx, set by the full path), where every argument is one the
+        full path takes as it is: checked in C++ (torch tensors on the
+        context's device, contiguous, bf16 rows or fp8 ones with float32
+        scales [T, H/128] row-major or strided, top-k ids and weights [T,
+        K], the layout's counts given). Its streams are _call's, as the full
+        path's: the outputs made on the comm stream where there is one.
+        Returns dispatch's 6-tuple, or None: the full path then (which
+        converts, makes another context, warns or raises)."""
+        ep, ctx, cfg, internode = self._plain_ctx
         ext = _torchext()
         if ext is None or not ep._h:  # switched off, or the context closed
             return None
@@ -522,8 +521,22 @@ class _Normal:
             if sms is not None and sms != ep.num_sms:
                 return None  # the full path warns
         dev = ctx[5]
-        r = ext.new_plain(ctx, x, topk_idx, w, per_expert, per_rank, in_rank, align,
-                          _RAW_STREAM(dev) if dev >= 0 else None)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            call, st, alloc = _PLAIN, _RAW_STREAM(dev) if dev >= 0 else None, None
+        else:
+            xt = x[0] if type(x) is tuple and x else x
+            if type(xt) is not torch.Tensor:
+                return None
+            call = self._call(ep, xt, previous_event, async_finish, allocate_on_comm_stream)
+            if call.on_host:
+                return None
+            comm = call.comm
+            if comm is None:
+                st, alloc = _RAW_STREAM(dev) if dev >= 0 else None, None
+            else:
+                st, alloc = comm.cuda_stream, (comm.stream_id, comm.device_index,
+                                               comm.device_type)
+        r = ext.new_plain(ctx, x, topk_idx, w, per_expert, per_rank, in_rank, align, st, alloc)
         if r is None:
             return None
         T = topk_idx.shape[0]
@@ -533,9 +546,16 @@ class _Normal:
         handle._prefix_of = (self, per_rank)
         if internode:
             handle.ep_nodes = list(self.runtime._node_of)
-        handle.src_rank, handle.src_idx = r[9], r[10]
-        return (r[5] if r[6] is None else (r[5], r[6]), r[7], r[8],
-                route.expert_counts.tolist(), handle, _no_event())
+        src_rank, src_idx = handle.src_rank, handle.src_idx = r[9], r[10]
+        rx, rs = r[5], r[6]
+        if call is _PLAIN:
+            ev = _no_event()
+        else:
+            xt, xs = x if rs is not None else (x, None)
+            ev = call.finish((rx, rs, r[7], r[8], src_idx, src_rank, in_rank, per_rank),
+                             (xt, xs, topk_idx, w, in_rank, per_rank))
+        return (rx if rs is None else (rx, rs), r[7], r[8], route.expert_counts.tolist(),
+                handle, ev)
 
     def _plain_made(self, ep, xt, config, internode):
         """The full path made a new routing's plain dispatch in one call of

@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -401,15 +402,18 @@ const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, 
 }
 
 /* new_plain(ctx, x, topk_idx, topk_weights, per_expert, per_rank,
- * in_rank, expert_alignment, stream): deep_ep's dispatch of a new routing
- * on the current stream in one call, where every argument is one the
- * Python path takes as it is (ferry/_deep_ep_normal.py, _new_plain);
- * else None (the Python path then, which converts, warns or raises).
- * ctx: (ep, N, E_local, K, H, device (-1: CPU), want) of the context the
- * last such call used. Returns route_dispatch's tuple. */
+ * in_rank, expert_alignment, stream, alloc): deep_ep's dispatch of a new
+ * routing in one call, where every argument is one the Python path takes
+ * as it is (ferry/_deep_ep_normal.py, _new_plain); else None (the Python
+ * path then, which converts, warns or raises). ctx: (ep, N, E_local, K, H,
+ * device (-1: CPU), want) of the context the last such call used; stream:
+ * the launches' (a handle); alloc: None (the outputs made on the current
+ * stream) or the (stream_id, device_index, device_type) of the stream
+ * they are made on (the Buffer's comm stream). Returns route_dispatch's
+ * tuple. */
 PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("new_plain", n, 9))
+    if (!check_args("new_plain", n, 10))
         return nullptr;
     PyObject *ctx = a[0];
     if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 7) {
@@ -476,7 +480,18 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     din.x_scales_stride[1] = s1;
     din.topk_weights = w ? static_cast<const float *>(w->data_ptr()) : nullptr;
     din.stream = stream;
+    if (a[9] == Py_None)
+        return route_then_dispatch(ep, rin, (Py_ssize_t)El, *x, x->scalar_type(), din, want, K,
+                                   H);
+    long long sid = 0, sidx = 0, stype = 0;
+    if (!PyArg_ParseTuple(a[9], "LLL", &sid, &sidx, &stype))
+        return nullptr;
+    HANDLE_TH_ERRORS
+    c10::StreamGuard on(c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
+                                             static_cast<c10::DeviceIndex>(sidx),
+                                             static_cast<c10::DeviceType>(stype)));
     return route_then_dispatch(ep, rin, (Py_ssize_t)El, *x, x->scalar_type(), din, want, K, H);
+    END_HANDLE_TH_ERRORS
 }
 
 /* ht_combine(ep, route, T, K, like, y, topk_weights, want_w, stream,

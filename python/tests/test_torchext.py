@@ -14,8 +14,9 @@ and column-major scales), top-k ids and weights, per-expert counts, the
 handle's source tokens, combined rows and weights. Inputs: a different
 routing every round (Zipf-skewed experts, masked -1 slots, a rank with no
 tokens in one round), weights that do not sum to 1. After the first
-round each new routing's dispatch must be one call of new_plain (the plain
-call's C++ path). Also checks that a library error through the module is
+round each new routing's dispatch must be one call of new_plain (its C++
+path), plain or async (two rounds call it as SGLang does: after an event,
+async, outputs on the comm stream). Also checks that a library error through the module is
 a FerryError with the library's message, and record (record_stream in
 C++): on a GPU a recorded block is not handed out again while its stream
 is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a GPU).
@@ -79,16 +80,22 @@ def same(fails, what, a, b):
         fails.append(f"{what}: {a!r} vs {b!r}")
 
 
-def one_round(buf, idx, w, x, bias, sc, fp8):
-    """A round's outputs: layout, new-routing dispatch, cached dispatch,
-    combine (with weights and bias)."""
+def one_round(buf, idx, w, x, bias, sc, fp8, asyn):
+    """A round's outputs: layout, new-routing dispatch (asyn: as SGLang
+    calls it, on the Buffer's comm stream after an event, returning one),
+    cached dispatch, combine (with weights and bias)."""
     pr, pn, pe, inr, _ = buf.get_dispatch_layout(idx, E)
     if fp8:
         xin = (x.float().clamp(-400, 400).to(torch.float8_e4m3fn), sc)
     else:
         xin = x
+    kw = {}
+    if asyn:
+        kw = dict(async_finish=True, allocate_on_comm_stream=True, expert_alignment=4,
+                  previous_event=type(buf).capture() if idx.is_cuda else None)
     r = buf.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=inr,
-                     num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+                     num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w, **kw)
+    r[5].current_stream_wait()
     rx, ridx, rw, counts, handle = r[:5]
     cached = buf.dispatch(xin, handle=handle)[0]
     y = (rx[0].float() if fp8 else rx.float()) * 0.5
@@ -170,10 +177,11 @@ def rank_main(rank, N, port, q):
             idx, w, x, bias, sc = routing(rank, rnd, T, dev)
             fp8 = rnd % 2 == 1
             n_fast = len(fast)
-            got = one_round(buf, idx, w, x, bias, sc, fp8)
+            asyn = rnd in (2, 5)
+            got = one_round(buf, idx, w, x, bias, sc, fp8, asyn)
             # after the first round, a new routing's dispatch with tokens is one
             # call of new_plain (bf16; fp8 with row-major scales on even T,
-            # column-major on odd)
+            # column-major on odd; plain and async)
             if rnd > 0 and T and fast[n_fast:] != [True]:
                 fails.append(f"round {rnd} (T={T}): new_plain calls {fast[n_fast:]}, expected "
                              f"one that made the dispatch")
@@ -183,7 +191,7 @@ def rank_main(rank, N, port, q):
                 fails.append(f"round {rnd}: route.expert_counts is read-only")
             _core._EXT = False  # the Python path, the same inputs
             try:
-                want = one_round(buf, idx, w, x, bias, sc, fp8)
+                want = one_round(buf, idx, w, x, bias, sc, fp8, asyn)
             finally:
                 _core._EXT = ext_on
             for k in got:
