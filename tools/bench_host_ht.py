@@ -19,7 +19,9 @@ share in parentheses):
 
 With ferry._torchext built (make pyext) the library is called from C++
 and its share is not separated, and a new routing's route and outputs
-are one call (route holds both, outputs shows -); FERRY_TORCH_EXT=0
+are one call (route holds both, outputs shows -; after the first round
+pre is all of dispatch's Python before it, argument checks included,
+which ferry._torchext makes); FERRY_TORCH_EXT=0
 times the Python path, with the library's share. p50 over --iters rounds per rank, each rank's row printed. Each round's
 result is checked (the combine of the received rows unchanged is x times
 the number of ranks the token went to: #wrong).
@@ -61,7 +63,21 @@ def wrap_ferry(rec):
         setattr(obj, name, g)
     wrap(_ep.EP, "_route_run", "route")
     wrap(_ep.EP, "_ht_dispatch_run", "outputs")
-    wrap(_deep_ep_normal, "_ht_route_dispatch", "route+outputs")
+    ext = _core._torchext()
+    if ext is not None:  # its calls that make a route and its dispatch at once
+        class Ext:
+            def __getattr__(self, n):
+                f = getattr(ext, n)
+                if n not in ("route_dispatch", "new_plain"):
+                    return f
+
+                def g(*a):
+                    t = P()
+                    r = f(*a)
+                    rec.setdefault("route+outputs", []).append((t, P()))
+                    return r
+                return g
+        _core._EXT = Ext()
     real = _core._lib_handle()
 
     class Lib:  # the library, its calls timed

@@ -206,8 +206,8 @@ _PLAIN = _Call(None, None, False, False, None)
 class _Normal:
     """The normal (high-throughput) mode of deep_ep.Buffer."""
 
-    #: (context, its tuple for ferry._torchext's new_plain, config, across nodes) of
-    #: the last plain dispatch of a new routing (_new_plain), or None
+    #: (context, its tuple for ferry._torchext's new_plain, across nodes) of
+    #: the last dispatch of a new routing made in one call (_new_plain), or None
     _plain_ctx = None
 
     def _ht_sms_check(self, ep, sms, what):
@@ -456,7 +456,7 @@ class _Normal:
                 else:
                     route, o = ro
                     if not by_rank and byte_dt is None:  # the next ones: _new_plain
-                        self._plain_made(ep, xt, config, internode)
+                        self._plain_made(ep, xt, internode)
                 in_rank = is_token_in_rank
                 if num_tokens_per_rank is None or in_rank is None:
                     per_rank, _, _, in_rank = self._layout(routing, E)
@@ -512,14 +512,12 @@ class _Normal:
         path's: the outputs made on the comm stream where there is one.
         Returns dispatch's 6-tuple, or None: the full path then (which
         converts, makes another context, warns or raises)."""
-        ep, ctx, cfg, internode = self._plain_ctx
+        ep, ctx, internode = self._plain_ctx
         ext = _torchext()
         if ext is None or not ep._h:  # switched off, or the context closed
             return None
-        if config is not None and config is not cfg:
-            sms = self._config_sms(config, "dispatch")
-            if sms is not None and sms != ep.num_sms:
-                return None  # the full path warns
+        if config is not None:  # as the full path: other SMs warned about once
+            self._ht_sms_check(ep, self._config_sms(config, "dispatch"), "dispatch")
         dev = ctx[5]
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             call, st, alloc = _PLAIN, _RAW_STREAM(dev) if dev >= 0 else None, None
@@ -557,13 +555,13 @@ class _Normal:
         return (rx if rs is None else (rx, rs), r[7], r[8], route.expert_counts.tolist(),
                 handle, ev)
 
-    def _plain_made(self, ep, xt, config, internode):
+    def _plain_made(self, ep, xt, internode):
         """The full path made a new routing's plain dispatch in one call of
         ferry._torchext on ep: the next ones go through _new_plain."""
         dev = xt.device.index if ep.device == "cuda" else -1
         self._plain_ctx = (ep, (
             ep._ep().value, self.group_size, ep.num_local_experts, ep.topk, ep.hidden,
-            -1 if dev is None else dev, 2 | 4 | 32 | internode << 4), config, internode)
+            -1 if dev is None else dev, 2 | 4 | 32 | internode << 4), internode)
 
     @staticmethod
     def _rank_routing(in_rank, E):
