@@ -11,7 +11,7 @@ import torch
 
 from ._deep_ep_common import EventOverlap as _V1Event
 from ._deep_ep_common import _plain_torch, _record, _tensor
-from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route
+from ._deep_ep_normal import _ht_combine, _ht_dispatch, _ht_route, _ht_route_dispatch
 
 _ALIGN_BYTES = 2 << 20
 _MAX_TOPK_CONTEXT = 16  # most slots per token in a ferry context (FR_MAX_TOPK)  # DeepEP 2's buffer sizes are 2 MiB multiples
@@ -437,18 +437,27 @@ class ElasticBuffer:
             if fp8:
                 xs, carried = self._buf._scales_in(xt, xs)
             xt = xt.contiguous()
+            if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+            o = None
             if not cached:
                 kept = topk_idx.clone() if do_handle_copy else topk_idx
                 # an exact route's counts come to the host unaligned (the
                 # handle's sums are made there); a bounded one's stay on
-                # the device, aligned
-                route = _ht_route(ep, topk_idx.contiguous(), 1 if do_cpu_sync else A, call,
-                                  0 if do_cpu_sync else N * maxT)
+                # the device, aligned. An exact one and its dispatch are one
+                # call of ferry._torchext where they can be.
+                routing = topk_idx.contiguous()
+                ro = _ht_route_dispatch(ep, routing, 1, xt, xs, topk_weights, call, True) \
+                    if do_cpu_sync and not call.on_host else None
+                if ro is None:
+                    route = _ht_route(ep, routing, 1 if do_cpu_sync else A, call,
+                                      0 if do_cpu_sync else N * maxT)
+                    call.settle()
+                else:
+                    route, o = ro
+            if o is None:
+                o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, True, True)
                 call.settle()
-            if topk_weights is not None:
-                topk_weights = topk_weights.contiguous()
-            o = _ht_dispatch(ep, route, xt, xs, topk_weights, call, True, True)
-            call.settle()
             rx, rsf = o["recv_x"], (self._buf._scales_out(o["recv_x_scales"], carried)
                                     if fp8 else None)
             ridx, rw = o["recv_topk_idx"], o["recv_topk_weights"]
