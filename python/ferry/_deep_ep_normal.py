@@ -16,6 +16,19 @@ from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream",
                       lambda i: torch.cuda.current_stream(i).cuda_stream)
 
+def _set_stream(s):
+    """s (a torch.cuda.Stream) the current stream of its device, which is
+    the current device (torch.cuda.set_stream's call, without its checks)."""
+    _SET_STREAM(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+if _SET_STREAM is None:  # a torch without it
+    def _SET_STREAM(stream_id, device_index, device_type):
+        torch.cuda.set_stream(torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                                device_type=device_type))
+
+
 #: most experts (slots) per token in a ferry context (FR_MAX_TOPK)
 _MAX_TOPK = 16
 
@@ -160,14 +173,25 @@ class _Call:
         return self.comm.cuda_stream if self.comm is not None else None
 
     def __enter__(self):
-        if self.comm is not None:
-            self._ctx = torch.cuda.stream(self.comm)
-            self._ctx.__enter__()
+        c = self.comm
+        if c is not None:
+            if c.device_index == torch.cuda.current_device():
+                # the comm stream current, then the compute stream again on
+                # leaving (the stream that was current on this device): what
+                # torch.cuda.stream does, without its Python
+                _set_stream(c)
+                self._ctx = True
+            else:  # torch.cuda.stream keeps the current device as it is
+                self._ctx = torch.cuda.stream(c)
+                self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+            if self._ctx is True:
+                _set_stream(self.compute)
+            else:
+                self._ctx.__exit__(*exc)
             self._ctx = None
             if exc[0] is not None:  # whatever was queued, the caller's stream after it
                 if self.on_host:
