@@ -170,6 +170,7 @@ def check_async_equal(buf, x, idx, w, E, rnd, msgs):
     y = (rx.float() * (1 + (rx.shape[0] % 3))).to(torch.bfloat16) if rx.numel() else rx
     out, ow, _ = buf.combine(y, h, topk_weights=rw)
     kw = dict(async_finish=True, allocate_on_comm_stream=True)
+    before = torch.cuda.current_stream() if dev.type == "cuda" else None
     prev = type(buf).capture() if dev.type == "cuda" else None
     arx, aridx, arw, acounts, ah, ev = new_routing(buf, x, idx, w, E, previous_event=prev, **kw)
     ev.current_stream_wait()
@@ -180,6 +181,9 @@ def check_async_equal(buf, x, idx, w, E, rnd, msgs):
     ev.current_stream_wait()
     crx, *_, ev = buf.dispatch(x, handle=ah, async_finish=True)
     ev.current_stream_wait()
+    if dev.type == "cuda" and torch.cuda.current_stream() != before:
+        msgs.append(f"round {rnd}: the async calls left {torch.cuda.current_stream()} current, "
+                    f"not the caller's {before}")
     for name, a, b in (("recv_x", arx, rx), ("recv_topk_idx", aridx, ridx),
                        ("recv_topk_weights", arw, rw), ("combined_x", aout, out),
                        ("combined_topk_weights", aow, ow), ("cached recv_x", crx, rx)):
