@@ -27,7 +27,7 @@ result is checked (the combine of the received rows unchanged is x times
 the number of ranks the token went to: #wrong).
 
 Usage: python3 tools/bench_host_ht.py [--gpus 2] [--tokens 128,512,4096] [--iters 30]
-           [--device cuda|cpu]
+           [--device cuda|cpu] [--rounds barrier|tight] [--async]
 Needs ferry's library (FERRY_LIB); python/ is added to the path here.
 """
 import argparse
@@ -135,17 +135,30 @@ def rank_main(rank, N, port, args, q):
             rows, bad = [], 0
             for i in range(args.warmup + args.iters):
                 idx = idxs[i % 4]
-                sync()
-                dist.barrier(group)
+                if args.rounds == "barrier":
+                    sync()
+                    dist.barrier(group)
                 rec.clear()
+                kw = {}
+                if args.asyn:  # SGLang's: after an event, on the comm stream, async
+                    kw = dict(async_finish=True, allocate_on_comm_stream=True)
                 t0 = P()
-                pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+                if args.asyn and cuda:
+                    kw["previous_event"] = buf.capture()
+                pr, _, pe, inr, ev = buf.get_dispatch_layout(idx, E, **kw)
                 t1 = P()
+                if args.asyn and cuda:
+                    kw["previous_event"] = ev
                 r = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=inr,
-                                 num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+                                 num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w,
+                                 expert_alignment=128 if args.asyn else 1, **kw)
                 t2 = P()
-                o = buf.combine(r[0], r[4])[0]
+                r[-1].current_stream_wait()
+                if args.asyn and cuda:
+                    kw["previous_event"] = buf.capture()
+                o, _, ev = buf.combine(r[0], r[4], **kw)
                 t3 = P()
+                ev.current_stream_wait()
                 sync()
                 t4 = P()
                 if i < args.warmup:
@@ -182,12 +195,20 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: CPU tensors, ferry alone (a check that the tool runs)")
+    ap.add_argument("--rounds", choices=("barrier", "tight"), default="barrier",
+                    help="barrier: a synchronize and a barrier before each round; tight: "
+                    "rounds back to back (a synchronize at the end of each)")
+    ap.add_argument("--async", dest="asyn", action="store_true",
+                    help="the calls as SGLang makes them: previous_event=Buffer.capture(), "
+                    "async_finish, allocate_on_comm_stream, expert_alignment=128, then "
+                    "event.current_stream_wait() (outside the timings)")
     args = ap.parse_args()
     if args.device == "cuda" and args.gpus < 2:
         sys.exit("bench_host_ht: needs at least 2 ranks (DeepEP's normal mode refuses 1)")
     res = spawn_ranks(rank_main, args.gpus, args, timeout=900)
     print(f"# N={args.gpus} H={args.hidden} top-{args.topk} of {args.experts}, bf16, "
-          f"{args.sms} SMs; host us, p50 of {args.iters} rounds (library call in parentheses)")
+          f"{args.sms} SMs, {args.rounds} rounds{', async calls' if args.asyn else ''}; host "
+          f"us, p50 of {args.iters} rounds (library call in parentheses)")
     print("| rank | T | library | " + " | ".join(PIECES) + " | #wrong |")
     print("|---" * (len(PIECES) + 4) + "|")
     bad = 0
