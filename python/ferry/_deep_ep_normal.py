@@ -5,7 +5,7 @@ import warnings
 import torch
 
 from ._arrays import _stream_of
-from ._core import _lib_version, _torchext
+from ._core import FerryError, _lib_version, _torchext
 from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
                               _LAYOUT_KERNEL, _elem_strides, _event_after, _fmt_shape,
                               _layout_c, _layout_torch, _lib, _no_event, _plain_torch,
@@ -230,9 +230,14 @@ _PLAIN = _Call(None, None, False, False, None)
 class _Normal:
     """The normal (high-throughput) mode of deep_ep.Buffer."""
 
-    #: (context, its tuple for ferry._torchext's new_plain, across nodes) of
-    #: the last dispatch of a new routing made in one call (_new_plain), or None
+    #: (context, its tuple for ferry._torchext's new_plain, across nodes, the
+    #: runtime that said so) of the last dispatch of a new routing made in one
+    #: call (_new_plain), or None
     _plain_ctx = None
+    #: (num_experts, group size, device index or -1, the runtime whose one
+    #: node it was) of get_dispatch_layout's plain call in one call of
+    #: ferry._torchext (layout_plain), or None
+    _layout_ctx = None
 
     def _ht_sms_check(self, ep, sms, what):
         """A normal-mode context's SMs are fixed when it is made (its rings
@@ -321,6 +326,20 @@ class _Normal:
         per_expert [E] int32, is_token_in_rank [T, N] bool, event), on
         topk_idx's device and stream. dispatch does not read them (ferry
         works its route out itself)."""
+        lc = self._layout_ctx
+        if lc is not None and previous_event is None and not async_finish and \
+                not allocate_on_comm_stream and type(num_experts) is int and \
+                num_experts == lc[0] and lc[3] is self.runtime:
+            # on the current stream, one node: one call of ferry._torchext,
+            # which takes topk_idx as the path below would (else None)
+            ext = _torchext()
+            dev = lc[2]
+            if ext is not None and (dev < 0 or torch.cuda.current_device() == dev):
+                r = ext.layout_plain(lc, topk_idx, _RAW_STREAM(dev) if dev >= 0 else None)
+                if r is not None:
+                    if r[0]:
+                        raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
+                    return r[1], None, r[2], r[3], _no_event()
         _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
         if type(num_experts) is not int or num_experts != self.__dict__.get("_layout_E"):
             N = self.group_size  # an int checked once per value
@@ -332,7 +351,14 @@ class _Normal:
                 self._layout_E = num_experts
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             # the current stream, no event: what _call gives, without its cost
-            return self._layout(topk_idx, num_experts) + (_no_event(),)
+            out = self._layout(topk_idx, num_experts) + (_no_event(),)
+            if self._layout_ctx is None and type(num_experts) is int and \
+                    self.runtime.get_num_rdma_ranks() == 1 and \
+                    (_LAYOUT_KERNEL or not topk_idx.is_cuda) and _torchext() is not None:
+                self._layout_ctx = (num_experts, self.group_size,
+                                    topk_idx.device.index if topk_idx.is_cuda else -1,
+                                    self.runtime)
+            return out
         call = self._layout_call(topk_idx, previous_event, async_finish, allocate_on_comm_stream)
         with call:
             out = self._layout(topk_idx, num_experts)
@@ -536,10 +562,10 @@ class _Normal:
         path's: the outputs made on the comm stream where there is one.
         Returns dispatch's 6-tuple, or None: the full path then (which
         converts, makes another context, warns or raises)."""
-        ep, ctx, internode = self._plain_ctx
+        ep, ctx, internode, rt = self._plain_ctx
         ext = _torchext()
-        if ext is None or not ep._h:  # switched off, or the context closed
-            return None
+        if ext is None or not ep._h or rt is not self.runtime:
+            return None  # switched off, the context closed, or other nodes
         if config is not None:  # as the full path: other SMs warned about once
             self._ht_sms_check(ep, self._config_sms(config, "dispatch"), "dispatch")
         dev = ctx[5]
@@ -585,7 +611,7 @@ class _Normal:
         dev = xt.device.index if ep.device == "cuda" else -1
         self._plain_ctx = (ep, (
             ep._ep().value, self.group_size, ep.num_local_experts, ep.topk, ep.hidden,
-            -1 if dev is None else dev, 2 | 4 | 32 | internode << 4), internode)
+            -1 if dev is None else dev, 2 | 4 | 32 | internode << 4), internode, self.runtime)
 
     @staticmethod
     def _rank_routing(in_rank, E):

@@ -131,36 +131,26 @@ PyObject *init(PyObject *, PyObject *const *a, Py_ssize_t n)
 /* layout(topk_idx, E, N, ranks_per_node, stream, device) -> (0, per_rank,
  * per_expert, in_rank, per_node or None), or (status, message).
  * topk_idx: contiguous int64 [T, K]; device: ferry_device_t */
-PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
+PyObject *layout_c(const at::Tensor &idx, int E, int N, int rpn, void *stream, int dev)
 {
     HANDLE_TH_ERRORS
-    if (!check_args("layout", n, 6))
-        return nullptr;
-    const at::Tensor *idx = tensor_of("layout", a[0]);
-    if (!idx)
-        return nullptr;
-    int E = (int)int_of(a[1]), N = (int)int_of(a[2]), rpn = (int)int_of(a[3]);
-    void *stream = ptr_of(a[4]);
-    int dev = (int)int_of(a[5]);
-    if (PyErr_Occurred())
-        return nullptr;
-    int64_t T = idx->size(0);
+    int64_t T = idx.size(0);
     int M = rpn > 0 ? (N + rpn - 1) / rpn : 0;
-    auto i32 = idx->options().dtype(at::kInt);
+    auto i32 = idx.options().dtype(at::kInt);
     /* the counts in one allocation, back to back (one memset where the
      * library needs one) */
     at::Tensor counts = at::empty({N + E + M}, i32);
     at::Tensor per_rank = counts.narrow(0, 0, N), per_expert = counts.narrow(0, N, E);
     at::Tensor per_node = M ? counts.narrow(0, N + E, M) : at::Tensor();
-    at::Tensor in_rank = at::empty({T, N}, idx->options().dtype(at::kBool));
+    at::Tensor in_rank = at::empty({T, N}, idx.options().dtype(at::kBool));
     ferry_layout_args_t args = {};
     args.size = sizeof(args);
     args.device = (ferry_device_t)dev;
     args.num_tokens = (int)T;
-    args.topk = (int)idx->size(1);
+    args.topk = (int)idx.size(1);
     args.num_experts = E;
     args.num_ranks = N;
-    args.topk_idx = T ? idx->data_ptr<int64_t>() : nullptr;
+    args.topk_idx = T ? idx.data_ptr<int64_t>() : nullptr;
     args.tokens_per_rank = per_rank.data_ptr<int32_t>();
     args.tokens_per_expert = per_expert.data_ptr<int32_t>();
     args.token_in_rank = T ? static_cast<uint8_t *>(in_rank.data_ptr()) : nullptr;
@@ -178,6 +168,53 @@ PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
     return Py_BuildValue("(iNNNN)", 0, wrap(std::move(per_rank)), wrap(std::move(per_expert)),
                          wrap(std::move(in_rank)), pn);
     END_HANDLE_TH_ERRORS
+}
+
+PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("layout", n, 6))
+        return nullptr;
+    const at::Tensor *idx = tensor_of("layout", a[0]);
+    if (!idx)
+        return nullptr;
+    int E = (int)int_of(a[1]), N = (int)int_of(a[2]), rpn = (int)int_of(a[3]);
+    void *stream = ptr_of(a[4]);
+    int dev = (int)int_of(a[5]);
+    if (PyErr_Occurred())
+        return nullptr;
+    return layout_c(*idx, E, N, rpn, stream, dev);
+}
+
+/* layout_plain(ctx, topk_idx, stream): get_dispatch_layout on one node
+ * on the current stream (its handle: stream), where topk_idx is one the
+ * Python path takes as it is (a contiguous int64 [T, K] tensor on the
+ * device ctx names); else None. ctx: (E, N, device index (-1: the CPU),
+ * anything after them unread).
+ * Returns layout's tuple (per_node None). */
+PyObject *layout_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    if (!check_args("layout_plain", n, 3))
+        return nullptr;
+    PyObject *ctx = a[0];
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 3) {
+        PyErr_SetString(PyExc_TypeError, "ferry._torchext.layout_plain: ctx: expected a tuple "
+                        "(E, N, device, ...)");
+        return nullptr;
+    }
+    int E = (int)int_of(PyTuple_GET_ITEM(ctx, 0)), N = (int)int_of(PyTuple_GET_ITEM(ctx, 1));
+    int dev = (int)int_of(PyTuple_GET_ITEM(ctx, 2));
+    void *stream = ptr_of(a[2]);
+    if (PyErr_Occurred())
+        return nullptr;
+    if (!THPVariable_Check(a[1]))
+        Py_RETURN_NONE;
+    const at::Tensor &t = THPVariable_Unpack(a[1]);
+    if (t.scalar_type() != at::kLong || t.dim() != 2 || !t.is_contiguous())
+        Py_RETURN_NONE;
+    const at::Device d = t.device();
+    if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
+        Py_RETURN_NONE;
+    return layout_c(t, E, N, 0, stream, dev < 0 ? FERRY_DEVICE_CPU : FERRY_DEVICE_CUDA);
 }
 
 /* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
@@ -583,6 +620,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "init(layout, route_create, route_counts, ht_dispatch, ht_combine)"},
     {"layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layout)),
      METH_FASTCALL, "get_dispatch_layout's outputs and ferry_dispatch_layout"},
+    {"layout_plain",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(layout_plain)),
+     METH_FASTCALL, "get_dispatch_layout on one node on the current stream, or None"},
     {"route", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(route)),
      METH_FASTCALL, "ferry_route_create and ferry_route_counts of an exact route"},
     {"route_dispatch",

@@ -450,7 +450,7 @@ class Buffer(_LowLatency, _Normal):
     def destroy(self):
         self._scratch = None  # get_local_buffer_tensor refuses from now on
         self._plans.clear()
-        self._plain_ctx = None
+        self._plain_ctx = self._layout_ctx = None
         for ep in self._eps.values():
             ep.close()
         self._eps.clear()

@@ -16,7 +16,8 @@ routing every round (Zipf-skewed experts, masked -1 slots, a rank with no
 tokens in one round), weights that do not sum to 1. After the first
 round each new routing's dispatch must be one call of new_plain (its C++
 path), plain or async (two rounds call it as SGLang does: after an event,
-async, outputs on the comm stream). Also checks that a library error through the module is
+async, outputs on the comm stream), and get_dispatch_layout one call of
+layout_plain. Also checks that a library error through the module is
 a FerryError with the library's message, and record (record_stream in
 C++): on a GPU a recorded block is not handed out again while its stream
 is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a GPU).
@@ -158,16 +159,18 @@ def rank_main(rank, N, port, q):
             return
         buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), 0)
         fast = []  # what each new_plain call gave: a tuple, or None (the full path)
+        fast_layout = []  # the same of layout_plain
 
-        class Counting:  # the module, its new_plain calls noted
+        class Counting:  # the module, its new_plain and layout_plain calls noted
             def __getattr__(self, name):
                 f = getattr(ext, name)
-                if name != "new_plain":
+                if name not in ("new_plain", "layout_plain"):
                     return f
+                into = fast if name == "new_plain" else fast_layout
 
                 def noted(*a):
                     r = f(*a)
-                    fast.append(r is not None)
+                    into.append(r is not None)
                     return r
                 return noted
         ext_on = Counting()
@@ -176,9 +179,12 @@ def rank_main(rank, N, port, q):
             T = 0 if (rnd == 3 and rank == N - 1) else 24 + 8 * rnd + rank
             idx, w, x, bias, sc = routing(rank, rnd, T, dev)
             fp8 = rnd % 2 == 1
-            n_fast = len(fast)
+            n_fast, n_layout = len(fast), len(fast_layout)
             asyn = rnd in (2, 5)
             got = one_round(buf, idx, w, x, bias, sc, fp8, asyn)
+            if rnd > 0 and fast_layout[n_layout:] != [True]:
+                fails.append(f"round {rnd} (T={T}): layout_plain calls "
+                             f"{fast_layout[n_layout:]}, expected one that made the layout")
             # after the first round, a new routing's dispatch with tokens is one
             # call of new_plain (bf16; fp8 with row-major scales on even T,
             # column-major on odd; plain and async)
