@@ -240,19 +240,27 @@ PyObject *route_c(ferry_ep_t ep, const ferry_route_in_t &in, Py_ssize_t el)
     return Py_BuildValue("(iNiN)", rc, PyLong_FromVoidPtr(r), num_recv, counts);
 }
 
+/* route's arguments (ep, T, topk_idx_ptr, expert_alignment, stream,
+ * num_local_experts) read; false with Python's error set */
+bool read_route_args(PyObject *const *a, ferry_ep_t *ep, ferry_route_in_t *in, Py_ssize_t *el)
+{
+    *ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
+    *in = {};
+    in->size = sizeof(*in);
+    in->num_tokens = (int)int_of(a[1]);
+    in->topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
+    in->expert_alignment = (int)int_of(a[3]);
+    in->stream = ptr_of(a[4]);
+    *el = (Py_ssize_t)int_of(a[5]);
+    return !PyErr_Occurred();
+}
+
 PyObject *route(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("route", n, 6))
-        return nullptr;
-    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
-    ferry_route_in_t in = {};
-    in.size = sizeof(in);
-    in.num_tokens = (int)int_of(a[1]);
-    in.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
-    in.expert_alignment = (int)int_of(a[3]);
-    in.stream = ptr_of(a[4]);
-    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
-    if (PyErr_Occurred())
+    ferry_ep_t ep;
+    ferry_route_in_t in;
+    Py_ssize_t el;
+    if (!check_args("route", n, 6) || !read_route_args(a, &ep, &in, &el))
         return nullptr;
     return route_c(ep, in, el);
 }
@@ -324,20 +332,30 @@ PyObject *dispatch_c(ferry_ep_t ep, ferry_route_t r, int64_t nr, const at::Tenso
     END_HANDLE_TH_ERRORS
 }
 
-/* ht_dispatch's work from `like` on (a[0] is like, a[9] K, a[10] H): the
- * arguments read, then dispatch_c */
-PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
+/* ht_dispatch's arguments from `like` on (a[0] like, a[1] recv_x_dtype,
+ * a[2..8] x, x_scales, the strides, topk_weights, stream, want, a[9] K,
+ * a[10] H) into the struct and values dispatch_c takes; false with
+ * Python's error set */
+struct dispatch_args {
+    const at::Tensor *like;
+    at::ScalarType xdt;
+    ferry_ht_dispatch_in_t in;
+    long long want;
+    int64_t K, H;
+};
+
+bool read_dispatch_args(const char *what, PyObject *const *a, dispatch_args *d)
 {
-    const at::Tensor *like = tensor_of("ht_dispatch", a[0]);
-    if (!like)
-        return nullptr;
+    if (!(d->like = tensor_of(what, a[0])))
+        return false;
     if (!THPDtype_Check(a[1])) {
-        PyErr_SetString(PyExc_TypeError, "ferry._torchext.ht_dispatch: recv_x_dtype: expected "
-                        "a torch dtype");
-        return nullptr;
+        PyErr_Format(PyExc_TypeError, "ferry._torchext.%s: recv_x_dtype: expected a torch "
+                     "dtype", what);
+        return false;
     }
-    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[1])->scalar_type;
-    ferry_ht_dispatch_in_t in = {};
+    d->xdt = reinterpret_cast<THPDtype *>(a[1])->scalar_type;
+    ferry_ht_dispatch_in_t &in = d->in;
+    in = {};
     in.size = sizeof(in);
     in.x = ptr_of(a[2]);
     in.x_scales = static_cast<const float *>(ptr_of(a[3]));
@@ -345,11 +363,19 @@ PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject 
     in.x_scales_stride[1] = int_of(a[5]);
     in.topk_weights = static_cast<const float *>(ptr_of(a[6]));
     in.stream = ptr_of(a[7]);
-    long long want = int_of(a[8]);
-    int64_t K = int_of(a[9]), H = int_of(a[10]);
-    if (PyErr_Occurred())
+    d->want = int_of(a[8]);
+    d->K = int_of(a[9]);
+    d->H = int_of(a[10]);
+    return !PyErr_Occurred();
+}
+
+/* ht_dispatch's work from `like` on: the arguments read, then dispatch_c */
+PyObject *dispatch_outputs(ferry_ep_t ep, ferry_route_t r, int64_t nr, PyObject *const *a)
+{
+    dispatch_args d;
+    if (!read_dispatch_args("ht_dispatch", a, &d))
         return nullptr;
-    return dispatch_c(ep, r, nr, *like, xdt, in, want, K, H);
+    return dispatch_c(ep, r, nr, *d.like, d.xdt, d.in, d.want, d.K, d.H);
 }
 
 /* route_c's tuple extended with dispatch_c's once the route was made
@@ -384,40 +410,15 @@ PyObject *route_then_dispatch(ferry_ep_t ep, const ferry_route_in_t &rin, Py_ssi
  * the six outputs). */
 PyObject *route_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
-    if (!check_args("route_dispatch", n, 17))
+    ferry_ep_t ep;
+    ferry_route_in_t rin;
+    Py_ssize_t el;
+    if (!check_args("route_dispatch", n, 17) || !read_route_args(a, &ep, &rin, &el))
         return nullptr;
-    ferry_ep_t ep = static_cast<ferry_ep_t>(ptr_of(a[0]));
-    ferry_route_in_t rin = {};
-    rin.size = sizeof(rin);
-    rin.num_tokens = (int)int_of(a[1]);
-    rin.topk_idx = static_cast<const int64_t *>(ptr_of(a[2]));
-    rin.expert_alignment = (int)int_of(a[3]);
-    rin.stream = ptr_of(a[4]);
-    Py_ssize_t el = (Py_ssize_t)int_of(a[5]);
-    if (PyErr_Occurred())
+    dispatch_args d;
+    if (!read_dispatch_args("route_dispatch", a + 6, &d))
         return nullptr;
-    const at::Tensor *like = tensor_of("route_dispatch", a[6]);
-    if (!like)
-        return nullptr;
-    if (!THPDtype_Check(a[7])) {
-        PyErr_SetString(PyExc_TypeError, "ferry._torchext.route_dispatch: recv_x_dtype: "
-                        "expected a torch dtype");
-        return nullptr;
-    }
-    at::ScalarType xdt = reinterpret_cast<THPDtype *>(a[7])->scalar_type;
-    ferry_ht_dispatch_in_t din = {};
-    din.size = sizeof(din);
-    din.x = ptr_of(a[8]);
-    din.x_scales = static_cast<const float *>(ptr_of(a[9]));
-    din.x_scales_stride[0] = int_of(a[10]);
-    din.x_scales_stride[1] = int_of(a[11]);
-    din.topk_weights = static_cast<const float *>(ptr_of(a[12]));
-    din.stream = ptr_of(a[13]);
-    long long want = int_of(a[14]);
-    int64_t K = int_of(a[15]), H = int_of(a[16]);
-    if (PyErr_Occurred())
-        return nullptr;
-    return route_then_dispatch(ep, rin, el, *like, xdt, din, want, K, H);
+    return route_then_dispatch(ep, rin, el, *d.like, d.xdt, d.in, d.want, d.K, d.H);
 }
 
 /* a tensor argument of new_plain: a torch tensor of dtype dt, 2-D, contiguous
