@@ -566,10 +566,11 @@ class _Normal:
         ext = _torchext()
         if ext is None or not ep._h or rt is not self.runtime:
             return None  # switched off, the context closed, or other nodes
-        if config is not None:  # as the full path: other SMs warned about once
-            self._ht_sms_check(ep, self._config_sms(config, "dispatch"), "dispatch")
+        sms = self._config_sms(config, "dispatch") if config is not None else None
         dev = ctx[5]
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            if ep.needs_nonblocking_stream:  # finished on the host: _call's
+                return None
             call, st, alloc = _PLAIN, _RAW_STREAM(dev) if dev >= 0 else None, None
         else:
             xt = x[0] if type(x) is tuple and x else x
@@ -584,12 +585,20 @@ class _Normal:
             else:
                 st, alloc = comm.cuda_stream, (comm.stream_id, comm.device_index,
                                                comm.device_type)
-        r = ext.new_plain(ctx, x, topk_idx, w, per_expert, per_rank, in_rank, align, st, alloc)
-        if r is None:
-            return None
-        T = topk_idx.shape[0]
-        route = ep._route_made(r, T)
-        ep._check(r[4])
+        try:
+            r = ext.new_plain(ctx, x, topk_idx, w, per_expert, per_rank, in_rank, align, st,
+                              alloc)
+            if r is None:
+                return None
+            T = topk_idx.shape[0]
+            route = ep._route_made(r, T)
+            ep._check(r[4])
+        except BaseException:
+            if call.comm is not None:  # whatever was queued, the caller's stream after it
+                call.compute.wait_stream(call.comm)
+            raise
+        # as the full path: a config asking for other SMs warned about once
+        self._ht_sms_check(ep, sms, "dispatch")
         handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
         handle._prefix_of = (self, per_rank)
         if internode:

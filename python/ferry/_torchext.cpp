@@ -94,6 +94,18 @@ const at::Tensor *tensor_of(const char *what, PyObject *o)
     return &THPVariable_Unpack(o);
 }
 
+/* a plain torch.Tensor (not a subclass: no fake or wrapper tensors),
+ * dense and strided (not nested, not sparse): else nullptr */
+const at::Tensor *dense_of(PyObject *o)
+{
+    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject *>(THPVariableClass))
+        return nullptr;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (!t.defined() || t.is_nested() || t.layout() != at::kStrided || !t.has_storage())
+        return nullptr;
+    return &t;
+}
+
 PyObject *wrap(at::Tensor t)
 {
     return THPVariable_Wrap(std::move(t));
@@ -193,6 +205,7 @@ PyObject *layout(PyObject *, PyObject *const *a, Py_ssize_t n)
  * Returns layout's tuple (per_node None). */
 PyObject *layout_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (!check_args("layout_plain", n, 3))
         return nullptr;
     PyObject *ctx = a[0];
@@ -206,15 +219,17 @@ PyObject *layout_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     void *stream = ptr_of(a[2]);
     if (PyErr_Occurred())
         return nullptr;
-    if (!THPVariable_Check(a[1]))
+    const at::Tensor *tp = dense_of(a[1]);
+    if (!tp)
         Py_RETURN_NONE;
-    const at::Tensor &t = THPVariable_Unpack(a[1]);
+    const at::Tensor &t = *tp;
     if (t.scalar_type() != at::kLong || t.dim() != 2 || !t.is_contiguous())
         Py_RETURN_NONE;
     const at::Device d = t.device();
     if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
         Py_RETURN_NONE;
     return layout_c(t, E, N, 0, stream, dev < 0 ? FERRY_DEVICE_CPU : FERRY_DEVICE_CUDA);
+    END_HANDLE_TH_ERRORS
 }
 
 /* route(ep, T, topk_idx_ptr, expert_alignment, stream, num_local_experts)
@@ -427,9 +442,10 @@ PyObject *route_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
 const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, int64_t cols,
                             bool strided = false)
 {
-    if (!THPVariable_Check(o))
+    const at::Tensor *tp = dense_of(o);
+    if (!tp)
         return nullptr;
-    const at::Tensor &t = THPVariable_Unpack(o);
+    const at::Tensor &t = *tp;
     if (t.scalar_type() != dt || t.dim() != 2 || (T >= 0 && t.size(0) != T) ||
         t.size(1) != cols || (!strided && !t.is_contiguous()))
         return nullptr;
@@ -451,6 +467,7 @@ const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, 
  * tuple. */
 PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (!check_args("new_plain", n, 10))
         return nullptr;
     PyObject *ctx = a[0];
@@ -463,11 +480,14 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     int64_t K = int_of(PyTuple_GET_ITEM(ctx, 3)), H = int_of(PyTuple_GET_ITEM(ctx, 4));
     int dev = (int)int_of(PyTuple_GET_ITEM(ctx, 5));
     long long want = int_of(PyTuple_GET_ITEM(ctx, 6));
-    long long align = PyLong_Check(a[7]) ? PyLong_AsLongLong(a[7]) : -1;
     if (PyErr_Occurred())
         return nullptr;
-    if (align < 1 || align > INT32_MAX || PyBool_Check(a[7]))
-        Py_RETURN_NONE;
+    int over = 0;
+    long long align = PyLong_Check(a[7]) ? PyLong_AsLongLongAndOverflow(a[7], &over) : -1;
+    if (PyErr_Occurred())
+        return nullptr;
+    if (over || align < 1 || align > INT32_MAX || PyBool_Check(a[7]))
+        Py_RETURN_NONE; /* the Python path names it */
     /* x: bf16 rows, or (fp8 rows, float32 scales [T, H/128]) */
     const at::Tensor *x, *xs = nullptr;
     int64_t s0 = 0, s1 = 0;
@@ -477,10 +497,10 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
             !(xs = plain_arg(PyTuple_GET_ITEM(a[1], 1), at::kFloat, dev, x->size(0), H / 128,
                              true)))
             Py_RETURN_NONE;
-        if (!xs->is_contiguous()) { /* strided: element strides, each at least 1 */
+        if (!xs->is_contiguous()) { /* strided: element strides, each at least 1, aligned */
             s0 = xs->size(0) == 1 ? 1 : xs->stride(0);
             s1 = xs->size(1) == 1 ? 1 : xs->stride(1);
-            if (s0 < 1 || s1 < 1)
+            if (s0 < 1 || s1 < 1 || reinterpret_cast<uintptr_t>(xs->data_ptr()) % 4)
                 Py_RETURN_NONE;
         }
         want |= 1;
@@ -497,9 +517,8 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     }
     /* the layout's counts: per expert (E of them: E_local per rank), per
      * rank (N), is_token_in_rank (a tensor, kept by the handle) */
-    if (!THPVariable_Check(a[4]) || THPVariable_Unpack(a[4]).numel() != El * N ||
-        !THPVariable_Check(a[5]) || THPVariable_Unpack(a[5]).numel() != N ||
-        !THPVariable_Check(a[6]))
+    const at::Tensor *pe = dense_of(a[4]), *pr = dense_of(a[5]);
+    if (!pe || pe->numel() != El * N || !pr || pr->numel() != N || !THPVariable_Check(a[6]))
         Py_RETURN_NONE;
     void *stream = ptr_of(a[8]);
     if (PyErr_Occurred())
@@ -524,7 +543,6 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     long long sid = 0, sidx = 0, stype = 0;
     if (!PyArg_ParseTuple(a[9], "LLL", &sid, &sidx, &stype))
         return nullptr;
-    HANDLE_TH_ERRORS
     c10::StreamGuard on(c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
                                              static_cast<c10::DeviceIndex>(sidx),
                                              static_cast<c10::DeviceType>(stype)));

@@ -17,7 +17,9 @@ tokens in one round), weights that do not sum to 1. After the first
 round each new routing's dispatch must be one call of new_plain (its C++
 path), plain or async (two rounds call it as SGLang does: after an event,
 async, outputs on the comm stream), and get_dispatch_layout one call of
-layout_plain. Also checks that a library error through the module is
+layout_plain; inputs those calls must hand to the full path (a nested x,
+an out-of-range expert_alignment, a float topk_idx, fp8 rows without
+scales) raise what the full path raises. Also checks that a library error through the module is
 a FerryError with the library's message, and record (record_stream in
 C++): on a GPU a recorded block is not handed out again while its stream
 is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a GPU).
@@ -25,6 +27,7 @@ is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a
 import os
 import sys
 import traceback
+import warnings
 
 try:
     import torch
@@ -141,6 +144,49 @@ def check_record(ext, dev, fails):
         pass
 
 
+def check_refusals(buf, dev, fails):
+    """Inputs the one-call paths must hand to the full path, which then
+    raises as it always did (the same exception type either way, and no
+    crash): a nested tensor as x, expert_alignment past a C long long, a
+    float topk_idx, an fp8 x without scales' tensor. Rank-local checks
+    (each raises before any collective work)."""
+    from ferry import _core
+    T = 8
+    idx = torch.zeros((T, K), dtype=torch.int64, device=dev)
+    pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+    x = torch.zeros((T, H), dtype=torch.bfloat16, device=dev)
+    with warnings.catch_warnings():  # nested tensors are a prototype (a UserWarning)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(H)] * (T - 1) + [torch.zeros(H - 1)],
+                                            dtype=torch.bfloat16, device=dev)
+    cases = {
+        "nested x": dict(x=nested),
+        "expert_alignment 2**70": dict(expert_alignment=2 ** 70),
+        "float topk_idx": dict(topk_idx=idx.float()),
+        "fp8 x, scales None": dict(x=(x.to(torch.float8_e4m3fn), None)),
+    }
+    for name, kw in cases.items():
+        args = dict(num_tokens_per_rank=pr, is_token_in_rank=inr, num_tokens_per_expert=pe,
+                    topk_idx=idx)
+        args.update(kw)
+        xin = args.pop("x", x)
+        got = []
+        for ext_on in (True, False):
+            saved = _core._EXT
+            if not ext_on:
+                _core._EXT = False
+            try:
+                buf.dispatch(xin, **args)
+                got.append("no error")
+            except Exception as e:  # noqa: BLE001
+                got.append(type(e).__name__)
+            finally:
+                _core._EXT = saved
+        if got[0] != got[1] or got[0] == "no error":
+            fails.append(f"{name}: with the module {got[0]}, without {got[1]} (expected the "
+                         f"same error)")
+
+
 def rank_main(rank, N, port, q):
     fails = []
     try:
@@ -204,6 +250,9 @@ def rank_main(rank, N, port, q):
                 same(fails, f"round {rnd} ({'fp8' if fp8 else 'bf16'}, T={T}) {k}", got[k],
                      want[k])
         check_record(ext, dev, fails)
+        if buf._plain_ctx is None:
+            fails.append("no dispatch made the one-call path's context")
+        check_refusals(buf, dev, fails)
         # a library error through the module: FerryError with its message
         try:
             _layout_c(torch.zeros((4, K), dtype=torch.int64, device=dev), 7, 2)
