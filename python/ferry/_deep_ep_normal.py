@@ -15,18 +15,19 @@ from ._deep_ep_common import (EP, EventOverlap, _HT_MAX_TOKENS, _HtHandle,
 #: the current stream's handle on a CUDA device (an index), without a Stream object
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream",
                       lambda i: torch.cuda.current_stream(i).cuda_stream)
+#: torch.cuda.set_stream's call, without its checks (None: torch.cuda.stream then)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+
+
+def _dev_stream(dev):
+    """The current stream's handle on CUDA device dev, or None (dev -1: the CPU)."""
+    return _RAW_STREAM(dev) if dev >= 0 else None
+
 
 def _set_stream(s):
     """s (a torch.cuda.Stream) the current stream of its device, which is
-    the current device (torch.cuda.set_stream's call, without its checks)."""
+    the current device."""
     _SET_STREAM(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
-
-
-_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
-if _SET_STREAM is None:  # a torch without it
-    def _SET_STREAM(stream_id, device_index, device_type):
-        torch.cuda.set_stream(torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
-                                                device_type=device_type))
 
 
 #: most experts (slots) per token in a ferry context (FR_MAX_TOPK)
@@ -175,7 +176,7 @@ class _Call:
     def __enter__(self):
         c = self.comm
         if c is not None:
-            if c.device_index == torch.cuda.current_device():
+            if _SET_STREAM is not None and c.device_index == torch.cuda.current_device():
                 # the comm stream current, then the compute stream again on
                 # leaving (the stream that was current on this device): what
                 # torch.cuda.stream does, without its Python
@@ -335,7 +336,7 @@ class _Normal:
             ext = _torchext()
             dev = lc[2]
             if ext is not None and (dev < 0 or torch.cuda.current_device() == dev):
-                r = ext.layout_plain(lc, topk_idx, _RAW_STREAM(dev) if dev >= 0 else None)
+                r = ext.layout_plain(lc, topk_idx, _dev_stream(dev))
                 if r is not None:
                     if r[0]:
                         raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
@@ -512,12 +513,7 @@ class _Normal:
                     per_rank, _, _, in_rank = self._layout(routing, E)
                     num_tokens_per_rank = per_rank if num_tokens_per_rank is None else \
                         num_tokens_per_rank
-                handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
-                # rank_prefix_matrix needs every rank's counts: gathered when
-                # first read (collective then; DeepEP's own callers never read it)
-                handle._prefix_of = (self, num_tokens_per_rank)
-                if handle.internode:
-                    handle.ep_nodes = list(rt._node_of)
+                handle = self._ht_handle(ep, route, T, in_rank, num_tokens_per_rank, internode)
             route = handle.route
             # a cached dispatch returns recv_x alone; the first one also the
             # top-k ids and weights, and keeps the source tokens in the handle
@@ -571,7 +567,7 @@ class _Normal:
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             if ep.needs_nonblocking_stream:  # finished on the host: _call's
                 return None
-            call, st, alloc = _PLAIN, _RAW_STREAM(dev) if dev >= 0 else None, None
+            call, st, alloc = _PLAIN, _dev_stream(dev), None
         else:
             xt = x[0] if type(x) is tuple and x else x
             if type(xt) is not torch.Tensor:
@@ -581,7 +577,7 @@ class _Normal:
                 return None
             comm = call.comm
             if comm is None:
-                st, alloc = _RAW_STREAM(dev) if dev >= 0 else None, None
+                st, alloc = _dev_stream(dev), None
             else:
                 st, alloc = comm.cuda_stream, (comm.stream_id, comm.device_index,
                                                comm.device_type)
@@ -599,20 +595,27 @@ class _Normal:
             raise
         # as the full path: a config asking for other SMs warned about once
         self._ht_sms_check(ep, sms, "dispatch")
-        handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
-        handle._prefix_of = (self, per_rank)
-        if internode:
-            handle.ep_nodes = list(self.runtime._node_of)
-        src_rank, src_idx = handle.src_rank, handle.src_idx = r[9], r[10]
+        handle = self._ht_handle(ep, route, T, in_rank, per_rank, internode)
+        handle.src_rank, handle.src_idx = r[9], r[10]
         rx, rs = r[5], r[6]
         if call is _PLAIN:
             ev = _no_event()
         else:
             xt, xs = x if rs is not None else (x, None)
-            ev = call.finish((rx, rs, r[7], r[8], src_idx, src_rank, in_rank, per_rank),
+            ev = call.finish((rx, rs, r[7], r[8], r[10], r[9], in_rank, per_rank),
                              (xt, xs, topk_idx, w, in_rank, per_rank))
         return (rx if rs is None else (rx, rs), r[7], r[8], route.expert_counts.tolist(),
                 handle, ev)
+
+    def _ht_handle(self, ep, route, T, in_rank, per_rank, internode):
+        """A new routing's handle (its source rows set by the dispatch)."""
+        handle = _HtHandle(ep, route, T, None, in_rank, internode=internode)
+        # rank_prefix_matrix needs every rank's counts: gathered when
+        # first read (collective then; DeepEP's own callers never read it)
+        handle._prefix_of = (self, per_rank)
+        if internode:
+            handle.ep_nodes = list(self.runtime._node_of)
+        return handle
 
     def _plain_made(self, ep, xt, internode):
         """The full path made a new routing's plain dispatch in one call of

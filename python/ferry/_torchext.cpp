@@ -106,6 +106,26 @@ const at::Tensor *dense_of(PyObject *o)
     return &t;
 }
 
+/* a tensor argument of the one-call paths (new_plain, layout_plain): a
+ * dense torch.Tensor (dense_of) of dtype dt, 2-D, contiguous (or not,
+ * where strided is allowed), on device dev (-1: the CPU, else that CUDA
+ * device), of T rows and cols columns (either any, when < 0) */
+const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, int64_t cols,
+                            bool strided = false)
+{
+    const at::Tensor *tp = dense_of(o);
+    if (!tp)
+        return nullptr;
+    const at::Tensor &t = *tp;
+    if (t.scalar_type() != dt || t.dim() != 2 || (T >= 0 && t.size(0) != T) ||
+        (cols >= 0 && t.size(1) != cols) || (!strided && !t.is_contiguous()))
+        return nullptr;
+    const at::Device d = t.device();
+    if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
+        return nullptr;
+    return &t;
+}
+
 PyObject *wrap(at::Tensor t)
 {
     return THPVariable_Wrap(std::move(t));
@@ -219,16 +239,10 @@ PyObject *layout_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     void *stream = ptr_of(a[2]);
     if (PyErr_Occurred())
         return nullptr;
-    const at::Tensor *tp = dense_of(a[1]);
-    if (!tp)
+    const at::Tensor *t = plain_arg(a[1], at::kLong, dev, -1, -1);
+    if (!t)
         Py_RETURN_NONE;
-    const at::Tensor &t = *tp;
-    if (t.scalar_type() != at::kLong || t.dim() != 2 || !t.is_contiguous())
-        Py_RETURN_NONE;
-    const at::Device d = t.device();
-    if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
-        Py_RETURN_NONE;
-    return layout_c(t, E, N, 0, stream, dev < 0 ? FERRY_DEVICE_CPU : FERRY_DEVICE_CUDA);
+    return layout_c(*t, E, N, 0, stream, dev < 0 ? FERRY_DEVICE_CPU : FERRY_DEVICE_CUDA);
     END_HANDLE_TH_ERRORS
 }
 
@@ -436,25 +450,6 @@ PyObject *route_dispatch(PyObject *, PyObject *const *a, Py_ssize_t n)
     return route_then_dispatch(ep, rin, el, *d.like, d.xdt, d.in, d.want, d.K, d.H);
 }
 
-/* a tensor argument of new_plain: a torch tensor of dtype dt, 2-D, contiguous
- * (or not, where strided is allowed), on device dev (-1: the CPU, else
- * that CUDA device), of rows T (any, when T < 0) */
-const at::Tensor *plain_arg(PyObject *o, at::ScalarType dt, int dev, int64_t T, int64_t cols,
-                            bool strided = false)
-{
-    const at::Tensor *tp = dense_of(o);
-    if (!tp)
-        return nullptr;
-    const at::Tensor &t = *tp;
-    if (t.scalar_type() != dt || t.dim() != 2 || (T >= 0 && t.size(0) != T) ||
-        t.size(1) != cols || (!strided && !t.is_contiguous()))
-        return nullptr;
-    const at::Device d = t.device();
-    if (dev < 0 ? !d.is_cpu() : !d.is_cuda() || d.index() != dev)
-        return nullptr;
-    return &t;
-}
-
 /* new_plain(ctx, x, topk_idx, topk_weights, per_expert, per_rank,
  * in_rank, expert_alignment, stream, alloc): deep_ep's dispatch of a new
  * routing in one call, where every argument is one the Python path takes
@@ -537,15 +532,15 @@ PyObject *new_plain(PyObject *, PyObject *const *a, Py_ssize_t n)
     din.x_scales_stride[1] = s1;
     din.topk_weights = w ? static_cast<const float *>(w->data_ptr()) : nullptr;
     din.stream = stream;
-    if (a[9] == Py_None)
-        return route_then_dispatch(ep, rin, (Py_ssize_t)El, *x, x->scalar_type(), din, want, K,
-                                   H);
-    long long sid = 0, sidx = 0, stype = 0;
-    if (!PyArg_ParseTuple(a[9], "LLL", &sid, &sidx, &stype))
-        return nullptr;
-    c10::StreamGuard on(c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
-                                             static_cast<c10::DeviceIndex>(sidx),
-                                             static_cast<c10::DeviceType>(stype)));
+    c10::OptionalStreamGuard on; /* the outputs made on alloc's stream, when given */
+    if (a[9] != Py_None) {
+        long long sid = 0, sidx = 0, stype = 0;
+        if (!PyArg_ParseTuple(a[9], "LLL", &sid, &sidx, &stype))
+            return nullptr;
+        on.reset_stream(c10::Stream::unpack3(static_cast<c10::StreamId>(sid),
+                                              static_cast<c10::DeviceIndex>(sidx),
+                                              static_cast<c10::DeviceType>(stype)));
+    }
     return route_then_dispatch(ep, rin, (Py_ssize_t)El, *x, x->scalar_type(), din, want, K, H);
     END_HANDLE_TH_ERRORS
 }
@@ -600,7 +595,7 @@ PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
  * of the sequence tensors (anything else skipped): the caching allocator
  * keeps their memory until the stream's work queued before their release
  * is done. One call for the dozen tensors of an async normal-mode call
- * (a few microseconds each from Python). */
+ * (half the time of as many calls from Python). */
 PyObject *record(PyObject *, PyObject *const *a, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
