@@ -153,20 +153,33 @@ FR_HD float fr_e2m1_to_f32(uint8_t c)
 }
 
 /* Round to nearest, ties to the even code, saturating at 6; the sign is
- * kept (-0.1 gives code 8); NaN gives 7 with its sign. The code is the
- * number of thresholds below |f| (the midpoints, each tie to the even
- * code's side): independent compares, no chain of selects. */
+ * kept (-0.1 gives code 8); NaN gives 7 with its sign. Below 2 the codes
+ * step by 0.5, then by 1 up to 4, then by 2: |f| (NaN and past 8 taken as
+ * 8) times 2^(1 - e), e the step's octave (0, 1 or 2), rounded to an
+ * integer n (ties to even, the 1.5 * 2^23 trick: the product is exact)
+ * gives code 2e + n, capped at 7. Integer and multiply-add work only, no
+ * chain of compares (exhaustively equal to the compare form over every
+ * float: tests/unit/test_quant.c). */
 FR_HD uint8_t fr_f32_to_e2m1(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
     uint8_t sign = (uint8_t)((u >> 28) & 8u);
-    float a;
     uint32_t au = u & 0x7fffffffu;
+    float a;
     memcpy(&a, &au, 4);
-    int c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-            (a >= 3.5f) + (a > 5.f);
-    return (uint8_t)(sign | (au > 0x7f800000u ? 7 : c));
+    a = a < 8.0f ? a : 8.0f; /* NaN compares false: 8 */
+    memcpy(&au, &a, 4);
+    int e = (int)(au >> 23) - 127;
+    e = e < 0 ? 0 : e > 2 ? 2 : e;
+    uint32_t sb = (uint32_t)(128 - e) << 23; /* 2^(1 - e) */
+    float sc, t;
+    memcpy(&sc, &sb, 4);
+    t = a * sc + 12582912.0f;
+    uint32_t tb;
+    memcpy(&tb, &t, 4);
+    int c = 2 * e + (int)(tb - 0x4b400000u);
+    return (uint8_t)(sign | (c > 7 ? 7 : c));
 }
 
 /* One 16-channel block with encode scale gs (rgs: 1 / gs, rounded, as

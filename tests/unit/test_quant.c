@@ -191,14 +191,28 @@ int main(void)
             probe[np++] = nextafterf(mid, 10.f);
             probe[np++] = mag[c];
         }
+        /* the octaves' edges (the step changes there) and tiny values */
+        static const float edge[] = {1.f, 2.f, 4.f, 8.f, 1e-40f, 1.17549435e-38f};
+        for (int i = 0; i < (int)(sizeof edge / sizeof edge[0]); i++) {
+            probe[np++] = edge[i];
+            probe[np++] = nextafterf(edge[i], 0.f);
+            probe[np++] = nextafterf(edge[i], 10.f);
+        }
         probe[np++] = 6.f;
         probe[np++] = 7.5f;
         probe[np++] = 1e30f;
         probe[np++] = INFINITY;
         uint64_t y = 7;
-        for (int i = 0; i < 20000; i++) {
+        /* the probes, random values in [0, 8), then every 4099th float of
+         * [0, 16) (272k: every octave's codes and roundings) */
+        uint32_t sweep = 0;
+        for (int i = 0; i < 20000 + 0x41800000 / 4099; i++) {
             y = y * 6364136223846793005ull + 1442695040888963407ull;
             float f = (float)((double)(y >> 11) / 9007199254740992.0 * 8.0);
+            if (i >= 20000) {
+                memcpy(&f, &sweep, 4);
+                sweep += 4099;
+            }
             for (int sgn = 0; sgn < 2; sgn++) {
                 float v = i < np ? probe[i] : f;
                 v = sgn ? -v : v;
