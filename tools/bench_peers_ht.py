@@ -35,7 +35,9 @@ topk_idx: K distinct experts per token, Zipf-like skew, ~3% of slots -1.
 
 Also, per call kind: the profiler's GPU kernel time per call, the call's
 host time, and its host synchronisations (cudaStreamSynchronize /
-cudaEventSynchronize / cudaDeviceSynchronize rows of the profiler); with
+cudaEventSynchronize / cudaDeviceSynchronize rows of the profiler), and a
+new routing's count exchange kernel (the least over the ranks: each waits
+for its peers, the one that started last least); with
 --async G, the asynchronous use SGLang makes (previous_event, async_finish,
 allocate_on_comm_stream, G bf16 GEMMs between the call and
 event.current_stream_wait()) against each alone.
@@ -190,6 +192,12 @@ def run_libs(bufs, x, xs, idx, w, E, N, warmup, iters):
     return ts, res
 
 
+#: the kernels of a new routing that exchange the counts (each waits for
+#: every peer's): ferry's route (layout and notify in one launch, or notify
+#: alone) and DeepEP's notify_dispatch
+_EXCHANGE_KERNELS = ("fr_cuht_route1", "fr_cuht_notify", "notify_dispatch")
+
+
 def run_prof(buf, x, xs, idx, w, E, N, reps):
     """Per call kind, under the torch profiler: GPU kernel time per call
     (us, memsets and copies apart) and host synchronisations per call
@@ -225,14 +233,20 @@ def run_prof(buf, x, xs, idx, w, E, N, reps):
             for _ in range(reps):
                 fn()
             torch.cuda.synchronize()
-        k = syncs = 0.0
+        k = syncs = x = 0.0
         for e in prof.events():
             n = e.name
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 if "memcpy" not in n.lower() and "memset" not in n.lower():
                     k += e.time_range.elapsed_us()
+                    if any(m in n for m in _EXCHANGE_KERNELS):
+                        x += e.time_range.elapsed_us()
             elif n in _sync_rows():
                 syncs += 1
+        if name == "new":
+            # negated: the ranks' values are reduced by MAX, and the one
+            # wanted is the least (the rank that waited least for its peers)
+            out["xneg_new"] = -x / reps
         # the two synchronize calls above are the bench's, not the calls'
         out["k_" + name] = k / reps
         out["s_" + name] = max(0.0, syncs - 2) / reps
@@ -358,6 +372,7 @@ def rank_main(rank, N, port, args, q):
         for i, (name, T, _) in enumerate(rows):
             r = dict(zip(keys, st[i]))
             r["wrong"] = int(wr[i])
+            r["x_new"] = -r.pop("xneg_new")
             out.append((name, T, r))
         fbuf.destroy()
         dbuf.destroy()
@@ -426,6 +441,12 @@ def main():
         f, d = by[("ferry", T)], by[("DeepEP", T)]
         print(f"  T={T}: layout + dispatch {f['new'] / d['new']:.2f}, cached dispatch "
               f"{f['cached'] / d['cached']:.2f}, combine {f['combine'] / d['combine']:.2f}")
+    print("\ncount exchange kernel of a new routing, us per call (ferry's fr_cuht_route1 or "
+          "fr_cuht_notify, DeepEP's notify_dispatch; each waits for its peers: the least over "
+          "the ranks):")
+    for T in args.tokens:
+        print(f"  T={T}: ferry {by[('ferry', T)]['x_new']:.1f}, DeepEP "
+              f"{by[('DeepEP', T)]['x_new']:.1f}")
     if args.async_gemms:
         print(f"\nasync, {args.async_gemms} GEMMs between call and wait, p50 us: saved = call "
               f"alone + GEMMs alone - the overlapped pair")

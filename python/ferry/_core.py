@@ -44,6 +44,12 @@ _EXT_FNS = ("ferry_dispatch_layout", "ferry_route_create", "ferry_route_counts",
             "ferry_ht_dispatch", "ferry_ht_combine", "ferry_route_destroy")
 
 
+#: what this package calls in ferry._torchext (a module built from an
+#: older source lacks some: not used then)
+_EXT_NEEDS = ("layout", "layout_plain", "route", "route_dispatch", "new_plain", "ht_dispatch",
+              "ht_combine", "record", "call_begin", "call_end")
+
+
 def _torchext():
     """ferry._torchext, initialised with the loaded library's functions, or
     None: the high-throughput calls' outputs made in C++ for torch tensors
@@ -62,6 +68,12 @@ def _torchext():
                 _EXT_ERR = ImportError(f"FERRY_TORCH_EXT=1, but ferry._torchext does not "
                                        f"load ({e}): build it with `make pyext` against "
                                        f"this torch")
+                m = None
+            stale = [f for f in _EXT_NEEDS if m is not None and not hasattr(m, f)]
+            if stale:
+                _EXT_ERR = ImportError(f"FERRY_TORCH_EXT=1, but ferry._torchext was built "
+                                       f"from an older ferry (no {', '.join(stale)}): "
+                                       f"rebuild it with `make pyext`")
                 m = None
             if m is not None and _lib_version() < (0, 1, 2):
                 _EXT_ERR = ImportError(f"FERRY_TORCH_EXT=1, but the loaded libferry "

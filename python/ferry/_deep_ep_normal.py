@@ -163,11 +163,22 @@ class _Call:
     loads its module, starts while a ferry kernel waits for the
     provider's copies, docs/architecture.md "Kernel loading");
     finish(made, read) returns the call's event."""
-    __slots__ = ("comm", "compute", "async_finish", "on_host", "like", "_ctx")
+    __slots__ = ("comm", "_compute", "async_finish", "on_host", "like", "_ctx", "_csid")
 
-    def __init__(self, comm, compute, async_finish, on_host, like):
-        self.comm, self.compute, self.async_finish = comm, compute, async_finish
+    def __init__(self, comm, compute, async_finish, on_host, like, csid=None):
+        self.comm, self._compute, self.async_finish = comm, compute, async_finish
         self.on_host, self.like, self._ctx = on_host, like, None
+        # the compute stream's id where ferry._torchext made the waits
+        # (call_begin): its Stream object only made if needed
+        self._csid = csid
+
+    @property
+    def compute(self):
+        if self._compute is None and self._csid is not None:
+            c = self.comm
+            self._compute = torch.cuda.Stream(stream_id=self._csid, device_index=c.device_index,
+                                              device_type=c.device_type)
+        return self._compute
 
     @property
     def stream(self):
@@ -190,7 +201,12 @@ class _Call:
     def __exit__(self, *exc):
         if self._ctx is not None:
             if self._ctx is True:
-                _set_stream(self.compute)
+                c = self.comm
+                if self._csid is not None:
+                    _SET_STREAM(stream_id=self._csid, device_index=c.device_index,
+                                device_type=c.device_type)
+                else:
+                    _set_stream(self.compute)
             else:
                 self._ctx.__exit__(*exc)
             self._ctx = None
@@ -211,6 +227,15 @@ class _Call:
         there."""
         if self.comm is None:
             return _event_after(self.like) if self.async_finish else _no_event()
+        if self._csid is not None:  # one call of ferry._torchext (not on_host)
+            c = self.comm
+            _torchext().call_end(self._csid, c.stream_id, c.device_index, c.device_type, made,
+                                 read, self.async_finish)
+            if not self.async_finish:
+                return _no_event()
+            ev = torch.cuda.Event()
+            ev.record(c)
+            return EventOverlap(ev)
         _record(made, self.compute)
         if self.on_host:  # finished on the host (_call)
             self.comm.synchronize()
@@ -306,6 +331,19 @@ class _Normal:
             if previous_event is not None:
                 previous_event.current_stream_wait()
             return _Call(None, None, async_finish, False, like)
+        on_host = ep.needs_nonblocking_stream
+        ext = _torchext()
+        if ext is not None and not on_host and _SET_STREAM is not None:
+            di = like.get_device()
+            if di == torch.cuda.current_device():
+                # the waits in one call of ferry._torchext (call_begin),
+                # the rest as below
+                comm = self._comm_streams.get(di) or self._comm_stream(like.device)
+                pe = previous_event.event if previous_event is not None else None
+                if pe is None or type(pe) is torch.cuda.Event:
+                    csid = ext.call_begin(comm.stream_id, di, comm.device_type,
+                                          None if pe is None else pe.cuda_event)
+                    return _Call(comm, None, async_finish, False, like, csid)
         compute = torch.cuda.current_stream(like.device)
         comm = self._comm_stream(like.device)
         if previous_event is not None and previous_event.event is not None:
@@ -316,7 +354,7 @@ class _Normal:
         # CUDA calls in the fabric thread (shm, tcp): every call is finished
         # on the host, whatever the caller's stream (docs/architecture.md,
         # "Streams": calls queued back to back across nodes stalled there)
-        return _Call(comm, compute, async_finish, ep.needs_nonblocking_stream, like)
+        return _Call(comm, compute, async_finish, on_host, like)
 
     @_plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,

@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -590,26 +591,13 @@ PyObject *ht_combine(PyObject *, PyObject *const *a, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
-/* record(stream_id, device_index, device_type, tensors): t.record_stream
- * on that stream (torch.cuda.Stream's three fields) for each CUDA tensor
- * of the sequence tensors (anything else skipped): the caching allocator
- * keeps their memory until the stream's work queued before their release
- * is done. One call for the dozen tensors of an async normal-mode call
- * (half the time of as many calls from Python). */
-PyObject *record(PyObject *, PyObject *const *a, Py_ssize_t n)
+/* t.record_stream(s) for each CUDA tensor of the sequence obj (anything
+ * else skipped). */
+bool record_seq(PyObject *obj, const c10::Stream &s)
 {
-    HANDLE_TH_ERRORS
-    if (!check_args("record", n, 4))
-        return nullptr;
-    long long id = int_of(a[0]), index = int_of(a[1]), type = int_of(a[2]);
-    if (PyErr_Occurred())
-        return nullptr;
-    PyObject *seq = PySequence_Fast(a[3], "ferry._torchext.record: tensors: expected a sequence");
+    PyObject *seq = PySequence_Fast(obj, "ferry._torchext: tensors: expected a sequence");
     if (!seq)
-        return nullptr;
-    c10::Stream s = c10::Stream::unpack3(static_cast<c10::StreamId>(id),
-                                         static_cast<c10::DeviceIndex>(index),
-                                         static_cast<c10::DeviceType>(type));
+        return false;
     Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     try {
@@ -625,6 +613,100 @@ PyObject *record(PyObject *, PyObject *const *a, Py_ssize_t n)
         throw;
     }
     Py_DECREF(seq);
+    return true;
+}
+
+/* One event per device for stream waits (a stream waits for what another
+ * had queued when the event was recorded: cudaStreamWaitEvent takes the
+ * event's state at the call, so one event serves every wait in turn).
+ * Kept for the process's life. */
+void *g_wait_ev[256];
+
+/* b waits for the work queued on a so far. */
+void stream_wait(const c10::impl::DeviceGuardImplInterface *g, const c10::Stream &b,
+                 const c10::Stream &a)
+{
+    void **ev = &g_wait_ev[static_cast<uint8_t>(a.device_index())];
+    g->record(ev, a, a.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
+    g->block(*ev, b);
+}
+
+c10::Stream stream_of(PyObject *const *a)
+{
+    return c10::Stream::unpack3(static_cast<c10::StreamId>(int_of(a[0])),
+                                static_cast<c10::DeviceIndex>(int_of(a[1])),
+                                static_cast<c10::DeviceType>(int_of(a[2])));
+}
+
+/* call_begin(comm_stream_id, device_index, device_type, event): the
+ * stream waits of a normal-mode call on the Buffer's comm stream (_Call):
+ * the comm stream waits for event (a torch.cuda.Event's cuda_event handle;
+ * 0, an event never recorded: no wait) or, event None, for the device's
+ * current stream. Returns the current stream's id (the caller's compute
+ * stream). Three torch calls from Python, one here. */
+PyObject *call_begin(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!check_args("call_begin", n, 4))
+        return nullptr;
+    c10::Stream comm = stream_of(a);
+    unsigned long long ev = a[3] == Py_None ? 0 : PyLong_AsUnsignedLongLong(a[3]);
+    if (PyErr_Occurred())
+        return nullptr;
+    const c10::impl::DeviceGuardImplInterface *g = c10::impl::getDeviceGuardImpl(comm.device_type());
+    c10::Stream cur = g->getStream(comm.device());
+    if (a[3] == Py_None)
+        stream_wait(g, comm, cur);
+    else if (ev != 0)
+        g->block(reinterpret_cast<void *>(static_cast<uintptr_t>(ev)), comm);
+    return PyLong_FromLongLong(static_cast<long long>(cur.id()));
+    END_HANDLE_TH_ERRORS
+}
+
+/* call_end(compute_stream_id, comm_stream_id, device_index, device_type,
+ * made, read, async_finish): a call's end on the comm stream (_Call.finish
+ * without its event): the tensors it made recorded for the compute
+ * stream; with async_finish the caller's tensors it read recorded for the
+ * comm stream, else the compute stream waits for the comm stream. */
+PyObject *call_end(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!check_args("call_end", n, 7))
+        return nullptr;
+    long long cs = int_of(a[0]), ms = int_of(a[1]), index = int_of(a[2]), type = int_of(a[3]);
+    int async_finish = PyObject_IsTrue(a[6]);
+    if (PyErr_Occurred() || async_finish < 0)
+        return nullptr;
+    auto dt = static_cast<c10::DeviceType>(type);
+    auto di = static_cast<c10::DeviceIndex>(index);
+    c10::Stream compute = c10::Stream::unpack3(static_cast<c10::StreamId>(cs), di, dt);
+    c10::Stream comm = c10::Stream::unpack3(static_cast<c10::StreamId>(ms), di, dt);
+    if (!record_seq(a[4], compute))
+        return nullptr;
+    if (async_finish) {
+        if (!record_seq(a[5], comm))
+            return nullptr;
+    } else {
+        stream_wait(c10::impl::getDeviceGuardImpl(dt), compute, comm);
+    }
+    Py_RETURN_NONE;
+    END_HANDLE_TH_ERRORS
+}
+
+/* record(stream_id, device_index, device_type, tensors): t.record_stream
+ * on that stream (torch.cuda.Stream's three fields) for each CUDA tensor
+ * of the sequence tensors (anything else skipped): the caching allocator
+ * keeps their memory until the stream's work queued before their release
+ * is done. One call for the dozen tensors of an async normal-mode call
+ * (half the time of as many calls from Python). */
+PyObject *record(PyObject *, PyObject *const *a, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!check_args("record", n, 4))
+        return nullptr;
+    c10::Stream s = stream_of(a);
+    if (PyErr_Occurred() || !record_seq(a[3], s))
+        return nullptr;
     Py_RETURN_NONE;
     END_HANDLE_TH_ERRORS
 }
@@ -650,6 +732,10 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "a combine's outputs and ferry_ht_combine"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)),
      METH_FASTCALL, "record_stream of CUDA tensors on one stream"},
+    {"call_begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call_begin)),
+     METH_FASTCALL, "a normal-mode call's comm stream waits; the current stream's id"},
+    {"call_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call_end)),
+     METH_FASTCALL, "a normal-mode call's records and, not async, the compute stream's wait"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_torchext",

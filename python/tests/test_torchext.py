@@ -16,13 +16,17 @@ routing every round (Zipf-skewed experts, masked -1 slots, a rank with no
 tokens in one round), weights that do not sum to 1. After the first
 round each new routing's dispatch must be one call of new_plain (its C++
 path), plain or async (two rounds call it as SGLang does: after an event,
-async, outputs on the comm stream), and get_dispatch_layout one call of
-layout_plain; inputs those calls must hand to the full path (a nested x,
+async, outputs on the comm stream), and a plain get_dispatch_layout one
+call of layout_plain; inputs those calls must hand to the full path (a nested x,
 an out-of-range expert_alignment, a float topk_idx, fp8 rows without
 scales) raise what the full path raises. Also checks that a library error through the module is
 a FerryError with the library's message, and record (record_stream in
 C++): on a GPU a recorded block is not handed out again while its stream
-is busy, where an unrecorded one is. Exit 77 without torch (or on cuda without a GPU).
+is busy, where an unrecorded one is; that on a GPU an async round's four
+calls make their stream waits in one call of the module each
+(call_begin), compared bit for bit as the rest; and that a module built
+from an older source is refused by name. Exit 77 without torch (or on
+cuda without a GPU).
 """
 import os
 import sys
@@ -88,7 +92,12 @@ def one_round(buf, idx, w, x, bias, sc, fp8, asyn):
     """A round's outputs: layout, new-routing dispatch (asyn: as SGLang
     calls it, on the Buffer's comm stream after an event, returning one),
     cached dispatch, combine (with weights and bias)."""
-    pr, pn, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+    # asyn: every call on the comm stream (the layout and combine async
+    # after the current stream, the cached dispatch's outputs allocated
+    # there and the current stream made to wait)
+    lkw = dict(async_finish=True, allocate_on_comm_stream=True) if asyn else {}
+    pr, pn, pe, inr, lev = buf.get_dispatch_layout(idx, E, **lkw)
+    lev.current_stream_wait()
     if fp8:
         xin = (x.float().clamp(-400, 400).to(torch.float8_e4m3fn), sc)
     else:
@@ -101,12 +110,50 @@ def one_round(buf, idx, w, x, bias, sc, fp8, asyn):
                      num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w, **kw)
     r[5].current_stream_wait()
     rx, ridx, rw, counts, handle = r[:5]
-    cached = buf.dispatch(xin, handle=handle)[0]
+    cached = buf.dispatch(xin, handle=handle, allocate_on_comm_stream=asyn)[0]
     y = (rx[0].float() if fp8 else rx.float()) * 0.5
-    cx, cw, _ = buf.combine(y.to(torch.bfloat16), handle, topk_weights=rw, bias=bias)
+    cx, cw, cev = buf.combine(y.to(torch.bfloat16), handle, topk_weights=rw, bias=bias, **lkw)
+    cev.current_stream_wait()
     return dict(layout=(pr, pn, pe, inr), recv_x=rx, topk_idx=ridx, topk_weights=rw,
                 counts=counts, src=handle.src_idx, cached=cached, combined=cx,
                 combined_w=cw)
+
+
+def check_stale(fails):
+    """A module built from an older source (here: one without any function)
+    is not used: with FERRY_TORCH_EXT=1 an ImportError naming what it lacks
+    and `make pyext`, else the Python path (None)."""
+    import types
+    import ferry
+    from ferry import _core
+    saved = (_core._EXT, _core._EXT_ERR, sys.modules.get("ferry._torchext"),
+             ferry.__dict__.get("_torchext"), os.environ.get("FERRY_TORCH_EXT"))
+    stub = types.ModuleType("ferry._torchext")
+    try:
+        sys.modules["ferry._torchext"] = ferry._torchext = stub
+        for want in ("1", ""):
+            os.environ["FERRY_TORCH_EXT"] = want
+            _core._EXT = _core._EXT_ERR = None
+            try:
+                got = _core._torchext()
+            except ImportError as e:
+                got = e
+            if want == "1" and not (isinstance(got, ImportError) and "call_begin" in str(got)
+                                    and "make pyext" in str(got)):
+                fails.append(f"a stale module with FERRY_TORCH_EXT=1: {got!r}, expected an "
+                             f"ImportError naming call_begin and make pyext")
+            if want == "" and got is not None:
+                fails.append(f"a stale module: {got!r}, expected None (the Python path)")
+    finally:
+        _core._EXT, _core._EXT_ERR = saved[0], saved[1]
+        if saved[2] is not None:
+            sys.modules["ferry._torchext"] = saved[2]
+        if saved[3] is not None:
+            ferry._torchext = saved[3]
+        if saved[4] is None:
+            os.environ.pop("FERRY_TORCH_EXT", None)
+        else:
+            os.environ["FERRY_TORCH_EXT"] = saved[4]
 
 
 def check_record(ext, dev, fails):
@@ -207,9 +254,16 @@ def rank_main(rank, N, port, q):
         fast = []  # what each new_plain call gave: a tuple, or None (the full path)
         fast_layout = []  # the same of layout_plain
 
+        begun = []  # call_begin's calls (a call's stream waits in C++)
+
         class Counting:  # the module, its new_plain and layout_plain calls noted
             def __getattr__(self, name):
                 f = getattr(ext, name)
+                if name == "call_begin":
+                    def noted_begin(*a):
+                        begun.append(a)
+                        return f(*a)
+                    return noted_begin
                 if name not in ("new_plain", "layout_plain"):
                     return f
                 into = fast if name == "new_plain" else fast_layout
@@ -225,10 +279,10 @@ def rank_main(rank, N, port, q):
             T = 0 if (rnd == 3 and rank == N - 1) else 24 + 8 * rnd + rank
             idx, w, x, bias, sc = routing(rank, rnd, T, dev)
             fp8 = rnd % 2 == 1
-            n_fast, n_layout = len(fast), len(fast_layout)
+            n_fast, n_layout, n_begun = len(fast), len(fast_layout), len(begun)
             asyn = rnd in (2, 5)
             got = one_round(buf, idx, w, x, bias, sc, fp8, asyn)
-            if rnd > 0 and fast_layout[n_layout:] != [True]:
+            if rnd > 0 and not asyn and fast_layout[n_layout:] != [True]:
                 fails.append(f"round {rnd} (T={T}): layout_plain calls "
                              f"{fast_layout[n_layout:]}, expected one that made the layout")
             # after the first round, a new routing's dispatch with tokens is one
@@ -237,6 +291,11 @@ def rank_main(rank, N, port, q):
             if rnd > 0 and T and fast[n_fast:] != [True]:
                 fails.append(f"round {rnd} (T={T}): new_plain calls {fast[n_fast:]}, expected "
                              f"one that made the dispatch")
+            # on a GPU, the four calls of an async round make their stream
+            # waits in one call of the module each
+            if asyn and dev.type == "cuda" and len(begun) - n_begun != 4:
+                fails.append(f"round {rnd}: {len(begun) - n_begun} call_begin calls, expected "
+                             f"4 (layout, dispatch, cached dispatch, combine)")
             # the route's per-expert counts stay a writable numpy array
             ec = buf._eps[next(iter(buf._eps))]._routes[-1].expert_counts
             if not ec.flags.writeable:
@@ -250,6 +309,7 @@ def rank_main(rank, N, port, q):
                 same(fails, f"round {rnd} ({'fp8' if fp8 else 'bf16'}, T={T}) {k}", got[k],
                      want[k])
         check_record(ext, dev, fails)
+        check_stale(fails)
         if buf._plain_ctx is None:
             fails.append("no dispatch made the one-call path's context")
         check_refusals(buf, dev, fails)

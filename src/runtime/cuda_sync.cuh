@@ -34,6 +34,14 @@ static __device__ __forceinline__ void fr_sys_st_release(unsigned long long *p,
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* A relaxed store at system scope: a release where a fence precedes it
+ * in the same thread (__threadfence_system), one fence for several. */
+static __device__ __forceinline__ void fr_sys_st_relaxed(unsigned long long *p,
+                                                         unsigned long long v)
+{
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 static __device__ __forceinline__ unsigned long long fr_sys_timer(void)
 {
     unsigned long long t;

@@ -159,6 +159,53 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, co
                      blockIdx.x);
 }
 
+/* The sum of v over a warp's lanes, in every lane. */
+static __device__ __forceinline__ int fr_warp_sum(int v)
+{
+    for (int o = 16; o; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* A warp (every lane calls it) checks a source's C counts v and lays them
+ * out: each at least 0 (exactly 0 where zero_only), at most bound less the
+ * counts before it; cnt[i] = v[i], base[i] = the sum before i. Lanes take
+ * 32 counts at a time and scan them, so the loads are in flight together.
+ * Returns the sum, or -1 after failing the context with source s and
+ * index what + i of the first bad count (as a loop stopping there would:
+ * the prefixes before it are exact, each checked count being at most what
+ * is left). */
+static __device__ __forceinline__ int
+fr_warp_prefix_check(const int32_t *v, int C, int bound, bool zero_only, int32_t *cnt,
+                     int32_t *base, const fr_cuht_args_t &A, int s, int what)
+{
+    int lane = threadIdx.x & 31, sum = 0;
+    for (int c0 = 0; c0 < C; c0 += 32) {
+        int i = c0 + lane;
+        int x = i < C ? __ldcg(v + i) : 0;
+        unsigned int inc = (unsigned int)x; /* unsigned: past a bad count it may wrap */
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned int y = __shfl_up_sync(0xffffffffu, inc, o);
+            inc += lane >= o ? y : 0u;
+        }
+        int before = sum + (int)(inc - (unsigned int)x);
+        bool bad = i < C && (x < 0 || (zero_only && x > 0) || x > bound - before);
+        unsigned int m = __ballot_sync(0xffffffffu, bad);
+        if (m) {
+            if (lane == 0)
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS,
+                             what + c0 + __ffs((int)m) - 1);
+            return -1;
+        }
+        if (i < C) {
+            cnt[i] = x;
+            base[i] = before;
+        }
+        sum = __shfl_sync(0xffffffffu, sum + (int)inc, 31);
+    }
+    return sum;
+}
+
 /* Where notify's results go: the host-mapped result of an exact route, or
  * (bounded) the route's own words and the caller's optional outputs. */
 typedef struct fr_cuht_nout {
@@ -209,10 +256,17 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
             for (int i = threadIdx.x; i < C; i += blockDim.x)
                 ec[El + i] = isbad || !key ? 0 : kcnt[(size_t)d * C + i];
         }
-        if (threadIdx.x == 0) {
-            int n = 0;
-            for (int i = 0; i < C; i++)
-                n += __ldcg(&ccnt[(size_t)d * C + i]);
+    }
+    /* each destination's token count: a warp per destination, its lanes
+     * over the channels (loads in flight together, not one after another) */
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int d = warp; d < N; d += nwarps) {
+        int n = 0;
+        for (int i = lane; i < C; i += 32)
+            n += __ldcg(&ccnt[(size_t)d * C + i]);
+        n = fr_warp_sum(n);
+        if (lane == 0) {
+            uint8_t *e = fr_cuht_wnot(A, d, parity);
             ((int32_t *)(e + 8))[0] = isbad ? -1 : n;
             ((int32_t *)(e + 8))[1] = 0;
         }
@@ -220,9 +274,12 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
     __syncthreads();
     if (threadIdx.x == 0) {
         ok = !fr_cuht_failed(A);
-        __threadfence_system(); /* every thread's stores, ordered by the barrier */
+        /* every thread's stores, ordered by the barrier; the fence makes
+         * each relaxed store of the route number below a release (one
+         * system fence, not one per peer) */
+        __threadfence_system();
         for (int d = 0; d < N && ok; d++)
-            fr_sys_st_release(fr_cuht_wnotid(A, d, parity), id);
+            fr_sys_st_relaxed(fr_cuht_wnotid(A, d, parity), id);
     }
     __syncthreads();
     if (!ok)
@@ -256,79 +313,78 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
     __syncthreads();
     if (!ok)
         return;
-    /* counts checked before use (a thread per source); rows by source
-     * rank, then channel: each source's channels laid out from 0, then
-     * shifted by the rows of the sources before it */
-    __shared__ int stot[FR_CUHT_MAX_RANKS];
+    /* counts checked before use (a warp per source, its lanes over the
+     * channels: a scan, so that the loads are in flight together); rows
+     * by source rank, then channel: each source's channels laid out from
+     * 0, then shifted by the rows of the sources before it. The polling
+     * thread's acquire and the barrier order these loads after the
+     * source's stores; __ldcg reads them through L2 (peers wrote them
+     * while this kernel ran). */
+    __shared__ int stot[FR_CUHT_MAX_RANKS], sraw[FR_CUHT_MAX_RANKS];
     __shared__ int sbad;
     if (threadIdx.x == 0)
         sbad = INT_MAX;
     __syncthreads();
-    for (int s = threadIdx.x; s < N; s += blockDim.x) {
-        /* volatile: peers wrote these while this kernel ran */
+    for (int s = warp; s < N; s += nwarps) {
         const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-        int n = ((const volatile int32_t *)(e + 8))[0], sum = 0;
-        const volatile int32_t *cc = (const volatile int32_t *)(e + 16);
-        stot[s] = 0;
+        int n = __ldcg((const int32_t *)(e + 8));
+        const int32_t *cc = (const int32_t *)(e + 16);
+        if (lane == 0) {
+            stot[s] = 0;
+            sraw[s] = n;
+        }
         if (n == -1) {
-            atomicMin(&sbad, s);
+            if (lane == 0)
+                atomicMin(&sbad, s);
             n = 0;
         }
         if (n < 0 || n > G.T) {
-            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, n);
+            if (lane == 0)
+                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, n);
             continue;
         }
-        int i = 0;
-        for (; i < C; i++) {
-            int v = cc[i];
-            if (v < 0 || v > n - sum) {
-                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, i);
-                break;
-            }
-            rcnt[(size_t)s * C + i] = v;
-            rbase[(size_t)s * C + i] = sum;
-            sum += v;
-        }
-        if (i == C && sum != n)
+        int sum = fr_warp_prefix_check(cc, C, n, 0, &rcnt[(size_t)s * C], &rbase[(size_t)s * C],
+                                       A, s, 0);
+        if (sum >= 0 && sum != n && lane == 0)
             fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, sum);
-        stot[s] = n;
-        if (G.fwd) { /* records to forward: only from the sources forwarded here */
-            const volatile int32_t *fc = cc + C + El;
-            int here = A.fw.fslot[s] >= 0, fsum = 0;
-            for (i = 0; i < C; i++) {
-                int v = fc[i];
-                if (v < 0 || (v > 0 && !here) || v > G.T - fsum) {
-                    fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, C + El + i);
-                    break;
-                }
-                fcnt[(size_t)s * C + i] = v;
-                fbase[(size_t)s * C + i] = fsum;
-                fsum += v;
-            }
-        }
+        if (lane == 0)
+            stot[s] = n;
+        if (G.fwd) /* records to forward: only from the sources forwarded here */
+            fr_warp_prefix_check(cc + C + El, C, G.T, A.fw.fslot[s] < 0,
+                                 &fcnt[(size_t)s * C], &fbase[(size_t)s * C], A, s, C + El);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        ok = !fr_cuht_failed(A);
-        int total = 0, badr = sbad == INT_MAX ? -1 : sbad;
-        for (int s = 0; s < N; s++) { /* exclusive prefix: each source's first row */
-            int n = stot[s];
-            stot[s] = total;
-            total += n;
+    if (warp == 0) {
+        /* exclusive prefix (each source's first row): warp 0 scans 32
+         * sources at a time */
+        int total = 0;
+        for (int c0 = 0; c0 < N; c0 += 32) {
+            int i = c0 + lane, n = i < N ? stot[i] : 0, inc = n;
+            for (int q = 1; q < 32; q <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, inc, q);
+                inc += lane >= q ? y : 0;
+            }
+            if (i < N)
+                stot[i] = total + inc - n;
+            total += __shfl_sync(0xffffffffu, inc, 31);
         }
-        *o.nrecv = total;
-        if (res) {
-            res->num_recv = total;
-            res->bad_rank = badr;
-        } else if (ok && badr >= 0) { /* bounded: nobody reads res */
-            fr_cuht_fail(A, FERRY_ERR_INVALID, badr, FR_CUHT_WHAT_BADIDX, 0);
-            ok = 0;
-        } else if (ok && total > o.bound) {
-            fr_cuht_fail(A, FERRY_ERR_INVALID, o.bound, FR_CUHT_WHAT_BOUND, total);
-            ok = 0;
+        if (lane == 0) {
+            ok = !fr_cuht_failed(A);
+            int badr = sbad == INT_MAX ? -1 : sbad;
+            *o.nrecv = total;
+            if (res) {
+                res->num_recv = total;
+                res->bad_rank = badr;
+            } else if (ok && badr >= 0) { /* bounded: nobody reads res */
+                fr_cuht_fail(A, FERRY_ERR_INVALID, badr, FR_CUHT_WHAT_BADIDX, 0);
+                ok = 0;
+            } else if (ok && total > o.bound) {
+                fr_cuht_fail(A, FERRY_ERR_INVALID, o.bound, FR_CUHT_WHAT_BOUND, total);
+                ok = 0;
+            }
+            if (ok && o.nrecv_out)
+                *o.nrecv_out = total;
         }
-        if (ok && o.nrecv_out)
-            *o.nrecv_out = total;
     }
     __syncthreads();
     if (!ok)
@@ -336,17 +392,20 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
     for (int i = threadIdx.x; i < N * C; i += blockDim.x)
         rbase[i] += stot[i / C];
     for (int le = threadIdx.x; le < El; le += blockDim.x) {
-        int sum = 0;
+        /* no branch on a loaded value inside the loop: the loads go out
+         * together; the first bad source is named, as a loop stopping
+         * there would */
+        int sum = 0, first = -1;
         for (int s = 0; s < N; s++) {
             const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-            int n = ((const volatile int32_t *)(e + 8))[0];
-            int v = ((const volatile int32_t *)(e + 16))[C + le];
-            if (v < 0 || v > (n < 0 ? 0 : n)) {
-                fr_cuht_fail(A, FERRY_ERR_PROTOCOL, s, FR_CUHT_WHAT_COUNTS, C + le);
-                break;
-            }
-            sum += v;
+            int n = sraw[s];
+            int v = __ldcg((const int32_t *)(e + 16) + C + le);
+            bool b = v < 0 || v > (n < 0 ? 0 : n);
+            first = first < 0 && b ? s : first;
+            sum += first < 0 ? v : 0;
         }
+        if (first >= 0)
+            fr_cuht_fail(A, FERRY_ERR_PROTOCOL, first, FR_CUHT_WHAT_COUNTS, C + le);
         if (res)
             res->ecnt[le] = sum;
         if (o.ecnt_out)
