@@ -153,12 +153,14 @@ def rank_main(rank, N, port, args, q):
                                  num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w,
                                  expert_alignment=128 if args.asyn else 1, **kw)
                 t2 = P()
-                r[-1].current_stream_wait()
+                if args.asyn:  # (DeepEP's event of a plain call is empty: no wait)
+                    r[-1].current_stream_wait()
                 if args.asyn and cuda:
                     kw["previous_event"] = buf.capture()
                 o, _, ev = buf.combine(r[0], r[4], **kw)
                 t3 = P()
-                ev.current_stream_wait()
+                if args.asyn:
+                    ev.current_stream_wait()
                 sync()
                 t4 = P()
                 if i < args.warmup:

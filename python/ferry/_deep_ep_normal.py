@@ -366,19 +366,33 @@ class _Normal:
         topk_idx's device and stream. dispatch does not read them (ferry
         works its route out itself)."""
         lc = self._layout_ctx
-        if lc is not None and previous_event is None and not async_finish and \
-                not allocate_on_comm_stream and type(num_experts) is int and \
-                num_experts == lc[0] and lc[3] is self.runtime:
-            # on the current stream, one node: one call of ferry._torchext,
-            # which takes topk_idx as the path below would (else None)
+        if lc is not None and type(num_experts) is int and num_experts == lc[0] and \
+                lc[3] is self.runtime:
+            # one node: one call of ferry._torchext, which takes topk_idx as
+            # the path below would (else None); on the current stream, or
+            # (previous_event, async_finish or allocate_on_comm_stream) on
+            # the comm stream between _call's waits and records
             ext = _torchext()
             dev = lc[2]
             if ext is not None and (dev < 0 or torch.cuda.current_device() == dev):
-                r = ext.layout_plain(lc, topk_idx, _dev_stream(dev))
-                if r is not None:
-                    if r[0]:
-                        raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
-                    return r[1], None, r[2], r[3], _no_event()
+                if previous_event is None and not async_finish and \
+                        not allocate_on_comm_stream:
+                    r = ext.layout_plain(lc, topk_idx, _dev_stream(dev))
+                    if r is not None:
+                        if r[0]:
+                            raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
+                        return r[1], None, r[2], r[3], _no_event()
+                elif dev >= 0 and type(topk_idx) is torch.Tensor and topk_idx.is_cuda:
+                    call = self._layout_call(topk_idx, previous_event, async_finish,
+                                             allocate_on_comm_stream)
+                    if call.comm is not None:
+                        with call:
+                            r = ext.layout_plain(lc, topk_idx, call.stream)
+                            if r is not None:
+                                if r[0]:
+                                    raise FerryError(r[0], f"get_dispatch_layout: {r[1]}")
+                                out = (r[1], None, r[2], r[3])
+                                return out + (call.finish(made=out, read=(topk_idx,)),)
         _tensor(topk_idx, "topk_idx", torch.int64, ("T", "K"))
         if type(num_experts) is not int or num_experts != self.__dict__.get("_layout_E"):
             N = self.group_size  # an int checked once per value
