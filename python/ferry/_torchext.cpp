@@ -631,11 +631,17 @@ void stream_wait(const c10::impl::DeviceGuardImplInterface *g, const c10::Stream
     g->block(*ev, b);
 }
 
-c10::Stream stream_of(PyObject *const *a)
+/* The stream of torch.cuda.Stream's three fields a[0..2]; false with
+ * Python's error set where one is not an int. */
+bool stream_of(PyObject *const *a, c10::Stream *s)
 {
-    return c10::Stream::unpack3(static_cast<c10::StreamId>(int_of(a[0])),
-                                static_cast<c10::DeviceIndex>(int_of(a[1])),
-                                static_cast<c10::DeviceType>(int_of(a[2])));
+    long long id = int_of(a[0]), index = int_of(a[1]), type = int_of(a[2]);
+    if (PyErr_Occurred())
+        return false;
+    *s = c10::Stream::unpack3(static_cast<c10::StreamId>(id),
+                              static_cast<c10::DeviceIndex>(index),
+                              static_cast<c10::DeviceType>(type));
+    return true;
 }
 
 /* call_begin(comm_stream_id, device_index, device_type, event): the
@@ -649,7 +655,9 @@ PyObject *call_begin(PyObject *, PyObject *const *a, Py_ssize_t n)
     HANDLE_TH_ERRORS
     if (!check_args("call_begin", n, 4))
         return nullptr;
-    c10::Stream comm = stream_of(a);
+    c10::Stream comm(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+    if (!stream_of(a, &comm))
+        return nullptr;
     unsigned long long ev = a[3] == Py_None ? 0 : PyLong_AsUnsignedLongLong(a[3]);
     if (PyErr_Occurred())
         return nullptr;
@@ -704,8 +712,8 @@ PyObject *record(PyObject *, PyObject *const *a, Py_ssize_t n)
     HANDLE_TH_ERRORS
     if (!check_args("record", n, 4))
         return nullptr;
-    c10::Stream s = stream_of(a);
-    if (PyErr_Occurred() || !record_seq(a[3], s))
+    c10::Stream s(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+    if (!stream_of(a, &s) || !record_seq(a[3], s))
         return nullptr;
     Py_RETURN_NONE;
     END_HANDLE_TH_ERRORS

@@ -188,8 +188,10 @@ fr_warp_prefix_check(const int32_t *v, int C, int bound, bool zero_only, int32_t
             unsigned int y = __shfl_up_sync(0xffffffffu, inc, o);
             inc += lane >= o ? y : 0u;
         }
-        int before = sum + (int)(inc - (unsigned int)x);
-        bool bad = i < C && (x < 0 || (zero_only && x > 0) || x > bound - before);
+        /* exact up to the first bad count; past it, wrapped (unused) */
+        int before = (int)((unsigned int)sum + (inc - (unsigned int)x));
+        bool bad = i < C && (x < 0 || (zero_only && x > 0) ||
+                             (long long)x > (long long)bound - before);
         unsigned int m = __ballot_sync(0xffffffffu, bad);
         if (m) {
             if (lane == 0)
@@ -327,7 +329,10 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
     __syncthreads();
     for (int s = warp; s < N; s += nwarps) {
         const uint8_t *e = A.seg + fr_cuht_off_notify(G, parity, s);
-        int n = __ldcg((const int32_t *)(e + 8));
+        /* lane 0's load for the whole warp: every lane takes the same
+         * branches below (a peer rewriting its entry, e.g. after a
+         * timeout, must not split the warp before its full-mask scans) */
+        int n = __shfl_sync(0xffffffffu, __ldcg((const int32_t *)(e + 8)), 0);
         const int32_t *cc = (const int32_t *)(e + 16);
         if (lane == 0) {
             stot[s] = 0;
