@@ -317,7 +317,7 @@ class ElasticBuffer:
         return _V1Event(ev)
 
     def get_comm_stream(self):
-        return self._buf._comm_stream(torch.device("cuda", torch.cuda.current_device()))
+        return self._buf._comm_stream(torch.cuda.current_device())
 
     def get_physical_domain_size(self):
         return self.num_rdma_ranks, self.num_nvlink_ranks

@@ -294,15 +294,14 @@ class _Normal:
             self._ht_sms_check(ep, sms, "dispatch")
         return ep
 
-    def _comm_stream(self, device):
-        """The Buffer's communication stream on device (DeepEP's comm
-        stream): made at first use, non-blocking, at the highest priority
-        (as DeepEP's), so that its blocks are scheduled before those of
-        the caller's compute queued beside them."""
-        comm = self._comm_streams.get(device.index)
+    def _comm_stream(self, index):
+        """The Buffer's communication stream on CUDA device index (DeepEP's
+        comm stream): made at first use, non-blocking, at the highest
+        priority (as DeepEP's), so that its blocks are scheduled before
+        those of the caller's compute queued beside them."""
+        comm = self._comm_streams.get(index)
         if comm is None:
-            comm = self._comm_streams[device.index] = torch.cuda.Stream(device=device,
-                                                                        priority=-1)
+            comm = self._comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
         return comm
 
     def _call(self, ep, like, previous_event, async_finish, allocate_on_comm_stream):
@@ -338,14 +337,14 @@ class _Normal:
             if di == torch.cuda.current_device():
                 # the waits in one call of ferry._torchext (call_begin),
                 # the rest as below
-                comm = self._comm_streams.get(di) or self._comm_stream(like.device)
+                comm = self._comm_stream(di)
                 pe = previous_event.event if previous_event is not None else None
                 if pe is None or type(pe) is torch.cuda.Event:
                     csid = ext.call_begin(comm.stream_id, di, comm.device_type,
                                           None if pe is None else pe.cuda_event)
                     return _Call(comm, None, async_finish, False, like, csid)
         compute = torch.cuda.current_stream(like.device)
-        comm = self._comm_stream(like.device)
+        comm = self._comm_stream(like.get_device())
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:

@@ -386,7 +386,7 @@ class Buffer(_LowLatency, _Normal):
         calls run on the current stream."""
         if not torch.cuda.is_available():
             return None
-        return self._comm_stream(torch.device("cuda", torch.cuda.current_device()))
+        return self._comm_stream(torch.cuda.current_device())
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """DeepEP's raw buffer as a tensor of `dtype`, from byte `offset`

@@ -42,6 +42,33 @@ static __device__ __forceinline__ void fr_sys_st_relaxed(unsigned long long *p,
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* The lane's inclusive prefix of x over its warp (every lane calls it;
+ * unsigned: a sum past the range wraps). */
+static __device__ __forceinline__ unsigned int fr_warp_incl_scan(unsigned int x)
+{
+    int lane = (int)(threadIdx.x & 31);
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned int y = __shfl_up_sync(0xffffffffu, x, o);
+        x += lane >= o ? y : 0u;
+    }
+    return x;
+}
+
+/* One warp (every lane calls it): out[i] = in[0] + ... + in[i - 1] for
+ * i < n, 32 at a time (out may be in); returns the total in every lane. */
+static __device__ __forceinline__ int fr_warp_excl_scan(const int32_t *in, int32_t *out, int n)
+{
+    int lane = (int)(threadIdx.x & 31), carry = 0;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        int i = i0 + lane, v = i < n ? in[i] : 0;
+        int x = (int)fr_warp_incl_scan((unsigned int)v);
+        if (i < n)
+            out[i] = carry + x - v;
+        carry += __shfl_sync(0xffffffffu, x, 31);
+    }
+    return carry;
+}
+
 static __device__ __forceinline__ unsigned long long fr_sys_timer(void)
 {
     unsigned long long t;

@@ -159,14 +159,6 @@ fr_cuht_layout(fr_cuht_args_t A, int T, const int64_t *topk, const int *kmap, co
                      blockIdx.x);
 }
 
-/* The sum of v over a warp's lanes, in every lane. */
-static __device__ __forceinline__ int fr_warp_sum(int v)
-{
-    for (int o = 16; o; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 /* A warp (every lane calls it) checks a source's C counts v and lays them
  * out: each at least 0 (exactly 0 where zero_only), at most bound less the
  * counts before it; cnt[i] = v[i], base[i] = the sum before i. Lanes take
@@ -183,11 +175,7 @@ fr_warp_prefix_check(const int32_t *v, int C, int bound, bool zero_only, int32_t
     for (int c0 = 0; c0 < C; c0 += 32) {
         int i = c0 + lane;
         int x = i < C ? __ldcg(v + i) : 0;
-        unsigned int inc = (unsigned int)x; /* unsigned: past a bad count it may wrap */
-        for (int o = 1; o < 32; o <<= 1) {
-            unsigned int y = __shfl_up_sync(0xffffffffu, inc, o);
-            inc += lane >= o ? y : 0u;
-        }
+        unsigned int inc = fr_warp_incl_scan((unsigned int)x); /* past a bad count: wraps */
         /* exact up to the first bad count; past it, wrapped (unused) */
         int before = (int)((unsigned int)sum + (inc - (unsigned int)x));
         bool bad = i < C && (x < 0 || (zero_only && x > 0) ||
@@ -266,7 +254,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
         int n = 0;
         for (int i = lane; i < C; i += 32)
             n += __ldcg(&ccnt[(size_t)d * C + i]);
-        n = fr_warp_sum(n);
+        n = __reduce_add_sync(0xffffffffu, n);
         if (lane == 0) {
             uint8_t *e = fr_cuht_wnot(A, d, parity);
             ((int32_t *)(e + 8))[0] = isbad ? -1 : n;
@@ -362,17 +350,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
     if (warp == 0) {
         /* exclusive prefix (each source's first row): warp 0 scans 32
          * sources at a time */
-        int total = 0;
-        for (int c0 = 0; c0 < N; c0 += 32) {
-            int i = c0 + lane, n = i < N ? stot[i] : 0, inc = n;
-            for (int q = 1; q < 32; q <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, inc, q);
-                inc += lane >= q ? y : 0;
-            }
-            if (i < N)
-                stot[i] = total + inc - n;
-            total += __shfl_sync(0xffffffffu, inc, 31);
-        }
+        int total = fr_warp_excl_scan(stot, stot, N);
         if (lane == 0) {
             ok = !fr_cuht_failed(A);
             int badr = sbad == INT_MAX ? -1 : sbad;

@@ -166,24 +166,6 @@ static __device__ __forceinline__ void fr_ds_count_total(int E, const int32_t *h
         hall[e] += hb[e];
 }
 
-/* Exclusive scan of pairs per destination: each destination's first row
- * in this rank's combine region. Warp 0. */
-static __device__ void fr_ds_comb_off(int N, const int32_t *tp, int32_t *co)
-{
-    int lane = threadIdx.x & 31, carry = 0;
-    for (int d0 = 0; d0 < N; d0 += 32) {
-        int d = d0 + lane, v = d < N ? tp[d] : 0, x = v;
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o)
-                x += y;
-        }
-        if (d < N)
-            co[d] = carry + x - v;
-        carry += __shfl_sync(0xffffffffu, x, 31);
-    }
-}
-
 /* Step 2, all threads over the own tokens [start, end), a token per
  * thread: for each group of FR_DS_GROUP destinations, warp ballots and
  * sums count the records and pairs per (destination, warp), a thread per
@@ -292,12 +274,8 @@ static __device__ void fr_ds_index(const fr_cu_args_t &A, int set, const int64_t
             for (int dd = 0; dd < dn; dd++) {
                 int np = fr_ds_np(ek, (d0 + dd) * El, El);
                 unsigned int bal = __ballot_sync(0xffffffffu, np > 0);
-                int x = np; /* pairs of the lanes before this one */
-                for (int o = 1; o < 32; o <<= 1) {
-                    int v = __shfl_up_sync(0xffffffffu, x, o);
-                    if (lane >= o)
-                        x += v;
-                }
+                /* pairs of the lanes up to this one */
+                int x = (int)fr_warp_incl_scan((unsigned int)np);
                 if (t < end) {
                     size_t at = (size_t)t * N + d0 + dd;
                     rec_idx[at] = np ? cw[dd * nw + w] + __popc(bal & lt) : -1;
@@ -819,8 +797,8 @@ fr_ds_run(const fr_cu_args_t &A, int set, const uint16_t *x, const float *x_scal
     /* every block the same values: its receive part reads them back */
     for (int le = threadIdx.x; own && le < L.El; le += blockDim.x)
         A.self_run[set * L.El + le] = min(hall[A.rank * L.El + le], (int)L.cap);
-    if (threadIdx.x < 32)
-        fr_ds_comb_off(N, sh + 3 * N, sh + 4 * N);
+    if (threadIdx.x < 32) /* each destination's first row in this rank's combine region */
+        fr_warp_excl_scan(sh + 3 * N, sh + 4 * N, N);
     FR_TR();
     bool small = end - start <= 32; /* the block's tokens fit warp 0 */
     /* fr_ds_index_warp's, after the mask */
