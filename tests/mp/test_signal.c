@@ -594,6 +594,12 @@ int main(int argc, char **argv)
     }
     if (is_kill) {
         verdict(me, rc ? "bad" : "ok");
+        /* A survivor leaving now would be a second death: the root's exit
+         * resets its sockets, and a rank that has not yet read the root's
+         * notice of the victim would hear of rank 0 first. Stay past the
+         * other survivors' checks (the watcher's grace) before leaving. */
+        if (me != victim)
+            usleep(600 * 1000);
         _exit(rc); /* the communicator lost a rank; skip the collective */
     }
     ferry_comm_destroy(comm);
