@@ -592,11 +592,6 @@ class ElasticBuffer:
                                      "without allow_multiple_reduction (as DeepEP 2's)")
                 _tensor(topk_weights, "topk_weights", torch.float32,
                         (handle.num_expanded_tokens,))
-            if not self.allow_multiple_reduction:
-                raise NotImplementedError(
-                    "combine: an expanded combine without allow_multiple_reduction (every "
-                    "slot summed alone at the source) is not served by ferry yet: its "
-                    "combine sums one row per rank")
         else:
             if x.shape[0] != R:
                 raise ValueError(f"x: {x.shape[0]} rows, the handle's dispatch received {R}")
@@ -604,14 +599,59 @@ class ElasticBuffer:
                 _tensor(topk_weights, "topk_weights", torch.float32, (R, K))
         call = self._buf._call(ep, x, previous_event, async_with_compute_stream,
                                allocate_on_comm_stream)
+        one = handle.do_expand and not self.allow_multiple_reduction
+        if one:
+            bl = self._biases(bias, handle.topk_idx.shape[0], ep.hidden, x.device)
         with call:
-            y, w = x, topk_weights
-            if handle.do_expand:
-                y, w = self._reduce_expanded(handle, x, topk_weights)
-            cx, cw = _ht_combine(ep, route, y.contiguous(), w, call, False, bias, "slots")
-            call.settle()
-            ev = call.finish((cx, cw, y, w), (x, topk_weights))
+            if one:
+                cx, cw = self._combine_per_slot(handle, x, bl, ep, route, call), None
+                made = (cx,)
+            else:
+                y, w = x, topk_weights
+                if handle.do_expand:
+                    y, w = self._reduce_expanded(handle, x, topk_weights)
+                cx, cw = _ht_combine(ep, route, y.contiguous(), w, call, False, bias, "slots")
+                call.settle()
+                made = (cx, cw, y, w)
+            ev = call.finish(made, (x, topk_weights))
         return cx, cw, EventOverlap(ev.event if ev is not None else None)
+
+    @staticmethod
+    def _biases(bias, T, H, dev):
+        """The combine's bias as a tuple of its [T, H] bf16 tensors (none, one
+        or two), checked as the combine checks them."""
+        bl = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+        if len(bl) > 2:
+            raise ValueError(f"bias: {len(bl)} tensors, at most 2")
+        for i, b in enumerate(bl):
+            _tensor(b, f"bias[{i}]", torch.bfloat16, (T, H))
+            if b.device != dev:
+                raise ValueError(f"bias[{i}]: on {b.device}, x on {dev}")
+        return bl
+
+    @staticmethod
+    def _combine_per_slot(h, x, bl, ep, route, call):
+        """An expanded combine without allow_multiple_reduction (DeepEP 2's
+        single reduction): every slot's row comes back alone and the source
+        sums the biases (bl) and then its slots in slot order in fp32,
+        rounding once. One combine per slot: in slot j's, a received row
+        carries its slot-j expert's row, or zeros where slot j's expert is
+        elsewhere (or masked), so each token's result is its one slot-j row,
+        exact."""
+        pos = h._exp_pos
+        R, K = pos.shape
+        n = x.shape[0]
+        at = torch.where(pos >= 0, pos.long(), torch.full_like(pos, n, dtype=torch.int64))
+        xe = torch.cat((x, torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)))
+        acc = torch.zeros((route.num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        for b in bl:
+            acc += b.float()
+        for j in range(K):
+            cj, _ = _ht_combine(ep, route, xe.index_select(0, at[:, j]), None, call, False,
+                                None, "slots")
+            call.settle()
+            acc += cj.float()
+        return acc.to(torch.bfloat16)
 
     @staticmethod
     def _reduce_expanded(h, x, w):

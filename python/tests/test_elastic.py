@@ -14,7 +14,10 @@ prefix sums, the aligned per-expert list, cumulative stats, zero padding,
 a cached dispatch (the same handle, equal rows), combine with 0, 1 and 2
 biases and a different row per expert, in values whose fp32 sums depend
 on their order, against DeepEP 2's order (biases first, then each rank's
-row at its highest top-k slot), and the returned weights.
+row at its highest top-k slot), and the returned weights; with
+allow_multiple_reduction=False, the expanded combine's single reduction
+(biases, then every slot's row in slot order, one rounding) and its
+refusal of topk_weights.
 Argument errors name the argument; the experimental methods are refused
 by name. Exit 77 without torch.
 """
@@ -46,7 +49,8 @@ def inputs(rank, rnd, E, dev):
     return x.to(torch.bfloat16).to(dev), idx.to(dev), w.to(dev)
 
 
-TOLD = [0]  # tokens whose slot-order sum differed from the rank-order one
+TOLD = [0, 0]  # tokens whose slot-order sum differed from the rank-order one; tokens
+# whose single reduction differed from the per-rank one
 
 
 def wide(s, t, e, dev):
@@ -118,6 +122,23 @@ def combine_reference(me, T, idx, El, biases, nodes, dev):
     return out, told
 
 
+def single_reference(me, T, idx, biases, dev):
+    """DeepEP 2's combine of an expanded dispatch without
+    allow_multiple_reduction: the biases, then every slot's expert row in
+    slot order, fp32, one rounding. Returns (out, tokens where it differs
+    from the per-rank reduction's result, multi)."""
+    out = torch.zeros((T, H), dtype=torch.bfloat16, device=dev)
+    for t in range(T):
+        a = torch.zeros(H, dtype=torch.float32, device=dev)
+        for b in biases:
+            a += b[t].float()
+        for e in idx[t].tolist():
+            if e >= 0:
+                a += wide(me, t, e, dev).float()
+        out[t] = a.to(torch.bfloat16)
+    return out
+
+
 def reference(everyone, me, N, E):
     """What rank `me` receives: [(src, tok, x row, local ids, weights)], in
     source rank, then token order."""
@@ -137,10 +158,12 @@ def check(msgs, what, ok):
         msgs.append(what)
 
 
-def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp8, nbias):
+def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp8, nbias,
+              single=False):
     El = E // N
     x, idx, w = everyone[rank]
-    tag = f"round {rnd} sync={cpu_sync} expand={expand} align={A} fp8={fp8} bias={nbias}"
+    tag = f"round {rnd} sync={cpu_sync} expand={expand} align={A} fp8={fp8} bias={nbias}" + \
+        (" single reduction" if single else "")
     xin = x
     if fp8:
         xin = (x.float().to(torch.float8_e4m3fn), torch.ones((x.shape[0], H // 128),
@@ -251,8 +274,22 @@ def one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A, fp
               (1 + torch.arange(T, device=dev).view(T, 1) % 3).to(torch.bfloat16)
               for b in range(nbias)]
     bias = None if nbias == 0 else (biases[0] if nbias == 1 else tuple(biases))
-    out, ow, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
     nodes = h._ep.nodes()
+    if single:  # DeepEP 2's allow_multiple_reduction=False: no weights, one reduction
+        try:
+            buf.combine(y, h, topk_weights=yw, bias=bias)
+            msgs.append(f"{tag}: combine with topk_weights accepted")
+        except ValueError as e:
+            check(msgs, f"{tag}: {e} does not name allow_multiple_reduction",
+                  "allow_multiple_reduction" in str(e))
+        out, ow, _ = buf.combine(y, h, bias=bias)
+        want = single_reference(rank, x.shape[0], idx, biases, dev)
+        multi, _ = combine_reference(rank, x.shape[0], idx, El, biases, nodes, dev)
+        TOLD[1] += int((want != multi).any(1).sum())
+        check(msgs, f"{tag}: combined x differs", torch.equal(out, want))
+        check(msgs, f"{tag}: combined weights {ow}, want None", ow is None)
+        return
+    out, ow, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
     if test_nodes() > 1:  # on simulated nodes: flat, as the logical domain (1, N) says
         check(msgs, f"{tag}: nodes {nodes}: want {test_nodes()} nodes, no forwarding",
               len(set(nodes[0])) == test_nodes() and not nodes[1])
@@ -336,8 +373,20 @@ def rank_main(rank, N, port, q, kind):
                     one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A,
                               fp8, nbias)
                     rnd += 1
+        one = de.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=MAXT,
+                               hidden=H, explicitly_destroy=True,
+                               allow_multiple_reduction=False)
+        for cpu_sync in (True, False):
+            for A, fp8, nbias in ((1, False, 0), (4, True, 2)):
+                everyone = [inputs(r, rnd, E, dev) for r in range(N)]
+                one_round(one, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, True, A, fp8,
+                          nbias, single=True)
+                rnd += 1
+        one.destroy()
         check(msgs, "the combine checks could not tell slot order from rank order "
               "(no token where they differ)", TOLD[0] > 0)
+        check(msgs, "the single-reduction checks could not tell it from the per-rank "
+              "reduction (no token where they differ)", TOLD[1] > 0)
         x, idx, w = inputs(rank, 0, E, dev)
         for args, name in ((dict(previous_event=object()), "allocate_on_comm_stream"),
                            (dict(do_zero_padding=True), "do_zero_padding"),
