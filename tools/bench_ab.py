@@ -81,13 +81,12 @@ def main():
     for exe in (a.a, a.b):
         if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
             sys.exit(f"bench_ab: {exe}: not an executable file")
-    res = []  # (rep, label, {T: row})
+    res = {}  # (rep, label): {T: row}
     out = open(a.json, "w") if a.json else None
     for rep in range(a.reps):
         order = (("A", a.a), ("B", a.b)) if rep % 2 == 0 else (("B", a.b), ("A", a.a))
         for label, exe in order:
-            rows = run_one(exe, args, a.timeout)
-            res.append((rep, label, rows))
+            rows = res[(rep, label)] = run_one(exe, args, a.timeout)
             for T, r in sorted(rows.items()):
                 print(f"rep {rep + 1} {label}: T={T} " + ", ".join(
                     f"{name} {r[key]:.1f}" for key, name in METRICS if key in r) + " us p50",
@@ -96,15 +95,13 @@ def main():
                     out.write(json.dumps(dict(rep=rep + 1, build=label, exe=exe, **r)) + "\n")
     if out:
         out.close()
-    Ts = sorted(res[0][2])
     print(f"\nB / A, median over {a.reps} repetitions (each its own ratio; below 1: B faster):")
-    for T in Ts:
+    for T in sorted(res[(0, "A")]):
         parts = []
         for key, name in METRICS:
             ratios = []
             for rep in range(a.reps):
-                ra = [r for (p, lab, r) in res if p == rep and lab == "A"][0].get(T, {})
-                rb = [r for (p, lab, r) in res if p == rep and lab == "B"][0].get(T, {})
+                ra, rb = res[(rep, "A")].get(T, {}), res[(rep, "B")].get(T, {})
                 if key in ra and key in rb and ra[key] > 0:
                     ratios.append(rb[key] / ra[key])
             if ratios:
