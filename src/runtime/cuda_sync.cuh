@@ -103,6 +103,148 @@ static __device__ __forceinline__ void fr_warp_copy16u(uint8_t *dst, const uint8
     }
 }
 
+/* Copies through the bulk copy engine (the TMA, sm_90): lane 0 of a warp
+ * moves a row global -> shared -> global in stages of FR_TMA_STAGE bytes,
+ * FR_TMA_NS of them per warp, NS - 1 loads in flight while a stage is
+ * written out; the registers and the other lanes are free meanwhile.
+ * Each warp's stages, its NS mbarriers and its phase word live in the
+ * kernel's dynamic shared memory (fr_tma_smem bytes for its warps):
+ *   [warps][NS][STAGE] stages | [warps][NS] u64 mbarriers | [warps] u32 phases
+ * The rows' writes are asynchronous: fr_tma_flush (lane 0) waits for
+ * them and orders them before the generic stores that follow (a counter
+ * published to a peer). Both ends 16-byte aligned, bytes a multiple of 16
+ * (as fr_warp_copy16u). */
+#define FR_TMA_STAGE 4096
+#define FR_TMA_NS 3
+
+static inline size_t fr_tma_smem(int warps)
+{
+    return (size_t)warps * (FR_TMA_NS * (FR_TMA_STAGE + 8) + 4);
+}
+
+extern __shared__ __align__(128) uint8_t fr_tma_dyn[];
+
+static __device__ __forceinline__ unsigned long long *fr_tma_bar(int warps, int w)
+{
+    return (unsigned long long *)(fr_tma_dyn + (size_t)warps * FR_TMA_NS * FR_TMA_STAGE) +
+           w * FR_TMA_NS;
+}
+
+static __device__ __forceinline__ unsigned int *fr_tma_phase(int warps, int w)
+{
+    return (unsigned int *)(fr_tma_bar(warps, warps)) + w;
+}
+
+/* Every thread of the block, before a __syncthreads: the mbarriers set
+ * up (one arrival: lane 0's expect_tx) and the phases cleared. */
+static __device__ __forceinline__ void fr_tma_init(int warps)
+{
+    for (int i = threadIdx.x; i < warps * FR_TMA_NS; i += blockDim.x) {
+        uint32_t a = (uint32_t)__cvta_generic_to_shared(fr_tma_bar(warps, 0) + i);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+    }
+    for (int i = threadIdx.x; i < warps; i += blockDim.x)
+        *fr_tma_phase(warps, i) = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+static __device__ __forceinline__ void fr_tma_load(uint8_t *stage, unsigned long long *bar,
+                                                   const uint8_t *src, uint32_t bytes)
+{
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t d = (uint32_t)__cvta_generic_to_shared(stage);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" ::"r"(d), "l"(src), "r"(bytes), "r"(b)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void fr_tma_wait(unsigned long long *bar, unsigned int parity)
+{
+    uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "FR_TMA_WAIT:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+                 "@!p bra FR_TMA_WAIT;\n}" ::"r"(b), "r"(parity)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void fr_tma_store(uint8_t *dst, const uint8_t *stage,
+                                                    uint32_t bytes)
+{
+    uint32_t s = (uint32_t)__cvta_generic_to_shared(stage);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                 "r"(s), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* The whole warp calls it (lane 0 works): `bytes` from src to dst. src
+ * may be memory a peer wrote and a barrier made visible (the proxy fence
+ * orders that before the copy engine's reads). */
+static __device__ __forceinline__ void fr_tma_copy(int warps, uint8_t *dst, const uint8_t *src,
+                                                   size_t bytes)
+{
+    int w = (int)(threadIdx.x >> 5);
+    if ((threadIdx.x & 31) == 0) {
+        uint8_t *buf = fr_tma_dyn + (size_t)w * FR_TMA_NS * FR_TMA_STAGE;
+        unsigned long long *bar = fr_tma_bar(warps, w);
+        unsigned int *php = fr_tma_phase(warps, w), ph = *php;
+        int n = (int)((bytes + FR_TMA_STAGE - 1) / FR_TMA_STAGE);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* stages free */
+        for (int k = 0; k < FR_TMA_NS - 1 && k < n; k++) {
+            size_t o = (size_t)k * FR_TMA_STAGE;
+            fr_tma_load(buf + (size_t)k * FR_TMA_STAGE, bar + k, src + o,
+                        (uint32_t)(bytes - o < FR_TMA_STAGE ? bytes - o : FR_TMA_STAGE));
+        }
+        for (int k = 0; k < n; k++) {
+            int st = k % FR_TMA_NS;
+            size_t o = (size_t)k * FR_TMA_STAGE;
+            fr_tma_wait(bar + st, ph >> st & 1u);
+            ph ^= 1u << st;
+            fr_tma_store(dst + o, buf + (size_t)st * FR_TMA_STAGE,
+                         (uint32_t)(bytes - o < FR_TMA_STAGE ? bytes - o : FR_TMA_STAGE));
+            int kk = k + FR_TMA_NS - 1; /* into the stage stored from at k - 1 */
+            if (kk < n) {
+                size_t oo = (size_t)kk * FR_TMA_STAGE;
+                int sk = kk % FR_TMA_NS;
+                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                fr_tma_load(buf + (size_t)sk * FR_TMA_STAGE, bar + sk, src + oo,
+                            (uint32_t)(bytes - oo < FR_TMA_STAGE ? bytes - oo : FR_TMA_STAGE));
+            }
+        }
+        *php = ph;
+    }
+    __syncwarp();
+}
+
+/* The whole warp: its copies' writes done and ordered before the generic
+ * stores that follow (a barrier, then a counter's release), and its
+ * stages free (before the block ends). */
+static __device__ __forceinline__ void fr_tma_flush(void)
+{
+    if ((threadIdx.x & 31) == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+}
+
+/* A warp's copy: through the copy engine (TM, a block with fr_tma_init
+ * done for `warps` warps) or with U loads in flight per lane. */
+template <int U, bool CG, bool TM>
+static __device__ __forceinline__ void fr_warp_copy(int warps, uint8_t *dst, const uint8_t *src,
+                                                    size_t bytes)
+{
+    if (TM)
+        fr_tma_copy(warps, dst, src, bytes);
+    else
+        fr_warp_copy16u<U, CG>(dst, src, bytes);
+}
+
 /* Host: a CUDA runtime call in a function with an `int rc` and a cleanup
  * label. On failure CUDA's last error is cleared (a later
  * cudaGetLastError, a launch check, must not report it again), rc is

@@ -18,8 +18,13 @@
  * the warps copy the step's records round robin, and the next step's
  * barrier orders their stores before the leader's fence and release
  * store. Nothing else is shared, so a group waits on its own ring only.
- * Copies keep 8 (4 in the combine's sums over two ranks) 16-byte loads
- * per lane in flight (runtime/cuda_sync.cuh).
+ * Rows move through the bulk copy engine (the TMA) in the kernels of up
+ * to 8 ranks without forwarding (FR_CUHT_TMA: every dispatch row, the
+ * combine's senders; lane 0 of a warp streams a row through its shared
+ * memory stages, and a sender waits for those writes and fences them
+ * before its group's barrier, so the leader's release still covers them).
+ * Elsewhere, and in the combine's sums, copies keep 8 (4 in the sums over
+ * two ranks) 16-byte loads per lane in flight (runtime/cuda_sync.cuh).
  *
  * dispatch  senders (c, d):  this channel's tokens that go to d, in token
  *                            order (the route's rtok), as records
@@ -63,6 +68,12 @@
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
 #define FR_FULL 0xffffffffu
+/* rows copied by the bulk copy engine (runtime/cuda_sync.cuh) in the
+ * kernels of up to 8 ranks without forwarding: dispatch (all rows) and
+ * the combine's senders */
+#ifndef FR_CUHT_TMA
+#define FR_CUHT_TMA 1
+#endif
 #define FR_CUHT_FSUM 4 /* a forwarder's combine: vectors of each row in flight per lane */
 
 /* Pointers of one dispatch or combine call (device memory). */
@@ -158,7 +169,7 @@ static __device__ __forceinline__ fr_cuht_fmt_t fr_cuht_fmt(const fr_cuht_geo_t 
  *             row, the fp8 scales
  *   combine:  row row0 + i of y with its K weights, after its place among
  *             the channel's rows and the route number (both checked) */
-template <bool COMB, int U>
+template <bool COMB, int U, int TW = 0>
 static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
                                                    const fr_cuht_rdev_t &R,
                                                    const fr_cuht_io_t &io, int d, int i,
@@ -201,7 +212,7 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
             ((float *)(rec + hdr + rowb))[q] = io.xs[tok * io.xs0 + q * io.xs1];
         src = io.x + (size_t)tok * rowb;
     }
-    fr_warp_copy16u<U, false>(rec + hdr, src, rowb);
+    fr_warp_copy<U, false, (TW > 0)>(TW, rec + hdr, src, rowb);
 }
 
 /* Sender group of ring (c, this rank) at peer d: n records, in steps of up
@@ -212,7 +223,7 @@ static __device__ __forceinline__ void fr_cuht_put(const fr_cuht_fmt_t &F,
  * waits, so a waiting group has published everything it wrote.
  *   dispatch: record i is the channel's i-th token to d (route's rtok)
  *   combine:  record i is row rbase[d][c] + i of y with its K weights */
-template <bool COMB, int U>
+template <bool COMB, int U, int TW = 0>
 static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                     const fr_cuht_io_t &io, int c, int d, int S,
                                     const fr_cuht_grp_t &g)
@@ -241,6 +252,8 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
     for (int i0 = 0; i0 < n; i0 += S) {
         int m = n - i0 < S ? n - i0 : S;
         unsigned long long sent = sent0 + (unsigned long long)i0;
+        if (TW)
+            fr_tma_flush(); /* the copy engine's writes, before the leader publishes */
         fr_cuht_gbar(g); /* the previous step's records are written */
         if (lead) {
             int ok = !fr_cuht_failed(A);
@@ -267,10 +280,12 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
             pub = sent;
         }
         for (int k = g.j; k < m; k += g.P)
-            fr_cuht_put<COMB, U>(F, R, io, d, i0 + k, row0, tok_of,
-                                 ring + ((sent + (unsigned long long)k) % RT) * recb, flags,
-                                 nl);
+            fr_cuht_put<COMB, U, TW>(F, R, io, d, i0 + k, row0, tok_of,
+                                     ring + ((sent + (unsigned long long)k) % RT) * recb,
+                                     flags, nl);
     }
+    if (TW)
+        fr_tma_flush();
     fr_cuht_gbar(g);
     if (lead) {
         if (n > 0 && !fr_cuht_failed(A))
@@ -284,14 +299,14 @@ static __device__ void fr_cuht_send(const fr_cuht_args_t &A, const fr_cuht_rdev_
 
 /* The own token `tok` straight from x into row `row` (no ring, no
  * counters; the whole warp): the same values a receiver would write. */
-template <int U>
+template <int U, int TW = 0>
 static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_fmt_t &F,
                                                     const fr_cuht_rdev_t &R,
                                                     const fr_cuht_io_t &io, int tok, size_t row)
 {
     int lane = threadIdx.x & 31, K = F.K, El = F.El, me = F.me, nsc = F.nsc;
     size_t rowb = F.rowb;
-    fr_warp_copy16u<U, false>(io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
+    fr_warp_copy<U, false, (TW > 0)>(TW, io.rx + row * rowb, io.x + (size_t)tok * rowb, rowb);
     for (int q = lane; q < nsc; q += 32)
         io.rxs[row * nsc + q] = io.xs[tok * io.xs0 + q * io.xs1];
     if (lane < K) {
@@ -309,7 +324,7 @@ static __device__ __forceinline__ void fr_cuht_self(const fr_cuht_fmt_t &F,
 
 /* The own tokens of channel c: the group's warps take them round robin,
  * nothing to wait for. */
-template <int U>
+template <int U, int TW = 0>
 static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c, const fr_cuht_grp_t &g)
 {
@@ -318,7 +333,7 @@ static __device__ void fr_cuht_dself(const fr_cuht_args_t &A, const fr_cuht_rdev
     int n = R.ccnt[(size_t)me * C + c], row0 = R.rbase[(size_t)me * C + c];
     const int32_t *tok_of = R.rtok + (size_t)me * R.T + fr_cuht_chan_lo(R.T, C, c);
     for (int i = g.j; i < n; i += g.P)
-        fr_cuht_self<U>(F, R, io, tok_of[i], (size_t)row0 + (size_t)i);
+        fr_cuht_self<U, TW>(F, R, io, tok_of[i], (size_t)row0 + (size_t)i);
 }
 
 /* A dispatch record's header against what this call expects (a token
@@ -343,7 +358,7 @@ static __device__ __forceinline__ int fr_cuht_hdr_bad(int tok, int flags, int T,
  * so every lane takes the same branch even if the record were being
  * rewritten (a split warp would deadlock at a group's barrier, with no
  * timeout). */
-template <int U>
+template <int U, int TW = 0>
 static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
                                                     const fr_cuht_fmt_t &F,
                                                     const fr_cuht_rdev_t &R,
@@ -356,7 +371,7 @@ static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
     int flags = __shfl_sync(FR_FULL, __ldcg((const int32_t *)rec + 1), 0);
     int le = lane < K ? __ldcg((const short *)(rec + 8) + lane) : -1;
     float w = lane < K ? __ldcg((const float *)(rec + woff) + lane) : 0.f;
-    fr_warp_copy16u<U, true>(io.rx + row * rowb, rec + dhdr, rowb);
+    fr_warp_copy<U, true, (TW > 0)>(TW, io.rx + row * rowb, rec + dhdr, rowb);
     for (int q = lane; q < nsc; q += 32)
         io.rxs[row * nsc + q] = __ldcg((const float *)(rec + dhdr + rowb) + q);
     bool badle = __any_sync(FR_FULL, le < -1 || le >= El);
@@ -389,7 +404,7 @@ static __device__ __forceinline__ bool fr_cuht_take(const fr_cuht_args_t &A,
  * or before the leader waits. A record's
  * header is loaded with its row, checked before any of its fields is
  * used (a bad one fails the context, whose outputs are then not valid). */
-template <int U>
+template <int U, int TW = 0>
 static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev_t &R,
                                      const fr_cuht_io_t &io, int c, int s, int S,
                                      const fr_cuht_grp_t &g)
@@ -440,7 +455,7 @@ static __device__ void fr_cuht_drecv(const fr_cuht_args_t &A, const fr_cuht_rdev
         int lim = *g.lim;
         for (int k = taken + g.j; k < lim; k += g.P) /* the leader sees a failure
                                                           at the next step */
-            if (!fr_cuht_take<U>(A, F, R, io, s, (size_t)row0 + (size_t)k,
+            if (!fr_cuht_take<U, TW>(A, F, R, io, s, (size_t)row0 + (size_t)k,
                                  ring + ((start + (unsigned long long)k) % RT) * G.drec))
                 break;
         taken = lim;
@@ -996,9 +1011,12 @@ __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
     constexpr int U = W <= 8 ? 8 : 2; /* loads in flight per lane (registers) */
+    constexpr int TW = FR_CUHT_TMA && W == 8 && !MANY && !FWD ? 2 * W : 0;
     R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[2][W], glim[2][W];
+    if (TW)
+        fr_tma_init(TW);
     if (threadIdx.x == 0) {
         dead = fr_cuht_failed(A);
         /* a bounded route's rows must fit its outputs (notify fails the
@@ -1035,13 +1053,15 @@ fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
                        &glim[role][r]};
     if (role == 0 ? N == 1 : r == N - 1) {
         if (role == 0 || N > 1)
-            fr_cuht_dself<U>(A, R, io, c, g);
+            fr_cuht_dself<U, TW>(A, R, io, c, g);
     } else if (role == 0) { /* destinations rotated: not every rank at rank 0 first */
         int S = P * FR_CUHT_STEP < A.G.RT ? P * FR_CUHT_STEP : A.G.RT;
-        fr_cuht_send<false, U>(A, R, io, c, (me + 1 + r) % N, S, g);
+        fr_cuht_send<false, U, TW>(A, R, io, c, (me + 1 + r) % N, S, g);
     } else {
-        fr_cuht_drecv<U>(A, R, io, c, (me + N - 1 - r) % N, P * FR_CUHT_STEP, g);
+        fr_cuht_drecv<U, TW>(A, R, io, c, (me + N - 1 - r) % N, P * FR_CUHT_STEP, g);
     }
+    if (TW) /* the copy engine done with the warp's stages before it ends */
+        fr_tma_flush();
 }
 
 /* ---------------------------------------------------------------------- */
@@ -1168,12 +1188,15 @@ static __device__ void fr_cuht_crecv(const fr_cuht_args_t &A, const fr_cuht_rdev
             int t = b0 + j;
             /* lane k: the token's k-th rank (ascending), its row and header */
             int dk = lane < K ? R.dst[(size_t)t * K + lane] : -1;
+            /* the place loaded beside the rank, not after it: one
+             * latency less per token */
+            int pk = lane < K ? R.dpos[(size_t)t * K + lane] : -1;
             const uint8_t *hrec = NULL;
             const int4 *dp = NULL;
             int pos = -1, hpos = 0;
             unsigned int hid = 0;
             if (dk >= 0) {
-                pos = R.dpos[(size_t)t * K + lane];
+                pos = pk;
                 if (dk == me) {
                     dp = (const int4 *)(io.x + (self0 + (size_t)pos) * 2 * (size_t)H);
                 } else {
@@ -1521,8 +1544,11 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
     R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     constexpr int U = W <= 8 ? 8 : 2, US = W <= 8 ? 4 : 1;
+    constexpr int TW = FR_CUHT_TMA && W == 8 && !MANY && !FWD ? W : 0; /* the senders' */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[W];
+    if (TW)
+        fr_tma_init(TW);
     if (threadIdx.x == 0)
         dead = fr_cuht_failed(A);
     __syncthreads();
@@ -1548,7 +1574,9 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
          * docs/architecture.md) */
         int room = A.G.RT + 1 - fr_cuht_cbatch(A.G.RT);
         int S = P * FR_CUHT_STEP < room ? P * FR_CUHT_STEP : room;
-        fr_cuht_send<true, U>(A, R, io, c, s, S, g);
+        fr_cuht_send<true, U, TW>(A, R, io, c, s, S, g);
+        if (TW)
+            fr_tma_flush();
     } else {
         fr_cuht_crecv<W, US, MANY ? FR_CUHT_MAX_RANKS : 16>(A, R, io, c);
     }
@@ -1586,14 +1614,34 @@ static const void *const fr_cuht_kern[2][2][3] = {
       (const void *)fr_cuht_combine_k<16, false, true>,
       (const void *)fr_cuht_combine_k<16, true, true>}}};
 
+/* The dynamic shared memory of a kernel of fr_cuht_kern: the copy
+ * engine's stages where it copies the rows (FR_CUHT_TMA; the warps of
+ * both roles in the dispatch, the senders in the combine), else none.
+ * Its limit is raised once per process, before the first launch (a
+ * failure shows at the launch). */
+static size_t fr_cuht_tma_smem(bool comb, int fwd, int w)
+{
+    static int raised[2];
+    if (!FR_CUHT_TMA || fwd || w)
+        return 0;
+    size_t b = fr_tma_smem(comb ? 8 : 16);
+    if (!__atomic_load_n(&raised[comb], __ATOMIC_ACQUIRE)) {
+        cudaFuncSetAttribute(fr_cuht_kern[comb][0][0], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)b);
+        __atomic_store_n(&raised[comb], 1, __ATOMIC_RELEASE);
+    }
+    return b;
+}
+
 static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht_io_t *io,
                            cudaStream_t st)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
     int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? 0 : ep->N <= 16 ? 1 : 2;
     void *args[] = {&c->a, &p->r, io};
+    size_t smem = fr_cuht_tma_smem(comb, fwd, w);
     cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
-                     dim3(2 * (w ? 16 : 8) * 32), args, 0, st);
+                     dim3(2 * (w ? 16 : 8) * 32), args, smem, st);
 }
 
 extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
