@@ -399,6 +399,13 @@ extern "C" int fr_cuht_load_route(void);
 extern "C" int fr_cuht_load_stream(void);
 extern "C" int fr_cuht_load_dlayout(void);
 
+/* The dynamic shared memory the dispatch (comb false) or combine kernel
+ * of fr_cuht_kern[comb][fwd][w] is launched with (the copy engine's
+ * stages, FR_CUHT_TMA), and raising their limit on the current device
+ * (each context's create: an attribute is the device's). */
+extern "C" size_t fr_cuht_tma_smem(bool comb, int fwd, int w);
+extern "C" cudaError_t fr_cuht_tma_prep(void);
+
 /* Deferred frees (fabric path with CUDA copies in the thread): mark the
  * route's last use on `stream`. */
 void fr_cuht_route_used(ferry_route_t route, void *stream);

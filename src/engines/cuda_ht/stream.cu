@@ -1614,23 +1614,23 @@ static const void *const fr_cuht_kern[2][2][3] = {
       (const void *)fr_cuht_combine_k<16, false, true>,
       (const void *)fr_cuht_combine_k<16, true, true>}}};
 
-/* The dynamic shared memory of a kernel of fr_cuht_kern: the copy
- * engine's stages where it copies the rows (FR_CUHT_TMA; the warps of
- * both roles in the dispatch, the senders in the combine), else none.
- * Its limit is raised once per process, before the first launch (a
- * failure shows at the launch). */
-static size_t fr_cuht_tma_smem(bool comb, int fwd, int w)
+extern "C" size_t fr_cuht_tma_smem(bool comb, int fwd, int w)
 {
-    static int raised[2];
-    if (!FR_CUHT_TMA || fwd || w)
-        return 0;
-    size_t b = fr_tma_smem(comb ? 8 : 16);
-    if (!__atomic_load_n(&raised[comb], __ATOMIC_ACQUIRE)) {
-        cudaFuncSetAttribute(fr_cuht_kern[comb][0][0], cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)b);
-        __atomic_store_n(&raised[comb], 1, __ATOMIC_RELEASE);
+    return FR_CUHT_TMA && !fwd && !w ? fr_tma_smem(comb ? 8 : 16) : 0;
+}
+
+extern "C" cudaError_t fr_cuht_tma_prep(void)
+{
+    for (int comb = 0; comb < 2; comb++) {
+        size_t b = fr_cuht_tma_smem(comb != 0, 0, 0);
+        cudaError_t e = b ? cudaFuncSetAttribute(fr_cuht_kern[comb][0][0],
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)b)
+                          : cudaSuccess;
+        if (e != cudaSuccess)
+            return e;
     }
-    return b;
+    return cudaSuccess;
 }
 
 static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht_io_t *io,
@@ -1639,7 +1639,7 @@ static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht
     struct fr_cuht_ep *c = fr_cuht(ep);
     int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? 0 : ep->N <= 16 ? 1 : 2;
     void *args[] = {&c->a, &p->r, io};
-    size_t smem = fr_cuht_tma_smem(comb, fwd, w);
+    size_t smem = fr_cuht_tma_smem(comb, fwd, w); /* limit raised at create */
     cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
                      dim3(2 * (w ? 16 : 8) * 32), args, smem, st);
 }
