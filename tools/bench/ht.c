@@ -184,14 +184,22 @@ static void ht_row(const fw_spec_t *s, const fw_input_t *in, int t, uint8_t *q, 
         fr_quant_block(x + b * 128, q + b * 128, qs + b);
 }
 
-/* The partial row rank d returns for token t of `in`: bf16 of the sum over
- * d's slots of w_k f_e(x), in fp32, in k order. */
+/* Token t of `in` as the experts see it (fp8: quantised, then back to
+ * fp32) into io->f, for ht_partial: once per token, whatever the ranks it
+ * goes to (the reference's largest cost). */
+static void ht_token_in(const fw_spec_t *s, const fw_input_t *in, int t, ht_io_t *io)
+{
+    ht_row(s, in, t, io->row, io->sc);
+    fw_row_to_f32(s, io->row, io->sc, io->f);
+}
+
+/* The partial row rank d returns for token t of `in` (in io->f:
+ * ht_token_in): bf16 of the sum over d's slots of w_k f_e(x), in fp32, in
+ * k order. */
 static void ht_partial(const fw_spec_t *s, const fw_input_t *in, int t, int d, ht_io_t *io,
                        uint16_t *y)
 {
     int H = s->H, K = s->K, El = s->E / s->N;
-    ht_row(s, in, t, io->row, io->sc);
-    fw_row_to_f32(s, io->row, io->sc, io->f);
     float *acc = io->acc;
     memset(acc, 0, sizeof(float) * (size_t)H);
     for (int k = 0; k < K; k++) {
@@ -247,6 +255,7 @@ static void ht_experts(bench_t *b, ht_io_t *io, uint64_t round, int n)
                         "rank %d (it has %d)\n", b->me, i, t - t0, r, t1 - t0);
             continue;
         }
+        ht_token_in(s, &io->other, t, io);
         ht_partial(s, &io->other, t, b->me, io, y);
     }
 }
@@ -302,6 +311,7 @@ static long ht_check_combine(bench_t *b, ht_io_t *io)
     const int32_t *node = b->node_of;
     for (int t = 0; t < T; t++) {
         memset(sum, 0, sizeof(float) * (size_t)H);
+        ht_token_in(s, &b->in, t, io);
         /* forwarding: nodes in order, this node's ranks one by one, another
          * node's rows summed there (ranks in order) and rounded once */
         for (int nd = 0; nd < (fwd ? nn : 1); nd++) {
