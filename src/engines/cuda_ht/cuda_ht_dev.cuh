@@ -183,6 +183,8 @@ static_assert(FR_CUHT_MAX_CHANNELS <= (1 << FR_CUHT_FAB_CBITS) &&
 struct fr_cuht_ep {
     fr_cuht_args_t a;
     int device, nsm;
+    int tma;                      /* rows through the copy engine (up to 8
+                                     ranks, no forwarding, the device takes it) */
     unsigned long long *rseq;     /* device: routes created so far, counted by
                                      the notify kernel (the same on every
                                      rank) */
@@ -399,12 +401,10 @@ extern "C" int fr_cuht_load_route(void);
 extern "C" int fr_cuht_load_stream(void);
 extern "C" int fr_cuht_load_dlayout(void);
 
-/* The dynamic shared memory the dispatch (comb false) or combine kernel
- * of fr_cuht_kern[comb][fwd][w] is launched with (the copy engine's
- * stages, FR_CUHT_TMA), and raising their limit on the current device
- * (each context's create: an attribute is the device's). */
-extern "C" size_t fr_cuht_tma_smem(bool comb, int fwd, int w);
-extern "C" cudaError_t fr_cuht_tma_prep(void);
+/* Whether this device takes the kernels that move rows through the copy
+ * engine (their shared memory fits, its limit raised: an attribute is the
+ * device's, so each context's create asks): 1, or 0 with why. */
+extern "C" int fr_cuht_tma_prep(int device, const char **why);
 
 /* Deferred frees (fabric path with CUDA copies in the thread): mark the
  * route's last use on `stream`. */

@@ -427,17 +427,17 @@ extern "C" int fr_cuht_setup(ferry_ep_t ep, fr_err_t *err)
      * provider, so it stays on legacy IPC), then the checks and the
      * segment, then the peers' segments opened. */
     int kind = 0, st = FERRY_OK;
-    cudaError_t ce;
     if (cudaGetDevice(&c->device) != cudaSuccess ||
         cudaDeviceGetAttribute(&c->nsm, cudaDevAttrMultiProcessorCount, c->device) !=
             cudaSuccess) {
         (void)cudaGetLastError();
         st = FR_ERR(err, FERRY_ERR_SYSTEM, "cuda_ht: cannot read the current device");
-    } else if ((ce = fr_cuht_tma_prep()) != cudaSuccess) {
-        (void)cudaGetLastError();
-        st = FR_ERR(err, FERRY_ERR_SYSTEM, "cuda_ht: the kernels' shared memory for the copy "
-                    "engine (%zu bytes a block): %s", fr_cuht_tma_smem(false, 0, 0),
-                    cudaGetErrorString(ce));
+    } else if (N <= 8 && !c->a.G.fwd) {
+        const char *why = NULL;
+        c->tma = fr_cuht_tma_prep(c->device, &why);
+        if (!c->tma)
+            FR_LOG_INFO(FR_SUB_INIT, "cuda_ht: rows copied by warps, not the copy engine: %s",
+                        why);
     }
     c->peer_pm = (fr_pmem_t *)calloc((size_t)N, sizeof(fr_pmem_t));
     if (st == FERRY_OK && !c->peer_pm)

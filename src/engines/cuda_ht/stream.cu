@@ -1006,12 +1006,12 @@ static __device__ __forceinline__ int fr_cuht_per_ring(int rings)
  * at N = 1 the own tokens). The receiver role serves the N - 1 peer rings
  * and the own tokens (W / N warps each): the own tokens are a local copy,
  * the peers' rings the links. */
-template <int W, bool MANY, bool FWD>
+template <int W, bool MANY, bool FWD, bool TM = false>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_dispatch_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
     constexpr int U = W <= 8 ? 8 : 2; /* loads in flight per lane (registers) */
-    constexpr int TW = FR_CUHT_TMA && W == 8 && !MANY && !FWD ? 2 * W : 0;
+    constexpr int TW = TM && W == 8 && !MANY && !FWD ? 2 * W : 0; /* copy engine's warps */
     R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[2][W], glim[2][W];
@@ -1538,13 +1538,13 @@ static __device__ __noinline__ void fr_cuht_cfwd(const fr_cuht_args_t &A, const 
         fw.ftake[fi + lane] = tk;
 }
 
-template <int W, bool MANY, bool FWD>
+template <int W, bool MANY, bool FWD, bool TM = false>
 __global__ void __launch_bounds__(2 * W * 32, 1)
 fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
 {
     R.id = (unsigned int)*R.idp; /* written by the route's notify kernel */
     constexpr int U = W <= 8 ? 8 : 2, US = W <= 8 ? 4 : 1;
-    constexpr int TW = FR_CUHT_TMA && W == 8 && !MANY && !FWD ? W : 0; /* the senders' */
+    constexpr int TW = TM && W == 8 && !MANY && !FWD ? W : 0; /* the senders' */
     int warp = threadIdx.x >> 5, N = A.G.N, me = A.G.rank, c = blockIdx.x;
     __shared__ int dead, gok[W];
     if (TW)
@@ -1574,9 +1574,7 @@ fr_cuht_combine_k(fr_cuht_args_t A, fr_cuht_rdev_t R, fr_cuht_io_t io)
          * docs/architecture.md) */
         int room = A.G.RT + 1 - fr_cuht_cbatch(A.G.RT);
         int S = P * FR_CUHT_STEP < room ? P * FR_CUHT_STEP : room;
-        fr_cuht_send<true, U, TW>(A, R, io, c, s, S, g);
-        if (TW)
-            fr_tma_flush();
+        fr_cuht_send<true, U, TW>(A, R, io, c, s, S, g); /* flushed before it returns */
     } else {
         fr_cuht_crecv<W, US, MANY ? FR_CUHT_MAX_RANKS : 16>(A, R, io, c);
     }
@@ -1599,47 +1597,80 @@ static int fr_cuht_aligned(ferry_ep_t ep, const void *p, unsigned a, const char 
 /* The dispatch or combine kernel for this context (W = 8 up to 8 ranks,
  * 16 above, warps serving many rings above 16; with forwarding its own
  * instantiations, whose forward blocks follow the channels': the forward
- * code's registers stay out of the others), launched on st. */
-static const void *const fr_cuht_kern[2][2][3] = {
+ * code's registers stay out of the others; the fourth: W = 8 with the
+ * rows through the copy engine, where the context has it, fr_cuht_ep.tma),
+ * launched on st. */
+static const void *const fr_cuht_kern[2][2][4] = {
     {{(const void *)fr_cuht_dispatch_k<8, false, false>,
       (const void *)fr_cuht_dispatch_k<16, false, false>,
-      (const void *)fr_cuht_dispatch_k<16, true, false>},
+      (const void *)fr_cuht_dispatch_k<16, true, false>,
+      (const void *)fr_cuht_dispatch_k<8, false, false, true>},
      {(const void *)fr_cuht_dispatch_k<8, false, true>,
       (const void *)fr_cuht_dispatch_k<16, false, true>,
-      (const void *)fr_cuht_dispatch_k<16, true, true>}},
+      (const void *)fr_cuht_dispatch_k<16, true, true>,
+      (const void *)fr_cuht_dispatch_k<8, false, true>}},
     {{(const void *)fr_cuht_combine_k<8, false, false>,
       (const void *)fr_cuht_combine_k<16, false, false>,
-      (const void *)fr_cuht_combine_k<16, true, false>},
+      (const void *)fr_cuht_combine_k<16, true, false>,
+      (const void *)fr_cuht_combine_k<8, false, false, true>},
      {(const void *)fr_cuht_combine_k<8, false, true>,
       (const void *)fr_cuht_combine_k<16, false, true>,
-      (const void *)fr_cuht_combine_k<16, true, true>}}};
+      (const void *)fr_cuht_combine_k<16, true, true>,
+      (const void *)fr_cuht_combine_k<8, false, true>}}};
 
-extern "C" size_t fr_cuht_tma_smem(bool comb, int fwd, int w)
+/* The copy engine's dynamic shared memory: the dispatch's 16 warps, the
+ * combine's 8 senders. */
+static size_t fr_cuht_tma_bytes(int comb)
 {
-    return FR_CUHT_TMA && !fwd && !w ? fr_tma_smem(comb ? 8 : 16) : 0;
+    return fr_tma_smem(comb ? 8 : 16);
 }
 
-extern "C" cudaError_t fr_cuht_tma_prep(void)
+extern "C" int fr_cuht_tma_prep(int device, const char **why)
 {
-    for (int comb = 0; comb < 2; comb++) {
-        size_t b = fr_cuht_tma_smem(comb != 0, 0, 0);
-        cudaError_t e = b ? cudaFuncSetAttribute(fr_cuht_kern[comb][0][0],
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)b)
-                          : cudaSuccess;
-        if (e != cudaSuccess)
-            return e;
+    int optin = 0;
+    *why = NULL;
+    if (!FR_CUHT_TMA) {
+        *why = "built with FR_CUHT_TMA=0";
+        return 0;
     }
-    return cudaSuccess;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        *why = "the device's shared memory per block could not be read";
+        return 0;
+    }
+    for (int comb = 0; comb < 2; comb++) {
+        const void *k = fr_cuht_kern[comb][0][3];
+        cudaFuncAttributes fa;
+        size_t b = fr_cuht_tma_bytes(comb);
+        if (cudaFuncGetAttributes(&fa, k) != cudaSuccess) {
+            (void)cudaGetLastError();
+            *why = comb ? "the combine kernel's attributes could not be read"
+                        : "the dispatch kernel's attributes could not be read";
+            return 0;
+        }
+        if (b + fa.sharedSizeBytes > (size_t)optin) {
+            *why = "the device has too little shared memory per block";
+            return 0;
+        }
+        if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)b) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            *why = comb ? "the combine kernel's shared memory limit could not be raised"
+                        : "the dispatch kernel's shared memory limit could not be raised";
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht_io_t *io,
                            cudaStream_t st)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
-    int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? 0 : ep->N <= 16 ? 1 : 2;
+    int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? (c->tma ? 3 : 0) : ep->N <= 16 ? 1 : 2;
     void *args[] = {&c->a, &p->r, io};
-    size_t smem = fr_cuht_tma_smem(comb, fwd, w); /* limit raised at create */
+    size_t smem = w == 3 ? fr_cuht_tma_bytes(comb) : 0; /* limit raised at create */
     cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
                      dim3(2 * (w ? 16 : 8) * 32), args, smem, st);
 }
@@ -1732,7 +1763,7 @@ extern "C" int fr_cuht_load_stream(void)
 {
     cudaFuncAttributes fa;
     const void *const *k = &fr_cuht_kern[0][0][0];
-    for (int i = 0; i < 12; i++)
+    for (int i = 0; i < 16; i++)
         if (cudaFuncGetAttributes(&fa, k[i]) != cudaSuccess)
             return 1;
     return 0;
