@@ -149,6 +149,13 @@ static __device__ __forceinline__ void fr_tma_init(int warps)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/* Chunk k's offset into a row of `bytes` and its length (the last one short). */
+static __device__ __forceinline__ uint32_t fr_tma_len(size_t bytes, int k)
+{
+    size_t o = (size_t)k * FR_TMA_STAGE;
+    return (uint32_t)(bytes - o < FR_TMA_STAGE ? bytes - o : FR_TMA_STAGE);
+}
+
 static __device__ __forceinline__ void fr_tma_load(uint8_t *stage, unsigned long long *bar,
                                                    const uint8_t *src, uint32_t bytes)
 {
@@ -195,25 +202,21 @@ static __device__ __forceinline__ void fr_tma_copy(int warps, uint8_t *dst, cons
         int n = (int)((bytes + FR_TMA_STAGE - 1) / FR_TMA_STAGE);
         asm volatile("fence.proxy.async.global;" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); /* stages free */
-        for (int k = 0; k < FR_TMA_NS - 1 && k < n; k++) {
-            size_t o = (size_t)k * FR_TMA_STAGE;
-            fr_tma_load(buf + (size_t)k * FR_TMA_STAGE, bar + k, src + o,
-                        (uint32_t)(bytes - o < FR_TMA_STAGE ? bytes - o : FR_TMA_STAGE));
-        }
+        for (int k = 0; k < FR_TMA_NS - 1 && k < n; k++)
+            fr_tma_load(buf + (size_t)k * FR_TMA_STAGE, bar + k,
+                        src + (size_t)k * FR_TMA_STAGE, fr_tma_len(bytes, k));
         for (int k = 0; k < n; k++) {
             int st = k % FR_TMA_NS;
-            size_t o = (size_t)k * FR_TMA_STAGE;
             fr_tma_wait(bar + st, ph >> st & 1u);
             ph ^= 1u << st;
-            fr_tma_store(dst + o, buf + (size_t)st * FR_TMA_STAGE,
-                         (uint32_t)(bytes - o < FR_TMA_STAGE ? bytes - o : FR_TMA_STAGE));
+            fr_tma_store(dst + (size_t)k * FR_TMA_STAGE, buf + (size_t)st * FR_TMA_STAGE,
+                         fr_tma_len(bytes, k));
             int kk = k + FR_TMA_NS - 1; /* into the stage stored from at k - 1 */
             if (kk < n) {
-                size_t oo = (size_t)kk * FR_TMA_STAGE;
                 int sk = kk % FR_TMA_NS;
                 asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-                fr_tma_load(buf + (size_t)sk * FR_TMA_STAGE, bar + sk, src + oo,
-                            (uint32_t)(bytes - oo < FR_TMA_STAGE ? bytes - oo : FR_TMA_STAGE));
+                fr_tma_load(buf + (size_t)sk * FR_TMA_STAGE, bar + sk,
+                            src + (size_t)kk * FR_TMA_STAGE, fr_tma_len(bytes, kk));
             }
         }
         *php = ph;

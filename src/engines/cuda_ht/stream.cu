@@ -19,8 +19,8 @@
  * barrier orders their stores before the leader's fence and release
  * store. Nothing else is shared, so a group waits on its own ring only.
  * Rows move through the bulk copy engine (the TMA) in the kernels of up
- * to 8 ranks without forwarding (FR_CUHT_TMA: every dispatch row, the
- * combine's senders; lane 0 of a warp streams a row through its shared
+ * to 8 ranks without forwarding, where the device has their shared memory
+ * (fr_cuht_ep.tma: every dispatch row, the combine's senders; lane 0 of a warp streams a row through its shared
  * memory stages, and a sender waits for those writes and fences them
  * before its group's barrier, so the leader's release still covers them).
  * Elsewhere, and in the combine's sums, copies keep 8 (4 in the sums over
@@ -68,9 +68,8 @@
 #include "engines/cuda_ht/cuda_ht_dev.cuh"
 
 #define FR_FULL 0xffffffffu
-/* rows copied by the bulk copy engine (runtime/cuda_sync.cuh) in the
- * kernels of up to 8 ranks without forwarding: dispatch (all rows) and
- * the combine's senders */
+/* 0: the copy engine's kernels never taken (fr_cuht_tma_prep), the warp
+ * copies everywhere: a build to compare against */
 #ifndef FR_CUHT_TMA
 #define FR_CUHT_TMA 1
 #endif
