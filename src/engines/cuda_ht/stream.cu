@@ -1667,11 +1667,14 @@ static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht
                            cudaStream_t st)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
+    /* the table's index w: 0 and 3 (the copy engine's twin) have W = 8
+     * warps per role, 1 and 2 have 16 */
     int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? (c->tma ? 3 : 0) : ep->N <= 16 ? 1 : 2;
+    int W = w == 1 || w == 2 ? 16 : 8;
     void *args[] = {&c->a, &p->r, io};
     size_t smem = w == 3 ? fr_cuht_tma_bytes(comb) : 0; /* limit raised at create */
     cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
-                     dim3(2 * (w ? 16 : 8) * 32), args, smem, st);
+                     dim3(2 * W * 32), args, smem, st);
 }
 
 extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
