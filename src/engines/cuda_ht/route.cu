@@ -49,6 +49,20 @@
 
 #define FR_RL_WARPS (FR_RL_THREADS / 32)
 
+/* FR_CU_TRACE (a tracing build): the route kernels' phases for route 41,
+ * from the GPU's global timer (one clock for every rank of a GPU):
+ * "RT <ns> r<rank> <event>"; block 0's start, and the last block's (the
+ * one that runs notify) start, end of layout and each notify phase. */
+#ifdef FR_CU_TRACE
+#define FR_RT(G, id, ev)                                                                  \
+    do {                                                                                  \
+        if (threadIdx.x == 0 && (id) == 41)                                               \
+            printf("RT %llu r%d %s\n", fr_sys_timer(), (G).rank, ev);                     \
+    } while (0)
+#else
+#define FR_RT(G, id, ev) do { } while (0)
+#endif
+
 /* A block per channel, its tokens in chunks of FR_RL_THREADS (a thread
  * each): the token's distinct destination ranks, ascending; then its place
  * among the channel's tokens to each of them, in token order, from a
@@ -221,6 +235,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
      * graph makes a new route each time (every rank runs one notify per
      * route_create, failed or not, so the numbers stay in step) */
     unsigned long long id = *(volatile unsigned long long *)rseq + 1;
+    FR_RT(A.G, id, "notify");
     __syncthreads();
     if (threadIdx.x == 0) {
         *rseq = id;
@@ -262,6 +277,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
         }
     }
     __syncthreads();
+    FR_RT(A.G, id, "stored");
     if (threadIdx.x == 0) {
         ok = !fr_cuht_failed(A);
         /* every thread's stores, ordered by the barrier; the fence makes
@@ -272,6 +288,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
             fr_sys_st_relaxed(fr_cuht_wnotid(A, d, parity), id);
     }
     __syncthreads();
+    FR_RT(A.G, id, "published");
     if (!ok)
         return;
     /* every source's entry here: a thread per source polls */
@@ -298,6 +315,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
         }
     }
     __syncthreads();
+    FR_RT(A.G, id, "peers");
     if (threadIdx.x == 0)
         ok = !fr_cuht_failed(A);
     __syncthreads();
@@ -370,6 +388,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
         }
     }
     __syncthreads();
+    FR_RT(A.G, id, "checked");
     if (!ok)
         return;
     for (int i = threadIdx.x; i < N * C; i += blockDim.x)
@@ -401,6 +420,7 @@ fr_cuht_notify_b(const fr_cuht_args_t &A, unsigned long long *rseq, const int32_
             res->done = 1;
         }
     }
+    FR_RT(A.G, id, "done");
 }
 
 __global__ void __launch_bounds__(FR_RN_THREADS)
@@ -425,6 +445,11 @@ fr_cuht_route1(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
                unsigned int *last_ctr, unsigned long long *rseq, int32_t *rcnt, int32_t *rbase,
                fr_cuht_nout_t o)
 {
+#ifdef FR_CU_TRACE
+    unsigned long long tr0 = fr_sys_timer();
+    if (blockIdx.x == 0)
+        FR_RT(A.G, *(volatile unsigned long long *)rseq + 1, "block0");
+#endif
     fr_cuht_layout_c(A, T, topk, NULL, NULL, idx, dst, dpos, rtok, ccnt, dcnt, bad,
                      blockIdx.x);
     __shared__ int last;
@@ -436,6 +461,11 @@ fr_cuht_route1(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
     if (!last)
         return;
     __threadfence(); /* every block's tables after their counts */
+#ifdef FR_CU_TRACE
+    if (threadIdx.x == 0 && *(volatile unsigned long long *)rseq + 1 == 41)
+        printf("RT %llu r%d last-block-start\n", tr0, A.G.rank);
+    FR_RT(A.G, *(volatile unsigned long long *)rseq + 1, "layout");
+#endif
     if (threadIdx.x == 0)
         *last_ctr = 0;
     fr_cuht_notify_b(A, rseq, ccnt, NULL, dcnt, bad, rcnt, rbase, NULL, NULL, o);
