@@ -12,7 +12,10 @@ shim, as tools/bench_peers_ht.py). Per T:
   alternating round by round (so that a drift of the machine's speed
   falls on both alike); then ElasticBuffer at each of --sms-curve (a
   buffer per SM count: a context keeps its SMs), the counts' rounds
-  interleaved the same way.
+  interleaved the same way. Also each round's host time (its Python
+  calls timed on the host, p50, the slowest rank's), Buffer's against
+  ElasticBuffer's at --sms: where the GPU waits for the host between
+  kernels, this is where it shows.
 Checked every call (#wrong): the combine of the received rows unchanged
 returns x times the number of ranks the token went to (within bf16
 rounding of that product).
@@ -24,6 +27,7 @@ Needs ferry's library (FERRY_LIB); python/ is added to the path here.
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -52,29 +56,32 @@ def rank_main(rank, N, port, args, q):
             d = (o.float() - want).abs()
             return int((d > want.abs() / 128 + 1e-6).any(1).sum())
 
-        def one(fn, ts, bad):
+        def one(fn, ts, bad, hs):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
             e0.record()
+            h0 = time.perf_counter()
             o = fn()
+            h1 = time.perf_counter()
             e1.record()
             e1.synchronize()
             if ts is not None:
                 ts.append(e0.elapsed_time(e1) * 1000)
+                hs.append((h1 - h0) * 1e6)
                 bad.append(wrong(o))
 
         def timed(fns, iters):
             """The rounds of fns interleaved: each round runs every fn once,
             starting one further along the list each round, so that a drift
             of the machine's speed falls on all alike."""
-            ts, bad = [[] for _ in fns], [[] for _ in fns]
+            ts, bad, hs = [[] for _ in fns], [[] for _ in fns], [[] for _ in fns]
             for it in range(args.warmup + iters):
                 for j in range(len(fns)):
                     k = (j + it) % len(fns)
-                    one(fns[k], ts[k] if it >= args.warmup else None, bad[k])
-            return ts, [sum(b) for b in bad]
+                    one(fns[k], ts[k] if it >= args.warmup else None, bad[k], hs[k])
+            return ts, [sum(b) for b in bad], hs
 
         deep_ep.Buffer.set_num_sms(args.sms)
         v1 = deep_ep.Buffer(dist.group.WORLD, 1 << 30, 0)
@@ -99,9 +106,11 @@ def rank_main(rank, N, port, args, q):
         v2s = {sms: deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H,
                                           num_topk=K, explicitly_destroy=True)
                for sms in sms_all}
-        (t1, t2), (b1, b2) = timed([v1_round, v2_round(v2s[args.sms], args.sms)], args.iters)
-        row = [T, pct(t1, .5), pct(t1, .99), pct(t2, .5), pct(t2, .99), b1 + b2]
-        curve, cbad = timed([v2_round(v2s[sms], sms) for sms in args.sms_curve], args.iters)
+        (t1, t2), (b1, b2), (h1, h2) = timed([v1_round, v2_round(v2s[args.sms], args.sms)],
+                                             args.iters)
+        row = [T, pct(t1, .5), pct(t1, .99), pct(t2, .5), pct(t2, .99), b1 + b2,
+               pct(h1, .5), pct(h2, .5)]
+        curve, cbad, _ = timed([v2_round(v2s[sms], sms) for sms in args.sms_curve], args.iters)
         for ts, bad in zip(curve, cbad):
             row += [pct(ts, .5), bad]
         for b in v2s.values():
@@ -125,16 +134,19 @@ def main():
     rows = res[0]  # spawn_ranks exits on a rank's traceback
     print(f"# N={args.gpus} H={args.hidden} top-{args.topk} of {args.experts}, bf16, "
           f"{args.sms} SMs; p50 (p99) us, slowest rank; dispatch (new routing) + combine")
-    print("| T | Buffer | ElasticBuffer | ratio | " +
+    print("# host: the round's Python calls (dispatch + combine, with Buffer's "
+          "get_dispatch_layout) timed on the host, p50 us, the slowest rank's")
+    print("| T | Buffer | ElasticBuffer | ratio | host Buffer / Elastic | " +
           " | ".join(f"Elastic {s} SMs" for s in args.sms_curve) + " | #wrong |")
-    print("|---" * (5 + len(args.sms_curve)) + "|")
+    print("|---" * (6 + len(args.sms_curve)) + "|")
     bad = 0
     for r in rows:
-        curve = r[6::2]
-        bad += int(r[5]) + int(sum(r[7::2]))
+        curve = r[8::2]
+        nbad = int(r[5]) + int(sum(r[9::2]))
+        bad += nbad
         print(f"| {int(r[0])} | {r[1]:.1f} ({r[2]:.1f}) | {r[3]:.1f} ({r[4]:.1f}) | "
-              f"{r[3] / r[1]:.2f} | " + " | ".join(f"{c:.1f}" for c in curve) +
-              f" | {int(r[5]) + int(sum(r[7::2]))} |")
+              f"{r[3] / r[1]:.2f} | {r[6]:.1f} / {r[7]:.1f} | " +
+              " | ".join(f"{c:.1f}" for c in curve) + f" | {nbad} |")
     return 0 if bad == 0 else 1
 
 
