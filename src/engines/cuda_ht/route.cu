@@ -54,11 +54,12 @@
  * "RT <ns> r<rank> <event>"; block 0's start, and the last block's (the
  * one that runs notify) start, end of layout and each notify phase. */
 #ifdef FR_CU_TRACE
-#define FR_RT(G, id, ev)                                                                  \
+#define FR_RT_AT(G, id, ev, t)                                                            \
     do {                                                                                  \
         if (threadIdx.x == 0 && (id) == 41)                                               \
-            printf("RT %llu r%d %s\n", fr_sys_timer(), (G).rank, ev);                     \
+            printf("RT %llu r%d %s\n", (unsigned long long)(t), (G).rank, ev);            \
     } while (0)
+#define FR_RT(G, id, ev) FR_RT_AT(G, id, ev, fr_sys_timer())
 #else
 #define FR_RT(G, id, ev) do { } while (0)
 #endif
@@ -445,10 +446,10 @@ fr_cuht_route1(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
                unsigned int *last_ctr, unsigned long long *rseq, int32_t *rcnt, int32_t *rbase,
                fr_cuht_nout_t o)
 {
-#ifdef FR_CU_TRACE
-    unsigned long long tr0 = fr_sys_timer();
+#ifdef FR_CU_TRACE /* this route's number (notify counts it) and the block's start */
+    unsigned long long rid = *(volatile unsigned long long *)rseq + 1, tr0 = fr_sys_timer();
     if (blockIdx.x == 0)
-        FR_RT(A.G, *(volatile unsigned long long *)rseq + 1, "block0");
+        FR_RT_AT(A.G, rid, "block0", tr0);
 #endif
     fr_cuht_layout_c(A, T, topk, NULL, NULL, idx, dst, dpos, rtok, ccnt, dcnt, bad,
                      blockIdx.x);
@@ -462,9 +463,8 @@ fr_cuht_route1(fr_cuht_args_t A, int T, const int64_t *topk, int32_t *idx, int32
         return;
     __threadfence(); /* every block's tables after their counts */
 #ifdef FR_CU_TRACE
-    if (threadIdx.x == 0 && *(volatile unsigned long long *)rseq + 1 == 41)
-        printf("RT %llu r%d last-block-start\n", tr0, A.G.rank);
-    FR_RT(A.G, *(volatile unsigned long long *)rseq + 1, "layout");
+    FR_RT_AT(A.G, rid, "last-block-start", tr0);
+    FR_RT(A.G, rid, "layout");
 #endif
     if (threadIdx.x == 0)
         *last_ctr = 0;

@@ -20,8 +20,9 @@
  * store. Nothing else is shared, so a group waits on its own ring only.
  * Rows move through the bulk copy engine (the TMA) in the kernels of up
  * to 8 ranks without forwarding, where the device has their shared memory
- * (fr_cuht_ep.tma: every dispatch row, the combine's senders; lane 0 of a warp streams a row through its shared
- * memory stages, and a sender waits for those writes and fences them
+ * (fr_cuht_ep.tma: every dispatch row, the combine's senders; lane 0 of a
+ * warp streams a row through its shared memory stages, and a sender
+ * waits for those writes and fences them
  * before its group's barrier, so the leader's release still covers them).
  * Elsewhere, and in the combine's sums, copies keep 8 (4 in the sums over
  * two ranks) 16-byte loads per lane in flight (runtime/cuda_sync.cuh).
@@ -1616,6 +1617,8 @@ static const void *const fr_cuht_kern[2][2][4] = {
       (const void *)fr_cuht_combine_k<16, false, true>,
       (const void *)fr_cuht_combine_k<16, true, true>,
       (const void *)fr_cuht_combine_k<8, false, true>}}};
+/* each column's W (warps per role): its blocks have 2W warps */
+static const int fr_cuht_kern_w[4] = {8, 16, 16, 8};
 
 /* The copy engine's dynamic shared memory: the dispatch's 16 warps, the
  * combine's 8 senders. */
@@ -1667,14 +1670,11 @@ static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht
                            cudaStream_t st)
 {
     struct fr_cuht_ep *c = fr_cuht(ep);
-    /* the table's index w: 0 and 3 (the copy engine's twin) have W = 8
-     * warps per role, 1 and 2 have 16 */
     int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? (c->tma ? 3 : 0) : ep->N <= 16 ? 1 : 2;
-    int W = w == 1 || w == 2 ? 16 : 8;
     void *args[] = {&c->a, &p->r, io};
     size_t smem = w == 3 ? fr_cuht_tma_bytes(comb) : 0; /* limit raised at create */
     cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
-                     dim3(2 * W * 32), args, smem, st);
+                     dim3(2 * fr_cuht_kern_w[w] * 32), args, smem, st);
 }
 
 extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
