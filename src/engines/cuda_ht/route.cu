@@ -49,15 +49,17 @@
 
 #define FR_RL_WARPS (FR_RL_THREADS / 32)
 
-/* FR_CU_TRACE (a tracing build): the route kernels' phases for route 41,
- * from the GPU's global timer (one clock for every rank of a GPU):
- * "RT <ns> r<rank> <event>"; block 0's start, and the last block's (the
- * one that runs notify) start, end of layout and each notify phase. */
+/* FR_CU_TRACE (a tracing build): the route kernels' phases for routes 41
+ * to 48, from the GPU's global timer (one clock for every rank of a GPU):
+ * "RT <ns> r<rank> <route> <event>"; block 0's start, and the last
+ * block's (the one that runs notify) start, end of layout and each notify
+ * phase. */
 #ifdef FR_CU_TRACE
 #define FR_RT_AT(G, id, ev, t)                                                            \
     do {                                                                                  \
-        if (threadIdx.x == 0 && (id) == 41)                                               \
-            printf("RT %llu r%d %s\n", (unsigned long long)(t), (G).rank, ev);            \
+        if (threadIdx.x == 0 && (id) >= 41 && (id) <= 48)                                 \
+            printf("RT %llu r%d %llu %s\n", (unsigned long long)(t), (G).rank,            \
+                   (unsigned long long)(id), ev);                                         \
     } while (0)
 #define FR_RT(G, id, ev) FR_RT_AT(G, id, ev, fr_sys_timer())
 #else
