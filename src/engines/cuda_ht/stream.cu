@@ -1600,31 +1600,38 @@ static int fr_cuht_aligned(ferry_ep_t ep, const void *p, unsigned a, const char 
  * code's registers stay out of the others; the fourth: W = 8 with the
  * rows through the copy engine, where the context has it, fr_cuht_ep.tma),
  * launched on st. */
-static const void *const fr_cuht_kern[2][2][4] = {
-    {{(const void *)fr_cuht_dispatch_k<8, false, false>,
-      (const void *)fr_cuht_dispatch_k<16, false, false>,
-      (const void *)fr_cuht_dispatch_k<16, true, false>,
-      (const void *)fr_cuht_dispatch_k<8, false, false, true>},
-     {(const void *)fr_cuht_dispatch_k<8, false, true>,
-      (const void *)fr_cuht_dispatch_k<16, false, true>,
-      (const void *)fr_cuht_dispatch_k<16, true, true>,
-      (const void *)fr_cuht_dispatch_k<8, false, true>}},
-    {{(const void *)fr_cuht_combine_k<8, false, false>,
-      (const void *)fr_cuht_combine_k<16, false, false>,
-      (const void *)fr_cuht_combine_k<16, true, false>,
-      (const void *)fr_cuht_combine_k<8, false, false, true>},
-     {(const void *)fr_cuht_combine_k<8, false, true>,
-      (const void *)fr_cuht_combine_k<16, false, true>,
-      (const void *)fr_cuht_combine_k<16, true, true>,
-      (const void *)fr_cuht_combine_k<8, false, true>}}};
-/* each column's W (warps per role): its blocks have 2W warps */
-static const int fr_cuht_kern_w[4] = {8, 16, 16, 8};
+typedef struct fr_cuht_kern {
+    const void *f;
+    int w; /* W, warps per role: its blocks have 2W warps (its launch bound) */
+} fr_cuht_kern_t;
+/* an entry from the template's own arguments, so that a launch's block
+ * size cannot differ from the instantiation's W */
+#define FR_CUHT_K(f, W, ...) {(const void *)f<W, __VA_ARGS__>, W}
+static const fr_cuht_kern_t fr_cuht_kern[2][2][4] = {
+    {{FR_CUHT_K(fr_cuht_dispatch_k, 8, false, false),
+      FR_CUHT_K(fr_cuht_dispatch_k, 16, false, false),
+      FR_CUHT_K(fr_cuht_dispatch_k, 16, true, false),
+      FR_CUHT_K(fr_cuht_dispatch_k, 8, false, false, true)},
+     {FR_CUHT_K(fr_cuht_dispatch_k, 8, false, true),
+      FR_CUHT_K(fr_cuht_dispatch_k, 16, false, true),
+      FR_CUHT_K(fr_cuht_dispatch_k, 16, true, true),
+      FR_CUHT_K(fr_cuht_dispatch_k, 8, false, true)}},
+    {{FR_CUHT_K(fr_cuht_combine_k, 8, false, false),
+      FR_CUHT_K(fr_cuht_combine_k, 16, false, false),
+      FR_CUHT_K(fr_cuht_combine_k, 16, true, false),
+      FR_CUHT_K(fr_cuht_combine_k, 8, false, false, true)},
+     {FR_CUHT_K(fr_cuht_combine_k, 8, false, true),
+      FR_CUHT_K(fr_cuht_combine_k, 16, false, true),
+      FR_CUHT_K(fr_cuht_combine_k, 16, true, true),
+      FR_CUHT_K(fr_cuht_combine_k, 8, false, true)}}};
+#undef FR_CUHT_K
 
-/* The copy engine's dynamic shared memory: the dispatch's 16 warps, the
- * combine's 8 senders. */
+/* The copy engine's dynamic shared memory (its kernels' TW): the
+ * dispatch's 2W warps, the combine's W senders, W of the table's column. */
 static size_t fr_cuht_tma_bytes(int comb)
 {
-    return fr_tma_smem(comb ? 8 : 16);
+    int w = fr_cuht_kern[comb][0][3].w;
+    return fr_tma_smem(comb ? w : 2 * w);
 }
 
 extern "C" int fr_cuht_tma_prep(int device, const char **why)
@@ -1642,7 +1649,7 @@ extern "C" int fr_cuht_tma_prep(int device, const char **why)
         return 0;
     }
     for (int comb = 0; comb < 2; comb++) {
-        const void *k = fr_cuht_kern[comb][0][3];
+        const void *k = fr_cuht_kern[comb][0][3].f;
         cudaFuncAttributes fa;
         size_t b = fr_cuht_tma_bytes(comb);
         if (cudaFuncGetAttributes(&fa, k) != cudaSuccess) {
@@ -1673,8 +1680,9 @@ static void fr_cuht_launch(ferry_ep_t ep, bool comb, fr_cuht_route_t *p, fr_cuht
     int fwd = c->a.G.fwd ? 1 : 0, w = ep->N <= 8 ? (c->tma ? 3 : 0) : ep->N <= 16 ? 1 : 2;
     void *args[] = {&c->a, &p->r, io};
     size_t smem = w == 3 ? fr_cuht_tma_bytes(comb) : 0; /* limit raised at create */
-    cudaLaunchKernel(fr_cuht_kern[comb][fwd][w], dim3((unsigned)((1 + fwd) * c->a.G.C)),
-                     dim3(2 * fr_cuht_kern_w[w] * 32), args, smem, st);
+    const fr_cuht_kern_t *k = &fr_cuht_kern[comb][fwd][w];
+    cudaLaunchKernel(k->f, dim3((unsigned)((1 + fwd) * c->a.G.C)), dim3(2 * k->w * 32), args,
+                     smem, st);
 }
 
 extern "C" int fr_cuht_dispatch(ferry_ep_t ep, ferry_route_t route,
@@ -1764,9 +1772,9 @@ extern "C" int fr_cuht_combine(ferry_ep_t ep, ferry_route_t route,
 extern "C" int fr_cuht_load_stream(void)
 {
     cudaFuncAttributes fa;
-    const void *const *k = &fr_cuht_kern[0][0][0];
+    const fr_cuht_kern_t *k = &fr_cuht_kern[0][0][0];
     for (int i = 0; i < 16; i++)
-        if (cudaFuncGetAttributes(&fa, k[i]) != cudaSuccess)
+        if (cudaFuncGetAttributes(&fa, k[i].f) != cudaSuccess)
             return 1;
     return 0;
 }
