@@ -3,6 +3,7 @@ high-throughput calls) and Route (a high-throughput routing)."""
 import ctypes as C
 import numbers
 import sys
+import weakref
 
 from . import _lib
 from ._arrays import (_BF16, _F32, _FP8, _I32, _I64, _SIG, _U8, _current_cuda_device,
@@ -111,7 +112,9 @@ class EP:
         self._keep = {}
         self._rounds = {}  # round -> T (rows of topk_weights and out at combine)
         self._last_round = 0  # rounds are numbered 1, 2, 3... per context
-        self._routes = []  # open routes: closed before the context
+        # open routes, closed before the context; weak: a route nobody holds
+        # closes itself (Route.__del__), as a dropped handle's does
+        self._routes = weakref.WeakSet()
 
 
     def _ep(self):
@@ -635,10 +638,7 @@ class EP:
 
     def _keep_route(self, route):
         """route among the open ones (closed before the context)."""
-        rs = self._routes
-        if len(rs) > 8:  # the closed ones dropped now and then (a route closes itself)
-            rs = self._routes = [x for x in rs if x._h]
-        rs.append(route)
+        self._routes.add(route)
 
     def _ext(self, like):
         """ferry._torchext for an HT call whose tensors are torch ones on
@@ -910,9 +910,9 @@ class EP:
     def close(self):
         """Collective. Closes the Comm too when its close() was deferred."""
         if self._h:
-            for r in self._routes:  # a route does not outlive its context
+            for r in list(self._routes):  # a route does not outlive its context
                 r.close()
-            self._routes = []
+            self._routes = weakref.WeakSet()
             h, self._h = self._h, C.c_void_p()
             self._keep.clear()
             self._rounds.clear()
@@ -934,7 +934,8 @@ class Route:
     """A high-throughput route (EP.route()): num_tokens, num_recv and
     expert_counts (rows per local expert, padded to the alignment asked
     for); a bounded route also num_recv_real (num_recv is then its bound).
-    close() frees it (not collective)."""
+    close() frees it (not collective), as does dropping the last reference
+    to it."""
 
     def __init__(self, ep, h, T, bounded=None, made=None):
         import numpy as np
@@ -972,6 +973,15 @@ class Route:
         if self._h:
             h, self._h = self._h, C.c_void_p()
             _lib_handle().ferry_route_destroy(h)
+
+    def __del__(self):
+        # a route nobody holds any more (a dropped handle's, DeepEP 2's
+        # EPHandle's) is freed: its tables go back for later routes (on
+        # CUDA after its calls on the stream; no wait)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
 
     def __enter__(self):
         return self

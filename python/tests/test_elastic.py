@@ -373,6 +373,12 @@ def rank_main(rank, N, port, q, kind):
                     one_round(buf, everyone, rank, N, E, rnd, dev, msgs, cpu_sync, expand, A,
                               fp8, nbias)
                     rnd += 1
+        # a dropped handle's route is freed (an EPHandle has no close; a
+        # route nobody holds closes itself): none is left open after the
+        # rounds, whose handles are gone
+        left = sum(len(ep._routes) for ep in buf._buf._eps.values())
+        check(msgs, f"{left} routes still open after the rounds' handles were dropped",
+              left == 0)
         one = de.ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=MAXT,
                                hidden=H, explicitly_destroy=True,
                                allow_multiple_reduction=False)
