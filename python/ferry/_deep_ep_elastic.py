@@ -499,10 +499,12 @@ class ElasticBuffer:
         R = src.shape[0]
         if cpu_sync:
             import numpy as np
-            u = np.asarray(route.expert_counts, dtype=np.int64)
-            a = (u + (A - 1)) // A * A
-            elist = [int(v) for v in a]
-            n_exp = int(a.sum())
+            c = route.expert_counts
+            u = np.asarray(c, dtype=np.int64)
+            # as Python ints through tolist (a loop over numpy scalars costs
+            # the host about 25 us at 128 experts)
+            elist = c.tolist() if A == 1 else [(v + A - 1) // A * A for v in c.tolist()]
+            n_exp = sum(elist)
         else:
             u = None
             elist = []

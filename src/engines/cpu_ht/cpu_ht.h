@@ -128,7 +128,8 @@ typedef struct fr_cpu_ht {
     float *acc;              /* combine accumulator [acc_rows][H] */
     size_t acc_rows;
     uint16_t *stash;         /* FERRY_HT_SUM_SLOTS: [stash_rows][K][H] bf16,
-                                a token's rows at their highest slots */
+                                a token's rows at their highest slots, then
+                                [stash_rows][K] bytes: 1 where a row is */
     size_t stash_rows;
     fr_ht_fab_t fab;         /* when peers are on the fabric */
     fr_ht_fwd_t fwd;         /* when ep->forward */
@@ -184,6 +185,10 @@ typedef struct fr_ht_call {
     int wsum;                    /* combine: weights summed over ranks */
     uint16_t *stash;             /* combine, FERRY_HT_SUM_SLOTS: rows kept
                                     [T][K][H] until all are in (else NULL) */
+    uint8_t *stash_on;           /* [T][K]: 1 where stash holds a row (the
+                                    other slots add nothing) */
+    float *srow;                 /* combine, FERRY_HT_SUM_SLOTS: a token's sum
+                                    [H] (the row after the accumulator's) */
     /* forwarding */
     int32_t *fw_done;            /* [N] forwarder: records of source s passed on
                                     (dispatch), its tokens summed (combine) */

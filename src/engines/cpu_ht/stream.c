@@ -457,6 +457,7 @@ void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float 
                 hs = k;
     if (hs >= 0) { /* kept until the token's every row is in */
         memcpy(c->stash + ((size_t)t * K + (size_t)hs) * H, y, sizeof(uint16_t) * H);
+        c->stash_on[(size_t)t * K + (size_t)hs] = 1;
     } else {
         float *a = acc + (size_t)t * H;
         for (int i = 0; i < H; i++)
@@ -501,14 +502,15 @@ static int fr_ht_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, 
     return moved > 0;
 }
 
-/* The fp32 accumulator, zeroed, and the weights output cleared. */
+/* The fp32 accumulator, zeroed, and the weights output cleared; after
+ * its rows one more, not zeroed (fr_ht_call_t.srow). */
 static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
 {
     fr_cpu_ht_t *st = fr_cpu_ht(ep);
     size_t H = (size_t)st->H.H, K = (size_t)st->H.K;
     if (st->acc_rows < (size_t)T || !st->acc) {
         free(st->acc);
-        st->acc = malloc(sizeof(float) * ((size_t)T * H + 1));
+        st->acc = malloc(sizeof(float) * (((size_t)T + 1) * H + 1));
         st->acc_rows = st->acc ? (size_t)T : 0;
     }
     if (!st->acc)
@@ -519,18 +521,21 @@ static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
     return st->acc;
 }
 
-/* FERRY_HT_SUM_SLOTS: the rows' store, zeroed ([T][K][H] bf16). */
-static uint16_t *fr_ht_stash(ferry_ep_t ep, int T)
+/* FERRY_HT_SUM_SLOTS: the rows' store ([T][K][H] bf16, not zeroed) and
+ * after it its flags ([T][K] bytes, zeroed): *on. */
+static uint16_t *fr_ht_stash(ferry_ep_t ep, int T, uint8_t **on)
 {
     fr_cpu_ht_t *st = fr_cpu_ht(ep);
-    size_t n = (size_t)st->H.K * (size_t)st->H.H;
+    size_t K = (size_t)st->H.K, n = K * (size_t)st->H.H;
     if (st->stash_rows < (size_t)T || !st->stash) {
         free(st->stash);
-        st->stash = malloc(sizeof(uint16_t) * ((size_t)T * n + 1));
+        st->stash = malloc(sizeof(uint16_t) * (size_t)T * n + (size_t)T * K + 1);
         st->stash_rows = st->stash ? (size_t)T : 0;
     }
-    if (st->stash)
-        memset(st->stash, 0, sizeof(uint16_t) * (size_t)T * n);
+    if (!st->stash)
+        return NULL;
+    *on = (uint8_t *)(st->stash + st->stash_rows * n);
+    memset(*on, 0, (size_t)T * K);
     return st->stash;
 }
 
@@ -586,11 +591,12 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     c.wsum = in->weights_sum != 0;
     int N = ep->N, me = ep->rank, K = c.h->K, H = c.h->H, T = route->T;
     float *acc = fr_ht_acc(ep, T, out);
+    c.srow = acc ? fr_cpu_ht(ep)->acc + fr_cpu_ht(ep)->acc_rows * (size_t)H : NULL;
     if (!acc) {
         fr_ht_call_end(&c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine accumulator of %d x %d floats", T, H);
     }
-    if (in->sum_order == FERRY_HT_SUM_SLOTS && !(c.stash = fr_ht_stash(ep, T))) {
+    if (in->sum_order == FERRY_HT_SUM_SLOTS && !(c.stash = fr_ht_stash(ep, T, &c.stash_on))) {
         fr_ht_call_end(&c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM,
                           "combine (sum_order FERRY_HT_SUM_SLOTS): %d x %d x %d bf16 rows", T,
@@ -653,23 +659,34 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
     if (rc == FERRY_OK && c.stash) {
-        /* FERRY_HT_SUM_SLOTS: the biases, then the rows by slot (zeros
-         * where a slot is not a rank's highest), then anything summed
-         * without a slot (nothing, the route being whole), one rounding */
+        /* FERRY_HT_SUM_SLOTS: the biases, then the rows by slot (none
+         * where a slot is not a rank's highest: adding its zeros would
+         * change nothing, the sum starting at +0), then anything summed
+         * without a slot (nothing, the route being whole), one rounding;
+         * a token at a time, each step over the row (acc's row holds the
+         * sum until it is rounded) */
         const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
-        for (size_t t = 0; t < (size_t)T; t++)
+        for (size_t t = 0; t < (size_t)T; t++) {
+            float *a = acc + t * (size_t)H;
+            /* acc's row is added last: kept, the sum built in front of it */
             for (size_t i = 0; i < (size_t)H; i++) {
-                size_t o = t * (size_t)H + i;
-                float a = 0.f;
+                float s = 0.f;
                 if (b0)
-                    a += fr_bf16_to_f32(b0[o]);
+                    s += fr_bf16_to_f32(b0[t * (size_t)H + i]);
                 if (b1)
-                    a += fr_bf16_to_f32(b1[o]);
-                for (int k = 0; k < K; k++)
-                    a += fr_bf16_to_f32(c.stash[(t * (size_t)K + (size_t)k) * (size_t)H + i]);
-                a += acc[o];
-                ((uint16_t *)out->out)[o] = fr_f32_to_bf16(a);
+                    s += fr_bf16_to_f32(b1[t * (size_t)H + i]);
+                c.srow[i] = s;
             }
+            for (int k = 0; k < K; k++) {
+                if (!c.stash_on[t * (size_t)K + (size_t)k])
+                    continue;
+                const uint16_t *r = c.stash + (t * (size_t)K + (size_t)k) * (size_t)H;
+                for (size_t i = 0; i < (size_t)H; i++)
+                    c.srow[i] += fr_bf16_to_f32(r[i]);
+            }
+            for (size_t i = 0; i < (size_t)H; i++)
+                ((uint16_t *)out->out)[t * (size_t)H + i] = fr_f32_to_bf16(c.srow[i] + a[i]);
+        }
     } else if (rc == FERRY_OK) {
         /* the bias after the rows, before the one rounding */
         const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
