@@ -559,9 +559,9 @@ FERRY_API int ferry_combine(ferry_ep_t ep, uint64_t round, const ferry_combine_i
  * on the GPU (a peer that did not arrive within FERRY_TIMEOUT_MS, a
  * malformed record, routes used in a different order) come back from
  * ferry_ep_sync or the next call, naming the rank. Calls follow each other
- * on one stream without host synchronisation; ferry_route_destroy waits
- * for the GPU (not for a bounded route). ring_tokens is per channel and peer on CUDA (default
- * 512 / N, within 32..128); num_sms is the channel count, one block and
+ * on one stream without host synchronisation; ferry_route_destroy does
+ * not wait for the GPU. ring_tokens is per channel and peer on CUDA
+ * (default 512 / N, within 32..128); num_sms is the channel count, one block and
  * one SM each (0: 24), lowered to the GPU's SMs over the most ranks
  * sharing one GPU when that is less (with a warning when num_sms was
  * given).
@@ -607,7 +607,10 @@ typedef struct ferry_route_in {
                                   ranks) */
 } ferry_route_in_t;
 
-/* Collective. */
+/* Collective. A bad topk_idx value (below -1, E or more, or an expert
+ * twice in a token) on any rank fails every rank's route_create with
+ * FERRY_ERR_INVALID (that rank's message names the entry, the others'
+ * name the rank); no route is made and the context stays usable. */
 FERRY_API int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
                        ferry_route_t *route);
 /* Rows this rank receives (num_recv), and optionally rows per local
@@ -616,13 +619,15 @@ FERRY_API int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
  * expert_counts_out (FERRY_ERR_STATE here). */
 FERRY_API int ferry_route_counts(ferry_route_t route, int *num_recv,
                        int32_t *expert_counts);
-/* Not collective; the route must not be in use, and is gone after this
- * (as it is when its context is destroyed first: destroy routes first).
- * On CUDA ranks it waits for the GPU, except for a bounded route: its
- * tables come from a pool of eight, given to a later bounded route on the
- * same stream (stream order keeps that safe); tables of a route made while
- * its stream was being captured stay with the graph. With every pooled
- * table taken, a bounded route allocates its own (not capturable). */
+/* Not collective; no call may use the route after this (it is gone, as
+ * it is when its context is destroyed first: destroy routes first). On
+ * CUDA ranks it does not wait for the GPU: an exact route's tables go to
+ * a later route once the calls queued on it have run (an event), and a
+ * bounded route's come from a pool of eight, given to a later bounded
+ * route on the same stream (stream order keeps that safe); tables of a
+ * route made while its stream was being captured stay with the graph.
+ * With every pooled table taken, a bounded route allocates its own (not
+ * capturable). */
 FERRY_API int ferry_route_destroy(ferry_route_t route);
 
 typedef struct ferry_ht_dispatch_in {

@@ -18,8 +18,9 @@ row at its highest top-k slot), and the returned weights; with
 allow_multiple_reduction=False, the expanded combine's single reduction
 (biases, then every slot's row in slot order, one rounding) and its
 refusal of topk_weights.
-Argument errors name the argument; the experimental methods are refused
-by name. Exit 77 without torch.
+Argument errors name the argument; a bad topk_idx on one rank fails
+every rank's dispatch, naming it, and the buffer goes on; the experimental
+methods are refused by name. Exit 77 without torch.
 """
 import os
 import sys
@@ -403,6 +404,22 @@ def rank_main(rank, N, port, q, kind):
                 msgs.append(f"dispatch with {args}: no error")
             except (ValueError, TypeError) as e:
                 check(msgs, f"dispatch with {args}: {e} does not name {name}", name in str(e))
+        # a bad topk_idx on the last rank alone: every rank's dispatch
+        # raises, the others' naming that rank, and the buffer goes on
+        bad = idx.clone()
+        if rank == N - 1:
+            bad[0, 0] = 10 * E
+        try:
+            buf.dispatch(x, topk_idx=bad, topk_weights=w, num_experts=E)
+            msgs.append(f"a bad topk_idx on rank {N - 1}: no error")
+        except Exception as e:  # noqa: BLE001 (FerryError)
+            check(msgs, f"a bad topk_idx on rank {N - 1}: {e}",
+                  "topk_idx" in str(e) and (rank == N - 1 or f"rank {N - 1}" in str(e)))
+        try:
+            rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+            buf.combine(rx, h)
+        except Exception as e:  # noqa: BLE001
+            msgs.append(f"a dispatch after a bad topk_idx: {e}")
         try:
             buf.engram_write(None)
             msgs.append("engram_write: no error")

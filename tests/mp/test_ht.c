@@ -1887,6 +1887,26 @@ static void args_route(ferry_ep_t ep, const world_t *w, const spec_t *c)
     idx[K + 1] = idx[K]; /* token 1 names one expert twice */
     CHECK_BAD(ep, route_call(ep, &good, &rt, c->T, K), "topk_idx");
     idx[K + 1] = saved;
+    /* a bad topk_idx on the last rank alone: every rank's route_create
+     * fails, the others' naming it, and the context goes on (the good
+     * route after these, in run_args) */
+    int bad = w->N - 1;
+    for (int rep = 0; rep < 2; rep++) {
+        if (me == bad)
+            idx[K + 1] = rep ? idx[K] : c->E;
+        rc = route_call(ep, &good, &rt, c->T, K);
+        idx[K + 1] = saved;
+        char want[32];
+        snprintf(want, sizeof(want), "rank %d", bad);
+        const char *msg = ferry_ep_last_error(ep);
+        CHECK(rc == FERRY_ERR_INVALID && strstr(msg, "topk_idx") &&
+                  (me == bad || strstr(msg, want)),
+              "rank %d: route_create with a bad topk_idx on rank %d alone: %s: %s", me, bad,
+              ferry_strerror(rc), msg);
+        if (rc == FERRY_OK)
+            CHECK_RC(ferry_route_destroy(rt), FERRY_OK);
+        rt = NULL;
+    }
     int nrecv = 0;
     CHECK_RC(ferry_route_counts(NULL, &nrecv, NULL), FERRY_ERR_INVALID);
 }

@@ -129,7 +129,8 @@ static int fr_ht_route_nodes(ferry_ep_t ep, int T, fr_ht_route_t *p)
 }
 
 /* Store this rank's counts into every destination's notify entry (a
- * write with immediate for fabric peers). */
+ * write with immediate for fabric peers); p NULL: a bad topk_idx here
+ * (dcnt all zero). */
 static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t *dcnt,
                             uint64_t id)
 {
@@ -141,10 +142,11 @@ static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t
     for (int d = 0; d < ep->N && rc == FERRY_OK; d++) {
         int fab = ep->path[d] == FR_PATH_FABRIC;
         uint8_t *e = fab ? tmp : fr_ht_notify(h, ep->peer_seg[d], (int)(id & 1), ep->rank);
-        *(int32_t *)(e + 8) = p->dst_off[d + 1] - p->dst_off[d];
+        /* p NULL: this rank's topk_idx was bad, -1 tokens and nothing else */
+        *(int32_t *)(e + 8) = p ? p->dst_off[d + 1] - p->dst_off[d] : -1;
         /* forwarding: the node-level records d passes on for this rank */
         int b = ep->node_of[d];
-        int fwd = ep->forward && fr_ep_fwd_by(ep, ep->rank, d);
+        int fwd = p && ep->forward && fr_ep_fwd_by(ep, ep->rank, d);
         *(int32_t *)(e + 12) = fwd ? p->nd_off[b + 1] - p->nd_off[b] : 0;
         /* ... and the tokens for each rank of d's node, which d checks */
         int32_t *pl = (int32_t *)(e + 16 + 4 * (size_t)El);
@@ -161,9 +163,11 @@ static int fr_ht_notify_all(ferry_ep_t ep, const fr_ht_route_t *p, const int32_t
     return rc;
 }
 
-/* Wait for every source's counts; rows per source and per local expert. */
+/* Wait for every source's counts; rows per source and per local expert.
+ * Every source's entry is read, also after one that says its topk_idx was
+ * bad (-1 tokens): *bad_rank is then the lowest such source (else -1). */
 static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *p,
-                             int align)
+                             int align, int *bad_rank)
 {
     const fr_ht_layout_t *h = &fr_cpu_ht(ep)->H;
     int N = ep->N, El = h->El;
@@ -205,6 +209,14 @@ static int fr_ht_notify_wait(ferry_ep_t ep, ferry_route_t route, fr_ht_route_t *
          * and used as checked */
         int32_t n = *(const volatile int32_t *)(e + 8);
         const volatile int32_t *c = (const volatile int32_t *)(e + 16);
+        if (n == -1) { /* s's topk_idx was bad: no route is made */
+            if (*bad_rank < 0)
+                *bad_rank = s;
+            p->src_off[s + 1] = p->src_off[s];
+            if (p->fwd_off)
+                p->fwd_off[s + 1] = p->fwd_off[s];
+            continue;
+        }
         if (n < 0 || n > ep->L.T) {
             free(need);
             return fr_ep_fail(ep, FERRY_ERR_PROTOCOL,
@@ -304,9 +316,19 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
      * locally, so numbers stay in step; peers then time out naming it */
     route->id = ++fr_cpu_ht(ep)->routes;
     route->T = T;
-    if (rc == FERRY_OK)
+    /* a bad topk_idx (out of range, an expert twice in a token) is found
+     * here, not before the exchange: this rank publishes -1 tokens, every
+     * rank reads every entry as usual and then fails with
+     * FERRY_ERR_INVALID naming the lowest such rank, no route is made,
+     * and the numbers stay in step: the context stays usable (as on CUDA
+     * ranks, where the route kernel finds it) */
+    fr_err_t badmsg = {{0}};
+    int isbad = rc == FERRY_OK && T > 0 &&
+                fr_check_topk(&ep->L, in->topk_idx, T, &badmsg) != FERRY_OK;
+    int bad_rank = -1;
+    if (rc == FERRY_OK && !isbad)
         rc = fr_ht_route_local(ep, in, p, dcnt);
-    if (rc == FERRY_OK && ep->forward) {
+    if (rc == FERRY_OK && !isbad && ep->forward) {
         rc = fr_ht_route_nodes(ep, T, p);
         p->fwd_off = calloc((size_t)N + 1, sizeof(int32_t));
         p->fwd_cnt = calloc((size_t)N * (size_t)fr_cpu_ht(ep)->H.LF, sizeof(int32_t));
@@ -314,11 +336,20 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
             rc = fr_ep_fail(ep, FERRY_ERR_NOMEM, "route tables");
     }
     if (rc == FERRY_OK)
-        rc = fr_ht_notify_all(ep, p, dcnt, route->id);
+        rc = fr_ht_notify_all(ep, isbad ? NULL : p, dcnt, route->id);
     if (rc == FERRY_OK)
-        rc = fr_ht_notify_wait(ep, route, p, in->expert_alignment);
+        rc = fr_ht_notify_wait(ep, route, p, in->expert_alignment, &bad_rank);
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
+    if (rc == FERRY_OK && bad_rank >= 0) { /* no route; the context goes on */
+        free(dcnt);
+        fr_ht_route_free(route);
+        if (isbad)
+            return fr_ep_fail(ep, FERRY_ERR_INVALID, "%s (no route was made; every rank's "
+                              "route_create fails)", badmsg.msg);
+        return fr_ep_fail(ep, FERRY_ERR_INVALID, "route_create: rank %d passed a bad "
+                          "topk_idx (no route was made)", bad_rank);
+    }
     if (rc == FERRY_OK && route->bound > 0)
         rc = fr_ht_route_bounded(ep, in, route);
     free(dcnt);

@@ -185,9 +185,7 @@ static int fr_staged_route_create(ferry_ep_t ep, const ferry_route_in_t *in,
     h.num_recv_out = (int32_t *)fr_stage_host(ep, &p, io);
     h.expert_counts_out = (int32_t *)fr_stage_host(ep, &p, ic);
     h.stream = NULL;
-    fr_err_t err = {{0}};
-    if (T > 0 && (rc = fr_check_topk(L, h.topk_idx, T, &err)))
-        return fr_ep_fail(ep, rc, "%s", err.msg); /* the route is collective: as on CPU ranks */
+    /* topk_idx's values: checked by the host engine within the exchange */
     if ((rc = fr_staged(ep)->host->route_create(ep, &h, route)))
         return rc;
     return fr_stage_copy(ep, &p, io, ic + 1, 0, in->stream, NULL);
