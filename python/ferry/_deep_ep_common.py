@@ -487,9 +487,3 @@ class _HtHandle:
     @property
     def num_recv(self):
         return self.route.num_recv
-
-    def __del__(self):
-        try:
-            self.route.close()
-        except Exception:
-            pass

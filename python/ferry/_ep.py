@@ -112,15 +112,42 @@ class EP:
         self._keep = {}
         self._rounds = {}  # round -> T (rows of topk_weights and out at combine)
         self._last_round = 0  # rounds are numbered 1, 2, 3... per context
-        # open routes, closed before the context; weak: a route nobody holds
-        # closes itself (Route.__del__), as a dropped handle's does
+        # routes: the context owns every route's handle until it is
+        # destroyed (_route_hs, addresses: destroyed before the context, by
+        # Route.close, or after their Route died); _dead: those whose Route
+        # died (Route.__del__, in whatever thread the collector ran), each
+        # destroyed by the next call on this context in its caller's
+        # thread (_ep) or by close; _routes: the live Route objects, marked
+        # closed with the context
+        self._route_hs = set()
+        self._dead = []
         self._routes = weakref.WeakSet()
 
 
     def _ep(self):
         if not self._h:
             raise ValueError("EP: the context is closed")
+        if self._dead:
+            self._reap()
         return self._h
+
+    def _reap(self):
+        """Destroy the routes whose Route objects died (queued by
+        Route.__del__; pop is atomic, so a collector in another thread may
+        queue more meanwhile)."""
+        while self._dead:
+            a = self._dead.pop()
+            if a in self._route_hs:
+                self._route_hs.discard(a)
+                _lib_handle().ferry_route_destroy(C.c_void_p(a))
+
+    def _route_free(self, a):
+        """Route.close: destroy route handle a now, if this context still
+        owns it (not after the context was closed)."""
+        if a in self._route_hs:
+            self._route_hs.discard(a)
+            if self._h:
+                _lib_handle().ferry_route_destroy(C.c_void_p(a))
 
     # -- the round API for layers built on EP (ferry.deep_ep): what they
     # -- may read and set instead of the context's private state
@@ -637,7 +664,7 @@ class EP:
         return route
 
     def _keep_route(self, route):
-        """route among the open ones (closed before the context)."""
+        """route among the live ones (marked closed with the context)."""
         self._routes.add(route)
 
     def _ext(self, like):
@@ -910,9 +937,15 @@ class EP:
     def close(self):
         """Collective. Closes the Comm too when its close() was deferred."""
         if self._h:
-            for r in list(self._routes):  # a route does not outlive its context
-                r.close()
+            # a route does not outlive its context: the live ones are
+            # marked closed, and every route still owned is destroyed first
+            for r in list(self._routes):
+                r._h = C.c_void_p()
             self._routes = weakref.WeakSet()
+            self._dead.clear()
+            for a in self._route_hs:
+                _lib_handle().ferry_route_destroy(C.c_void_p(a))
+            self._route_hs.clear()
             h, self._h = self._h, C.c_void_p()
             self._keep.clear()
             self._rounds.clear()
@@ -934,12 +967,14 @@ class Route:
     """A high-throughput route (EP.route()): num_tokens, num_recv and
     expert_counts (rows per local expert, padded to the alignment asked
     for); a bounded route also num_recv_real (num_recv is then its bound).
-    close() frees it (not collective), as does dropping the last reference
-    to it."""
+    close() frees it (not collective); one dropped without close() is
+    freed by the next call on its context."""
 
     def __init__(self, ep, h, T, bounded=None, made=None):
         import numpy as np
         self.ep, self._h, self.num_tokens = ep, h, T
+        if h:  # owned by the context from now on (even if this raises)
+            ep._route_hs.add(h.value)
         if made is not None:  # (num_recv, counts as int32 bytes), read already
             self.num_recv_real = None
             self.num_recv = made[0]
@@ -972,16 +1007,21 @@ class Route:
     def close(self):
         if self._h:
             h, self._h = self._h, C.c_void_p()
-            _lib_handle().ferry_route_destroy(h)
+            self.ep._route_free(h.value)
 
     def __del__(self):
         # a route nobody holds any more (a dropped handle's, DeepEP 2's
-        # EPHandle's) is freed: its tables go back for later routes (on
-        # CUDA after its calls on the stream; no wait)
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 (interpreter shutdown)
-            pass
+        # EPHandle's) is freed by the next call on its context, in that
+        # call's thread (never here: a collector may run this in another
+        # thread, or after the context was destroyed), its tables then
+        # going to later routes (on CUDA after its calls on the stream)
+        h = self.__dict__.get("_h")
+        if h:
+            self._h = C.c_void_p()
+            try:
+                self.ep._dead.append(h.value)
+            except Exception:  # noqa: BLE001 (interpreter shutdown)
+                pass
 
     def __enter__(self):
         return self

@@ -271,9 +271,26 @@ def rank_main(rank, N, port, q):
             raise AssertionError("a low-latency call on an HT context was accepted")
         except ferry.FerryError as e:
             check("high-throughput" in str(e), f"message: {e}")
+        # a dropped route is destroyed by the next call on its context (in
+        # that call's thread), not by the collector
+        dropped = ep.route(inputs(rank, 8, N)[1])
+        a = dropped._h.value
+        del dropped
+        check(a in ep._route_hs, "a dropped route was destroyed by the collector")
+        ep._ep()
+        check(a not in ep._route_hs, "a dropped route was not destroyed by the next call")
         left_open = ep.route(inputs(rank, 9, N)[1])  # closed by ep.close()
+        # a route the context no longer sees among its live ones (as when
+        # the collector cleared the weak reference of a route in a cycle
+        # before the context's owner closed it) is still destroyed before
+        # the context, and not again after it
+        unseen = ep.route(inputs(rank, 7, N)[1])
+        ep._routes.discard(unseen)
         ep.close()
         check(not left_open._h, "a route outlived its context")
+        check(not ep._route_hs, "routes left owned by a closed context")
+        unseen.close()  # nothing to destroy: the context's close did
+        del unseen
         try:
             ep.ht_dispatch(left_open, np.zeros((0, H), np.uint16))
             raise AssertionError("a call on a closed context was accepted")

@@ -158,9 +158,16 @@ def check_waits(buf, x, idx, w, E, N, rank, count, msgs):
             msgs.append(f"handle[0] (rank_prefix_matrix): {got} != {want}")
         elif int(got[N - 1][rank]) != rx.shape[0]:
             msgs.append(f"handle[0][N-1][rank] = {int(got[N - 1][rank])}, rows {rx.shape[0]}")
-    _, n, what = count(lambda: h.__del__())
+    # a handle's release: its route dropped (queued by the collector) and
+    # destroyed by the context's next call
+    route = h.route
+    ep, a = route.ep, route._h.value
+    del h
+    _, n, what = count(lambda: (route.__del__(), ep._ep()))
     if n:
         msgs.append(f"a handle's release: {n} collectives/syncs ({what})")
+    if a in ep._route_hs:
+        msgs.append("a dropped route was not destroyed by the context's next call")
 
 
 def check_async_equal(buf, x, idx, w, E, rnd, msgs):
