@@ -183,3 +183,40 @@ const fr_engine_t fr_engine_cpu_ht = {
     .ht_dispatch = fr_ht_dispatch,
     .ht_combine = fr_ht_combine,
 };
+
+/* The fp32 accumulator, zeroed, and the weights output cleared; after
+ * its rows one more, not zeroed (fr_ht_call_t.srow). */
+float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(ep);
+    size_t H = (size_t)st->H.H, K = (size_t)st->H.K;
+    if (st->acc_rows < (size_t)T || !st->acc) {
+        free(st->acc);
+        st->acc = malloc(sizeof(float) * (((size_t)T + 1) * H + 1));
+        st->acc_rows = st->acc ? (size_t)T : 0;
+    }
+    if (!st->acc)
+        return NULL;
+    memset(st->acc, 0, sizeof(float) * (size_t)T * H);
+    if (out->topk_weights)
+        memset(out->topk_weights, 0, sizeof(float) * (size_t)T * K);
+    return st->acc;
+}
+
+/* FERRY_HT_SUM_SLOTS: the rows' store ([T][K][H] bf16, not zeroed) and
+ * after it its flags ([T][K] bytes, zeroed): *on. */
+uint16_t *fr_ht_stash(ferry_ep_t ep, int T, uint8_t **on)
+{
+    fr_cpu_ht_t *st = fr_cpu_ht(ep);
+    size_t K = (size_t)st->H.K, n = K * (size_t)st->H.H;
+    if (st->stash_rows < (size_t)T || !st->stash) {
+        free(st->stash);
+        st->stash = malloc(sizeof(uint16_t) * (size_t)T * n + (size_t)T * K + 1);
+        st->stash_rows = st->stash ? (size_t)T : 0;
+    }
+    if (!st->stash)
+        return NULL;
+    *on = (uint8_t *)(st->stash + st->stash_rows * n);
+    memset(*on, 0, (size_t)T * K);
+    return st->stash;
+}

@@ -502,41 +502,50 @@ static int fr_ht_combine_rx(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, 
     return moved > 0;
 }
 
-/* The fp32 accumulator, zeroed, and the weights output cleared; after
- * its rows one more, not zeroed (fr_ht_call_t.srow). */
-static float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
+/* The combine's output from the accumulator (and the stash): one rounding
+ * to bf16 of each channel's fp32 sum.
+ *   FERRY_HT_SUM_SLOTS: the biases, then the rows by slot (none where a
+ *     slot is not a rank's highest: adding its zeros would change nothing,
+ *     the sum starting at +0), then acc (anything summed without a slot:
+ *     nothing, the route being whole); a token at a time, each step over
+ *     the row in srow;
+ *   else: acc (the rows in rank order), then the biases. */
+static void fr_ht_combine_out(fr_ht_call_t *c, const ferry_ht_combine_in_t *in,
+                              const ferry_ht_combine_out_t *out, const float *acc, int T)
 {
-    fr_cpu_ht_t *st = fr_cpu_ht(ep);
-    size_t H = (size_t)st->H.H, K = (size_t)st->H.K;
-    if (st->acc_rows < (size_t)T || !st->acc) {
-        free(st->acc);
-        st->acc = malloc(sizeof(float) * (((size_t)T + 1) * H + 1));
-        st->acc_rows = st->acc ? (size_t)T : 0;
+    size_t H = (size_t)c->h->H, K = (size_t)c->h->K;
+    const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
+    uint16_t *o = (uint16_t *)out->out;
+    if (!c->stash) {
+        for (size_t i = 0; i < (size_t)T * H; i++) {
+            float a = acc[i];
+            if (b0)
+                a += fr_bf16_to_f32(b0[i]);
+            if (b1)
+                a += fr_bf16_to_f32(b1[i]);
+            o[i] = fr_f32_to_bf16(a);
+        }
+        return;
     }
-    if (!st->acc)
-        return NULL;
-    memset(st->acc, 0, sizeof(float) * (size_t)T * H);
-    if (out->topk_weights)
-        memset(out->topk_weights, 0, sizeof(float) * (size_t)T * K);
-    return st->acc;
-}
-
-/* FERRY_HT_SUM_SLOTS: the rows' store ([T][K][H] bf16, not zeroed) and
- * after it its flags ([T][K] bytes, zeroed): *on. */
-static uint16_t *fr_ht_stash(ferry_ep_t ep, int T, uint8_t **on)
-{
-    fr_cpu_ht_t *st = fr_cpu_ht(ep);
-    size_t K = (size_t)st->H.K, n = K * (size_t)st->H.H;
-    if (st->stash_rows < (size_t)T || !st->stash) {
-        free(st->stash);
-        st->stash = malloc(sizeof(uint16_t) * (size_t)T * n + (size_t)T * K + 1);
-        st->stash_rows = st->stash ? (size_t)T : 0;
+    for (size_t t = 0; t < (size_t)T; t++) {
+        for (size_t i = 0; i < H; i++) {
+            float a = 0.f;
+            if (b0)
+                a += fr_bf16_to_f32(b0[t * H + i]);
+            if (b1)
+                a += fr_bf16_to_f32(b1[t * H + i]);
+            c->srow[i] = a;
+        }
+        for (size_t k = 0; k < K; k++) {
+            if (!c->stash_on[t * K + k])
+                continue;
+            const uint16_t *r = c->stash + (t * K + k) * H;
+            for (size_t i = 0; i < H; i++)
+                c->srow[i] += fr_bf16_to_f32(r[i]);
+        }
+        for (size_t i = 0; i < H; i++)
+            o[t * H + i] = fr_f32_to_bf16(c->srow[i] + acc[t * H + i]);
     }
-    if (!st->stash)
-        return NULL;
-    *on = (uint8_t *)(st->stash + st->stash_rows * n);
-    memset(*on, 0, (size_t)T * K);
-    return st->stash;
 }
 
 /* Combine: send this rank's rows back (a remote source's through its
@@ -658,47 +667,8 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
     }
     if (rc == FERRY_OK && ep->nfabric)
         rc = fr_ht_fab_drain(ep);
-    if (rc == FERRY_OK && c.stash) {
-        /* FERRY_HT_SUM_SLOTS: the biases, then the rows by slot (none
-         * where a slot is not a rank's highest: adding its zeros would
-         * change nothing, the sum starting at +0), then anything summed
-         * without a slot (nothing, the route being whole), one rounding;
-         * a token at a time, each step over the row (acc's row holds the
-         * sum until it is rounded) */
-        const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
-        for (size_t t = 0; t < (size_t)T; t++) {
-            float *a = acc + t * (size_t)H;
-            /* acc's row is added last: kept, the sum built in front of it */
-            for (size_t i = 0; i < (size_t)H; i++) {
-                float s = 0.f;
-                if (b0)
-                    s += fr_bf16_to_f32(b0[t * (size_t)H + i]);
-                if (b1)
-                    s += fr_bf16_to_f32(b1[t * (size_t)H + i]);
-                c.srow[i] = s;
-            }
-            for (int k = 0; k < K; k++) {
-                if (!c.stash_on[t * (size_t)K + (size_t)k])
-                    continue;
-                const uint16_t *r = c.stash + (t * (size_t)K + (size_t)k) * (size_t)H;
-                for (size_t i = 0; i < (size_t)H; i++)
-                    c.srow[i] += fr_bf16_to_f32(r[i]);
-            }
-            for (size_t i = 0; i < (size_t)H; i++)
-                ((uint16_t *)out->out)[t * (size_t)H + i] = fr_f32_to_bf16(c.srow[i] + a[i]);
-        }
-    } else if (rc == FERRY_OK) {
-        /* the bias after the rows, before the one rounding */
-        const uint16_t *b0 = in->bias[0], *b1 = in->bias[1];
-        for (size_t i = 0; i < (size_t)T * H; i++) {
-            float a = acc[i];
-            if (b0)
-                a += fr_bf16_to_f32(b0[i]);
-            if (b1)
-                a += fr_bf16_to_f32(b1[i]);
-            ((uint16_t *)out->out)[i] = fr_f32_to_bf16(a);
-        }
-    }
+    if (rc == FERRY_OK)
+        fr_ht_combine_out(&c, in, out, acc, T);
     fr_ht_call_end(&c);
     return rc;
 }
