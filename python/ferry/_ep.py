@@ -645,27 +645,20 @@ class EP:
                            self._ptr(nout), self._ptr(eout))
         r = C.c_void_p()
         self._check(_lib_handle().ferry_route_create(h, C.byref(rin), C.byref(r)))
-        route = Route(self, r, T, (nout, eout) if max_recv else None)
-        self._keep_route(route)
-        return route
+        return Route(self, r, T, (nout, eout) if max_recv else None)
 
     def _route_made(self, r, T):
         """The Route of an exact route from ferry._torchext's route (or
         route_dispatch): r = (status, address, num_recv, counts as a
         bytearray of int32, ...), or (status,) when no route was made
-        (raised). The route is among the open ones before a failure of
-        its counts is raised."""
+        (raised). The route is the context's (Route.__init__) before a
+        failure of its counts is raised."""
         if len(r) == 1:
             self._check(r[0])
         route = Route(self, C.c_void_p(r[1]), T, made=(r[2], r[3]))
-        self._keep_route(route)
         if r[0]:
             raise FerryError(r[0], "ferry_route_counts failed")
         return route
-
-    def _keep_route(self, route):
-        """route among the live ones (marked closed with the context)."""
-        self._routes.add(route)
 
     def _ext(self, like):
         """ferry._torchext for an HT call whose tensors are torch ones on
@@ -973,8 +966,9 @@ class Route:
     def __init__(self, ep, h, T, bounded=None, made=None):
         import numpy as np
         self.ep, self._h, self.num_tokens = ep, h, T
-        if h:  # owned by the context from now on (even if this raises)
-            ep._route_hs.add(h.value)
+        if h:  # the context's from now on (even if this raises): owned, and
+            ep._route_hs.add(h.value)  # among its live routes
+            ep._routes.add(self)
         if made is not None:  # (num_recv, counts as int32 bytes), read already
             self.num_recv_real = None
             self.num_recv = made[0]

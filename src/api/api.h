@@ -23,10 +23,11 @@ void fr_args_current(void *cur, size_t cur_size, const void *args);
  * ending with 0), the sizes before fields added later; a size between two
  * of them would split a field. */
 int fr_args_size_taken(size_t have, size_t cur, const size_t *old);
-/* on_gpu: topk_idx is device memory (checked by the engine's kernel); groupT:
- * DP groups, the group's max_tokens (num_tokens is the group's), else 0. */
-int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
-                        int groupT, fr_err_t *err);
+/* groupT: DP groups, the group's max_tokens (num_tokens is the group's),
+ * else 0. topk_idx's values are the engine's to check, within the route's
+ * exchange. */
+int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int groupT,
+                        fr_err_t *err);
 
 /* FERRY_OK when the context can take a call (no earlier failure, no error
  * reported by the device), else its status with the message set. */

@@ -29,8 +29,8 @@ static int fr_ht_usable(ferry_ep_t ep, const char *call)
     return FERRY_OK;
 }
 
-int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on_gpu,
-                        int groupT, fr_err_t *err)
+int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int groupT,
+                        fr_err_t *err)
 {
     if (!FR_HT_SIZE_OK(in->size, ferry_route_in_t) &&
         in->size != offsetof(ferry_route_in_t, max_recv))
@@ -51,7 +51,6 @@ int fr_check_route_args(const fr_layout_t *L, const ferry_route_in_t *in, int on
     /* topk_idx's values are checked by the engine, as part of the
      * collective route (a bad one fails every rank's route_create, naming
      * the rank, and leaves the context usable) */
-    (void)on_gpu;
     return FERRY_OK;
 }
 
@@ -68,8 +67,7 @@ int ferry_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
         return fr_ep_fail(ep, FERRY_ERR_INVALID, "route: NULL pointer");
     *route = NULL;
     fr_err_t aerr;
-    if ((rc = fr_check_route_args(&ep->L, in, ep->cfg.device == FERRY_DEVICE_CUDA,
-                                  ep->dp.G > 1 ? ep->dp.T : 0, &aerr)))
+    if ((rc = fr_check_route_args(&ep->L, in, ep->dp.G > 1 ? ep->dp.T : 0, &aerr)))
         return fr_ep_fail(ep, rc, "%s", aerr.msg);
     ferry_route_in_t cur; /* the engine sees the current struct */
     fr_args_current(&cur, sizeof(cur), in);

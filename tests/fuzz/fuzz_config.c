@@ -104,7 +104,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                             .expert_alignment = (int)take(&p, &n, 1) - 1};
     fr_err_t err2;
     err2.msg[0] = 0;
-    int rc2 = fr_check_route_args(&L, &rin, 0, 0, &err2);
+    int rc2 = fr_check_route_args(&L, &rin, 0, &err2);
     int in_range = T >= 0 && T <= L.T;
     if ((rc == FERRY_OK && !in_range) ||
         (rc2 == FERRY_OK) != (in_range && rin.expert_alignment >= 0) ||

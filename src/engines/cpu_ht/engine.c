@@ -185,8 +185,8 @@ const fr_engine_t fr_engine_cpu_ht = {
 };
 
 /* The fp32 accumulator, zeroed, and the weights output cleared; after
- * its rows one more, not zeroed (fr_ht_call_t.srow). */
-float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
+ * its rows one more, not zeroed: *row (fr_ht_call_t.srow). */
+float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out, float **row)
 {
     fr_cpu_ht_t *st = fr_cpu_ht(ep);
     size_t H = (size_t)st->H.H, K = (size_t)st->H.K;
@@ -197,6 +197,7 @@ float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out)
     }
     if (!st->acc)
         return NULL;
+    *row = st->acc + st->acc_rows * H;
     memset(st->acc, 0, sizeof(float) * (size_t)T * H);
     if (out->topk_weights)
         memset(out->topk_weights, 0, sizeof(float) * (size_t)T * K);

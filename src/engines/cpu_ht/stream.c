@@ -599,8 +599,7 @@ int fr_ht_combine(ferry_ep_t ep, ferry_route_t route, const ferry_ht_combine_in_
         return rc;
     c.wsum = in->weights_sum != 0;
     int N = ep->N, me = ep->rank, K = c.h->K, H = c.h->H, T = route->T;
-    float *acc = fr_ht_acc(ep, T, out);
-    c.srow = acc ? fr_cpu_ht(ep)->acc + fr_cpu_ht(ep)->acc_rows * (size_t)H : NULL;
+    float *acc = fr_ht_acc(ep, T, out, &c.srow);
     if (!acc) {
         fr_ht_call_end(&c);
         return fr_ep_fail(ep, FERRY_ERR_NOMEM, "combine accumulator of %d x %d floats", T, H);
