@@ -52,14 +52,35 @@ def torch_init(rank, N, port):
     dist.init_process_group("gloo", rank=rank, world_size=N)
 
 
+def free_port():
+    """A loopback port free now, below the kernel's ephemeral range when
+    that leaves room: the job keeps it for its whole run, and a port in that
+    range can be taken meanwhile as the source of any outgoing connection
+    on the machine (the root's bind then fails: address in use)."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    cands = [random.randrange(10000, lo) for _ in range(64)] if lo > 12000 else []
+    for p in cands + [0]:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+            return s.getsockname()[1]
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise OSError("no free loopback port")
+
+
 def run_ranks(target, N, timeout=120):
     """Run target(rank, N, port, q) in N processes; each puts (rank, result)
     on q. Returns ({rank: result} of those that answered, [lines naming the
     ranks that exited without answering]). Stuck ranks are killed."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ps = [ctx.Process(target=target, args=(r, N, port, q)) for r in range(N)]

@@ -96,6 +96,13 @@ int fr_boot_close(fr_boot_t *b, fr_err_t *err);
 int64_t fr_boot_now_ms(void);
 void fr_boot_sleep_ms(int ms);
 
+/* A loopback TCP port free now, for a local job's root (launchers, tests):
+ * below the kernel's ephemeral range when that leaves room, since a port in
+ * it can be taken as the source of any outgoing connection on the machine
+ * before the root binds it (rank 0 then fails "Address already in use");
+ * else one the kernel picks. 0 on success, else an errno. */
+int fr_boot_free_port(int *port);
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,6 +5,7 @@
  * head of a stream without consuming it), plus the small formatters the
  * error messages share.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
 #include <netinet/in.h>
@@ -25,6 +26,51 @@ int64_t fr_boot_now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A port bound (and released) now: a random one in [10000, the ephemeral
+ * range's start) while that range starts above 12000, tried 64 times, then
+ * the kernel's. */
+int fr_boot_free_port(int *port)
+{
+    int lo = 32768, hi = 60999;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "re");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2)
+            lo = 32768;
+        fclose(f);
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
+    int e = 0;
+    for (int i = 0; i <= 64; i++) {
+        int p = 0;
+        if (i < 64) {
+            if (lo <= 12000)
+                continue;
+            seed = seed * 1103515245u + 12345u;
+            p = 10000 + (int)((seed >> 8) % (unsigned)(lo - 10000));
+        }
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return errno;
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons((uint16_t)p);
+        socklen_t sl = sizeof(sa);
+        int ok = bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+                 getsockname(fd, (struct sockaddr *)&sa, &sl) == 0;
+        e = ok ? 0 : errno;
+        close(fd);
+        if (ok) {
+            *port = ntohs(sa.sin_port);
+            return 0;
+        }
+    }
+    return e ? e : EADDRINUSE;
 }
 
 void fr_boot_sleep_ms(int ms)

@@ -44,19 +44,16 @@ static int64_t now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The port of the tests' jobs: fr_boot_free_port's, below the ephemeral
+ * range, since a test keeps its port for seconds across rounds. */
 static int free_port(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof(sa);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
-        perror("bind");
+    int p = 0, e = fr_boot_free_port(&p);
+    if (e != 0) {
+        fprintf(stderr, "no free loopback port: %s\n", strerror(e));
         exit(2);
     }
-    close(fd);
-    return ntohs(sa.sin_port);
+    return p;
 }
 
 /* A TCP connection to addr:port (NULL: loopback), -1 on failure. */

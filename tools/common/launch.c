@@ -68,29 +68,14 @@ void fr_launch_drop_psm_handlers(void)
                     dropped == 1 ? "" : "s");
 }
 
-/* A free loopback port: bind port 0, read it back, close. */
+/* A free loopback port for the job's root (fr_boot_free_port). */
 static int fr_free_port(fr_err_t *err, int *port)
 {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return FR_ERR(err, FERRY_ERR_SYSTEM, "launch: socket: %s",
-                      strerror(errno));
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    sa.sin_port = 0;
-    socklen_t sl = sizeof(sa);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
-        int e = errno;
-        close(fd);
+    int e = fr_boot_free_port(port);
+    if (e != 0)
         return FR_ERR(err, FERRY_ERR_SYSTEM,
                       "launch: cannot find a free loopback port: %s",
                       strerror(e));
-    }
-    close(fd);
-    *port = ntohs(sa.sin_port);
     return FERRY_OK;
 }
 
