@@ -381,7 +381,14 @@ FERRY_API int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
  * context, or by ferry_ep_sync. Every call can be captured in a CUDA graph:
  * the epoch lives on the device and the token count may too.
  * combine_recv reads the rows a rank's own experts produced for its own
- * tokens in place: keep expert_y unchanged until combine_recv has run. */
+ * tokens in place: keep expert_y unchanged until combine_recv has run.
+ * On CPU ranks a bad topk_idx (below -1, E or more, an expert twice in a
+ * token) takes its round: that rank's dispatch_send (or ferry_dispatch)
+ * fails with FERRY_ERR_INVALID naming the entry, every other rank's
+ * dispatch_recv (or ferry_dispatch) of that round fails with it naming
+ * that rank, and every context goes on with the next round. The bad
+ * rank's call returns once each peer reached its own dispatch_recv of the
+ * round. */
 
 typedef struct ferry_dispatch_in {
     size_t size;               /* sizeof(ferry_dispatch_in_t) */

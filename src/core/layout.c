@@ -83,21 +83,25 @@ int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
     return fr_slice_check_hdr(L, slice, sender, epoch, NULL, err);
 }
 
-int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err)
+int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, int *at, fr_err_t *err)
 {
     for (int t = 0; t < T; t++) {
         const int64_t *row = idx + (size_t)t * L->K;
         for (int k = 0; k < L->K; k++) {
             int64_t e = row[k];
-            if (e < -1 || e >= L->E)
+            int j = 0;
+            while (j < k && !(e >= 0 && row[j] == e))
+                j++;
+            if (e >= -1 && e < L->E && j == k)
+                continue;
+            if (at)
+                *at = t * L->K + k;
+            if (e >= -1 && e < L->E)
                 return FR_ERR(err, FERRY_ERR_INVALID,
-                              "topk_idx[%d][%d] = %lld: must be -1 or 0..%d",
-                              t, k, (long long)e, L->E - 1);
-            for (int j = 0; j < k && e >= 0; j++)
-                if (row[j] == e)
-                    return FR_ERR(err, FERRY_ERR_INVALID,
-                                  "topk_idx[%d][%d] = %lld repeats "
-                                  "topk_idx[%d][%d]", t, k, (long long)e, t, j);
+                              "topk_idx[%d][%d] = %lld repeats topk_idx[%d][%d]", t, k,
+                              (long long)e, t, j);
+            return FR_ERR(err, FERRY_ERR_INVALID, "topk_idx[%d][%d] = %lld: must be -1 or 0..%d",
+                          t, k, (long long)e, L->E - 1);
         }
     }
     return FERRY_OK;

@@ -48,6 +48,9 @@
 #define FR_SEG_OFF_SLEEPERS 128u
 #define FR_SLICE_HDR 64u
 #define FR_SLICE_MAGIC 0x46525331u /* "FRS1" */
+/* a round's slice from a rank whose topk_idx was bad: no records;
+ * reserved[0] is the bad entry's t * K + k (the CPU engine's) */
+#define FR_SLICE_BAD 0x46525358u /* "FRSX" */
 #define FR_MAX_TOPK 16
 #define FR_IMM_SENDER_BITS 18
 #define FR_IMM_EPOCH_BITS 12
@@ -217,8 +220,9 @@ int fr_slice_check(const fr_layout_t *L, const uint8_t *slice, int sender,
 int fr_slice_check_hdr(const fr_layout_t *L, const uint8_t *slice, int sender,
                        uint64_t epoch, fr_slice_hdr_t *hdr, fr_err_t *err);
 /* topk_idx [T][K] in host memory: every entry -1 or an expert, none
- * repeated in a row (FERRY_ERR_INVALID naming the first bad entry). */
-int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, fr_err_t *err);
+ * repeated in a row (FERRY_ERR_INVALID naming the first bad entry, and
+ * *at = its t * K + k when at is not NULL). */
+int fr_check_topk(const fr_layout_t *L, const int64_t *idx, int T, int *at, fr_err_t *err);
 
 #ifdef __cplusplus
 }

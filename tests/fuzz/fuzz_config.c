@@ -83,8 +83,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ferry_dispatch_in_t in = {.size = sizeof(in), .num_tokens = T, .x = x,
                               .topk_idx = idx};
     rc = fr_check_dispatch_args(&L, &in, 0, &err);
-    if (rc == FERRY_OK) {
-        /* accepted: every index is -1 or an expert, none repeats */
+    if (rc != FERRY_OK && (rc != FERRY_ERR_INVALID || err.msg[0] == 0))
+        abort();
+    /* topk_idx's values are the engines' to check (within the round, so
+     * that every rank fails alike): accepted exactly when every index is
+     * -1 or an expert and none repeats, else the entry named */
+    int at = -1;
+    fr_err_t terr;
+    terr.msg[0] = 0;
+    int trc = T > 0 ? fr_check_topk(&L, idx, T, &at, &terr) : FERRY_OK;
+    if (trc != FERRY_OK && (trc != FERRY_ERR_INVALID || terr.msg[0] == 0 || at < 0 ||
+                            at >= T * L.K))
+        abort();
+    if (trc != FERRY_OK) { /* the entry named is bad */
+        int64_t e = idx[at];
+        int bad = e < -1 || e >= L.E;
+        for (int j = at - at % L.K; j < at; j++)
+            bad |= e >= 0 && idx[j] == e;
+        if (!bad)
+            abort();
+    } else {
         for (int t = 0; t < T; t++)
             for (int k = 0; k < L.K; k++) {
                 int64_t e = idx[(size_t)t * L.K + k];
@@ -94,8 +112,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     if (e >= 0 && idx[(size_t)t * L.K + j] == e)
                         abort();
             }
-    } else if (rc != FERRY_ERR_INVALID || err.msg[0] == 0) {
-        abort();
     }
     /* the route checks accept what dispatch_send's do, whatever topk_idx's
      * values (the route's engine checks those within its exchange, so that

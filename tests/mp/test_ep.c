@@ -217,18 +217,6 @@ static int run_args(ferry_comm_t comm)
     CHECK_MSG(ep, "topk_idx");
     CHECK_RC(ferry_dispatch_send(ep, NULL, &round), FERRY_ERR_INVALID);
     CHECK_RC(ferry_dispatch_send(ep, &din, NULL), FERRY_ERR_INVALID);
-    int64_t saved = in.idx[3];
-    in.idx[3] = E; /* out of range */
-    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
-    CHECK_MSG(ep, "topk_idx[1][1]");
-    in.idx[3] = -2;
-    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
-    in.idx[3] = in.idx[2] >= 0 ? in.idx[2] : 0; /* repeated expert */
-    in.idx[2] = in.idx[3];
-    CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
-    CHECK_MSG(ep, "repeats");
-    in.idx[3] = saved;
-    fw_generate(&s, 1, me, &in); /* restore */
     /* out of sequence before any round */
     ferry_combine_in_t cin = {.size = sizeof(cin), .expert_y = ey};
     CHECK_RC(ferry_combine_send(ep, 1, &cin), FERRY_ERR_INVALID);
@@ -413,6 +401,58 @@ static int run_args(ferry_comm_t comm)
                (long long)cc[me]);
         free(dc);
         free(cc);
+    }
+
+    {
+        /* a bad topk_idx (out of range, an expert twice in a token) takes
+         * its round: on every rank, each fails naming the entry; on the
+         * last rank alone (split calls, then the one-shot call), it fails
+         * naming the entry, its peers' dispatch_recv naming it, and all go
+         * on with the next round (a good one, checked) */
+        fw_generate(&s, 5, me, &in);
+        int64_t saved = in.idx[3];
+        const int64_t vals[3] = {E, -2, in.idx[2] >= 0 ? in.idx[2] : 0};
+        for (int v = 0; v < 3; v++) {
+            int64_t s2 = in.idx[2];
+            in.idx[3] = vals[v];
+            if (v == 2)
+                in.idx[2] = vals[v];
+            CHECK_RC(ferry_dispatch_send(ep, &din, &round), FERRY_ERR_INVALID);
+            CHECK_MSG(ep, v == 2 ? "repeats" : "topk_idx[1][1]");
+            in.idx[2] = s2;
+            in.idx[3] = saved;
+        }
+        int badr = N - 1;
+        char want[32];
+        snprintf(want, sizeof(want), "rank %d passed", badr);
+        for (int rep = 0; rep < 2; rep++) {
+            if (me == badr)
+                in.idx[3] = E;
+            uint64_t rb = 0;
+            if (rep == 0) {
+                rc = ferry_dispatch_send(ep, &din, &rb);
+                if (rc == FERRY_OK)
+                    rc = ferry_dispatch_recv(ep, rb, &dout);
+            } else {
+                rc = ferry_dispatch(ep, &din, &dout, &rb);
+            }
+            in.idx[3] = saved;
+            const char *msg = ferry_ep_last_error(ep);
+            CHECK(rc == FERRY_ERR_INVALID &&
+                      (me == badr ? strstr(msg, "topk_idx[1][1]") != NULL
+                                 : strstr(msg, want) && strstr(msg, "[1][1]")),
+                  "rep %d: rank %d with a badr topk_idx on rank %d alone: %s: %s", rep, me, badr,
+                  ferry_strerror(rc), msg);
+        }
+        uint64_t rg = 0;
+        CHECK_RC(ferry_dispatch(ep, &din, &dout, &rg), FERRY_OK);
+        CHECK(fw_check_dispatch(&s, 5, me, ex, exs, cnt, NULL, NULL,
+                                (size_t)lay.expert_capacity, 3) == 0,
+              "the dispatch after the badr rounds wrong");
+        fw_run_experts(&s, me, ex, exs, cnt, (size_t)lay.expert_capacity, ey);
+        CHECK_RC(ferry_combine(ep, rg, &cin, &cout), FERRY_OK);
+        CHECK(fw_check_combine(&s, 5, me, &in, out, 3) == 0,
+              "the combine after the badr rounds wrong");
     }
 
     /* the communicator is not freed under an open context, and still works */

@@ -324,7 +324,7 @@ int fr_ht_route_create(ferry_ep_t ep, const ferry_route_in_t *in, ferry_route_t 
      * ranks, where the route kernel finds it) */
     fr_err_t badmsg = {{0}};
     int isbad = rc == FERRY_OK && T > 0 &&
-                fr_check_topk(&ep->L, in->topk_idx, T, &badmsg) != FERRY_OK;
+                fr_check_topk(&ep->L, in->topk_idx, T, NULL, &badmsg) != FERRY_OK;
     int bad_rank = -1;
     if (rc == FERRY_OK && !isbad)
         rc = fr_ht_route_local(ep, in, p, dcnt);

@@ -233,6 +233,20 @@ static int fr_cpu_combine_done(ferry_ep_t ep, fr_round_t *r, int s, const fr_cw_
     return fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch, g);
 }
 
+int fr_cpu_abandon(ferry_ep_t ep, fr_round_t *r)
+{
+    int set = (int)(r->epoch % FR_NSETS), rc = FERRY_OK;
+    fr_cw_t w = {0};
+    w.area = ep->send; /* no rows: a fabric peer's write is empty */
+    for (int s = 0; s < ep->N && rc == FERRY_OK; s++)
+        if (!fr_ep_masked(ep, s))
+            rc = fr_cpu_combine_done(ep, r, s, &w);
+    if (rc == FERRY_OK)
+        rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "dispatch (a round left)", NULL);
+    r->state = FR_ROUND_FREE;
+    return rc;
+}
+
 /* Wait until *sig == want (acquire), spinning, then napping 20 us; the
  * context's timeout ends it (FERRY_ERR_TIMEOUT naming the expert). */
 static int fr_cpu_signal_wait(ferry_ep_t ep, fr_round_t *r, const uint32_t *sig, uint32_t want,

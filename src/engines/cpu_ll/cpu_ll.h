@@ -45,6 +45,13 @@ static inline fr_cpu_round_t *fr_cpu_round(ferry_ep_t ep, const fr_round_t *r)
     return &fr_cpu_state(ep)->rounds[r->epoch % FR_NSETS];
 }
 
+/* Round r ends here on every rank alike (a rank's bad topk_idx): an
+ * empty combine to every peer, then every peer's awaited, so that no rank
+ * starts the round after next (which reuses r's buffers) before all are
+ * done with r, and each fabric peer's combine rounds stay in sequence;
+ * r's slot is free again. */
+int fr_cpu_abandon(ferry_ep_t ep, fr_round_t *r);
+
 int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                          const ferry_dispatch_in_t *in);
 int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,

@@ -104,19 +104,21 @@ static void fr_pack_dest(ferry_ep_t ep, fr_cpu_round_t *cr, int d, int set,
 }
 
 /* Destination d's slice header, then its flag (local) or its write (the
- * proxy, at once). */
-static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set)
+ * proxy, at once). bad >= 0: this rank's topk_idx entry `bad` (t * K + k)
+ * was bad; the slice says so and holds no records. */
+static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set, int bad)
 {
     fr_cpu_ll_t *c = fr_cpu_state(ep);
     const fr_layout_t *L = &ep->L;
     fr_slice_hdr_t *h = (fr_slice_hdr_t *)fr_dslice_dst(ep, set, d);
     memset(h, 0, sizeof(*h));
-    h->magic = FR_SLICE_MAGIC;
+    h->magic = bad >= 0 ? FR_SLICE_BAD : FR_SLICE_MAGIC;
     h->sender = (uint32_t)ep->rank;
     h->epoch = r->epoch;
-    h->count = (uint32_t)c->cnt_rank[d];
-    h->npairs = (uint32_t)c->pairs_rank[d];
-    h->comb_off = fr_cpu_round(ep, r)->send_off[d];
+    h->reserved[0] = bad >= 0 ? (uint32_t)bad : 0;
+    h->count = bad >= 0 ? 0 : (uint32_t)c->cnt_rank[d];
+    h->npairs = bad >= 0 ? 0 : (uint32_t)c->pairs_rank[d];
+    h->comb_off = bad >= 0 ? 0 : fr_cpu_round(ep, r)->send_off[d];
     if (ep->path[d] != FR_PATH_FABRIC) {
         __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH, set, ep->rank),
                          r->epoch, __ATOMIC_RELEASE);
@@ -127,7 +129,7 @@ static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set)
     fr_slice_t *s = ep->slices + ((size_t)FR_PH_DISPATCH * FR_NSETS + set) * ep->nfabric + g;
     s->src_off = fr_off_dsend(L, set, d);
     s->dst_off = fr_off_drecv(L, set, ep->rank);
-    s->len = fr_off_record(L, (uint32_t)c->cnt_rank[d]);
+    s->len = fr_off_record(L, h->count);
     s->imm = fr_imm_make(FR_PH_DISPATCH, r->epoch, ep->rank);
     return fr_proxy_submit(ep, FR_PH_DISPATCH, set, r->epoch, g);
 }
@@ -143,6 +145,28 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     const int64_t *idx = in->topk_idx;
 
     /* Token bytes and scales: as given, or quantised here. */
+    /* A bad topk_idx (out of range, an expert twice in a token) is found
+     * here, once the round has its number: every rank gets a slice saying
+     * so, and each fails its dispatch_recv naming this rank, so that all
+     * leave the round alike and go on with the next one. */
+    fr_err_t bad;
+    int at = -1;
+    if (T > 0 && fr_check_topk(L, idx, T, &at, &bad) != FERRY_OK) {
+        for (int d = 0; d < N; d++) {
+            if (fr_ep_masked(ep, d))
+                continue;
+            int rc = fr_publish_dest(ep, r, d, set, at);
+            if (rc)
+                return rc;
+        }
+        int rc = fr_cpu_abandon(ep, r);
+        if (rc)
+            return rc;
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "%s (round %llu: this rank's peers fail their dispatch_recv naming it; "
+                          "the context goes on)", bad.msg, (unsigned long long)r->epoch);
+    }
+
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scales = in->x_scales;
     if (L->fp8 && !in->x_scales && T > 0) {
@@ -198,7 +222,7 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             if (fabric != (pass == 0) || fr_ep_masked(ep, d))
                 continue; /* a masked rank gets nothing, its slots stay -1 */
             fr_pack_dest(ep, cr, d, set, idx, T, tok, scales);
-            int rc = fr_publish_dest(ep, r, d, set);
+            int rc = fr_publish_dest(ep, r, d, set, -1);
             if (rc)
                 return rc;
         }
@@ -224,6 +248,22 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
      * checked (fr_slice_check_hdr's copy), and what the placing loop reads
      * from the records again is bounded again there, so a slice rewritten
      * after its check is a protocol error, never a write past a buffer. */
+    /* a rank whose topk_idx was bad (the lowest): nobody runs the round */
+    for (int s = 0; s < N; s++) {
+        const volatile fr_slice_hdr_t *vh =
+            (const volatile fr_slice_hdr_t *)(ep->seg + fr_off_drecv(L, set, s));
+        if (fr_ep_masked(ep, s) || vh->magic != FR_SLICE_BAD || vh->sender != (uint32_t)s ||
+            vh->epoch != r->epoch)
+            continue;
+        uint32_t at = vh->reserved[0];
+        if ((rc = fr_cpu_abandon(ep, r)))
+            return rc;
+        return fr_ep_fail(ep, FERRY_ERR_INVALID,
+                          "dispatch round %llu: rank %d passed a bad topk_idx (its entry "
+                          "[%u][%u]); no rank ran this round, and the context goes on",
+                          (unsigned long long)r->epoch, s, at / (uint32_t)L->K,
+                          at % (uint32_t)L->K);
+    }
     uint32_t np = 0, *cnt = c->rcount;
     for (int s = 0; s < N; s++) {
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
