@@ -29,7 +29,7 @@ ll) a=""; [ "$opt" = ds ] && a="--num-tokens 128 --hidden 7168 --num-topk 8 --nu
 inter)
   # NODES "nodes" of 8 ranks: one test process per node, as on a cluster
   export SHARED_GPU_NODES=1 MASTER_ADDR=127.0.0.1 WORLD_SIZE=$n
-  MASTER_PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  MASTER_PORT=$(python3 "$ROOT/tools/free_port.py")
   export MASTER_PORT
   pids=""
   for r in $(seq 0 $((n - 1))); do

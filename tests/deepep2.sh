@@ -43,7 +43,7 @@ args=("$@")
 case " ${args[*]} " in *" --dump-profile-traces "*) ;; *) args+=(--skip-perf-test) ;; esac
 cd "$D/tests/elastic" || exit 2
 export MASTER_ADDR=127.0.0.1 WORLD_SIZE=$nodes
-MASTER_PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+MASTER_PORT=$(python3 "$ROOT/tools/free_port.py")
 export MASTER_PORT
 [ "$nodes" -gt 1 ] && export SHARED_GPU_NODES=1
 pids=""

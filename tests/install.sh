@@ -16,7 +16,7 @@ for f in include/ferry.h lib/libferry.so lib/libferry.so.0 lib/libferry.a bin/fe
 done
 run() { # run BINARY: one rank, then three
   LD_LIBRARY_PATH=$P/prefix/lib FERRY_RANK=0 FERRY_WORLD_SIZE=1 "$1" || return 1
-  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  port=$(python3 "$ROOT/tools/free_port.py")
   pids=""
   for r in 0 1 2; do
     LD_LIBRARY_PATH=$P/prefix/lib FERRY_RANK=$r FERRY_WORLD_SIZE=3 FERRY_ROOT=127.0.0.1:$port \

@@ -2,10 +2,12 @@
 bench_peers.py, bench_peers_ht.py, bench_overlap.py, bench_elastic.py):
 one spawned process per rank."""
 import os
-import socket
 import sys
 
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from free_port import free_port  # noqa: E402
 
 
 def _guarded(target, rank, N, port, args, q):
@@ -16,30 +18,6 @@ def _guarded(target, rank, N, port, args, q):
     except Exception as e:  # noqa: BLE001 (reported to the launcher)
         import traceback
         q.put((rank, f"{e}\n{traceback.format_exc()}"))
-
-
-def free_port():
-    """A loopback port free now, below the kernel's ephemeral range when
-    that leaves room: the job keeps it for its whole run, and a port in that
-    range can be taken meanwhile as the source of any outgoing connection
-    on the machine (the root's bind then fails: address in use)."""
-    import random
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        lo = 32768
-    cands = [random.randrange(10000, lo) for _ in range(64)] if lo > 12000 else []
-    for p in cands + [0]:
-        s = socket.socket()
-        try:
-            s.bind(("127.0.0.1", p))
-            return s.getsockname()[1]
-        except OSError:
-            continue
-        finally:
-            s.close()
-    raise OSError("no free loopback port")
 
 
 def spawn_ranks(target, N, args, timeout, join_s=60):

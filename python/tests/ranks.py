@@ -2,12 +2,16 @@
 use run_ranks through torch_main): start N ranks as spawned processes and
 collect what each reports, and bf16 bits to and from float32 (numpy)."""
 import multiprocessing as mp
-import socket
+import os
+import sys
 
 try:
     import numpy as np
 except ImportError:  # the torch tests need only run_ranks
     np = None
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+from free_port import free_port  # noqa: E402
 
 
 def bf16(a):  # float32 -> bf16 bits, round to nearest even
@@ -50,30 +54,6 @@ def torch_init(rank, N, port):
     if nodes > 1:
         os.environ["FERRY_NODE_ID"] = f"test-node{rank * nodes // N}"
     dist.init_process_group("gloo", rank=rank, world_size=N)
-
-
-def free_port():
-    """A loopback port free now, below the kernel's ephemeral range when
-    that leaves room: the job keeps it for its whole run, and a port in that
-    range can be taken meanwhile as the source of any outgoing connection
-    on the machine (the root's bind then fails: address in use)."""
-    import random
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        lo = 32768
-    cands = [random.randrange(10000, lo) for _ in range(64)] if lo > 12000 else []
-    for p in cands + [0]:
-        s = socket.socket()
-        try:
-            s.bind(("127.0.0.1", p))
-            return s.getsockname()[1]
-        except OSError:
-            continue
-        finally:
-            s.close()
-    raise OSError("no free loopback port")
 
 
 def run_ranks(target, N, timeout=120):

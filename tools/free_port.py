@@ -1,0 +1,31 @@
+"""A loopback port for a local job's rendezvous (torch's MASTER_PORT,
+FERRY_ROOT): free now, and below the kernel's ephemeral range when that
+leaves room, since the job keeps it for its whole run and a port in that
+range can be taken meanwhile as the source port of any outgoing connection
+on the machine (the root's bind then fails: address in use). Run as a
+script, it prints one."""
+import random
+import socket
+
+
+def free_port():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    cands = [random.randrange(10000, lo) for _ in range(64)] if lo > 12000 else []
+    for p in cands + [0]:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+            return s.getsockname()[1]
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise OSError("no free loopback port")
+
+
+if __name__ == "__main__":
+    print(free_port())
