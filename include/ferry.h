@@ -386,9 +386,9 @@ FERRY_API int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
  * token) takes its round: that rank's dispatch_send (or ferry_dispatch)
  * fails with FERRY_ERR_INVALID naming the entry, every other rank's
  * dispatch_recv (or ferry_dispatch) of that round fails with it naming
- * that rank, and every context goes on with the next round. The bad
- * rank's call returns once each peer reached its own dispatch_recv of the
- * round. */
+ * that rank (the lowest, if several), and every context goes on with the
+ * next round. None of these calls waits for the others' (the round's end
+ * is awaited by the next dispatch_send that reuses its buffers). */
 
 typedef struct ferry_dispatch_in {
     size_t size;               /* sizeof(ferry_dispatch_in_t) */

@@ -233,17 +233,50 @@ static int fr_cpu_combine_done(ferry_ep_t ep, fr_round_t *r, int s, const fr_cw_
     return fr_proxy_submit(ep, FR_PH_COMBINE, set, r->epoch, g);
 }
 
-int fr_cpu_abandon(ferry_ep_t ep, fr_round_t *r)
+/* The empty combine of round `epoch` (slot r's) to every unmasked peer. */
+static int fr_cpu_combine_empty(ferry_ep_t ep, const fr_round_t *r, uint64_t epoch)
 {
-    int set = (int)(r->epoch % FR_NSETS), rc = FERRY_OK;
+    fr_round_t old = *r;
+    old.epoch = epoch;
     fr_cw_t w = {0};
     w.area = ep->send; /* no rows: a fabric peer's write is empty */
+    int rc = FERRY_OK;
     for (int s = 0; s < ep->N && rc == FERRY_OK; s++)
         if (!fr_ep_masked(ep, s))
-            rc = fr_cpu_combine_done(ep, r, s, &w);
-    if (rc == FERRY_OK)
-        rc = fr_wait_flags(ep, FR_PH_COMBINE, set, r->epoch, "dispatch (a round left)", NULL);
+            rc = fr_cpu_combine_done(ep, &old, s, &w);
+    return rc;
+}
+
+int fr_cpu_leave(ferry_ep_t ep, fr_round_t *r, int seen_all)
+{
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    cr->left = r->epoch;
+    cr->left_sent = 0;
     r->state = FR_ROUND_FREE;
+    if (!seen_all)
+        return FERRY_OK;
+    int rc = fr_cpu_combine_empty(ep, r, r->epoch);
+    cr->left_sent = rc == FERRY_OK;
+    return rc;
+}
+
+int fr_cpu_settle(ferry_ep_t ep, fr_round_t *r)
+{
+    fr_cpu_round_t *cr = fr_cpu_round(ep, r);
+    uint64_t e = cr->left;
+    if (e == 0)
+        return FERRY_OK;
+    int set = (int)(e % FR_NSETS), rc = FERRY_OK;
+    cr->left = 0; /* whatever follows: a failure here is the context's */
+    if (!cr->left_sent) {
+        rc = fr_wait_flags(ep, FR_PH_DISPATCH, set, e,
+                           "dispatch (of a round left for a bad topk_idx)", NULL);
+        if (rc == FERRY_OK)
+            rc = fr_cpu_combine_empty(ep, r, e);
+    }
+    if (rc == FERRY_OK)
+        rc = fr_wait_flags(ep, FR_PH_COMBINE, set, e,
+                           "combine (of a round left for a bad topk_idx)", NULL);
     return rc;
 }
 

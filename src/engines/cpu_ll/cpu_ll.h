@@ -21,6 +21,10 @@ typedef struct fr_cpu_round {
                             destination (its replies land there) */
     int logfmt;          /* this round's combine rows are LogFMT (set by
                             combine_send, read by combine_recv) */
+    uint64_t left;       /* a round of this set left for a bad topk_idx (its
+                            number; 0: none), whose end the set's next round
+                            awaits (fr_cpu_settle) */
+    int left_sent;       /* its empty combine went out */
 } fr_cpu_round_t;
 
 typedef struct fr_cpu_ll {
@@ -45,12 +49,18 @@ static inline fr_cpu_round_t *fr_cpu_round(ferry_ep_t ep, const fr_round_t *r)
     return &fr_cpu_state(ep)->rounds[r->epoch % FR_NSETS];
 }
 
-/* Round r ends here on every rank alike (a rank's bad topk_idx): an
- * empty combine to every peer, then every peer's awaited, so that no rank
- * starts the round after next (which reuses r's buffers) before all are
- * done with r, and each fabric peer's combine rounds stay in sequence;
- * r's slot is free again. */
-int fr_cpu_abandon(ferry_ep_t ep, fr_round_t *r);
+/* Round r is left on every rank alike (a rank's bad topk_idx): no rows
+ * move and no combine call comes, so its end is an empty combine from
+ * every rank to every rank. fr_cpu_leave: r's slot is free again; its
+ * empty combine goes out now when seen_all (this rank saw every peer's
+ * dispatch of r: none still reads what its combine flag overwrites), else
+ * in fr_cpu_settle. fr_cpu_settle (the set's next round, before it sends
+ * anything): that empty combine if not yet out, once every dispatch of
+ * the left round arrived, then every peer's awaited, so that no buffer of
+ * the set is written while a peer still reads it. The calls themselves
+ * never wait on the left round, whatever order the rounds' calls come in. */
+int fr_cpu_leave(ferry_ep_t ep, fr_round_t *r, int seen_all);
+int fr_cpu_settle(ferry_ep_t ep, fr_round_t *r);
 
 int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
                          const ferry_dispatch_in_t *in);

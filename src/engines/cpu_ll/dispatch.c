@@ -143,12 +143,14 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     int N = ep->N, K = L->K, El = L->El, T = in->num_tokens;
     int set = (int)(r->epoch % FR_NSETS);
     const int64_t *idx = in->topk_idx;
+    int rc0 = fr_cpu_settle(ep, r); /* this set's last round, if it was left */
+    if (rc0)
+        return rc0;
 
-    /* Token bytes and scales: as given, or quantised here. */
     /* A bad topk_idx (out of range, an expert twice in a token) is found
      * here, once the round has its number: every rank gets a slice saying
-     * so, and each fails its dispatch_recv naming this rank, so that all
-     * leave the round alike and go on with the next one. */
+     * so, and each fails its dispatch_recv naming the lowest such rank, so
+     * that all leave the round alike and go on with the next one. */
     fr_err_t bad;
     int at = -1;
     if (T > 0 && fr_check_topk(L, idx, T, &at, &bad) != FERRY_OK) {
@@ -159,13 +161,16 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
             if (rc)
                 return rc;
         }
-        int rc = fr_cpu_abandon(ep, r);
+        int rc = fr_cpu_leave(ep, r, 0);
         if (rc)
             return rc;
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
-                          "%s (round %llu: this rank's peers fail their dispatch_recv naming it; "
-                          "the context goes on)", bad.msg, (unsigned long long)r->epoch);
+                          "%s (round %llu: every other rank's dispatch_recv of it fails naming "
+                          "the lowest rank with a bad topk_idx; the context goes on)", bad.msg,
+                          (unsigned long long)r->epoch);
     }
+
+    /* Token bytes and scales: as given, or quantised here. */
 
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scales = in->x_scales;
@@ -256,7 +261,7 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
             vh->epoch != r->epoch)
             continue;
         uint32_t at = vh->reserved[0];
-        if ((rc = fr_cpu_abandon(ep, r)))
+        if ((rc = fr_cpu_leave(ep, r, 1)))
             return rc;
         return fr_ep_fail(ep, FERRY_ERR_INVALID,
                           "dispatch round %llu: rank %d passed a bad topk_idx (its entry "
