@@ -95,13 +95,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (trc != FERRY_OK && (trc != FERRY_ERR_INVALID || terr.msg[0] == 0 || at < 0 ||
                             at >= T * L.K))
         abort();
-    if (trc != FERRY_OK) { /* the entry named is bad */
-        int64_t e = idx[at];
-        int bad = e < -1 || e >= L.E;
-        for (int j = at - at % L.K; j < at; j++)
-            bad |= e >= 0 && idx[j] == e;
-        if (!bad)
-            abort();
+    if (trc != FERRY_OK) { /* the entry named is the first bad one */
+        for (int i = 0; i <= at; i++) {
+            int64_t e = idx[i];
+            int bad = e < -1 || e >= L.E;
+            for (int j = i - i % L.K; j < i; j++)
+                bad |= e >= 0 && idx[j] == e;
+            if (bad != (i == at))
+                abort();
+        }
     } else {
         for (int t = 0; t < T; t++)
             for (int k = 0; k < L.K; k++) {

@@ -152,8 +152,9 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
      * so, and each fails its dispatch_recv naming the lowest such rank, so
      * that all leave the round alike and go on with the next one. */
     fr_err_t bad;
-    int at = -1;
-    if (T > 0 && fr_check_topk(L, idx, T, &at, &bad) != FERRY_OK) {
+    int at = -1; /* DP groups: checked from the group's first token, so
+                    that entries are named as the caller passed them */
+    if (T > 0 && fr_check_topk(L, idx - (size_t)r->glo * K, r->glo + T, &at, &bad) != FERRY_OK) {
         for (int d = 0; d < N; d++) {
             if (fr_ep_masked(ep, d))
                 continue;
