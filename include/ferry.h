@@ -378,7 +378,7 @@ FERRY_API int ferry_ep_get_stats(ferry_ep_t ep, ferry_ep_stats_t *stats);
  * `stream` (a cudaStream_t; NULL: the legacy default stream) and the calls
  * return before it ran; errors found on the GPU (a peer that did not arrive
  * in time, a bad expert index) are returned by the next call on the
- * context, or by ferry_ep_sync. Every call can be captured in a CUDA graph:
+ * context, or by ferry_ep_sync, and leave it failed. Every call can be captured in a CUDA graph:
  * the epoch lives on the device and the token count may too.
  * combine_recv reads the rows a rank's own experts produced for its own
  * tokens in place: keep expert_y unchanged until combine_recv has run.

@@ -18,7 +18,8 @@
  *   test_cuda_ep -n 1 badidx    ferry_dispatch/ferry_combine refuse a NULL
  *                               out and two streams, then run a good round;
  *                               an expert index out of range found on the
- *                               GPU comes back as FERRY_ERR_INVALID
+ *                               GPU comes back as FERRY_ERR_INVALID and
+ *                               leaves the context failed
  */
 #include <math.h>
 #include <stdio.h>
@@ -541,7 +542,16 @@ static int run_badidx(ferry_comm_t comm)
         rc = ferry_ep_sync(ep, NULL);
     printf("bad index: %s: %s\n", ferry_strerror(rc), ferry_ep_last_error(ep));
     CHECK(rc == FERRY_ERR_INVALID, "status %d, want FERRY_ERR_INVALID", rc);
-    CHECK(strstr(ferry_ep_last_error(ep), "topk_idx") != NULL, "message names topk_idx");
+    CHECK(strstr(ferry_ep_last_error(ep), "topk_idx") != NULL &&
+              strstr(ferry_ep_last_error(ep), "the context is failed") != NULL,
+          "message names topk_idx and says the context is failed");
+    /* the kernels stop at the error word: every later call says so */
+    in.idx[5] = 0;
+    CU(cudaMemcpy(b.idx, in.idx, (size_t)s.T * s.K * 8, cudaMemcpyHostToDevice));
+    CU(h2d_done());
+    rc = ferry_dispatch_send(ep, &din, &round);
+    CHECK(rc == FERRY_ERR_INVALID && strstr(ferry_ep_last_error(ep), "cannot be used"),
+          "the call after: %s: %s", ferry_strerror(rc), ferry_ep_last_error(ep));
     ferry_ep_destroy(ep);
     return fr_test_result();
 }

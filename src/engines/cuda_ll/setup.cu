@@ -425,10 +425,15 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
     int rank = e[1], what = e[2], detail = e[3];
     switch (what) {
     case FR_CU_WHAT_INPUT:
-        return fr_ep_fail(ep, st,
-                          "topk_idx[%d][%d] (checked on the GPU of rank %d): must "
-                          "be -1 or 0..%d and not repeat an expert of the token",
-                          detail / ep->L.K, detail % ep->L.K, rank, ep->L.E - 1);
+        /* the error word stays up: every later kernel of this context
+         * returns at once, so its peers time out waiting for it */
+        fr_ep_fail(ep, st,
+                   "topk_idx[%d][%d] (checked on the GPU of rank %d): must be -1 or 0..%d and "
+                   "not repeat an expert of the token; the context is failed (its kernels stop "
+                   "here, its peers time out waiting for this rank): create a new one",
+                   detail / ep->L.K, detail % ep->L.K, rank, ep->L.E - 1);
+        fr_ep_set_failed(ep, st);
+        return st;
     case FR_CU_WHAT_MASK:
         fr_ep_fail(ep, st, "dispatch on the GPU of rank %d: %d rank(s) masked, but this launch "
                    "is of the kernel without a mask (a CUDA graph captured before "
@@ -436,10 +441,13 @@ extern "C" int fr_cuda_check(ferry_ep_t ep)
                    "after masking, in a new context", rank, detail);
         fr_ep_set_failed(ep, st); /* the error word stays up: every later kernel returns */
         return st;
-    case FR_CU_WHAT_NTOK:
-        return fr_ep_fail(ep, st,
-                          "num_tokens_dev = %d (read on the GPU of rank %d): must "
-                          "be 0..max_tokens (%d)", detail, rank, ep->L.T);
+    case FR_CU_WHAT_NTOK: /* as INPUT: the error word stays up */
+        fr_ep_fail(ep, st,
+                   "num_tokens_dev = %d (read on the GPU of rank %d): must be 0..max_tokens "
+                   "(%d); the context is failed (its kernels stop here, its peers time out "
+                   "waiting for this rank): create a new one", detail, rank, ep->L.T);
+        fr_ep_set_failed(ep, st);
+        return st;
     case FR_CU_WHAT_SIGNAL:
         fr_ep_fail(ep, st, "combine: local expert %d's signal (signals[%d]) did not read "
                    "signal_value within the timeout (%ld ms): the computation writing "
