@@ -1,8 +1,11 @@
 #include "config.h"
 
 #include <errno.h>
+#include <stdio.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "ferry.h"
 #include "log.h"
@@ -14,6 +17,10 @@ typedef struct fr_cfg_entry {
     int secret; /* value never shown: ferry_settings reports it hidden */
     long min, max;    /* a ranged integer (max > 0): values outside are refused */
     const char *unit; /* of the range, in its error message */
+    const char *choices; /* the values taken, '|' between them (an empty
+                            value is the default): others are refused */
+    int nocase;          /* choices: 1 any case; 2 any case, a
+                            comma-separated list of them */
 } fr_cfg_entry_t;
 
 #define FR_CFG_MS_UNIT " ms (up to a week)"
@@ -72,7 +79,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_TRANSPORT] = {"FERRY_TRANSPORT", "auto",
                           "auto: shared memory inside a node, fabric between "
                           "nodes; fabric: every peer through the proxy and "
-                          "libfabric (FI_PROVIDER picks the provider)."},
+                          "libfabric (FI_PROVIDER picks the provider).",
+                          .choices = "auto|fabric"},
     [FR_CFG_TIMEOUT_MS] = {"FERRY_TIMEOUT_MS", "30000",
                            "Deadline of every wait for peers, in ms "
                            "(1..604800000: up to a week).", 0, 1,
@@ -89,20 +97,20 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                         FR_CFG_MAX_MS, FR_CFG_MS_UNIT},
     [FR_CFG_SPIN] = {"FERRY_SPIN", "1000",
                      "Polls of a flag before a waiting CPU rank sleeps on "
-                     "its doorbell (a futex the senders ring)."},
+                     "its doorbell (a futex the senders ring).", 0, 0, 1000000000, " polls"},
     [FR_CFG_NICS_PER_RANK] = {"FERRY_NICS_PER_RANK", "0",
                                "Fabric NICs (interfaces) a rank uses, peers "
                                "sharded across them; 0: as many as the node "
                                "has, up to 2 (the first is the one on the "
-                               "route to the rendezvous)."},
+                               "route to the rendezvous).", 0, 0, 2, ""},
     [FR_CFG_PROXY_THREADS] = {"FERRY_PROXY_THREADS", "1",
                               "Proxy threads per rank on the low-latency "
                               "fabric path (1-8), each owning NIC endpoints "
                               "and their peers; where the rank has fewer "
-                              "NICs, more endpoints are opened on them."},
+                              "NICs, more endpoints are opened on them.", 0, 1, 8, ""},
     [FR_CFG_PROXY_IDLE_US] = {"FERRY_PROXY_IDLE_US", "50",
                               "Longest sleep of an idle proxy thread, in us "
-                              "(it yields first)."},
+                              "(it yields first).", 0, 0, 1000000, " us (up to a second)"},
     [FR_CFG_FABRIC_HMEM] = {"FERRY_FABRIC_HMEM", "auto",
                             "GPU ranks on the fabric path: auto keeps the "
                             "receive and send regions in GPU memory, "
@@ -110,7 +118,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                             "the provider registers it and writes it by NIC "
                             "DMA (efa, verbs), else in pinned host memory; "
                             "on: GPU memory or an error naming the "
-                            "provider; off: host memory."},
+                            "provider; off: host memory.",
+                            .choices = "auto|on|off|1|0"},
     [FR_CFG_PEER_MEM] = {"FERRY_PEER_MEM", "auto",
                          "How GPU ranks of a node map each other's "
                          "segments: vmm (CUDA VMM allocations shared by "
@@ -121,7 +130,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                          "and no segment is also registered with the "
                          "fabric provider, else legacy. A kind asked for "
                          "that a rank lacks fails create on every rank, "
-                         "naming the rank and why. Alike on every rank."},
+                         "naming the rank and why. Alike on every rank.",
+                         .choices = "auto|vmm|fabric|legacy"},
     [FR_CFG_HT_FORWARD] = {"FERRY_HT_FORWARD", "auto",
                            "High-throughput mode across nodes, when the "
                            "config's forward field is left at AUTO: auto "
@@ -131,7 +141,8 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                            "node's destinations through shared memory and "
                            "sums their combine rows; off sends it to each "
                            "destination rank directly. Alike on every "
-                           "rank."},
+                           "rank.",
+                           .choices = "auto|on|off"},
     [FR_CFG_PROXY_STATS] = {"FERRY_PROXY_STATS", "",
                              "Set: each proxy prints, at exit, percentiles "
                              "of the time from picking up a request to the "
@@ -141,41 +152,44 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
     [FR_CFG_FAULT_DELAY_US] = {"FERRY_FAULT_DELAY_US", "0",
                                "Fault injection (tests): hold every fabric "
                                "write's arrival this many us before the "
-                               "receiver sees it. 0: off."},
+                               "receiver sees it. 0: off.", 0, 0, 60000000, " us (up to a minute)"},
     [FR_CFG_FAULT_JITTER_US] = {"FERRY_FAULT_JITTER_US", "0",
                                 "Fault injection: add a random 0..N us to "
-                                "each held arrival. 0: off."},
+                                "each held arrival. 0: off.", 0, 0, 60000000, " us (up to a minute)"},
     [FR_CFG_FAULT_REORDER] = {"FERRY_FAULT_REORDER", "0",
                               "Fault injection: 1 delivers held arrivals in "
                               "random order, as EFA's unordered transport "
-                              "may. 0: off."},
+                              "may. 0: off.", 0, 0, 1, ""},
     [FR_CFG_FAULT_SEED] = {"FERRY_FAULT_SEED", "1",
-                           "Seed of the fault injector's random numbers."},
+                           "Seed of the fault injector's random numbers.", 0, 0, LONG_MAX, ""},
     [FR_CFG_FAULT_POSTS] = {"FERRY_FAULT_POSTS", "0",
                              "Fault injection: 1 holds this rank's own "
                              "writes back before posting them instead of "
                              "holding arrivals (same delay and jitter; "
                              "random order with FERRY_FAULT_REORDER=1), so "
                              "a write may leave, and land, before an older "
-                             "one. 0: off."},
+                             "one. 0: off.", 0, 0, 1, ""},
     [FR_CFG_FAULT_EP_BUSY] = {"FERRY_FAULT_EP_BUSY", "0",
                               "Fault injection: the first N fabric endpoints "
                               "this process opens fail as if no local address "
                               "were free (FI_EADDRNOTAVAIL), which ferry "
-                              "retries. 0: off."},
+                              "retries. 0: off.", 0, 0, 1000000, ""},
     [FR_CFG_SIGNAL_MODE] = {"FERRY_SIGNAL_MODE", "counted",
                             "Put-with-signal ordering when the context's "
                             "config leaves mode at DEFAULT: fence, grouped, "
-                            "nicfence or counted."},
+                            "nicfence or counted.",
+                            .choices = "fence|grouped|nicfence|counted"},
     [FR_CFG_SHM_SWEEP] = {"FERRY_SHM_SWEEP", "1",
                           "1: at start-up, remove this user's ferry regions "
                           "in /dev/shm made in this pid namespace whose "
-                          "process is gone (left by a killed job)."},
+                          "process is gone (left by a killed job).", 0, 0, 1, ""},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
-                    "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE."},
+                    "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE.",
+                    .choices = "NONE|ERROR|WARN|INFO|DEBUG|TRACE", .nocase = 1},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",
                            "Comma-separated subsystems to log: INIT, BOOT, "
-                           "NET, PROXY, SHM, EP, SIG, ALL."},
+                           "NET, PROXY, SHM, EP, SIG, ALL.",
+                           .choices = "INIT|BOOT|NET|PROXY|SHM|EP|SIG|ALL", .nocase = 2},
 };
 
 const char *fr_cfg_name(fr_cfg_id_t id) { return fr_cfg_table[id].name; }
@@ -225,11 +239,58 @@ int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err)
                   p < 0 ? "not a whole number; " : "", e->min, e->max, e->unit ? e->unit : "");
 }
 
+/* Is v (len bytes) one of e's choices? */
+static int fr_cfg_choice(const fr_cfg_entry_t *e, const char *v, size_t len)
+{
+    for (const char *c = e->choices; *c;) {
+        size_t n = strcspn(c, "|");
+        if (n == len && (e->nocase ? strncasecmp(c, v, n) : strncmp(c, v, n)) == 0)
+            return 1;
+        c += n + (c[n] == '|');
+    }
+    return 0;
+}
+
+/* e's value is among its choices, or, for a list, each of its items. */
+static int fr_cfg_check_choices(const fr_cfg_entry_t *e, fr_err_t *err)
+{
+    const char *v = getenv(e->name);
+    if (!v || !*v)
+        return FERRY_OK; /* the default */
+    int ok = 1;
+    if (e->nocase != 2) {
+        ok = fr_cfg_choice(e, v, strlen(v));
+    } else {
+        for (const char *t = v; ok;) {
+            size_t n = strcspn(t, ",");
+            ok = fr_cfg_choice(e, t, n);
+            if (!t[n])
+                break;
+            t += n + 1;
+        }
+    }
+    if (ok)
+        return FERRY_OK;
+    char alts[200]; /* "a, b or c" */
+    size_t k = 0;
+    for (const char *c = e->choices; *c && k + 8 < sizeof(alts);) {
+        size_t n = strcspn(c, "|");
+        const char *sep = c[n] != '|' ? "" : strchr(c + n + 1, '|') ? ", " : " or ";
+        k += (size_t)snprintf(alts + k, sizeof(alts) - k, "%.*s%s", (int)n, c, sep);
+        c += n + (c[n] == '|');
+    }
+    return FR_ERR(err, FERRY_ERR_INVALID, "%s=%s: must be %s%s", e->name, v,
+                  e->nocase == 2 ? "a comma-separated list of " : "", alts);
+}
+
 int fr_cfg_check(fr_err_t *err)
 {
     for (int i = 0; i < FR_CFG_COUNT; i++) {
+        const fr_cfg_entry_t *e = &fr_cfg_table[i];
         long x;
-        int rc = fr_cfg_table[i].max > 0 ? fr_cfg_long((fr_cfg_id_t)i, &x, err) : FERRY_OK;
+        int rc = e->max > 0 ? fr_cfg_long((fr_cfg_id_t)i, &x, err)
+                 : e->choices ? fr_cfg_check_choices(e, err)
+                              : FERRY_OK;
         if (rc != FERRY_OK)
             return rc;
     }

@@ -141,6 +141,63 @@ static void test_clamp(void)
     unsetenv("FERRY_TIMEOUT_MS");
 }
 
+/* The other settings: a number out of its range, or a word not among
+ * those taken, is refused by the communicator, naming the variable and
+ * what it takes; the values the tests and docs use are taken. */
+static void test_others(void)
+{
+    static const struct { const char *var, *val, *want; } badv[] = {
+        {"FERRY_SPIN", "-1", "must be 0..1000000000 polls"},
+        {"FERRY_SPIN", "abc", "not a whole number"},
+        {"FERRY_NICS_PER_RANK", "4", "must be 0..2"},
+        {"FERRY_PROXY_THREADS", "9", "must be 1..8"},
+        {"FERRY_PROXY_IDLE_US", "-5", "must be 0..1000000 us"},
+        {"FERRY_FAULT_DELAY_US", "99999999999", "must be 0..60000000 us"},
+        {"FERRY_FAULT_REORDER", "2", "must be 0..1"},
+        {"FERRY_FAULT_SEED", "x", "not a whole number"},
+        {"FERRY_SHM_SWEEP", "yes", "not a whole number"},
+        {"FERRY_TRANSPORT", "shm", "must be auto or fabric"},
+        {"FERRY_FABRIC_HMEM", "maybe", "must be auto, on, off, 1 or 0"},
+        {"FERRY_PEER_MEM", "ipc", "must be auto, vmm, fabric or legacy"},
+        {"FERRY_HT_FORWARD", "ON", "must be auto, on or off"},
+        {"FERRY_SIGNAL_MODE", "fastest", "must be fence, grouped, nicfence or counted"},
+        {"FERRY_LOG", "LOUD", "must be NONE, ERROR, WARN, INFO, DEBUG or TRACE"},
+        {"FERRY_LOG", "INFO,EP", "must be NONE"},
+        {"FERRY_LOG_SUBSYS", "BOOT,FOO", "a comma-separated list of INIT, BOOT"},
+        {"FERRY_LOG_SUBSYS", "BOOT,", "a comma-separated list"},
+    };
+    for (size_t i = 0; i < sizeof(badv) / sizeof(badv[0]); i++) {
+        setenv(badv[i].var, badv[i].val, 1);
+        ferry_comm_t comm = NULL;
+        char eb[256] = "", want[128];
+        snprintf(want, sizeof(want), "%s=%s: ", badv[i].var, badv[i].val);
+        int rc = ferry_comm_init_env(&comm, eb, sizeof(eb));
+        CHECK(rc == FERRY_ERR_INVALID && !comm && strstr(eb, want) && strstr(eb, badv[i].want),
+              "%s=%s: rc %d, '%s'", badv[i].var, badv[i].val, rc, eb);
+        if (comm)
+            ferry_comm_destroy(comm);
+        unsetenv(badv[i].var);
+    }
+    static const struct { const char *var, *val; } good[] = {
+        {"FERRY_SPIN", "0"}, {"FERRY_NICS_PER_RANK", "2"}, {"FERRY_PROXY_THREADS", "8"},
+        {"FERRY_FAULT_SEED", "12345"}, {"FERRY_TRANSPORT", "fabric"},
+        {"FERRY_FABRIC_HMEM", "off"}, {"FERRY_PEER_MEM", "legacy"}, {"FERRY_HT_FORWARD", "off"},
+        {"FERRY_SIGNAL_MODE", "grouped"}, {"FERRY_LOG", "none"}, {"FERRY_LOG_SUBSYS", "boot,Net"},
+        {"FERRY_TRANSPORT", ""},
+    };
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        setenv(good[i].var, good[i].val, 1);
+        ferry_comm_t comm = NULL;
+        char eb[256] = "";
+        int rc = ferry_comm_init_env(&comm, eb, sizeof(eb));
+        CHECK(rc == FERRY_OK, "%s=%s: %s", good[i].var, good[i].val, eb);
+        if (comm)
+            ferry_comm_destroy(comm);
+        unsetenv(good[i].var);
+    }
+    setenv("FERRY_LOG", "NONE", 1);
+}
+
 int main(void)
 {
     setenv("FERRY_RANK", "0", 1);
@@ -149,6 +206,7 @@ int main(void)
     test_comm();
     test_create();
     test_clamp();
+    test_others();
     printf("test_config: %s\n", fr_test_result() ? "FAIL" : "pass");
     return fr_test_result();
 }
