@@ -37,6 +37,30 @@ def _lib_version():
         return (0, 0, 0)
 
 
+def _env_word(name, default, words):
+    """The environment's `name` (unset or empty: default), refused with a
+    ValueError naming it unless among `words`."""
+    v = os.environ.get(name, "") or default
+    if v not in words:
+        raise ValueError(f"{name}={v}: must be {', '.join(words[:-1])} or {words[-1]}")
+    return v
+
+
+def _env_int(name, default, lo, hi):
+    """The environment's `name` as a whole number in lo..hi (unset or
+    empty: default), else a ValueError naming it and the range."""
+    v = os.environ.get(name, "")
+    if not v:
+        return default
+    try:
+        x = int(v, 10)
+    except ValueError:
+        x = None
+    if x is None or not lo <= x <= hi:
+        raise ValueError(f"{name}={v}: must be a whole number, {lo}..{hi}")
+    return x
+
+
 _EXT = None
 _EXT_ERR = None  # why FERRY_TORCH_EXT=1 cannot be served (raised on every call)
 #: libferry's functions ferry._torchext calls, in its init's order
@@ -60,7 +84,7 @@ def _torchext():
     global _EXT, _EXT_ERR
     if _EXT is None:
         _EXT = False
-        want = os.environ.get("FERRY_TORCH_EXT", "")
+        want = _env_word("FERRY_TORCH_EXT", "auto", ("auto", "0", "1"))
         if want != "0":
             try:
                 from . import _torchext as m

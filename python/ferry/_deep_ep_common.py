@@ -5,14 +5,13 @@ imports neither mode, and deep_ep (the Buffer) imports both."""
 import ctypes as C
 import functools
 import operator
-import os
 import threading
 
 import torch
 
 from . import EP, FerryError  # noqa: F401  (EP: for the mode modules)
 from . import _elem_strides, _fmt_shape, _lib, _lib_handle  # noqa: F401  (_elem_strides: same)
-from ._core import _torchext
+from ._core import _env_int, _env_word, _torchext
 from ._arrays import _stream_of
 
 
@@ -296,14 +295,14 @@ class _Plan:
 
 #: tokens per rank one normal-mode dispatch may carry (ferry's
 #: high-throughput buffers do not grow with it; FERRY_DEEP_EP_MAX_TOKENS)
-_HT_MAX_TOKENS = int(os.environ.get("FERRY_DEEP_EP_MAX_TOKENS", 65536))
+_HT_MAX_TOKENS = _env_int("FERRY_DEEP_EP_MAX_TOKENS", 65536, 1, 1 << 20)
 
 
 #: CUDA tensors: get_dispatch_layout through ferry_dispatch_layout's kernel
 #: (1, the default: 15 us against 160 us for the PyTorch ops at T=4096 on
 #: an H200, tools/bench_layout.py) or PyTorch ops (0); the host code serves
 #: CPU tensors either way
-_LAYOUT_KERNEL = os.environ.get("FERRY_DEEP_EP_LAYOUT_KERNEL", "1") == "1"
+_LAYOUT_KERNEL = _env_word("FERRY_DEEP_EP_LAYOUT_KERNEL", "1", ("0", "1")) == "1"
 
 
 #: the kinds a declared low-latency shape may name (dispatch dtype and scale

@@ -291,7 +291,45 @@ def run(N):
     return True
 
 
+def env_knobs():
+    """The Python package's own settings out of range are a ValueError
+    naming them, at import (deep_ep's) or first use (FERRY_TORCH_EXT);
+    in range they are taken. Needs torch (skipped, saying so, without)."""
+    import subprocess
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("env knobs: skipped (torch is not installed)")
+        return True
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    code = ("import ferry, ferry.deep_ep\n"
+            "from ferry._core import _torchext\n"
+            "try:\n    _torchext()\nexcept ImportError:\n    pass\n"
+            "print('imported')")
+    cases = [("FERRY_DEEP_EP_MAX_TOKENS", "abc", "must be a whole number, 1..1048576"),
+             ("FERRY_DEEP_EP_MAX_TOKENS", "0", "must be a whole number, 1..1048576"),
+             ("FERRY_DEEP_EP_LAYOUT_KERNEL", "yes", "must be 0 or 1"),
+             ("FERRY_TORCH_EXT", "on", "must be auto, 0 or 1"),
+             ("FERRY_DEEP_EP_MAX_TOKENS", "4096", None),
+             ("FERRY_DEEP_EP_LAYOUT_KERNEL", "0", None),
+             ("FERRY_TORCH_EXT", "0", None)]
+    ok = True
+    for var, val, want in cases:
+        env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env[var] = val
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=120)
+        out = p.stdout + p.stderr
+        good = ("imported" in out and p.returncode == 0) if want is None else \
+            (p.returncode != 0 and f"ValueError: {var}={val}: {want}" in out)
+        if not good:
+            print(f"env knobs: {var}={val}: rc {p.returncode}: {out[-400:]}")
+            ok = False
+    print(f"env knobs: {'ok' if ok else 'FAILED'}")
+    return ok
+
+
 if __name__ == "__main__":
     sizes = [int(a) for a in sys.argv[1:]] or [1, 2]
-    ok = all([run(n) for n in sizes])
+    ok = all([run(n) for n in sizes]) and (1 not in sizes or env_knobs())
     sys.exit(0 if ok else 1)
