@@ -254,6 +254,36 @@ static int mask_combine(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *sc, int roun
     return FERRY_OK;
 }
 
+/* CPU ranks, V masked: a round in which rank badr alone passes a bad
+ * topk_idx (one token, entry [0][1] out of range; the others no tokens).
+ * Its dispatch_send fails naming the entry, every other survivor's
+ * dispatch_recv naming badr, nobody waits on V, and the next rounds (the
+ * caller's, checked) go on. */
+static void bad_round(ferry_ep_t ep, mbufs_t *b, const fw_spec_t *s, int me, int badr)
+{
+    int64_t row[16];
+    static uint16_t xv[256];
+    for (int k = 0; k < s->K && k < 16; k++)
+        row[k] = -1;
+    row[1] = s->E;
+    ferry_dispatch_in_t din = {.size = sizeof(din), .num_tokens = me == badr, .x = xv,
+                               .topk_idx = row};
+    ferry_dispatch_out_t dout = {.size = sizeof(dout), .expert_x = b->ex,
+                                 .expert_x_scales = s->fp8 ? (float *)b->exs : NULL,
+                                 .expert_num_tokens = (int32_t *)b->cnt};
+    uint64_t r = 0;
+    int rc = ferry_dispatch_send(ep, &din, &r);
+    if (rc == FERRY_OK)
+        rc = ferry_dispatch_recv(ep, r, &dout);
+    char want[32];
+    snprintf(want, sizeof(want), "rank %d passed", badr);
+    const char *msg = ferry_ep_last_error(ep);
+    CHECK(rc == FERRY_ERR_INVALID &&
+              strstr(msg, me == badr ? "topk_idx[0][1]" : want) != NULL,
+          "rank %d: a bad topk_idx on rank %d, a rank masked: %s: %s", me, badr,
+          ferry_strerror(rc), msg);
+}
+
 /* The context of spec s (CPU or CUDA ranks), mask_on_timeout as asked. */
 static ferry_ep_config_t mask_cfg(const fw_spec_t *s, int mask_on_timeout)
 {
@@ -334,6 +364,8 @@ static int run(ferry_comm_t comm, int victim, int die, int fp8, int shrink)
         }
         if (round_i == 4 && shrink == 2)
             sm.masked = mask;
+        if (round_i == 5 && !on_gpu && s.H <= 256) /* bad_round's x */
+            bad_round(ep, &b, &s, me, victim == N - 1 ? N - 2 : N - 1);
         uint64_t r = 0;
         if (mask_dispatch(ep, &b, &s, &sm, &lay, round_i, me, &in, &r,
                           round_i == 4 ? victim : -1))
