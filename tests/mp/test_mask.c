@@ -18,7 +18,7 @@
  *       FERRY_TRANSPORT=fabric both expect the create's refusal
  *   test_mask -n N shrink_two V ...  two rounds in flight: V dies between
  *       the dispatches of rounds 3 and 4, both combined after (run_two)
- *   (on CPU ranks, kill, leave and shrink first run a round in which one
+ *   (on CPU ranks, kill, leave and shrink run before round 5 a round in which one
  *   survivor passes a bad topk_idx: bad_round)
  *   test_mask -n 2 graph 0 cuda   a CUDA graph of a round captured with no
  *       rank masked, replayed after masking: FERRY_ERR_STATE saying to
