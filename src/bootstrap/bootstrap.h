@@ -102,6 +102,9 @@ void fr_boot_sleep_ms(int ms);
  * before the root binds it (rank 0 then fails "Address already in use");
  * else one the kernel picks. 0 on success, else an errno. */
 int fr_boot_free_port(int *port);
+/* The first port of the kernel's ephemeral range (the source ports of
+ * outgoing connections; 32768 when it cannot be read). */
+int fr_boot_ephemeral_lo(void);
 
 #ifdef __cplusplus
 }

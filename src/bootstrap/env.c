@@ -82,7 +82,10 @@ static int fr_parse_root(const char *name, const char *val, fr_boot_env_t *env,
     return FERRY_OK;
 }
 
-/* FNV-1a, folded into 20000..59999. */
+/* FNV-1a, folded into [10000, the ephemeral range's start) while that
+ * starts above 12000 (every rank of a local job reads the same range), so
+ * no outgoing connection on the host can hold the port as its source;
+ * else into 20000..59999. */
 static int fr_port_from_id(const char *id)
 {
     uint32_t h = 2166136261u;
@@ -91,6 +94,9 @@ static int fr_port_from_id(const char *id)
         h *= 16777619u;
     }
     h ^= h >> 16;
+    int lo = fr_boot_ephemeral_lo();
+    if (lo > 12000)
+        return 10000 + (int)(h % (uint32_t)(lo - 10000));
     return 20000 + (int)(h % 40000u);
 }
 

@@ -28,18 +28,24 @@ int64_t fr_boot_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+int fr_boot_ephemeral_lo(void)
+{
+    int lo = 32768, hi = 60999;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "re");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2 || lo < 1 || lo > 65535)
+            lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
 /* A port bound (and released) now: a random one in [10000, the ephemeral
  * range's start) while that range starts above 12000, tried 64 times, then
  * the kernel's. */
 int fr_boot_free_port(int *port)
 {
-    int lo = 32768, hi = 60999;
-    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "re");
-    if (f) {
-        if (fscanf(f, "%d %d", &lo, &hi) != 2)
-            lo = 32768;
-        fclose(f);
-    }
+    int lo = fr_boot_ephemeral_lo();
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
