@@ -88,6 +88,31 @@ def rank_main(rank, world, port, args, q):
         q.put((rank, traceback.format_exc(), 0, 0))
 
 
+
+def free_port():
+    """MASTER_PORT for this local job: a free loopback port with a free one
+    after it (ferry's rendezvous takes MASTER_PORT + 1), below the kernel's
+    ephemeral range, where no outgoing connection can take it meanwhile."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    for _ in range(64):
+        p = random.randrange(10000, max(lo - 1, 10001))
+        socks = [socket.socket(), socket.socket()]
+        try:
+            socks[0].bind(("127.0.0.1", p))
+            socks[1].bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError("no free loopback port pair")
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4)
@@ -99,10 +124,7 @@ def main():
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     os.environ.setdefault("FERRY_TIMEOUT_MS", "30000")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -88,7 +88,7 @@ for h in $(seq 0 $((H - 1))); do
   fi
 done
 
-PORT=$(( 20000 + RANDOM % 20000 ))
+PORT=$(( 10000 + RANDOM % 20000 )) # below the kernel's ephemeral range (32768..)
 # ranks span hosts: the rendezvous wants a job secret
 # (exported, not on a command line, where other users could read it)
 export FERRY_SECRET=${FERRY_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}

@@ -2,7 +2,8 @@
 FERRY_ROOT): free now, and below the kernel's ephemeral range when that
 leaves room, since the job keeps it for its whole run and a port in that
 range can be taken meanwhile as the source port of any outgoing connection
-on the machine (the root's bind then fails: address in use). Run as a
+on the machine (the root's bind then fails: address in use). The port
+after it is free too (ferry's root takes MASTER_PORT + 1). Run as a
 script, it prints one."""
 import random
 import socket
@@ -14,16 +15,20 @@ def free_port():
             lo = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         lo = 32768
-    cands = [random.randrange(10000, lo) for _ in range(64)] if lo > 12000 else []
+    cands = [random.randrange(10000, lo - 1) for _ in range(64)] if lo > 12000 else []
     for p in cands + [0]:
-        s = socket.socket()
+        # p and p + 1 (a torch job's MASTER_PORT: ferry's root takes the next)
+        socks = [socket.socket(), socket.socket()]
         try:
-            s.bind(("127.0.0.1", p))
-            return s.getsockname()[1]
-        except OSError:
+            socks[0].bind(("127.0.0.1", p))
+            p = socks[0].getsockname()[1]
+            socks[1].bind(("127.0.0.1", p + 1))
+            return p
+        except (OSError, OverflowError):
             continue
         finally:
-            s.close()
+            for s in socks:
+                s.close()
     raise OSError("no free loopback port")
 
 

@@ -83,8 +83,8 @@ def _torchext():
     imported."""
     global _EXT, _EXT_ERR
     if _EXT is None:
+        want = _env_word("FERRY_TORCH_EXT", "auto", ("auto", "0", "1"))  # every call till good
         _EXT = False
-        want = _env_word("FERRY_TORCH_EXT", "auto", ("auto", "0", "1"))
         if want != "0":
             try:
                 from . import _torchext as m

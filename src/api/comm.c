@@ -18,7 +18,11 @@ static void fr_errbuf(char *buf, size_t len, const char *msg)
         snprintf(buf, len, "%s", msg);
 }
 
-static int fr_comm_finish(ferry_comm_t c, fr_err_t *err)
+/* cfg_rc, cfg_err: this rank's settings check, exchanged with the peer
+ * table so that a bad setting on one rank fails every rank's init, naming
+ * it (a caller's allgather has no deadline: a rank that left before it
+ * would hold its peers there for good). */
+static int fr_comm_finish(ferry_comm_t c, int cfg_rc, const fr_err_t *cfg_err, fr_err_t *err)
 {
     c->rank = fr_boot_rank(c->boot);
     c->size = fr_boot_size(c->boot);
@@ -39,9 +43,18 @@ static int fr_comm_finish(ferry_comm_t c, fr_err_t *err)
         snprintf(me.node, sizeof(me.node), "localhost");
     me.pid = (int32_t)getpid();
     me.rank = c->rank;
+    me.cfg_status = cfg_rc;
     int rc = fr_boot_allgather(c->boot, &me, c->peers, sizeof(me), err);
     if (rc != FERRY_OK)
         return rc;
+    if (cfg_rc != FERRY_OK)
+        return FR_ERR(err, cfg_rc, "%s", cfg_err->msg);
+    for (int i = 0; i < c->size; i++)
+        if (c->peers[i].cfg_status != FERRY_OK)
+            return FR_ERR(err, c->peers[i].cfg_status,
+                          "rank %d (pid %d) refused a FERRY_* setting of its environment "
+                          "(its error says which): set them alike on every rank",
+                          i, (int)c->peers[i].pid);
     c->nnodes = 0;
     for (int i = 0; i < c->size; i++) {
         int seen = 0;
@@ -68,8 +81,11 @@ int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen)
         fr_errbuf(errbuf, errlen, "out of memory");
         return FERRY_ERR_NOMEM;
     }
-    /* the time settings in range before any deadline is computed */
-    FR_CHECK_GOTO(fr_cfg_check(&err), rc, fail);
+    /* the time settings in range before any deadline is computed; the
+     * others' check travels in the first exchange */
+    fr_err_t cerr = {{0}};
+    FR_CHECK_GOTO(fr_cfg_check_time(&err), rc, fail);
+    int crc = fr_cfg_check(&cerr);
     fr_boot_env_t env;
     rc = fr_boot_env_read(&env, &err);
     if (rc == FERRY_OK)
@@ -77,7 +93,7 @@ int ferry_comm_init_env(ferry_comm_t *comm, char *errbuf, size_t errlen)
     fr_boot_env_wipe(&env);
     if (rc != FERRY_OK)
         goto fail;
-    FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);
+    FR_CHECK_GOTO(fr_comm_finish(c, crc, &cerr, &err), rc, fail);
     *comm = c;
     return FERRY_OK;
 fail:
@@ -112,10 +128,11 @@ int ferry_comm_init_allgather(int rank, int nranks, ferry_allgather_fn fn,
         fr_errbuf(errbuf, errlen, "out of memory");
         return FERRY_ERR_NOMEM;
     }
-    FR_CHECK_GOTO(fr_cfg_check(&err), rc, fail);
+    fr_err_t cerr = {{0}};
+    int crc = fr_cfg_check(&cerr); /* told to every rank by the first exchange */
     FR_CHECK_GOTO(fr_boot_init_callback(rank, nranks, fn, ctx, &c->boot, &err),
                   rc, fail);
-    FR_CHECK_GOTO(fr_comm_finish(c, &err), rc, fail);
+    FR_CHECK_GOTO(fr_comm_finish(c, crc, &cerr, &err), rc, fail);
     *comm = c;
     return FERRY_OK;
 fail:

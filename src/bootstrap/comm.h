@@ -20,7 +20,7 @@ typedef struct fr_peer_info {
     int32_t pid;
     int32_t rank;
     int32_t node_set;  /* node came from FERRY_NODE_ID */
-    int32_t pad;
+    int32_t cfg_status; /* this rank's settings check (fr_cfg_check) */
 } fr_peer_info_t;
 
 struct ferry_comm {

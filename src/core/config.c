@@ -185,7 +185,7 @@ static const fr_cfg_entry_t fr_cfg_table[FR_CFG_COUNT] = {
                           "process is gone (left by a killed job).", 0, 0, 1, ""},
     [FR_CFG_LOG] = {"FERRY_LOG", "WARN",
                     "Log level: NONE, ERROR, WARN, INFO, DEBUG, TRACE.",
-                    .choices = "NONE|ERROR|WARN|INFO|DEBUG|TRACE", .nocase = 1},
+                    .choices = "NONE|ERROR|WARN|WARNING|INFO|DEBUG|TRACE", .nocase = 1},
     [FR_CFG_LOG_SUBSYS] = {"FERRY_LOG_SUBSYS", "ALL",
                            "Comma-separated subsystems to log: INIT, BOOT, "
                            "NET, PROXY, SHM, EP, SIG, ALL.",
@@ -239,9 +239,13 @@ int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err)
                   p < 0 ? "not a whole number; " : "", e->min, e->max, e->unit ? e->unit : "");
 }
 
-/* Is v (len bytes) one of e's choices? */
+/* Is v (len bytes, blanks around it ignored) one of e's choices? */
 static int fr_cfg_choice(const fr_cfg_entry_t *e, const char *v, size_t len)
 {
+    while (len && (*v == ' ' || *v == '\t'))
+        v++, len--;
+    while (len && (v[len - 1] == ' ' || v[len - 1] == '\t'))
+        len--;
     for (const char *c = e->choices; *c;) {
         size_t n = strcspn(c, "|");
         if (n == len && (e->nocase ? strncasecmp(c, v, n) : strncmp(c, v, n)) == 0)
@@ -261,9 +265,9 @@ static int fr_cfg_check_choices(const fr_cfg_entry_t *e, fr_err_t *err)
     if (e->nocase != 2) {
         ok = fr_cfg_choice(e, v, strlen(v));
     } else {
-        for (const char *t = v; ok;) {
+        for (const char *t = v; ok;) { /* empty items skipped */
             size_t n = strcspn(t, ",");
-            ok = fr_cfg_choice(e, t, n);
+            ok = strspn(t, " \t") >= n || fr_cfg_choice(e, t, n);
             if (!t[n])
                 break;
             t += n + 1;
@@ -281,6 +285,19 @@ static int fr_cfg_check_choices(const fr_cfg_entry_t *e, fr_err_t *err)
     }
     return FR_ERR(err, FERRY_ERR_INVALID, "%s=%s: must be %s%s", e->name, v,
                   e->nocase == 2 ? "a comma-separated list of " : "", alts);
+}
+
+int fr_cfg_check_time(fr_err_t *err)
+{
+    static const fr_cfg_id_t ids[] = {FR_CFG_TIMEOUT_MS, FR_CFG_BOOTSTRAP_TIMEOUT_MS,
+                                      FR_CFG_AUTH_MS};
+    for (size_t i = 0; i < sizeof(ids) / sizeof(ids[0]); i++) {
+        long x;
+        int rc = fr_cfg_long(ids[i], &x, err);
+        if (rc != FERRY_OK)
+            return rc;
+    }
+    return FERRY_OK;
 }
 
 int fr_cfg_check(fr_err_t *err)

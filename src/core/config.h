@@ -65,6 +65,9 @@ int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err);
 /* FERRY_OK when every ranged setting is within its range, else
  * FERRY_ERR_INVALID naming the first that is not. */
 int fr_cfg_check(fr_err_t *err);
+/* The time settings alone (FERRY_TIMEOUT_MS, FERRY_BOOTSTRAP_TIMEOUT_MS,
+ * FERRY_BOOTSTRAP_AUTH_MS): what must hold before any deadline. */
+int fr_cfg_check_time(fr_err_t *err);
 const char *fr_cfg_name(fr_cfg_id_t id);
 /* 1 for a setting whose value is never shown (ferry_settings, logs). */
 int fr_cfg_is_secret(fr_cfg_id_t id);

@@ -21,9 +21,14 @@ static void fr_log_setup(void)
                                   "INFO", "DEBUG", "TRACE"};
     const char *lv = fr_cfg_str(FR_CFG_LOG);
     int level = FR_LOG_WARNL;
+    while (*lv == ' ' || *lv == '\t')
+        lv++;
+    size_t lvn = strcspn(lv, " \t");
     for (int i = 0; i < 6; i++)
-        if (strcasecmp(lv, names[i]) == 0)
+        if (strncasecmp(lv, names[i], lvn) == 0 && names[i][lvn] == 0)
             level = i;
+    if (strncasecmp(lv, "WARNING", lvn) == 0 && lvn == 7)
+        level = FR_LOG_WARNL;
     const char *ss = fr_cfg_str(FR_CFG_LOG_SUBSYS);
     static const struct { const char *n; int bit; } subs[] = {
         {"INIT", FR_SUB_INIT}, {"BOOT", FR_SUB_BOOT}, {"NET", FR_SUB_NET},
@@ -33,8 +38,8 @@ static void fr_log_setup(void)
     char buf[256];
     snprintf(buf, sizeof(buf), "%s", ss);
     char *save = NULL;
-    for (char *tok = strtok_r(buf, ",", &save); tok;
-         tok = strtok_r(NULL, ",", &save))
+    for (char *tok = strtok_r(buf, ", \t", &save); tok;
+         tok = strtok_r(NULL, ", \t", &save))
         for (size_t i = 0; i < sizeof(subs) / sizeof(subs[0]); i++)
             if (strcasecmp(tok, subs[i].n) == 0)
                 mask |= subs[i].bit;

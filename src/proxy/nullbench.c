@@ -68,7 +68,8 @@ static int nb_setup(ferry_ep_t ep, int peers, uint64_t bytes, nb_gpu_t *gpu, int
     ep->N = N;
     ep->rank = 0;
     ep->nfabric = peers;
-    if ((rc = fr_cfg_long(FR_CFG_TIMEOUT_MS, &ep->timeout_ms, err)) != FERRY_OK)
+    if ((rc = fr_cfg_check(err)) != FERRY_OK || /* as a communicator would */
+        (rc = fr_cfg_long(FR_CFG_TIMEOUT_MS, &ep->timeout_ms, err)) != FERRY_OK)
         return rc;
     ep->spin = fr_cfg_int(FR_CFG_SPIN);
     ep->proxy_threads = (int)fr_cfg_int(FR_CFG_PROXY_THREADS);

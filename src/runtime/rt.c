@@ -39,7 +39,8 @@ long fr_proxy_idle_us(int gpu)
 {
     /* A GPU rings from a kernel: nobody wakes a sleeping proxy, so it only
      * yields between polls unless the setting says otherwise. */
-    if (gpu && !getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US)))
+    const char *v = getenv(fr_cfg_name(FR_CFG_PROXY_IDLE_US));
+    if (gpu && !(v && *v))
         return 0;
     return fr_cfg_int(FR_CFG_PROXY_IDLE_US);
 }
@@ -52,7 +53,7 @@ void fr_proxy_idle(uint64_t *idle, long idle_us)
     if (i < 2000 || idle_us <= 0) {
         sched_yield();
     } else {
-        struct timespec ts = {0, idle_us * 1000};
+        struct timespec ts = {idle_us / 1000000, (idle_us % 1000000) * 1000};
         nanosleep(&ts, NULL);
     }
 }

@@ -13,6 +13,10 @@ int fr_nics_open(fr_nics_t *x, fr_boot_t *boot, const char *name, long want,
     return fr_nics_open_eps(x, boot, name, want, 0, flags, err);
 }
 
+/* the settings' ranges (src/core/config.c) name these limits */
+_Static_assert(FR_MAX_NIC_IFACES == 2, "FERRY_NICS_PER_RANK's range is 0..2 in core/config.c");
+_Static_assert(FR_MAX_NICS == 8, "FERRY_PROXY_THREADS's range is 1..8 in core/config.c");
+
 int fr_nics_open_eps(fr_nics_t *x, fr_boot_t *boot, const char *name, long want, int rails,
                      int flags, fr_err_t *err)
 {
