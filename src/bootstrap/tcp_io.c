@@ -50,11 +50,9 @@ int fr_boot_free_port(int *port)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
     int e = 0;
-    for (int i = 0; i <= 64; i++) {
+    for (int i = lo > 12000 ? 0 : 64; i <= 64; i++) { /* the last: port 0 */
         int p = 0;
         if (i < 64) {
-            if (lo <= 12000)
-                continue;
             seed = seed * 1103515245u + 12345u;
             p = 10000 + (int)((seed >> 8) % (unsigned)(lo - 10000));
         }

@@ -239,20 +239,28 @@ int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err)
                   p < 0 ? "not a whole number; " : "", e->min, e->max, e->unit ? e->unit : "");
 }
 
-/* Is v (len bytes, blanks around it ignored) one of e's choices? */
+/* Which of e's choices v is (len bytes, blanks around it ignored): its
+ * index, or -1. */
 static int fr_cfg_choice(const fr_cfg_entry_t *e, const char *v, size_t len)
 {
     while (len && (*v == ' ' || *v == '\t'))
         v++, len--;
     while (len && (v[len - 1] == ' ' || v[len - 1] == '\t'))
         len--;
-    for (const char *c = e->choices; *c;) {
+    int i = 0;
+    for (const char *c = e->choices; *c; i++) {
         size_t n = strcspn(c, "|");
         if (n == len && (e->nocase ? strncasecmp(c, v, n) : strncmp(c, v, n)) == 0)
-            return 1;
+            return i;
         c += n + (c[n] == '|');
     }
-    return 0;
+    return -1;
+}
+
+int fr_cfg_choice_index(fr_cfg_id_t id)
+{
+    const char *v = fr_cfg_str(id);
+    return fr_cfg_table[id].choices ? fr_cfg_choice(&fr_cfg_table[id], v, strlen(v)) : -1;
 }
 
 /* e's value is among its choices, or, for a list, each of its items. */
@@ -263,11 +271,11 @@ static int fr_cfg_check_choices(const fr_cfg_entry_t *e, fr_err_t *err)
         return FERRY_OK; /* the default */
     int ok = 1;
     if (e->nocase != 2) {
-        ok = fr_cfg_choice(e, v, strlen(v));
+        ok = fr_cfg_choice(e, v, strlen(v)) >= 0;
     } else {
         for (const char *t = v; ok;) { /* empty items skipped */
             size_t n = strcspn(t, ",");
-            ok = strspn(t, " \t") >= n || fr_cfg_choice(e, t, n);
+            ok = strspn(t, " \t") >= n || fr_cfg_choice(e, t, n) >= 0;
             if (!t[n])
                 break;
             t += n + 1;

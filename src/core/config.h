@@ -62,9 +62,14 @@ long fr_cfg_int(fr_cfg_id_t id);
  * range when it is not a whole number or, for a ranged setting, outside
  * the range (*out then holds the clamped value fr_cfg_int returns). */
 int fr_cfg_long(fr_cfg_id_t id, long *out, fr_err_t *err);
-/* FERRY_OK when every ranged setting is within its range, else
- * FERRY_ERR_INVALID naming the first that is not. */
+/* FERRY_OK when every ranged setting is within its range and every word
+ * setting among its values, else FERRY_ERR_INVALID naming the first that
+ * is not. */
 int fr_cfg_check(fr_err_t *err);
+/* A word setting's value (its default when unset or empty) as its index
+ * among the values the table lists for it (any case where the table says
+ * so, blanks around it ignored), or -1. */
+int fr_cfg_choice_index(fr_cfg_id_t id);
 /* The time settings alone (FERRY_TIMEOUT_MS, FERRY_BOOTSTRAP_TIMEOUT_MS,
  * FERRY_BOOTSTRAP_AUTH_MS): what must hold before any deadline. */
 int fr_cfg_check_time(fr_err_t *err);

@@ -17,18 +17,14 @@ static pthread_once_t fr_log_once = PTHREAD_ONCE_INIT;
 
 static void fr_log_setup(void)
 {
-    static const char *names[] = {"NONE", "ERROR", "WARN",
-                                  "INFO", "DEBUG", "TRACE"};
-    const char *lv = fr_cfg_str(FR_CFG_LOG);
-    int level = FR_LOG_WARNL;
-    while (*lv == ' ' || *lv == '\t')
-        lv++;
-    size_t lvn = strcspn(lv, " \t");
-    for (int i = 0; i < 6; i++)
-        if (strncasecmp(lv, names[i], lvn) == 0 && names[i][lvn] == 0)
-            level = i;
-    if (strncasecmp(lv, "WARNING", lvn) == 0 && lvn == 7)
-        level = FR_LOG_WARNL;
+    /* the level of each of FERRY_LOG's values, in config.c's order: NONE,
+     * ERROR, WARN, WARNING, INFO, DEBUG, TRACE (another value: refused by
+     * the settings check, WARN here) */
+    static const int levels[] = {FR_LOG_NONE, FR_LOG_ERROR, FR_LOG_WARNL, FR_LOG_WARNL,
+                                 FR_LOG_INFO, FR_LOG_DEBUG, FR_LOG_TRACE};
+    int li = fr_cfg_choice_index(FR_CFG_LOG);
+    int level = li >= 0 && li < (int)(sizeof(levels) / sizeof(levels[0])) ? levels[li]
+                                                                          : FR_LOG_WARNL;
     const char *ss = fr_cfg_str(FR_CFG_LOG_SUBSYS);
     static const struct { const char *n; int bit; } subs[] = {
         {"INIT", FR_SUB_INIT}, {"BOOT", FR_SUB_BOOT}, {"NET", FR_SUB_NET},

@@ -222,12 +222,12 @@ void fr_ht_put_row(const fr_ht_call_t *c, const ferry_ht_dispatch_out_t *out, in
  * naming the peer when no correct peer could have written it. */
 int fr_ht_ring_check(const fr_ht_call_t *c, const char *what, int peer, int tail, uint64_t v,
                      uint64_t mine);
-/* A row from rank d, or (node >= 0) the summed row of node `node`. */
 /* The combine's scratch (engine.c): the fp32 accumulator [T][H], zeroed,
  * with the weights output cleared, and a row after it (*row); with
  * FERRY_HT_SUM_SLOTS the rows' store and its zeroed flags (*on). */
 float *fr_ht_acc(ferry_ep_t ep, int T, const ferry_ht_combine_out_t *out, float **row);
 uint16_t *fr_ht_stash(ferry_ep_t ep, int T, uint8_t **on);
+/* A row from rank d, or (node >= 0) the summed row of node `node`. */
 void fr_ht_accumulate(fr_ht_call_t *c, const ferry_ht_combine_out_t *out, float *acc, int t,
                       int d, int node, const uint16_t *y, const float *w);
 

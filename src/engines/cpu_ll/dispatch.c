@@ -112,13 +112,17 @@ static int fr_publish_dest(ferry_ep_t ep, fr_round_t *r, int d, int set, int bad
     const fr_layout_t *L = &ep->L;
     fr_slice_hdr_t *h = (fr_slice_hdr_t *)fr_dslice_dst(ep, set, d);
     memset(h, 0, sizeof(*h));
-    h->magic = bad >= 0 ? FR_SLICE_BAD : FR_SLICE_MAGIC;
     h->sender = (uint32_t)ep->rank;
     h->epoch = r->epoch;
-    h->reserved[0] = bad >= 0 ? (uint32_t)bad : 0;
-    h->count = bad >= 0 ? 0 : (uint32_t)c->cnt_rank[d];
-    h->npairs = bad >= 0 ? 0 : (uint32_t)c->pairs_rank[d];
-    h->comb_off = bad >= 0 ? 0 : fr_cpu_round(ep, r)->send_off[d];
+    if (bad >= 0) {
+        h->magic = FR_SLICE_BAD;
+        h->reserved[0] = (uint32_t)bad;
+    } else {
+        h->magic = FR_SLICE_MAGIC;
+        h->count = (uint32_t)c->cnt_rank[d];
+        h->npairs = (uint32_t)c->pairs_rank[d];
+        h->comb_off = fr_cpu_round(ep, r)->send_off[d];
+    }
     if (ep->path[d] != FR_PATH_FABRIC) {
         __atomic_store_n(fr_flag_ptr(L, ep->peer_seg[d], FR_PH_DISPATCH, set, ep->rank),
                          r->epoch, __ATOMIC_RELEASE);
@@ -172,7 +176,6 @@ int fr_cpu_dispatch_send(ferry_ep_t ep, fr_round_t *r,
     }
 
     /* Token bytes and scales: as given, or quantised here. */
-
     const uint8_t *tok = (const uint8_t *)in->x;
     const float *scales = in->x_scales;
     if (L->fp8 && !in->x_scales && T > 0) {
@@ -248,12 +251,6 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
     int32_t *efill = c->expert_fill;
     memset(efill, 0, sizeof(int32_t) * (size_t)L->El);
     uint8_t *ex = (uint8_t *)out->expert_x;
-    /* Check every slice, and give each sender its run of pairs in the row
-     * map (by sender, record, k; combine_send walks it per sender). The
-     * slices stay writable by their senders: the headers are used as
-     * checked (fr_slice_check_hdr's copy), and what the placing loop reads
-     * from the records again is bounded again there, so a slice rewritten
-     * after its check is a protocol error, never a write past a buffer. */
     /* a rank whose topk_idx was bad (the lowest): nobody runs the round */
     for (int s = 0; s < N; s++) {
         const volatile fr_slice_hdr_t *vh =
@@ -270,6 +267,12 @@ int fr_cpu_dispatch_recv(ferry_ep_t ep, fr_round_t *r,
                           (unsigned long long)r->epoch, s, at / (uint32_t)L->K,
                           at % (uint32_t)L->K);
     }
+    /* Check every slice, and give each sender its run of pairs in the row
+     * map (by sender, record, k; combine_send walks it per sender). The
+     * slices stay writable by their senders: the headers are used as
+     * checked (fr_slice_check_hdr's copy), and what the placing loop reads
+     * from the records again is bounded again there, so a slice rewritten
+     * after its check is a protocol error, never a write past a buffer. */
     uint32_t np = 0, *cnt = c->rcount;
     for (int s = 0; s < N; s++) {
         const uint8_t *slice = ep->seg + fr_off_drecv(L, set, s);
